@@ -1,0 +1,143 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from fleet._proto.fleet.v1 import types_pb2 as _types_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Capabilities(_message.Message):
+    __slots__ = ("runtime", "isolation", "cpus", "memory_mib", "cuda_devices", "slots", "runtime_reason", "device")
+    RUNTIME_FIELD_NUMBER: _ClassVar[int]
+    ISOLATION_FIELD_NUMBER: _ClassVar[int]
+    CPUS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
+    CUDA_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_REASON_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    runtime: _types_pb2.RuntimeKind
+    isolation: _types_pb2.Isolation
+    cpus: int
+    memory_mib: int
+    cuda_devices: int
+    slots: int
+    runtime_reason: str
+    device: str
+    def __init__(self, runtime: _Optional[_Union[_types_pb2.RuntimeKind, str]] = ..., isolation: _Optional[_Union[_types_pb2.Isolation, str]] = ..., cpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., cuda_devices: _Optional[int] = ..., slots: _Optional[int] = ..., runtime_reason: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+
+class RegisterHostRequest(_message.Message):
+    __slots__ = ("request_id", "host_id", "host_class", "capabilities")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_CLASS_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    host_id: str
+    host_class: _types_pb2.HostClass
+    capabilities: Capabilities
+    def __init__(self, request_id: _Optional[str] = ..., host_id: _Optional[str] = ..., host_class: _Optional[_Union[_types_pb2.HostClass, str]] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ...) -> None: ...
+
+class RegisterHostResponse(_message.Message):
+    __slots__ = ("host_id", "lease_ttl_s", "heartbeat_interval_s")
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    host_id: str
+    lease_ttl_s: float
+    heartbeat_interval_s: float
+    def __init__(self, host_id: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+
+class LeaseRef(_message.Message):
+    __slots__ = ("work_id", "fencing_token")
+    WORK_ID_FIELD_NUMBER: _ClassVar[int]
+    FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    work_id: str
+    fencing_token: int
+    def __init__(self, work_id: _Optional[str] = ..., fencing_token: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("request_id", "host_id", "leases")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    host_id: str
+    leases: _containers.RepeatedCompositeFieldContainer[LeaseRef]
+    def __init__(self, request_id: _Optional[str] = ..., host_id: _Optional[str] = ..., leases: _Optional[_Iterable[_Union[LeaseRef, _Mapping]]] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("renewed", "stop_work_ids", "lease_expires_at")
+    RENEWED_FIELD_NUMBER: _ClassVar[int]
+    STOP_WORK_IDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    renewed: _containers.RepeatedCompositeFieldContainer[LeaseRef]
+    stop_work_ids: _containers.RepeatedScalarFieldContainer[str]
+    lease_expires_at: _timestamp_pb2.Timestamp
+    def __init__(self, renewed: _Optional[_Iterable[_Union[LeaseRef, _Mapping]]] = ..., stop_work_ids: _Optional[_Iterable[str]] = ..., lease_expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class ClaimWorkRequest(_message.Message):
+    __slots__ = ("request_id", "host_id", "max_items", "wait_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    host_id: str
+    max_items: int
+    wait_s: float
+    def __init__(self, request_id: _Optional[str] = ..., host_id: _Optional[str] = ..., max_items: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class WorkAssignment(_message.Message):
+    __slots__ = ("work_id", "rollout_id", "attempt", "fencing_token", "lease_expires_at", "manifest")
+    WORK_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    work_id: str
+    rollout_id: str
+    attempt: int
+    fencing_token: int
+    lease_expires_at: _timestamp_pb2.Timestamp
+    manifest: _types_pb2.Manifest
+    def __init__(self, work_id: _Optional[str] = ..., rollout_id: _Optional[str] = ..., attempt: _Optional[int] = ..., fencing_token: _Optional[int] = ..., lease_expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., manifest: _Optional[_Union[_types_pb2.Manifest, _Mapping]] = ...) -> None: ...
+
+class ClaimWorkResponse(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[WorkAssignment]
+    def __init__(self, items: _Optional[_Iterable[_Union[WorkAssignment, _Mapping]]] = ...) -> None: ...
+
+class CompleteWorkRequest(_message.Message):
+    __slots__ = ("request_id", "host_id", "work_id", "fencing_token", "outcome", "results", "error", "runtime", "device")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    WORK_ID_FIELD_NUMBER: _ClassVar[int]
+    FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    host_id: str
+    work_id: str
+    fencing_token: int
+    outcome: _types_pb2.Outcome
+    results: _containers.RepeatedCompositeFieldContainer[_types_pb2.StepResult]
+    error: str
+    runtime: _types_pb2.RuntimeKind
+    device: str
+    def __init__(self, request_id: _Optional[str] = ..., host_id: _Optional[str] = ..., work_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., outcome: _Optional[_Union[_types_pb2.Outcome, str]] = ..., results: _Optional[_Iterable[_Union[_types_pb2.StepResult, _Mapping]]] = ..., error: _Optional[str] = ..., runtime: _Optional[_Union[_types_pb2.RuntimeKind, str]] = ..., device: _Optional[str] = ...) -> None: ...
+
+class CompleteWorkResponse(_message.Message):
+    __slots__ = ("state",)
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    state: _types_pb2.RolloutState
+    def __init__(self, state: _Optional[_Union[_types_pb2.RolloutState, str]] = ...) -> None: ...

@@ -1,0 +1,234 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class HostClass(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    HOST_CLASS_UNSPECIFIED: _ClassVar[HostClass]
+    HOST_CLASS_GPU: _ClassVar[HostClass]
+    HOST_CLASS_CPU: _ClassVar[HostClass]
+
+class Isolation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ISOLATION_UNSPECIFIED: _ClassVar[Isolation]
+    ISOLATION_NAMESPACE: _ClassVar[Isolation]
+    ISOLATION_VM: _ClassVar[Isolation]
+
+class RuntimeKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RUNTIME_KIND_UNSPECIFIED: _ClassVar[RuntimeKind]
+    RUNTIME_KIND_SMOL: _ClassVar[RuntimeKind]
+    RUNTIME_KIND_NAMESPACE: _ClassVar[RuntimeKind]
+
+class RolloutState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROLLOUT_STATE_UNSPECIFIED: _ClassVar[RolloutState]
+    ROLLOUT_STATE_QUEUED: _ClassVar[RolloutState]
+    ROLLOUT_STATE_RUNNING: _ClassVar[RolloutState]
+    ROLLOUT_STATE_SUCCEEDED: _ClassVar[RolloutState]
+    ROLLOUT_STATE_FAILED: _ClassVar[RolloutState]
+    ROLLOUT_STATE_CANCELLED: _ClassVar[RolloutState]
+
+class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OUTCOME_UNSPECIFIED: _ClassVar[Outcome]
+    OUTCOME_SUCCEEDED: _ClassVar[Outcome]
+    OUTCOME_STEP_FAILED: _ClassVar[Outcome]
+    OUTCOME_TRANSIENT_ERROR: _ClassVar[Outcome]
+    OUTCOME_CANCELLED: _ClassVar[Outcome]
+HOST_CLASS_UNSPECIFIED: HostClass
+HOST_CLASS_GPU: HostClass
+HOST_CLASS_CPU: HostClass
+ISOLATION_UNSPECIFIED: Isolation
+ISOLATION_NAMESPACE: Isolation
+ISOLATION_VM: Isolation
+RUNTIME_KIND_UNSPECIFIED: RuntimeKind
+RUNTIME_KIND_SMOL: RuntimeKind
+RUNTIME_KIND_NAMESPACE: RuntimeKind
+ROLLOUT_STATE_UNSPECIFIED: RolloutState
+ROLLOUT_STATE_QUEUED: RolloutState
+ROLLOUT_STATE_RUNNING: RolloutState
+ROLLOUT_STATE_SUCCEEDED: RolloutState
+ROLLOUT_STATE_FAILED: RolloutState
+ROLLOUT_STATE_CANCELLED: RolloutState
+OUTCOME_UNSPECIFIED: Outcome
+OUTCOME_SUCCEEDED: Outcome
+OUTCOME_STEP_FAILED: Outcome
+OUTCOME_TRANSIENT_ERROR: Outcome
+OUTCOME_CANCELLED: Outcome
+
+class Step(_message.Message):
+    __slots__ = ("argv", "env", "workdir", "timeout_s", "name")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ARGV_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    WORKDIR_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    argv: _containers.RepeatedScalarFieldContainer[str]
+    env: _containers.ScalarMap[str, str]
+    workdir: str
+    timeout_s: float
+    name: str
+    def __init__(self, argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., workdir: _Optional[str] = ..., timeout_s: _Optional[float] = ..., name: _Optional[str] = ...) -> None: ...
+
+class RetryPolicy(_message.Message):
+    __slots__ = ("max_attempts", "initial_backoff_s", "max_backoff_s")
+    MAX_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    INITIAL_BACKOFF_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_BACKOFF_S_FIELD_NUMBER: _ClassVar[int]
+    max_attempts: int
+    initial_backoff_s: float
+    max_backoff_s: float
+    def __init__(self, max_attempts: _Optional[int] = ..., initial_backoff_s: _Optional[float] = ..., max_backoff_s: _Optional[float] = ...) -> None: ...
+
+class Versions(_message.Message):
+    __slots__ = ("policy", "environment", "evaluator")
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
+    EVALUATOR_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    environment: str
+    evaluator: str
+    def __init__(self, policy: _Optional[str] = ..., environment: _Optional[str] = ..., evaluator: _Optional[str] = ...) -> None: ...
+
+class Requirements(_message.Message):
+    __slots__ = ("isolation", "cuda_device")
+    ISOLATION_FIELD_NUMBER: _ClassVar[int]
+    CUDA_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    isolation: Isolation
+    cuda_device: bool
+    def __init__(self, isolation: _Optional[_Union[Isolation, str]] = ..., cuda_device: _Optional[bool] = ...) -> None: ...
+
+class Manifest(_message.Message):
+    __slots__ = ("digest", "smolfile", "smolfile_name", "smolfile_digest", "image_ref", "image_digest", "steps", "deadline", "retry", "versions", "requirements", "host_class")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SMOLFILE_FIELD_NUMBER: _ClassVar[int]
+    SMOLFILE_NAME_FIELD_NUMBER: _ClassVar[int]
+    SMOLFILE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_REF_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    RETRY_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    REQUIREMENTS_FIELD_NUMBER: _ClassVar[int]
+    HOST_CLASS_FIELD_NUMBER: _ClassVar[int]
+    digest: str
+    smolfile: str
+    smolfile_name: str
+    smolfile_digest: str
+    image_ref: str
+    image_digest: str
+    steps: _containers.RepeatedCompositeFieldContainer[Step]
+    deadline: _timestamp_pb2.Timestamp
+    retry: RetryPolicy
+    versions: Versions
+    requirements: Requirements
+    host_class: HostClass
+    def __init__(self, digest: _Optional[str] = ..., smolfile: _Optional[str] = ..., smolfile_name: _Optional[str] = ..., smolfile_digest: _Optional[str] = ..., image_ref: _Optional[str] = ..., image_digest: _Optional[str] = ..., steps: _Optional[_Iterable[_Union[Step, _Mapping]]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., retry: _Optional[_Union[RetryPolicy, _Mapping]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., requirements: _Optional[_Union[Requirements, _Mapping]] = ..., host_class: _Optional[_Union[HostClass, str]] = ...) -> None: ...
+
+class StepResult(_message.Message):
+    __slots__ = ("index", "name", "exit_code", "timed_out", "duration_s", "stdout", "stderr", "stdout_truncated", "stderr_truncated", "stdout_digest", "stderr_digest")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    TIMED_OUT_FIELD_NUMBER: _ClassVar[int]
+    DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    STDOUT_FIELD_NUMBER: _ClassVar[int]
+    STDERR_FIELD_NUMBER: _ClassVar[int]
+    STDOUT_TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    STDERR_TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    STDOUT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    STDERR_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    name: str
+    exit_code: int
+    timed_out: bool
+    duration_s: float
+    stdout: bytes
+    stderr: bytes
+    stdout_truncated: bool
+    stderr_truncated: bool
+    stdout_digest: str
+    stderr_digest: str
+    def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., exit_code: _Optional[int] = ..., timed_out: _Optional[bool] = ..., duration_s: _Optional[float] = ..., stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., stdout_truncated: _Optional[bool] = ..., stderr_truncated: _Optional[bool] = ..., stdout_digest: _Optional[str] = ..., stderr_digest: _Optional[str] = ...) -> None: ...
+
+class Rollout(_message.Message):
+    __slots__ = ("id", "state", "tenant", "idempotency_key", "labels", "manifest", "host_class", "attempts", "results", "error", "host_id", "runtime", "device", "created_at", "started_at", "finished_at")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    HOST_CLASS_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    state: RolloutState
+    tenant: str
+    idempotency_key: str
+    labels: _containers.ScalarMap[str, str]
+    manifest: Manifest
+    host_class: HostClass
+    attempts: int
+    results: _containers.RepeatedCompositeFieldContainer[StepResult]
+    error: str
+    host_id: str
+    runtime: RuntimeKind
+    device: str
+    created_at: _timestamp_pb2.Timestamp
+    started_at: _timestamp_pb2.Timestamp
+    finished_at: _timestamp_pb2.Timestamp
+    def __init__(self, id: _Optional[str] = ..., state: _Optional[_Union[RolloutState, str]] = ..., tenant: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., host_class: _Optional[_Union[HostClass, str]] = ..., attempts: _Optional[int] = ..., results: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., error: _Optional[str] = ..., host_id: _Optional[str] = ..., runtime: _Optional[_Union[RuntimeKind, str]] = ..., device: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class RolloutEvent(_message.Message):
+    __slots__ = ("sequence", "rollout_id", "kind", "from_state", "to_state", "actor", "at", "message", "attempt")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    FROM_STATE_FIELD_NUMBER: _ClassVar[int]
+    TO_STATE_FIELD_NUMBER: _ClassVar[int]
+    ACTOR_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    rollout_id: str
+    kind: str
+    from_state: RolloutState
+    to_state: RolloutState
+    actor: str
+    at: _timestamp_pb2.Timestamp
+    message: str
+    attempt: int
+    def __init__(self, sequence: _Optional[int] = ..., rollout_id: _Optional[str] = ..., kind: _Optional[str] = ..., from_state: _Optional[_Union[RolloutState, str]] = ..., to_state: _Optional[_Union[RolloutState, str]] = ..., actor: _Optional[str] = ..., at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., message: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...

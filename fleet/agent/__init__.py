@@ -1,0 +1,1 @@
+"""The host agent: capabilities, claim loop, heartbeats, machine lifecycle."""

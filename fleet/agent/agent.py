@@ -1,0 +1,331 @@
+"""The host agent: registers, heartbeats, claims leased work, runs it in machines, completes it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import grpc
+import structlog
+
+from fleet._proto.fleet.v1 import host_pb2, host_pb2_grpc
+from fleet.agent.capabilities import RuntimeChoice, capabilities, make_runtime
+from fleet.core.errors import FleetError
+from fleet.core.lifecycle import Outcome
+from fleet.core.placement import HostCapabilities, HostClass
+from fleet.core.rollout import Assignment, Completion, StepResult
+from fleet.image.store import ImageStore
+from fleet.runtime.base import Machine, MachineSpec, Runtime, resolve_secrets
+from fleet.server import convert
+
+log = structlog.get_logger(__name__)
+
+INIT_TIMEOUT_S = 300.0
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+@dataclass
+class AgentConfig:
+    """One agent's settings."""
+
+    server: str
+    """host:port of a fleet server."""
+    host_id: str
+    """Stable name of this host in the fleet."""
+    host_class: HostClass
+    runtime: RuntimeChoice
+    """The runtime preflight chose, and why."""
+    machines_dir: Path
+    images: ImageStore
+    slots: int = 2
+    """Work items run at once."""
+    claim_wait_s: float = 5.0
+    """Long-poll wait per ClaimWork call."""
+
+
+@dataclass
+class _Running:
+    assignment: Assignment
+    task: asyncio.Task[None] | None = None
+    stop_reason: str = ""
+    results: list[StepResult] = field(default_factory=list)
+
+
+class Agent:
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.runtime: Runtime = make_runtime(config.runtime, config.machines_dir)
+        self.caps: HostCapabilities = capabilities(
+            config.host_id, config.host_class, config.runtime, config.slots
+        )
+        self.log = log.bind(host_id=config.host_id, host_class=config.host_class.value)
+        self._running: dict[str, _Running] = {}
+        self._slot_freed = asyncio.Event()
+        self._heartbeat_s = 3.0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Serves until `stop` is set; running work is finished first."""
+        async with grpc.aio.insecure_channel(self.config.server) as channel:
+            stub = host_pb2_grpc.HostServiceStub(channel)
+            await self._register(stub, stop)
+            beat = asyncio.create_task(self._heartbeats(stub, stop))
+            try:
+                await self._claim_loop(stub, stop)
+                tasks = [r.task for r in self._running.values() if r.task]
+                if tasks:
+                    await asyncio.gather(*tasks, return_exceptions=True)
+            finally:
+                beat.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await beat
+
+    async def _register(self, stub: host_pb2_grpc.HostServiceStub, stop: asyncio.Event) -> None:
+        request = host_pb2.RegisterHostRequest(
+            request_id=uuid.uuid4().hex,
+            host_id=self.caps.host_id,
+            host_class=convert.HOST_CLASS_TO_PB[self.caps.host_class],
+            capabilities=convert.capabilities_to_pb(self.caps),
+        )
+        delay = 0.1
+        while True:
+            try:
+                reply = await stub.RegisterHost(request, timeout=10)
+                break
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in RETRYABLE or stop.is_set():
+                    raise
+                self.log.info("server_unreachable", retry_in_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+        self._heartbeat_s = reply.heartbeat_interval_s or 3.0
+        self.log.info(
+            "agent_registered",
+            runtime=self.caps.runtime,
+            isolation=self.caps.isolation,
+            reason=self.caps.runtime_reason,
+            device=self.caps.device,
+            slots=self.caps.slots,
+        )
+
+    async def _heartbeats(self, stub: host_pb2_grpc.HostServiceStub, stop: asyncio.Event) -> None:
+        while True:
+            leases = [
+                host_pb2.LeaseRef(work_id=w, fencing_token=r.assignment.fencing_token)
+                for w, r in self._running.items()
+            ]
+            try:
+                reply = await stub.Heartbeat(
+                    host_pb2.HeartbeatRequest(
+                        request_id=uuid.uuid4().hex, host_id=self.caps.host_id, leases=leases
+                    ),
+                    timeout=10,
+                )
+                for work_id in reply.stop_work_ids:
+                    self._stop(work_id, "the server asked to stop it (cancelled or deadline)")
+            except grpc.aio.AioRpcError as exc:
+                self.log.warning("heartbeat_failed", code=exc.code().name, error=exc.details())
+            await asyncio.sleep(self._heartbeat_s)
+
+    def _stop(self, work_id: str, reason: str) -> None:
+        running = self._running.get(work_id)
+        if running and running.task and not running.stop_reason:
+            running.stop_reason = reason
+            running.task.cancel()
+            self.log.info("work_stopping", work_id=work_id, reason=reason)
+
+    async def _claim_loop(self, stub: host_pb2_grpc.HostServiceStub, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            free = self.config.slots - len(self._running)
+            if free <= 0:
+                self._slot_freed.clear()
+                waiter = asyncio.create_task(self._slot_freed.wait())
+                stopper = asyncio.create_task(stop.wait())
+                await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                stopper.cancel()
+                continue
+            try:
+                claim = asyncio.ensure_future(
+                    stub.ClaimWork(
+                        host_pb2.ClaimWorkRequest(
+                            request_id=uuid.uuid4().hex,
+                            host_id=self.caps.host_id,
+                            max_items=free,
+                            wait_s=self.config.claim_wait_s,
+                        ),
+                        timeout=self.config.claim_wait_s + 10,
+                    )
+                )
+                stopper = asyncio.create_task(stop.wait())
+                done, _ = await asyncio.wait({claim, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                stopper.cancel()
+                if claim not in done:
+                    claim.cancel()
+                    break
+                reply = claim.result()
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    await self._register(stub, stop)  # the server forgot us (a new ledger)
+                    continue
+                self.log.warning("claim_failed", code=exc.code().name, error=exc.details())
+                await asyncio.sleep(1.0)
+                continue
+            for item in reply.items:
+                assignment = convert.assignment_from_pb(item)
+                running = _Running(assignment)
+                self._running[assignment.work_id] = running
+                running.task = asyncio.create_task(self._serve(stub, running))
+
+    async def _serve(self, stub: host_pb2_grpc.HostServiceStub, running: _Running) -> None:
+        a = running.assignment
+        log_ = self.log.bind(rollout_id=a.rollout_id, work_id=a.work_id, attempt=a.attempt)
+        try:
+            completion = await self._execute(running, log_)
+        finally:
+            self._running.pop(a.work_id, None)
+            self._slot_freed.set()
+        await self._complete(stub, completion, log_)
+
+    def _device(self, assignment: Assignment) -> str:
+        if assignment.manifest.host_class == HostClass.GPU:
+            return self.caps.device if self.caps.cuda_devices else "cpu (no CUDA device here)"
+        return "cpu"
+
+    async def _execute(self, running: _Running, log_: structlog.BoundLogger) -> Completion:
+        a = running.assignment
+        runtime_name, device = self.caps.runtime.value, self._device(a)
+
+        def report(outcome: Outcome, error: str = "") -> Completion:
+            return Completion(
+                work_id=a.work_id,
+                fencing_token=a.fencing_token,
+                outcome=outcome,
+                results=tuple(running.results),
+                error=error,
+                runtime=runtime_name,
+                device=device,
+            )
+
+        machine: Machine | None = None
+        try:
+            parsed = a.manifest.parsed_smolfile()
+            rootfs = await asyncio.to_thread(self.config.images.rootfs, a.manifest.image_digest)
+            spec = MachineSpec(
+                name=f"fleet-{a.rollout_id}-a{a.attempt}",
+                smolfile=parsed.spec,
+                image_digest=a.manifest.image_digest,
+                rootfs=rootfs,
+                labels={
+                    "fleet": "1",
+                    "host": self.caps.host_id,
+                    "rollout": a.rollout_id,
+                    "attempt": str(a.attempt),
+                },
+                secrets=resolve_secrets(parsed.spec),
+            )
+            machine = await self.runtime.create(spec)
+            extra_env = {
+                "FLEET_ROLLOUT_ID": a.rollout_id,
+                "FLEET_ATTEMPT": str(a.attempt),
+                "FLEET_DEVICE": device,
+            }
+            for command in parsed.spec.init:
+                init = await machine.exec(
+                    ["/bin/sh", "-c", command], env=extra_env, timeout_s=INIT_TIMEOUT_S
+                )
+                if init.exit_code != 0:
+                    return report(
+                        Outcome.STEP_FAILED,
+                        f"init command {command!r} exited {init.exit_code}: "
+                        f"{init.stderr.decode(errors='replace')[-500:]}",
+                    )
+            for index, step in enumerate(a.manifest.steps):
+                left = a.manifest.deadline.timestamp() - time.time()
+                if left <= 0:
+                    return report(Outcome.CANCELLED, "the rollout's deadline passed")
+                timeout = min(step.timeout_s, left)
+                result = await machine.exec(
+                    list(step.argv),
+                    env={**extra_env, **step.env},
+                    workdir=step.workdir,
+                    timeout_s=timeout,
+                )
+                running.results.append(
+                    StepResult(
+                        index=index,
+                        name=step.name,
+                        exit_code=result.exit_code,
+                        timed_out=result.timed_out,
+                        duration_s=result.duration_s,
+                        stdout=result.stdout,
+                        stderr=result.stderr,
+                        stdout_truncated=result.stdout_truncated,
+                        stderr_truncated=result.stderr_truncated,
+                    )
+                )
+                log_.info(
+                    "step_finished",
+                    step=index,
+                    exit_code=result.exit_code,
+                    timed_out=result.timed_out,
+                    seconds=round(result.duration_s, 3),
+                )
+                if result.timed_out:
+                    why = "deadline" if timeout < step.timeout_s else f"{step.timeout_s:g}s timeout"
+                    return report(Outcome.STEP_FAILED, f"step {index} ({step.name}) hit its {why}")
+                if result.exit_code != 0:
+                    return report(
+                        Outcome.STEP_FAILED, f"step {index} ({step.name}) exited {result.exit_code}"
+                    )
+            return report(Outcome.SUCCEEDED)
+        except asyncio.CancelledError:
+            return report(Outcome.CANCELLED, running.stop_reason or "agent stopped")
+        except FleetError as exc:
+            log_.warning("attempt_error", code=exc.code, error=exc.message)
+            return report(Outcome.TRANSIENT_ERROR, f"{exc.code}: {exc.message}")
+        except Exception as exc:
+            log_.exception("attempt_crashed")
+            return report(Outcome.TRANSIENT_ERROR, f"agent error: {exc!r}")
+        finally:
+            if machine is not None:
+                try:
+                    await asyncio.shield(machine.delete())
+                except Exception:
+                    log_.exception("machine_delete_failed", machine=machine.name)
+
+    async def _complete(
+        self,
+        stub: host_pb2_grpc.HostServiceStub,
+        completion: Completion,
+        log_: structlog.BoundLogger,
+    ) -> None:
+        request = convert.completion_to_pb(self.caps.host_id, completion, uuid.uuid4().hex)
+        delay = 0.2
+        # A completion is idempotent under its fencing token, so resending is safe.
+        for _ in range(30):
+            try:
+                await stub.CompleteWork(request, timeout=10)
+                log_.info("work_reported", outcome=completion.outcome)
+                return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in RETRYABLE:
+                    log_.warning("completion_refused", code=exc.code().name, error=exc.details())
+                    return
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        log_.error("completion_undelivered", note="the lease will expire and the work rerun")
+
+
+def default_host_id(host_class: HostClass, index: int = 0) -> str:
+    import socket
+
+    return f"{socket.gethostname()}-{host_class.value}-{index}"
+
+
+def now_utc() -> datetime:
+    return datetime.now(UTC)

@@ -1,0 +1,1 @@
+"""The `fleet` command line: the presentation layer (it writes to the terminal on purpose)."""

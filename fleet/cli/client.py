@@ -1,0 +1,107 @@
+"""Building submissions from files and flags, and talking to a server, for the CLI."""
+
+from __future__ import annotations
+
+import shlex
+import tomllib
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from fleet._proto.fleet.v1 import fleet_pb2, types_pb2
+from fleet.core.errors import InvalidArgument
+from fleet.core.smolfile import load_smolfile
+
+PLAN_KEYS = {"argv", "env", "workdir", "timeout_s", "name"}
+
+
+def load_plan(path: str) -> list[types_pb2.Step]:
+    """A plan file: TOML with [[steps]] tables (argv, env, workdir, timeout_s, name)."""
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise InvalidArgument(f"{path}: cannot read plan: {exc}") from exc
+    steps = data.get("steps")
+    unknown = set(data) - {"steps"}
+    if unknown:
+        raise InvalidArgument(f"{path}: unknown plan keys {sorted(unknown)}")
+    if not isinstance(steps, list) or not steps:
+        raise InvalidArgument(f"{path}: a plan needs at least one [[steps]] table")
+    out = []
+    for index, step in enumerate(steps):
+        bad = set(step) - PLAN_KEYS
+        if bad:
+            raise InvalidArgument(f"{path}: steps[{index}]: unknown keys {sorted(bad)}")
+        argv = step.get("argv")
+        if isinstance(argv, str):
+            argv = shlex.split(argv)
+        if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+            raise InvalidArgument(f"{path}: steps[{index}].argv must be a list of strings")
+        out.append(
+            types_pb2.Step(
+                argv=argv,
+                env={str(k): str(v) for k, v in step.get("env", {}).items()},
+                workdir=step.get("workdir", ""),
+                timeout_s=float(step.get("timeout_s", 0)),
+                name=step.get("name", ""),
+            )
+        )
+    return out
+
+
+def parse_labels(items: list[str]) -> dict[str, str]:
+    labels = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise InvalidArgument(f"label {item!r} is not KEY=VALUE")
+        labels[key] = value
+    return labels
+
+
+def submit_request(
+    smolfile_path: str,
+    steps: list[types_pb2.Step],
+    *,
+    key: str | None = None,
+    labels: dict[str, str] | None = None,
+    deadline_s: float | None = None,
+    max_attempts: int = 0,
+    require_vm: bool = False,
+    require_cuda_device: bool = False,
+    versions: dict[str, str] | None = None,
+    tenant: str = "",
+) -> fleet_pb2.SubmitRolloutRequest:
+    parsed = load_smolfile(smolfile_path)  # fail fast, locally, with file and line
+    if not steps and (parsed.spec.entrypoint or parsed.spec.cmd):
+        steps = [types_pb2.Step(argv=[*parsed.spec.entrypoint, *parsed.spec.cmd], name="main")]
+    request = fleet_pb2.SubmitRolloutRequest(
+        request_id=uuid.uuid4().hex,
+        idempotency_key=key or uuid.uuid4().hex,
+        smolfile=parsed.text,
+        smolfile_name=smolfile_path,
+        steps=steps,
+        labels=labels or {},
+        tenant=tenant,
+        retry=types_pb2.RetryPolicy(max_attempts=max_attempts),
+        requirements=types_pb2.Requirements(
+            isolation=types_pb2.ISOLATION_VM if require_vm else types_pb2.ISOLATION_UNSPECIFIED,
+            cuda_device=require_cuda_device,
+        ),
+        versions=types_pb2.Versions(**(versions or {})),
+    )
+    if deadline_s is not None:
+        request.deadline.FromDatetime(datetime.now(UTC) + timedelta(seconds=deadline_s))
+    return request
+
+
+def steps_from_flags(step_flags: list[str]) -> list[types_pb2.Step]:
+    return [types_pb2.Step(argv=shlex.split(s), name=f"step-{i}") for i, s in enumerate(step_flags)]
+
+
+def rollout_dict(r: types_pb2.Rollout) -> dict[str, Any]:
+    from google.protobuf.json_format import MessageToDict
+
+    out: dict[str, Any] = MessageToDict(r, preserving_proto_field_name=True)
+    return out

@@ -1,0 +1,170 @@
+"""`fleet demo`: an embedded fleet evaluates the shipped suite, with live progress and a summary."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+
+from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
+from fleet.cli.demo_suite import suite
+from fleet.cli.embedded import embedded_fleet
+from fleet.config import Paths
+
+SMOLFILES = Path(__file__).resolve().parent.parent.parent / "smolfiles"
+FINAL = {
+    types_pb2.ROLLOUT_STATE_SUCCEEDED,
+    types_pb2.ROLLOUT_STATE_FAILED,
+    types_pb2.ROLLOUT_STATE_CANCELLED,
+}
+
+
+def _bar(done: int, total: int, failed: int, running: int, width: int = 32) -> str:
+    filled = int(width * done / total) if total else width
+    return (
+        f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} done, {running} running, "
+        f"{failed} failed"
+    )
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+async def _wait_hosts(fleet_core: object, want: int, timeout_s: float) -> None:
+    from fleet.server.app import Core
+
+    assert isinstance(fleet_core, Core)
+    give_up = time.monotonic() + timeout_s
+    while len(await fleet_core.db(fleet_core.ledger.hosts)) < want:
+        if time.monotonic() > give_up:
+            raise TimeoutError(f"agents did not register within {timeout_s:.0f}s")
+        await asyncio.sleep(0.05)
+
+
+async def run_demo(paths: Paths, timeout_s: float = 600.0) -> int:
+    run_id = uuid.uuid4().hex[:8]
+    tty = sys.stdout.isatty()
+    with tempfile.TemporaryDirectory(prefix="fleet-demo-") as tmp:
+        async with embedded_fleet(paths, Path(tmp) / "ledger.sqlite3") as fleet:
+            print(
+                f"fleet demo {run_id}: embedded fleet on {fleet.address}, SQLite ledger, "
+                "1 gpu-class + 2 cpu-class agents"
+            )
+            print(f"runtime: {fleet.runtime.kind} — {fleet.runtime.reason}")
+            if fleet.runtime.kind == "namespace":
+                print(
+                    "  (Linux namespaces on the shared kernel: weaker isolation than a microVM; "
+                    "rollouts that require vm isolation would wait for a smol host)"
+                )
+            gpu = next(a for a in fleet.agents if a.caps.host_class == "gpu")
+            print(
+                f"gpu-class host: {gpu.caps.cuda_devices} CUDA devices, "
+                f"CUDA work runs on: {gpu.caps.device}"
+            )
+            await _wait_hosts(fleet.server.core, len(fleet.agents), 30)
+            items = suite()
+            started = time.monotonic()
+            async with grpc.aio.insecure_channel(fleet.address) as channel:
+                stub = fleet_pb2_grpc.FleetServiceStub(channel)
+                ids: dict[str, str] = {}
+                for item in items:
+                    path = SMOLFILES / item.smolfile
+                    request = fleet_pb2.SubmitRolloutRequest(
+                        request_id=uuid.uuid4().hex,
+                        idempotency_key=f"demo-{run_id}-{item.name}",
+                        smolfile=path.read_text(),
+                        smolfile_name=str(path.relative_to(SMOLFILES.parent)),
+                        steps=[
+                            types_pb2.Step(name=n, argv=argv, env=env, timeout_s=t)
+                            for n, argv, env, t in item.steps
+                        ],
+                        labels={"demo": run_id, "suite": "demo", "name": item.name},
+                        versions=types_pb2.Versions(
+                            policy="scripted-v1", environment="gridworld-8x8", evaluator="score-v1"
+                        ),
+                        tenant="demo",
+                    )
+                    reply = await stub.SubmitRollout(request, timeout=30)
+                    ids[reply.rollout.id] = item.name
+                print(
+                    f"submitted {len(ids)} rollouts "
+                    f"({sum(1 for i in items if 'gpu' in i.smolfile)} need the gpu class)"
+                )
+                last_line = ""
+                rollouts: list[types_pb2.Rollout] = []
+                while True:
+                    reply = await stub.ListRollouts(
+                        fleet_pb2.ListRolloutsRequest(page_size=500, labels={"demo": run_id})
+                    )
+                    rollouts = list(reply.rollouts)
+                    done = sum(1 for r in rollouts if r.state in FINAL)
+                    failed = sum(1 for r in rollouts if r.state == types_pb2.ROLLOUT_STATE_FAILED)
+                    running = sum(1 for r in rollouts if r.state == types_pb2.ROLLOUT_STATE_RUNNING)
+                    line = _bar(done, len(ids), failed, running)
+                    if tty:
+                        print("\r" + line, end="", flush=True)
+                    elif line != last_line:
+                        print(line, flush=True)
+                    last_line = line
+                    if done == len(ids):
+                        break
+                    if time.monotonic() - started > timeout_s:
+                        print(f"\nfleet demo: not finished after {timeout_s:.0f}s", file=sys.stderr)
+                        return 1
+                    await asyncio.sleep(0.2)
+                if tty:
+                    print()
+                wall = time.monotonic() - started
+            _summary(rollouts, ids, wall)
+    return 0
+
+
+def _summary(rollouts: list[types_pb2.Rollout], names: dict[str, str], wall_s: float) -> None:
+    by_state = {s: sum(1 for r in rollouts if r.state == s) for s in FINAL}
+    latencies = [
+        r.finished_at.ToDatetime().timestamp() - r.created_at.ToDatetime().timestamp()
+        for r in rollouts
+    ]
+    retried = sum(1 for r in rollouts if r.attempts > 1)
+    served: dict[str, int] = {}
+    for r in rollouts:
+        runtime = types_pb2.RuntimeKind.Name(r.runtime).removeprefix("RUNTIME_KIND_").lower()
+        klass = types_pb2.HostClass.Name(r.host_class).removeprefix("HOST_CLASS_").lower()
+        key = f"{klass}-class on {runtime} runtime, device {r.device}"
+        served[key] = served.get(key, 0) + 1
+    rows = [
+        ("rollouts", str(len(rollouts))),
+        ("completed (succeeded)", str(by_state[types_pb2.ROLLOUT_STATE_SUCCEEDED])),
+        ("failed", str(by_state[types_pb2.ROLLOUT_STATE_FAILED])),
+        ("cancelled", str(by_state[types_pb2.ROLLOUT_STATE_CANCELLED])),
+        ("retried (more than one attempt)", str(retried)),
+        ("p50 rollout latency", f"{_pct(latencies, 0.5):.2f} s"),
+        ("p95 rollout latency", f"{_pct(latencies, 0.95):.2f} s"),
+        ("mean rollout latency", f"{statistics.fmean(latencies) if latencies else 0:.2f} s"),
+        ("wall time", f"{wall_s:.2f} s"),
+        ("rollouts per second", f"{len(rollouts) / wall_s:.2f}"),
+    ]
+    rows += [(f"served: {k}", str(v)) for k, v in sorted(served.items())]
+    width = max(len(k) for k, _ in rows)
+    print()
+    print("summary")
+    print("-" * (width + 14))
+    for key, value in rows:
+        print(f"{key:<{width}}  {value:>10}")
+    print("-" * (width + 14))
+    failures = [r for r in rollouts if r.state != types_pb2.ROLLOUT_STATE_SUCCEEDED]
+    if failures:
+        print("not succeeded:")
+        for r in sorted(failures, key=lambda r: names.get(r.id, r.id)):
+            state = types_pb2.RolloutState.Name(r.state).removeprefix("ROLLOUT_STATE_")
+            print(f"  {names.get(r.id, r.id):<24} {state}: {r.error}")

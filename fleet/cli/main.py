@@ -1,0 +1,449 @@
+"""fleet: serve, run agents, submit and watch rollouts, run a Smolfile locally, demo."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
+from fleet.cli import client, logs
+from fleet.config import Paths
+from fleet.core.errors import FleetError
+
+DEFAULT_SERVER = "127.0.0.1:50051"
+STATE_NAMES = {v: k.removeprefix("ROLLOUT_STATE_") for k, v in types_pb2.RolloutState.items()}
+
+
+def _server_default() -> str:
+    return os.environ.get("FLEET_SERVER", DEFAULT_SERVER)
+
+
+def _default_db(paths: Paths) -> Path:
+    return paths.home / "ledger.sqlite3"
+
+
+async def _until_signalled(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+# -- server side -------------------------------------------------------------------------------
+
+
+async def cmd_serve(args: argparse.Namespace) -> int:
+    from fleet.image.store import ImageStore
+    from fleet.ledger.store import Ledger
+    from fleet.server.app import FleetServer
+
+    paths = Paths.from_env()
+    server = FleetServer(
+        Ledger.sqlite(Path(args.db) if args.db else _default_db(paths)),
+        ImageStore(paths.images, paths.recipes),
+        args.listen,
+    )
+    await server.start()
+    print(f"fleet server listening on {server.address}", flush=True)
+    await _until_signalled(asyncio.Event())
+    await server.stop()
+    return 0
+
+
+async def cmd_agent(args: argparse.Namespace) -> int:
+    from fleet.agent.agent import Agent, AgentConfig, default_host_id
+    from fleet.agent.capabilities import choose_runtime
+    from fleet.cli.embedded import canary_image
+    from fleet.core.placement import HostClass
+    from fleet.image.store import ImageStore
+
+    paths = Paths.from_env()
+    images = ImageStore(paths.images, paths.recipes)
+    choice = choose_runtime(args.runtime, paths.home, canary_image(images))
+    host_class = HostClass(args.host_class)
+    agent = Agent(
+        AgentConfig(
+            server=args.server,
+            host_id=args.host_id or default_host_id(host_class),
+            host_class=host_class,
+            runtime=choice,
+            machines_dir=paths.machines,
+            images=images,
+            slots=args.slots,
+        )
+    )
+    print(f"fleet agent: {host_class}-class, runtime {choice.kind} ({choice.reason})", flush=True)
+    stop = asyncio.Event()
+    waiter = asyncio.create_task(_until_signalled(stop))
+    await agent.run(stop)
+    waiter.cancel()
+    return 0
+
+
+async def cmd_up(args: argparse.Namespace) -> int:
+    from fleet.cli.embedded import embedded_fleet
+
+    paths = Paths.from_env()
+    db = Path(args.db) if args.db else _default_db(paths)
+    async with embedded_fleet(paths, db, listen=args.listen, slots=args.slots) as fleet:
+        print(
+            f"fleet up: server on {fleet.address}, ledger {db}, 1 gpu-class + 2 cpu-class agents, "
+            f"runtime {fleet.runtime.kind} ({fleet.runtime.reason})",
+            flush=True,
+        )
+        await _until_signalled(asyncio.Event())
+    return 0
+
+
+# -- client side -------------------------------------------------------------------------------
+
+
+def _stub(args: argparse.Namespace) -> tuple[grpc.aio.Channel, fleet_pb2_grpc.FleetServiceStub]:
+    channel = grpc.aio.insecure_channel(args.server)
+    return channel, fleet_pb2_grpc.FleetServiceStub(channel)
+
+
+def _print_rollout(r: types_pb2.Rollout, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(client.rollout_dict(r), indent=2))
+        return
+    print(f"rollout   {r.id}")
+    print(f"state     {STATE_NAMES[r.state]}")
+    print(f"class     {types_pb2.HostClass.Name(r.host_class).removeprefix('HOST_CLASS_').lower()}")
+    print(f"attempts  {r.attempts}")
+    if r.host_id:
+        runtime = types_pb2.RuntimeKind.Name(r.runtime).removeprefix("RUNTIME_KIND_").lower()
+        print(f"served by {r.host_id} (runtime {runtime}, device {r.device})")
+    if r.error:
+        print(f"error     {r.error}")
+    for s in r.results:
+        flag = " (timed out)" if s.timed_out else ""
+        print(f"-- step {s.index} {s.name}: exit {s.exit_code}{flag}, {s.duration_s:.3f}s")
+        if s.stdout:
+            print(s.stdout.decode(errors="replace").rstrip())
+        if s.stderr:
+            print("[stderr] " + s.stderr.decode(errors="replace").rstrip())
+
+
+async def cmd_submit(args: argparse.Namespace) -> int:
+    steps = client.load_plan(args.plan) if args.plan else client.steps_from_flags(args.step)
+    request = client.submit_request(
+        args.smolfile,
+        steps,
+        key=args.key,
+        labels=client.parse_labels(args.label),
+        deadline_s=args.deadline_s,
+        max_attempts=args.max_attempts,
+        require_vm=args.require_vm,
+        require_cuda_device=args.require_cuda_device,
+        tenant=args.tenant,
+    )
+    channel, stub = _stub(args)
+    async with channel:
+        reply = await stub.SubmitRollout(request, timeout=30)
+        print(
+            reply.rollout.id
+            if args.quiet
+            else f"{reply.rollout.id} "
+            + ("submitted" if reply.created else "already submitted (same key)")
+        )
+        if args.wait:
+            await _watch(stub, reply.rollout.id, 0)
+            final = await stub.GetRollout(fleet_pb2.GetRolloutRequest(id=reply.rollout.id))
+            _print_rollout(final, False)
+            return 0 if final.state == types_pb2.ROLLOUT_STATE_SUCCEEDED else 1
+    return 0
+
+
+async def _watch(stub: fleet_pb2_grpc.FleetServiceStub, rollout_id: str, after: int) -> None:
+    # Reconnects after a dropped stream and resumes after the last sequence seen.
+    for _ in range(100):
+        try:
+            call = stub.WatchRollout(
+                fleet_pb2.WatchRolloutRequest(id=rollout_id, after_sequence=after)
+            )
+            async for e in call:
+                after = e.sequence
+                move = ""
+                if e.to_state:
+                    before = STATE_NAMES[e.from_state] if e.from_state else "-"
+                    move = f"{before} -> {STATE_NAMES[e.to_state]}"
+                print(
+                    f"#{e.sequence:<6} {e.at.ToDatetime():%H:%M:%S} {e.kind:<18} {move:<22} "
+                    f"{e.actor} {e.message}".rstrip(),
+                    flush=True,
+                )
+            return
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            await asyncio.sleep(1.0)
+
+
+async def cmd_watch(args: argparse.Namespace) -> int:
+    channel, stub = _stub(args)
+    async with channel:
+        await _watch(stub, args.id, args.after)
+    return 0
+
+
+async def cmd_get(args: argparse.Namespace) -> int:
+    channel, stub = _stub(args)
+    async with channel:
+        _print_rollout(await stub.GetRollout(fleet_pb2.GetRolloutRequest(id=args.id)), args.json)
+    return 0
+
+
+async def cmd_list(args: argparse.Namespace) -> int:
+    channel, stub = _stub(args)
+    async with channel:
+        reply = await stub.ListRollouts(
+            fleet_pb2.ListRolloutsRequest(
+                page_size=args.page_size,
+                page_token=args.page_token,
+                labels=client.parse_labels(args.label),
+            )
+        )
+    for r in reply.rollouts:
+        labels = ",".join(f"{k}={v}" for k, v in sorted(r.labels.items()))
+        print(f"{r.id}  {STATE_NAMES[r.state]:<10} attempts={r.attempts} {labels}")
+    if reply.next_page_token:
+        print(f"next page: --page-token {reply.next_page_token}")
+    return 0
+
+
+async def cmd_cancel(args: argparse.Namespace) -> int:
+    import uuid
+
+    channel, stub = _stub(args)
+    async with channel:
+        r = await stub.CancelRollout(
+            fleet_pb2.CancelRolloutRequest(
+                request_id=uuid.uuid4().hex, id=args.id, reason=args.reason
+            )
+        )
+    print(
+        f"{r.id} {STATE_NAMES[r.state]}"
+        + (" (stop requested)" if r.state == types_pb2.ROLLOUT_STATE_RUNNING else "")
+    )
+    return 0
+
+
+# -- local -------------------------------------------------------------------------------------
+
+
+async def cmd_run(args: argparse.Namespace) -> int:
+    """One machine from a Smolfile, the command's output streamed to this terminal."""
+    from fleet.agent.capabilities import choose_runtime, make_runtime
+    from fleet.cli.embedded import canary_image
+    from fleet.core.smolfile import load_smolfile
+    from fleet.image.store import ImageStore
+    from fleet.runtime.base import MachineSpec, resolve_secrets
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    parsed = load_smolfile(args.smolfile)
+    if not command:
+        command = [*parsed.spec.entrypoint, *parsed.spec.cmd]
+    if not command:
+        print(
+            "fleet run: no command given and the Smolfile has no entrypoint or cmd", file=sys.stderr
+        )
+        return 2
+    if not parsed.spec.image:
+        print(f"fleet run: {args.smolfile} names no image", file=sys.stderr)
+        return 2
+    paths = Paths.from_env()
+    images = ImageStore(paths.images, paths.recipes)
+    choice = choose_runtime(args.runtime, paths.home, canary_image(images))
+    print(f"fleet run: runtime {choice.kind} ({choice.reason})", file=sys.stderr, flush=True)
+    digest = images.resolve(parsed.spec.image)
+    runtime = make_runtime(choice, paths.machines)
+    spec = MachineSpec(
+        name="fleet-run-" + os.urandom(4).hex(),
+        smolfile=parsed.spec,
+        image_digest=digest,
+        rootfs=await asyncio.to_thread(images.rootfs, digest),
+        labels={"fleet": "run"},
+        secrets=resolve_secrets(parsed.spec),
+    )
+    machine = await runtime.create(spec)
+
+    def show(stream: str, chunk: bytes) -> None:
+        out = sys.stdout.buffer if stream == "stdout" else sys.stderr.buffer
+        out.write(chunk)
+        out.flush()
+
+    try:
+        for init in parsed.spec.init:
+            res = await machine.exec(
+                ["/bin/sh", "-c", init], timeout_s=args.timeout_s, on_output=show
+            )
+            if res.exit_code != 0:
+                print(f"fleet run: init {init!r} exited {res.exit_code}", file=sys.stderr)
+                return res.exit_code
+        result = await machine.exec(command, timeout_s=args.timeout_s, on_output=show)
+    finally:
+        await machine.delete()
+    if result.timed_out:
+        print(f"fleet run: timed out after {args.timeout_s:g}s", file=sys.stderr)
+        return 124
+    return result.exit_code
+
+
+async def cmd_image(args: argparse.Namespace) -> int:
+    from fleet.image.store import ImageStore
+
+    paths = Paths.from_env()
+    store = ImageStore(paths.images, paths.recipes)
+    if args.image_cmd == "build":
+        record, built = await asyncio.to_thread(store.build, args.name, force=args.force)
+        if not args.quiet or built:
+            print(
+                f"{record.name} {record.digest} {'built' if built else 'cached'}", file=sys.stderr
+            )
+    elif args.image_cmd == "list":
+        for r in store.list_images():
+            print(f"{r.name:<16} {r.digest}  {r.size_bytes / 1e6:8.1f} MB")
+    elif args.image_cmd == "inspect":
+        found = store.record(args.name)
+        if found is None:
+            print(f"fleet image: no image {args.name!r}", file=sys.stderr)
+            return 1
+        print(found.model_dump_json(indent=2))
+    return 0
+
+
+async def cmd_demo(args: argparse.Namespace) -> int:
+    from fleet.cli.demo import run_demo
+
+    return await run_demo(Paths.from_env(), timeout_s=args.timeout_s)
+
+
+# -- parser ------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fleet", description=__doc__)
+    p.add_argument(
+        "--log-level", default=None, help="debug, info, warning (default depends on command)"
+    )
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def add(
+        name: str,
+        fn: Callable[[argparse.Namespace], Coroutine[Any, Any, int]],
+        help_: str,
+        log_level: str = "warning",
+    ) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help_, description=help_)
+        sp.set_defaults(fn=fn, default_log_level=log_level)
+        return sp
+
+    def server_flag(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument(
+            "--server",
+            default=_server_default(),
+            help=f"fleet server host:port (default $FLEET_SERVER or {DEFAULT_SERVER})",
+        )
+
+    sp = add("serve", cmd_serve, "run a fleet server", "info")
+    sp.add_argument("--listen", default=DEFAULT_SERVER)
+    sp.add_argument("--db", help="SQLite ledger path (default $FLEET_HOME/ledger.sqlite3)")
+
+    sp = add("agent", cmd_agent, "run a host agent", "info")
+    server_flag(sp)
+    sp.add_argument("--class", dest="host_class", choices=["gpu", "cpu"], required=True)
+    sp.add_argument("--runtime", choices=["auto", "smol", "namespace"], default="auto")
+    sp.add_argument("--slots", type=int, default=2, help="work items run at once")
+    sp.add_argument("--host-id", default="")
+
+    sp = add("up", cmd_up, "server + 1 gpu-class + 2 cpu-class agents, SQLite, one process", "info")
+    sp.add_argument("--listen", default=DEFAULT_SERVER)
+    sp.add_argument("--db")
+    sp.add_argument("--slots", type=int, default=2)
+
+    sp = add("submit", cmd_submit, "submit a rollout")
+    server_flag(sp)
+    sp.add_argument("-s", "--smolfile", required=True)
+    group = sp.add_mutually_exclusive_group()
+    group.add_argument("--step", action="append", default=[], help="a step command (repeatable)")
+    group.add_argument("--plan", help="TOML plan file with [[steps]]")
+    sp.add_argument("--key", help="idempotency key (default: a new one)")
+    sp.add_argument("--label", action="append", default=[], help="KEY=VALUE (repeatable)")
+    sp.add_argument("--deadline-s", type=float, default=None)
+    sp.add_argument("--max-attempts", type=int, default=0)
+    sp.add_argument("--require-vm", action="store_true", help="never run on namespace isolation")
+    sp.add_argument("--require-cuda-device", action="store_true")
+    sp.add_argument("--tenant", default="")
+    sp.add_argument("--wait", action="store_true", help="watch until it ends, then print it")
+    sp.add_argument("-q", "--quiet", action="store_true", help="print only the rollout id")
+
+    sp = add("watch", cmd_watch, "stream a rollout's events")
+    server_flag(sp)
+    sp.add_argument("id")
+    sp.add_argument("--after", type=int, default=0, help="resume after this sequence number")
+
+    sp = add("get", cmd_get, "show a rollout")
+    server_flag(sp)
+    sp.add_argument("id")
+    sp.add_argument("--json", action="store_true")
+
+    sp = add("list", cmd_list, "list rollouts, newest first")
+    server_flag(sp)
+    sp.add_argument("--label", action="append", default=[])
+    sp.add_argument("--page-size", type=int, default=50)
+    sp.add_argument("--page-token", default="")
+
+    sp = add("cancel", cmd_cancel, "cancel a rollout")
+    server_flag(sp)
+    sp.add_argument("id")
+    sp.add_argument("--reason", default="")
+
+    sp = add("run", cmd_run, "run one command in one machine from a Smolfile, locally")
+    sp.add_argument("-s", "--smolfile", required=True)
+    sp.add_argument("--runtime", choices=["auto", "smol", "namespace"], default="auto")
+    sp.add_argument("--timeout-s", type=float, default=3600.0)
+    sp.add_argument("command", nargs=argparse.REMAINDER)
+
+    sp = add("image", cmd_image, "build and list images", "info")
+    isub = sp.add_subparsers(dest="image_cmd", required=True)
+    b = isub.add_parser("build", help="build an image from images/NAME/recipe.toml (cached)")
+    b.add_argument("name")
+    b.add_argument("--force", action="store_true")
+    b.add_argument("--quiet", action="store_true", help="say nothing when it was cached")
+    isub.add_parser("list", help="list stored images")
+    i = isub.add_parser("inspect", help="digest, size, recipe, created time")
+    i.add_argument("name")
+
+    sp = add("demo", cmd_demo, "evaluate the shipped suite on an embedded fleet")
+    sp.add_argument("--timeout-s", type=float, default=600.0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logs.configure(args.log_level or args.default_log_level)
+    try:
+        code: int = asyncio.run(args.fn(args))
+        return code
+    except FleetError as exc:
+        print(f"fleet {args.cmd}: {exc.code}: {exc.message}", file=sys.stderr)
+        return 2
+    except grpc.aio.AioRpcError as exc:
+        print(f"fleet {args.cmd}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

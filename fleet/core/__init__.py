@@ -1,0 +1,1 @@
+"""Pure logic: no grpc, SQL, smol or torch imports; values in, values out."""

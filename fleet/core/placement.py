@@ -1,0 +1,93 @@
+"""Capability routing: which class of host a rollout needs and which hosts can serve it."""
+
+from __future__ import annotations
+
+import enum
+
+from pydantic import BaseModel, ConfigDict
+
+from fleet.core.smolfile import Smolfile
+
+
+class HostClass(enum.StrEnum):
+    GPU = "gpu"
+    CPU = "cpu"
+
+
+class Isolation(enum.StrEnum):
+    ANY = "any"
+    NAMESPACE = "namespace"
+    VM = "vm"
+
+
+class RuntimeKind(enum.StrEnum):
+    SMOL = "smol"
+    NAMESPACE = "namespace"
+
+
+class Requirements(BaseModel):
+    """What a rollout needs from its host beyond the Smolfile."""
+
+    model_config = ConfigDict(frozen=True)
+
+    isolation: Isolation = Isolation.ANY
+    cuda_device: bool = False
+
+
+class HostCapabilities(BaseModel):
+    """What a registered host offers."""
+
+    model_config = ConfigDict(frozen=True)
+
+    host_id: str
+    host_class: HostClass
+    runtime: RuntimeKind
+    isolation: Isolation
+    cpus: int
+    memory_mib: int
+    cuda_devices: int
+    slots: int = 1
+    device: str = "cpu"
+    runtime_reason: str = ""
+
+
+def host_class_for(spec: Smolfile) -> HostClass:
+    """CUDA work goes to gpu hosts; everything else to cpu hosts."""
+    return HostClass.GPU if spec.needs_cuda else HostClass.CPU
+
+
+def refusal(host: HostCapabilities, host_class: HostClass, needs: Requirements) -> str | None:
+    """Why `host` can never serve such work, or None when it can."""
+    if host.host_class != host_class:
+        return f"host {host.host_id} is {host.host_class}-class, the rollout needs {host_class}"
+    if needs.isolation == Isolation.VM and host.isolation != Isolation.VM:
+        return f"host {host.host_id} offers {host.isolation} isolation, the rollout requires vm"
+    if needs.cuda_device and host.cuda_devices == 0:
+        return f"host {host.host_id} has no CUDA device, the rollout requires one"
+    return None
+
+
+def unservable_reason(
+    hosts: list[HostCapabilities], host_class: HostClass, needs: Requirements
+) -> str | None:
+    """None when some registered host could serve the work; else a reason naming the gap."""
+    if any(refusal(h, host_class, needs) is None for h in hosts):
+        return None
+    why = f"it needs a {host_class}-class host"
+    if host_class == HostClass.GPU:
+        why += " (the Smolfile sets cuda = true)"
+    if needs.isolation == Isolation.VM:
+        why += " with vm isolation"
+    if needs.cuda_device:
+        why += " with a CUDA device"
+    if not hosts:
+        have = "no hosts are registered"
+    else:
+        counts: dict[str, int] = {}
+        for h in hosts:
+            label = f"{h.host_class}-class {h.isolation}-isolation"
+            if h.host_class == HostClass.GPU:
+                label += f" ({h.cuda_devices} CUDA devices)"
+            counts[label] = counts.get(label, 0) + 1
+        have = "the fleet has " + ", ".join(f"{n} {label}" for label, n in sorted(counts.items()))
+    return f"no registered host can ever serve this rollout: {why}, and {have}"

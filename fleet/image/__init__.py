@@ -1,0 +1,1 @@
+"""Images: recipes built into content-addressed rootfs archives both runtimes boot."""

@@ -1,0 +1,213 @@
+"""The image store: rootfs archives addressed by sha256, named refs, unpacked trees."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+
+import structlog
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from fleet.core.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+
+log = structlog.get_logger(__name__)
+
+_CHUNK = 1 << 20
+
+
+class Recipe(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    description: str = ""
+    suite: str = "bookworm"
+    variant: str = "essential"
+    include: list[str] = []
+
+
+class ImageRecord(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    digest: str
+    size_bytes: int
+    recipe: str
+    recipe_digest: str
+    created_at: float
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            h.update(chunk)
+    return "sha256:" + h.hexdigest()
+
+
+def _blob_name(digest: str) -> str:
+    return digest.replace(":", "-")
+
+
+class ImageStore:
+    """Images under `root`: blobs/, refs/, rootfs/."""
+
+    def __init__(self, root: Path, recipes: Path) -> None:
+        self.root = root
+        self.recipes = recipes
+        self._verified: set[str] = set()
+
+    def _dirs(self) -> None:
+        for sub in ("blobs", "refs", "rootfs", "tmp"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+
+    def blob_path(self, digest: str) -> Path:
+        return self.root / "blobs" / f"{_blob_name(digest)}.tar"
+
+    def load_recipe(self, name: str) -> tuple[Recipe, str]:
+        path = self.recipes / name / "recipe.toml"
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            known = sorted(p.parent.name for p in self.recipes.glob("*/recipe.toml"))
+            raise NotFound(f"no image recipe {name!r} at {path} (recipes: {known})") from exc
+        try:
+            recipe = Recipe.model_validate(tomllib.loads(text))
+        except (tomllib.TOMLDecodeError, ValidationError) as exc:
+            raise InvalidArgument(f"{path}: bad recipe: {exc}") from exc
+        return recipe, "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+    def record(self, name: str) -> ImageRecord | None:
+        path = self.root / "refs" / f"{name}.json"
+        try:
+            return ImageRecord.model_validate_json(path.read_text())
+        except (OSError, ValidationError):
+            return None
+
+    def list_images(self) -> list[ImageRecord]:
+        refs = sorted((self.root / "refs").glob("*.json")) if self.root.exists() else []
+        records = [self.record(p.stem) for p in refs]
+        return [r for r in records if r is not None]
+
+    def build(self, name: str, *, force: bool = False) -> tuple[ImageRecord, bool]:
+        """Builds the recipe unless an image from the same recipe text is stored.
+
+        Returns the record and whether a build ran.
+        """
+        recipe, recipe_digest = self.load_recipe(name)
+        current = self.record(name)
+        if (
+            not force
+            and current is not None
+            and current.recipe_digest == recipe_digest
+            and self.blob_path(current.digest).exists()
+        ):
+            return current, False
+        if shutil.which("mmdebstrap") is None:
+            raise Unavailable("mmdebstrap is not installed (scripts/setup installs it)")
+        self._dirs()
+        started = time.monotonic()
+        with tempfile.TemporaryDirectory(dir=self.root / "tmp") as tmp:
+            out = Path(tmp) / "rootfs.tar"
+            argv = ["mmdebstrap", "--quiet", f"--variant={recipe.variant}"]
+            if recipe.include:
+                argv.append("--include=" + ",".join(recipe.include))
+            argv += [recipe.suite, str(out)]
+            log.info("image_build_started", image=name, argv=argv)
+            proc = subprocess.run(argv, capture_output=True, text=True, check=False)
+            if proc.returncode != 0:
+                raise Unavailable(f"building image {name!r} failed: {proc.stderr.strip()[-2000:]}")
+            digest = _sha256_file(out)
+            size = out.stat().st_size
+            os.replace(out, self.blob_path(digest))
+        record = ImageRecord(
+            name=name,
+            digest=digest,
+            size_bytes=size,
+            recipe=str(self.recipes / name / "recipe.toml"),
+            recipe_digest=recipe_digest,
+            created_at=time.time(),
+        )
+        ref = self.root / "refs" / f"{name}.json"
+        tmp_ref = ref.with_suffix(".tmp")
+        tmp_ref.write_text(record.model_dump_json(indent=2))
+        os.replace(tmp_ref, ref)
+        log.info(
+            "image_built",
+            image=name,
+            digest=digest,
+            size_bytes=size,
+            seconds=round(time.monotonic() - started, 1),
+        )
+        return record, True
+
+    def resolve(self, ref: str) -> str:
+        """Image ref (a store name or sha256:...) -> digest of a stored, readable archive."""
+        if ref.startswith("sha256:"):
+            digest = ref
+        else:
+            record = self.record(ref)
+            if record is None:
+                known = [r.name for r in self.list_images()]
+                raise FailedPrecondition(
+                    f"image {ref!r} is not in the image store at {self.root} "
+                    f"(stored: {known or 'none'}); build it with `fleet image build {ref}`"
+                )
+            digest = record.digest
+        blob = self.blob_path(digest)
+        if not os.access(blob, os.R_OK):
+            raise FailedPrecondition(
+                f"image {ref!r} ({digest}): archive {blob} is missing or unreadable"
+            )
+        return digest
+
+    def verify(self, digest: str) -> Path:
+        """Checks the archive against its digest (once per process) and returns its path."""
+        blob = self.blob_path(digest)
+        if digest in self._verified:
+            return blob
+        if not blob.exists():
+            raise FailedPrecondition(f"image {digest}: archive {blob} is missing")
+        actual = _sha256_file(blob)
+        if actual != digest:
+            raise FailedPrecondition(
+                f"image archive {blob} is corrupt or truncated: its content hashes to {actual}, "
+                f"not {digest}; rebuild it with `fleet image build`"
+            )
+        self._verified.add(digest)
+        return blob
+
+    def rootfs(self, digest: str) -> Path:
+        """The unpacked tree of a verified archive, unpacked once and shared read-only."""
+        target = self.root / "rootfs" / _blob_name(digest)
+        marker = target / ".fleet-image-digest"
+        if marker.exists() and marker.read_text() == digest:
+            return target
+        blob = self.verify(digest)
+        self._dirs()
+        staging = Path(tempfile.mkdtemp(dir=self.root / "tmp", prefix="unpack-"))
+        try:
+            proc = subprocess.run(
+                ["tar", "-xf", str(blob), "-C", str(staging), "--numeric-owner"],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if proc.returncode != 0:
+                raise FailedPrecondition(f"image {digest}: cannot unpack: {proc.stderr.strip()}")
+            (staging / ".fleet-image-digest").write_text(digest)
+            try:
+                os.rename(staging, target)
+            except OSError:
+                # Another process unpacked the same digest first; theirs is identical.
+                if not (marker.exists() and marker.read_text() == digest):
+                    raise
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
+        return target

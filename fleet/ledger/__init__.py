@@ -1,0 +1,1 @@
+"""The ledger: the only code that speaks SQL."""

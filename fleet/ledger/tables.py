@@ -1,0 +1,128 @@
+"""The ledger's tables (sqlmodel). Times are UTC epoch seconds."""
+
+from __future__ import annotations
+
+from sqlmodel import Field, SQLModel
+
+SCHEMA_VERSION = 1
+
+
+class SchemaInfo(SQLModel, table=True):
+    __tablename__ = "schema_info"
+
+    id: int = Field(default=1, primary_key=True)
+    version: int
+
+
+class ManifestRow(SQLModel, table=True):
+    """Immutable: written once under its content digest, never updated."""
+
+    __tablename__ = "manifests"
+
+    digest: str = Field(primary_key=True)
+    body: str
+    created_at: float
+
+
+class RolloutRow(SQLModel, table=True):
+    __tablename__ = "rollouts"
+
+    seq: int | None = Field(default=None, primary_key=True)
+    id: str = Field(unique=True, index=True)
+    idempotency_key: str = Field(unique=True)
+    request_fingerprint: str
+    manifest_digest: str = Field(foreign_key="manifests.digest")
+    tenant: str
+    labels_json: str = "{}"
+    state: str = Field(index=True)
+    priority: int = 0
+    attempts: int = 0
+    error: str = ""
+    host_id: str = ""
+    runtime: str = ""
+    device: str = ""
+    results_json: str = "[]"
+    created_at: float
+    updated_at: float
+    started_at: float | None = None
+    finished_at: float | None = None
+
+
+class RolloutLabel(SQLModel, table=True):
+    __tablename__ = "rollout_labels"
+
+    rollout_seq: int = Field(primary_key=True, foreign_key="rollouts.seq")
+    key: str = Field(primary_key=True)
+    value: str = Field(index=True)
+
+
+class WorkItemRow(SQLModel, table=True):
+    __tablename__ = "work_items"
+
+    id: str = Field(primary_key=True)
+    rollout_id: str = Field(index=True)
+    state: str = Field(index=True)  # QUEUED, LEASED, DONE
+    host_class: str
+    needs_vm: bool = False
+    needs_cuda_device: bool = False
+    priority: int = 0
+    attempt: int = 0
+    max_attempts: int = 3
+    not_before: float = 0.0
+    deadline: float
+    lease_owner: str = ""
+    fencing_token: int = 0
+    lease_expires_at: float | None = None
+    cancel_requested: bool = False
+    result_fingerprint: str = ""
+
+
+class AttemptRow(SQLModel, table=True):
+    __tablename__ = "attempts"
+
+    id: int | None = Field(default=None, primary_key=True)
+    work_id: str = Field(index=True)
+    attempt: int
+    host_id: str
+    fencing_token: int
+    started_at: float
+    ended_at: float | None = None
+    outcome: str = ""
+    error: str = ""
+
+
+class HostRow(SQLModel, table=True):
+    __tablename__ = "hosts"
+
+    id: str = Field(primary_key=True)
+    host_class: str
+    capabilities_json: str
+    registered_at: float
+    last_heartbeat_at: float
+
+
+class EventRow(SQLModel, table=True):
+    """Append-only."""
+
+    __tablename__ = "events"
+
+    seq: int | None = Field(default=None, primary_key=True)
+    rollout_id: str = Field(index=True)
+    kind: str
+    from_state: str = ""
+    to_state: str = ""
+    actor: str = ""
+    at: float
+    message: str = ""
+    attempt: int = 0
+
+
+class ArtifactRow(SQLModel, table=True):
+    """Content-addressed blobs (step output): written once under their digest."""
+
+    __tablename__ = "artifacts"
+
+    digest: str = Field(primary_key=True)
+    size_bytes: int
+    data: bytes
+    created_at: float

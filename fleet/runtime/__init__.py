@@ -1,0 +1,1 @@
+"""Machine runtimes behind one small protocol: smol (microVMs) and namespace (Linux namespaces)."""

@@ -1,0 +1,103 @@
+"""The runtime protocol every machine backend implements, and what it reports."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from fleet.core.errors import InvalidArgument
+from fleet.core.placement import Isolation, RuntimeKind
+from fleet.core.rollout import MAX_OUTPUT_BYTES
+from fleet.core.smolfile import Smolfile
+from fleet.runtime.output import OutputSink
+
+BASE_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME": "/root",
+    "LANG": "C.UTF-8",
+}
+
+
+class MachineSpec(BaseModel):
+    """Everything a runtime needs to make one machine."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    smolfile: Smolfile
+    image_digest: str
+    rootfs: Path
+    labels: dict[str, str] = Field(default_factory=dict)
+    secrets: dict[str, str] = Field(default_factory=dict, repr=False)
+
+
+class ExecResult(BaseModel):
+    """One command's result. A non-zero exit code is data, not an error."""
+
+    model_config = ConfigDict(frozen=True)
+
+    exit_code: int
+    stdout: bytes = b""
+    stderr: bytes = b""
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    timed_out: bool = False
+    oom_killed: bool = False
+    duration_s: float = 0.0
+
+
+class Machine(Protocol):
+    """A running sandbox made from a Smolfile."""
+
+    @property
+    def name(self) -> str: ...
+
+    async def exec(
+        self,
+        argv: list[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        workdir: str | None = None,
+        timeout_s: float,
+        max_output_bytes: int = MAX_OUTPUT_BYTES,
+        on_output: OutputSink | None = None,
+    ) -> ExecResult: ...
+
+    async def delete(self) -> None: ...
+
+
+class Runtime(Protocol):
+    """Makes machines; one per agent."""
+
+    kind: RuntimeKind
+    isolation: Isolation
+
+    async def create(self, spec: MachineSpec) -> Machine: ...
+
+    async def list_machines(self, labels: Mapping[str, str]) -> list[str]: ...
+
+
+def resolve_secrets(spec: Smolfile, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """`[secrets] NAME = { from_env = "VAR" }` -> {NAME: value} from the agent's environment."""
+    env = os.environ if environ is None else environ
+    values = {}
+    for name, ref in spec.secrets.items():
+        if ref.from_env not in env:
+            raise InvalidArgument(
+                f"secrets.{name}: from_env = {ref.from_env!r} is not set in the agent's environment"
+            )
+        values[name] = env[ref.from_env]
+    return values
+
+
+def machine_env(spec: MachineSpec, step_env: Mapping[str, str] | None) -> dict[str, str]:
+    """Environment of a command: base, then Smolfile env, secrets, then the step's own."""
+    env = dict(BASE_ENV)
+    env.update(spec.smolfile.env_map)
+    env.update(spec.secrets)
+    env.update(step_env or {})
+    return env

@@ -1,0 +1,219 @@
+"""The namespace runtime: a Smolfile's machine in Linux namespaces, for hosts without VT-x.
+
+Each machine is a directory holding a writable overlay layer over the image's read-only rootfs.
+Each command runs in fresh user/pid/mount/net/uts/ipc namespaces (bubblewrap) on that overlay,
+so files persist from step to step while no process outlives its command: when the command
+ends or times out, its pid namespace and everything in it is killed.
+
+Networking is off: the only interface is loopback. A Smolfile that asks for egress keeps it off
+here until the allowlist is enforced on this runtime, and the agent logs that it did.
+Isolation is weaker than a microVM's (one shared kernel) and the host reports it as such.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import time
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+
+import structlog
+
+from fleet.core.errors import Unavailable
+from fleet.core.placement import Isolation, RuntimeKind
+from fleet.core.rollout import MAX_OUTPUT_BYTES
+from fleet.runtime.base import ExecResult, MachineSpec, machine_env
+from fleet.runtime.output import OutputSink, read_bounded
+
+log = structlog.get_logger(__name__)
+
+# Mounts the overlay in a private mount namespace, then becomes bwrap: nothing to unmount later,
+# and no mount survives the command even if the agent is killed.
+_MOUNT_THEN_EXEC = (
+    'mount -t overlay overlay -o "lowerdir=$1,upperdir=$2,workdir=$3" "$4" || exit 125; '
+    'shift 4; exec "$@"'
+)
+REQUIRED_TOOLS = ("bwrap", "unshare", "mount")
+
+
+def missing_tools() -> list[str]:
+    return [tool for tool in REQUIRED_TOOLS if shutil.which(tool) is None]
+
+
+class NamespaceMachine:
+    """One machine: an overlay layer and the commands run on it."""
+
+    def __init__(self, spec: MachineSpec, root: Path) -> None:
+        self.spec = spec
+        self.root = root
+        self._name = spec.name
+        self._deleted = False
+        self._running: set[asyncio.subprocess.Process] = set()
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def _argv(self, argv: list[str], env: Mapping[str, str], workdir: str) -> list[str]:
+        bwrap = [
+            "bwrap",
+            "--unshare-all",
+            "--die-with-parent",
+            "--new-session",
+            "--hostname",
+            self._name[:63],
+            "--bind",
+            str(self.root / "merged"),
+            "/",
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--tmpfs",
+            "/tmp",
+            "--chdir",
+            workdir,
+            "--clearenv",
+        ]
+        for key, value in env.items():
+            bwrap += ["--setenv", key, value]
+        bwrap += ["--", *argv]
+        return [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "--",
+            "/bin/sh",
+            "-c",
+            _MOUNT_THEN_EXEC,
+            "fleet-mount",
+            str(self.spec.rootfs),
+            str(self.root / "upper"),
+            str(self.root / "work"),
+            str(self.root / "merged"),
+            *bwrap,
+        ]
+
+    async def exec(
+        self,
+        argv: list[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        workdir: str | None = None,
+        timeout_s: float,
+        max_output_bytes: int = MAX_OUTPUT_BYTES,
+        on_output: OutputSink | None = None,
+    ) -> ExecResult:
+        if self._deleted:
+            raise Unavailable(f"machine {self._name} was deleted")
+        cwd = workdir or self.spec.smolfile.workdir or "/"
+        full = self._argv(argv, machine_env(self.spec, env), cwd)
+        started = time.monotonic()
+        proc = await asyncio.create_subprocess_exec(
+            *full,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+        )
+        self._running.add(proc)
+        timed_out = False
+        try:
+            readers = asyncio.gather(
+                read_bounded(proc.stdout, max_output_bytes, "stdout", on_output),
+                read_bounded(proc.stderr, max_output_bytes, "stderr", on_output),
+                proc.wait(),
+            )
+            try:
+                (out, out_cut), (err, err_cut), code = await asyncio.wait_for(
+                    asyncio.shield(readers), timeout_s
+                )
+            except TimeoutError:
+                timed_out = True
+                self._kill(proc)
+                (out, out_cut), (err, err_cut), code = await readers
+        finally:
+            self._kill(proc)
+            self._running.discard(proc)
+        if code == 125 and not timed_out and b"mount" in err:
+            raise Unavailable(f"machine {self._name}: cannot mount its disk: {err.decode()[-500:]}")
+        return ExecResult(
+            exit_code=-int(signal.SIGKILL) if timed_out else code,
+            stdout=out,
+            stderr=err,
+            stdout_truncated=out_cut,
+            stderr_truncated=err_cut,
+            timed_out=timed_out,
+            duration_s=time.monotonic() - started,
+        )
+
+    @staticmethod
+    def _kill(proc: asyncio.subprocess.Process) -> None:
+        # The whole process group: unshare, then bwrap in its place. bwrap's pid 1 dies with it
+        # (--die-with-parent), and the kernel kills everything left in that pid namespace.
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+
+    async def delete(self) -> None:
+        if self._deleted:
+            return
+        self._deleted = True
+        for proc in list(self._running):
+            self._kill(proc)
+            with contextlib.suppress(ProcessLookupError):
+                await proc.wait()
+        await asyncio.to_thread(shutil.rmtree, self.root, True)
+        log.info("machine_deleted", machine=self._name, runtime="namespace")
+
+
+class NamespaceRuntime:
+    """Machines as namespace sandboxes under `machines_dir`."""
+
+    kind = RuntimeKind.NAMESPACE
+    isolation = Isolation.NAMESPACE
+
+    def __init__(self, machines_dir: Path) -> None:
+        self.machines_dir = machines_dir
+        missing = missing_tools()
+        if missing:
+            raise Unavailable(
+                f"the namespace runtime needs {', '.join(missing)} on PATH "
+                "(scripts/setup installs bubblewrap)"
+            )
+
+    async def create(self, spec: MachineSpec) -> NamespaceMachine:
+        if spec.smolfile.egress_requested:
+            log.warning(
+                "egress_kept_off",
+                machine=spec.name,
+                reason="the namespace runtime does not enforce egress allowlists yet; "
+                "the machine gets loopback only",
+            )
+        root = self.machines_dir / f"{spec.name}-{uuid.uuid4().hex[:8]}"
+        for sub in ("upper", "work", "merged"):
+            (root / sub).mkdir(parents=True, exist_ok=True)
+        (root / "labels.json").write_text(json.dumps(spec.labels, sort_keys=True))
+        machine = NamespaceMachine(spec, root)
+        log.info("machine_created", machine=spec.name, runtime="namespace", **spec.labels)
+        return machine
+
+    async def list_machines(self, labels: Mapping[str, str]) -> list[str]:
+        found: list[str] = []
+        if not self.machines_dir.exists():
+            return found
+        for entry in sorted(self.machines_dir.iterdir()):
+            try:
+                have = json.loads((entry / "labels.json").read_text())
+            except (OSError, ValueError):
+                continue
+            if all(have.get(k) == v for k, v in labels.items()):
+                found.append(entry.name)
+        return found

@@ -1,0 +1,291 @@
+"""The smol runtime: microVMs through the smolmachines SDK. The only module importing `smol`.
+
+The Smolfile maps onto `smol.MachineConfig` here, key by key: mapped, emulated honestly (`init`
+becomes recorded first-boot execs run by the agent; `[health]` a readiness probe), or refused
+with an error naming the key. Nothing is dropped in silence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from fleet.core.errors import (
+    Aborted,
+    AlreadyExists,
+    Cancelled,
+    DeadlineExceeded,
+    FailedPrecondition,
+    FleetError,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
+from fleet.core.placement import Isolation, RuntimeKind
+from fleet.core.rollout import MAX_OUTPUT_BYTES
+from fleet.core.smolfile import Smolfile
+from fleet.runtime.base import ExecResult, MachineSpec, machine_env
+from fleet.runtime.output import OutputSink
+
+log = structlog.get_logger(__name__)
+
+# Every SmolError code the SDK documents, translated once.
+SMOL_ERROR_MAP: dict[str, type[FleetError]] = {
+    "NOT_FOUND": NotFound,
+    "CONFLICT": AlreadyExists,
+    "INTERRUPTED": Aborted,
+    "CONFIG_ERROR": InvalidArgument,
+    "INVALID_CONFIG": InvalidArgument,
+    "INVALID_STATE": FailedPrecondition,
+    "STORAGE_ERROR": Unavailable,
+    "MOUNT_ERROR": Unavailable,
+    "KVM_UNAVAILABLE": Unavailable,
+    "HYPERVISOR_UNAVAILABLE": Unavailable,
+    "UNSUPPORTED_PLATFORM": Unavailable,
+    "RUNTIME_NOT_INSTALLED": Unavailable,
+    "COMMAND_FAILED": Internal,
+    "SMOLVM_ERROR": Internal,
+    "TIMEOUT": DeadlineExceeded,
+    "NOT_SUPPORTED": FailedPrecondition,
+    "CANCELLED": Cancelled,
+}
+
+
+def translate_error(exc: BaseException) -> FleetError:
+    """A SmolError (or any SDK exception) as the fleet error of the same meaning."""
+    from smol import wrap_native_error
+
+    err = wrap_native_error(exc)
+    kind = SMOL_ERROR_MAP.get(err.code, Internal)
+    return kind(f"smol {err.code}: {err.message}")
+
+
+def machine_config(spec: MachineSpec) -> Any:
+    """The `smol.MachineConfig` for a machine spec; refuses what the SDK cannot express."""
+    from smol import CredentialSpec, MachineConfig, ResourceSpec
+
+    sf: Smolfile = spec.smolfile
+    network = sf.network
+    allow_hosts = list(network.allow_hosts) if network else []
+    allow_cidrs = list(network.allow_cidrs) if network else []
+    egress = bool(sf.net) or bool(allow_hosts or allow_cidrs)
+    credentials = []
+    for index, cred in enumerate(network.credentials if network else []):
+        if cred.name not in spec.secrets:
+            raise InvalidArgument(
+                f"network.credentials[{index}]: credential {cred.name!r} has no value: declare "
+                f'it in [secrets] as {cred.name} = {{ from_env = "VAR" }}'
+            )
+        credentials.append(
+            CredentialSpec(
+                name=cred.name,
+                env_var=cred.environment_variable,
+                hosts=list(cred.allowed_hosts),
+                value=spec.secrets[cred.name],
+            )
+        )
+    if sf.restart and sf.restart.policy not in (None, "never"):
+        raise InvalidArgument(
+            f"restart.policy = {sf.restart.policy!r}: a rollout's machine runs its plan once; "
+            "retries follow the rollout's retry policy (use 'never' or leave it out)"
+        )
+    resources = ResourceSpec(
+        cpus=sf.cpus_effective,
+        memory_mb=sf.memory_mib_effective,
+        network=egress,
+        allow_hosts=allow_hosts or None,
+        allow_cidrs=allow_cidrs or None,
+        storage_gb=sf.storage,
+        overlay_gb=sf.overlay,
+        gpu=sf.gpu,
+        gpu_vram_mib=sf.gpu_vram,
+        cuda=sf.cuda,
+    )
+    command = [*sf.entrypoint, *sf.cmd] or None
+    env = dict(sf.env_map)
+    env.update(spec.secrets)
+    return MachineConfig(
+        name=spec.name,
+        image=str(spec.rootfs),
+        labels=dict(spec.labels),
+        command=command,
+        env=env or None,
+        workdir=sf.workdir,
+        user=sf.user,
+        resources=resources,
+        network=egress,
+        branchable=bool(sf.branch and sf.branch.enabled) or None,
+    )
+
+
+class SmolMachine:
+    def __init__(self, machine: Any, spec: MachineSpec) -> None:
+        self._machine = machine
+        self.spec = spec
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    async def exec(
+        self,
+        argv: list[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        workdir: str | None = None,
+        timeout_s: float,
+        max_output_bytes: int = MAX_OUTPUT_BYTES,
+        on_output: OutputSink | None = None,
+    ) -> ExecResult:
+        from smol import ExecOptions, SmolError
+
+        opts = ExecOptions(
+            env=machine_env(self.spec, env),
+            workdir=workdir or self.spec.smolfile.workdir,
+            timeout=timeout_s,
+        )
+        started = time.monotonic()
+        try:
+            result = await self._machine.exec(argv, opts)
+        except SmolError as exc:
+            if exc.code == "TIMEOUT":
+                return ExecResult(exit_code=-9, timed_out=True, duration_s=timeout_s)
+            raise translate_error(exc) from exc
+        out, err = result.stdout_bytes or result.stdout.encode(), result.stderr_bytes or b""
+        if not err and result.stderr:
+            err = result.stderr.encode()
+        if on_output is not None:  # the SDK's exec returns output whole, not as it arrives
+            on_output("stdout", out)
+            on_output("stderr", err)
+        return ExecResult(
+            exit_code=result.exit_code,
+            stdout=out[:max_output_bytes],
+            stderr=err[:max_output_bytes],
+            stdout_truncated=len(out) > max_output_bytes or result.stdout_truncated,
+            stderr_truncated=len(err) > max_output_bytes or result.stderr_truncated,
+            duration_s=time.monotonic() - started,
+        )
+
+    async def delete(self) -> None:
+        from smol import SmolError
+
+        try:
+            await self._machine.delete()
+        except SmolError as exc:
+            raise translate_error(exc) from exc
+
+
+class SmolRuntime:
+    kind = RuntimeKind.SMOL
+    isolation = Isolation.VM
+
+    async def create(self, spec: MachineSpec) -> SmolMachine:
+        from smol import AsyncMachine, ConnectOptions, SmolError
+
+        config = machine_config(spec)
+        try:
+            machine = await AsyncMachine.create(config, ConnectOptions(target="local"))
+        except SmolError as exc:
+            raise translate_error(exc) from exc
+        return SmolMachine(machine, spec)
+
+    async def list_machines(self, labels: Mapping[str, str]) -> list[str]:
+        from smol import ConnectOptions, Machine
+
+        found = await asyncio.to_thread(Machine.list, ConnectOptions(target="local"), dict(labels))
+        return [m.name for m in found]
+
+
+# -- preflight -------------------------------------------------------------------------------
+
+
+def sdk_availability() -> tuple[bool, str]:
+    """Whether the SDK loads and its own host checks pass (it cannot see PVM)."""
+    try:
+        from smol import local_availability
+    except ImportError as exc:  # pragma: no cover - the package is a pinned dependency
+        return False, f"the smolmachines SDK does not import: {exc}"
+    ok, code, reason = local_availability()
+    return bool(ok), "" if ok else f"{code}: {reason}"
+
+
+def static_kvm_verdict(
+    sys_module: Path = Path("/sys/module"), cpuinfo: Path = Path("/proc/cpuinfo")
+) -> str | None:
+    """A reason microVMs cannot boot, read from the host without booting; None if none found."""
+    if not Path("/dev/kvm").exists():
+        return "/dev/kvm does not exist"
+    if (sys_module / "kvm_pvm").exists():
+        return (
+            "/dev/kvm is PVM nested virtualization (kvm_pvm module loaded): "
+            "libkrun guests cannot boot on it"
+        )
+    try:
+        flags = cpuinfo.read_text()
+    except OSError:
+        return None
+    if " vmx" not in flags and " svm" not in flags:
+        return "the CPU exposes no hardware virtualization (no vmx or svm flag)"
+    return None
+
+
+def canary_boot(image: Path, deadline_s: float = 60.0) -> tuple[bool, str]:
+    """Boots one machine in a killable child process with a hard deadline."""
+    code = (
+        "import sys\n"
+        "from smol import Machine, MachineConfig, ConnectOptions\n"
+        "with Machine.create(MachineConfig(name='fleet-canary', image=sys.argv[1],"
+        " labels={'fleet': 'canary'}), ConnectOptions(target='local')) as m:\n"
+        "    r = m.exec(['/bin/sh', '-c', 'echo fleet-canary-ok'])\n"
+        "    sys.exit(0 if b'fleet-canary-ok' in (r.stdout_bytes or r.stdout.encode()) else 3)\n"
+    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", code, str(image)],
+            capture_output=True,
+            text=True,
+            timeout=deadline_s,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return False, f"canary boot did not finish within {deadline_s:.0f}s"
+    if proc.returncode == 0:
+        return True, "canary microVM booted and ran a command"
+    return False, f"canary boot failed (exit {proc.returncode}): {proc.stderr.strip()[-400:]}"
+
+
+def boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
+def preflight(cache_dir: Path, canary_image: Path | None) -> tuple[bool, str]:
+    """Can microVMs boot on this host? Cached per host boot; never makes a user wait."""
+    ok, reason = sdk_availability()
+    if not ok:
+        return False, reason
+    static = static_kvm_verdict()
+    if static:
+        return False, static
+    cache = cache_dir / f"smol-preflight-{boot_id()}.txt"
+    if cache.exists():
+        verdict, _, cached_reason = cache.read_text().partition("\n")
+        return verdict == "ok", cached_reason
+    if canary_image is None:
+        return False, "no image to run the canary boot with"
+    ok, reason = canary_boot(canary_image)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    cache.write_text(("ok" if ok else "no") + "\n" + reason)
+    os.chmod(cache, 0o644)
+    return ok, reason

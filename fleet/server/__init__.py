@@ -1,0 +1,1 @@
+"""Thin gRPC servicers: decode, call the ledger and core, encode, map errors."""

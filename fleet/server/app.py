@@ -1,0 +1,329 @@
+"""The fleet server: FleetService and HostService over one ledger, health and reflection on."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, host_pb2, host_pb2_grpc, types_pb2
+from fleet.core.errors import FailedPrecondition, FleetError, InvalidArgument
+from fleet.core.manifest import build_manifest, validate_request
+from fleet.core.placement import unservable_reason
+from fleet.image.store import ImageStore
+from fleet.ledger.store import Ledger
+from fleet.server import convert
+from fleet.server.status import STATUS_FOR, mapped
+
+log = structlog.get_logger(__name__)
+T = TypeVar("T")
+
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+MAX_CLAIM_WAIT_S = 30.0
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Server tunables."""
+
+    lease_ttl_s: float = 15.0
+    """How long a lease lives without a heartbeat."""
+    heartbeat_interval_s: float = 3.0
+    """How often agents are told to beat."""
+    sweep_interval_s: float = 0.5
+    """How often expired leases and missed deadlines are handled."""
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    """Largest request accepted; bigger ones get RESOURCE_EXHAUSTED."""
+
+
+class Pulse:
+    """Wakes every waiter when something changed; waiters also time out and look again."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def fire(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait(self, timeout_s: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._event.wait(), timeout_s)
+
+
+class Core:
+    """Shared state of the servicers: the ledger on one worker thread, and wake-ups."""
+
+    def __init__(self, ledger: Ledger, images: ImageStore, config: ServerConfig) -> None:
+        self.ledger = ledger
+        self.images = images
+        self.config = config
+        self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger")
+        self.work_pulse = Pulse()
+        self.event_pulse = Pulse()
+
+    async def db(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._db, fn, *args)
+
+    def changed(self) -> None:
+        self.work_pulse.fire()
+        self.event_pulse.fire()
+
+    def close(self) -> None:
+        self._db.shutdown(wait=True)
+
+
+class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
+    def __init__(self, core: Core) -> None:
+        self.core = core
+
+    @mapped
+    async def SubmitRollout(
+        self, request: fleet_pb2.SubmitRolloutRequest, context: grpc.aio.ServicerContext
+    ) -> fleet_pb2.SubmitRolloutResponse:
+        now = datetime.now(UTC)
+        submit = convert.submit_from_pb(request)
+        parsed = validate_request(submit, now)
+        image_digest = await self.core.db(self.core.images.resolve, parsed.spec.image)
+        manifest = build_manifest(submit, parsed, image_digest, now)
+        hosts = await self.core.db(self.core.ledger.hosts)
+        reason = unservable_reason(hosts, manifest.host_class, manifest.requirements)
+        if reason:
+            raise FailedPrecondition(reason)
+        rollout, created = await self.core.db(
+            self.core.ledger.submit, submit, manifest, now.timestamp()
+        )
+        if created:
+            self.core.changed()
+        log.info(
+            "rollout_submitted",
+            rollout_id=rollout.id,
+            created=created,
+            request_id=request.request_id,
+            host_class=manifest.host_class,
+        )
+        return fleet_pb2.SubmitRolloutResponse(
+            rollout=convert.rollout_to_pb(rollout), created=created
+        )
+
+    @mapped
+    async def GetRollout(
+        self, request: fleet_pb2.GetRolloutRequest, context: grpc.aio.ServicerContext
+    ) -> types_pb2.Rollout:
+        return convert.rollout_to_pb(await self.core.db(self.core.ledger.get, request.id))
+
+    @mapped
+    async def ListRollouts(
+        self, request: fleet_pb2.ListRolloutsRequest, context: grpc.aio.ServicerContext
+    ) -> fleet_pb2.ListRolloutsResponse:
+        rollouts, token = await self.core.db(
+            self.core.ledger.list_rollouts,
+            request.page_size,
+            request.page_token,
+            dict(request.labels),
+        )
+        return fleet_pb2.ListRolloutsResponse(
+            rollouts=[convert.rollout_to_pb(r) for r in rollouts], next_page_token=token
+        )
+
+    async def WatchRollout(
+        self, request: fleet_pb2.WatchRolloutRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[types_pb2.RolloutEvent]:
+        after = request.after_sequence
+        if after < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "after_sequence is negative")
+        while True:
+            try:
+                events = await self.core.db(self.core.ledger.events, request.id, after)
+                rollout = None if events else await self.core.db(self.core.ledger.get, request.id)
+            except FleetError as exc:
+                await context.abort(STATUS_FOR[exc.code], exc.message)
+                return
+            for e in events:
+                after = e.sequence
+                yield convert.event_to_pb(e)
+            if rollout is not None and rollout.state.final:
+                return
+            if not events:
+                await self.core.event_pulse.wait(1.0)
+
+    @mapped
+    async def CancelRollout(
+        self, request: fleet_pb2.CancelRolloutRequest, context: grpc.aio.ServicerContext
+    ) -> types_pb2.Rollout:
+        actor = f"request:{request.request_id}" if request.request_id else "client"
+        rollout = await self.core.db(
+            self.core.ledger.cancel, request.id, request.reason, actor, time.time()
+        )
+        self.core.changed()
+        return convert.rollout_to_pb(rollout)
+
+
+class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
+    def __init__(self, core: Core) -> None:
+        self.core = core
+
+    @mapped
+    async def RegisterHost(
+        self, request: host_pb2.RegisterHostRequest, context: grpc.aio.ServicerContext
+    ) -> host_pb2.RegisterHostResponse:
+        caps = convert.capabilities_from_pb(request)
+        await self.core.db(self.core.ledger.register_host, caps, time.time())
+        log.info(
+            "host_registered",
+            host_id=caps.host_id,
+            host_class=caps.host_class,
+            runtime=caps.runtime,
+            isolation=caps.isolation,
+            reason=caps.runtime_reason,
+        )
+        return host_pb2.RegisterHostResponse(
+            host_id=caps.host_id,
+            lease_ttl_s=self.core.config.lease_ttl_s,
+            heartbeat_interval_s=self.core.config.heartbeat_interval_s,
+        )
+
+    @mapped
+    async def Heartbeat(
+        self, request: host_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> host_pb2.HeartbeatResponse:
+        now = time.time()
+        leases = [(lease.work_id, lease.fencing_token) for lease in request.leases]
+        renewed, stop = await self.core.db(
+            self.core.ledger.heartbeat, request.host_id, leases, now, self.core.config.lease_ttl_s
+        )
+        return host_pb2.HeartbeatResponse(
+            renewed=[host_pb2.LeaseRef(work_id=w, fencing_token=t) for w, t in renewed],
+            stop_work_ids=stop,
+            lease_expires_at=convert.ts(
+                datetime.fromtimestamp(now + self.core.config.lease_ttl_s, UTC)
+            ),
+        )
+
+    @mapped
+    async def ClaimWork(
+        self, request: host_pb2.ClaimWorkRequest, context: grpc.aio.ServicerContext
+    ) -> host_pb2.ClaimWorkResponse:
+        if request.max_items < 1:
+            raise InvalidArgument("max_items must be at least 1")
+        wait_s = min(max(request.wait_s, 0.0), MAX_CLAIM_WAIT_S)
+        give_up = time.monotonic() + wait_s
+        while True:
+            items = await self.core.db(
+                self.core.ledger.claim,
+                request.host_id,
+                request.max_items,
+                time.time(),
+                self.core.config.lease_ttl_s,
+            )
+            if items:
+                self.core.event_pulse.fire()
+                return host_pb2.ClaimWorkResponse(
+                    items=[convert.assignment_to_pb(a) for a in items]
+                )
+            left = give_up - time.monotonic()
+            if left <= 0 or context.done():
+                return host_pb2.ClaimWorkResponse()
+            # Woken by new work; the timeout also catches retries whose backoff just ended.
+            await self.core.work_pulse.wait(min(left, 0.5))
+
+    @mapped
+    async def CompleteWork(
+        self, request: host_pb2.CompleteWorkRequest, context: grpc.aio.ServicerContext
+    ) -> host_pb2.CompleteWorkResponse:
+        report = convert.completion_from_pb(request)
+        state = await self.core.db(self.core.ledger.complete, request.host_id, report, time.time())
+        self.core.changed()
+        log.info(
+            "work_completed",
+            work_id=request.work_id,
+            host_id=request.host_id,
+            outcome=report.outcome,
+            state=state,
+            request_id=request.request_id,
+        )
+        return host_pb2.CompleteWorkResponse(state=convert.STATE_TO_PB[state])
+
+
+async def _sweeper(core: Core) -> None:
+    while True:
+        try:
+            if await core.db(core.ledger.sweep, time.time()):
+                core.changed()
+        except Exception:
+            log.exception("sweep_failed")
+        await asyncio.sleep(core.config.sweep_interval_s)
+
+
+class FleetServer:
+    """A running server: `await start()`, then `await stop()`."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        images: ImageStore,
+        listen: str = "127.0.0.1:0",
+        config: ServerConfig | None = None,
+    ) -> None:
+        self.config = config or ServerConfig()
+        self.core = Core(ledger, images, self.config)
+        self.listen = listen
+        self.port = 0
+        self._server: grpc.aio.Server | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+
+    @property
+    def address(self) -> str:
+        host = self.listen.rsplit(":", 1)[0]
+        return f"{host}:{self.port}"
+
+    async def start(self) -> None:
+        limit = self.config.max_message_bytes
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.max_send_message_length", limit * 4),
+            ]
+        )
+        fleet_pb2_grpc.add_FleetServiceServicer_to_server(FleetServicer(self.core), server)
+        host_pb2_grpc.add_HostServiceServicer_to_server(HostServicer(self.core), server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        names = [
+            fleet_pb2.DESCRIPTOR.services_by_name["FleetService"].full_name,
+            host_pb2.DESCRIPTOR.services_by_name["HostService"].full_name,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ]
+        reflection.enable_server_reflection(names, server)
+        self.port = server.add_insecure_port(self.listen)
+        if self.port == 0:
+            raise FailedPrecondition(f"cannot listen on {self.listen}")
+        await server.start()
+        for name in ["", *names[:2]]:
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._server = server
+        self._sweeper = asyncio.create_task(_sweeper(self.core))
+        log.info("server_started", address=self.address)
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        if self._sweeper:
+            self._sweeper.cancel()
+        if self._server:
+            await self._server.stop(grace_s)
+        self.core.close()
+        log.info("server_stopped", address=self.address)
+
+    async def wait(self) -> None:
+        assert self._server is not None
+        await self._server.wait_for_termination()

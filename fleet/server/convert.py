@@ -1,0 +1,333 @@
+"""Proto <-> domain conversion. Protos stop here and in fleet/agent."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from fleet._proto.fleet.v1 import fleet_pb2, host_pb2, types_pb2
+from fleet.core.errors import InvalidArgument
+from fleet.core.lifecycle import Outcome, RolloutState
+from fleet.core.manifest import Manifest, Step, SubmitRequest, Versions
+from fleet.core.placement import HostCapabilities, HostClass, Isolation, Requirements, RuntimeKind
+from fleet.core.retry import RetryPolicy
+from fleet.core.rollout import Assignment, Completion, Rollout, RolloutEvent, StepResult
+
+HOST_CLASS_TO_PB = {
+    HostClass.GPU: types_pb2.HOST_CLASS_GPU,
+    HostClass.CPU: types_pb2.HOST_CLASS_CPU,
+}
+HOST_CLASS_FROM_PB = {v: k for k, v in HOST_CLASS_TO_PB.items()}
+ISOLATION_TO_PB = {
+    Isolation.ANY: types_pb2.ISOLATION_UNSPECIFIED,
+    Isolation.NAMESPACE: types_pb2.ISOLATION_NAMESPACE,
+    Isolation.VM: types_pb2.ISOLATION_VM,
+}
+ISOLATION_FROM_PB = {v: k for k, v in ISOLATION_TO_PB.items()}
+RUNTIME_TO_PB = {
+    RuntimeKind.SMOL: types_pb2.RUNTIME_KIND_SMOL,
+    RuntimeKind.NAMESPACE: types_pb2.RUNTIME_KIND_NAMESPACE,
+}
+RUNTIME_FROM_PB = {v: k for k, v in RUNTIME_TO_PB.items()}
+STATE_TO_PB = {
+    RolloutState.QUEUED: types_pb2.ROLLOUT_STATE_QUEUED,
+    RolloutState.RUNNING: types_pb2.ROLLOUT_STATE_RUNNING,
+    RolloutState.SUCCEEDED: types_pb2.ROLLOUT_STATE_SUCCEEDED,
+    RolloutState.FAILED: types_pb2.ROLLOUT_STATE_FAILED,
+    RolloutState.CANCELLED: types_pb2.ROLLOUT_STATE_CANCELLED,
+}
+STATE_FROM_PB = {v: k for k, v in STATE_TO_PB.items()}
+OUTCOME_TO_PB = {
+    Outcome.SUCCEEDED: types_pb2.OUTCOME_SUCCEEDED,
+    Outcome.STEP_FAILED: types_pb2.OUTCOME_STEP_FAILED,
+    Outcome.TRANSIENT_ERROR: types_pb2.OUTCOME_TRANSIENT_ERROR,
+    Outcome.CANCELLED: types_pb2.OUTCOME_CANCELLED,
+}
+OUTCOME_FROM_PB = {v: k for k, v in OUTCOME_TO_PB.items()}
+
+
+def ts(value: datetime | None) -> Timestamp | None:
+    if value is None:
+        return None
+    out = Timestamp()
+    out.FromDatetime(value.astimezone(UTC))
+    return out
+
+
+def from_ts(value: Timestamp) -> datetime:
+    out: datetime = value.ToDatetime(tzinfo=UTC)
+    return out
+
+
+def step_to_pb(step: Step) -> types_pb2.Step:
+    return types_pb2.Step(
+        argv=list(step.argv),
+        env=step.env,
+        workdir=step.workdir or "",
+        timeout_s=step.timeout_s,
+        name=step.name,
+    )
+
+
+def step_from_pb(step: types_pb2.Step, index: int) -> Step:
+    kwargs: dict[str, object] = {"argv": tuple(step.argv), "env": dict(step.env)}
+    if step.workdir:
+        kwargs["workdir"] = step.workdir
+    if step.timeout_s:
+        kwargs["timeout_s"] = step.timeout_s
+    kwargs["name"] = step.name or f"step-{index}"
+    return Step.model_validate(kwargs)
+
+
+def retry_from_pb(retry: types_pb2.RetryPolicy) -> RetryPolicy:
+    kwargs: dict[str, object] = {}
+    if retry.max_attempts:
+        kwargs["max_attempts"] = retry.max_attempts
+    if retry.initial_backoff_s:
+        kwargs["initial_backoff_s"] = retry.initial_backoff_s
+    if retry.max_backoff_s:
+        kwargs["max_backoff_s"] = retry.max_backoff_s
+    try:
+        return RetryPolicy.model_validate(kwargs)
+    except ValueError as exc:
+        raise InvalidArgument(f"retry: {exc}") from None
+
+
+def submit_from_pb(req: fleet_pb2.SubmitRolloutRequest) -> SubmitRequest:
+    isolation = ISOLATION_FROM_PB.get(req.requirements.isolation)
+    if isolation is None:
+        raise InvalidArgument(f"requirements.isolation: unknown value {req.requirements.isolation}")
+    return SubmitRequest(
+        idempotency_key=req.idempotency_key,
+        smolfile=req.smolfile,
+        smolfile_name=req.smolfile_name or "<smolfile>",
+        steps=tuple(step_from_pb(s, i) for i, s in enumerate(req.steps)),
+        deadline=from_ts(req.deadline) if req.HasField("deadline") else None,
+        retry=retry_from_pb(req.retry),
+        versions=Versions(
+            policy=req.versions.policy,
+            environment=req.versions.environment,
+            evaluator=req.versions.evaluator,
+        ),
+        labels=dict(req.labels),
+        tenant=req.tenant or "default",
+        requirements=Requirements(isolation=isolation, cuda_device=req.requirements.cuda_device),
+        priority=req.priority,
+    )
+
+
+def manifest_to_pb(m: Manifest) -> types_pb2.Manifest:
+    return types_pb2.Manifest(
+        digest=m.digest,
+        smolfile=m.smolfile,
+        smolfile_name=m.smolfile_name,
+        smolfile_digest=m.smolfile_digest,
+        image_ref=m.image_ref,
+        image_digest=m.image_digest,
+        steps=[step_to_pb(s) for s in m.steps],
+        deadline=ts(m.deadline),
+        retry=types_pb2.RetryPolicy(
+            max_attempts=m.retry.max_attempts,
+            initial_backoff_s=m.retry.initial_backoff_s,
+            max_backoff_s=m.retry.max_backoff_s,
+        ),
+        versions=types_pb2.Versions(
+            policy=m.versions.policy,
+            environment=m.versions.environment,
+            evaluator=m.versions.evaluator,
+        ),
+        requirements=types_pb2.Requirements(
+            isolation=ISOLATION_TO_PB[m.requirements.isolation],
+            cuda_device=m.requirements.cuda_device,
+        ),
+        host_class=HOST_CLASS_TO_PB[m.host_class],
+    )
+
+
+def manifest_from_pb(m: types_pb2.Manifest) -> Manifest:
+    return Manifest(
+        smolfile=m.smolfile,
+        smolfile_name=m.smolfile_name,
+        smolfile_digest=m.smolfile_digest,
+        image_ref=m.image_ref,
+        image_digest=m.image_digest,
+        steps=tuple(step_from_pb(s, i) for i, s in enumerate(m.steps)),
+        deadline=from_ts(m.deadline),
+        retry=retry_from_pb(m.retry),
+        versions=Versions(
+            policy=m.versions.policy,
+            environment=m.versions.environment,
+            evaluator=m.versions.evaluator,
+        ),
+        requirements=Requirements(
+            isolation=ISOLATION_FROM_PB[m.requirements.isolation],
+            cuda_device=m.requirements.cuda_device,
+        ),
+        host_class=HOST_CLASS_FROM_PB[m.host_class],
+    )
+
+
+def result_to_pb(r: StepResult) -> types_pb2.StepResult:
+    return types_pb2.StepResult(
+        index=r.index,
+        name=r.name,
+        exit_code=r.exit_code,
+        timed_out=r.timed_out,
+        duration_s=r.duration_s,
+        stdout=r.stdout,
+        stderr=r.stderr,
+        stdout_truncated=r.stdout_truncated,
+        stderr_truncated=r.stderr_truncated,
+        stdout_digest=r.stdout_digest,
+        stderr_digest=r.stderr_digest,
+    )
+
+
+def result_from_pb(r: types_pb2.StepResult) -> StepResult:
+    return StepResult(
+        index=r.index,
+        name=r.name,
+        exit_code=r.exit_code,
+        timed_out=r.timed_out,
+        duration_s=r.duration_s,
+        stdout=r.stdout,
+        stderr=r.stderr,
+        stdout_truncated=r.stdout_truncated,
+        stderr_truncated=r.stderr_truncated,
+        stdout_digest=r.stdout_digest,
+        stderr_digest=r.stderr_digest,
+    )
+
+
+def rollout_to_pb(r: Rollout) -> types_pb2.Rollout:
+    return types_pb2.Rollout(
+        id=r.id,
+        state=STATE_TO_PB[r.state],
+        tenant=r.tenant,
+        idempotency_key=r.idempotency_key,
+        labels=r.labels,
+        manifest=manifest_to_pb(r.manifest),
+        host_class=HOST_CLASS_TO_PB[r.host_class],
+        attempts=r.attempts,
+        results=[result_to_pb(x) for x in r.results],
+        error=r.error,
+        host_id=r.host_id,
+        runtime=RUNTIME_TO_PB[RuntimeKind(r.runtime)]
+        if r.runtime
+        else types_pb2.RUNTIME_KIND_UNSPECIFIED,
+        device=r.device,
+        created_at=ts(r.created_at),
+        started_at=ts(r.started_at),
+        finished_at=ts(r.finished_at),
+    )
+
+
+def event_to_pb(e: RolloutEvent) -> types_pb2.RolloutEvent:
+    return types_pb2.RolloutEvent(
+        sequence=e.sequence,
+        rollout_id=e.rollout_id,
+        kind=e.kind,
+        from_state=STATE_TO_PB[e.from_state]
+        if e.from_state
+        else types_pb2.ROLLOUT_STATE_UNSPECIFIED,
+        to_state=STATE_TO_PB[e.to_state] if e.to_state else types_pb2.ROLLOUT_STATE_UNSPECIFIED,
+        actor=e.actor,
+        at=ts(e.at),
+        message=e.message,
+        attempt=e.attempt,
+    )
+
+
+def capabilities_from_pb(req: host_pb2.RegisterHostRequest) -> HostCapabilities:
+    if not req.host_id:
+        raise InvalidArgument("host_id is empty")
+    host_class = HOST_CLASS_FROM_PB.get(req.host_class)
+    if host_class is None:
+        raise InvalidArgument("host_class must be HOST_CLASS_GPU or HOST_CLASS_CPU")
+    caps = req.capabilities
+    runtime = RUNTIME_FROM_PB.get(caps.runtime)
+    if runtime is None:
+        raise InvalidArgument("capabilities.runtime must be RUNTIME_KIND_SMOL or _NAMESPACE")
+    isolation = ISOLATION_FROM_PB.get(caps.isolation)
+    if isolation in (None, Isolation.ANY):
+        raise InvalidArgument("capabilities.isolation must be ISOLATION_NAMESPACE or ISOLATION_VM")
+    assert isolation is not None
+    return HostCapabilities(
+        host_id=req.host_id,
+        host_class=host_class,
+        runtime=runtime,
+        isolation=isolation,
+        cpus=caps.cpus,
+        memory_mib=caps.memory_mib,
+        cuda_devices=caps.cuda_devices,
+        slots=max(1, caps.slots),
+        device=caps.device or "cpu",
+        runtime_reason=caps.runtime_reason,
+    )
+
+
+def capabilities_to_pb(c: HostCapabilities) -> host_pb2.Capabilities:
+    return host_pb2.Capabilities(
+        runtime=RUNTIME_TO_PB[c.runtime],
+        isolation=ISOLATION_TO_PB[c.isolation],
+        cpus=c.cpus,
+        memory_mib=c.memory_mib,
+        cuda_devices=c.cuda_devices,
+        slots=c.slots,
+        runtime_reason=c.runtime_reason,
+        device=c.device,
+    )
+
+
+def assignment_to_pb(a: Assignment) -> host_pb2.WorkAssignment:
+    return host_pb2.WorkAssignment(
+        work_id=a.work_id,
+        rollout_id=a.rollout_id,
+        attempt=a.attempt,
+        fencing_token=a.fencing_token,
+        lease_expires_at=ts(a.lease_expires_at),
+        manifest=manifest_to_pb(a.manifest),
+    )
+
+
+def assignment_from_pb(a: host_pb2.WorkAssignment) -> Assignment:
+    return Assignment(
+        work_id=a.work_id,
+        rollout_id=a.rollout_id,
+        attempt=a.attempt,
+        fencing_token=a.fencing_token,
+        lease_expires_at=from_ts(a.lease_expires_at),
+        manifest=manifest_from_pb(a.manifest),
+    )
+
+
+def completion_from_pb(req: host_pb2.CompleteWorkRequest) -> Completion:
+    outcome = OUTCOME_FROM_PB.get(req.outcome)
+    if outcome is None:
+        raise InvalidArgument("outcome must be set (OUTCOME_SUCCEEDED, _STEP_FAILED, ...)")
+    return Completion(
+        work_id=req.work_id,
+        fencing_token=req.fencing_token,
+        outcome=outcome,
+        results=tuple(result_from_pb(r) for r in req.results),
+        error=req.error,
+        runtime=RUNTIME_FROM_PB[req.runtime].value if req.runtime in RUNTIME_FROM_PB else "",
+        device=req.device,
+    )
+
+
+def completion_to_pb(host_id: str, c: Completion, request_id: str) -> host_pb2.CompleteWorkRequest:
+    return host_pb2.CompleteWorkRequest(
+        request_id=request_id,
+        host_id=host_id,
+        work_id=c.work_id,
+        fencing_token=c.fencing_token,
+        outcome=OUTCOME_TO_PB[c.outcome],
+        results=[result_to_pb(r) for r in c.results],
+        error=c.error,
+        runtime=RUNTIME_TO_PB[RuntimeKind(c.runtime)]
+        if c.runtime
+        else types_pb2.RUNTIME_KIND_UNSPECIFIED,
+        device=c.device,
+    )

@@ -1,0 +1,48 @@
+"""Fleet errors leave the server through this one chokepoint as canonical gRPC statuses."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+import structlog
+
+from fleet.core.errors import ErrorCode, FleetError
+
+log = structlog.get_logger(__name__)
+
+STATUS_FOR: dict[ErrorCode, grpc.StatusCode] = {
+    ErrorCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorCode.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    ErrorCode.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
+    ErrorCode.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+    ErrorCode.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorCode.ABORTED: grpc.StatusCode.ABORTED,
+    ErrorCode.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
+    ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorCode.CANCELLED: grpc.StatusCode.CANCELLED,
+    ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+
+def mapped(method: F) -> F:
+    """Turns FleetError into the matching status, anything else into INTERNAL (logged)."""
+
+    @functools.wraps(method)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await method(self, request, context)
+        except FleetError as exc:
+            log.info("request_refused", rpc=method.__name__, code=exc.code, error=exc.message)
+            await context.abort(STATUS_FOR[exc.code], exc.message)
+        except Exception as exc:  # the last line of defence: never leak a traceback as a hang
+            if isinstance(exc, grpc.aio.AbortError):
+                raise
+            log.exception("request_crashed", rpc=method.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc}")
+
+    return wrapper  # type: ignore[return-value]
