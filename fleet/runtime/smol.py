@@ -124,6 +124,7 @@ def machine_config(spec: MachineSpec) -> Any:
         resources=resources,
         network=egress,
         branchable=bool(sf.branch and sf.branch.enabled) or None,
+        credentials=credentials or None,
     )
 
 

@@ -1,0 +1,134 @@
+"""Whole processes: `fleet up` in the background, `fleet submit` and `fleet get` against it."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, SMOLFILES
+
+FLEET = [sys.executable, "-m", "fleet.cli.main"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def fleet_up(tmp_path: Path):  # type: ignore[no-untyped-def]
+    port = free_port()
+    proc = subprocess.Popen(
+        [*FLEET, "up", "--listen", f"127.0.0.1:{port}", "--db", str(tmp_path / "ledger.sqlite3")],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if "fleet up:" not in line:
+        proc.kill()
+        pytest.fail(f"fleet up did not start: {line}{proc.stderr.read() if proc.stderr else ''}")
+    yield f"127.0.0.1:{port}", line
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 0
+
+
+def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*FLEET, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "FLEET_SERVER": ""},
+    )
+
+
+def test_up_submit_get(fleet_up: tuple[str, str]) -> None:
+    """A rollout submitted with `fleet submit` to `fleet up` runs; `fleet get` shows its output."""
+    server, banner = fleet_up
+    assert "runtime" in banner
+    submitted = cli(
+        "submit",
+        "--server",
+        server,
+        "-s",
+        str(SMOLFILES / "minimal.smolfile"),
+        "--step",
+        "python3 -c 'print(6*7)'",
+        "--label",
+        "case=acceptance",
+        "-q",
+    )
+    assert submitted.returncode == 0, submitted.stderr
+    rollout_id = submitted.stdout.strip()
+    assert rollout_id.startswith("r-")
+    state = ""
+    data: dict[str, object] = {}
+    for _ in range(300):
+        got = cli("get", "--server", server, rollout_id, "--json")
+        assert got.returncode == 0, got.stderr
+        data = json.loads(got.stdout)
+        state = str(data["state"])
+        if state in ("ROLLOUT_STATE_SUCCEEDED", "ROLLOUT_STATE_FAILED"):
+            break
+        time.sleep(0.1)
+    assert state == "ROLLOUT_STATE_SUCCEEDED", data
+    results = data["results"]
+    assert isinstance(results, list)
+    assert base64.b64decode(results[0]["stdout"]) == b"42\n"
+    human = cli("get", "--server", server, rollout_id)
+    assert "SUCCEEDED" in human.stdout and "42" in human.stdout
+    listed = cli("list", "--server", server, "--label", "case=acceptance")
+    assert rollout_id in listed.stdout
+    watched = cli("watch", "--server", server, rollout_id)
+    assert "submitted" in watched.stdout and "succeeded" in watched.stdout
+
+
+def test_submit_with_a_bad_smolfile_fails_locally_with_file_and_line(tmp_path: Path) -> None:
+    """`fleet submit` refuses a malformed Smolfile before sending, naming file, line and key."""
+    bad = tmp_path / "bad.smolfile"
+    bad.write_text('image = "minimal"\ncpus = "two"\n')
+    out = cli("submit", "--server", "127.0.0.1:1", "-s", str(bad), "--step", "true")
+    assert out.returncode == 2
+    assert f"{bad}:2: key 'cpus'" in out.stderr
+
+
+def test_fleet_run_streams_output_and_returns_the_exit_code() -> None:
+    """`fleet run` runs one machine from a Smolfile and passes the exit code through."""
+    out = cli(
+        "run", "-s", str(SMOLFILES / "minimal.smolfile"), "--", "sh", "-c", "echo streamed; exit 3"
+    )
+    assert out.returncode == 3
+    assert out.stdout == "streamed\n"
+    assert "runtime" in out.stderr
+
+
+def test_generated_protos_match_the_contract() -> None:
+    """Regenerating fleet/_proto from proto/ changes nothing."""
+    out = subprocess.run(
+        ["scripts/gen-protos", "--check"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "FLEET_SETUP_DONE": "1"},
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr

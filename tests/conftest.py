@@ -1,0 +1,54 @@
+"""Shared fixtures: the real image store, a SQLite ledger, an in-process server and agents."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from fleet.config import Paths
+from fleet.image.store import ImageStore
+from fleet.ledger.store import Ledger
+
+REPO = Path(__file__).resolve().parent.parent
+SMOLFILES = REPO / "smolfiles"
+
+
+@pytest.fixture(scope="session")
+def paths() -> Paths:
+    return Paths.from_env()
+
+
+@pytest.fixture(scope="session")
+def images(paths: Paths) -> ImageStore:
+    store = ImageStore(paths.images, paths.recipes)
+    if store.record("minimal") is None:
+        pytest.fail("the default image is not built: run scripts/setup (scripts/test does)")
+    return store
+
+
+@pytest.fixture(scope="session")
+def rootfs(images: ImageStore) -> Path:
+    record = images.record("minimal")
+    assert record is not None
+    return images.rootfs(record.digest)
+
+
+@pytest.fixture
+def ledger(tmp_path: Path) -> Iterator[Ledger]:
+    led = Ledger.sqlite(tmp_path / "ledger.sqlite3")
+    yield led
+    led.engine.dispose()
+
+
+@contextlib.asynccontextmanager
+async def running(awaitables: list[asyncio.Task[None]]) -> AsyncIterator[None]:
+    try:
+        yield
+    finally:
+        for task in awaitables:
+            task.cancel()
+        await asyncio.gather(*awaitables, return_exceptions=True)

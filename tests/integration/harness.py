@@ -1,0 +1,121 @@
+"""An in-process fleet for tests: a real server on port 0, real agents, a SQLite ledger."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, host_pb2_grpc, types_pb2
+from fleet.agent.agent import Agent, AgentConfig
+from fleet.agent.capabilities import RuntimeChoice
+from fleet.core.placement import HostClass, RuntimeKind
+from fleet.image.store import ImageStore
+from fleet.ledger.store import Ledger
+from fleet.server.app import FleetServer, ServerConfig
+
+NAMESPACE = RuntimeChoice(RuntimeKind.NAMESPACE, "tests run the namespace runtime")
+FINAL = {
+    types_pb2.ROLLOUT_STATE_SUCCEEDED,
+    types_pb2.ROLLOUT_STATE_FAILED,
+    types_pb2.ROLLOUT_STATE_CANCELLED,
+}
+
+
+@dataclass
+class Harness:
+    server: FleetServer
+    images: ImageStore
+    tmp: Path
+    channel: grpc.aio.Channel
+    fleet: fleet_pb2_grpc.FleetServiceStub
+    hosts: host_pb2_grpc.HostServiceStub
+    agents: dict[str, tuple[asyncio.Event, asyncio.Task[None]]] = field(default_factory=dict)
+
+    async def start_agent(self, host_id: str, host_class: HostClass, slots: int = 2) -> Agent:
+        agent = Agent(
+            AgentConfig(
+                server=self.server.address,
+                host_id=host_id,
+                host_class=host_class,
+                runtime=NAMESPACE,
+                machines_dir=self.tmp / "machines",
+                images=self.images,
+                slots=slots,
+                claim_wait_s=1.0,
+            )
+        )
+        stop = asyncio.Event()
+        self.agents[host_id] = (stop, asyncio.create_task(agent.run(stop)))
+        for _ in range(200):
+            if any(
+                h.host_id == host_id
+                for h in await self.server.core.db(self.server.core.ledger.hosts)
+            ):
+                return agent
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"agent {host_id} did not register")
+
+    async def stop_agent(self, host_id: str) -> None:
+        stop, task = self.agents.pop(host_id)
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+    async def wait_final(self, rollout_id: str, timeout_s: float = 60) -> types_pb2.Rollout:
+        for _ in range(int(timeout_s / 0.05)):
+            r = await self.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=rollout_id))
+            if r.state in FINAL:
+                return r
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"rollout {rollout_id} did not finish in {timeout_s}s")
+
+    async def count(self) -> int:
+        reply = await self.fleet.ListRollouts(fleet_pb2.ListRolloutsRequest(page_size=500))
+        return len(reply.rollouts)
+
+
+def request(
+    smolfile: str = 'image = "minimal"\n', *steps: list[str], key: str | None = None, **kw: object
+) -> fleet_pb2.SubmitRolloutRequest:
+    return fleet_pb2.SubmitRolloutRequest(
+        request_id=uuid.uuid4().hex,
+        idempotency_key=key or uuid.uuid4().hex,
+        smolfile=smolfile,
+        smolfile_name="test.smolfile",
+        steps=[types_pb2.Step(argv=s, timeout_s=30) for s in (steps or (["true"],))],
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+@contextlib.asynccontextmanager
+async def harness(
+    tmp: Path, images: ImageStore, config: ServerConfig | None = None
+) -> AsyncIterator[Harness]:
+    server = FleetServer(
+        Ledger.sqlite(tmp / "ledger.sqlite3"),
+        images,
+        "127.0.0.1:0",
+        config or ServerConfig(lease_ttl_s=5, heartbeat_interval_s=0.5),
+    )
+    await server.start()
+    channel = grpc.aio.insecure_channel(server.address)
+    h = Harness(
+        server,
+        images,
+        tmp,
+        channel,
+        fleet_pb2_grpc.FleetServiceStub(channel),
+        host_pb2_grpc.HostServiceStub(channel),
+    )
+    try:
+        yield h
+    finally:
+        for host_id in list(h.agents):
+            await h.stop_agent(host_id)
+        await channel.close()
+        await server.stop()

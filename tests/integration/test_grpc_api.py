@@ -1,0 +1,382 @@
+"""The gRPC API in-process: submit, get, list, watch with resume, cancel, bad input, health."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from fleet._proto.fleet.v1 import fleet_pb2, host_pb2, types_pb2
+from fleet.core.placement import HostClass
+from fleet.image.store import ImageStore
+from tests.integration.harness import harness, request
+
+
+def go(coro):  # type: ignore[no-untyped-def]
+    return asyncio.run(coro)
+
+
+def test_submit_runs_and_get_shows_results(tmp_path: Path, images: ImageStore) -> None:
+    """A submitted rollout runs on a cpu agent; get returns each step's exit code and output."""
+
+    async def body() -> types_pb2.Rollout:
+        async with harness(tmp_path, images) as h:
+            await h.start_agent("cpu-a", HostClass.CPU)
+            reply = await h.fleet.SubmitRollout(
+                request(
+                    'image = "minimal"\n',
+                    ["sh", "-c", "echo out; echo err >&2"],
+                    ["python3", "-c", "print(2+2)"],
+                )
+            )
+            assert reply.created and reply.rollout.state == types_pb2.ROLLOUT_STATE_QUEUED
+            return await h.wait_final(reply.rollout.id)
+
+    r = go(body())
+    assert r.state == types_pb2.ROLLOUT_STATE_SUCCEEDED, r.error
+    assert [s.exit_code for s in r.results] == [0, 0]
+    assert r.results[0].stdout == b"out\n" and r.results[0].stderr == b"err\n"
+    assert r.results[1].stdout == b"4\n"
+    assert r.results[0].stdout_digest.startswith("sha256:")
+    assert (
+        r.host_id == "cpu-a" and r.runtime == types_pb2.RUNTIME_KIND_NAMESPACE and r.device == "cpu"
+    )
+    assert r.manifest.image_digest.startswith("sha256:") and r.manifest.digest.startswith("sha256:")
+
+
+def test_a_failing_step_stops_the_plan(tmp_path: Path, images: ImageStore) -> None:
+    """A non-zero step fails the rollout; later steps do not run."""
+
+    async def body() -> types_pb2.Rollout:
+        async with harness(tmp_path, images) as h:
+            await h.start_agent("cpu-a", HostClass.CPU)
+            reply = await h.fleet.SubmitRollout(
+                request('image = "minimal"\n', ["sh", "-c", "exit 4"], ["true"])
+            )
+            return await h.wait_final(reply.rollout.id)
+
+    r = go(body())
+    assert r.state == types_pb2.ROLLOUT_STATE_FAILED
+    assert [s.exit_code for s in r.results] == [4] and "exited 4" in r.error
+
+
+def test_cuda_rollout_waits_for_and_runs_only_on_a_gpu_agent(
+    tmp_path: Path, images: ImageStore
+) -> None:
+    """With the gpu agent away, CUDA work stays queued while a cpu agent polls; it runs on gpu."""
+
+    async def body() -> tuple[int, types_pb2.Rollout]:
+        async with harness(tmp_path, images) as h:
+            await h.start_agent("gpu-a", HostClass.GPU)
+            await h.stop_agent("gpu-a")
+            await h.start_agent("cpu-a", HostClass.CPU)
+            reply = await h.fleet.SubmitRollout(
+                request('image = "minimal"\ncuda = true\n', ["sh", "-c", "echo $FLEET_DEVICE"])
+            )
+            await asyncio.sleep(2.5)  # several claim cycles of the cpu agent
+            waiting = (
+                await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=reply.rollout.id))
+            ).state
+            await h.start_agent("gpu-b", HostClass.GPU)
+            return waiting, await h.wait_final(reply.rollout.id)
+
+    waiting, r = go(body())
+    assert waiting == types_pb2.ROLLOUT_STATE_QUEUED
+    assert r.state == types_pb2.ROLLOUT_STATE_SUCCEEDED and r.host_id == "gpu-b"
+    assert r.host_class == types_pb2.HOST_CLASS_GPU
+    assert (
+        r.device == "cpu (no CUDA device here)"
+        and r.results[0].stdout == b"cpu (no CUDA device here)\n"
+    )
+
+
+def test_unservable_rollout_is_refused_at_submit(tmp_path: Path, images: ImageStore) -> None:
+    """CUDA work with no gpu host registered is FAILED_PRECONDITION with a reason, not queued."""
+
+    async def body() -> tuple[grpc.aio.AioRpcError, int]:
+        async with harness(tmp_path, images) as h:
+            await h.start_agent("cpu-a", HostClass.CPU)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await h.fleet.SubmitRollout(request('image = "minimal"\ncuda = true\n'))
+            vm = request(requirements=types_pb2.Requirements(isolation=types_pb2.ISOLATION_VM))
+            with pytest.raises(grpc.aio.AioRpcError) as info_vm:
+                await h.fleet.SubmitRollout(vm)
+            assert "vm isolation" in (info_vm.value.details() or "")
+            return info.value, await h.count()
+
+    err, count = go(body())
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "needs a gpu-class host" in (err.details() or "") and count == 0
+
+
+BAD_INPUTS = [
+    (
+        "malformed TOML",
+        request('image = "minimal"\ncpus = [\n'),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "malformed TOML",
+    ),
+    (
+        "unknown key",
+        request('image = "minimal"\ncpu = 2\n'),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "test.smolfile:2: unknown key 'cpu'",
+    ),
+    (
+        "wrong type",
+        request('image = "minimal"\nmemory = "lots"\n'),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "key 'memory'",
+    ),
+    (
+        "missing image",
+        request('image = "no-such-image"\n'),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "image 'no-such-image' is not in the image store",
+    ),
+    ("no image", request("cpus = 1\n"), grpc.StatusCode.INVALID_ARGUMENT, "names no image"),
+    (
+        "empty argv",
+        request('image = "minimal"\n', []),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "argv is empty",
+    ),
+    ("no key", request(key=" "), grpc.StatusCode.INVALID_ARGUMENT, "idempotency_key is empty"),
+]
+
+
+@pytest.mark.parametrize(
+    ("what", "req", "code", "text"), BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS]
+)
+def test_bad_input_is_refused_and_changes_nothing(
+    tmp_path: Path,
+    images: ImageStore,
+    what: str,
+    req: fleet_pb2.SubmitRolloutRequest,
+    code: grpc.StatusCode,
+    text: str,
+) -> None:
+    """Each bad submission gets its status and a message naming the problem; nothing is stored."""
+
+    async def body() -> tuple[grpc.aio.AioRpcError, int]:
+        async with harness(tmp_path, images) as h:
+            await h.start_agent("cpu-a", HostClass.CPU)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await h.fleet.SubmitRollout(req)
+            return info.value, await h.count()
+
+    err, count = go(body())
+    assert err.code() == code, err.details()
+    assert text in (err.details() or "")
+    assert count == 0
+
+
+def test_deadline_in_the_past_is_refused(tmp_path: Path, images: ImageStore) -> None:
+    """A deadline already passed is INVALID_ARGUMENT and nothing is stored."""
+
+    async def body() -> tuple[grpc.aio.AioRpcError, int]:
+        async with harness(tmp_path, images) as h:
+            await h.start_agent("cpu-a", HostClass.CPU)
+            req = request()
+            req.deadline.FromDatetime(datetime.now(UTC) - timedelta(minutes=1))
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await h.fleet.SubmitRollout(req)
+            return info.value, await h.count()
+
+    err, count = go(body())
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "in the past" in (err.details() or "")
+    assert count == 0
+
+
+def test_oversized_request_is_refused(tmp_path: Path, images: ImageStore) -> None:
+    """A request over the size limit gets RESOURCE_EXHAUSTED and stores nothing."""
+
+    async def body() -> tuple[list[grpc.aio.AioRpcError], int]:
+        async with harness(tmp_path, images) as h:
+            await h.start_agent("cpu-a", HostClass.CPU)
+            errors = []
+            for req in (
+                request(
+                    'image = "minimal"\n', ["echo", "x" * (5 * 1024 * 1024)]
+                ),  # over the wire limit
+                request('image = "minimal"\n', ["echo", "x" * (300 * 1024)]),  # over the plan limit
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await h.fleet.SubmitRollout(req)
+                errors.append(info.value)
+            return errors, await h.count()
+
+    errors, count = go(body())
+    assert [e.code() for e in errors] == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 2
+    assert "larger than max" in (errors[0].details() or "")
+    assert "over the" in (errors[1].details() or "")
+    assert count == 0
+
+
+def test_idempotency_over_grpc(tmp_path: Path, images: ImageStore) -> None:
+    """Same key and body returns the original; same key, other body is ALREADY_EXISTS."""
+
+    async def body() -> tuple[str, str, bool, grpc.aio.AioRpcError, int]:
+        async with harness(tmp_path, images) as h:
+            await h.start_agent("cpu-a", HostClass.CPU)
+            first = await h.fleet.SubmitRollout(request(key="same"))
+            second = await h.fleet.SubmitRollout(request(key="same"))
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await h.fleet.SubmitRollout(request('image = "minimal"\n', ["false"], key="same"))
+            return first.rollout.id, second.rollout.id, second.created, info.value, await h.count()
+
+    a, b, created, err, count = go(body())
+    assert a == b and not created and count == 1
+    assert err.code() == grpc.StatusCode.ALREADY_EXISTS and "body differs" in (err.details() or "")
+
+
+def test_watch_streams_events_in_order_and_resumes(tmp_path: Path, images: ImageStore) -> None:
+    """Watch ends at the final state; resuming after a sequence replays only what came after."""
+
+    async def body() -> tuple[list[types_pb2.RolloutEvent], list[types_pb2.RolloutEvent]]:
+        async with harness(tmp_path, images) as h:
+            await h.start_agent("cpu-a", HostClass.CPU)
+            reply = await h.fleet.SubmitRollout(request())
+            events = [
+                e
+                async for e in h.fleet.WatchRollout(
+                    fleet_pb2.WatchRolloutRequest(id=reply.rollout.id)
+                )
+            ]
+            resumed = [
+                e
+                async for e in h.fleet.WatchRollout(
+                    fleet_pb2.WatchRolloutRequest(
+                        id=reply.rollout.id, after_sequence=events[0].sequence
+                    )
+                )
+            ]
+            return events, resumed
+
+    events, resumed = go(body())
+    assert [e.kind for e in events] == ["submitted", "leased", "succeeded"]
+    assert [e.sequence for e in events] == sorted(e.sequence for e in events)
+    assert events[-1].to_state == types_pb2.ROLLOUT_STATE_SUCCEEDED
+    assert [e.sequence for e in resumed] == [e.sequence for e in events[1:]]
+
+
+def test_cancel_reaches_the_running_machine(tmp_path: Path, images: ImageStore) -> None:
+    """Cancelling a running rollout stops its machine; it ends CANCELLED with partial results."""
+
+    async def body() -> types_pb2.Rollout:
+        async with harness(tmp_path, images) as h:
+            await h.start_agent("cpu-a", HostClass.CPU)
+            reply = await h.fleet.SubmitRollout(
+                request('image = "minimal"\n', ["echo", "first"], ["sleep", "600"])
+            )
+            for _ in range(200):
+                r = await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=reply.rollout.id))
+                if r.state == types_pb2.ROLLOUT_STATE_RUNNING:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)
+            await h.fleet.CancelRollout(
+                fleet_pb2.CancelRolloutRequest(
+                    request_id="c1", id=reply.rollout.id, reason="enough"
+                )
+            )
+            return await h.wait_final(reply.rollout.id, timeout_s=20)
+
+    r = go(body())
+    assert r.state == types_pb2.ROLLOUT_STATE_CANCELLED
+    assert r.results[0].stdout == b"first\n" and r.error == "enough"
+
+
+def test_step_timeout_fails_the_rollout(tmp_path: Path, images: ImageStore) -> None:
+    """A step past its timeout is killed and the rollout fails saying so."""
+
+    async def body() -> types_pb2.Rollout:
+        async with harness(tmp_path, images) as h:
+            await h.start_agent("cpu-a", HostClass.CPU)
+            req = request()
+            req.steps[0].CopyFrom(types_pb2.Step(argv=["sleep", "100"], timeout_s=0.5))
+            reply = await h.fleet.SubmitRollout(req)
+            return await h.wait_final(reply.rollout.id)
+
+    r = go(body())
+    assert r.state == types_pb2.ROLLOUT_STATE_FAILED and r.results[0].timed_out
+    assert "timeout" in r.error
+
+
+def test_host_api_refuses_stale_tokens_with_aborted(tmp_path: Path, images: ImageStore) -> None:
+    """CompleteWork with a token that is not the lease's is ABORTED."""
+
+    async def body() -> grpc.aio.AioRpcError:
+        async with harness(tmp_path, images) as h:
+            caps = host_pb2.Capabilities(
+                runtime=types_pb2.RUNTIME_KIND_NAMESPACE,
+                isolation=types_pb2.ISOLATION_NAMESPACE,
+                cpus=1,
+            )
+            await h.hosts.RegisterHost(
+                host_pb2.RegisterHostRequest(
+                    request_id="r",
+                    host_id="h1",
+                    host_class=types_pb2.HOST_CLASS_CPU,
+                    capabilities=caps,
+                )
+            )
+            await h.fleet.SubmitRollout(request())
+            claim = await h.hosts.ClaimWork(
+                host_pb2.ClaimWorkRequest(request_id="c", host_id="h1", max_items=3, wait_s=1)
+            )
+            item = claim.items[0]
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await h.hosts.CompleteWork(
+                    host_pb2.CompleteWorkRequest(
+                        request_id="x",
+                        host_id="h1",
+                        work_id=item.work_id,
+                        fencing_token=item.fencing_token + 1,
+                        outcome=types_pb2.OUTCOME_SUCCEEDED,
+                    )
+                )
+            return info.value
+
+    err = go(body())
+    assert err.code() == grpc.StatusCode.ABORTED and "stale fencing token" in (err.details() or "")
+
+
+def test_bad_host_registration_is_refused(tmp_path: Path, images: ImageStore) -> None:
+    """RegisterHost without a class is INVALID_ARGUMENT naming the field."""
+
+    async def body() -> grpc.aio.AioRpcError:
+        async with harness(tmp_path, images) as h:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await h.hosts.RegisterHost(
+                    host_pb2.RegisterHostRequest(request_id="r", host_id="h1")
+                )
+            return info.value
+
+    err = go(body())
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "host_class" in (err.details() or "")
+
+
+def test_health_and_reflection(tmp_path: Path, images: ImageStore) -> None:
+    """Standard health checking answers SERVING; reflection lists fleet's services."""
+
+    async def body() -> tuple[int, list[str]]:
+        async with harness(tmp_path, images) as h:
+            health = await health_pb2_grpc.HealthStub(h.channel).Check(
+                health_pb2.HealthCheckRequest(service="fleet.v1.FleetService")
+            )
+            stub = reflection_pb2_grpc.ServerReflectionStub(h.channel)
+            replies = stub.ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+            )
+            names = [s.name async for r in replies for s in r.list_services_response.service]
+            return health.status, names
+
+    status, names = go(body())
+    assert status == health_pb2.HealthCheckResponse.SERVING
+    assert {"fleet.v1.FleetService", "fleet.v1.HostService"} <= set(names)

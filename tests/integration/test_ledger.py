@@ -1,0 +1,247 @@
+"""The SQLite ledger: idempotent submit, leases with fencing, expiry, retries, cancel, events."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from sqlmodel import Session
+
+from fleet.core.errors import Aborted, AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from fleet.core.lifecycle import Outcome, RolloutState
+from fleet.core.manifest import Step, SubmitRequest, build_manifest, validate_request
+from fleet.core.placement import HostCapabilities, HostClass, Isolation, RuntimeKind
+from fleet.core.retry import RetryPolicy
+from fleet.core.rollout import Completion, StepResult
+from fleet.ledger.store import Ledger
+from fleet.ledger.tables import SCHEMA_VERSION, SchemaInfo
+
+T0 = datetime(2030, 1, 1, tzinfo=UTC).timestamp()
+TTL = 10.0
+
+
+def submit(ledger: Ledger, key: str = "k1", smolfile: str = 'image = "minimal"\n', **kw: object):  # type: ignore[no-untyped-def]
+    body: dict[str, object] = {
+        "idempotency_key": key,
+        "smolfile": smolfile,
+        "steps": (Step(argv=("true",)),),
+    }
+    body.update(kw)
+    req = SubmitRequest.model_validate(body)
+    now = datetime.fromtimestamp(T0, UTC)
+    manifest = build_manifest(req, validate_request(req, now), "sha256:img", now)
+    return ledger.submit(req, manifest, T0)
+
+
+def register(ledger: Ledger, host_id: str = "cpu-1", host_class: HostClass = HostClass.CPU) -> None:
+    ledger.register_host(
+        HostCapabilities(
+            host_id=host_id,
+            host_class=host_class,
+            runtime=RuntimeKind.NAMESPACE,
+            isolation=Isolation.NAMESPACE,
+            cpus=2,
+            memory_mib=1024,
+            cuda_devices=0,
+        ),
+        T0,
+    )
+
+
+def done(
+    work_id: str, token: int, outcome: Outcome = Outcome.SUCCEEDED, out: bytes = b"ok"
+) -> Completion:
+    return Completion(
+        work_id=work_id,
+        fencing_token=token,
+        outcome=outcome,
+        runtime="namespace",
+        device="cpu",
+        results=(
+            StepResult(index=0, exit_code=0 if outcome == Outcome.SUCCEEDED else 1, stdout=out),
+        ),
+    )
+
+
+def test_same_key_same_body_returns_the_original(ledger: Ledger) -> None:
+    """Resubmitting identically returns the first rollout and creates nothing."""
+    first, created = submit(ledger)
+    again, created_again = submit(ledger)
+    assert created and not created_again
+    assert again.id == first.id
+    assert len(ledger.list_rollouts(50, "", {})[0]) == 1
+
+
+def test_same_key_different_body_is_refused(ledger: Ledger) -> None:
+    """Reusing a key with another body is ALREADY_EXISTS, saying the body differs."""
+    submit(ledger)
+    with pytest.raises(AlreadyExists, match="body differs"):
+        submit(ledger, smolfile='image = "minimal"\ncpus = 2\n')
+    assert len(ledger.list_rollouts(50, "", {})[0]) == 1
+
+
+def test_claim_leases_with_increasing_fencing_tokens(ledger: Ledger) -> None:
+    """A claim leases the item; after expiry a new claim gets attempt 2 and a larger token."""
+    register(ledger)
+    rollout, _ = submit(ledger)
+    [a1] = ledger.claim("cpu-1", 4, T0, TTL)
+    assert (a1.attempt, a1.rollout_id) == (1, rollout.id)
+    assert ledger.claim("cpu-1", 4, T0, TTL) == []
+    assert ledger.get(rollout.id).state == RolloutState.RUNNING
+    assert ledger.sweep(T0 + TTL + 1) == 1
+    assert ledger.get(rollout.id).state == RolloutState.QUEUED
+    [a2] = ledger.claim("cpu-1", 4, T0 + TTL + 60, TTL)
+    assert a2.attempt == 2 and a2.fencing_token > a1.fencing_token
+    with pytest.raises(Aborted, match="stale fencing token"):
+        ledger.complete("cpu-1", done(a1.work_id, a1.fencing_token), T0 + TTL + 61)
+    assert ledger.complete("cpu-1", done(a2.work_id, a2.fencing_token), T0 + TTL + 62) == (
+        RolloutState.SUCCEEDED
+    )
+    outcomes = [a.outcome for a in ledger.attempts(rollout.id)]
+    assert outcomes == [Outcome.LEASE_EXPIRED.value, Outcome.SUCCEEDED.value]
+
+
+def test_heartbeat_renews_and_keeps_the_lease(ledger: Ledger) -> None:
+    """A renewed lease survives past its first expiry."""
+    register(ledger)
+    submit(ledger)
+    [a] = ledger.claim("cpu-1", 1, T0, TTL)
+    renewed, stop = ledger.heartbeat("cpu-1", [(a.work_id, a.fencing_token)], T0 + 8, TTL)
+    assert renewed == [(a.work_id, a.fencing_token)] and stop == []
+    assert ledger.sweep(T0 + 12) == 0
+    stale, stop = ledger.heartbeat("cpu-1", [(a.work_id, a.fencing_token - 1)], T0 + 13, TTL)
+    assert stale == [] and stop == [a.work_id]
+
+
+def test_completion_is_idempotent_and_single(ledger: Ledger) -> None:
+    """The same completion twice is harmless; a different one under the same token is refused."""
+    register(ledger)
+    rollout, _ = submit(ledger)
+    [a] = ledger.claim("cpu-1", 1, T0, TTL)
+    assert (
+        ledger.complete("cpu-1", done(a.work_id, a.fencing_token), T0 + 1) == RolloutState.SUCCEEDED
+    )
+    assert (
+        ledger.complete("cpu-1", done(a.work_id, a.fencing_token), T0 + 2) == RolloutState.SUCCEEDED
+    )
+    with pytest.raises(Aborted, match="already has a final result"):
+        ledger.complete("cpu-1", done(a.work_id, a.fencing_token, out=b"other"), T0 + 3)
+    got = ledger.get(rollout.id)
+    assert got.results[0].stdout == b"ok"
+    assert ledger.artifact(got.results[0].stdout_digest) == b"ok"
+    kinds = [e.kind for e in ledger.events(rollout.id, 0)]
+    assert kinds == ["submitted", "leased", "succeeded"]
+
+
+def test_transient_errors_retry_then_fail(ledger: Ledger) -> None:
+    """Transient errors requeue with backoff until max_attempts, then the rollout fails."""
+    register(ledger)
+    rollout, _ = submit(
+        ledger, retry=RetryPolicy(max_attempts=2, initial_backoff_s=1, max_backoff_s=1)
+    )
+    [a] = ledger.claim("cpu-1", 1, T0, TTL)
+    assert ledger.complete(
+        "cpu-1", done(a.work_id, a.fencing_token, Outcome.TRANSIENT_ERROR), T0
+    ) == (RolloutState.QUEUED)
+    assert ledger.claim("cpu-1", 1, T0 + 0.1, TTL) == []  # backoff not over
+    [b] = ledger.claim("cpu-1", 1, T0 + 2, TTL)
+    assert b.attempt == 2
+    assert ledger.complete(
+        "cpu-1", done(b.work_id, b.fencing_token, Outcome.TRANSIENT_ERROR), T0 + 3
+    ) == (RolloutState.FAILED)
+    assert "attempts exhausted" in ledger.get(rollout.id).error
+
+
+def test_step_failure_is_final_not_retried(ledger: Ledger) -> None:
+    """A step that exits non-zero fails the rollout on the first attempt."""
+    register(ledger)
+    rollout, _ = submit(ledger)
+    [a] = ledger.claim("cpu-1", 1, T0, TTL)
+    assert ledger.complete("cpu-1", done(a.work_id, a.fencing_token, Outcome.STEP_FAILED), T0) == (
+        RolloutState.FAILED
+    )
+    assert ledger.get(rollout.id).attempts == 1
+
+
+def test_capability_routing_in_claims(ledger: Ledger) -> None:
+    """CUDA work is claimed only by gpu hosts; CPU work only by cpu hosts."""
+    register(ledger, "cpu-1", HostClass.CPU)
+    register(ledger, "gpu-1", HostClass.GPU)
+    gpu_rollout, _ = submit(ledger, key="g", smolfile='image = "minimal"\ncuda = true\n')
+    cpu_rollout, _ = submit(ledger, key="c")
+    assert [a.rollout_id for a in ledger.claim("cpu-1", 5, T0, TTL)] == [cpu_rollout.id]
+    assert [a.rollout_id for a in ledger.claim("gpu-1", 5, T0, TTL)] == [gpu_rollout.id]
+
+
+def test_cancel_queued_and_running(ledger: Ledger) -> None:
+    """Queued work is cancelled at once; running work is stopped at the agent's next beat."""
+    register(ledger)
+    queued, _ = submit(ledger, key="q")
+    assert ledger.cancel(queued.id, "no longer needed", "test", T0).state == RolloutState.CANCELLED
+    running, _ = submit(ledger, key="r")
+    [a] = ledger.claim("cpu-1", 1, T0, TTL)
+    assert ledger.cancel(running.id, "stop", "test", T0 + 1).state == RolloutState.RUNNING
+    _, stop = ledger.heartbeat("cpu-1", [(a.work_id, a.fencing_token)], T0 + 2, TTL)
+    assert stop == [a.work_id]
+    assert ledger.complete(
+        "cpu-1", done(a.work_id, a.fencing_token, Outcome.CANCELLED), T0 + 3
+    ) == (RolloutState.CANCELLED)
+    assert ledger.get(running.id).results  # partial artifacts kept
+
+
+def test_deadline_passed_before_start_fails(ledger: Ledger) -> None:
+    """Queued work whose deadline passed is not started and fails with the reason."""
+    register(ledger)
+    rollout, _ = submit(ledger, deadline=datetime.fromtimestamp(T0, UTC) + timedelta(seconds=5))
+    assert ledger.claim("cpu-1", 1, T0 + 6, TTL) == []
+    ledger.sweep(T0 + 6)
+    got = ledger.get(rollout.id)
+    assert got.state == RolloutState.FAILED and "deadline passed" in got.error
+
+
+def test_list_pages_and_filters_by_label(ledger: Ledger) -> None:
+    """Pages are newest first with an opaque token; label filters match every given label."""
+    for i in range(5):
+        submit(ledger, key=f"k{i}", labels={"suite": "a" if i % 2 == 0 else "b", "n": str(i)})
+    page, token = ledger.list_rollouts(2, "", {})
+    assert len(page) == 2 and token
+    rest, token2 = ledger.list_rollouts(10, token, {})
+    assert len(rest) == 3 and token2 == ""
+    assert {r.id for r in page}.isdisjoint({r.id for r in rest})
+    only_a, _ = ledger.list_rollouts(10, "", {"suite": "a"})
+    assert sorted(r.labels["n"] for r in only_a) == ["0", "2", "4"]
+    assert ledger.list_rollouts(10, "", {"suite": "a", "n": "2"})[0][0].labels["n"] == "2"
+    with pytest.raises(InvalidArgument, match="page_token"):
+        ledger.list_rollouts(10, "garbage", {})
+
+
+def test_unknown_ids_and_hosts(ledger: Ledger) -> None:
+    """Unknown rollouts are NOT_FOUND; an unregistered host cannot claim."""
+    with pytest.raises(NotFound):
+        ledger.get("r-missing")
+    with pytest.raises(FailedPrecondition, match="not registered"):
+        ledger.claim("ghost", 1, T0, TTL)
+
+
+def test_a_newer_schema_is_refused(tmp_path: Path) -> None:
+    """A server refuses a database whose schema is newer than it knows, saying so."""
+    path = tmp_path / "l.sqlite3"
+    ledger = Ledger.sqlite(path)
+    with Session(ledger.engine) as s, s.begin():
+        info = s.get(SchemaInfo, 1)
+        assert info is not None
+        info.version = SCHEMA_VERSION + 1
+        s.add(info)
+    ledger.engine.dispose()
+    with pytest.raises(FailedPrecondition, match="newer than this fleet knows"):
+        Ledger.sqlite(path)
+
+
+def test_acknowledged_submissions_survive_reopen(tmp_path: Path) -> None:
+    """What the ledger acknowledged is there after the process reopens the database."""
+    path = tmp_path / "l.sqlite3"
+    ledger = Ledger.sqlite(path)
+    rollout, _ = submit(ledger)
+    ledger.engine.dispose()
+    assert Ledger.sqlite(path).get(rollout.id).idempotency_key == "k1"

@@ -1,0 +1,192 @@
+"""The namespace runtime with real sandboxes on the real default image."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+from fleet.core.smolfile import parse_smolfile
+from fleet.runtime.base import MachineSpec
+from fleet.runtime.namespace import NamespaceMachine, NamespaceRuntime
+
+CONNECT = """
+import socket, sys
+s = socket.socket()
+s.settimeout(3)
+try:
+    s.connect((sys.argv[1], int(sys.argv[2])))
+except OSError as exc:
+    print(f"refused: {exc}")
+    sys.exit(3)
+print("connected")
+"""
+
+
+def make(
+    rootfs: Path, tmp_path: Path, text: str = 'image = "minimal"\n'
+) -> tuple[NamespaceRuntime, MachineSpec]:
+    runtime = NamespaceRuntime(tmp_path / "machines")
+    spec = MachineSpec(
+        name=f"t-{uuid.uuid4().hex[:8]}",
+        smolfile=parse_smolfile(text).spec,
+        image_digest="sha256:x",
+        rootfs=rootfs,
+        labels={"fleet": "test", "case": tmp_path.name},
+    )
+    return runtime, spec
+
+
+async def _with_machine(rootfs: Path, tmp_path: Path, text: str, body):  # type: ignore[no-untyped-def]
+    runtime, spec = make(rootfs, tmp_path, text)
+    machine = await runtime.create(spec)
+    try:
+        return await body(machine)
+    finally:
+        await machine.delete()
+
+
+def run(rootfs: Path, tmp_path: Path, body, text: str = 'image = "minimal"\n'):  # type: ignore[no-untyped-def]
+    return asyncio.run(_with_machine(rootfs, tmp_path, text, body))
+
+
+def test_runs_python_in_the_image_with_env_and_workdir(rootfs: Path, tmp_path: Path) -> None:
+    """A step sees the image's python3, the Smolfile env, the step env and its workdir."""
+
+    async def body(m: NamespaceMachine):  # type: ignore[no-untyped-def]
+        return await m.exec(
+            [
+                "python3",
+                "-c",
+                "import os,sys; e = os.environ; "
+                "print(sys.version_info[0], os.getcwd(), e['A'], e['B'])",
+            ],
+            env={"B": "step"},
+            workdir="/tmp",
+            timeout_s=30,
+        )
+
+    result = run(rootfs, tmp_path, body, 'image = "minimal"\nenv = ["A=smol", "B=smol"]\n')
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.split() == [b"3", b"/tmp", b"smol", b"step"]
+
+
+def test_files_persist_between_steps_but_not_into_the_image(rootfs: Path, tmp_path: Path) -> None:
+    """A machine's writes land in its own layer: later steps see them, the image does not."""
+
+    async def body(m: NamespaceMachine):  # type: ignore[no-untyped-def]
+        await m.exec(["sh", "-c", "echo hello > /root/state.txt"], timeout_s=30)
+        return await m.exec(["cat", "/root/state.txt"], timeout_s=30)
+
+    assert run(rootfs, tmp_path, body).stdout == b"hello\n"
+    assert not (rootfs / "root" / "state.txt").exists()
+
+
+def test_networking_is_off_tcp_connect_fails(rootfs: Path, tmp_path: Path) -> None:
+    """With networking off the only interface is loopback: a TCP connect out fails."""
+
+    async def body(m: NamespaceMachine):  # type: ignore[no-untyped-def]
+        ifaces = await m.exec(
+            ["python3", "-c", "import socket; print([n for _, n in socket.if_nameindex()])"],
+            timeout_s=30,
+        )
+        out = await m.exec(["python3", "-c", CONNECT, "127.0.0.2", "9"], timeout_s=30)
+        far = await m.exec(["python3", "-c", CONNECT, "192.0.2.1", "80"], timeout_s=30)
+        return ifaces, out, far
+
+    ifaces, local, far = run(rootfs, tmp_path, body)
+    assert ifaces.stdout.strip() == b"['lo']"
+    assert local.exit_code == 3  # nothing listens on the machine's own loopback
+    assert far.exit_code == 3 and b"unreachable" in far.stdout
+
+
+def test_allowlisted_smolfile_still_gets_no_network_here(rootfs: Path, tmp_path: Path) -> None:
+    """Until allowlists are enforced on this runtime, egress stays off instead of open."""
+
+    async def body(m: NamespaceMachine):  # type: ignore[no-untyped-def]
+        return await m.exec(["python3", "-c", CONNECT, "192.0.2.1", "443"], timeout_s=30)
+
+    result = run(
+        rootfs, tmp_path, body, 'image = "minimal"\n[network]\nallow_hosts = ["pypi.org"]\n'
+    )
+    assert result.exit_code == 3
+
+
+def _processes_with(marker: str) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                if marker.encode() in handle.read():
+                    pids.append(int(entry))
+        except OSError:
+            continue
+    return pids
+
+
+def test_timeout_kills_every_process_of_the_step(rootfs: Path, tmp_path: Path) -> None:
+    """A step past its timeout is killed with all its children; no process is left behind."""
+    marker = f"{uuid.uuid4().int % 10_000 + 20_000}"
+
+    async def body(m: NamespaceMachine):  # type: ignore[no-untyped-def]
+        script = f"sleep {marker} & sleep {marker} & (setsid sleep {marker} &) ; sleep {marker}"
+        return await m.exec(["sh", "-c", script], timeout_s=1.0)
+
+    result = run(rootfs, tmp_path, body)
+    assert result.timed_out and result.exit_code != 0
+    assert _processes_with(f"sleep {marker}") == []
+
+
+def test_output_is_bounded(rootfs: Path, tmp_path: Path) -> None:
+    """Output beyond the cap is cut and flagged, and the step still completes."""
+
+    async def body(m: NamespaceMachine):  # type: ignore[no-untyped-def]
+        return await m.exec(
+            ["python3", "-c", "print('x' * 100000)"], timeout_s=30, max_output_bytes=1000
+        )
+
+    result = run(rootfs, tmp_path, body)
+    assert result.exit_code == 0 and len(result.stdout) == 1000 and result.stdout_truncated
+
+
+def test_delete_removes_the_machine_and_list_finds_by_label(rootfs: Path, tmp_path: Path) -> None:
+    """Machines are listed by label while they exist and leave nothing on delete."""
+
+    async def go() -> tuple[list[str], list[str], bool]:
+        runtime, spec = make(rootfs, tmp_path)
+        machine = await runtime.create(spec)
+        found = await runtime.list_machines({"case": tmp_path.name})
+        await machine.delete()
+        after = await runtime.list_machines({"case": tmp_path.name})
+        return found, after, machine.root.exists()
+
+    found, after, exists = asyncio.run(go())
+    assert len(found) == 1 and after == [] and not exists
+
+
+def test_isolation_namespaces_are_fresh(rootfs: Path, tmp_path: Path) -> None:
+    """The step is pid 2-ish in its own pid namespace and has its own hostname."""
+
+    async def body(m: NamespaceMachine):  # type: ignore[no-untyped-def]
+        return await m.exec(
+            ["sh", "-c", "echo $$; hostname; ls /proc | grep -c '^[0-9]'"], timeout_s=30
+        )
+
+    result = run(rootfs, tmp_path, body)
+    pid, hostname, count = result.stdout.split()
+    assert int(pid) < 10 and hostname.startswith(b"t-") and int(count) < 10
+
+
+@pytest.mark.parametrize("argv", [["/nonexistent"], ["sh", "-c", "exit 7"]])
+def test_nonzero_exit_is_data(rootfs: Path, tmp_path: Path, argv: list[str]) -> None:
+    """A failing command is a result with its exit code, not an exception."""
+
+    async def body(m: NamespaceMachine):  # type: ignore[no-untyped-def]
+        return await m.exec(argv, timeout_s=30)
+
+    assert run(rootfs, tmp_path, body).exit_code != 0

@@ -1,0 +1,201 @@
+"""The smol runtime without booting: Smolfile -> MachineConfig, error mapping, preflight."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+
+from fleet.core.errors import ErrorCode, FleetError, InvalidArgument, Unavailable
+from fleet.core.smolfile import parse_smolfile
+from fleet.runtime import smol as smol_runtime
+from fleet.runtime.base import MachineSpec
+from fleet.server.status import STATUS_FOR
+from tests.unit.test_smolfile import EVERY_KEY
+
+SDK_CODES = [
+    "NOT_FOUND",
+    "CONFLICT",
+    "INTERRUPTED",
+    "CONFIG_ERROR",
+    "INVALID_STATE",
+    "STORAGE_ERROR",
+    "MOUNT_ERROR",
+    "KVM_UNAVAILABLE",
+    "HYPERVISOR_UNAVAILABLE",
+    "COMMAND_FAILED",
+    "SMOLVM_ERROR",
+    "TIMEOUT",
+    "NOT_SUPPORTED",
+    "INVALID_CONFIG",
+    "UNSUPPORTED_PLATFORM",
+    "RUNTIME_NOT_INSTALLED",
+]
+
+
+def spec(text: str, secrets: dict[str, str] | None = None) -> MachineSpec:
+    return MachineSpec(
+        name="m1",
+        smolfile=parse_smolfile(text).spec,
+        image_digest="sha256:x",
+        rootfs=Path("/images/rootfs"),
+        labels={"fleet": "1", "rollout": "r-1"},
+        secrets=secrets or {},
+    )
+
+
+def test_every_key_maps_onto_machine_config() -> None:
+    """Each Smolfile key lands in the SDK's config (dev/artifact/init/health are fleet-side)."""
+    text = EVERY_KEY.replace("net = false", "net = true")
+    config = smol_runtime.machine_config(spec(text, {"TOKEN": "s3cret"}))
+    r = config.resources
+    assert config.name == "m1" and config.image == "/images/rootfs"
+    assert config.labels == {"fleet": "1", "rollout": "r-1"}
+    assert config.command == ["python3", "-c", "print(1)"]
+    assert config.env == {"A": "1", "B": "two=2", "TOKEN": "s3cret"}
+    assert config.workdir == "/root" and config.user == "root"
+    assert (r.cpus, r.memory_mb, r.storage_gb, r.overlay_gb) == (2, 1024, 10, 2)
+    assert (r.gpu, r.gpu_vram_mib, r.cuda) == (False, 512, False)
+    assert r.network is True and config.network is True
+    assert r.allow_hosts == ["pypi.org", "*.example.com"]
+    assert r.allow_cidrs == ["10.0.0.0/8", "2001:db8::/32"]
+    cred = config.credentials[0]
+    assert (cred.name, cred.env_var, cred.hosts, cred.value) == (
+        "TOKEN",
+        "API_TOKEN",
+        ["api.example.com"],
+        "s3cret",
+    )
+    assert config.branchable is True
+
+
+def test_defaults_and_networking_off() -> None:
+    """Without keys: upstream defaults (4 cpus, 8192 MiB) and no network."""
+    config = smol_runtime.machine_config(spec('image = "minimal"\n'))
+    assert (config.resources.cpus, config.resources.memory_mb) == (4, 8192)
+    assert config.network is False and config.resources.allow_hosts is None
+
+
+def test_allowlist_turns_scoped_networking_on() -> None:
+    """allow_hosts alone enables networking, scoped to the list."""
+    config = smol_runtime.machine_config(spec('[network]\nallow_hosts = ["pypi.org"]\n'))
+    assert config.network is True and config.resources.allow_hosts == ["pypi.org"]
+
+
+def test_credential_without_a_secret_is_refused() -> None:
+    """A credential with no [secrets] value is refused, naming the key."""
+    text = (
+        '[[network.credentials]]\nname = "T"\nenvironment_variable = "T"\n'
+        'allowed_hosts = ["a.io"]\n'
+    )
+    with pytest.raises(InvalidArgument, match=r"network.credentials\[0\]"):
+        smol_runtime.machine_config(spec(text))
+
+
+def test_restart_policy_other_than_never_is_refused() -> None:
+    """restart.policy = always cannot be honoured by a run-once plan and is refused by name."""
+    with pytest.raises(InvalidArgument, match=r"restart\.policy"):
+        smol_runtime.machine_config(spec('[restart]\npolicy = "always"\n'))
+
+
+@pytest.mark.parametrize("code", SDK_CODES)
+def test_every_sdk_error_code_maps_to_a_fleet_error_and_grpc_status(code: str) -> None:
+    """Each SmolError code becomes a FleetError whose code has a gRPC status."""
+    from smol import SmolError
+
+    err = smol_runtime.translate_error(SmolError(code, "boom"))
+    assert isinstance(err, FleetError)
+    assert code in err.message
+    assert isinstance(STATUS_FOR[err.code], grpc.StatusCode)
+    assert code in smol_runtime.SMOL_ERROR_MAP
+
+
+def test_native_error_strings_are_parsed() -> None:
+    """A bracketed native error message is translated by its code."""
+    err = smol_runtime.translate_error(RuntimeError("[KVM_UNAVAILABLE] no kvm"))
+    assert isinstance(err, Unavailable)
+
+
+def test_every_error_code_has_a_status() -> None:
+    """The chokepoint maps every fleet error code to a canonical gRPC status of the same name."""
+    for code in ErrorCode:
+        assert STATUS_FOR[code].name == code.value
+
+
+def test_static_check_detects_pvm(tmp_path: Path) -> None:
+    """kvm_pvm loaded, or no vmx/svm flag, means microVMs cannot boot."""
+    modules = tmp_path / "module"
+    (modules / "kvm_pvm").mkdir(parents=True)
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("flags : fpu vmx sse\n")
+    if not Path("/dev/kvm").exists():
+        pytest.skip("this host has no /dev/kvm, so the verdict is about that instead")
+    assert "PVM" in (smol_runtime.static_kvm_verdict(modules, cpuinfo) or "")
+    (modules / "kvm_pvm").rmdir()
+    assert smol_runtime.static_kvm_verdict(modules, cpuinfo) is None
+    cpuinfo.write_text("flags : fpu sse\n")
+    assert "no vmx or svm" in (smol_runtime.static_kvm_verdict(modules, cpuinfo) or "")
+
+
+def test_preflight_verdict_is_cached_per_boot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The canary runs once per host boot; later calls read the cached verdict."""
+    calls: list[Path] = []
+
+    def canary(image: Path, deadline_s: float = 60.0) -> tuple[bool, str]:
+        calls.append(image)
+        return False, "canary boot failed (exit 1)"
+
+    monkeypatch.setattr(smol_runtime, "sdk_availability", lambda: (True, ""))
+    monkeypatch.setattr(smol_runtime, "static_kvm_verdict", lambda: None)
+    monkeypatch.setattr(smol_runtime, "canary_boot", canary)
+    first = smol_runtime.preflight(tmp_path, Path("/img"))
+    second = smol_runtime.preflight(tmp_path, Path("/img"))
+    assert first == second == (False, "canary boot failed (exit 1)")
+    assert calls == [Path("/img")]
+
+
+def test_preflight_on_this_host_matches_the_static_check() -> None:
+    """On a PVM host preflight says no without booting, and says why."""
+    static = smol_runtime.static_kvm_verdict()
+    if static is None:
+        pytest.skip("this host has hardware virtualization; the canary decides here")
+    ok, reason = smol_runtime.preflight(Path("/nonexistent-cache"), None)
+    assert not ok and reason == static
+
+
+@pytest.mark.vm
+def test_smol_machine_boots_and_runs_a_step(rootfs: Path) -> None:
+    """A real microVM runs a command (needs hardware virtualization)."""
+    ok, reason = smol_runtime.preflight(Path("/tmp/fleet-preflight"), rootfs)
+    if not ok:
+        pytest.skip(f"microVMs cannot boot on this host: {reason}")
+    import asyncio
+
+    async def go() -> int:
+        runtime = smol_runtime.SmolRuntime()
+        machine = await runtime.create(
+            MachineSpec(
+                name="fleet-vm-test",
+                smolfile=parse_smolfile('image = "x"\n').spec,
+                image_digest="sha256:x",
+                rootfs=rootfs,
+                labels={"fleet": "test"},
+            )
+        )
+        try:
+            result = await machine.exec(["python3", "-c", "print(6*7)"], timeout_s=60)
+            assert result.stdout.strip() == b"42"
+            return result.exit_code
+        finally:
+            await machine.delete()
+
+    assert asyncio.run(go()) == 0
+
+
+def test_errors_subclass_root() -> None:
+    """Every mapped fleet error derives from FleetError."""
+    for kind in smol_runtime.SMOL_ERROR_MAP.values():
+        assert issubclass(kind, FleetError)
