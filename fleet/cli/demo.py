@@ -63,8 +63,9 @@ async def run_demo(paths: Paths, timeout_s: float = 600.0) -> int:
             print(f"runtime: {fleet.runtime.kind} — {fleet.runtime.reason}")
             if fleet.runtime.kind == "namespace":
                 print(
-                    "  (Linux namespaces on the shared kernel: weaker isolation than a microVM; "
-                    "rollouts that require vm isolation would wait for a smol host)"
+                    "  Linux namespaces on the shared kernel: weaker isolation than a microVM\n"
+                    "  (rollouts that require vm isolation would wait for a smol host), and\n"
+                    "  networking stays off in every machine, even where a Smolfile allows egress"
                 )
             gpu = next(a for a in fleet.agents if a.caps.host_class == "gpu")
             print(
@@ -154,14 +155,16 @@ def _summary(rollouts: list[types_pb2.Rollout], names: dict[str, str], wall_s: f
         ("wall time", f"{wall_s:.2f} s"),
         ("rollouts per second", f"{len(rollouts) / wall_s:.2f}"),
     ]
-    rows += [(f"served: {k}", str(v)) for k, v in sorted(served.items())]
     width = max(len(k) for k, _ in rows)
     print()
     print("summary")
-    print("-" * (width + 14))
+    print("-" * (width + 12))
     for key, value in rows:
         print(f"{key:<{width}}  {value:>10}")
-    print("-" * (width + 14))
+    print("-" * (width + 12))
+    print("served by")
+    for key, count in sorted(served.items()):
+        print(f"  {count:>3}  {key}")
     failures = [r for r in rollouts if r.state != types_pb2.ROLLOUT_STATE_SUCCEEDED]
     if failures:
         print("not succeeded:")

@@ -424,7 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
     i = isub.add_parser("inspect", help="digest, size, recipe, created time")
     i.add_argument("name")
 
-    sp = add("demo", cmd_demo, "evaluate the shipped suite on an embedded fleet")
+    sp = add("demo", cmd_demo, "evaluate the shipped suite on an embedded fleet", "error")
     sp.add_argument("--timeout-s", type=float, default=600.0)
     return p
 
