@@ -12,6 +12,7 @@ import pytest
 from fleet.config import Paths
 from fleet.image.store import ImageStore
 from fleet.ledger.store import Ledger
+from tests.pgserver import create_database, drop_database, postgres_server
 
 REPO = Path(__file__).resolve().parent.parent
 SMOLFILES = REPO / "smolfiles"
@@ -37,9 +38,29 @@ def rootfs(images: ImageStore) -> Path:
     return images.rootfs(record.digest)
 
 
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[str]:
+    """One real PostgreSQL server for the session (loopback only), stopped at the end."""
+    with postgres_server() as url:
+        yield url
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def ledger_target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """Where a fresh ledger lives: a SQLite file, or a new database on the test server."""
+    if request.param == "sqlite":
+        yield str(tmp_path / "ledger.sqlite3")
+        return
+    server: str = request.getfixturevalue("postgres")
+    url = create_database(server)
+    yield url
+    drop_database(server, url)
+
+
 @pytest.fixture
-def ledger(tmp_path: Path) -> Iterator[Ledger]:
-    led = Ledger.sqlite(tmp_path / "ledger.sqlite3")
+def ledger(ledger_target: str) -> Iterator[Ledger]:
+    """The contract suite runs against every backend: SQLite and PostgreSQL."""
+    led = Ledger.open(ledger_target)
     yield led
     led.engine.dispose()
 

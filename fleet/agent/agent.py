@@ -306,14 +306,15 @@ class Agent:
     ) -> None:
         request = convert.completion_to_pb(self.caps.host_id, completion, uuid.uuid4().hex)
         delay = 0.2
-        # A completion is idempotent under its fencing token, so resending is safe.
+        # A completion is idempotent under its fencing token, so resending is safe, also after
+        # an INTERNAL error whose transaction may or may not have committed.
         for _ in range(30):
             try:
                 await stub.CompleteWork(request, timeout=10)
                 log_.info("work_reported", outcome=completion.outcome)
                 return
             except grpc.aio.AioRpcError as exc:
-                if exc.code() not in RETRYABLE:
+                if exc.code() not in {*RETRYABLE, grpc.StatusCode.INTERNAL}:
                     log_.warning("completion_refused", code=exc.code().name, error=exc.details())
                     return
                 await asyncio.sleep(delay)

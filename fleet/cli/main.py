@@ -44,13 +44,14 @@ async def _until_signalled(stop: asyncio.Event) -> None:
 async def cmd_serve(args: argparse.Namespace) -> int:
     from fleet.image.store import ImageStore
     from fleet.ledger.store import Ledger
-    from fleet.server.app import FleetServer
+    from fleet.server.app import FleetServer, ServerConfig
 
     paths = Paths.from_env()
     server = FleetServer(
-        Ledger.sqlite(Path(args.db) if args.db else _default_db(paths)),
+        Ledger.open(args.db or str(_default_db(paths))),
         ImageStore(paths.images, paths.recipes),
         args.listen,
+        ServerConfig(lease_ttl_s=args.lease_ttl_s, heartbeat_interval_s=args.heartbeat_s),
     )
     await server.start()
     print(f"fleet server listening on {server.address}", flush=True)
@@ -76,7 +77,7 @@ async def cmd_agent(args: argparse.Namespace) -> int:
             host_id=args.host_id or default_host_id(host_class),
             host_class=host_class,
             runtime=choice,
-            machines_dir=paths.machines,
+            machines_dir=Path(args.machines_dir) if args.machines_dir else paths.machines,
             images=images,
             slots=args.slots,
         )
@@ -357,7 +358,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("serve", cmd_serve, "run a fleet server", "info")
     sp.add_argument("--listen", default=DEFAULT_SERVER)
-    sp.add_argument("--db", help="SQLite ledger path (default $FLEET_HOME/ledger.sqlite3)")
+    sp.add_argument(
+        "--db",
+        help="a SQLite file or a postgresql:// URL (default $FLEET_HOME/ledger.sqlite3); "
+        "several servers may share one PostgreSQL database",
+    )
+    sp.add_argument("--lease-ttl-s", type=float, default=15.0, help="lease life without a beat")
+    sp.add_argument("--heartbeat-s", type=float, default=3.0, help="agents' heartbeat interval")
 
     sp = add("agent", cmd_agent, "run a host agent", "info")
     server_flag(sp)
@@ -365,6 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--runtime", choices=["auto", "smol", "namespace"], default="auto")
     sp.add_argument("--slots", type=int, default=2, help="work items run at once")
     sp.add_argument("--host-id", default="")
+    sp.add_argument("--machines-dir", default="", help="default $FLEET_HOME/machines")
 
     sp = add("up", cmd_up, "server + 1 gpu-class + 2 cpu-class agents, SQLite, one process", "info")
     sp.add_argument("--listen", default=DEFAULT_SERVER)

@@ -19,8 +19,11 @@ from typing import Any
 
 import structlog
 from sqlalchemy import event
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
-from sqlmodel import Session, SQLModel, col, create_engine, select
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import Session, col, create_engine, select
 
 from fleet.core.errors import (
     Aborted,
@@ -33,8 +36,8 @@ from fleet.core.lifecycle import Outcome, RolloutState, check_transition
 from fleet.core.manifest import Manifest, SubmitRequest
 from fleet.core.placement import HostCapabilities, Isolation
 from fleet.core.rollout import Assignment, Completion, Rollout, RolloutEvent, StepResult
+from fleet.ledger.migrations import migrate
 from fleet.ledger.tables import (
-    SCHEMA_VERSION,
     ArtifactRow,
     AttemptRow,
     EventRow,
@@ -42,7 +45,6 @@ from fleet.ledger.tables import (
     ManifestRow,
     RolloutLabel,
     RolloutRow,
-    SchemaInfo,
     WorkItemRow,
 )
 
@@ -78,26 +80,41 @@ def _sqlite_engine(path: Path) -> Engine:
     return engine
 
 
+def _postgres_engine(url: str) -> Engine:
+    url = url.replace("postgres://", "postgresql://", 1)
+    if url.startswith("postgresql://"):
+        url = "postgresql+psycopg://" + url.removeprefix("postgresql://")
+    # READ COMMITTED with explicit row locks (FOR UPDATE, SKIP LOCKED for claims and sweeps);
+    # synchronous_commit stays on: an acknowledged write is on disk.
+    return create_engine(url, pool_pre_ping=True, pool_size=4, max_overflow=4)
+
+
 class Ledger:
     """The work ledger over one database."""
 
     def __init__(self, engine: Engine, *, rng: random.Random | None = None) -> None:
         self.engine = engine
         self._rng = rng or random.Random()
-        SQLModel.metadata.create_all(engine)
-        with self._tx() as s:
-            info = s.get(SchemaInfo, 1)
-            if info is None:
-                s.add(SchemaInfo(id=1, version=SCHEMA_VERSION))
-            elif info.version > SCHEMA_VERSION:
-                raise FailedPrecondition(
-                    f"the ledger's schema is version {info.version}, newer than this fleet "
-                    f"knows ({SCHEMA_VERSION}); upgrade fleet before serving this database"
-                )
+        self.schema_version = migrate(engine)
 
     @classmethod
     def sqlite(cls, path: Path) -> Ledger:
         return cls(_sqlite_engine(path))
+
+    @classmethod
+    def postgres(cls, url: str) -> Ledger:
+        return cls(_postgres_engine(url))
+
+    @classmethod
+    def open(cls, target: str) -> Ledger:
+        """A ledger from a PostgreSQL URL (postgresql://...) or a SQLite file path."""
+        if target.startswith(("postgresql://", "postgres://", "postgresql+psycopg://")):
+            return cls.postgres(target)
+        return cls.sqlite(Path(target.removeprefix("sqlite:///")))
+
+    @property
+    def backend(self) -> str:
+        return self.engine.dialect.name
 
     @contextmanager
     def _tx(self) -> Iterator[Session]:
@@ -165,8 +182,13 @@ class Ledger:
             attempt=attempt,
         )
 
-    def _rollout_row(self, s: Session, rollout_id: str) -> RolloutRow:
-        row = s.exec(select(RolloutRow).where(RolloutRow.id == rollout_id)).first()
+    def _rollout_row(self, s: Session, rollout_id: str, *, lock: bool = False) -> RolloutRow:
+        query = select(RolloutRow).where(RolloutRow.id == rollout_id)
+        if lock:
+            # Row locks order writers per rollout (item first, then rollout, everywhere), so
+            # a rollout's events get sequence numbers in commit order.
+            query = query.with_for_update()
+        row = s.exec(query).first()
         if row is None:
             raise NotFound(f"no rollout {rollout_id!r}")
         return row
@@ -193,10 +215,20 @@ class Ledger:
             finished_at=_ts(row.finished_at),
         )
 
+    def _insert_once(self, s: Session, table: Any, values: dict[str, Any]) -> None:
+        """INSERT that leaves an existing row alone: content-addressed rows are immutable, and
+        two writers of the same content must both succeed."""
+        dialect = self.engine.dialect.name
+        stmt = (pg_insert if dialect == "postgresql" else sqlite_insert)(table).values(**values)
+        s.execute(stmt.on_conflict_do_nothing())
+
     def _put_artifact(self, s: Session, data: bytes, now: float) -> str:
         digest = "sha256:" + hashlib.sha256(data).hexdigest()
-        if s.get(ArtifactRow, digest) is None:
-            s.add(ArtifactRow(digest=digest, size_bytes=len(data), data=data, created_at=now))
+        self._insert_once(
+            s,
+            ArtifactRow,
+            {"digest": digest, "size_bytes": len(data), "data": data, "created_at": now},
+        )
         return digest
 
     # -- submitters --------------------------------------------------------------------------
@@ -205,6 +237,18 @@ class Ledger:
         self, request: SubmitRequest, manifest: Manifest, now: float
     ) -> tuple[Rollout, bool]:
         """Stores the manifest and a new rollout, or returns the one with the same key."""
+        for _ in range(3):
+            try:
+                return self._submit(request, manifest, now)
+            except IntegrityError:
+                # Another replica stored the same key or manifest between our read and insert;
+                # the next try sees its row and answers as for any repeated submission.
+                continue
+        return self._submit(request, manifest, now)
+
+    def _submit(
+        self, request: SubmitRequest, manifest: Manifest, now: float
+    ) -> tuple[Rollout, bool]:
         fingerprint = request.fingerprint()
         with self._tx() as s:
             existing = s.exec(
@@ -219,8 +263,11 @@ class Ledger:
                     )
                 return self._view(s, existing), False
             digest = manifest.digest
-            if s.get(ManifestRow, digest) is None:
-                s.add(ManifestRow(digest=digest, body=manifest.model_dump_json(), created_at=now))
+            self._insert_once(
+                s,
+                ManifestRow,
+                {"digest": digest, "body": manifest.model_dump_json(), "created_at": now},
+            )
             rollout_id = "r-" + uuid.uuid4().hex[:16]
             row = RolloutRow(
                 id=rollout_id,
@@ -325,11 +372,14 @@ class Ledger:
     def cancel(self, rollout_id: str, reason: str, actor: str, now: float) -> Rollout:
         """Queued work ends at once; running work is stopped by its agent at its next beat."""
         with self._tx() as s:
-            row = self._rollout_row(s, rollout_id)
+            item = s.exec(
+                select(WorkItemRow).where(WorkItemRow.rollout_id == rollout_id).with_for_update()
+            ).first()
+            row = self._rollout_row(s, rollout_id, lock=True)
+            assert item is not None
             state = RolloutState(row.state)
             if state.final:
                 return self._view(s, row)
-            item = s.exec(select(WorkItemRow).where(WorkItemRow.rollout_id == rollout_id)).one()
             why = reason or "cancelled by request"
             if item.state == QUEUED:
                 item.state = DONE
@@ -405,6 +455,7 @@ class Ledger:
             query = query.order_by(
                 col(WorkItemRow.priority).desc(), col(WorkItemRow.not_before), col(WorkItemRow.id)
             ).limit(max(1, max_items))
+            query = query.with_for_update(skip_locked=True)
             out = []
             for item in s.exec(query).all():
                 item.state = LEASED
@@ -423,7 +474,7 @@ class Ledger:
                         started_at=now,
                     )
                 )
-                row = self._rollout_row(s, item.rollout_id)
+                row = self._rollout_row(s, item.rollout_id, lock=True)
                 row.attempts = item.attempt
                 self._move(
                     s,
@@ -462,7 +513,7 @@ class Ledger:
             host.last_heartbeat_at = now
             s.add(host)
             for work_id, token in leases:
-                item = s.get(WorkItemRow, work_id)
+                item = s.get(WorkItemRow, work_id, with_for_update=True)
                 if (
                     item is None
                     or item.state != LEASED
@@ -482,7 +533,7 @@ class Ledger:
         """Records one attempt's result under its fencing token; exactly one result wins."""
         fingerprint = report.fingerprint()
         with self._tx() as s:
-            item = s.get(WorkItemRow, report.work_id)
+            item = s.get(WorkItemRow, report.work_id, with_for_update=True)
             if item is None:
                 raise NotFound(f"no work item {report.work_id!r}")
             if item.fencing_token != report.fencing_token:
@@ -490,7 +541,7 @@ class Ledger:
                     f"stale fencing token {report.fencing_token} for {report.work_id} (current "
                     f"{item.fencing_token}): the lease was lost and the work leased again"
                 )
-            row = self._rollout_row(s, item.rollout_id)
+            row = self._rollout_row(s, item.rollout_id, lock=True)
             if item.state == DONE:
                 if item.result_fingerprint == fingerprint:
                     return RolloutState(row.state)  # the same report again: already recorded
@@ -580,13 +631,13 @@ class Ledger:
         changed = 0
         with self._tx() as s:
             expired = s.exec(
-                select(WorkItemRow).where(
-                    WorkItemRow.state == LEASED, col(WorkItemRow.lease_expires_at) < now
-                )
+                select(WorkItemRow)
+                .where(WorkItemRow.state == LEASED, col(WorkItemRow.lease_expires_at) < now)
+                .with_for_update(skip_locked=True)
             ).all()
             for item in expired:
                 changed += 1
-                row = self._rollout_row(s, item.rollout_id)
+                row = self._rollout_row(s, item.rollout_id, lock=True)
                 attempt = s.exec(
                     select(AttemptRow).where(
                         AttemptRow.work_id == item.id, AttemptRow.attempt == item.attempt
@@ -642,15 +693,15 @@ class Ledger:
                     )
                 s.add(item)
             late = s.exec(
-                select(WorkItemRow).where(
-                    WorkItemRow.state == QUEUED, col(WorkItemRow.deadline) <= now
-                )
+                select(WorkItemRow)
+                .where(WorkItemRow.state == QUEUED, col(WorkItemRow.deadline) <= now)
+                .with_for_update(skip_locked=True)
             ).all()
             for item in late:
                 changed += 1
                 item.state = DONE
                 s.add(item)
-                row = self._rollout_row(s, item.rollout_id)
+                row = self._rollout_row(s, item.rollout_id, lock=True)
                 row.error = "the deadline passed before the rollout could start"
                 self._move(
                     s,

@@ -43,6 +43,10 @@ def mapped(method: F) -> F:
             if isinstance(exc, grpc.aio.AbortError):
                 raise
             log.exception("request_crashed", rpc=method.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc}")
+            # The details stay in the server's log: they may carry SQL and other clients' data.
+            await context.abort(
+                grpc.StatusCode.INTERNAL,
+                f"internal error ({type(exc).__name__}) in {method.__name__}; see the server log",
+            )
 
     return wrapper  # type: ignore[return-value]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import pytest
 from sqlmodel import Session
@@ -224,10 +223,9 @@ def test_unknown_ids_and_hosts(ledger: Ledger) -> None:
         ledger.claim("ghost", 1, T0, TTL)
 
 
-def test_a_newer_schema_is_refused(tmp_path: Path) -> None:
+def test_a_newer_schema_is_refused(ledger_target: str) -> None:
     """A server refuses a database whose schema is newer than it knows, saying so."""
-    path = tmp_path / "l.sqlite3"
-    ledger = Ledger.sqlite(path)
+    ledger = Ledger.open(ledger_target)
     with Session(ledger.engine) as s, s.begin():
         info = s.get(SchemaInfo, 1)
         assert info is not None
@@ -235,13 +233,15 @@ def test_a_newer_schema_is_refused(tmp_path: Path) -> None:
         s.add(info)
     ledger.engine.dispose()
     with pytest.raises(FailedPrecondition, match="newer than this fleet knows"):
-        Ledger.sqlite(path)
+        Ledger.open(ledger_target)
 
 
-def test_acknowledged_submissions_survive_reopen(tmp_path: Path) -> None:
+def test_acknowledged_submissions_survive_reopen(ledger_target: str) -> None:
     """What the ledger acknowledged is there after the process reopens the database."""
-    path = tmp_path / "l.sqlite3"
-    ledger = Ledger.sqlite(path)
+    ledger = Ledger.open(ledger_target)
     rollout, _ = submit(ledger)
     ledger.engine.dispose()
-    assert Ledger.sqlite(path).get(rollout.id).idempotency_key == "k1"
+    reopened = Ledger.open(ledger_target)
+    assert reopened.get(rollout.id).idempotency_key == "k1"
+    assert reopened.schema_version == SCHEMA_VERSION
+    reopened.engine.dispose()

@@ -1,0 +1,67 @@
+"""Schema versions, applied in order, once, under a lock; a newer schema than known is refused.
+
+Each migration is a function of a connection inside the migrating transaction. Version 1 is
+the initial schema. A later change to the tables adds a new numbered step here (ALTER TABLE
+and the like) and never edits an applied one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import structlog
+from sqlalchemy import Connection, text
+from sqlalchemy.engine import Engine
+from sqlmodel import SQLModel
+
+from fleet.core.errors import FailedPrecondition
+from fleet.ledger import tables
+
+log = structlog.get_logger(__name__)
+
+_LOCK_KEY = 0x666C656574  # "fleet": serializes replicas migrating one PostgreSQL database
+
+
+def _initial(conn: Connection) -> None:
+    SQLModel.metadata.create_all(conn)
+
+
+MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
+    (
+        1,
+        "initial schema: manifests, rollouts, work items, attempts, hosts, events, artifacts",
+        _initial,
+    ),
+]
+LATEST = MIGRATIONS[-1][0]
+assert LATEST == tables.SCHEMA_VERSION
+
+
+def migrate(engine: Engine) -> int:
+    """Brings the database to the latest schema; returns the version it is at."""
+    with engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _LOCK_KEY})
+        tables.SchemaInfo.__table__.create(conn, checkfirst=True)  # type: ignore[attr-defined]
+        row = conn.execute(text("SELECT version FROM schema_info WHERE id = 1")).first()
+        current = int(row[0]) if row else 0
+        if current > LATEST:
+            raise FailedPrecondition(
+                f"the ledger's schema is version {current}, newer than this fleet knows "
+                f"({LATEST}); upgrade fleet before serving this database"
+            )
+        for version, name, step in MIGRATIONS:
+            if version <= current:
+                continue
+            step(conn)
+            if current == 0:
+                conn.execute(
+                    text("INSERT INTO schema_info (id, version) VALUES (1, :v)"), {"v": version}
+                )
+            else:
+                conn.execute(
+                    text("UPDATE schema_info SET version = :v WHERE id = 1"), {"v": version}
+                )
+            log.info("ledger_migrated", version=version, name=name)
+            current = version
+        return current
