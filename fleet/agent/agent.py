@@ -15,7 +15,7 @@ import structlog
 
 from fleet._proto.fleet.v1 import host_pb2, host_pb2_grpc
 from fleet.agent.capabilities import RuntimeChoice, capabilities, make_runtime
-from fleet.core.errors import FleetError
+from fleet.core.errors import ErrorCode, FleetError
 from fleet.core.lifecycle import Outcome
 from fleet.core.placement import HostCapabilities, HostClass
 from fleet.core.rollout import Assignment, Completion, StepResult
@@ -128,8 +128,23 @@ class Agent:
                 for work_id in reply.stop_work_ids:
                     self._stop(work_id, "the server asked to stop it (cancelled or deadline)")
             except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.ABORTED:
+                    stale = dict(exc.trailing_metadata() or ()).get("fleet-stale-work-ids", "")
+                    lost = [w for w in str(stale).split(",") if w in self._running]
+                    for work_id in lost:
+                        self._lost(work_id)
+                    if lost:
+                        continue  # beat again at once for the leases still held
                 self.log.warning("heartbeat_failed", code=exc.code().name, error=exc.details())
             await asyncio.sleep(self._heartbeat_s)
+
+    def _lost(self, work_id: str) -> None:
+        """A lease the server no longer honours: stop the work and forget it."""
+        running = self._running.pop(work_id, None)
+        if running and running.task and not running.stop_reason:
+            running.stop_reason = "lease lost"
+            running.task.cancel()
+            self.log.warning("lease_lost", work_id=work_id)
 
     def _stop(self, work_id: str, reason: str) -> None:
         running = self._running.get(work_id)
@@ -212,9 +227,11 @@ class Agent:
             )
 
         machine: Machine | None = None
+        rootfs_ready = False
         try:
             parsed = a.manifest.parsed_smolfile()
             rootfs = await asyncio.to_thread(self.config.images.rootfs, a.manifest.image_digest)
+            rootfs_ready = True
             spec = MachineSpec(
                 name=f"fleet-{a.rollout_id}-a{a.attempt}",
                 smolfile=parsed.spec,
@@ -286,8 +303,9 @@ class Agent:
         except asyncio.CancelledError:
             return report(Outcome.CANCELLED, running.stop_reason or "agent stopped")
         except FleetError as exc:
-            log_.warning("attempt_error", code=exc.code, error=exc.message)
-            return report(Outcome.TRANSIENT_ERROR, f"{exc.code}: {exc.message}")
+            outcome = failure_class(exc, image_ready=machine is not None or rootfs_ready)
+            log_.warning("attempt_error", code=exc.code, error=exc.message, outcome=outcome)
+            return report(outcome, f"{exc.code}: {exc.message}")
         except Exception as exc:
             log_.exception("attempt_crashed")
             return report(Outcome.TRANSIENT_ERROR, f"agent error: {exc!r}")
@@ -320,6 +338,20 @@ class Agent:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
         log_.error("completion_undelivered", note="the lease will expire and the work rerun")
+
+
+def failure_class(exc: FleetError, *, image_ready: bool) -> Outcome:
+    """How the agent classes an error before any step ran.
+
+    Malformed input (the manifest's Smolfile, its secrets) is quarantined: no host can run it.
+    A runtime that cannot express the manifest fails fast. Anything about this host (a corrupt
+    local image copy, a runtime error) is transient: another attempt, maybe elsewhere, can work.
+    """
+    if exc.code == ErrorCode.INVALID_ARGUMENT:
+        return Outcome.MALFORMED_INPUT
+    if exc.code == ErrorCode.FAILED_PRECONDITION and image_ready:
+        return Outcome.INCOMPATIBLE
+    return Outcome.TRANSIENT_ERROR
 
 
 def default_host_id(host_class: HostClass, index: int = 0) -> str:

@@ -126,6 +126,12 @@ def _print_rollout(r: types_pb2.Rollout, as_json: bool) -> None:
         print(f"served by {r.host_id} (runtime {runtime}, device {r.device})")
     if r.error:
         print(f"error     {r.error}")
+    for a in r.attempt_history:
+        ended = f"{a.ended_at.ToDatetime():%H:%M:%S}" if a.HasField("ended_at") else "running"
+        print(
+            f"attempt {a.attempt} on {a.host_id}: {a.started_at.ToDatetime():%H:%M:%S} -> {ended} "
+            f"{a.outcome} {a.error}".rstrip()
+        )
     for s in r.results:
         flag = " (timed out)" if s.timed_out else ""
         print(f"-- step {s.index} {s.name}: exit {s.exit_code}{flag}, {s.duration_s:.3f}s")

@@ -38,9 +38,19 @@ class FleetError(Exception):
 
     code: ErrorCode = ErrorCode.INTERNAL
 
-    def __init__(self, message: str) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        retry_after_s: float | None = None,
+        details: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
+        self.retry_after_s = retry_after_s
+        """For RESOURCE_EXHAUSTED and UNAVAILABLE: when trying again may succeed."""
+        self.details = details or {}
+        """Machine-readable context, sent as `fleet-<key>` trailing metadata."""
 
 
 class InvalidArgument(FleetError):

@@ -13,13 +13,21 @@ class RolloutState(enum.StrEnum):
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
+    QUARANTINED = "QUARANTINED"
 
     @property
     def final(self) -> bool:
         return self in FINAL_STATES
 
 
-FINAL_STATES = frozenset({RolloutState.SUCCEEDED, RolloutState.FAILED, RolloutState.CANCELLED})
+FINAL_STATES = frozenset(
+    {
+        RolloutState.SUCCEEDED,
+        RolloutState.FAILED,
+        RolloutState.CANCELLED,
+        RolloutState.QUARANTINED,
+    }
+)
 
 TRANSITIONS: dict[RolloutState, frozenset[RolloutState]] = {
     RolloutState.QUEUED: frozenset(
@@ -32,9 +40,11 @@ TRANSITIONS: dict[RolloutState, frozenset[RolloutState]] = {
             RolloutState.SUCCEEDED,
             RolloutState.FAILED,
             RolloutState.CANCELLED,
+            RolloutState.QUARANTINED,
         }
     ),
     RolloutState.SUCCEEDED: frozenset(),
+    RolloutState.QUARANTINED: frozenset(),
     RolloutState.FAILED: frozenset(),
     RolloutState.CANCELLED: frozenset(),
 }
@@ -53,4 +63,6 @@ class Outcome(enum.StrEnum):
     STEP_FAILED = "STEP_FAILED"
     TRANSIENT_ERROR = "TRANSIENT_ERROR"
     CANCELLED = "CANCELLED"
+    MALFORMED_INPUT = "MALFORMED_INPUT"
+    INCOMPATIBLE = "INCOMPATIBLE"
     LEASE_EXPIRED = "LEASE_EXPIRED"

@@ -36,6 +36,19 @@ class StepResult(BaseModel):
         return self.exit_code == 0 and not self.timed_out
 
 
+class AttemptRecord(BaseModel):
+    """One attempt: host, start, end, outcome and error."""
+
+    model_config = ConfigDict(frozen=True)
+
+    attempt: int
+    host_id: str
+    started_at: datetime
+    ended_at: datetime | None = None
+    outcome: str = ""
+    error: str = ""
+
+
 class Rollout(BaseModel):
     model_config = ConfigDict(frozen=True)
 
@@ -55,6 +68,8 @@ class Rollout(BaseModel):
     created_at: datetime
     started_at: datetime | None = None
     finished_at: datetime | None = None
+    priority: int = 0
+    attempt_history: tuple[AttemptRecord, ...] = ()
 
     @property
     def host_class(self) -> HostClass:

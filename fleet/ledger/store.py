@@ -23,7 +23,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
-from sqlmodel import Session, col, create_engine, select
+from sqlmodel import Session, col, create_engine, func, select
 
 from fleet.core.errors import (
     Aborted,
@@ -31,11 +31,19 @@ from fleet.core.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    ResourceExhausted,
 )
 from fleet.core.lifecycle import Outcome, RolloutState, check_transition
 from fleet.core.manifest import Manifest, SubmitRequest
 from fleet.core.placement import HostCapabilities, Isolation
-from fleet.core.rollout import Assignment, Completion, Rollout, RolloutEvent, StepResult
+from fleet.core.rollout import (
+    Assignment,
+    AttemptRecord,
+    Completion,
+    Rollout,
+    RolloutEvent,
+    StepResult,
+)
 from fleet.ledger.migrations import migrate
 from fleet.ledger.tables import (
     ArtifactRow,
@@ -196,7 +204,25 @@ class Ledger:
     def _view(self, s: Session, row: RolloutRow) -> Rollout:
         manifest_row = s.get(ManifestRow, row.manifest_digest)
         assert manifest_row is not None  # foreign key
+        history = s.exec(
+            select(AttemptRow)
+            .join(WorkItemRow, col(WorkItemRow.id) == col(AttemptRow.work_id))
+            .where(WorkItemRow.rollout_id == row.id)
+            .order_by(col(AttemptRow.attempt))
+        ).all()
         return Rollout(
+            priority=row.priority,
+            attempt_history=tuple(
+                AttemptRecord(
+                    attempt=a.attempt,
+                    host_id=a.host_id,
+                    started_at=_ts(a.started_at) or datetime.now(UTC),
+                    ended_at=_ts(a.ended_at),
+                    outcome=a.outcome,
+                    error=a.error,
+                )
+                for a in history
+            ),
             id=row.id,
             state=RolloutState(row.state),
             tenant=row.tenant,
@@ -234,20 +260,29 @@ class Ledger:
     # -- submitters --------------------------------------------------------------------------
 
     def submit(
-        self, request: SubmitRequest, manifest: Manifest, now: float
+        self,
+        request: SubmitRequest,
+        manifest: Manifest,
+        now: float,
+        *,
+        max_active_per_tenant: int = 0,
     ) -> tuple[Rollout, bool]:
-        """Stores the manifest and a new rollout, or returns the one with the same key."""
+        """Stores the manifest and a new rollout, or returns the one with the same key.
+
+        With `max_active_per_tenant`, a tenant with that many queued or running rollouts is
+        refused with RESOURCE_EXHAUSTED and a retry hint.
+        """
         for _ in range(3):
             try:
-                return self._submit(request, manifest, now)
+                return self._submit(request, manifest, now, max_active_per_tenant)
             except IntegrityError:
                 # Another replica stored the same key or manifest between our read and insert;
                 # the next try sees its row and answers as for any repeated submission.
                 continue
-        return self._submit(request, manifest, now)
+        return self._submit(request, manifest, now, max_active_per_tenant)
 
     def _submit(
-        self, request: SubmitRequest, manifest: Manifest, now: float
+        self, request: SubmitRequest, manifest: Manifest, now: float, max_active: int
     ) -> tuple[Rollout, bool]:
         fingerprint = request.fingerprint()
         with self._tx() as s:
@@ -262,6 +297,21 @@ class Ledger:
                         "this submission was refused (use a new key for a new rollout)"
                     )
                 return self._view(s, existing), False
+            if max_active:
+                active = s.exec(
+                    select(func.count())
+                    .select_from(WorkItemRow)
+                    .where(
+                        WorkItemRow.tenant == request.tenant,
+                        col(WorkItemRow.state).in_([QUEUED, LEASED]),
+                    )
+                ).one()
+                if active >= max_active:
+                    raise ResourceExhausted(
+                        f"tenant {request.tenant!r} has {active} rollouts queued or running, "
+                        f"at its limit of {max_active}; retry after some finish",
+                        retry_after_s=2.0,
+                    )
             digest = manifest.digest
             self._insert_once(
                 s,
@@ -290,6 +340,7 @@ class Ledger:
                 WorkItemRow(
                     id="w-" + uuid.uuid4().hex[:16],
                     rollout_id=rollout_id,
+                    tenant=request.tenant,
                     state=QUEUED,
                     host_class=manifest.host_class.value,
                     needs_vm=manifest.requirements.isolation == Isolation.VM,
@@ -437,11 +488,32 @@ class Ledger:
     # -- agents ------------------------------------------------------------------------------
 
     def claim(
-        self, host_id: str, max_items: int, now: float, lease_ttl_s: float
+        self,
+        host_id: str,
+        max_items: int,
+        now: float,
+        lease_ttl_s: float,
+        *,
+        request_id: str = "",
+        max_running_per_tenant: int = 0,
     ) -> list[Assignment]:
-        """Leases up to `max_items` runnable items this host can serve, highest priority first."""
+        """Leases up to `max_items` runnable items this host can serve, highest priority first.
+
+        A repeat of a claim (same `request_id`, same host) answers with the leases the first
+        one took, so a lost reply never strands work until its lease expires.
+        """
         with self._tx() as s:
             host = self._host(s, host_id)
+            if request_id:
+                again = s.exec(
+                    select(WorkItemRow).where(
+                        WorkItemRow.lease_owner == host_id,
+                        WorkItemRow.state == LEASED,
+                        WorkItemRow.claim_request_id == request_id,
+                    )
+                ).all()
+                if again:
+                    return [self._assignment(s, item) for item in again]
             query = select(WorkItemRow).where(
                 WorkItemRow.state == QUEUED,
                 WorkItemRow.host_class == host.host_class.value,
@@ -452,12 +524,32 @@ class Ledger:
                 query = query.where(col(WorkItemRow.needs_vm).is_(False))
             if host.cuda_devices == 0:
                 query = query.where(col(WorkItemRow.needs_cuda_device).is_(False))
+            running: dict[str, int] = {}
+            want = max(1, max_items)
+            if max_running_per_tenant:
+                counts = s.exec(
+                    select(WorkItemRow.tenant, func.count())
+                    .where(WorkItemRow.state == LEASED)
+                    .group_by(col(WorkItemRow.tenant))
+                ).all()
+                running = {tenant: int(n) for tenant, n in counts}
+                full = [t for t, n in running.items() if n >= max_running_per_tenant]
+                if full:
+                    query = query.where(col(WorkItemRow.tenant).not_in(full))
+                want *= 4  # room to skip items of tenants that fill up within this batch
             query = query.order_by(
                 col(WorkItemRow.priority).desc(), col(WorkItemRow.not_before), col(WorkItemRow.id)
-            ).limit(max(1, max_items))
+            ).limit(want)
             query = query.with_for_update(skip_locked=True)
-            out = []
+            out: list[Assignment] = []
             for item in s.exec(query).all():
+                if len(out) >= max(1, max_items):
+                    break
+                if max_running_per_tenant:
+                    if running.get(item.tenant, 0) >= max_running_per_tenant:
+                        continue
+                    running[item.tenant] = running.get(item.tenant, 0) + 1
+                item.claim_request_id = request_id
                 item.state = LEASED
                 item.attempt += 1
                 item.fencing_token += 1
@@ -486,24 +578,30 @@ class Ledger:
                     message=f"attempt {item.attempt} on {host_id}",
                     attempt=item.attempt,
                 )
-                manifest_row = s.get(ManifestRow, row.manifest_digest)
-                assert manifest_row is not None
-                out.append(
-                    Assignment(
-                        work_id=item.id,
-                        rollout_id=item.rollout_id,
-                        attempt=item.attempt,
-                        fencing_token=item.fencing_token,
-                        lease_expires_at=_ts(item.lease_expires_at) or datetime.now(UTC),
-                        manifest=Manifest.model_validate_json(manifest_row.body),
-                    )
-                )
+                out.append(self._assignment(s, item))
             return out
+
+    def _assignment(self, s: Session, item: WorkItemRow) -> Assignment:
+        row = self._rollout_row(s, item.rollout_id)
+        manifest_row = s.get(ManifestRow, row.manifest_digest)
+        assert manifest_row is not None
+        return Assignment(
+            work_id=item.id,
+            rollout_id=item.rollout_id,
+            attempt=item.attempt,
+            fencing_token=item.fencing_token,
+            lease_expires_at=_ts(item.lease_expires_at) or datetime.now(UTC),
+            manifest=Manifest.model_validate_json(manifest_row.body),
+        )
 
     def heartbeat(
         self, host_id: str, leases: list[tuple[str, int]], now: float, lease_ttl_s: float
     ) -> tuple[list[tuple[str, int]], list[str]]:
-        """Renews the host's current leases; returns (renewed, work the agent must stop)."""
+        """Renews the host's leases; returns (renewed, work the agent must stop).
+
+        All or nothing: if any lease is stale (lost, re-leased, or not this host's), nothing
+        is renewed and the call is refused with ABORTED naming the stale work ids.
+        """
         renewed: list[tuple[str, int]] = []
         stop: list[str] = []
         with self._tx() as s:
@@ -512,16 +610,23 @@ class Ledger:
                 raise FailedPrecondition(f"host {host_id!r} is not registered")
             host.last_heartbeat_at = now
             s.add(host)
-            for work_id, token in leases:
-                item = s.get(WorkItemRow, work_id, with_for_update=True)
-                if (
-                    item is None
-                    or item.state != LEASED
-                    or item.lease_owner != host_id
-                    or item.fencing_token != token
-                ):
-                    stop.append(work_id)
-                    continue
+            items = [(s.get(WorkItemRow, w, with_for_update=True), w, t) for w, t in leases]
+            stale = [
+                w
+                for item, w, t in items
+                if item is None
+                or item.state != LEASED
+                or item.lease_owner != host_id
+                or item.fencing_token != t
+            ]
+            if stale:
+                raise Aborted(
+                    f"stale lease(s) {', '.join(stale)}: lost or leased again; stop that work "
+                    "and heartbeat the rest",
+                    details={"stale-work-ids": ",".join(stale)},
+                )
+            for item, work_id, token in items:
+                assert item is not None
                 if item.cancel_requested or item.deadline <= now:
                     stop.append(work_id)
                 item.lease_expires_at = now + lease_ttl_s
@@ -591,6 +696,12 @@ class Ledger:
             elif outcome == Outcome.CANCELLED:
                 target, kind = RolloutState.FAILED, "deadline_exceeded"
                 row.error = report.error or "stopped at the rollout's deadline"
+            elif outcome == Outcome.MALFORMED_INPUT:
+                target, kind = RolloutState.QUARANTINED, "quarantined"
+                row.error = f"malformed input, quarantined: {report.error}"
+            elif outcome == Outcome.INCOMPATIBLE:
+                target, kind = RolloutState.FAILED, "incompatible"
+                row.error = f"incompatible, not retried: {report.error}"
             else:  # TRANSIENT_ERROR: retried while the policy allows
                 if manifest.retry.may_retry(item.attempt) and item.deadline > now:
                     delay = manifest.retry.backoff_s(item.attempt, self._rng)

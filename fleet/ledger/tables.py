@@ -61,6 +61,7 @@ class WorkItemRow(SQLModel, table=True):
 
     id: str = Field(primary_key=True)
     rollout_id: str = Field(index=True)
+    tenant: str = Field(default="default", index=True)
     state: str = Field(index=True)  # QUEUED, LEASED, DONE
     host_class: str
     needs_vm: bool = False
@@ -75,6 +76,8 @@ class WorkItemRow(SQLModel, table=True):
     lease_expires_at: float | None = None
     cancel_requested: bool = False
     result_fingerprint: str = ""
+    claim_request_id: str = ""
+    """The ClaimWork request that took the current lease: a repeat of it gets the same lease."""
 
 
 class AttemptRow(SQLModel, table=True):

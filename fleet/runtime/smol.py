@@ -94,7 +94,7 @@ def machine_config(spec: MachineSpec) -> Any:
             )
         )
     if sf.restart and sf.restart.policy not in (None, "never"):
-        raise InvalidArgument(
+        raise FailedPrecondition(
             f"restart.policy = {sf.restart.policy!r}: a rollout's machine runs its plan once; "
             "retries follow the rollout's retry policy (use 'never' or leave it out)"
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -44,6 +45,10 @@ class ServerConfig:
     """How often expired leases and missed deadlines are handled."""
     max_message_bytes: int = MAX_MESSAGE_BYTES
     """Largest request accepted; bigger ones get RESOURCE_EXHAUSTED."""
+    max_active_per_tenant: int = 100_000
+    """Queued plus running rollouts one tenant may have; more are refused with a retry hint."""
+    max_running_per_tenant: int = 0
+    """Rollouts of one tenant leased at once across the fleet (0: no limit)."""
 
 
 class Pulse:
@@ -101,7 +106,13 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
         if reason:
             raise FailedPrecondition(reason)
         rollout, created = await self.core.db(
-            self.core.ledger.submit, submit, manifest, now.timestamp()
+            functools.partial(
+                self.core.ledger.submit,
+                max_active_per_tenant=self.core.config.max_active_per_tenant,
+            ),
+            submit,
+            manifest,
+            now.timestamp(),
         )
         if created:
             self.core.changed()
@@ -220,7 +231,11 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
         give_up = time.monotonic() + wait_s
         while True:
             items = await self.core.db(
-                self.core.ledger.claim,
+                functools.partial(
+                    self.core.ledger.claim,
+                    request_id=request.request_id,
+                    max_running_per_tenant=self.core.config.max_running_per_tenant,
+                ),
                 request.host_id,
                 request.max_items,
                 time.time(),

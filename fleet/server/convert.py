@@ -36,6 +36,7 @@ STATE_TO_PB = {
     RolloutState.SUCCEEDED: types_pb2.ROLLOUT_STATE_SUCCEEDED,
     RolloutState.FAILED: types_pb2.ROLLOUT_STATE_FAILED,
     RolloutState.CANCELLED: types_pb2.ROLLOUT_STATE_CANCELLED,
+    RolloutState.QUARANTINED: types_pb2.ROLLOUT_STATE_QUARANTINED,
 }
 STATE_FROM_PB = {v: k for k, v in STATE_TO_PB.items()}
 OUTCOME_TO_PB = {
@@ -43,6 +44,8 @@ OUTCOME_TO_PB = {
     Outcome.STEP_FAILED: types_pb2.OUTCOME_STEP_FAILED,
     Outcome.TRANSIENT_ERROR: types_pb2.OUTCOME_TRANSIENT_ERROR,
     Outcome.CANCELLED: types_pb2.OUTCOME_CANCELLED,
+    Outcome.MALFORMED_INPUT: types_pb2.OUTCOME_MALFORMED_INPUT,
+    Outcome.INCOMPATIBLE: types_pb2.OUTCOME_INCOMPATIBLE,
 }
 OUTCOME_FROM_PB = {v: k for k, v in OUTCOME_TO_PB.items()}
 
@@ -220,6 +223,18 @@ def rollout_to_pb(r: Rollout) -> types_pb2.Rollout:
         created_at=ts(r.created_at),
         started_at=ts(r.started_at),
         finished_at=ts(r.finished_at),
+        priority=r.priority,
+        attempt_history=[
+            types_pb2.Attempt(
+                attempt=a.attempt,
+                host_id=a.host_id,
+                started_at=ts(a.started_at),
+                ended_at=ts(a.ended_at),
+                outcome=a.outcome,
+                error=a.error,
+            )
+            for a in r.attempt_history
+        ],
     )
 
 

@@ -28,6 +28,16 @@ STATUS_FOR: dict[ErrorCode, grpc.StatusCode] = {
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
+RETRY_AFTER_KEY = "retry-after-s"
+
+
+def trailing_metadata(exc: FleetError) -> tuple[tuple[str, str], ...]:
+    """A refusal's machine-readable parts: the retry hint and any details."""
+    pairs = [(f"fleet-{key}", value) for key, value in sorted(exc.details.items())]
+    if exc.retry_after_s is not None:
+        pairs.append((RETRY_AFTER_KEY, f"{exc.retry_after_s:.3f}"))
+    return tuple(pairs)
+
 
 def mapped(method: F) -> F:
     """Turns FleetError into the matching status, anything else into INTERNAL (logged)."""
@@ -38,7 +48,7 @@ def mapped(method: F) -> F:
             return await method(self, request, context)
         except FleetError as exc:
             log.info("request_refused", rpc=method.__name__, code=exc.code, error=exc.message)
-            await context.abort(STATUS_FOR[exc.code], exc.message)
+            await context.abort(STATUS_FOR[exc.code], exc.message, trailing_metadata(exc))
         except Exception as exc:  # the last line of defence: never leak a traceback as a hang
             if isinstance(exc, grpc.aio.AbortError):
                 raise

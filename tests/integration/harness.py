@@ -21,6 +21,7 @@ from fleet.server.app import FleetServer, ServerConfig
 
 NAMESPACE = RuntimeChoice(RuntimeKind.NAMESPACE, "tests run the namespace runtime")
 FINAL = {
+    types_pb2.ROLLOUT_STATE_QUARANTINED,
     types_pb2.ROLLOUT_STATE_SUCCEEDED,
     types_pb2.ROLLOUT_STATE_FAILED,
     types_pb2.ROLLOUT_STATE_CANCELLED,

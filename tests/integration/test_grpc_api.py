@@ -380,3 +380,79 @@ def test_health_and_reflection(tmp_path: Path, images: ImageStore) -> None:
     status, names = go(body())
     assert status == health_pb2.HealthCheckResponse.SERVING
     assert {"fleet.v1.FleetService", "fleet.v1.HostService"} <= set(names)
+
+
+def test_tenant_limit_refusal_carries_a_retry_hint(tmp_path: Path, images: ImageStore) -> None:
+    """Over the tenant's limit: RESOURCE_EXHAUSTED with retry-after-s in trailing metadata."""
+    from fleet.server.app import ServerConfig
+
+    async def body() -> grpc.aio.AioRpcError:
+        config = ServerConfig(max_active_per_tenant=1, lease_ttl_s=5, heartbeat_interval_s=0.5)
+        async with harness(tmp_path, images, config) as h:
+            await h.start_agent("cpu-a", HostClass.CPU)
+            await h.fleet.SubmitRollout(request('image = "minimal"\n', ["sleep", "5"], tenant="t"))
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await h.fleet.SubmitRollout(request(tenant="t"))
+            return info.value
+
+    err = go(body())
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit" in (err.details() or "")
+    assert float(dict(err.trailing_metadata() or ())["retry-after-s"]) > 0
+
+
+def test_stale_heartbeat_is_aborted_naming_the_work(tmp_path: Path, images: ImageStore) -> None:
+    """A heartbeat with a lease that is not current is ABORTED and names the stale work."""
+
+    async def body() -> tuple[grpc.aio.AioRpcError, types_pb2.Rollout]:
+        async with harness(tmp_path, images) as h:
+            caps = host_pb2.Capabilities(
+                runtime=types_pb2.RUNTIME_KIND_NAMESPACE, isolation=types_pb2.ISOLATION_NAMESPACE
+            )
+            await h.hosts.RegisterHost(
+                host_pb2.RegisterHostRequest(
+                    request_id="r",
+                    host_id="h1",
+                    host_class=types_pb2.HOST_CLASS_CPU,
+                    capabilities=caps,
+                )
+            )
+            reply = await h.fleet.SubmitRollout(request())
+            claim = await h.hosts.ClaimWork(
+                host_pb2.ClaimWorkRequest(request_id="c", host_id="h1", max_items=1, wait_s=1)
+            )
+            again = await h.hosts.ClaimWork(
+                host_pb2.ClaimWorkRequest(request_id="c", host_id="h1", max_items=1, wait_s=1)
+            )
+            assert [i.fencing_token for i in again.items] == [i.fencing_token for i in claim.items]
+            item = claim.items[0]
+            stale = host_pb2.LeaseRef(work_id=item.work_id, fencing_token=item.fencing_token + 5)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await h.hosts.Heartbeat(
+                    host_pb2.HeartbeatRequest(request_id="b", host_id="h1", leases=[stale])
+                )
+            return info.value, await h.fleet.GetRollout(
+                fleet_pb2.GetRolloutRequest(id=reply.rollout.id)
+            )
+
+    err, rollout = go(body())
+    assert err.code() == grpc.StatusCode.ABORTED
+    assert dict(err.trailing_metadata() or ())["fleet-stale-work-ids"] in (err.details() or "")
+    assert rollout.attempts == 1 and len(rollout.attempt_history) == 1
+
+
+def test_malformed_input_is_quarantined_not_retried(tmp_path: Path, images: ImageStore) -> None:
+    """A secret the agent cannot resolve is malformed input: quarantined after one attempt."""
+
+    async def body() -> types_pb2.Rollout:
+        async with harness(tmp_path, images) as h:
+            await h.start_agent("cpu-a", HostClass.CPU)
+            smolfile = (
+                'image = "minimal"\n[secrets]\nTOKEN = { from_env = "FLEET_TEST_UNSET_VAR" }\n'
+            )
+            reply = await h.fleet.SubmitRollout(request(smolfile))
+            return await h.wait_final(reply.rollout.id)
+
+    r = go(body())
+    assert r.state == types_pb2.ROLLOUT_STATE_QUARANTINED and r.attempts == 1
+    assert "FLEET_TEST_UNSET_VAR" in r.error
+    assert [a.outcome for a in r.attempt_history] == ["MALFORMED_INPUT"]

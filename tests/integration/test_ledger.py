@@ -7,7 +7,14 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlmodel import Session
 
-from fleet.core.errors import Aborted, AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from fleet.core.errors import (
+    Aborted,
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
 from fleet.core.lifecycle import Outcome, RolloutState
 from fleet.core.manifest import Step, SubmitRequest, build_manifest, validate_request
 from fleet.core.placement import HostCapabilities, HostClass, Isolation, RuntimeKind
@@ -109,8 +116,9 @@ def test_heartbeat_renews_and_keeps_the_lease(ledger: Ledger) -> None:
     renewed, stop = ledger.heartbeat("cpu-1", [(a.work_id, a.fencing_token)], T0 + 8, TTL)
     assert renewed == [(a.work_id, a.fencing_token)] and stop == []
     assert ledger.sweep(T0 + 12) == 0
-    stale, stop = ledger.heartbeat("cpu-1", [(a.work_id, a.fencing_token - 1)], T0 + 13, TTL)
-    assert stale == [] and stop == [a.work_id]
+    with pytest.raises(Aborted, match="stale lease") as info:
+        ledger.heartbeat("cpu-1", [(a.work_id, a.fencing_token - 1)], T0 + 13, TTL)
+    assert info.value.details == {"stale-work-ids": a.work_id}
 
 
 def test_completion_is_idempotent_and_single(ledger: Ledger) -> None:
@@ -245,3 +253,87 @@ def test_acknowledged_submissions_survive_reopen(ledger_target: str) -> None:
     assert reopened.get(rollout.id).idempotency_key == "k1"
     assert reopened.schema_version == SCHEMA_VERSION
     reopened.engine.dispose()
+
+
+def test_repeated_claim_gets_the_same_leases(ledger: Ledger) -> None:
+    """The same claim answered twice hands out the same leases, not new ones."""
+    register(ledger)
+    submit(ledger, key="a")
+    submit(ledger, key="b")
+    first = ledger.claim("cpu-1", 1, T0, TTL, request_id="claim-1")
+    again = ledger.claim("cpu-1", 1, T0 + 1, TTL, request_id="claim-1")
+    assert [(x.work_id, x.fencing_token, x.attempt) for x in again] == [
+        (x.work_id, x.fencing_token, x.attempt) for x in first
+    ]
+    other = ledger.claim("cpu-1", 1, T0 + 2, TTL, request_id="claim-2")
+    assert other and other[0].work_id != first[0].work_id
+
+
+def test_failure_classes(ledger: Ledger) -> None:
+    """Malformed input is quarantined and incompatibility fails fast; neither is retried."""
+    register(ledger)
+    bad, _ = submit(ledger, key="bad")
+    odd, _ = submit(ledger, key="odd")
+    leases = {a.rollout_id: a for a in ledger.claim("cpu-1", 2, T0, TTL)}
+    a, b = leases[bad.id], leases[odd.id]
+    assert ledger.complete(
+        "cpu-1", done(a.work_id, a.fencing_token, Outcome.MALFORMED_INPUT), T0
+    ) == (RolloutState.QUARANTINED)
+    assert ledger.complete("cpu-1", done(b.work_id, b.fencing_token, Outcome.INCOMPATIBLE), T0) == (
+        RolloutState.FAILED
+    )
+    assert ledger.get(bad.id).attempts == 1 and "quarantined" in ledger.get(bad.id).error
+    assert "incompatible" in ledger.get(odd.id).error
+
+
+def test_attempt_history_is_kept(ledger: Ledger) -> None:
+    """Each attempt has a row: host, start, end, outcome, error."""
+    register(ledger)
+    rollout, _ = submit(ledger, retry=RetryPolicy(max_attempts=3, initial_backoff_s=0.1))
+    [a] = ledger.claim("cpu-1", 1, T0, TTL)
+    ledger.complete("cpu-1", done(a.work_id, a.fencing_token, Outcome.TRANSIENT_ERROR), T0 + 1)
+    [b] = ledger.claim("cpu-1", 1, T0 + 5, TTL)
+    ledger.complete("cpu-1", done(b.work_id, b.fencing_token), T0 + 6)
+    history = ledger.get(rollout.id).attempt_history
+    assert [(h.attempt, h.host_id, h.outcome) for h in history] == [
+        (1, "cpu-1", "TRANSIENT_ERROR"),
+        (2, "cpu-1", "SUCCEEDED"),
+    ]
+    assert all(h.ended_at is not None and h.ended_at >= h.started_at for h in history)
+
+
+def test_priorities_are_honoured_when_claiming(ledger: Ledger) -> None:
+    """Higher priority work is leased first, whatever the submission order."""
+    register(ledger)
+    low, _ = submit(ledger, key="low", priority=0)
+    high, _ = submit(ledger, key="high", priority=10)
+    assert [a.rollout_id for a in ledger.claim("cpu-1", 1, T0, TTL)] == [high.id]
+    assert [a.rollout_id for a in ledger.claim("cpu-1", 1, T0, TTL)] == [low.id]
+
+
+def test_tenant_limits(ledger: Ledger) -> None:
+    """Over its active limit a tenant is refused with a hint; the running limit caps leases."""
+    register(ledger)
+    submit(ledger, key="t1", tenant="team-a")
+    submit(ledger, key="t2", tenant="team-a")
+    with pytest.raises(ResourceExhausted, match="team-a") as info:
+        ledger.submit(*_req_manifest("t3", tenant="team-a"), T0, max_active_per_tenant=2)
+    assert info.value.retry_after_s
+    ledger.submit(*_req_manifest("t4", tenant="team-b"), T0, max_active_per_tenant=2)
+    # The same key again is answered even at the limit: nothing new is stored.
+    ledger.submit(*_req_manifest("t1", tenant="team-a"), T0, max_active_per_tenant=2)
+    leased = ledger.claim("cpu-1", 5, T0, TTL, max_running_per_tenant=1)
+    tenants = sorted(ledger.get(a.rollout_id).tenant for a in leased)
+    assert tenants == ["team-a", "team-b"]
+
+
+def _req_manifest(key: str, **kw: object):  # type: ignore[no-untyped-def]
+    body: dict[str, object] = {
+        "idempotency_key": key,
+        "smolfile": 'image = "minimal"\n',
+        "steps": (Step(argv=("true",)),),
+    }
+    body.update(kw)
+    req = SubmitRequest.model_validate(body)
+    now = datetime.fromtimestamp(T0, UTC)
+    return req, build_manifest(req, validate_request(req, now), "sha256:img", now)

@@ -7,7 +7,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from fleet.core.errors import ErrorCode, FleetError, InvalidArgument, Unavailable
+from fleet.core.errors import (
+    ErrorCode,
+    FailedPrecondition,
+    FleetError,
+    InvalidArgument,
+    Unavailable,
+)
 from fleet.core.smolfile import parse_smolfile
 from fleet.runtime import smol as smol_runtime
 from fleet.runtime.base import MachineSpec
@@ -95,7 +101,7 @@ def test_credential_without_a_secret_is_refused() -> None:
 
 def test_restart_policy_other_than_never_is_refused() -> None:
     """restart.policy = always cannot be honoured by a run-once plan and is refused by name."""
-    with pytest.raises(InvalidArgument, match=r"restart\.policy"):
+    with pytest.raises(FailedPrecondition, match=r"restart\.policy"):
         smol_runtime.machine_config(spec('[restart]\npolicy = "always"\n'))
 
 

@@ -36,6 +36,7 @@ class RolloutState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ROLLOUT_STATE_SUCCEEDED: _ClassVar[RolloutState]
     ROLLOUT_STATE_FAILED: _ClassVar[RolloutState]
     ROLLOUT_STATE_CANCELLED: _ClassVar[RolloutState]
+    ROLLOUT_STATE_QUARANTINED: _ClassVar[RolloutState]
 
 class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -44,6 +45,8 @@ class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OUTCOME_STEP_FAILED: _ClassVar[Outcome]
     OUTCOME_TRANSIENT_ERROR: _ClassVar[Outcome]
     OUTCOME_CANCELLED: _ClassVar[Outcome]
+    OUTCOME_MALFORMED_INPUT: _ClassVar[Outcome]
+    OUTCOME_INCOMPATIBLE: _ClassVar[Outcome]
 HOST_CLASS_UNSPECIFIED: HostClass
 HOST_CLASS_GPU: HostClass
 HOST_CLASS_CPU: HostClass
@@ -59,11 +62,14 @@ ROLLOUT_STATE_RUNNING: RolloutState
 ROLLOUT_STATE_SUCCEEDED: RolloutState
 ROLLOUT_STATE_FAILED: RolloutState
 ROLLOUT_STATE_CANCELLED: RolloutState
+ROLLOUT_STATE_QUARANTINED: RolloutState
 OUTCOME_UNSPECIFIED: Outcome
 OUTCOME_SUCCEEDED: Outcome
 OUTCOME_STEP_FAILED: Outcome
 OUTCOME_TRANSIENT_ERROR: Outcome
 OUTCOME_CANCELLED: Outcome
+OUTCOME_MALFORMED_INPUT: Outcome
+OUTCOME_INCOMPATIBLE: Outcome
 
 class Step(_message.Message):
     __slots__ = ("argv", "env", "workdir", "timeout_s", "name")
@@ -168,8 +174,24 @@ class StepResult(_message.Message):
     stderr_digest: str
     def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., exit_code: _Optional[int] = ..., timed_out: _Optional[bool] = ..., duration_s: _Optional[float] = ..., stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., stdout_truncated: _Optional[bool] = ..., stderr_truncated: _Optional[bool] = ..., stdout_digest: _Optional[str] = ..., stderr_digest: _Optional[str] = ...) -> None: ...
 
+class Attempt(_message.Message):
+    __slots__ = ("attempt", "host_id", "started_at", "ended_at", "outcome", "error")
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    ENDED_AT_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    attempt: int
+    host_id: str
+    started_at: _timestamp_pb2.Timestamp
+    ended_at: _timestamp_pb2.Timestamp
+    outcome: str
+    error: str
+    def __init__(self, attempt: _Optional[int] = ..., host_id: _Optional[str] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ended_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., outcome: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
 class Rollout(_message.Message):
-    __slots__ = ("id", "state", "tenant", "idempotency_key", "labels", "manifest", "host_class", "attempts", "results", "error", "host_id", "runtime", "device", "created_at", "started_at", "finished_at")
+    __slots__ = ("id", "state", "tenant", "idempotency_key", "labels", "manifest", "host_class", "attempts", "results", "error", "host_id", "runtime", "device", "created_at", "started_at", "finished_at", "attempt_history", "priority")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +215,8 @@ class Rollout(_message.Message):
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_HISTORY_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     id: str
     state: RolloutState
     tenant: str
@@ -209,7 +233,9 @@ class Rollout(_message.Message):
     created_at: _timestamp_pb2.Timestamp
     started_at: _timestamp_pb2.Timestamp
     finished_at: _timestamp_pb2.Timestamp
-    def __init__(self, id: _Optional[str] = ..., state: _Optional[_Union[RolloutState, str]] = ..., tenant: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., host_class: _Optional[_Union[HostClass, str]] = ..., attempts: _Optional[int] = ..., results: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., error: _Optional[str] = ..., host_id: _Optional[str] = ..., runtime: _Optional[_Union[RuntimeKind, str]] = ..., device: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    attempt_history: _containers.RepeatedCompositeFieldContainer[Attempt]
+    priority: int
+    def __init__(self, id: _Optional[str] = ..., state: _Optional[_Union[RolloutState, str]] = ..., tenant: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., host_class: _Optional[_Union[HostClass, str]] = ..., attempts: _Optional[int] = ..., results: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., error: _Optional[str] = ..., host_id: _Optional[str] = ..., runtime: _Optional[_Union[RuntimeKind, str]] = ..., device: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., attempt_history: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class RolloutEvent(_message.Message):
     __slots__ = ("sequence", "rollout_id", "kind", "from_state", "to_state", "actor", "at", "message", "attempt")
