@@ -6,19 +6,21 @@ worker thread so the asyncio loop never blocks on the database.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import random
+import threading
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import structlog
-from sqlalchemy import event
+from sqlalchemy import Connection, bindparam, event, insert, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
@@ -29,6 +31,7 @@ from fleet.core.errors import (
     Aborted,
     AlreadyExists,
     FailedPrecondition,
+    FleetError,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
@@ -57,6 +60,14 @@ from fleet.ledger.tables import (
 )
 
 log = structlog.get_logger(__name__)
+
+# Core tables for the hot paths (claim, complete), where the ORM's per-row cost dominates.
+_W = WorkItemRow.__table__  # type: ignore[attr-defined]
+_R = RolloutRow.__table__  # type: ignore[attr-defined]
+_T = AttemptRow.__table__  # type: ignore[attr-defined]
+_E = EventRow.__table__  # type: ignore[attr-defined]
+_A = ArtifactRow.__table__  # type: ignore[attr-defined]
+_M = ManifestRow.__table__  # type: ignore[attr-defined]
 
 QUEUED, LEASED, DONE = "QUEUED", "LEASED", "DONE"
 
@@ -103,6 +114,11 @@ class Ledger:
     def __init__(self, engine: Engine, *, rng: random.Random | None = None) -> None:
         self.engine = engine
         self._rng = rng or random.Random()
+        self._manifests: dict[str, Manifest] = {}
+        database = engine.url.database if engine.dialect.name == "sqlite" else None
+        self._lock_path = f"{database}.lock" if database else None
+        self._thread_lock = threading.Lock()
+        self._lock_file: TextIO | None = None
         self.schema_version = migrate(engine)
 
     @classmethod
@@ -126,8 +142,37 @@ class Ledger:
 
     @contextmanager
     def _tx(self) -> Iterator[Session]:
-        with Session(self.engine, expire_on_commit=False) as session, session.begin():
+        with (
+            self._writer_lock(),
+            Session(self.engine, expire_on_commit=False) as session,
+            session.begin(),
+        ):
             yield session
+
+    @contextmanager
+    def _begin(self) -> Iterator[Connection]:
+        with self._writer_lock(), self.engine.begin() as conn:
+            yield conn
+
+    @contextmanager
+    def _writer_lock(self) -> Iterator[None]:
+        """On SQLite, one writer at a time across processes, queued on a file lock.
+
+        SQLite's own busy handler makes a waiting writer sleep in growing steps, so several
+        processes contending for the write lock spend most of their time asleep; a blocking
+        flock wakes the next writer the moment the last one commits.
+        """
+        if self._lock_path is None:
+            yield
+            return
+        with self._thread_lock:
+            if self._lock_file is None:
+                self._lock_file = open(self._lock_path, "a")  # noqa: SIM115 - held for life
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(self._lock_file, fcntl.LOCK_UN)
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -248,15 +293,6 @@ class Ledger:
         stmt = (pg_insert if dialect == "postgresql" else sqlite_insert)(table).values(**values)
         s.execute(stmt.on_conflict_do_nothing())
 
-    def _put_artifact(self, s: Session, data: bytes, now: float) -> str:
-        digest = "sha256:" + hashlib.sha256(data).hexdigest()
-        self._insert_once(
-            s,
-            ArtifactRow,
-            {"digest": digest, "size_bytes": len(data), "data": data, "created_at": now},
-        )
-        return digest
-
     # -- submitters --------------------------------------------------------------------------
 
     def submit(
@@ -281,87 +317,146 @@ class Ledger:
                 continue
         return self._submit(request, manifest, now, max_active_per_tenant)
 
+    def submit_many(
+        self, batch: list[tuple[SubmitRequest, Manifest]], now: float
+    ) -> list[tuple[str, bool]]:
+        """Stores many submissions in one transaction (one durable commit for all of them).
+
+        Returns (rollout id, created) per submission, in order; all or nothing.
+        """
+        with self._begin() as conn:
+            return self._insert_rollouts(conn, batch, now, 0)
+
     def _submit(
         self, request: SubmitRequest, manifest: Manifest, now: float, max_active: int
     ) -> tuple[Rollout, bool]:
-        fingerprint = request.fingerprint()
-        with self._tx() as s:
-            existing = s.exec(
-                select(RolloutRow).where(RolloutRow.idempotency_key == request.idempotency_key)
-            ).first()
-            if existing is not None:
-                if existing.request_fingerprint != fingerprint:
+        with self._begin() as conn:
+            [(rollout_id, created)] = self._insert_rollouts(
+                conn, [(request, manifest)], now, max_active
+            )
+        if not created:
+            return self.get(rollout_id), False
+        at = _ts(now) or datetime.now(UTC)
+        return (
+            Rollout(
+                id=rollout_id, state=RolloutState.QUEUED, tenant=request.tenant,
+                idempotency_key=request.idempotency_key, labels=dict(request.labels),
+                manifest=manifest, manifest_digest=manifest.digest, created_at=at,
+                priority=request.priority,
+            ),
+            True,
+        )  # fmt: skip
+
+    def _insert_rollouts(
+        self,
+        conn: Connection,
+        batch: list[tuple[SubmitRequest, Manifest]],
+        now: float,
+        max_active: int,
+    ) -> list[tuple[str, bool]]:
+        keys = [req.idempotency_key for req, _ in batch]
+        known = {
+            row.idempotency_key: (row.id, row.request_fingerprint)
+            for row in conn.execute(
+                select(_R.c.id, _R.c.idempotency_key, _R.c.request_fingerprint).where(
+                    _R.c.idempotency_key.in_(sorted(set(keys)))
+                )
+            )
+        }
+        active: dict[str, int] = {}
+        if max_active:
+            tenants = sorted({req.tenant for req, _ in batch})
+            active = {
+                tenant: int(n)
+                for tenant, n in conn.execute(
+                    select(_W.c.tenant, func.count())
+                    .where(_W.c.tenant.in_(tenants), _W.c.state.in_([QUEUED, LEASED]))
+                    .group_by(_W.c.tenant)
+                )
+            }
+        out: list[tuple[str, bool]] = []
+        manifests: dict[str, Manifest] = {}
+        rollouts, labels, items, events = [], [], [], []
+        for request, manifest in batch:
+            fingerprint = request.fingerprint()
+            key = request.idempotency_key
+            if key in known:
+                rollout_id, stored = known[key]
+                if stored != fingerprint:
                     raise AlreadyExists(
-                        f"idempotency key {request.idempotency_key!r} was already used for "
-                        f"rollout {existing.id} with a different body; the body differs, so "
-                        "this submission was refused (use a new key for a new rollout)"
+                        f"idempotency key {key!r} was already used for rollout {rollout_id} "
+                        "with a different body; the body differs, so this submission was "
+                        "refused (use a new key for a new rollout)"
                     )
-                return self._view(s, existing), False
+                out.append((rollout_id, False))
+                continue
             if max_active:
-                active = s.exec(
-                    select(func.count())
-                    .select_from(WorkItemRow)
-                    .where(
-                        WorkItemRow.tenant == request.tenant,
-                        col(WorkItemRow.state).in_([QUEUED, LEASED]),
-                    )
-                ).one()
-                if active >= max_active:
+                count = active.get(request.tenant, 0)
+                if count >= max_active:
                     raise ResourceExhausted(
-                        f"tenant {request.tenant!r} has {active} rollouts queued or running, "
+                        f"tenant {request.tenant!r} has {count} rollouts queued or running, "
                         f"at its limit of {max_active}; retry after some finish",
                         retry_after_s=2.0,
                     )
+                active[request.tenant] = count + 1
             digest = manifest.digest
-            self._insert_once(
-                s,
-                ManifestRow,
-                {"digest": digest, "body": manifest.model_dump_json(), "created_at": now},
-            )
+            manifests[digest] = manifest
             rollout_id = "r-" + uuid.uuid4().hex[:16]
-            row = RolloutRow(
-                id=rollout_id,
-                idempotency_key=request.idempotency_key,
-                request_fingerprint=fingerprint,
-                manifest_digest=digest,
-                tenant=request.tenant,
-                labels_json=json.dumps(request.labels, sort_keys=True),
-                state=RolloutState.QUEUED.value,
-                priority=request.priority,
-                created_at=now,
-                updated_at=now,
+            known[key] = (rollout_id, fingerprint)
+            rollouts.append(
+                {
+                    "id": rollout_id, "idempotency_key": key, "request_fingerprint": fingerprint,
+                    "manifest_digest": digest, "tenant": request.tenant,
+                    "labels_json": json.dumps(request.labels, sort_keys=True),
+                    "state": RolloutState.QUEUED.value, "priority": request.priority,
+                    "attempts": 0, "error": "", "host_id": "", "runtime": "", "device": "",
+                    "results_json": "[]", "created_at": now, "updated_at": now,
+                    "started_at": None, "finished_at": None,
+                }
+            )  # fmt: skip
+            labels += [
+                {"rollout_id": rollout_id, "key": k, "value": v} for k, v in request.labels.items()
+            ]
+            items.append(
+                {
+                    "id": "w-" + uuid.uuid4().hex[:16], "rollout_id": rollout_id,
+                    "tenant": request.tenant, "state": QUEUED,
+                    "host_class": manifest.host_class.value,
+                    "needs_vm": manifest.requirements.isolation == Isolation.VM,
+                    "needs_cuda_device": manifest.requirements.cuda_device,
+                    "priority": request.priority, "attempt": 0,
+                    "max_attempts": manifest.retry.max_attempts, "not_before": now,
+                    "deadline": manifest.deadline.timestamp(), "lease_owner": "",
+                    "fencing_token": 0, "lease_expires_at": None, "cancel_requested": False,
+                    "result_fingerprint": "", "claim_request_id": "",
+                }
+            )  # fmt: skip
+            events.append(
+                {
+                    "rollout_id": rollout_id, "kind": "submitted", "from_state": "",
+                    "to_state": RolloutState.QUEUED.value, "actor": f"tenant:{request.tenant}",
+                    "at": now, "attempt": 0,
+                    "message": f"manifest {digest[:19]}, {len(manifest.steps)} steps, "
+                    f"{manifest.host_class}-class",
+                }
+            )  # fmt: skip
+            out.append((rollout_id, True))
+        if rollouts:
+            self._insert_once_many(
+                conn,
+                _M,
+                [
+                    {"digest": d, "body": m.model_dump_json(), "created_at": now}
+                    for d, m in sorted(manifests.items())
+                ],
             )
-            s.add(row)
-            s.flush()
-            assert row.seq is not None
-            for key, value in request.labels.items():
-                s.add(RolloutLabel(rollout_seq=row.seq, key=key, value=value))
-            s.add(
-                WorkItemRow(
-                    id="w-" + uuid.uuid4().hex[:16],
-                    rollout_id=rollout_id,
-                    tenant=request.tenant,
-                    state=QUEUED,
-                    host_class=manifest.host_class.value,
-                    needs_vm=manifest.requirements.isolation == Isolation.VM,
-                    needs_cuda_device=manifest.requirements.cuda_device,
-                    priority=request.priority,
-                    max_attempts=manifest.retry.max_attempts,
-                    not_before=now,
-                    deadline=manifest.deadline.timestamp(),
-                )
-            )
-            self._event(
-                s,
-                rollout_id,
-                "submitted",
-                now,
-                after=RolloutState.QUEUED.value,
-                actor=f"tenant:{request.tenant}",
-                message=f"manifest {digest[:19]}, {len(manifest.steps)} steps, "
-                f"{manifest.host_class}-class",
-            )
-            return self._view(s, row), True
+            conn.execute(insert(_R), rollouts)
+            if labels:
+                conn.execute(insert(RolloutLabel.__table__), labels)  # type: ignore[attr-defined]
+            conn.execute(insert(_W), items)
+            conn.execute(insert(_E), events)
+            self._manifests.update(manifests)
+        return out
 
     def get(self, rollout_id: str) -> Rollout:
         with self._tx() as s:
@@ -384,10 +479,10 @@ class Ledger:
                 ) from None
             query = query.where(col(RolloutRow.seq) < before)
         for key, value in labels.items():
-            match = select(RolloutLabel.rollout_seq).where(
+            match = select(RolloutLabel.rollout_id).where(
                 RolloutLabel.key == key, RolloutLabel.value == value
             )
-            query = query.where(col(RolloutRow.seq).in_(match))
+            query = query.where(col(RolloutRow.id).in_(match))
         query = query.order_by(col(RolloutRow.seq).desc()).limit(size + 1)
         with self._tx() as s:
             rows = list(s.exec(query))
@@ -502,96 +597,145 @@ class Ledger:
         A repeat of a claim (same `request_id`, same host) answers with the leases the first
         one took, so a lost reply never strands work until its lease expires.
         """
-        with self._tx() as s:
-            host = self._host(s, host_id)
+        with self._begin() as conn:
+            caps = conn.execute(
+                select(HostRow.__table__.c.capabilities_json).where(  # type: ignore[attr-defined]
+                    HostRow.__table__.c.id == host_id  # type: ignore[attr-defined]
+                )
+            ).scalar_one_or_none()
+            if caps is None:
+                raise FailedPrecondition(
+                    f"host {host_id!r} is not registered; call RegisterHost first"
+                )
+            host = HostCapabilities.model_validate_json(caps)
             if request_id:
-                again = s.exec(
-                    select(WorkItemRow).where(
-                        WorkItemRow.lease_owner == host_id,
-                        WorkItemRow.state == LEASED,
-                        WorkItemRow.claim_request_id == request_id,
+                again = conn.execute(
+                    select(_W).where(
+                        _W.c.lease_owner == host_id,
+                        _W.c.state == LEASED,
+                        _W.c.claim_request_id == request_id,
                     )
                 ).all()
                 if again:
-                    return [self._assignment(s, item) for item in again]
-            query = select(WorkItemRow).where(
-                WorkItemRow.state == QUEUED,
-                WorkItemRow.host_class == host.host_class.value,
-                col(WorkItemRow.not_before) <= now,
-                col(WorkItemRow.deadline) > now,
+                    return [self._core_assignment(conn, item) for item in again]
+            query = select(_W).where(
+                _W.c.state == QUEUED,
+                _W.c.host_class == host.host_class.value,
+                _W.c.not_before <= now,
+                _W.c.deadline > now,
             )
             if host.isolation != Isolation.VM:
-                query = query.where(col(WorkItemRow.needs_vm).is_(False))
+                query = query.where(_W.c.needs_vm.is_(False))
             if host.cuda_devices == 0:
-                query = query.where(col(WorkItemRow.needs_cuda_device).is_(False))
+                query = query.where(_W.c.needs_cuda_device.is_(False))
             running: dict[str, int] = {}
             want = max(1, max_items)
             if max_running_per_tenant:
-                counts = s.exec(
-                    select(WorkItemRow.tenant, func.count())
-                    .where(WorkItemRow.state == LEASED)
-                    .group_by(col(WorkItemRow.tenant))
+                counts = conn.execute(
+                    select(_W.c.tenant, func.count())
+                    .where(_W.c.state == LEASED)
+                    .group_by(_W.c.tenant)
                 ).all()
                 running = {tenant: int(n) for tenant, n in counts}
                 full = [t for t, n in running.items() if n >= max_running_per_tenant]
                 if full:
-                    query = query.where(col(WorkItemRow.tenant).not_in(full))
+                    query = query.where(_W.c.tenant.not_in(full))
                 want *= 4  # room to skip items of tenants that fill up within this batch
-            query = query.order_by(
-                col(WorkItemRow.priority).desc(), col(WorkItemRow.not_before), col(WorkItemRow.id)
-            ).limit(want)
-            query = query.with_for_update(skip_locked=True)
-            out: list[Assignment] = []
-            for item in s.exec(query).all():
-                if len(out) >= max(1, max_items):
+            query = (
+                query.order_by(_W.c.priority.desc(), _W.c.not_before, _W.c.id)
+                .limit(want)
+                .with_for_update(skip_locked=True)
+            )
+            chosen: list[Any] = []
+            for item in conn.execute(query):
+                if len(chosen) >= max(1, max_items):
                     break
                 if max_running_per_tenant:
                     if running.get(item.tenant, 0) >= max_running_per_tenant:
                         continue
                     running[item.tenant] = running.get(item.tenant, 0) + 1
-                item.claim_request_id = request_id
-                item.state = LEASED
-                item.attempt += 1
-                item.fencing_token += 1
-                item.lease_owner = host_id
-                item.lease_expires_at = now + lease_ttl_s
-                item.result_fingerprint = ""
-                s.add(item)
-                s.add(
-                    AttemptRow(
-                        work_id=item.id,
-                        attempt=item.attempt,
-                        host_id=host_id,
-                        fencing_token=item.fencing_token,
-                        started_at=now,
+                chosen.append(item)
+            if not chosen:
+                return []
+            rollouts = {
+                row.id: row
+                for row in conn.execute(
+                    select(_R.c.id, _R.c.state, _R.c.manifest_digest, _R.c.started_at)
+                    .where(_R.c.id.in_(sorted(i.rollout_id for i in chosen)))
+                    .order_by(_R.c.id)
+                    .with_for_update()
+                )
+            }
+            expires = now + lease_ttl_s
+            item_rows, attempt_rows, rollout_rows, event_rows, out = [], [], [], [], []
+            for item in chosen:
+                attempt, token = item.attempt + 1, item.fencing_token + 1
+                rollout = rollouts[item.rollout_id]
+                current = RolloutState(rollout.state)
+                check_transition(current, RolloutState.RUNNING)
+                item_rows.append(
+                    {"b_id": item.id, "attempt": attempt, "fencing_token": token,
+                     "lease_owner": host_id, "lease_expires_at": expires,
+                     "claim_request_id": request_id}
+                )  # fmt: skip
+                attempt_rows.append(
+                    {"work_id": item.id, "attempt": attempt, "host_id": host_id,
+                     "fencing_token": token, "started_at": now, "ended_at": None,
+                     "outcome": "", "error": ""}
+                )  # fmt: skip
+                rollout_rows.append(
+                    {"b_id": rollout.id, "attempts": attempt, "updated_at": now,
+                     "started_at": rollout.started_at if rollout.started_at is not None else now}
+                )  # fmt: skip
+                event_rows.append(
+                    {"rollout_id": rollout.id, "kind": "leased", "from_state": current.value,
+                     "to_state": RolloutState.RUNNING.value, "actor": host_id, "at": now,
+                     "message": f"attempt {attempt} on {host_id}", "attempt": attempt}
+                )  # fmt: skip
+                out.append(
+                    Assignment(
+                        work_id=item.id, rollout_id=item.rollout_id, attempt=attempt,
+                        fencing_token=token,
+                        lease_expires_at=_ts(expires) or datetime.now(UTC),
+                        manifest=self._manifest(conn, rollout.manifest_digest),
                     )
-                )
-                row = self._rollout_row(s, item.rollout_id, lock=True)
-                row.attempts = item.attempt
-                self._move(
-                    s,
-                    row,
-                    RolloutState.RUNNING,
-                    now,
-                    kind="leased",
-                    actor=host_id,
-                    message=f"attempt {item.attempt} on {host_id}",
-                    attempt=item.attempt,
-                )
-                out.append(self._assignment(s, item))
+                )  # fmt: skip
+            conn.execute(
+                update(_W)
+                .where(_W.c.id == bindparam("b_id"))
+                .values(
+                    state=LEASED, attempt=bindparam("attempt"),
+                    fencing_token=bindparam("fencing_token"),
+                    lease_owner=bindparam("lease_owner"),
+                    lease_expires_at=bindparam("lease_expires_at"),
+                    claim_request_id=bindparam("claim_request_id"), result_fingerprint="",
+                ),
+                item_rows,
+            )  # fmt: skip
+            conn.execute(insert(_T), attempt_rows)
+            conn.execute(
+                update(_R)
+                .where(_R.c.id == bindparam("b_id"))
+                .values(
+                    state=RolloutState.RUNNING.value, attempts=bindparam("attempts"),
+                    updated_at=bindparam("updated_at"), started_at=bindparam("started_at"),
+                ),
+                rollout_rows,
+            )  # fmt: skip
+            conn.execute(insert(_E), event_rows)
             return out
 
-    def _assignment(self, s: Session, item: WorkItemRow) -> Assignment:
-        row = self._rollout_row(s, item.rollout_id)
-        manifest_row = s.get(ManifestRow, row.manifest_digest)
-        assert manifest_row is not None
+    def _core_assignment(self, conn: Connection, item: Any) -> Assignment:
+        digest = conn.execute(
+            select(_R.c.manifest_digest).where(_R.c.id == item.rollout_id)
+        ).scalar_one()
         return Assignment(
             work_id=item.id,
             rollout_id=item.rollout_id,
             attempt=item.attempt,
             fencing_token=item.fencing_token,
             lease_expires_at=_ts(item.lease_expires_at) or datetime.now(UTC),
-            manifest=Manifest.model_validate_json(manifest_row.body),
+            manifest=self._manifest(conn, digest),
         )
 
     def heartbeat(
@@ -636,106 +780,219 @@ class Ledger:
 
     def complete(self, host_id: str, report: Completion, now: float) -> RolloutState:
         """Records one attempt's result under its fencing token; exactly one result wins."""
-        fingerprint = report.fingerprint()
-        with self._tx() as s:
-            item = s.get(WorkItemRow, report.work_id, with_for_update=True)
-            if item is None:
-                raise NotFound(f"no work item {report.work_id!r}")
-            if item.fencing_token != report.fencing_token:
-                raise Aborted(
-                    f"stale fencing token {report.fencing_token} for {report.work_id} (current "
-                    f"{item.fencing_token}): the lease was lost and the work leased again"
-                )
-            row = self._rollout_row(s, item.rollout_id, lock=True)
-            if item.state == DONE:
-                if item.result_fingerprint == fingerprint:
-                    return RolloutState(row.state)  # the same report again: already recorded
-                raise Aborted(
-                    f"work item {report.work_id} already has a final result under token "
-                    f"{report.fencing_token}; a different report was refused"
-                )
-            if item.state != LEASED or item.lease_owner != host_id:
-                raise Aborted(f"work item {report.work_id} is not leased to host {host_id}")
-            attempt = s.exec(
-                select(AttemptRow).where(
-                    AttemptRow.work_id == item.id, AttemptRow.attempt == item.attempt
-                )
-            ).one()
-            attempt.ended_at = now
-            attempt.outcome = report.outcome.value
-            attempt.error = report.error
-            s.add(attempt)
+        [result] = self.complete_many(host_id, [report], now)
+        if isinstance(result, FleetError):
+            raise result
+        return result
 
-            results = []
-            for result in report.results:
-                results.append(
-                    result.model_copy(
-                        update={
-                            "stdout_digest": self._put_artifact(s, result.stdout, now),
-                            "stderr_digest": self._put_artifact(s, result.stderr, now),
-                        }
-                    )
-                )
-            manifest = Manifest.model_validate_json(
-                s.get(ManifestRow, row.manifest_digest).body  # type: ignore[union-attr]
-            )
-            item.lease_expires_at = None
-            item.result_fingerprint = fingerprint
-            row.host_id, row.runtime, row.device = host_id, report.runtime, report.device
-            row.results_json = json.dumps([r.model_dump(mode="json") for r in results])
+    def _manifest(self, conn: Connection, digest: str) -> Manifest:
+        """Manifests are immutable, so each is parsed once per process."""
+        manifest = self._manifests.get(digest)
+        if manifest is None:
+            body = conn.execute(select(_M.c.body).where(_M.c.digest == digest)).scalar_one()
+            manifest = Manifest.model_validate_json(body)
+            if len(self._manifests) > 4096:
+                self._manifests.clear()
+            self._manifests[digest] = manifest
+        return manifest
 
-            outcome = report.outcome
-            if item.cancel_requested:
-                target, kind = RolloutState.CANCELLED, "cancelled"
-            elif outcome == Outcome.SUCCEEDED:
-                target, kind = RolloutState.SUCCEEDED, "succeeded"
-                row.error = ""
-            elif outcome == Outcome.STEP_FAILED:
-                target, kind = RolloutState.FAILED, "failed"
-                row.error = report.error or "a step failed"
-            elif outcome == Outcome.CANCELLED:
-                target, kind = RolloutState.FAILED, "deadline_exceeded"
-                row.error = report.error or "stopped at the rollout's deadline"
-            elif outcome == Outcome.MALFORMED_INPUT:
-                target, kind = RolloutState.QUARANTINED, "quarantined"
-                row.error = f"malformed input, quarantined: {report.error}"
-            elif outcome == Outcome.INCOMPATIBLE:
-                target, kind = RolloutState.FAILED, "incompatible"
-                row.error = f"incompatible, not retried: {report.error}"
-            else:  # TRANSIENT_ERROR: retried while the policy allows
-                if manifest.retry.may_retry(item.attempt) and item.deadline > now:
-                    delay = manifest.retry.backoff_s(item.attempt, self._rng)
-                    item.state = QUEUED
-                    item.lease_owner = ""
-                    item.not_before = now + delay
-                    s.add(item)
-                    row.error = report.error
-                    self._move(
-                        s,
-                        row,
-                        RolloutState.QUEUED,
-                        now,
-                        kind="retry_scheduled",
-                        actor=host_id,
-                        attempt=item.attempt,
-                        message=f"transient error: {report.error}; retry in {delay:.2f}s",
+    def complete_many(
+        self, host_id: str, reports: list[Completion], now: float
+    ) -> list[RolloutState | FleetError]:
+        """Records many attempts' results in one transaction (group commit).
+
+        Each report is judged on its own: a stale or unknown one gets its error in the answer
+        and changes nothing, while the others are recorded.
+        """
+        out: list[RolloutState | FleetError] = []
+        with self._begin() as conn:
+            ids = sorted({r.work_id for r in reports})
+            items = {
+                row.id: row
+                for row in conn.execute(
+                    select(_W).where(_W.c.id.in_(ids)).order_by(_W.c.id).with_for_update()
+                )
+            }
+            rollout_ids = sorted({i.rollout_id for i in items.values()})
+            rollouts = {
+                row.id: row
+                for row in conn.execute(
+                    select(_R.c.id, _R.c.state, _R.c.manifest_digest, _R.c.error)
+                    .where(_R.c.id.in_(rollout_ids))
+                    .order_by(_R.c.id)
+                    .with_for_update()
+                )
+            }
+            artifacts: dict[str, bytes] = {}
+            attempt_rows: list[dict[str, Any]] = []
+            item_rows: list[dict[str, Any]] = []
+            rollout_rows: list[dict[str, Any]] = []
+            event_rows: list[dict[str, Any]] = []
+            seen: dict[str, tuple[str, RolloutState]] = {}
+            for report in reports:
+                fingerprint = report.fingerprint()
+                if report.work_id in seen:  # the same work twice in one batch
+                    first_fp, first_state = seen[report.work_id]
+                    out.append(
+                        first_state
+                        if first_fp == fingerprint
+                        else Aborted(f"work item {report.work_id}: two different reports")
                     )
-                    return RolloutState.QUEUED
-                target, kind = RolloutState.FAILED, "failed"
-                row.error = f"attempts exhausted ({item.attempt}); last error: {report.error}"
-            item.state = DONE
-            s.add(item)
-            self._move(
-                s,
-                row,
-                target,
-                now,
-                kind=kind,
-                actor=host_id,
-                message=row.error,
-                attempt=item.attempt,
-            )
-            return target
+                    continue
+                item = items.get(report.work_id)
+                if item is None:
+                    out.append(NotFound(f"no work item {report.work_id!r}"))
+                    continue
+                if item.fencing_token != report.fencing_token:
+                    out.append(
+                        Aborted(
+                            f"stale fencing token {report.fencing_token} for {report.work_id} "
+                            f"(current {item.fencing_token}): the lease was lost and the work "
+                            "leased again"
+                        )
+                    )
+                    continue
+                rollout = rollouts[item.rollout_id]
+                if item.state == DONE:
+                    if item.result_fingerprint == fingerprint:
+                        out.append(RolloutState(rollout.state))  # already recorded
+                    else:
+                        out.append(
+                            Aborted(
+                                f"work item {report.work_id} already has a final result under "
+                                f"token {report.fencing_token}; a different report was refused"
+                            )
+                        )
+                    continue
+                if item.state != LEASED or item.lease_owner != host_id:
+                    out.append(
+                        Aborted(f"work item {report.work_id} is not leased to host {host_id}")
+                    )
+                    continue
+                results = []
+                for result in report.results:
+                    digests = {}
+                    for name, data in (("stdout", result.stdout), ("stderr", result.stderr)):
+                        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+                        artifacts[digest] = data
+                        digests[f"{name}_digest"] = digest
+                    results.append(result.model_copy(update=digests))
+                manifest = self._manifest(conn, rollout.manifest_digest)
+                target, kind, error, not_before = self._judge(item, report, manifest, now)
+                if target == RolloutState.CANCELLED:
+                    error = rollout.error or error  # the reason given with the cancel request
+                current = RolloutState(rollout.state)
+                check_transition(current, target)
+                attempt_rows.append(
+                    {
+                        "b_work": item.id, "b_attempt": item.attempt, "ended_at": now,
+                        "outcome": report.outcome.value, "error": report.error,
+                    }
+                )  # fmt: skip
+                item_rows.append(
+                    {
+                        "b_id": item.id,
+                        "state": QUEUED if target == RolloutState.QUEUED else DONE,
+                        "lease_owner": "" if target == RolloutState.QUEUED else item.lease_owner,
+                        "lease_expires_at": None,
+                        "not_before": not_before if not_before is not None else item.not_before,
+                        "result_fingerprint": fingerprint,
+                    }
+                )
+                rollout_rows.append(
+                    {
+                        "b_id": rollout.id, "state": target.value, "error": error,
+                        "host_id": host_id, "runtime": report.runtime, "device": report.device,
+                        "results_json": json.dumps([r.model_dump(mode="json") for r in results]),
+                        "updated_at": now, "finished_at": now if target.final else None,
+                    }
+                )  # fmt: skip
+                event_rows.append(
+                    {
+                        "rollout_id": rollout.id, "kind": kind, "from_state": current.value,
+                        "to_state": target.value, "actor": host_id, "at": now,
+                        "message": error, "attempt": item.attempt,
+                    }
+                )  # fmt: skip
+                seen[report.work_id] = (fingerprint, target)
+                out.append(target)
+            if artifacts:
+                self._insert_once_many(
+                    conn,
+                    _A,
+                    [
+                        {"digest": d, "size_bytes": len(b), "data": b, "created_at": now}
+                        for d, b in sorted(artifacts.items())
+                    ],
+                )
+            if attempt_rows:
+                conn.execute(
+                    update(_T)
+                    .where(
+                        _T.c.work_id == bindparam("b_work"),
+                        _T.c.attempt == bindparam("b_attempt"),
+                    )
+                    .values(ended_at=bindparam("ended_at"), outcome=bindparam("outcome"),
+                            error=bindparam("error")),
+                    attempt_rows,
+                )  # fmt: skip
+                conn.execute(
+                    update(_W)
+                    .where(_W.c.id == bindparam("b_id"))
+                    .values(
+                        state=bindparam("state"), lease_owner=bindparam("lease_owner"),
+                        lease_expires_at=bindparam("lease_expires_at"),
+                        not_before=bindparam("not_before"),
+                        result_fingerprint=bindparam("result_fingerprint"),
+                    ),
+                    item_rows,
+                )  # fmt: skip
+                conn.execute(
+                    update(_R)
+                    .where(_R.c.id == bindparam("b_id"))
+                    .values(
+                        state=bindparam("state"), error=bindparam("error"),
+                        host_id=bindparam("host_id"), runtime=bindparam("runtime"),
+                        device=bindparam("device"), results_json=bindparam("results_json"),
+                        updated_at=bindparam("updated_at"), finished_at=bindparam("finished_at"),
+                    ),
+                    rollout_rows,
+                )  # fmt: skip
+                conn.execute(insert(_E), event_rows)
+        return out
+
+    def _judge(
+        self, item: Any, report: Completion, manifest: Manifest, now: float
+    ) -> tuple[RolloutState, str, str, float | None]:
+        """(target state, event kind, error, retry not_before) for one report."""
+        outcome = report.outcome
+        if item.cancel_requested:
+            return RolloutState.CANCELLED, "cancelled", report.error or "cancelled", None
+        if outcome == Outcome.SUCCEEDED:
+            return RolloutState.SUCCEEDED, "succeeded", "", None
+        if outcome == Outcome.STEP_FAILED:
+            return RolloutState.FAILED, "failed", report.error or "a step failed", None
+        if outcome == Outcome.CANCELLED:
+            why = report.error or "stopped at the rollout's deadline"
+            return RolloutState.FAILED, "deadline_exceeded", why, None
+        if outcome == Outcome.MALFORMED_INPUT:
+            why = f"malformed input, quarantined: {report.error}"
+            return RolloutState.QUARANTINED, "quarantined", why, None
+        if outcome == Outcome.INCOMPATIBLE:
+            why = f"incompatible, not retried: {report.error}"
+            return RolloutState.FAILED, "incompatible", why, None
+        # TRANSIENT_ERROR: retried while the policy and the deadline allow.
+        if manifest.retry.may_retry(item.attempt) and item.deadline > now:
+            delay = manifest.retry.backoff_s(item.attempt, self._rng)
+            why = f"transient error: {report.error}; retry in {delay:.2f}s"
+            return RolloutState.QUEUED, "retry_scheduled", why, now + delay
+        why = f"attempts exhausted ({item.attempt}); last error: {report.error}"
+        return RolloutState.FAILED, "failed", why, None
+
+    def _insert_once_many(self, conn: Connection, table: Any, rows: list[dict[str, Any]]) -> None:
+        dialect = self.engine.dialect.name
+        stmt = (pg_insert if dialect == "postgresql" else sqlite_insert)(table)
+        conn.execute(stmt.on_conflict_do_nothing(), rows)
 
     def sweep(self, now: float) -> int:
         """Expires lost leases (retry or fail) and fails queued work past its deadline."""

@@ -51,7 +51,7 @@ class RolloutRow(SQLModel, table=True):
 class RolloutLabel(SQLModel, table=True):
     __tablename__ = "rollout_labels"
 
-    rollout_seq: int = Field(primary_key=True, foreign_key="rollouts.seq")
+    rollout_id: str = Field(primary_key=True, foreign_key="rollouts.id")
     key: str = Field(primary_key=True)
     value: str = Field(index=True)
 

@@ -1,0 +1,192 @@
+"""The ledger benchmark behind scripts/bench-ledger (see there). Prints one table, side by side."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import structlog  # noqa: E402
+
+from fleet.core.lifecycle import Outcome  # noqa: E402
+from fleet.core.manifest import Step, SubmitRequest, build_manifest, validate_request  # noqa: E402
+from fleet.core.placement import HostCapabilities, HostClass, Isolation, RuntimeKind  # noqa: E402
+from fleet.core.rollout import Completion, StepResult  # noqa: E402
+from fleet.ledger.store import Ledger  # noqa: E402
+from tests.pgserver import create_database, postgres_server  # noqa: E402
+
+WORKERS = 4
+CLAIM_BATCH = 32
+
+BASELINE = r"""
+import asyncio, sys, time
+import procrastinate
+url, n = sys.argv[1], int(sys.argv[2])
+app = procrastinate.App(connector=procrastinate.PsycopgConnector(conninfo=url))
+
+@app.task(name="noop")
+def noop() -> None:
+    pass
+
+async def main() -> None:
+    async with app.open_async():
+        await app.schema_manager.apply_schema_async()
+        t = time.perf_counter()
+        for _ in range(n):
+            await noop.defer_async()
+        one = n / (time.perf_counter() - t)
+        t = time.perf_counter()
+        await noop.batch_defer_async(*[{} for _ in range(n)])
+        batch = n / (time.perf_counter() - t)
+        t = time.perf_counter()
+        await app.run_worker_async(concurrency=4, wait=False, listen_notify=False,
+                                   install_signal_handlers=False, delete_jobs="never")
+        jobs = 2 * n / (time.perf_counter() - t)
+        print(f"{one} {batch} {jobs}")
+
+asyncio.run(main())
+"""
+
+
+def quiet() -> None:
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+
+
+def request(i: int, prefix: str) -> tuple[SubmitRequest, object]:
+    now = datetime.now(UTC)
+    req = SubmitRequest(
+        idempotency_key=f"{prefix}-{i}",
+        smolfile='image = "minimal"\n',
+        steps=(Step(argv=("true",)),),
+    )
+    return req, build_manifest(req, validate_request(req, now), "sha256:bench", now)
+
+
+def enqueue(target: str, n: int, prefix: str, batch: int) -> float:
+    """Rollouts stored per second: one transaction each (batch=1) or `batch` per transaction."""
+    ledger = Ledger.open(target)
+    items = [request(i, prefix) for i in range(n)]
+    t = time.perf_counter()
+    if batch == 1:
+        for req, manifest in items:
+            ledger.submit(req, manifest, time.time())  # type: ignore[arg-type]
+    else:
+        for start in range(0, n, batch):
+            ledger.submit_many(items[start : start + batch], time.time())  # type: ignore[arg-type]
+    rate = n / (time.perf_counter() - t)
+    ledger.engine.dispose()
+    return rate
+
+
+def worker(target: str, host_id: str, counter: mp.Value, ready: mp.Barrier) -> None:  # type: ignore[valid-type]
+    quiet()
+    ledger = Ledger.open(target)
+    ledger.register_host(
+        HostCapabilities(
+            host_id=host_id, host_class=HostClass.CPU, runtime=RuntimeKind.NAMESPACE,
+            isolation=Isolation.NAMESPACE, cpus=1, memory_mib=1, cuda_devices=0,
+        ),
+        time.time(),
+    )  # fmt: skip
+    done = 0
+    ready.wait()  # the clock starts when every worker is up
+    while True:
+        batch = ledger.claim(host_id, CLAIM_BATCH, time.time(), 60.0)
+        if not batch:
+            break
+        # The batch's completions are group-committed: one durable commit for all of them.
+        reports = [
+            Completion(
+                work_id=a.work_id, fencing_token=a.fencing_token, outcome=Outcome.SUCCEEDED,
+                results=(StepResult(index=0, exit_code=0),),
+            )
+            for a in batch
+        ]  # fmt: skip
+        answers = ledger.complete_many(host_id, reports, time.time())
+        assert all(not isinstance(x, Exception) for x in answers), answers
+        done += len(batch)
+    with counter.get_lock():
+        counter.value += done
+    ledger.engine.dispose()
+
+
+def drain(target: str, n: int) -> float:
+    """Durable claim+complete jobs/s with WORKERS processes over `n` queued rollouts."""
+    ledger = Ledger.open(target)
+    for start in range(0, n, 500):
+        ledger.submit_many([request(i, "drain") for i in range(start, min(n, start + 500))], time.time())  # type: ignore[misc]
+    ledger.engine.dispose()
+    ctx = mp.get_context("spawn")
+    counter = ctx.Value("i", 0)
+    ready = ctx.Barrier(WORKERS + 1)
+    procs = [
+        ctx.Process(target=worker, args=(target, f"bench-{i}", counter, ready))
+        for i in range(WORKERS)
+    ]
+    for p in procs:
+        p.start()
+    ready.wait()
+    t = time.perf_counter()
+    for p in procs:
+        p.join()
+    elapsed = time.perf_counter() - t
+    assert counter.value == n, f"drained {counter.value} of {n}"
+    return n / elapsed
+
+
+def baseline(url: str, n: int) -> tuple[float, float, float]:
+    env = {**os.environ, "PYTHONPATH": str(REPO / ".bench-deps")}
+    out = subprocess.run(
+        [sys.executable, "-c", BASELINE, url, str(n)], env=env, capture_output=True, text=True,
+        check=True, timeout=600,
+    )  # fmt: skip
+    one, batch, jobs = (float(x) for x in out.stdout.split()[-3:])
+    return one, batch, jobs
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="small counts: done in under 60 s")
+    parser.add_argument("--json", action="store_true", help="last line: one JSON object")
+    args = parser.parse_args()
+    quiet()
+    jobs_n, enqueue_n, base_n = (600, 300, 300) if args.quick else (4000, 2000, 2000)
+    with tempfile.TemporaryDirectory(prefix="fleet-bench-") as tmp, postgres_server() as server:
+        sqlite = str(Path(tmp) / "bench.sqlite3")
+        results: dict[str, float] = {}
+        results["sqlite_jobs_s"] = drain(sqlite, jobs_n)
+        results["postgres_jobs_s"] = drain(create_database(server), jobs_n)
+        results["enqueue_one_s"] = enqueue(str(Path(tmp) / "e1.sqlite3"), enqueue_n, "one", 1)
+        results["enqueue_batch_s"] = enqueue(str(Path(tmp) / "eb.sqlite3"), enqueue_n * 5, "b", 500)
+        pg_one = enqueue(create_database(server), enqueue_n, "pone", 1)
+        pg_batch = enqueue(create_database(server), enqueue_n * 5, "pb", 500)
+        b_one, b_batch, b_jobs = baseline(create_database(server), base_n)
+        results["baseline_jobs_s"] = b_jobs
+    rows = [
+        ("claim+complete jobs/s, 4 workers, durable", results["sqlite_jobs_s"], results["postgres_jobs_s"], b_jobs),
+        ("enqueue rows/s, one by one", results["enqueue_one_s"], pg_one, b_one),
+        ("enqueue rows/s, batched", results["enqueue_batch_s"], pg_batch, b_batch),
+    ]
+    print(f"{'':<44}{'fleet/SQLite':>14}{'fleet/PG':>12}{'procrastinate':>15}{'SQLite ratio':>14}{'PG ratio':>10}")
+    for name, lite, pg, base in rows:
+        print(f"{name:<44}{lite:>14.0f}{pg:>12.0f}{base:>15.0f}{lite / base:>13.1f}x{pg / base:>9.1f}x")
+    print(f"(jobs: {jobs_n} fleet, {2 * base_n} procrastinate; SQLite synchronous=FULL, "
+          "PostgreSQL synchronous_commit=on; same machine, one run)")  # fmt: skip
+    if args.json:
+        print(json.dumps({k: round(v, 1) for k, v in results.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
