@@ -70,6 +70,9 @@ class Agent:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serves until `stop` is set; running work is finished first."""
+        reaped = await self.runtime.reap(self.caps.host_id)
+        if reaped:
+            self.log.info("orphans_reaped", machines=reaped)
         async with grpc.aio.insecure_channel(self.config.server) as channel:
             stub = host_pb2_grpc.HostServiceStub(channel)
             await self._register(stub, stop)
@@ -292,6 +295,13 @@ class Agent:
                     timed_out=result.timed_out,
                     seconds=round(result.duration_s, 3),
                 )
+                if result.oom_killed:
+                    limit = parsed.spec.memory_mib_effective
+                    return report(
+                        Outcome.STEP_FAILED,
+                        f"step {index} ({step.name}) was killed: out of memory "
+                        f"(the Smolfile's limit is {limit} MiB)",
+                    )
                 if result.timed_out:
                     why = "deadline" if timeout < step.timeout_s else f"{step.timeout_s:g}s timeout"
                     return report(Outcome.STEP_FAILED, f"step {index} ({step.name}) hit its {why}")

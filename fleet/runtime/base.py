@@ -80,6 +80,10 @@ class Runtime(Protocol):
 
     async def list_machines(self, labels: Mapping[str, str]) -> list[str]: ...
 
+    async def reap(self, host_id: str) -> int:
+        """Removes what an earlier run of this host left behind; returns how many machines."""
+        ...
+
 
 def resolve_secrets(spec: Smolfile, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """`[secrets] NAME = { from_env = "VAR" }` -> {NAME: value} from the agent's environment."""

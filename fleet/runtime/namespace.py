@@ -28,7 +28,9 @@ import structlog
 from fleet.core.errors import Unavailable
 from fleet.core.placement import Isolation, RuntimeKind
 from fleet.core.rollout import MAX_OUTPUT_BYTES
+from fleet.runtime import cgroups
 from fleet.runtime.base import ExecResult, MachineSpec, machine_env
+from fleet.runtime.cgroups import MachineCgroup
 from fleet.runtime.output import OutputSink, read_bounded
 
 log = structlog.get_logger(__name__)
@@ -36,8 +38,9 @@ log = structlog.get_logger(__name__)
 # Mounts the overlay in a private mount namespace, then becomes bwrap: nothing to unmount later,
 # and no mount survives the command even if the agent is killed.
 _MOUNT_THEN_EXEC = (
+    'IFS=:; for f in $5; do echo $$ > "$f" || exit 125; done; unset IFS; '
     'mount -t overlay overlay -o "lowerdir=$1,upperdir=$2,workdir=$3" "$4" || exit 125; '
-    'shift 4; exec "$@"'
+    'shift 5; exec "$@"'
 )
 REQUIRED_TOOLS = ("bwrap", "unshare", "mount")
 
@@ -49,9 +52,10 @@ def missing_tools() -> list[str]:
 class NamespaceMachine:
     """One machine: an overlay layer and the commands run on it."""
 
-    def __init__(self, spec: MachineSpec, root: Path) -> None:
+    def __init__(self, spec: MachineSpec, root: Path, cgroup: MachineCgroup) -> None:
         self.spec = spec
         self.root = root
+        self.cgroup = cgroup
         self._name = spec.name
         self._deleted = False
         self._running: set[asyncio.subprocess.Process] = set()
@@ -98,6 +102,7 @@ class NamespaceMachine:
             str(self.root / "upper"),
             str(self.root / "work"),
             str(self.root / "merged"),
+            ":".join(str(f) for f in self.cgroup.procs_files),
             *bwrap,
         ]
 
@@ -116,6 +121,7 @@ class NamespaceMachine:
         cwd = workdir or self.spec.smolfile.workdir or "/"
         full = self._argv(argv, machine_env(self.spec, env), cwd)
         started = time.monotonic()
+        oom_before = self.cgroup.oom_kills()
         proc = await asyncio.create_subprocess_exec(
             *full,
             stdin=asyncio.subprocess.DEVNULL,
@@ -138,13 +144,17 @@ class NamespaceMachine:
             except TimeoutError:
                 timed_out = True
                 self._kill(proc)
+                await asyncio.to_thread(self.cgroup.kill_all)
                 (out, out_cut), (err, err_cut), code = await readers
         finally:
             self._kill(proc)
             self._running.discard(proc)
-        if code == 125 and not timed_out and b"mount" in err:
-            raise Unavailable(f"machine {self._name}: cannot mount its disk: {err.decode()[-500:]}")
+        if code == 125 and not timed_out and (b"mount" in err or b"cgroup" in err):
+            raise Unavailable(
+                f"machine {self._name}: cannot set up its disk or cgroup: {err.decode()[-500:]}"
+            )
         return ExecResult(
+            oom_killed=self.cgroup.oom_kills() > oom_before,
             exit_code=-int(signal.SIGKILL) if timed_out else code,
             stdout=out,
             stderr=err,
@@ -170,6 +180,7 @@ class NamespaceMachine:
             self._kill(proc)
             with contextlib.suppress(ProcessLookupError):
                 await proc.wait()
+        await asyncio.to_thread(self.cgroup.remove)
         await asyncio.to_thread(shutil.rmtree, self.root, True)
         log.info("machine_deleted", machine=self._name, runtime="namespace")
 
@@ -188,6 +199,13 @@ class NamespaceRuntime:
                 f"the namespace runtime needs {', '.join(missing)} on PATH "
                 "(scripts/setup installs bubblewrap)"
             )
+        version = cgroups.detect()
+        if version is None:
+            raise Unavailable(
+                "the namespace runtime enforces Smolfile limits with cgroups, and no usable "
+                "cgroup hierarchy (v1 memory/pids/cpu, or v2) is mounted at /sys/fs/cgroup"
+            )
+        self.cgroup_version = version
 
     async def create(self, spec: MachineSpec) -> NamespaceMachine:
         if spec.smolfile.egress_requested:
@@ -201,9 +219,39 @@ class NamespaceRuntime:
         for sub in ("upper", "work", "merged"):
             (root / sub).mkdir(parents=True, exist_ok=True)
         (root / "labels.json").write_text(json.dumps(spec.labels, sort_keys=True))
-        machine = NamespaceMachine(spec, root)
-        log.info("machine_created", machine=spec.name, runtime="namespace", **spec.labels)
+        cgroup = cgroups.MachineCgroup(root.name, self.cgroup_version)
+        limits = cgroups.Limits(
+            memory_mib=spec.smolfile.memory_mib_effective, cpus=spec.smolfile.cpus_effective
+        )
+        try:
+            await asyncio.to_thread(cgroup.create, limits)
+        except Exception:
+            shutil.rmtree(root, ignore_errors=True)
+            raise
+        machine = NamespaceMachine(spec, root, cgroup)
+        log.info(
+            "machine_created", machine=spec.name, runtime="namespace",
+            memory_mib=limits.memory_mib, cpus=limits.cpus, pids_max=limits.pids_max,
+            **spec.labels,
+        )  # fmt: skip
         return machine
+
+    async def reap(self, host_id: str) -> int:
+        """Removes machines a previous run of this host left behind (after kill -9)."""
+        reaped = 0
+        for entry in sorted(self.machines_dir.iterdir()) if self.machines_dir.exists() else []:
+            try:
+                labels = json.loads((entry / "labels.json").read_text())
+            except (OSError, ValueError):
+                continue
+            if labels.get("host") != host_id:
+                continue
+            await asyncio.to_thread(cgroups.MachineCgroup(entry.name, self.cgroup_version).remove)
+            await asyncio.to_thread(shutil.rmtree, entry, True)
+            reaped += 1
+        if reaped:
+            log.info("machines_reaped", host_id=host_id, count=reaped)
+        return reaped
 
     async def list_machines(self, labels: Mapping[str, str]) -> list[str]:
         found: list[str] = []

@@ -205,6 +205,19 @@ class SmolRuntime:
         found = await asyncio.to_thread(Machine.list, ConnectOptions(target="local"), dict(labels))
         return [m.name for m in found]
 
+    async def reap(self, host_id: str) -> int:
+        """Deletes machines labelled with this host that a previous run left behind."""
+        from smol import ConnectOptions, Machine, SmolError
+
+        conn = ConnectOptions(target="local")
+        names = await self.list_machines({"fleet": "1", "host": host_id})
+        for name in names:
+            try:
+                await asyncio.to_thread(Machine.delete_by_name, name, conn)
+            except SmolError as exc:
+                raise translate_error(exc) from exc
+        return len(names)
+
 
 # -- preflight -------------------------------------------------------------------------------
 

@@ -456,3 +456,19 @@ def test_malformed_input_is_quarantined_not_retried(tmp_path: Path, images: Imag
     assert r.state == types_pb2.ROLLOUT_STATE_QUARANTINED and r.attempts == 1
     assert "FLEET_TEST_UNSET_VAR" in r.error
     assert [a.outcome for a in r.attempt_history] == ["MALFORMED_INPUT"]
+
+
+def test_out_of_memory_is_reported_as_such(tmp_path: Path, images: ImageStore) -> None:
+    """A step over its memory limit fails the rollout with an out-of-memory reason, not a crash."""
+
+    async def body() -> types_pb2.Rollout:
+        async with harness(tmp_path, images) as h:
+            await h.start_agent("cpu-a", HostClass.CPU)
+            hog = ["python3", "-c", "b = bytearray(400 * 1024 * 1024)"]
+            reply = await h.fleet.SubmitRollout(request('image = "minimal"\nmemory = 96\n', hog))
+            return await h.wait_final(reply.rollout.id)
+
+    r = go(body())
+    assert r.state == types_pb2.ROLLOUT_STATE_FAILED
+    assert "out of memory" in r.error and "96 MiB" in r.error
+    assert [a.outcome for a in r.attempt_history] == ["STEP_FAILED"]

@@ -190,3 +190,80 @@ def test_nonzero_exit_is_data(rootfs: Path, tmp_path: Path, argv: list[str]) -> 
         return await m.exec(argv, timeout_s=30)
 
     assert run(rootfs, tmp_path, body).exit_code != 0
+
+
+def test_memory_limit_kills_the_step_and_says_so(rootfs: Path, tmp_path: Path) -> None:
+    """A step over the Smolfile's memory limit is killed by the kernel and reported as OOM."""
+
+    async def body(m: NamespaceMachine):  # type: ignore[no-untyped-def]
+        hog = "b = bytearray(400 * 1024 * 1024); print('survived')"
+        small = await m.exec(
+            ["python3", "-c", "b = bytearray(8 * 1024 * 1024); print('ok')"], timeout_s=60
+        )
+        big = await m.exec(["python3", "-c", hog], timeout_s=60)
+        return small, big
+
+    small, big = run(rootfs, tmp_path, body, 'image = "minimal"\nmemory = 128\n')
+    assert small.exit_code == 0 and not small.oom_killed
+    assert big.oom_killed and big.exit_code != 0 and b"survived" not in big.stdout
+
+
+def test_machine_processes_live_in_its_cgroup_with_its_limits(rootfs: Path, tmp_path: Path) -> None:
+    """While a step runs its processes are in the machine's cgroup; delete removes the group."""
+
+    async def go() -> tuple[list[int], dict[str, str], bool]:
+        runtime, spec = make(rootfs, tmp_path, 'image = "minimal"\ncpus = 2\nmemory = 300\n')
+        machine = await runtime.create(spec)
+        step = asyncio.create_task(machine.exec(["sleep", "3"], timeout_s=30))
+        pids: list[int] = []
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            pids = machine.cgroup.pids()
+            if len(pids) >= 2:
+                break
+        limits = {}
+        for d in machine.cgroup.dirs.values():
+            for name in (
+                "memory.limit_in_bytes",
+                "memory.max",
+                "cpu.cfs_quota_us",
+                "cpu.max",
+                "pids.max",
+            ):
+                if (d / name).exists():
+                    limits[name] = (d / name).read_text().strip()
+        step.cancel()
+        await machine.delete()
+        return pids, limits, machine.cgroup.exists()
+
+    pids, limits, exists = asyncio.run(go())
+    assert len(pids) >= 2  # unshare/bwrap and the sandboxed sleep
+    assert limits.get("memory.limit_in_bytes", limits.get("memory.max")) == str(300 * 1024 * 1024)
+    assert limits.get("cpu.cfs_quota_us") == "200000" or limits.get("cpu.max") == "200000 100000"
+    assert limits["pids.max"] == "4096"
+    assert not exists
+
+
+def test_reaper_removes_what_a_killed_agent_left(rootfs: Path, tmp_path: Path) -> None:
+    """Machines of this host left behind (no delete) are removed by reap; others are kept."""
+
+    async def go() -> tuple[int, list[str], list[str]]:
+        runtime = NamespaceRuntime(tmp_path / "machines")
+        specs = [
+            MachineSpec(
+                name=f"orphan-{host}", smolfile=parse_smolfile('image = "minimal"\n').spec,
+                image_digest="sha256:x", rootfs=rootfs, labels={"fleet": "1", "host": host},
+            )
+            for host in ("me", "other")
+        ]  # fmt: skip
+        mine = await runtime.create(specs[0])
+        theirs = await runtime.create(specs[1])
+        reaped = await NamespaceRuntime(tmp_path / "machines").reap("me")
+        left = await runtime.list_machines({"fleet": "1"})
+        cgroup_left = [str(d) for d in mine.cgroup.dirs.values() if d.exists()]
+        await theirs.delete()
+        return reaped, left, cgroup_left
+
+    reaped, left, cgroup_left = asyncio.run(go())
+    assert reaped == 1 and len(left) == 1 and left[0].startswith("orphan-other")
+    assert cgroup_left == []

@@ -1,0 +1,135 @@
+"""Per-machine cgroups for the namespace runtime: memory, cpu and pids limits, v1 or v2.
+
+Each machine gets one cgroup (one per controller on v1 hosts) that all of its processes join
+before they become the sandbox, so a limit covers everything the machine runs, an out-of-memory
+kill is counted where the agent can read it, and deleting the machine kills and removes the
+whole group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from fleet.core.errors import Unavailable
+
+log = structlog.get_logger(__name__)
+
+ROOT = Path("/sys/fs/cgroup")
+DEFAULT_PIDS_MAX = 4096
+CPU_PERIOD_US = 100_000
+
+
+@dataclass(frozen=True)
+class Limits:
+    memory_mib: int
+    cpus: int
+    pids_max: int = DEFAULT_PIDS_MAX
+
+
+def detect(root: Path = ROOT) -> str | None:
+    """'v2' on a unified hierarchy, 'v1' where the v1 controllers are mounted, else None."""
+    if (root / "cgroup.controllers").exists():
+        return "v2"
+    if all((root / c / "cgroup.procs").exists() for c in ("memory", "pids", "cpu")):
+        return "v1"
+    return None
+
+
+class MachineCgroup:
+    """The cgroup(s) of one machine."""
+
+    def __init__(self, name: str, version: str, root: Path = ROOT) -> None:
+        self.name = name
+        self.version = version
+        if version == "v2":
+            self.dirs = {"all": root / "fleet" / name}
+        else:
+            self.dirs = {c: root / c / "fleet" / name for c in ("memory", "pids", "cpu")}
+
+    @property
+    def procs_files(self) -> list[Path]:
+        """Where a process writes its pid to join (every controller on v1)."""
+        return [d / "cgroup.procs" for d in self.dirs.values()]
+
+    def create(self, limits: Limits) -> None:
+        try:
+            if self.version == "v2":
+                parent = self.dirs["all"].parent
+                parent.mkdir(exist_ok=True)
+                for level in (parent.parent, parent):
+                    (level / "cgroup.subtree_control").write_text("+memory +pids +cpu")
+                d = self.dirs["all"]
+                d.mkdir(exist_ok=True)
+                (d / "memory.max").write_text(str(limits.memory_mib * 1024 * 1024))
+                if (d / "memory.swap.max").exists():
+                    (d / "memory.swap.max").write_text("0")
+                (d / "pids.max").write_text(str(limits.pids_max))
+                (d / "cpu.max").write_text(f"{limits.cpus * CPU_PERIOD_US} {CPU_PERIOD_US}")
+            else:
+                for d in self.dirs.values():
+                    d.mkdir(parents=True, exist_ok=True)
+                mem = self.dirs["memory"]
+                (mem / "memory.limit_in_bytes").write_text(str(limits.memory_mib * 1024 * 1024))
+                (self.dirs["pids"] / "pids.max").write_text(str(limits.pids_max))
+                cpu = self.dirs["cpu"]
+                (cpu / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
+                (cpu / "cpu.cfs_quota_us").write_text(str(limits.cpus * CPU_PERIOD_US))
+        except OSError as exc:
+            self.remove()
+            raise Unavailable(f"cannot set up cgroup for machine {self.name}: {exc}") from exc
+
+    def oom_kills(self) -> int:
+        """How many processes the kernel killed for exceeding the memory limit."""
+        if self.version == "v2":
+            source = self.dirs["all"] / "memory.events"
+        else:
+            source = self.dirs["memory"] / "memory.oom_control"
+        try:
+            for line in source.read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+        except OSError:
+            pass
+        return 0
+
+    def pids(self) -> list[int]:
+        found: set[int] = set()
+        for procs in self.procs_files:
+            with contextlib.suppress(OSError):
+                found.update(int(p) for p in procs.read_text().split())
+        return sorted(found)
+
+    def kill_all(self) -> None:
+        """SIGKILL every process in the group, until none is left (bounded)."""
+        for _ in range(50):
+            pids = self.pids()
+            if not pids:
+                return
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.02)
+        log.warning("cgroup_processes_survived", machine=self.name, pids=self.pids())
+
+    def remove(self) -> None:
+        self.kill_all()
+        for d in self.dirs.values():
+            for _ in range(50):
+                try:
+                    d.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.02)  # the last processes are still exiting
+
+    def exists(self) -> bool:
+        return any(d.exists() for d in self.dirs.values())
