@@ -28,7 +28,7 @@ import structlog
 from fleet.core.errors import Unavailable
 from fleet.core.placement import Isolation, RuntimeKind
 from fleet.core.rollout import MAX_OUTPUT_BYTES
-from fleet.runtime import cgroups
+from fleet.runtime import cgroups, seccomp
 from fleet.runtime.base import ExecResult, MachineSpec, machine_env
 from fleet.runtime.cgroups import MachineCgroup
 from fleet.runtime.output import OutputSink, read_bounded
@@ -64,7 +64,9 @@ class NamespaceMachine:
     def name(self) -> str:
         return self._name
 
-    def _argv(self, argv: list[str], env: Mapping[str, str], workdir: str) -> list[str]:
+    def _argv(
+        self, argv: list[str], env: Mapping[str, str], workdir: str, seccomp_fd: int
+    ) -> list[str]:
         bwrap = [
             "bwrap",
             "--unshare-all",
@@ -84,6 +86,8 @@ class NamespaceMachine:
             "--chdir",
             workdir,
             "--clearenv",
+            "--seccomp",
+            str(seccomp_fd),
         ]
         for key, value in env.items():
             bwrap += ["--setenv", key, value]
@@ -119,16 +123,22 @@ class NamespaceMachine:
         if self._deleted:
             raise Unavailable(f"machine {self._name} was deleted")
         cwd = workdir or self.spec.smolfile.workdir or "/"
-        full = self._argv(argv, machine_env(self.spec, env), cwd)
         started = time.monotonic()
         oom_before = self.cgroup.oom_kills()
-        proc = await asyncio.create_subprocess_exec(
-            *full,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,
-        )
+        # bwrap reads the filter from an inherited descriptor; ours closes once it is spawned.
+        filt = os.open(self.root / "seccomp.bpf", os.O_RDONLY)
+        try:
+            full = self._argv(argv, machine_env(self.spec, env), cwd, filt)
+            proc = await asyncio.create_subprocess_exec(
+                *full,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,
+                pass_fds=(filt,),
+            )
+        finally:
+            os.close(filt)
         self._running.add(proc)
         timed_out = False
         try:
@@ -206,6 +216,7 @@ class NamespaceRuntime:
                 "cgroup hierarchy (v1 memory/pids/cpu, or v2) is mounted at /sys/fs/cgroup"
             )
         self.cgroup_version = version
+        self._seccomp = seccomp.program()
 
     async def create(self, spec: MachineSpec) -> NamespaceMachine:
         if spec.smolfile.egress_requested:
@@ -219,6 +230,7 @@ class NamespaceRuntime:
         for sub in ("upper", "work", "merged"):
             (root / sub).mkdir(parents=True, exist_ok=True)
         (root / "labels.json").write_text(json.dumps(spec.labels, sort_keys=True))
+        (root / "seccomp.bpf").write_bytes(self._seccomp)
         cgroup = cgroups.MachineCgroup(root.name, self.cgroup_version)
         limits = cgroups.Limits(
             memory_mib=spec.smolfile.memory_mib_effective, cpus=spec.smolfile.cpus_effective

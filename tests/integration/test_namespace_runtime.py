@@ -267,3 +267,37 @@ def test_reaper_removes_what_a_killed_agent_left(rootfs: Path, tmp_path: Path) -
     reaped, left, cgroup_left = asyncio.run(go())
     assert reaped == 1 and len(left) == 1 and left[0].startswith("orphan-other")
     assert cgroup_left == []
+
+
+SYSCALLS = r"""
+import ctypes, os, json
+libc = ctypes.CDLL(None, use_errno=True)
+def call(nr, *args):
+    r = libc.syscall(nr, *args)
+    return "ok" if r >= 0 else os.strerror(ctypes.get_errno())
+out = {
+    "mount": call(165, b"none", b"/tmp", b"tmpfs", 0, None),
+    "ptrace_attach_init": call(101, 16, 1, 0, 0),
+    "unshare_uts": call(272, 0x04000000),
+    "keyctl": call(250, 0, 0, 0, 0),
+    "bpf": call(321, 0, 0, 0),
+    "init_module": call(175, 0, 0, 0),
+    "getpid": call(39),
+    "seccomp": [l.split()[1] for l in open("/proc/self/status") if l.startswith("Seccomp:")][0],
+}
+print(json.dumps(out))
+"""
+
+
+def test_seccomp_denies_what_a_sandbox_has_no_business_doing(rootfs: Path, tmp_path: Path) -> None:
+    """mount, ptrace, unshare, keyctl, bpf and module loading fail with EPERM; getpid works."""
+    import json
+
+    async def body(m: NamespaceMachine):  # type: ignore[no-untyped-def]
+        return await m.exec(["python3", "-c", SYSCALLS], timeout_s=30)
+
+    result = run(rootfs, tmp_path, body)
+    assert result.exit_code == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out.pop("getpid") == "ok" and out.pop("seccomp") == "2"
+    assert set(out.values()) == {"Operation not permitted"}, out
