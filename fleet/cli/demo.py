@@ -13,9 +13,13 @@ from pathlib import Path
 import grpc
 
 from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
+from fleet.agent.agent import default_host_id
+from fleet.agent.capabilities import make_runtime
 from fleet.cli.demo_suite import suite
-from fleet.cli.embedded import embedded_fleet
+from fleet.cli.embedded import Fleet, embedded_fleet
 from fleet.config import Paths
+from fleet.core.placement import HostClass
+from fleet.server.app import ServerConfig
 
 SMOLFILES = Path(__file__).resolve().parent.parent.parent / "smolfiles"
 FINAL = {
@@ -52,14 +56,54 @@ async def _wait_hosts(fleet_core: object, want: int, timeout_s: float) -> None:
         await asyncio.sleep(0.05)
 
 
+DOOMED = f"{default_host_id(HostClass.CPU, 9)}-doomed"
+
+
+async def _start_doomed_agent(fleet: Fleet, machines: Path) -> asyncio.subprocess.Process:
+    """One more cpu agent, as its own process: the host the demo will lose."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "fleet.cli.main", "--log-level", "error", "agent",
+        "--class", "cpu", "--runtime", fleet.runtime.kind.value, "--server", fleet.address,
+        "--host-id", DOOMED, "--slots", "2", "--machines-dir", str(machines),
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+async def _lose_a_host(fleet: Fleet, proc: asyncio.subprocess.Process, machines: Path) -> str:
+    """Kills (-9) the extra agent while it holds work.
+
+    Its leases expire and the work runs again elsewhere: what a lost cloud host looks like.
+    """
+    host_id = DOOMED
+    ledger = fleet.server.core.ledger
+    try:
+        for _ in range(600):
+            held = await fleet.server.core.db(ledger.leased_to, host_id)
+            if held:
+                proc.kill()  # SIGKILL: no goodbye, no completion
+                await proc.wait()
+                return f"killed agent {host_id} (kill -9) while it held {held} rollouts"
+            await asyncio.sleep(0.02)
+        return f"agent {host_id} took no work before the suite ended; nothing was killed"
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        runtime = make_runtime(fleet.runtime, machines)
+        await runtime.reap(host_id)
+
+
 async def run_demo(paths: Paths, timeout_s: float = 600.0) -> int:
     run_id = uuid.uuid4().hex[:8]
     tty = sys.stdout.isatty()
     with tempfile.TemporaryDirectory(prefix="fleet-demo-") as tmp:
-        async with embedded_fleet(paths, Path(tmp) / "ledger.sqlite3") as fleet:
+        # Short leases so that the host the demo kills is noticed within seconds.
+        config = ServerConfig(lease_ttl_s=3.0, heartbeat_interval_s=0.5)
+        async with embedded_fleet(paths, Path(tmp) / "ledger.sqlite3", config=config) as fleet:
             print(
                 f"fleet demo {run_id}: embedded fleet on {fleet.address}, SQLite ledger, "
-                "1 gpu-class + 2 cpu-class agents"
+                "1 gpu-class + 2 cpu-class agents,\n  and one more cpu-class agent in its own "
+                "process, which the demo kills (-9) while it runs rollouts"
             )
             print(f"runtime: {fleet.runtime.kind} — {fleet.runtime.reason}")
             if fleet.runtime.kind == "namespace":
@@ -73,7 +117,9 @@ async def run_demo(paths: Paths, timeout_s: float = 600.0) -> int:
                 f"gpu-class host: {gpu.caps.cuda_devices} CUDA devices, "
                 f"CUDA work runs on: {gpu.caps.device}"
             )
-            await _wait_hosts(fleet.server.core, len(fleet.agents), 30)
+            machines = Path(tmp) / "machines"
+            doomed = await _start_doomed_agent(fleet, machines)
+            await _wait_hosts(fleet.server.core, len(fleet.agents) + 1, 60)
             items = suite()
             started = time.monotonic()
             async with grpc.aio.insecure_channel(fleet.address) as channel:
@@ -98,6 +144,7 @@ async def run_demo(paths: Paths, timeout_s: float = 600.0) -> int:
                     )
                     reply = await stub.SubmitRollout(request, timeout=30)
                     ids[reply.rollout.id] = item.name
+                loss = asyncio.create_task(_lose_a_host(fleet, doomed, machines))
                 print(
                     f"submitted {len(ids)} rollouts "
                     f"({sum(1 for i in items if 'gpu' in i.smolfile)} need the gpu class)"
@@ -127,6 +174,7 @@ async def run_demo(paths: Paths, timeout_s: float = 600.0) -> int:
                 if tty:
                     print()
                 wall = time.monotonic() - started
+                print(f"host loss: {await loss}")
             _summary(rollouts, ids, wall)
     return 0
 

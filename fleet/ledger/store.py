@@ -1084,6 +1084,17 @@ class Ledger:
             log.info("ledger_swept", changed=changed)
         return changed
 
+    def leased_to(self, host_id: str) -> int:
+        """How many work items are leased to a host right now."""
+        with self._begin() as conn:
+            return int(
+                conn.execute(
+                    select(func.count())
+                    .select_from(_W)
+                    .where(_W.c.lease_owner == host_id, _W.c.state == LEASED)
+                ).scalar_one()
+            )
+
     def artifact(self, digest: str) -> bytes:
         with self._tx() as s:
             row = s.get(ArtifactRow, digest)

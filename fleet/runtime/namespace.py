@@ -226,7 +226,9 @@ class NamespaceRuntime:
                 reason="the namespace runtime does not enforce egress allowlists yet; "
                 "the machine gets loopback only",
             )
-        root = self.machines_dir / f"{spec.name}-{uuid.uuid4().hex[:8]}"
+        # Grouped by host, so a reaper finds even a machine whose creation a kill interrupted.
+        host = spec.labels.get("host", "local")
+        root = self.machines_dir / host / f"{spec.name}-{uuid.uuid4().hex[:8]}"
         for sub in ("upper", "work", "merged"):
             (root / sub).mkdir(parents=True, exist_ok=True)
         (root / "labels.json").write_text(json.dumps(spec.labels, sort_keys=True))
@@ -251,13 +253,8 @@ class NamespaceRuntime:
     async def reap(self, host_id: str) -> int:
         """Removes machines a previous run of this host left behind (after kill -9)."""
         reaped = 0
-        for entry in sorted(self.machines_dir.iterdir()) if self.machines_dir.exists() else []:
-            try:
-                labels = json.loads((entry / "labels.json").read_text())
-            except (OSError, ValueError):
-                continue
-            if labels.get("host") != host_id:
-                continue
+        mine = self.machines_dir / host_id
+        for entry in sorted(mine.iterdir()) if mine.exists() else []:
             await asyncio.to_thread(cgroups.MachineCgroup(entry.name, self.cgroup_version).remove)
             await asyncio.to_thread(shutil.rmtree, entry, True)
             reaped += 1
@@ -269,7 +266,7 @@ class NamespaceRuntime:
         found: list[str] = []
         if not self.machines_dir.exists():
             return found
-        for entry in sorted(self.machines_dir.iterdir()):
+        for entry in sorted(self.machines_dir.glob("*/*")):
             try:
                 have = json.loads((entry / "labels.json").read_text())
             except (OSError, ValueError):

@@ -19,6 +19,8 @@ from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
 from fleet.core.lifecycle import Outcome
 from fleet.ledger.store import Ledger
 from fleet.ledger.tables import AttemptRow, EventRow, ManifestRow, RolloutRow, WorkItemRow
+from fleet.runtime.cgroups import MachineCgroup
+from fleet.runtime.namespace import NamespaceRuntime
 from tests.acceptance.procs import Procs
 from tests.pgserver import create_database, drop_database
 
@@ -152,6 +154,19 @@ def test_kill_agents_mid_lease_repeatedly(tmp_path: Path, procs: Procs, images: 
         a.outcome in (Outcome.SUCCEEDED.value, Outcome.LEASE_EXPIRED.value) for a in attempts
     )
     ledger.engine.dispose()
+    # A killed agent leaves its machines' directories and cgroups behind; its reaper (run by
+    # the next agent with its host id) removes them. Nothing else may be left once the
+    # survivors stop.
+    for slot in agents:
+        agents[slot].stop()
+    runtime = NamespaceRuntime(machines)
+    orphans = [d.name for d in machines.glob("*/*") if d.is_dir()]
+    assert orphans and any(MachineCgroup(n, runtime.cgroup_version).exists() for n in orphans)
+    reaped = sum(asyncio.run(runtime.reap(host)) for host in killed)
+    assert reaped == len(orphans), (reaped, len(orphans), killed)
+    assert reaped <= sum(killed.values()), (reaped, killed)
+    assert [d for d in machines.glob("*/*") if d.is_dir()] == []
+    assert not any(MachineCgroup(n, runtime.cgroup_version).exists() for n in orphans)
 
 
 def test_kill_the_server_mid_submissions_and_completions(

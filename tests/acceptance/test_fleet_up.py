@@ -132,3 +132,20 @@ def test_generated_protos_match_the_contract() -> None:
         timeout=120,
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_demo_runs_the_suite_and_prints_the_summary() -> None:
+    """`fleet demo` runs the shipped suite, loses a host on purpose, and ends with the summary."""
+    out = cli("demo", timeout=600)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "runtime:" in text and "summary" in text
+    counts = {
+        line.rsplit(None, 1)[0].strip(): line.rsplit(None, 1)[1]
+        for line in text.splitlines()
+        if line.startswith(("rollouts ", "completed", "failed", "retried"))
+    }
+    assert counts["rollouts"] == "24"
+    assert counts["completed (succeeded)"] == "22" and counts["failed"] == "2"
+    assert "host loss: killed agent" in text and int(counts["retried (more than one attempt)"]) >= 1
+    assert "gpu-class on" in text and "cpu-class on" in text
