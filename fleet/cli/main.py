@@ -17,7 +17,7 @@ import grpc
 from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
 from fleet.cli import client, logs
 from fleet.config import Paths
-from fleet.core.errors import FleetError
+from fleet.core.errors import FleetError, InvalidArgument
 
 DEFAULT_SERVER = "127.0.0.1:50051"
 STATE_NAMES = {v: k.removeprefix("ROLLOUT_STATE_") for k, v in types_pb2.RolloutState.items()}
@@ -329,6 +329,88 @@ async def cmd_image(args: argparse.Namespace) -> int:
     return 0
 
 
+async def cmd_policy(args: argparse.Namespace) -> int:
+    from fleet.core import policy
+
+    def read(path: str) -> str:
+        try:
+            return Path(path).read_text()
+        except OSError as exc:
+            raise InvalidArgument(f"{path}: cannot read: {exc}") from exc
+
+    if args.policy_cmd == "explain":
+        print("\n".join(policy.explain(read(args.file), args.file)))
+        return 0
+    if args.policy_cmd == "diff":
+        print("\n".join(policy.diff(read(args.old), args.old, read(args.new), args.new)))
+        return 0
+    org = policy.load_org_policy(args.org_policy) if args.org_policy else None
+    findings = [f for path in args.paths for f in policy.audit_text(read(path), path, org)]
+    threshold = policy.Severity[args.fail_on.upper()]
+    if args.format == "json":
+        print(
+            json.dumps(
+                [f.model_dump(mode="json") | {"severity": str(f.severity)} for f in findings],
+                indent=2,
+            )
+        )
+    elif args.format == "sarif":
+        print(json.dumps(policy_sarif(findings), indent=2))
+    else:
+        for f in findings:
+            where = f"{f.file}:{f.line}" if f.line else f.file
+            print(f"{where}: {f.severity} {f.rule} {f.message}")
+        print(
+            f"{len(findings)} findings in {len(args.paths)} files "
+            f"({len(policy.at_or_above(findings, threshold))} at or above {args.fail_on})"
+        )
+    return 1 if policy.at_or_above(findings, threshold) else 0
+
+
+def policy_sarif(findings: list[Any]) -> dict[str, Any]:
+    """SARIF 2.1.0, so code-scanning tools show the findings on the lines they name."""
+    from fleet.core.policy import RULES
+
+    level = {1: "note", 2: "warning", 3: "error"}
+    return {
+        "$schema": "https://json.schemastore.org/sarif-2.1.0.json",
+        "version": "2.1.0",
+        "runs": [
+            {
+                "tool": {
+                    "driver": {
+                        "name": "fleet policy audit",
+                        "rules": [
+                            {
+                                "id": r.id,
+                                "shortDescription": {"text": r.summary},
+                                "defaultConfiguration": {"level": level[int(r.severity)]},
+                            }
+                            for r in RULES.values()
+                        ],
+                    }
+                },
+                "results": [
+                    {
+                        "ruleId": f.rule,
+                        "level": level[int(f.severity)],
+                        "message": {"text": f.message},
+                        "locations": [
+                            {
+                                "physicalLocation": {
+                                    "artifactLocation": {"uri": f.file},
+                                    "region": {"startLine": f.line or 1},
+                                }
+                            }
+                        ],
+                    }
+                    for f in findings
+                ],
+            }
+        ],
+    }
+
+
 async def cmd_demo(args: argparse.Namespace) -> int:
     from fleet.cli.demo import run_demo
 
@@ -437,6 +519,24 @@ def build_parser() -> argparse.ArgumentParser:
     isub.add_parser("list", help="list stored images")
     i = isub.add_parser("inspect", help="digest, size, recipe, created time")
     i.add_argument("name")
+
+    sp = add("policy", cmd_policy, "audit, explain and diff Smolfiles' egress policy")
+    psub = sp.add_subparsers(dest="policy_cmd", required=True)
+    a = psub.add_parser("audit", help="findings with file, line, rule, severity")
+    a.add_argument("paths", nargs="+")
+    a.add_argument("--org-policy", help="the organisation's policy (TOML)")
+    a.add_argument("--format", choices=["text", "json", "sarif"], default="text")
+    a.add_argument(
+        "--fail-on",
+        choices=["low", "medium", "high"],
+        default="high",
+        help="exit 1 when a finding is at or above this severity (default high)",
+    )
+    e = psub.add_parser("explain", help="the effective egress policy in plain words")
+    e.add_argument("file")
+    d = psub.add_parser("diff", help="the egress a change adds and removes")
+    d.add_argument("old")
+    d.add_argument("new")
 
     sp = add("demo", cmd_demo, "evaluate the shipped suite on an embedded fleet", "error")
     sp.add_argument("--timeout-s", type=float, default=600.0)

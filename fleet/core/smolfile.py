@@ -258,7 +258,7 @@ _KEY = re.compile(r"""^\s*("[^"]*"|'[^']*'|[A-Za-z0-9_.-]+)\s*=""")
 _INLINE_KEY = re.compile(r"""([A-Za-z0-9_-]+)\s*=""")
 
 
-def _key_lines(text: str) -> dict[tuple[str, ...], int]:
+def key_lines(text: str) -> dict[tuple[str, ...], int]:
     """Maps each table and key path to the first line (1-based) that defines it."""
     lines: dict[tuple[str, ...], int] = {}
     table: tuple[str, ...] = ()
@@ -301,7 +301,7 @@ def parse_smolfile(text: str, name: str = "<smolfile>") -> ParsedSmolfile:
     try:
         spec = Smolfile.model_validate(data)
     except ValidationError as exc:
-        lines = _key_lines(text)
+        lines = key_lines(text)
         problems = []
         for err in exc.errors():
             loc = tuple(err["loc"])
