@@ -326,6 +326,13 @@ async def cmd_image(args: argparse.Namespace) -> int:
             print(f"fleet image: no image {args.name!r}", file=sys.stderr)
             return 1
         print(found.model_dump_json(indent=2))
+    elif args.image_cmd == "rm":
+        # A running namespace machine has the unpacked tree as its read-only lower layer.
+        busy = any(paths.machines.glob("*/*"))
+        for path in store.remove(args.name, keep_tree=busy):
+            print(f"removed {path}")
+        if busy:
+            print(f"kept the unpacked tree: machines exist under {paths.machines}")
     return 0
 
 
@@ -519,6 +526,8 @@ def build_parser() -> argparse.ArgumentParser:
     isub.add_parser("list", help="list stored images")
     i = isub.add_parser("inspect", help="digest, size, recipe, created time")
     i.add_argument("name")
+    r = isub.add_parser("rm", help="remove an image (its archive too if nothing else names it)")
+    r.add_argument("name")
 
     sp = add("policy", cmd_policy, "audit, explain and diff Smolfiles' egress policy")
     psub = sp.add_subparsers(dest="policy_cmd", required=True)

@@ -146,6 +146,30 @@ class ImageStore:
         )
         return record, True
 
+    def remove(self, name: str, *, keep_tree: bool = False) -> list[str]:
+        """Removes a named image: its ref, and its archive and unpacked tree unless another
+        ref still points at the same digest. Returns what was removed."""
+        record = self.record(name)
+        if record is None:
+            raise NotFound(f"no image {name!r} in {self.root}")
+        removed = []
+        ref = self.root / "refs" / f"{name}.json"
+        ref.unlink()
+        removed.append(str(ref))
+        if any(r.digest == record.digest for r in self.list_images()):
+            return removed
+        blob = self.blob_path(record.digest)
+        if blob.exists():
+            blob.unlink()
+            removed.append(str(blob))
+        tree = self.root / "rootfs" / _blob_name(record.digest)
+        if tree.exists() and not keep_tree:
+            shutil.rmtree(tree)
+            removed.append(str(tree))
+        self._verified.discard(record.digest)
+        log.info("image_removed", image=name, digest=record.digest)
+        return removed
+
     def resolve(self, ref: str) -> str:
         """Image ref (a store name or sha256:...) -> digest of a stored, readable archive."""
         if ref.startswith("sha256:"):

@@ -799,14 +799,20 @@ class Ledger:
     def complete_many(
         self, host_id: str, reports: list[Completion], now: float
     ) -> list[RolloutState | FleetError]:
-        """Records many attempts' results in one transaction (group commit).
+        """One host's results, recorded in one transaction (see complete_batch)."""
+        return self.complete_batch([(host_id, r) for r in reports], now)
+
+    def complete_batch(
+        self, reports: list[tuple[str, Completion]], now: float
+    ) -> list[RolloutState | FleetError]:
+        """Records many attempts' results, from any hosts, in one transaction (group commit).
 
         Each report is judged on its own: a stale or unknown one gets its error in the answer
         and changes nothing, while the others are recorded.
         """
         out: list[RolloutState | FleetError] = []
         with self._begin() as conn:
-            ids = sorted({r.work_id for r in reports})
+            ids = sorted({r.work_id for _, r in reports})
             items = {
                 row.id: row
                 for row in conn.execute(
@@ -829,7 +835,7 @@ class Ledger:
             rollout_rows: list[dict[str, Any]] = []
             event_rows: list[dict[str, Any]] = []
             seen: dict[str, tuple[str, RolloutState]] = {}
-            for report in reports:
+            for host_id, report in reports:
                 fingerprint = report.fingerprint()
                 if report.work_id in seen:  # the same work twice in one batch
                     first_fp, first_state = seen[report.work_id]

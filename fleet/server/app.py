@@ -19,8 +19,10 @@ from grpc_reflection.v1alpha import reflection
 
 from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, host_pb2, host_pb2_grpc, types_pb2
 from fleet.core.errors import FailedPrecondition, FleetError, InvalidArgument
+from fleet.core.lifecycle import RolloutState
 from fleet.core.manifest import build_manifest, validate_request
 from fleet.core.placement import unservable_reason
+from fleet.core.rollout import Completion
 from fleet.image.store import ImageStore
 from fleet.ledger.store import Ledger
 from fleet.server import convert
@@ -86,6 +88,54 @@ class Core:
 
     def close(self) -> None:
         self._db.shutdown(wait=True)
+
+
+class CompletionBatcher:
+    """Group commit for CompleteWork: reports that arrive while one batch is being written
+    are written together in the next transaction, one durable commit for all of them."""
+
+    MAX_BATCH = 256
+
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        self._pending: list[tuple[str, Completion, asyncio.Future[RolloutState]]] = []
+        self._flushing = False
+        self._task: asyncio.Task[None] | None = None
+
+    async def complete(self, host_id: str, report: Completion) -> RolloutState:
+        future: asyncio.Future[RolloutState] = asyncio.get_running_loop().create_future()
+        self._pending.append((host_id, report, future))
+        if not self._flushing:
+            self._flushing = True
+            self._task = asyncio.create_task(self._flush())
+        return await future
+
+    async def _flush(self) -> None:
+        try:
+            while self._pending:
+                batch = self._pending[: self.MAX_BATCH]
+                del self._pending[: self.MAX_BATCH]
+                try:
+                    answers = await self.core.db(
+                        self.core.ledger.complete_batch,
+                        [(host, report) for host, report, _ in batch],
+                        time.time(),
+                    )
+                except Exception as exc:
+                    for _, _, future in batch:
+                        if not future.done():
+                            future.set_exception(exc)
+                    continue
+                for (_, _, future), answer in zip(batch, answers, strict=True):
+                    if future.done():
+                        continue
+                    if isinstance(answer, Exception):
+                        future.set_exception(answer)
+                    else:
+                        future.set_result(answer)
+                self.core.changed()
+        finally:
+            self._flushing = False
 
 
 class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
@@ -183,6 +233,7 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
 class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
     def __init__(self, core: Core) -> None:
         self.core = core
+        self.batcher = CompletionBatcher(core)
 
     @mapped
     async def RegisterHost(
@@ -257,8 +308,7 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
         self, request: host_pb2.CompleteWorkRequest, context: grpc.aio.ServicerContext
     ) -> host_pb2.CompleteWorkResponse:
         report = convert.completion_from_pb(request)
-        state = await self.core.db(self.core.ledger.complete, request.host_id, report, time.time())
-        self.core.changed()
+        state = await self.batcher.complete(request.host_id, report)
         log.info(
             "work_completed",
             work_id=request.work_id,

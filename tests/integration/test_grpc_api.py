@@ -472,3 +472,48 @@ def test_out_of_memory_is_reported_as_such(tmp_path: Path, images: ImageStore) -
     assert r.state == types_pb2.ROLLOUT_STATE_FAILED
     assert "out of memory" in r.error and "96 MiB" in r.error
     assert [a.outcome for a in r.attempt_history] == ["STEP_FAILED"]
+
+
+def test_concurrent_completions_are_group_committed_each_judged_alone(
+    tmp_path: Path, images: ImageStore
+) -> None:
+    """Completions arriving together are recorded together; a stale one among them is refused."""
+
+    async def body() -> tuple[list[object], list[int]]:
+        async with harness(tmp_path, images) as h:
+            caps = host_pb2.Capabilities(
+                runtime=types_pb2.RUNTIME_KIND_NAMESPACE, isolation=types_pb2.ISOLATION_NAMESPACE
+            )
+            await h.hosts.RegisterHost(
+                host_pb2.RegisterHostRequest(
+                    request_id="r",
+                    host_id="h1",
+                    host_class=types_pb2.HOST_CLASS_CPU,
+                    capabilities=caps,
+                )
+            )
+            ids = [(await h.fleet.SubmitRollout(request())).rollout.id for _ in range(12)]
+            claim = await h.hosts.ClaimWork(
+                host_pb2.ClaimWorkRequest(request_id="c", host_id="h1", max_items=12, wait_s=1)
+            )
+            calls = [
+                h.hosts.CompleteWork(
+                    host_pb2.CompleteWorkRequest(
+                        request_id=f"x{i}", host_id="h1", work_id=item.work_id,
+                        fencing_token=item.fencing_token + (1 if i == 3 else 0),
+                        outcome=types_pb2.OUTCOME_SUCCEEDED,
+                    )
+                )
+                for i, item in enumerate(claim.items)
+            ]  # fmt: skip
+            answers = await asyncio.gather(*calls, return_exceptions=True)
+            states = [
+                (await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=i))).state for i in ids
+            ]
+            return list(answers), states
+
+    answers, states = go(body())
+    errors = [a for a in answers if isinstance(a, grpc.aio.AioRpcError)]
+    assert len(errors) == 1 and errors[0].code() == grpc.StatusCode.ABORTED
+    assert states.count(types_pb2.ROLLOUT_STATE_SUCCEEDED) == 11
+    assert states.count(types_pb2.ROLLOUT_STATE_RUNNING) == 1

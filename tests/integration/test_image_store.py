@@ -85,3 +85,16 @@ def test_default_image_is_cached_by_recipe(images: ImageStore) -> None:
     """Building the default image again is a no-op while its recipe is unchanged."""
     record, built = images.build("minimal")
     assert not built and record.digest.startswith("sha256:")
+
+
+def test_remove_deletes_ref_archive_and_tree(tmp_path: Path) -> None:
+    """rm removes the name, the archive and the unpacked tree; the name then resolves to nothing."""
+    store, digest = tiny_store(tmp_path)
+    store.rootfs(digest)
+    removed = store.remove("tiny")
+    assert len(removed) == 3
+    assert not store.blob_path(digest).exists()
+    with pytest.raises(FailedPrecondition):
+        store.resolve("tiny")
+    with pytest.raises(NotFound):
+        store.remove("tiny")
