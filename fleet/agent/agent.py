@@ -7,7 +7,6 @@ import contextlib
 import time
 import uuid
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 
 import grpc
@@ -368,7 +367,3 @@ def default_host_id(host_class: HostClass, index: int = 0) -> str:
     import socket
 
     return f"{socket.gethostname()}-{host_class.value}-{index}"
-
-
-def now_utc() -> datetime:
-    return datetime.now(UTC)

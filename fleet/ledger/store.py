@@ -11,7 +11,6 @@ import hashlib
 import json
 import random
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -285,15 +284,6 @@ class Ledger:
             started_at=_ts(row.started_at),
             finished_at=_ts(row.finished_at),
         )
-
-    def _insert_once(self, s: Session, table: Any, values: dict[str, Any]) -> None:
-        """INSERT that leaves an existing row alone: content-addressed rows are immutable, and
-        two writers of the same content must both succeed."""
-        dialect = self.engine.dialect.name
-        stmt = (pg_insert if dialect == "postgresql" else sqlite_insert)(table).values(**values)
-        s.execute(stmt.on_conflict_do_nothing())
-
-    # -- submitters --------------------------------------------------------------------------
 
     def submit(
         self,
@@ -1118,7 +1108,3 @@ class Ledger:
                     .order_by(col(AttemptRow.attempt))
                 )
             )
-
-
-def now_s() -> float:
-    return time.time()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 
-from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, host_pb2_grpc, types_pb2
+from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, host_pb2, host_pb2_grpc, types_pb2
 from fleet.agent.agent import Agent, AgentConfig
 from fleet.agent.capabilities import RuntimeChoice
 from fleet.core.placement import HostClass, RuntimeKind
@@ -61,6 +61,20 @@ class Harness:
                 return agent
             await asyncio.sleep(0.02)
         raise AssertionError(f"agent {host_id} did not register")
+
+    async def register_host(self, host_id: str) -> None:
+        """A cpu host registered by hand, for tests that drive HostService themselves."""
+        caps = host_pb2.Capabilities(
+            runtime=types_pb2.RUNTIME_KIND_NAMESPACE,
+            isolation=types_pb2.ISOLATION_NAMESPACE,
+            cpus=1,
+        )
+        await self.hosts.RegisterHost(
+            host_pb2.RegisterHostRequest(
+                request_id=uuid.uuid4().hex, host_id=host_id,
+                host_class=types_pb2.HOST_CLASS_CPU, capabilities=caps,
+            )
+        )  # fmt: skip
 
     async def stop_agent(self, host_id: str) -> None:
         stop, task = self.agents.pop(host_id)

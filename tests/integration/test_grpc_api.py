@@ -313,19 +313,7 @@ def test_host_api_refuses_stale_tokens_with_aborted(tmp_path: Path, images: Imag
 
     async def body() -> grpc.aio.AioRpcError:
         async with harness(tmp_path, images) as h:
-            caps = host_pb2.Capabilities(
-                runtime=types_pb2.RUNTIME_KIND_NAMESPACE,
-                isolation=types_pb2.ISOLATION_NAMESPACE,
-                cpus=1,
-            )
-            await h.hosts.RegisterHost(
-                host_pb2.RegisterHostRequest(
-                    request_id="r",
-                    host_id="h1",
-                    host_class=types_pb2.HOST_CLASS_CPU,
-                    capabilities=caps,
-                )
-            )
+            await h.register_host("h1")
             await h.fleet.SubmitRollout(request())
             claim = await h.hosts.ClaimWork(
                 host_pb2.ClaimWorkRequest(request_id="c", host_id="h1", max_items=3, wait_s=1)
@@ -405,17 +393,7 @@ def test_stale_heartbeat_is_aborted_naming_the_work(tmp_path: Path, images: Imag
 
     async def body() -> tuple[grpc.aio.AioRpcError, types_pb2.Rollout]:
         async with harness(tmp_path, images) as h:
-            caps = host_pb2.Capabilities(
-                runtime=types_pb2.RUNTIME_KIND_NAMESPACE, isolation=types_pb2.ISOLATION_NAMESPACE
-            )
-            await h.hosts.RegisterHost(
-                host_pb2.RegisterHostRequest(
-                    request_id="r",
-                    host_id="h1",
-                    host_class=types_pb2.HOST_CLASS_CPU,
-                    capabilities=caps,
-                )
-            )
+            await h.register_host("h1")
             reply = await h.fleet.SubmitRollout(request())
             claim = await h.hosts.ClaimWork(
                 host_pb2.ClaimWorkRequest(request_id="c", host_id="h1", max_items=1, wait_s=1)
@@ -481,17 +459,7 @@ def test_concurrent_completions_are_group_committed_each_judged_alone(
 
     async def body() -> tuple[list[object], list[int]]:
         async with harness(tmp_path, images) as h:
-            caps = host_pb2.Capabilities(
-                runtime=types_pb2.RUNTIME_KIND_NAMESPACE, isolation=types_pb2.ISOLATION_NAMESPACE
-            )
-            await h.hosts.RegisterHost(
-                host_pb2.RegisterHostRequest(
-                    request_id="r",
-                    host_id="h1",
-                    host_class=types_pb2.HOST_CLASS_CPU,
-                    capabilities=caps,
-                )
-            )
+            await h.register_host("h1")
             ids = [(await h.fleet.SubmitRollout(request())).rollout.id for _ in range(12)]
             claim = await h.hosts.ClaimWork(
                 host_pb2.ClaimWorkRequest(request_id="c", host_id="h1", max_items=12, wait_s=1)
