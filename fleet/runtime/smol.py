@@ -34,6 +34,7 @@ from fleet.core.placement import Isolation, RuntimeKind
 from fleet.core.rollout import MAX_OUTPUT_BYTES
 from fleet.core.smolfile import Smolfile
 from fleet.runtime.base import ExecResult, MachineSpec, machine_env
+from fleet.runtime.branching import BranchCoalescer
 from fleet.runtime.output import OutputSink
 
 log = structlog.get_logger(__name__)
@@ -185,6 +186,59 @@ class SmolMachine:
             raise translate_error(exc) from exc
 
 
+class SmolParent:
+    """A warm, branchable source machine and the children branched from it.
+
+    Branch operations on the source never overlap, concurrent requests are coalesced into one
+    `branch_batch`, and children are always deleted before their source.
+    """
+
+    def __init__(self, source: Any, spec: MachineSpec, max_batch: int = 64) -> None:
+        self._source = source
+        self.spec = spec
+        self._children: dict[str, Any] = {}
+        self._count = 0
+        self._coalescer: BranchCoalescer[Any] = BranchCoalescer(
+            self._make_batch, self._delete_child, max_batch
+        )
+
+    async def _make_batch(self, count: int) -> list[Any]:
+        self._count += 1
+        prefix = f"{self.spec.name}-b{self._count}"
+        try:
+            children = list(await self._source.branch_batch(count, name_prefix=prefix))
+        except Exception as exc:
+            raise translate_error(exc) from exc
+        for child in children:
+            self._children[child.name] = child
+        return children
+
+    async def _delete_child(self, child: Any) -> None:
+        self._children.pop(child.name, None)
+        try:
+            await child.delete()
+        except Exception as exc:
+            raise translate_error(exc) from exc
+
+    async def branch(self) -> SmolMachine:
+        """A copy-on-write child of the warm source (RAM and disk)."""
+        child = await self._coalescer.branch()
+        return SmolMachine(child, self.spec.model_copy(update={"name": child.name}))
+
+    @property
+    def batches(self) -> list[int]:
+        return self._coalescer.batches
+
+    async def delete(self) -> None:
+        """Children first, then the source."""
+        for child in list(self._children.values()):
+            await self._delete_child(child)
+        try:
+            await self._source.delete()
+        except Exception as exc:
+            raise translate_error(exc) from exc
+
+
 class SmolRuntime:
     kind = RuntimeKind.SMOL
     isolation = Isolation.VM
@@ -198,6 +252,18 @@ class SmolRuntime:
         except SmolError as exc:
             raise translate_error(exc) from exc
         return SmolMachine(machine, spec)
+
+    async def create_parent(self, spec: MachineSpec) -> SmolParent:
+        """Starts a branchable warm parent; the agent then runs its `init` in it."""
+        from smol import AsyncMachine, ConnectOptions, SmolError
+
+        config = machine_config(spec)
+        config.branchable = True
+        try:
+            source = await AsyncMachine.create(config, ConnectOptions(target="local"))
+        except SmolError as exc:
+            raise translate_error(exc) from exc
+        return SmolParent(source, spec)
 
     async def list_machines(self, labels: Mapping[str, str]) -> list[str]:
         from smol import ConnectOptions, Machine

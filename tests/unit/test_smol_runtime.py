@@ -205,3 +205,54 @@ def test_errors_subclass_root() -> None:
     """Every mapped fleet error derives from FleetError."""
     for kind in smol_runtime.SMOL_ERROR_MAP.values():
         assert issubclass(kind, FleetError)
+
+
+class _FakeChild:
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name = name
+        self._log = log
+
+    async def delete(self) -> None:
+        self._log.append(f"delete {self.name}")
+
+
+class _FakeSource:
+    """Stands in for a branchable AsyncMachine: records calls, refuses overlapping branches."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.busy = False
+
+    async def branch_batch(self, count: int, *, name_prefix: str) -> list[_FakeChild]:
+        import asyncio
+
+        assert not self.busy
+        self.busy = True
+        await asyncio.sleep(0.02)
+        self.busy = False
+        self.log.append(f"batch {count}")
+        return [_FakeChild(f"{name_prefix}-{i}", self.log) for i in range(count)]
+
+    async def delete(self) -> None:
+        self.log.append("delete source")
+
+
+def test_warm_parent_coalesces_branches_and_deletes_children_first() -> None:
+    """Concurrent branch requests become few batches; delete removes children, then the source."""
+    import asyncio
+
+    async def go() -> tuple[list[str], list[str]]:
+        source = _FakeSource()
+        parent = smol_runtime.SmolParent(
+            source, spec('image = "minimal"\n[branch]\nenabled = true\n')
+        )
+        children = await asyncio.gather(*(parent.branch() for _ in range(6)))
+        await parent.delete()
+        return [c.name for c in children], source.log
+
+    names, log = asyncio.run(go())
+    assert len(set(names)) == 6
+    batches = [entry for entry in log if entry.startswith("batch")]
+    assert len(batches) <= 2 and sum(int(b.split()[1]) for b in batches) == 6
+    assert log[-1] == "delete source"
+    assert sum(1 for entry in log if entry.startswith("delete m1-b")) == 6
