@@ -25,7 +25,7 @@ from pathlib import Path
 
 import structlog
 
-from fleet.core.errors import Unavailable
+from fleet.core.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from fleet.core.placement import Isolation, RuntimeKind
 from fleet.core.rollout import MAX_OUTPUT_BYTES
 from fleet.runtime import cgroups, seccomp
@@ -47,6 +47,18 @@ REQUIRED_TOOLS = ("bwrap", "unshare", "mount")
 
 def missing_tools() -> list[str]:
     return [tool for tool in REQUIRED_TOOLS if shutil.which(tool) is None]
+
+
+async def _feed_then_wait(proc: asyncio.subprocess.Process, data: bytes | None) -> int:
+    if data is not None and proc.stdin is not None:
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            proc.stdin.write(data)
+            await proc.stdin.drain()
+        proc.stdin.close()
+    return await proc.wait()
+
+
+MAX_FILE_BYTES = 64 * 1024 * 1024
 
 
 class NamespaceMachine:
@@ -119,6 +131,7 @@ class NamespaceMachine:
         timeout_s: float,
         max_output_bytes: int = MAX_OUTPUT_BYTES,
         on_output: OutputSink | None = None,
+        stdin: bytes | None = None,
     ) -> ExecResult:
         if self._deleted:
             raise Unavailable(f"machine {self._name} was deleted")
@@ -131,7 +144,7 @@ class NamespaceMachine:
             full = self._argv(argv, machine_env(self.spec, env), cwd, filt)
             proc = await asyncio.create_subprocess_exec(
                 *full,
-                stdin=asyncio.subprocess.DEVNULL,
+                stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
                 start_new_session=True,
@@ -145,7 +158,7 @@ class NamespaceMachine:
             readers = asyncio.gather(
                 read_bounded(proc.stdout, max_output_bytes, "stdout", on_output),
                 read_bounded(proc.stderr, max_output_bytes, "stderr", on_output),
-                proc.wait(),
+                _feed_then_wait(proc, stdin),
             )
             try:
                 (out, out_cut), (err, err_cut), code = await asyncio.wait_for(
@@ -173,6 +186,23 @@ class NamespaceMachine:
             timed_out=timed_out,
             duration_s=time.monotonic() - started,
         )
+
+    async def read_file(self, path: str) -> bytes:
+        result = await self.exec(["cat", "--", path], timeout_s=60, max_output_bytes=MAX_FILE_BYTES)
+        if result.exit_code != 0:
+            raise NotFound(f"{self._name}:{path}: {result.stderr.decode(errors='replace').strip()}")
+        if result.stdout_truncated:
+            raise ResourceExhausted(f"{self._name}:{path} is over {MAX_FILE_BYTES} bytes")
+        return result.stdout
+
+    async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        script = 'cat > "$1" && chmod "$2" "$1"'
+        result = await self.exec(
+            ["/bin/sh", "-c", script, "write", path, f"{mode:o}"], timeout_s=60, stdin=data
+        )
+        if result.exit_code != 0:
+            why = result.stderr.decode(errors="replace").strip()
+            raise InvalidArgument(f"{self._name}:{path}: cannot write: {why}")
 
     @staticmethod
     def _kill(proc: asyncio.subprocess.Process) -> None:

@@ -147,6 +147,7 @@ class SmolMachine:
         timeout_s: float,
         max_output_bytes: int = MAX_OUTPUT_BYTES,
         on_output: OutputSink | None = None,
+        stdin: bytes | None = None,
     ) -> ExecResult:
         from smol import ExecOptions, SmolError
 
@@ -154,6 +155,7 @@ class SmolMachine:
             env=machine_env(self.spec, env),
             workdir=workdir or self.spec.smolfile.workdir,
             timeout=timeout_s,
+            stdin=stdin,
         )
         started = time.monotonic()
         try:
@@ -176,6 +178,23 @@ class SmolMachine:
             stderr_truncated=len(err) > max_output_bytes or result.stderr_truncated,
             duration_s=time.monotonic() - started,
         )
+
+    async def read_file(self, path: str) -> bytes:
+        from smol import SmolError
+
+        try:
+            data: bytes = await self._machine.read_file(path)
+        except SmolError as exc:
+            raise translate_error(exc) from exc
+        return data
+
+    async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        from smol import SmolError
+
+        try:
+            await self._machine.write_file(path, data, mode)
+        except SmolError as exc:
+            raise translate_error(exc) from exc
 
     async def delete(self) -> None:
         from smol import SmolError
