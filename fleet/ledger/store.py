@@ -245,15 +245,25 @@ class Ledger:
             raise NotFound(f"no rollout {rollout_id!r}")
         return row
 
-    def _view(self, s: Session, row: RolloutRow) -> Rollout:
-        manifest_row = s.get(ManifestRow, row.manifest_digest)
-        assert manifest_row is not None  # foreign key
-        history = s.exec(
-            select(AttemptRow)
+    def _histories(self, s: Session, rollout_ids: list[str]) -> dict[str, list[AttemptRow]]:
+        """Attempt rows of many rollouts in one query."""
+        out: dict[str, list[AttemptRow]] = {r: [] for r in rollout_ids}
+        rows = s.exec(
+            select(WorkItemRow.rollout_id, AttemptRow)
             .join(WorkItemRow, col(WorkItemRow.id) == col(AttemptRow.work_id))
-            .where(WorkItemRow.rollout_id == row.id)
+            .where(col(WorkItemRow.rollout_id).in_(rollout_ids))
             .order_by(col(AttemptRow.attempt))
         ).all()
+        for rollout_id, attempt in rows:
+            out[rollout_id].append(attempt)
+        return out
+
+    def _view(
+        self, s: Session, row: RolloutRow, history: list[AttemptRow] | None = None
+    ) -> Rollout:
+        if history is None:
+            history = self._histories(s, [row.id])[row.id]
+        manifest = self._manifest(s.connection(), row.manifest_digest)
         return Rollout(
             priority=row.priority,
             attempt_history=tuple(
@@ -272,7 +282,7 @@ class Ledger:
             tenant=row.tenant,
             idempotency_key=row.idempotency_key,
             labels=json.loads(row.labels_json),
-            manifest=Manifest.model_validate_json(manifest_row.body),
+            manifest=manifest,
             manifest_digest=row.manifest_digest,
             attempts=row.attempts,
             results=tuple(StepResult.model_validate(r) for r in json.loads(row.results_json)),
@@ -479,7 +489,8 @@ class Ledger:
             more = len(rows) > size
             rows = rows[:size]
             token = str(rows[-1].seq) if more and rows else ""
-            return [self._view(s, r) for r in rows], token
+            histories = self._histories(s, [r.id for r in rows]) if rows else {}
+            return [self._view(s, r, histories[r.id]) for r in rows], token
 
     def events(self, rollout_id: str, after_sequence: int, limit: int = 500) -> list[RolloutEvent]:
         with self._tx() as s:
