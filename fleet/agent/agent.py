@@ -17,6 +17,7 @@ from fleet.agent.capabilities import RuntimeChoice, capabilities, make_runtime
 from fleet.core.errors import ErrorCode, FleetError
 from fleet.core.lifecycle import Outcome
 from fleet.core.placement import HostCapabilities, HostClass
+from fleet.core.policy import EffectiveEgress, effective_egress
 from fleet.core.rollout import Assignment, Completion, StepResult
 from fleet.image.store import ImageStore
 from fleet.runtime.base import Machine, MachineSpec, Runtime, resolve_secrets
@@ -217,8 +218,11 @@ class Agent:
         a = running.assignment
         runtime_name, device = self.caps.runtime.value, self._device(a)
 
+        egress: EffectiveEgress | None = None
+
         def report(outcome: Outcome, error: str = "") -> Completion:
             return Completion(
+                egress=egress,
                 work_id=a.work_id,
                 fencing_token=a.fencing_token,
                 outcome=outcome,
@@ -232,6 +236,7 @@ class Agent:
         rootfs_ready = False
         try:
             parsed = a.manifest.parsed_smolfile()
+            egress = effective_egress(parsed.spec, runtime_name)
             rootfs = await asyncio.to_thread(self.config.images.rootfs, a.manifest.image_digest)
             rootfs_ready = True
             spec = MachineSpec(

@@ -126,6 +126,10 @@ def _print_rollout(r: types_pb2.Rollout, as_json: bool) -> None:
         print(f"served by {r.host_id} (runtime {runtime}, device {r.device})")
     if r.error:
         print(f"error     {r.error}")
+    if r.HasField("egress"):
+        mode = types_pb2.EgressPolicy.Mode.Name(r.egress.mode).removeprefix("MODE_").lower()
+        allowed = ", ".join([*r.egress.allow_hosts, *r.egress.allow_cidrs])
+        print(f"egress    {mode}{': ' + allowed if allowed else ''} ({r.egress.enforced_by})")
     for a in r.attempt_history:
         ended = f"{a.ended_at.ToDatetime():%H:%M:%S}" if a.HasField("ended_at") else "running"
         print(
@@ -218,6 +222,7 @@ async def cmd_list(args: argparse.Namespace) -> int:
                 page_size=args.page_size,
                 page_token=args.page_token,
                 labels=client.parse_labels(args.label),
+                could_reach=args.could_reach,
             )
         )
     for r in reply.rollouts:
@@ -505,6 +510,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--label", action="append", default=[])
     sp.add_argument("--page-size", type=int, default=50)
     sp.add_argument("--page-token", default="")
+    sp.add_argument(
+        "--could-reach",
+        default="",
+        metavar="HOST",
+        help="only rollouts whose machine's effective egress allowed HOST (for review)",
+    )
 
     sp = add("cancel", cmd_cancel, "cancel a rollout")
     server_flag(sp)

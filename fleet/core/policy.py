@@ -17,7 +17,7 @@ from publicsuffixlist import PublicSuffixList
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fleet.core.errors import InvalidArgument
-from fleet.core.smolfile import check_host_name, key_lines, parse_smolfile
+from fleet.core.smolfile import Smolfile, check_host_name, key_lines, parse_smolfile
 
 
 class Severity(enum.IntEnum):
@@ -190,6 +190,49 @@ def _is_ip(value: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+class EgressMode(enum.StrEnum):
+    OFF = "off"
+    ALLOWLIST = "allowlist"
+    OPEN = "open"
+
+
+class EffectiveEgress(BaseModel):
+    """The egress a machine actually had, recorded with each rollout for review."""
+
+    model_config = ConfigDict(frozen=True)
+
+    mode: EgressMode
+    allow_hosts: tuple[str, ...] = ()
+    allow_cidrs: tuple[str, ...] = ()
+    enforced_by: str = ""
+
+    def could_reach(self, host: str) -> bool:
+        """Whether this machine could have reached `host` (a name)."""
+        if self.mode == EgressMode.OPEN:
+            return True
+        if self.mode == EgressMode.OFF:
+            return False
+        return any(_covers(host, allowed) for allowed in self.allow_hosts)
+
+
+def effective_egress(spec: Smolfile, runtime: str) -> EffectiveEgress:
+    """What a runtime enforces for a Smolfile's network settings."""
+    net = spec.network
+    hosts = tuple(net.allow_hosts) if net else ()
+    cidrs = tuple(net.allow_cidrs) if net else ()
+    if runtime == "namespace":
+        why = "namespace runtime: networking kept off (allowlists not enforced there yet)"
+        return EffectiveEgress(mode=EgressMode.OFF, enforced_by=why)
+    if hosts or cidrs:
+        return EffectiveEgress(
+            mode=EgressMode.ALLOWLIST, allow_hosts=hosts, allow_cidrs=cidrs,
+            enforced_by=f"{runtime} runtime: allow_hosts/allow_cidrs in the engine",
+        )  # fmt: skip
+    if spec.net:
+        return EffectiveEgress(mode=EgressMode.OPEN, enforced_by=f"{runtime} runtime: open egress")
+    return EffectiveEgress(mode=EgressMode.OFF, enforced_by=f"{runtime} runtime: networking off")
 
 
 def audit_text(text: str, name: str, org: OrgPolicy | None = None) -> list[Finding]:

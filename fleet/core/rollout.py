@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from fleet.core.lifecycle import Outcome, RolloutState
 from fleet.core.manifest import Manifest
 from fleet.core.placement import HostClass
+from fleet.core.policy import EffectiveEgress
 
 MAX_OUTPUT_BYTES = 64 * 1024
 
@@ -70,6 +71,7 @@ class Rollout(BaseModel):
     finished_at: datetime | None = None
     priority: int = 0
     attempt_history: tuple[AttemptRecord, ...] = ()
+    egress: EffectiveEgress | None = None
 
     @property
     def host_class(self) -> HostClass:
@@ -115,6 +117,7 @@ class Completion(BaseModel):
     error: str = ""
     runtime: str = ""
     device: str = ""
+    egress: EffectiveEgress | None = None
 
     def fingerprint(self) -> str:
         """Identifies the reported result, so a resent completion is recognised."""

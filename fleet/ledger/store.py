@@ -38,6 +38,7 @@ from fleet.core.errors import (
 from fleet.core.lifecycle import Outcome, RolloutState, check_transition
 from fleet.core.manifest import Manifest, SubmitRequest
 from fleet.core.placement import HostCapabilities, Isolation
+from fleet.core.policy import EffectiveEgress
 from fleet.core.rollout import (
     Assignment,
     AttemptRecord,
@@ -284,6 +285,9 @@ class Ledger:
             labels=json.loads(row.labels_json),
             manifest=manifest,
             manifest_digest=row.manifest_digest,
+            egress=EffectiveEgress.model_validate_json(row.egress_json)
+            if row.egress_json
+            else None,
             attempts=row.attempts,
             results=tuple(StepResult.model_validate(r) for r in json.loads(row.results_json)),
             error=row.error,
@@ -463,9 +467,12 @@ class Ledger:
             return self._view(s, self._rollout_row(s, rollout_id))
 
     def list_rollouts(
-        self, page_size: int, page_token: str, labels: dict[str, str]
+        self, page_size: int, page_token: str, labels: dict[str, str], could_reach: str = ""
     ) -> tuple[list[Rollout], str]:
-        """Rollouts newest first; the token is the last seq of the previous page."""
+        """Rollouts newest first; the token is the last seq of the previous page.
+
+        `could_reach` keeps only rollouts whose machine's effective egress allowed that host.
+        """
         if page_size < 0:
             raise InvalidArgument(f"page_size must not be negative, got {page_size}")
         size = min(page_size or 50, 500)
@@ -483,11 +490,31 @@ class Ledger:
                 RolloutLabel.key == key, RolloutLabel.value == value
             )
             query = query.where(col(RolloutRow.id).in_(match))
-        query = query.order_by(col(RolloutRow.seq).desc()).limit(size + 1)
+        if could_reach:
+            query = query.where(col(RolloutRow.egress_json) != "")
+        query = query.order_by(col(RolloutRow.seq).desc())
         with self._tx() as s:
-            rows = list(s.exec(query))
-            more = len(rows) > size
-            rows = rows[:size]
+            if could_reach:
+                # Which names an allowlist covers is decided in Python; scan in chunks.
+                rows, more, after = [], False, None
+                while True:
+                    chunk_query = (
+                        query if after is None else query.where(col(RolloutRow.seq) < after)
+                    )
+                    chunk = list(s.exec(chunk_query.limit(500)))
+                    for r in chunk:
+                        egress = EffectiveEgress.model_validate_json(r.egress_json)
+                        if egress.could_reach(could_reach):
+                            rows.append(r)
+                    if len(rows) > size or len(chunk) < 500:
+                        break
+                    after = chunk[-1].seq
+                more = len(rows) > size
+                rows = rows[:size]
+            else:
+                rows = list(s.exec(query.limit(size + 1)))
+                more = len(rows) > size
+                rows = rows[:size]
             token = str(rows[-1].seq) if more and rows else ""
             histories = self._histories(s, [r.id for r in rows]) if rows else {}
             return [self._view(s, r, histories[r.id]) for r in rows], token
@@ -911,6 +938,7 @@ class Ledger:
                         "b_id": rollout.id, "state": target.value, "error": error,
                         "host_id": host_id, "runtime": report.runtime, "device": report.device,
                         "results_json": json.dumps([r.model_dump(mode="json") for r in results]),
+                        "egress_json": report.egress.model_dump_json() if report.egress else "",
                         "updated_at": now, "finished_at": now if target.final else None,
                     }
                 )  # fmt: skip
@@ -961,6 +989,7 @@ class Ledger:
                         state=bindparam("state"), error=bindparam("error"),
                         host_id=bindparam("host_id"), runtime=bindparam("runtime"),
                         device=bindparam("device"), results_json=bindparam("results_json"),
+                        egress_json=bindparam("egress_json"),
                         updated_at=bindparam("updated_at"), finished_at=bindparam("finished_at"),
                     ),
                     rollout_rows,

@@ -42,6 +42,8 @@ class RolloutRow(SQLModel, table=True):
     runtime: str = ""
     device: str = ""
     results_json: str = "[]"
+    egress_json: str = ""
+    """The effective egress of the final attempt's machine (EffectiveEgress as JSON)."""
     created_at: float
     updated_at: float
     started_at: float | None = None

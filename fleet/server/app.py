@@ -192,6 +192,7 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
             request.page_size,
             request.page_token,
             dict(request.labels),
+            request.could_reach.strip(),
         )
         return fleet_pb2.ListRolloutsResponse(
             rollouts=[convert.rollout_to_pb(r) for r in rollouts], next_page_token=token

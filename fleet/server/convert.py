@@ -11,6 +11,7 @@ from fleet.core.errors import InvalidArgument
 from fleet.core.lifecycle import Outcome, RolloutState
 from fleet.core.manifest import Manifest, Step, SubmitRequest, Versions
 from fleet.core.placement import HostCapabilities, HostClass, Isolation, Requirements, RuntimeKind
+from fleet.core.policy import EffectiveEgress, EgressMode
 from fleet.core.retry import RetryPolicy
 from fleet.core.rollout import Assignment, Completion, Rollout, RolloutEvent, StepResult
 
@@ -224,6 +225,7 @@ def rollout_to_pb(r: Rollout) -> types_pb2.Rollout:
         started_at=ts(r.started_at),
         finished_at=ts(r.finished_at),
         priority=r.priority,
+        egress=egress_to_pb(r.egress),
         attempt_history=[
             types_pb2.Attempt(
                 attempt=a.attempt,
@@ -236,6 +238,33 @@ def rollout_to_pb(r: Rollout) -> types_pb2.Rollout:
             for a in r.attempt_history
         ],
     )
+
+
+EGRESS_MODE_TO_PB = {
+    EgressMode.OFF: types_pb2.EgressPolicy.MODE_OFF,
+    EgressMode.ALLOWLIST: types_pb2.EgressPolicy.MODE_ALLOWLIST,
+    EgressMode.OPEN: types_pb2.EgressPolicy.MODE_OPEN,
+}
+EGRESS_MODE_FROM_PB = {v: k for k, v in EGRESS_MODE_TO_PB.items()}
+
+
+def egress_to_pb(e: EffectiveEgress | None) -> types_pb2.EgressPolicy | None:
+    if e is None:
+        return None
+    return types_pb2.EgressPolicy(
+        mode=EGRESS_MODE_TO_PB[e.mode], allow_hosts=list(e.allow_hosts),
+        allow_cidrs=list(e.allow_cidrs), enforced_by=e.enforced_by,
+    )  # fmt: skip
+
+
+def egress_from_pb(e: types_pb2.EgressPolicy) -> EffectiveEgress | None:
+    mode = EGRESS_MODE_FROM_PB.get(e.mode)
+    if mode is None:
+        return None
+    return EffectiveEgress(
+        mode=mode, allow_hosts=tuple(e.allow_hosts), allow_cidrs=tuple(e.allow_cidrs),
+        enforced_by=e.enforced_by,
+    )  # fmt: skip
 
 
 def event_to_pb(e: RolloutEvent) -> types_pb2.RolloutEvent:
@@ -329,6 +358,7 @@ def completion_from_pb(req: host_pb2.CompleteWorkRequest) -> Completion:
         error=req.error,
         runtime=RUNTIME_FROM_PB[req.runtime].value if req.runtime in RUNTIME_FROM_PB else "",
         device=req.device,
+        egress=egress_from_pb(req.egress) if req.HasField("egress") else None,
     )
 
 
@@ -345,4 +375,5 @@ def completion_to_pb(host_id: str, c: Completion, request_id: str) -> host_pb2.C
         if c.runtime
         else types_pb2.RUNTIME_KIND_UNSPECIFIED,
         device=c.device,
+        egress=egress_to_pb(c.egress),
     )

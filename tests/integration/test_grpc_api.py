@@ -485,3 +485,23 @@ def test_concurrent_completions_are_group_committed_each_judged_alone(
     assert len(errors) == 1 and errors[0].code() == grpc.StatusCode.ABORTED
     assert states.count(types_pb2.ROLLOUT_STATE_SUCCEEDED) == 11
     assert states.count(types_pb2.ROLLOUT_STATE_RUNNING) == 1
+
+
+def test_rollout_records_the_egress_its_machine_had(tmp_path: Path, images: ImageStore) -> None:
+    """On the namespace runtime an allowlisted Smolfile's machine had networking off: recorded."""
+
+    async def body() -> tuple[types_pb2.Rollout, int]:
+        async with harness(tmp_path, images) as h:
+            await h.start_agent("cpu-a", HostClass.CPU)
+            smolfile = 'image = "minimal"\n[network]\nallow_hosts = ["pypi.org"]\n'
+            reply = await h.fleet.SubmitRollout(request(smolfile))
+            r = await h.wait_final(reply.rollout.id)
+            reach = await h.fleet.ListRollouts(
+                fleet_pb2.ListRolloutsRequest(could_reach="pypi.org")
+            )
+            return r, len(reach.rollouts)
+
+    r, reaching = go(body())
+    assert r.egress.mode == types_pb2.EgressPolicy.MODE_OFF
+    assert "namespace" in r.egress.enforced_by
+    assert reaching == 0

@@ -337,3 +337,29 @@ def _req_manifest(key: str, **kw: object):  # type: ignore[no-untyped-def]
     req = SubmitRequest.model_validate(body)
     now = datetime.fromtimestamp(T0, UTC)
     return req, build_manifest(req, validate_request(req, now), "sha256:img", now)
+
+
+def test_reviewers_can_ask_which_rollouts_could_reach_a_host(ledger: Ledger) -> None:
+    """Each rollout keeps the egress its machine had; could_reach filters on it."""
+    from fleet.core.policy import EffectiveEgress, EgressMode
+
+    register(ledger)
+    policies = {
+        "allow": EffectiveEgress(mode=EgressMode.ALLOWLIST, allow_hosts=("pypi.org",)),
+        "off": EffectiveEgress(mode=EgressMode.OFF),
+        "open": EffectiveEgress(mode=EgressMode.OPEN),
+    }
+    ids = {}
+    for name in policies:
+        rollout, _ = submit(ledger, key=name)
+        ids[rollout.id] = name
+    for a in ledger.claim("cpu-1", 5, T0, TTL):
+        report = done(a.work_id, a.fencing_token).model_copy(
+            update={"egress": policies[ids[a.rollout_id]]}
+        )
+        ledger.complete("cpu-1", report, T0 + 1)
+    reach = {ids[r.id] for r in ledger.list_rollouts(50, "", {}, "files.pypi.org")[0]}
+    assert reach == {"allow", "open"}
+    assert {ids[r.id] for r in ledger.list_rollouts(50, "", {}, "example.com")[0]} == {"open"}
+    kept = {ids[r.id]: r.egress for r in ledger.list_rollouts(50, "", {})[0]}
+    assert kept["off"] == policies["off"]

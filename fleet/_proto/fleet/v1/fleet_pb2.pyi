@@ -60,7 +60,7 @@ class GetRolloutRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ...) -> None: ...
 
 class ListRolloutsRequest(_message.Message):
-    __slots__ = ("page_size", "page_token", "labels")
+    __slots__ = ("page_size", "page_token", "labels", "could_reach")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -71,10 +71,12 @@ class ListRolloutsRequest(_message.Message):
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    COULD_REACH_FIELD_NUMBER: _ClassVar[int]
     page_size: int
     page_token: str
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    could_reach: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., could_reach: _Optional[str] = ...) -> None: ...
 
 class ListRolloutsResponse(_message.Message):
     __slots__ = ("rollouts", "next_page_token")

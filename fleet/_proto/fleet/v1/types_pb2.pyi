@@ -174,6 +174,28 @@ class StepResult(_message.Message):
     stderr_digest: str
     def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., exit_code: _Optional[int] = ..., timed_out: _Optional[bool] = ..., duration_s: _Optional[float] = ..., stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., stdout_truncated: _Optional[bool] = ..., stderr_truncated: _Optional[bool] = ..., stdout_digest: _Optional[str] = ..., stderr_digest: _Optional[str] = ...) -> None: ...
 
+class EgressPolicy(_message.Message):
+    __slots__ = ("mode", "allow_hosts", "allow_cidrs", "enforced_by")
+    class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        MODE_UNSPECIFIED: _ClassVar[EgressPolicy.Mode]
+        MODE_OFF: _ClassVar[EgressPolicy.Mode]
+        MODE_ALLOWLIST: _ClassVar[EgressPolicy.Mode]
+        MODE_OPEN: _ClassVar[EgressPolicy.Mode]
+    MODE_UNSPECIFIED: EgressPolicy.Mode
+    MODE_OFF: EgressPolicy.Mode
+    MODE_ALLOWLIST: EgressPolicy.Mode
+    MODE_OPEN: EgressPolicy.Mode
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_HOSTS_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_CIDRS_FIELD_NUMBER: _ClassVar[int]
+    ENFORCED_BY_FIELD_NUMBER: _ClassVar[int]
+    mode: EgressPolicy.Mode
+    allow_hosts: _containers.RepeatedScalarFieldContainer[str]
+    allow_cidrs: _containers.RepeatedScalarFieldContainer[str]
+    enforced_by: str
+    def __init__(self, mode: _Optional[_Union[EgressPolicy.Mode, str]] = ..., allow_hosts: _Optional[_Iterable[str]] = ..., allow_cidrs: _Optional[_Iterable[str]] = ..., enforced_by: _Optional[str] = ...) -> None: ...
+
 class Attempt(_message.Message):
     __slots__ = ("attempt", "host_id", "started_at", "ended_at", "outcome", "error")
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -191,7 +213,7 @@ class Attempt(_message.Message):
     def __init__(self, attempt: _Optional[int] = ..., host_id: _Optional[str] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ended_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., outcome: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class Rollout(_message.Message):
-    __slots__ = ("id", "state", "tenant", "idempotency_key", "labels", "manifest", "host_class", "attempts", "results", "error", "host_id", "runtime", "device", "created_at", "started_at", "finished_at", "attempt_history", "priority")
+    __slots__ = ("id", "state", "tenant", "idempotency_key", "labels", "manifest", "host_class", "attempts", "results", "error", "host_id", "runtime", "device", "created_at", "started_at", "finished_at", "attempt_history", "priority", "egress")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +239,7 @@ class Rollout(_message.Message):
     FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_HISTORY_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    EGRESS_FIELD_NUMBER: _ClassVar[int]
     id: str
     state: RolloutState
     tenant: str
@@ -235,7 +258,8 @@ class Rollout(_message.Message):
     finished_at: _timestamp_pb2.Timestamp
     attempt_history: _containers.RepeatedCompositeFieldContainer[Attempt]
     priority: int
-    def __init__(self, id: _Optional[str] = ..., state: _Optional[_Union[RolloutState, str]] = ..., tenant: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., host_class: _Optional[_Union[HostClass, str]] = ..., attempts: _Optional[int] = ..., results: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., error: _Optional[str] = ..., host_id: _Optional[str] = ..., runtime: _Optional[_Union[RuntimeKind, str]] = ..., device: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., attempt_history: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ..., priority: _Optional[int] = ...) -> None: ...
+    egress: EgressPolicy
+    def __init__(self, id: _Optional[str] = ..., state: _Optional[_Union[RolloutState, str]] = ..., tenant: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., host_class: _Optional[_Union[HostClass, str]] = ..., attempts: _Optional[int] = ..., results: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., error: _Optional[str] = ..., host_id: _Optional[str] = ..., runtime: _Optional[_Union[RuntimeKind, str]] = ..., device: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., attempt_history: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ..., priority: _Optional[int] = ..., egress: _Optional[_Union[EgressPolicy, _Mapping]] = ...) -> None: ...
 
 class RolloutEvent(_message.Message):
     __slots__ = ("sequence", "rollout_id", "kind", "from_state", "to_state", "actor", "at", "message", "attempt")
