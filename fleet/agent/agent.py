@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -369,6 +370,4 @@ def failure_class(exc: FleetError, *, image_ready: bool) -> Outcome:
 
 
 def default_host_id(host_class: HostClass, index: int = 0) -> str:
-    import socket
-
     return f"{socket.gethostname()}-{host_class.value}-{index}"

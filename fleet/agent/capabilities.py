@@ -10,6 +10,7 @@ import structlog
 
 from fleet.core.errors import FailedPrecondition, InvalidArgument
 from fleet.core.placement import HostCapabilities, HostClass, Isolation, RuntimeKind
+from fleet.image.store import ImageStore
 from fleet.runtime import smol as smol_runtime
 from fleet.runtime.namespace import NamespaceRuntime, missing_tools
 
@@ -41,13 +42,22 @@ def memory_mib() -> int:
     return 0
 
 
-def choose_runtime(requested: str, cache_dir: Path, canary_image: Path | None) -> RuntimeChoice:
+CANARY_IMAGE = "minimal"
+
+
+def canary_image(images: ImageStore) -> Path | None:
+    """The default image's unpacked tree, for the preflight's canary boot."""
+    record = images.record(CANARY_IMAGE)
+    return images.rootfs(record.digest) if record else None
+
+
+def choose_runtime(requested: str, cache_dir: Path, images: ImageStore) -> RuntimeChoice:
     """`auto`: smol when microVMs really boot here, namespace otherwise, with the reason."""
     if requested not in ("auto", "smol", "namespace"):
         raise InvalidArgument(f"--runtime must be auto, smol or namespace, not {requested!r}")
     if requested == "namespace":
         return RuntimeChoice(RuntimeKind.NAMESPACE, "namespace runtime requested")
-    ok, why = smol_runtime.preflight(cache_dir, canary_image)
+    ok, why = smol_runtime.preflight(cache_dir, lambda: canary_image(images))
     if requested == "smol":
         if not ok:
             raise FailedPrecondition(f"--runtime smol, but microVMs cannot boot here: {why}")

@@ -19,7 +19,7 @@ from fleet.cli.demo_suite import suite
 from fleet.cli.embedded import Fleet, embedded_fleet
 from fleet.config import Paths
 from fleet.core.placement import HostClass
-from fleet.server.app import ServerConfig
+from fleet.server.app import Core, ServerConfig
 
 SMOLFILES = Path(__file__).resolve().parent.parent.parent / "smolfiles"
 FINAL = {
@@ -45,10 +45,7 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-async def _wait_hosts(fleet_core: object, want: int, timeout_s: float) -> None:
-    from fleet.server.app import Core
-
-    assert isinstance(fleet_core, Core)
+async def _wait_hosts(fleet_core: Core, want: int, timeout_s: float) -> None:
     give_up = time.monotonic() + timeout_s
     while len(await fleet_core.db(fleet_core.ledger.hosts)) < want:
         if time.monotonic() > give_up:

@@ -16,8 +16,6 @@ from fleet.image.store import ImageStore
 from fleet.ledger.store import Ledger
 from fleet.server.app import FleetServer, ServerConfig
 
-DEFAULT_IMAGE = "minimal"
-
 
 @dataclass
 class Fleet:
@@ -28,11 +26,6 @@ class Fleet:
     @property
     def address(self) -> str:
         return self.server.address
-
-
-def canary_image(images: ImageStore) -> Path | None:
-    record = images.record(DEFAULT_IMAGE)
-    return images.rootfs(record.digest) if record else None
 
 
 @contextlib.asynccontextmanager
@@ -48,9 +41,7 @@ async def embedded_fleet(
     config: ServerConfig | None = None,
 ) -> AsyncIterator[Fleet]:
     images = ImageStore(paths.images, paths.recipes)
-    choice = await asyncio.to_thread(
-        choose_runtime, runtime, paths.home, await asyncio.to_thread(canary_image, images)
-    )
+    choice = await asyncio.to_thread(choose_runtime, runtime, paths.home, images)
     server = FleetServer(Ledger.sqlite(db), images, listen, config)
     await server.start()
     stop = asyncio.Event()

@@ -63,13 +63,12 @@ async def cmd_serve(args: argparse.Namespace) -> int:
 async def cmd_agent(args: argparse.Namespace) -> int:
     from fleet.agent.agent import Agent, AgentConfig, default_host_id
     from fleet.agent.capabilities import choose_runtime
-    from fleet.cli.embedded import canary_image
     from fleet.core.placement import HostClass
     from fleet.image.store import ImageStore
 
     paths = Paths.from_env()
     images = ImageStore(paths.images, paths.recipes)
-    choice = choose_runtime(args.runtime, paths.home, canary_image(images))
+    choice = choose_runtime(args.runtime, paths.home, images)
     host_class = HostClass(args.host_class)
     agent = Agent(
         AgentConfig(
@@ -256,7 +255,6 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
 async def cmd_run(args: argparse.Namespace) -> int:
     """One machine from a Smolfile, the command's output streamed to this terminal."""
     from fleet.agent.capabilities import choose_runtime, make_runtime
-    from fleet.cli.embedded import canary_image
     from fleet.core.smolfile import load_smolfile
     from fleet.image.store import ImageStore
     from fleet.runtime.base import MachineSpec, resolve_secrets
@@ -275,7 +273,7 @@ async def cmd_run(args: argparse.Namespace) -> int:
         return 2
     paths = Paths.from_env()
     images = ImageStore(paths.images, paths.recipes)
-    choice = choose_runtime(args.runtime, paths.home, canary_image(images))
+    choice = choose_runtime(args.runtime, paths.home, images)
     print(f"fleet run: runtime {choice.kind} ({choice.reason})", file=sys.stderr, flush=True)
     digest = images.resolve(parsed.spec.image)
     runtime = make_runtime(choice, paths.machines)

@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -369,8 +369,12 @@ def boot_id() -> str:
         return "unknown"
 
 
-def preflight(cache_dir: Path, canary_image: Path | None) -> tuple[bool, str]:
-    """Can microVMs boot on this host? Cached per host boot; never makes a user wait."""
+def preflight(cache_dir: Path, canary_image: Callable[[], Path | None]) -> tuple[bool, str]:
+    """Can microVMs boot on this host? Cached per host boot; never makes a user wait.
+
+    `canary_image` is asked for only when a canary boot is really needed, so a host that the
+    static check rules out never unpacks an image for it.
+    """
     ok, reason = sdk_availability()
     if not ok:
         return False, reason
@@ -381,9 +385,10 @@ def preflight(cache_dir: Path, canary_image: Path | None) -> tuple[bool, str]:
     if cache.exists():
         verdict, _, cached_reason = cache.read_text().partition("\n")
         return verdict == "ok", cached_reason
-    if canary_image is None:
+    image = canary_image()
+    if image is None:
         return False, "no image to run the canary boot with"
-    ok, reason = canary_boot(canary_image)
+    ok, reason = canary_boot(image)
     cache_dir.mkdir(parents=True, exist_ok=True)
     cache.write_text(("ok" if ok else "no") + "\n" + reason)
     os.chmod(cache, 0o644)

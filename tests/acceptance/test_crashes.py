@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
 import time
 import uuid
 from collections import Counter
@@ -21,16 +20,10 @@ from fleet.ledger.store import Ledger
 from fleet.ledger.tables import AttemptRow, EventRow, ManifestRow, RolloutRow, WorkItemRow
 from fleet.runtime.cgroups import MachineCgroup
 from fleet.runtime.namespace import NamespaceRuntime
-from tests.acceptance.procs import Procs
+from tests.acceptance.procs import Procs, free_port
 from tests.pgserver import create_database, drop_database
 
 FINAL_KINDS = {"succeeded", "failed", "cancelled", "deadline_exceeded"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture

@@ -6,23 +6,14 @@ import base64
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.acceptance.procs import FLEET, free_port
 from tests.conftest import REPO, SMOLFILES
-
-FLEET = [sys.executable, "-m", "fleet.cli.main"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture

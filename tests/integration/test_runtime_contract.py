@@ -20,7 +20,7 @@ from fleet.runtime.namespace import NamespaceRuntime
 def make_runtime(kind: str, tmp_path: Path, rootfs: Path) -> Runtime:
     if kind == "namespace":
         return NamespaceRuntime(tmp_path / "machines")
-    ok, reason = smol_runtime.preflight(tmp_path / "preflight", rootfs)
+    ok, reason = smol_runtime.preflight(tmp_path / "preflight", lambda: rootfs)
     if not ok:
         pytest.skip(f"microVMs cannot boot on this host: {reason}")
     return smol_runtime.SmolRuntime()

@@ -157,8 +157,8 @@ def test_preflight_verdict_is_cached_per_boot(
     monkeypatch.setattr(smol_runtime, "sdk_availability", lambda: (True, ""))
     monkeypatch.setattr(smol_runtime, "static_kvm_verdict", lambda: None)
     monkeypatch.setattr(smol_runtime, "canary_boot", canary)
-    first = smol_runtime.preflight(tmp_path, Path("/img"))
-    second = smol_runtime.preflight(tmp_path, Path("/img"))
+    first = smol_runtime.preflight(tmp_path, lambda: Path("/img"))
+    second = smol_runtime.preflight(tmp_path, lambda: Path("/img"))
     assert first == second == (False, "canary boot failed (exit 1)")
     assert calls == [Path("/img")]
 
@@ -168,14 +168,14 @@ def test_preflight_on_this_host_matches_the_static_check() -> None:
     static = smol_runtime.static_kvm_verdict()
     if static is None:
         pytest.skip("this host has hardware virtualization; the canary decides here")
-    ok, reason = smol_runtime.preflight(Path("/nonexistent-cache"), None)
+    ok, reason = smol_runtime.preflight(Path("/nonexistent-cache"), lambda: None)
     assert not ok and reason == static
 
 
 @pytest.mark.vm
 def test_smol_machine_boots_and_runs_a_step(rootfs: Path) -> None:
     """A real microVM runs a command (needs hardware virtualization)."""
-    ok, reason = smol_runtime.preflight(Path("/tmp/fleet-preflight"), rootfs)
+    ok, reason = smol_runtime.preflight(Path("/tmp/fleet-preflight"), lambda: rootfs)
     if not ok:
         pytest.skip(f"microVMs cannot boot on this host: {reason}")
     import asyncio
