@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import logging
 import multiprocessing as mp
 import os
+import pstats
 import subprocess
 import sys
 import tempfile
@@ -145,6 +147,61 @@ def drain(target: str, n: int) -> float:
     return n / elapsed
 
 
+def fsync_rate(directory: str, n: int = 300) -> float:
+    """Bare write+fsync per second on the ledger's disk: the ceiling for durable one-by-one."""
+    fd = os.open(os.path.join(directory, "fsync.probe"), os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        t = time.perf_counter()
+        for _ in range(n):
+            os.write(fd, b"x" * 128)
+            os.fsync(fd)
+        return n / (time.perf_counter() - t)
+    finally:
+        os.close(fd)
+
+
+def where_time_goes(target: str, n: int) -> dict[str, float]:
+    """One worker's claim+complete loop under cProfile: microseconds per job, by who spent them.
+
+    "driver" is time inside the database driver (sqlite3's C calls, or psycopg waiting on the
+    server), "commit" the part of it spent committing (fsync on SQLite); the rest is fleet's
+    own Python (building rows, judging reports, pydantic objects).
+    """
+    ledger = Ledger.open(target)
+    for start in range(0, n, 500):
+        ledger.submit_many([request(i, "prof") for i in range(start, min(n, start + 500))], time.time())  # type: ignore[misc]
+    host = "prof"
+    ledger.register_host(
+        HostCapabilities(
+            host_id=host, host_class=HostClass.CPU, runtime=RuntimeKind.NAMESPACE,
+            isolation=Isolation.NAMESPACE, cpus=1, memory_mib=1, cuda_devices=0,
+        ),
+        time.time(),
+    )  # fmt: skip
+    profile = cProfile.Profile()
+    profile.enable()
+    while batch := ledger.claim(host, CLAIM_BATCH, time.time(), 60.0):
+        ledger.complete_many(
+            host,
+            [Completion(work_id=a.work_id, fencing_token=a.fencing_token,
+                        outcome=Outcome.SUCCEEDED, results=(StepResult(index=0, exit_code=0),))
+             for a in batch],
+            time.time(),
+        )  # fmt: skip
+    profile.disable()
+    ledger.engine.dispose()
+    stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+    total = driver = commit = 0.0
+    for (path, _line, name), (_cc, _nc, tottime, _ct, _callers) in stats.items():
+        total += tottime
+        if "sqlite3." in name or "psycopg" in path:
+            driver += tottime
+            if "commit" in name:
+                commit += tottime
+    per = 1e6 / n
+    return {"total_us": total * per, "driver_us": driver * per, "commit_us": commit * per}
+
+
 def baseline(url: str, n: int) -> tuple[float, float, float]:
     env = {**os.environ, "PYTHONPATH": str(REPO / ".bench-deps")}
     out = subprocess.run(
@@ -172,6 +229,10 @@ def main() -> int:
         pg_one = enqueue(create_database(server), enqueue_n, "pone", 1)
         pg_batch = enqueue(create_database(server), enqueue_n * 5, "pb", 500)
         b_one, b_batch, b_jobs = baseline(create_database(server), base_n)
+        prof_n = 640 if args.quick else 2000
+        lite_prof = where_time_goes(str(Path(tmp) / "prof.sqlite3"), prof_n)
+        pg_prof = where_time_goes(create_database(server), prof_n)
+        fsyncs = fsync_rate(tmp)
         results["baseline_jobs_s"] = b_jobs
     rows = [
         ("claim+complete jobs/s, 4 workers, durable", results["sqlite_jobs_s"], results["postgres_jobs_s"], b_jobs),
@@ -183,6 +244,19 @@ def main() -> int:
         print(f"{name:<44}{lite:>14.0f}{pg:>12.0f}{base:>15.0f}{lite / base:>13.1f}x{pg / base:>9.1f}x")
     print(f"(jobs: {jobs_n} fleet, {2 * base_n} procrastinate; SQLite synchronous=FULL, "
           "PostgreSQL synchronous_commit=on; same machine, one run)")  # fmt: skip
+    print()
+    print(f"where one worker's time goes, per claim+complete job (cProfile, {prof_n} jobs, "
+          f"batches of {CLAIM_BATCH}):")  # fmt: skip
+    print(f"{'':<44}{'fleet/SQLite':>14}{'fleet/PG':>12}")
+    for key, name in (("total_us", "all (us/job)"), ("driver_us", "inside the driver (us/job)"),
+                      ("commit_us", "  of which commit (us/job)")):  # fmt: skip
+        print(f"{name:<44}{lite_prof[key]:>14.0f}{pg_prof[key]:>12.0f}")
+    own = [(p["total_us"] - p["driver_us"]) for p in (lite_prof, pg_prof)]
+    print(f"{'fleet Python (us/job)':<44}{own[0]:>14.0f}{own[1]:>12.0f}")
+    print(f"{'CPU ceiling on 2 cores (jobs/s)':<44}{2e6 / lite_prof['total_us']:>14.0f}"
+          f"{2e6 / pg_prof['total_us']:>12.0f}")  # fmt: skip
+    print(f"bare write+fsync on this disk: {fsyncs:.0f}/s (the ceiling for durable one-by-one "
+          "commits from one client)")
     if args.json:
         print(json.dumps({k: round(v, 1) for k, v in results.items()}))
     return 0

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
+from functools import cached_property
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -59,8 +62,16 @@ class Manifest(BaseModel):
     requirements: Requirements
     host_class: HostClass
 
-    @property
+    def model_copy(
+        self, *, update: Mapping[str, Any] | None = None, deep: bool = False
+    ) -> Manifest:
+        copy = super().model_copy(update=update, deep=deep)
+        copy.__dict__.pop("digest", None)  # a copy with changes gets its own digest
+        return copy
+
+    @cached_property
     def digest(self) -> str:
+        """Content digest (computed once: the model is frozen)."""
         body = self.model_dump_json(exclude={"smolfile_name"})
         return "sha256:" + hashlib.sha256(body.encode()).hexdigest()
 
@@ -85,8 +96,19 @@ class SubmitRequest(BaseModel):
     requirements: Requirements = Requirements()
     priority: int = 0
 
+    def model_copy(
+        self, *, update: Mapping[str, Any] | None = None, deep: bool = False
+    ) -> SubmitRequest:
+        copy = super().model_copy(update=update, deep=deep)
+        copy.__dict__.pop("body_fingerprint", None)
+        return copy
+
     def fingerprint(self) -> str:
         """Digest of the body: the same key must always come with the same fingerprint."""
+        return self.body_fingerprint
+
+    @cached_property
+    def body_fingerprint(self) -> str:
         body = self.model_dump(mode="json", exclude={"idempotency_key"})
         blob = json.dumps(body, sort_keys=True, separators=(",", ":"))
         return "sha256:" + hashlib.sha256(blob.encode()).hexdigest()

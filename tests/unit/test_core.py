@@ -96,6 +96,8 @@ def test_fingerprint_covers_the_body_but_not_the_key() -> None:
     assert request().fingerprint() == request(idempotency_key="other").fingerprint()
     assert request().fingerprint() != request(labels={"a": "b"}).fingerprint()
     assert request().fingerprint() != request(versions=Versions(policy="v2")).fingerprint()
+    first = request()
+    assert first.model_copy(update={"priority": 5}).fingerprint() != first.fingerprint()
 
 
 def test_manifest_pins_everything_a_retry_reuses() -> None:
@@ -111,6 +113,9 @@ def test_manifest_pins_everything_a_retry_reuses() -> None:
     assert m.digest != build_manifest(other, validate_request(other, NOW), "sha256:aa", NOW).digest
     renamed = m.model_copy(update={"smolfile_name": "elsewhere"})
     assert renamed.digest == m.digest
+    # Digests are computed once per object; a copy with a different plan gets its own.
+    replanned = m.model_copy(update={"steps": (Step(argv=("false",)),)})
+    assert replanned.digest != m.digest
 
 
 def test_cuda_work_routes_to_gpu_hosts_only() -> None:
