@@ -22,7 +22,9 @@ from fleet.core.policy import EffectiveEgress, effective_egress
 from fleet.core.rollout import Assignment, Completion, StepResult
 from fleet.image.store import ImageStore
 from fleet.runtime.base import Machine, MachineSpec, Runtime, resolve_secrets
+from fleet.runtime.netns import NetConfig
 from fleet.server import convert
+from fleet.server.convert import MAX_EGRESS_EVENTS
 
 log = structlog.get_logger(__name__)
 
@@ -47,6 +49,8 @@ class AgentConfig:
     """Work items run at once."""
     claim_wait_s: float = 5.0
     """Long-poll wait per ClaimWork call."""
+    net: NetConfig | None = None
+    """Where machine links end and which resolver the DNS forwarder asks (namespace runtime)."""
 
 
 @dataclass
@@ -55,12 +59,13 @@ class _Running:
     task: asyncio.Task[None] | None = None
     stop_reason: str = ""
     results: list[StepResult] = field(default_factory=list)
+    machine: Machine | None = None
 
 
 class Agent:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
-        self.runtime: Runtime = make_runtime(config.runtime, config.machines_dir)
+        self.runtime: Runtime = make_runtime(config.runtime, config.machines_dir, config.net)
         self.caps: HostCapabilities = capabilities(
             config.host_id, config.host_class, config.runtime, config.slots
         )
@@ -216,6 +221,28 @@ class Agent:
         return "cpu"
 
     async def _execute(self, running: _Running, log_: structlog.BoundLogger) -> Completion:
+        """Runs the attempt, then collects what its machine was refused and deletes it."""
+        completion = await self._attempt(running, log_)
+        machine = running.machine
+        if machine is None:
+            return completion
+        try:
+            events = await asyncio.shield(machine.egress_events())
+            if events:
+                for event in events:
+                    log_.info("egress_refused", kind=event.kind, destination=event.destination,
+                              reason=event.reason)  # fmt: skip
+                kept = tuple(events[:MAX_EGRESS_EVENTS])
+                completion = completion.model_copy(update={"egress_events": kept})
+        except Exception:
+            log_.exception("egress_events_failed", machine=machine.name)
+        try:
+            await asyncio.shield(machine.delete())
+        except Exception:
+            log_.exception("machine_delete_failed", machine=machine.name)
+        return completion
+
+    async def _attempt(self, running: _Running, log_: structlog.BoundLogger) -> Completion:
         a = running.assignment
         runtime_name, device = self.caps.runtime.value, self._device(a)
 
@@ -254,6 +281,7 @@ class Agent:
                 secrets=resolve_secrets(parsed.spec),
             )
             machine = await self.runtime.create(spec)
+            running.machine = machine
             extra_env = {
                 "FLEET_ROLLOUT_ID": a.rollout_id,
                 "FLEET_ATTEMPT": str(a.attempt),
@@ -324,12 +352,6 @@ class Agent:
         except Exception as exc:
             log_.exception("attempt_crashed")
             return report(Outcome.TRANSIENT_ERROR, f"agent error: {exc!r}")
-        finally:
-            if machine is not None:
-                try:
-                    await asyncio.shield(machine.delete())
-                except Exception:
-                    log_.exception("machine_delete_failed", machine=machine.name)
 
     async def _complete(
         self,

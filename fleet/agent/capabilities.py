@@ -13,6 +13,7 @@ from fleet.core.placement import HostCapabilities, HostClass, Isolation, Runtime
 from fleet.image.store import ImageStore
 from fleet.runtime import smol as smol_runtime
 from fleet.runtime.namespace import NamespaceRuntime, missing_tools
+from fleet.runtime.netns import NetConfig
 
 log = structlog.get_logger(__name__)
 
@@ -74,11 +75,11 @@ def choose_runtime(requested: str, cache_dir: Path, images: ImageStore) -> Runti
 
 
 def make_runtime(
-    choice: RuntimeChoice, machines_dir: Path
+    choice: RuntimeChoice, machines_dir: Path, net: NetConfig | None = None
 ) -> NamespaceRuntime | smol_runtime.SmolRuntime:
     if choice.kind == RuntimeKind.SMOL:
         return smol_runtime.SmolRuntime()
-    return NamespaceRuntime(machines_dir)
+    return NamespaceRuntime(machines_dir, net)
 
 
 def capabilities(

@@ -18,6 +18,7 @@ from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
 from fleet.cli import client, logs
 from fleet.config import Paths
 from fleet.core.errors import FleetError, InvalidArgument
+from fleet.runtime.netns import NetConfig
 
 DEFAULT_SERVER = "127.0.0.1:50051"
 STATE_NAMES = {v: k.removeprefix("ROLLOUT_STATE_") for k, v in types_pb2.RolloutState.items()}
@@ -60,6 +61,24 @@ async def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def net_config(uplink: str, dns: str) -> NetConfig:
+    """The agent's egress settings from its flags; a malformed resolver address is refused."""
+    import ipaddress
+
+    from fleet.runtime.netns import default_upstream
+
+    upstream = default_upstream()
+    if dns:
+        host, _, port = dns.partition(":")
+        try:
+            upstream = (str(ipaddress.IPv4Address(host)), int(port or 53))
+        except ValueError:
+            raise SystemExit(f"--egress-dns {dns!r}: expected an IPv4 ADDRESS[:PORT]") from None
+    if uplink and not Path(f"/run/netns/{uplink}").exists():
+        raise SystemExit(f"--egress-uplink {uplink!r}: no network namespace /run/netns/{uplink}")
+    return NetConfig(uplink_netns=uplink or None, dns_upstream=upstream)
+
+
 async def cmd_agent(args: argparse.Namespace) -> int:
     from fleet.agent.agent import Agent, AgentConfig, default_host_id
     from fleet.agent.capabilities import choose_runtime
@@ -79,6 +98,7 @@ async def cmd_agent(args: argparse.Namespace) -> int:
             machines_dir=Path(args.machines_dir) if args.machines_dir else paths.machines,
             images=images,
             slots=args.slots,
+            net=net_config(args.egress_uplink, args.egress_dns),
         )
     )
     print(f"fleet agent: {host_class}-class, runtime {choice.kind} ({choice.reason})", flush=True)
@@ -246,6 +266,35 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
         f"{r.id} {STATE_NAMES[r.state]}"
         + (" (stop requested)" if r.state == types_pb2.ROLLOUT_STATE_RUNNING else "")
     )
+    return 0
+
+
+async def cmd_egress_events(args: argparse.Namespace) -> int:
+    """What a rollout's machines were refused: DNS queries and connections, oldest first."""
+    import json
+    from datetime import UTC, datetime
+
+    channel, stub = _stub(args)
+    async with channel:
+        reply = await stub.ListEgressEvents(
+            fleet_pb2.ListEgressEventsRequest(rollout_id=args.rollout_id)
+        )
+    if args.json:
+        for e in reply.events:
+            print(json.dumps({
+                "rollout_id": e.rollout_id, "attempt": e.attempt, "machine": e.machine,
+                "at": e.at.ToDatetime(tzinfo=UTC).isoformat(), "kind": e.kind,
+                "destination": e.destination, "decision": e.decision, "reason": e.reason,
+            }))  # fmt: skip
+        return 0
+    if not reply.events:
+        print(f"{args.rollout_id}: no refused DNS queries or connections")
+        return 0
+    print(f"{'time (UTC)':<24} {'try':>3}  {'kind':<7}  {'destination':<40}  reason")
+    for e in reply.events:
+        at = e.at.ToDatetime(tzinfo=UTC)
+        when = datetime.strftime(at, "%Y-%m-%d %H:%M:%S.%f")[:23]
+        print(f"{when:<24} {e.attempt:>3}  {e.kind:<7}  {e.destination:<40}  {e.reason}")
     return 0
 
 
@@ -471,6 +520,16 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--slots", type=int, default=2, help="work items run at once")
     sp.add_argument("--host-id", default="")
     sp.add_argument("--machines-dir", default="", help="default $FLEET_HOME/machines")
+    sp.add_argument(
+        "--egress-uplink", default="",
+        help="network namespace where machine links end (default: this host, with forwarding "
+        "and masquerade in fleet's own nftables table)",
+    )  # fmt: skip
+    sp.add_argument(
+        "--egress-dns", default="",
+        help="resolver the machines' DNS forwarder asks, ADDRESS[:PORT] "
+        "(default: first nameserver in /etc/resolv.conf)",
+    )  # fmt: skip
 
     sp = add("up", cmd_up, "server + 1 gpu-class + 2 cpu-class agents, SQLite, one process", "info")
     sp.add_argument("--listen", default=DEFAULT_SERVER)
@@ -519,6 +578,11 @@ def build_parser() -> argparse.ArgumentParser:
     server_flag(sp)
     sp.add_argument("id")
     sp.add_argument("--reason", default="")
+
+    sp = add("egress-events", cmd_egress_events, "list what a rollout's machines were refused")
+    server_flag(sp)
+    sp.add_argument("rollout_id")
+    sp.add_argument("--json", action="store_true", help="one JSON object per line")
 
     sp = add("run", cmd_run, "run one command in one machine from a Smolfile, locally")
     sp.add_argument("-s", "--smolfile", required=True)

@@ -222,16 +222,20 @@ def effective_egress(spec: Smolfile, runtime: str) -> EffectiveEgress:
     net = spec.network
     hosts = tuple(net.allow_hosts) if net else ()
     cidrs = tuple(net.allow_cidrs) if net else ()
-    if runtime == "namespace":
-        why = "namespace runtime: networking kept off (allowlists not enforced there yet)"
-        return EffectiveEgress(mode=EgressMode.OFF, enforced_by=why)
+    how = (
+        "network namespace, nftables and fleet's DNS forwarder"
+        if runtime == "namespace"
+        else "allow_hosts/allow_cidrs in the engine"
+    )
     if hosts or cidrs:
         return EffectiveEgress(
             mode=EgressMode.ALLOWLIST, allow_hosts=hosts, allow_cidrs=cidrs,
-            enforced_by=f"{runtime} runtime: allow_hosts/allow_cidrs in the engine",
+            enforced_by=f"{runtime} runtime: {how}",
         )  # fmt: skip
     if spec.net:
-        return EffectiveEgress(mode=EgressMode.OPEN, enforced_by=f"{runtime} runtime: open egress")
+        return EffectiveEgress(
+            mode=EgressMode.OPEN, enforced_by=f"{runtime} runtime: open egress above the floor"
+        )
     return EffectiveEgress(mode=EgressMode.OFF, enforced_by=f"{runtime} runtime: networking off")
 
 

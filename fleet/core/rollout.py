@@ -7,6 +7,7 @@ from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fleet.core.egress import EgressEvent
 from fleet.core.lifecycle import Outcome, RolloutState
 from fleet.core.manifest import Manifest
 from fleet.core.placement import HostClass
@@ -118,6 +119,7 @@ class Completion(BaseModel):
     runtime: str = ""
     device: str = ""
     egress: EffectiveEgress | None = None
+    egress_events: tuple[EgressEvent, ...] = ()
 
     def fingerprint(self) -> str:
         """Identifies the reported result, so a resent completion is recognised."""

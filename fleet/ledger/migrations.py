@@ -26,12 +26,17 @@ def _initial(conn: Connection) -> None:
     SQLModel.metadata.create_all(conn)
 
 
+def _egress_events(conn: Connection) -> None:
+    tables.EgressEventRow.__table__.create(conn, checkfirst=True)  # type: ignore[attr-defined]
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (
         1,
         "initial schema: manifests, rollouts, work items, attempts, hosts, events, artifacts",
         _initial,
     ),
+    (2, "egress events: refused DNS queries and connections per rollout", _egress_events),
 ]
 LATEST = MIGRATIONS[-1][0]
 assert LATEST == tables.SCHEMA_VERSION

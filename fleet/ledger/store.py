@@ -10,6 +10,7 @@ import fcntl
 import hashlib
 import json
 import random
+import sqlite3
 import threading
 import uuid
 from collections.abc import Iterator
@@ -19,12 +20,14 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, NamedTuple, TextIO
 
+import psycopg
 import structlog
 from sqlalchemy import Connection, event
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, create_engine, func, select
 
+from fleet.core.egress import EgressEvent
 from fleet.core.errors import (
     Aborted,
     AlreadyExists,
@@ -50,6 +53,7 @@ from fleet.ledger.migrations import migrate
 from fleet.ledger.tables import (
     ArtifactRow,
     AttemptRow,
+    EgressEventRow,
     EventRow,
     HostRow,
     ManifestRow,
@@ -69,6 +73,9 @@ _A = ArtifactRow.__table__  # type: ignore[attr-defined]
 _M = ManifestRow.__table__  # type: ignore[attr-defined]
 
 QUEUED, LEASED, DONE = "QUEUED", "LEASED", "DONE"
+
+# A concurrent insert of the same key, from SQLAlchemy or (hot paths) straight from the driver.
+_UNIQUE_CLASH = (IntegrityError, sqlite3.IntegrityError, psycopg.errors.IntegrityError)
 
 
 _ITEM_COLS = (
@@ -410,7 +417,7 @@ class Ledger:
         for _ in range(3):
             try:
                 return self._submit(request, manifest, now, max_active_per_tenant)
-            except IntegrityError:
+            except _UNIQUE_CLASH:
                 # Another replica stored the same key or manifest between our read and insert;
                 # the next try sees its row and answers as for any repeated submission.
                 continue
@@ -954,6 +961,7 @@ class Ledger:
             item_rows: list[tuple[Any, ...]] = []
             rollout_rows: list[tuple[Any, ...]] = []
             event_rows: list[tuple[Any, ...]] = []
+            egress_rows: list[tuple[Any, ...]] = []
             seen: dict[str, tuple[str, RolloutState]] = {}
             for (host_id, report), (fingerprint, outputs, results_json) in zip(
                 reports, prepared, strict=True
@@ -1027,6 +1035,11 @@ class Ledger:
                 event_rows.append(
                     (rid, kind, current.value, target.value, host_id, now, error, item.attempt)
                 )
+                egress_rows += [
+                    (rid, item.attempt, e.machine, e.at, e.kind, e.destination, e.decision,
+                     e.reason)
+                    for e in report.egress_events
+                ]  # fmt: skip
                 seen[report.work_id] = (fingerprint, target)
                 out.append(target)
             db.many(
@@ -1050,7 +1063,33 @@ class Ledger:
                 rollout_rows,
             )
             db.many(_INSERT_EVENT, event_rows)
+            db.many(
+                "INSERT INTO egress_events (rollout_id, attempt, machine, at, kind, destination, "
+                "decision, reason) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                egress_rows,
+            )
         return out
+
+    def egress_events(self, rollout_id: str) -> list[tuple[int, EgressEvent]]:
+        """(attempt, event) for every refused DNS query and connection of a rollout, in order."""
+        with self._tx() as s:
+            self._rollout_row(s, rollout_id)  # NotFound for an unknown rollout
+            rows = s.exec(
+                select(EgressEventRow)
+                .where(EgressEventRow.rollout_id == rollout_id)
+                .order_by(col(EgressEventRow.seq))
+            ).all()
+            return [
+                (
+                    r.attempt,
+                    EgressEvent(
+                        at=r.at, machine=r.machine, kind=r.kind,
+                        destination=r.destination, decision=r.decision,
+                        reason=r.reason,
+                    ),
+                )
+                for r in rows
+            ]  # fmt: skip
 
     def _judge(
         self, item: Any, report: Completion, manifest: Manifest, now: float

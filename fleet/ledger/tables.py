@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sqlmodel import Field, SQLModel
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 class SchemaInfo(SQLModel, table=True):
@@ -131,3 +131,19 @@ class ArtifactRow(SQLModel, table=True):
     size_bytes: int
     data: bytes
     created_at: float
+
+
+class EgressEventRow(SQLModel, table=True):
+    """A refused DNS query or connection from a rollout's machine (schema version 2)."""
+
+    __tablename__ = "egress_events"
+
+    seq: int | None = Field(default=None, primary_key=True)
+    rollout_id: str = Field(index=True)
+    attempt: int
+    machine: str
+    at: float
+    kind: str
+    destination: str
+    decision: str
+    reason: str

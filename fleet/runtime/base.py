@@ -9,6 +9,7 @@ from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fleet.core.egress import EgressEvent
 from fleet.core.errors import InvalidArgument
 from fleet.core.placement import Isolation, RuntimeKind
 from fleet.core.rollout import MAX_OUTPUT_BYTES
@@ -33,6 +34,8 @@ class MachineSpec(BaseModel):
     rootfs: Path
     labels: dict[str, str] = Field(default_factory=dict)
     secrets: dict[str, str] = Field(default_factory=dict, repr=False)
+    gateway: tuple[str, int] | None = None
+    """The inference gateway (address, port): reachable only when the rollout uses it."""
 
 
 class ExecResult(BaseModel):
@@ -71,6 +74,10 @@ class Machine(Protocol):
     async def read_file(self, path: str) -> bytes: ...
 
     async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None: ...
+
+    async def egress_events(self) -> list[EgressEvent]:
+        """Refused DNS queries and connections since the last call."""
+        ...
 
     async def delete(self) -> None: ...
 

@@ -5,8 +5,9 @@ Each command runs in fresh user/pid/mount/net/uts/ipc namespaces (bubblewrap) on
 so files persist from step to step while no process outlives its command: when the command
 ends or times out, its pid namespace and everything in it is killed.
 
-Networking is off: the only interface is loopback. A Smolfile that asks for egress keeps it off
-here until the allowlist is enforced on this runtime, and the agent logs that it did.
+Networking is off unless the Smolfile asks for it: the only interface is loopback. A machine
+with `net = true` or an allowlist gets its own network namespace, firewall and DNS forwarder
+(see `netns.py` and `dnsfwd.py`), entered with `nsenter` before the sandbox starts.
 Isolation is weaker than a microVM's (one shared kernel) and the host reports it as such.
 """
 
@@ -25,12 +26,23 @@ from pathlib import Path
 
 import structlog
 
+from fleet.core.egress import EgressEvent, EgressRules
 from fleet.core.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from fleet.core.placement import Isolation, RuntimeKind
+from fleet.core.policy import effective_egress
 from fleet.core.rollout import MAX_OUTPUT_BYTES
 from fleet.runtime import cgroups, seccomp
 from fleet.runtime.base import ExecResult, MachineSpec, machine_env
 from fleet.runtime.cgroups import MachineCgroup
+from fleet.runtime.dnsfwd import DnsForwarder
+from fleet.runtime.netns import (
+    DNS_ADDRESS,
+    MachineNet,
+    NetConfig,
+    destroy_netns,
+    host_addresses,
+    release_leases,
+)
 from fleet.runtime.output import OutputSink, read_bounded
 
 log = structlog.get_logger(__name__)
@@ -42,7 +54,7 @@ _MOUNT_THEN_EXEC = (
     'mount -t overlay overlay -o "lowerdir=$1,upperdir=$2,workdir=$3" "$4" || exit 125; '
     'shift 5; exec "$@"'
 )
-REQUIRED_TOOLS = ("bwrap", "unshare", "mount")
+REQUIRED_TOOLS = ("bwrap", "unshare", "mount", "nsenter", "ip", "nft")
 
 
 def missing_tools() -> list[str]:
@@ -64,10 +76,20 @@ MAX_FILE_BYTES = 64 * 1024 * 1024
 class NamespaceMachine:
     """One machine: an overlay layer and the commands run on it."""
 
-    def __init__(self, spec: MachineSpec, root: Path, cgroup: MachineCgroup) -> None:
+    def __init__(
+        self,
+        spec: MachineSpec,
+        root: Path,
+        cgroup: MachineCgroup,
+        net: MachineNet | None = None,
+        dns: DnsForwarder | None = None,
+    ) -> None:
         self.spec = spec
         self.root = root
         self.cgroup = cgroup
+        self.net = net
+        self.dns = dns
+        self._dns_events: list[EgressEvent] = []
         self._name = spec.name
         self._deleted = False
         self._running: set[asyncio.subprocess.Process] = set()
@@ -79,6 +101,10 @@ class NamespaceMachine:
     def _argv(
         self, argv: list[str], env: Mapping[str, str], workdir: str, seccomp_fd: int
     ) -> list[str]:
+        network: list[str] = []
+        if self.net is not None:  # its own namespace, entered by nsenter; resolver: the forwarder
+            resolv = str(self.root / "resolv.conf")
+            network = ["--share-net", "--ro-bind", resolv, "/etc/resolv.conf"]
         bwrap = [
             "bwrap",
             "--unshare-all",
@@ -95,6 +121,7 @@ class NamespaceMachine:
             "/dev",
             "--tmpfs",
             "/tmp",
+            *network,
             "--chdir",
             workdir,
             "--clearenv",
@@ -104,7 +131,9 @@ class NamespaceMachine:
         for key, value in env.items():
             bwrap += ["--setenv", key, value]
         bwrap += ["--", *argv]
+        enter = ["nsenter", f"--net={self.net.path}", "--"] if self.net is not None else []
         return [
+            *enter,
             "unshare",
             "--mount",
             "--propagation",
@@ -212,6 +241,15 @@ class NamespaceMachine:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
 
+    def record(self, event: EgressEvent) -> None:
+        self._dns_events.append(event)
+
+    async def egress_events(self) -> list[EgressEvent]:
+        events, self._dns_events = self._dns_events, []
+        if self.net is not None and not self._deleted:
+            events += await self.net.refused()
+        return sorted(events, key=lambda e: e.at)
+
     async def delete(self) -> None:
         if self._deleted:
             return
@@ -220,6 +258,10 @@ class NamespaceMachine:
             self._kill(proc)
             with contextlib.suppress(ProcessLookupError):
                 await proc.wait()
+        if self.dns is not None:
+            await self.dns.stop()
+        if self.net is not None:
+            await self.net.destroy()
         await asyncio.to_thread(self.cgroup.remove)
         await asyncio.to_thread(shutil.rmtree, self.root, True)
         log.info("machine_deleted", machine=self._name, runtime="namespace")
@@ -231,8 +273,9 @@ class NamespaceRuntime:
     kind = RuntimeKind.NAMESPACE
     isolation = Isolation.NAMESPACE
 
-    def __init__(self, machines_dir: Path) -> None:
+    def __init__(self, machines_dir: Path, net: NetConfig | None = None) -> None:
         self.machines_dir = machines_dir
+        self.net = net or NetConfig()
         missing = missing_tools()
         if missing:
             raise Unavailable(
@@ -249,13 +292,6 @@ class NamespaceRuntime:
         self._seccomp = seccomp.program()
 
     async def create(self, spec: MachineSpec) -> NamespaceMachine:
-        if spec.smolfile.egress_requested:
-            log.warning(
-                "egress_kept_off",
-                machine=spec.name,
-                reason="the namespace runtime does not enforce egress allowlists yet; "
-                "the machine gets loopback only",
-            )
         # Grouped by host, so a reaper finds even a machine whose creation a kill interrupted.
         host = spec.labels.get("host", "local")
         root = self.machines_dir / host / f"{spec.name}-{uuid.uuid4().hex[:8]}"
@@ -273,6 +309,12 @@ class NamespaceRuntime:
             shutil.rmtree(root, ignore_errors=True)
             raise
         machine = NamespaceMachine(spec, root, cgroup)
+        if spec.smolfile.egress_requested:
+            try:
+                await self._network(machine)
+            except BaseException:
+                await machine.delete()
+                raise
         log.info(
             "machine_created", machine=spec.name, runtime="namespace",
             memory_mib=limits.memory_mib, cpus=limits.cpus, pids_max=limits.pids_max,
@@ -280,11 +322,36 @@ class NamespaceRuntime:
         )  # fmt: skip
         return machine
 
+    async def _network(self, machine: NamespaceMachine) -> None:
+        """The machine's namespace, link, firewall and resolver (its Smolfile asked for egress)."""
+        spec = machine.spec
+        rules = EgressRules.of(
+            effective_egress(spec.smolfile, "namespace"),
+            await asyncio.to_thread(host_addresses, self.net.uplink_netns),
+        )
+        name = f"fleet-{uuid.uuid4().hex[:12]}"
+        # Written before the namespace exists, so a reaper after kill -9 knows what to remove.
+        (machine.root / "net.json").write_text(json.dumps({"netns": name}))
+        (machine.root / "resolv.conf").write_text(f"nameserver {DNS_ADDRESS}\n")
+        net = MachineNet(self.net, self.machines_dir, spec.name, name)
+        machine.net = net
+        await net.create(rules, spec.gateway)
+        dns = DnsForwarder(
+            spec.name, rules, name, self.net.uplink_path, self.net.dns_upstream, net.admit,
+            machine.record,
+        )  # fmt: skip
+        machine.dns = dns
+        await dns.start()
+
     async def reap(self, host_id: str) -> int:
         """Removes machines a previous run of this host left behind (after kill -9)."""
         reaped = 0
         mine = self.machines_dir / host_id
         for entry in sorted(mine.iterdir()) if mine.exists() else []:
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                netns = json.loads((entry / "net.json").read_text())["netns"]
+                await destroy_netns(netns)
+                await asyncio.to_thread(release_leases, self.machines_dir, netns)
             await asyncio.to_thread(cgroups.MachineCgroup(entry.name, self.cgroup_version).remove)
             await asyncio.to_thread(shutil.rmtree, entry, True)
             reaped += 1

@@ -8,6 +8,7 @@ with an error naming the key. Nothing is dropped in silence.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from typing import Any
 
 import structlog
 
+from fleet.core.egress import EgressEvent
 from fleet.core.errors import (
     Aborted,
     AlreadyExists,
@@ -133,10 +135,35 @@ class SmolMachine:
     def __init__(self, machine: Any, spec: MachineSpec) -> None:
         self._machine = machine
         self.spec = spec
+        self._seen_events = 0
 
     @property
     def name(self) -> str:
         return self.spec.name
+
+    async def egress_events(self) -> list[EgressEvent]:
+        """The engine's egress denials for this machine (`smol-vmm machine egress-events`)."""
+        proc = await asyncio.create_subprocess_exec(
+            "smol-vmm", "machine", "egress-events", "--name", self.spec.name, "--json",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, err = await proc.communicate()
+        if proc.returncode != 0:
+            log.warning("egress_events_unavailable", machine=self.spec.name,
+                        error=err.decode(errors="replace").strip()[-300:])  # fmt: skip
+            return []
+        rows = json.loads(out or b"[]")
+        events = [
+            EgressEvent(
+                at=float(row.get("time", time.time())), machine=self.spec.name,
+                kind="dns" if row.get("kind") == "dns" else "connect",
+                destination=str(row.get("destination") or row.get("host") or "?"),
+                reason=str(row.get("reason", "denied by the engine's allowlist")),
+            )
+            for row in rows[self._seen_events :]
+        ]  # fmt: skip
+        self._seen_events = len(rows)
+        return events
 
     async def exec(
         self,

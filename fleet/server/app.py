@@ -230,6 +230,17 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
         self.core.changed()
         return convert.rollout_to_pb(rollout)
 
+    @mapped
+    async def ListEgressEvents(
+        self, request: fleet_pb2.ListEgressEventsRequest, context: grpc.aio.ServicerContext
+    ) -> fleet_pb2.ListEgressEventsResponse:
+        if not request.rollout_id:
+            raise InvalidArgument("rollout_id is empty")
+        rows = await self.core.db(self.core.ledger.egress_events, request.rollout_id)
+        return fleet_pb2.ListEgressEventsResponse(
+            events=[convert.egress_event_to_pb(e, request.rollout_id, a) for a, e in rows]
+        )
+
 
 class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
     def __init__(self, core: Core) -> None:

@@ -7,6 +7,7 @@ from datetime import UTC, datetime
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from fleet._proto.fleet.v1 import fleet_pb2, host_pb2, types_pb2
+from fleet.core.egress import EgressEvent
 from fleet.core.errors import InvalidArgument
 from fleet.core.lifecycle import Outcome, RolloutState
 from fleet.core.manifest import Manifest, Step, SubmitRequest, Versions
@@ -346,7 +347,16 @@ def assignment_from_pb(a: host_pb2.WorkAssignment) -> Assignment:
     )
 
 
+MAX_EGRESS_EVENTS = 1000
+"""Per completion: a machine hammering refused addresses cannot flood the ledger."""
+
+
 def completion_from_pb(req: host_pb2.CompleteWorkRequest) -> Completion:
+    if len(req.egress_events) > MAX_EGRESS_EVENTS:
+        raise InvalidArgument(
+            f"egress_events: {len(req.egress_events)} events, over the limit of "
+            f"{MAX_EGRESS_EVENTS} per completion"
+        )
     outcome = OUTCOME_FROM_PB.get(req.outcome)
     if outcome is None:
         raise InvalidArgument("outcome must be set (OUTCOME_SUCCEEDED, _STEP_FAILED, ...)")
@@ -359,7 +369,29 @@ def completion_from_pb(req: host_pb2.CompleteWorkRequest) -> Completion:
         runtime=RUNTIME_FROM_PB[req.runtime].value if req.runtime in RUNTIME_FROM_PB else "",
         device=req.device,
         egress=egress_from_pb(req.egress) if req.HasField("egress") else None,
+        egress_events=tuple(egress_event_from_pb(e) for e in req.egress_events),
     )
+
+
+def egress_event_from_pb(e: types_pb2.EgressEvent) -> EgressEvent:
+    if e.kind not in ("dns", "connect"):
+        raise InvalidArgument(f"egress_events: kind {e.kind!r} is not 'dns' or 'connect'")
+    if e.decision not in ("", "refused"):
+        raise InvalidArgument(f"egress_events: decision {e.decision!r} is not 'refused'")
+    return EgressEvent(
+        at=e.at.ToDatetime(tzinfo=UTC).timestamp(), machine=e.machine, kind=e.kind,
+        destination=e.destination[:512], reason=e.reason[:1024],
+    )  # fmt: skip
+
+
+def egress_event_to_pb(
+    e: EgressEvent, rollout_id: str = "", attempt: int = 0
+) -> types_pb2.EgressEvent:
+    return types_pb2.EgressEvent(
+        rollout_id=rollout_id, attempt=attempt, machine=e.machine,
+        at=ts(datetime.fromtimestamp(e.at, UTC)), kind=e.kind, destination=e.destination,
+        decision=e.decision, reason=e.reason,
+    )  # fmt: skip
 
 
 def completion_to_pb(host_id: str, c: Completion, request_id: str) -> host_pb2.CompleteWorkRequest:
@@ -376,4 +408,5 @@ def completion_to_pb(host_id: str, c: Completion, request_id: str) -> host_pb2.C
         else types_pb2.RUNTIME_KIND_UNSPECIFIED,
         device=c.device,
         egress=egress_to_pb(c.egress),
+        egress_events=[egress_event_to_pb(e) for e in c.egress_events[:MAX_EGRESS_EVENTS]],
     )

@@ -17,6 +17,7 @@ from fleet.agent.capabilities import RuntimeChoice
 from fleet.core.placement import HostClass, RuntimeKind
 from fleet.image.store import ImageStore
 from fleet.ledger.store import Ledger
+from fleet.runtime.netns import NetConfig
 from fleet.server.app import FleetServer, ServerConfig
 
 NAMESPACE = RuntimeChoice(RuntimeKind.NAMESPACE, "tests run the namespace runtime")
@@ -38,7 +39,9 @@ class Harness:
     hosts: host_pb2_grpc.HostServiceStub
     agents: dict[str, tuple[asyncio.Event, asyncio.Task[None]]] = field(default_factory=dict)
 
-    async def start_agent(self, host_id: str, host_class: HostClass, slots: int = 2) -> Agent:
+    async def start_agent(
+        self, host_id: str, host_class: HostClass, slots: int = 2, net: NetConfig | None = None
+    ) -> Agent:
         agent = Agent(
             AgentConfig(
                 server=self.server.address,
@@ -49,6 +52,7 @@ class Harness:
                 images=self.images,
                 slots=slots,
                 claim_wait_s=1.0,
+                net=net,
             )
         )
         stop = asyncio.Event()

@@ -14,7 +14,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from fleet._proto.fleet.v1 import fleet_pb2, host_pb2, types_pb2
 from fleet.core.placement import HostClass
 from fleet.image.store import ImageStore
+from fleet.runtime.netns import NetConfig
+from tests.acceptance.procs import FLEET
 from tests.integration.harness import harness, request
+from tests.networld import networld
 
 
 def go(coro):  # type: ignore[no-untyped-def]
@@ -487,21 +490,84 @@ def test_concurrent_completions_are_group_committed_each_judged_alone(
     assert states.count(types_pb2.ROLLOUT_STATE_RUNNING) == 1
 
 
-def test_rollout_records_the_egress_its_machine_had(tmp_path: Path, images: ImageStore) -> None:
-    """On the namespace runtime an allowlisted Smolfile's machine had networking off: recorded."""
+def test_refused_egress_reaches_the_ledger_api_and_cli(tmp_path: Path, images: ImageStore) -> None:
+    """A rollout's machine is refused a name and the metadata address: both are listed."""
+    probe = (
+        "import socket\n"
+        "for name in ('other.test', 'svc.fleet.test'):\n"
+        "    try: socket.getaddrinfo(name, 80, socket.AF_INET)\n"
+        "    except OSError: pass\n"
+        "s = socket.socket(); s.settimeout(3)\n"
+        "try: s.connect(('169.254.169.254', 80))\n"
+        "except OSError: pass\n"
+    )
 
-    async def body() -> tuple[types_pb2.Rollout, int]:
+    async def body() -> tuple[types_pb2.Rollout, list[types_pb2.EgressEvent], int, str]:
+        with networld() as world:
+            async with harness(tmp_path, images) as h:
+                net = NetConfig(uplink_netns=world.uplink, dns_upstream=world.dns)
+                await h.start_agent("cpu-a", HostClass.CPU, net=net)
+                smolfile = 'image = "minimal"\n[network]\nallow_hosts = ["svc.fleet.test"]\n'
+                reply = await h.fleet.SubmitRollout(request(smolfile, ["python3", "-c", probe]))
+                r = await h.wait_final(reply.rollout.id)
+                events = await h.fleet.ListEgressEvents(
+                    fleet_pb2.ListEgressEventsRequest(rollout_id=r.id)
+                )
+                reach = await h.fleet.ListRollouts(
+                    fleet_pb2.ListRolloutsRequest(could_reach="api.svc.fleet.test")
+                )
+                cli = await asyncio.create_subprocess_exec(
+                    *FLEET, "egress-events", "--server", h.server.address, r.id,
+                    stdout=asyncio.subprocess.PIPE,
+                )  # fmt: skip
+                out, _ = await cli.communicate()
+                return r, list(events.events), len(reach.rollouts), out.decode()
+
+    r, events, reaching, table = go(body())
+    assert r.state == types_pb2.ROLLOUT_STATE_SUCCEEDED
+    assert r.egress.mode == types_pb2.EgressPolicy.MODE_ALLOWLIST
+    assert "nftables" in r.egress.enforced_by
+    assert reaching == 1
+    assert [(e.kind, e.destination) for e in events] == [
+        ("dns", "other.test"),
+        ("connect", "tcp://169.254.169.254:80"),
+    ]
+    assert all(e.rollout_id == r.id and e.attempt == 1 for e in events)
+    assert "other.test" in table and "169.254.169.254" in table and "metadata" in table
+
+
+def test_list_egress_events_refuses_bad_requests(tmp_path: Path, images: ImageStore) -> None:
+    async def body() -> list[grpc.StatusCode]:
+        codes = []
         async with harness(tmp_path, images) as h:
-            await h.start_agent("cpu-a", HostClass.CPU)
-            smolfile = 'image = "minimal"\n[network]\nallow_hosts = ["pypi.org"]\n'
-            reply = await h.fleet.SubmitRollout(request(smolfile))
-            r = await h.wait_final(reply.rollout.id)
-            reach = await h.fleet.ListRollouts(
-                fleet_pb2.ListRolloutsRequest(could_reach="pypi.org")
+            for rid in ("", "r-none"):
+                try:
+                    await h.fleet.ListEgressEvents(
+                        fleet_pb2.ListEgressEventsRequest(rollout_id=rid)
+                    )
+                except grpc.aio.AioRpcError as exc:
+                    codes.append(exc.code())
+            await h.register_host("h1")
+            await h.fleet.SubmitRollout(request())
+            claim = await h.hosts.ClaimWork(
+                host_pb2.ClaimWorkRequest(request_id="c", host_id="h1", max_items=1, wait_s=1)
             )
-            return r, len(reach.rollouts)
+            try:
+                await h.hosts.CompleteWork(
+                    host_pb2.CompleteWorkRequest(
+                        request_id="x", host_id="h1", work_id=claim.items[0].work_id,
+                        fencing_token=claim.items[0].fencing_token,
+                        outcome=types_pb2.OUTCOME_SUCCEEDED,
+                        egress_events=[types_pb2.EgressEvent(kind="teleport", destination="x")],
+                    )
+                )  # fmt: skip
+            except grpc.aio.AioRpcError as exc:
+                codes.append(exc.code())
+                assert "teleport" in (exc.details() or "")
+        return codes
 
-    r, reaching = go(body())
-    assert r.egress.mode == types_pb2.EgressPolicy.MODE_OFF
-    assert "namespace" in r.egress.enforced_by
-    assert reaching == 0
+    assert go(body()) == [
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ]

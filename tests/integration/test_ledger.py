@@ -363,3 +363,27 @@ def test_reviewers_can_ask_which_rollouts_could_reach_a_host(ledger: Ledger) -> 
     assert {ids[r.id] for r in ledger.list_rollouts(50, "", {}, "example.com")[0]} == {"open"}
     kept = {ids[r.id]: r.egress for r in ledger.list_rollouts(50, "", {})[0]}
     assert kept["off"] == policies["off"]
+
+
+def test_egress_events_are_kept_per_attempt_and_never_twice(ledger: Ledger) -> None:
+    """Refusals arrive with the completion; a resent completion adds none."""
+    from fleet.core.egress import EgressEvent
+
+    register(ledger)
+    rollout, _ = submit(ledger, key="egress")
+    [a] = ledger.claim("cpu-1", 1, T0, TTL)
+    events = (
+        EgressEvent(at=T0 + 0.5, machine="m1", kind="dns", destination="evil.example",
+                    reason="not in allow_hosts"),
+        EgressEvent(at=T0 + 0.6, machine="m1", kind="connect",
+                    destination="tcp://169.254.169.254:80", reason="cloud metadata service"),
+    )  # fmt: skip
+    report = done(a.work_id, a.fencing_token).model_copy(update={"egress_events": events})
+    ledger.complete("cpu-1", report, T0 + 1)
+    ledger.complete("cpu-1", report, T0 + 2)  # resent: idempotent
+    kept = ledger.egress_events(rollout.id)
+    assert [(attempt, e) for attempt, e in kept] == [(1, events[0]), (1, events[1])]
+    other, _ = submit(ledger, key="quiet")
+    assert ledger.egress_events(other.id) == []
+    with pytest.raises(NotFound):
+        ledger.egress_events("r-missing")

@@ -103,18 +103,6 @@ def test_networking_is_off_tcp_connect_fails(rootfs: Path, tmp_path: Path) -> No
     assert far.exit_code == 3 and b"unreachable" in far.stdout
 
 
-def test_allowlisted_smolfile_still_gets_no_network_here(rootfs: Path, tmp_path: Path) -> None:
-    """Until allowlists are enforced on this runtime, egress stays off instead of open."""
-
-    async def body(m: NamespaceMachine):  # type: ignore[no-untyped-def]
-        return await m.exec(["python3", "-c", CONNECT, "192.0.2.1", "443"], timeout_s=30)
-
-    result = run(
-        rootfs, tmp_path, body, 'image = "minimal"\n[network]\nallow_hosts = ["pypi.org"]\n'
-    )
-    assert result.exit_code == 3
-
-
 def _processes_with(marker: str) -> list[int]:
     pids = []
     for entry in os.listdir("/proc"):

@@ -61,6 +61,11 @@ class FleetServiceStub:
                 request_serializer=fleet_dot_v1_dot_fleet__pb2.CancelRolloutRequest.SerializeToString,
                 response_deserializer=fleet_dot_v1_dot_types__pb2.Rollout.FromString,
                 _registered_method=True)
+        self.ListEgressEvents = channel.unary_unary(
+                '/fleet.v1.FleetService/ListEgressEvents',
+                request_serializer=fleet_dot_v1_dot_fleet__pb2.ListEgressEventsRequest.SerializeToString,
+                response_deserializer=fleet_dot_v1_dot_fleet__pb2.ListEgressEventsResponse.FromString,
+                _registered_method=True)
 
 
 class FleetServiceServicer:
@@ -99,6 +104,13 @@ class FleetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListEgressEvents(self, request, context):
+        """Every DNS query and connection a rollout's machines were refused, oldest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FleetServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +138,11 @@ def add_FleetServiceServicer_to_server(servicer, server):
                     servicer.CancelRollout,
                     request_deserializer=fleet_dot_v1_dot_fleet__pb2.CancelRolloutRequest.FromString,
                     response_serializer=fleet_dot_v1_dot_types__pb2.Rollout.SerializeToString,
+            ),
+            'ListEgressEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListEgressEvents,
+                    request_deserializer=fleet_dot_v1_dot_fleet__pb2.ListEgressEventsRequest.FromString,
+                    response_serializer=fleet_dot_v1_dot_fleet__pb2.ListEgressEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -264,6 +281,33 @@ class FleetService:
             '/fleet.v1.FleetService/CancelRollout',
             fleet_dot_v1_dot_fleet__pb2.CancelRolloutRequest.SerializeToString,
             fleet_dot_v1_dot_types__pb2.Rollout.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListEgressEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fleet.v1.FleetService/ListEgressEvents',
+            fleet_dot_v1_dot_fleet__pb2.ListEgressEventsRequest.SerializeToString,
+            fleet_dot_v1_dot_fleet__pb2.ListEgressEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,

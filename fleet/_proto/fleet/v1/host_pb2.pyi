@@ -115,7 +115,7 @@ class ClaimWorkResponse(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[WorkAssignment, _Mapping]]] = ...) -> None: ...
 
 class CompleteWorkRequest(_message.Message):
-    __slots__ = ("request_id", "host_id", "work_id", "fencing_token", "outcome", "results", "error", "runtime", "device", "egress")
+    __slots__ = ("request_id", "host_id", "work_id", "fencing_token", "outcome", "results", "error", "runtime", "device", "egress", "egress_events")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     WORK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,7 @@ class CompleteWorkRequest(_message.Message):
     RUNTIME_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     EGRESS_FIELD_NUMBER: _ClassVar[int]
+    EGRESS_EVENTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     host_id: str
     work_id: str
@@ -136,7 +137,8 @@ class CompleteWorkRequest(_message.Message):
     runtime: _types_pb2.RuntimeKind
     device: str
     egress: _types_pb2.EgressPolicy
-    def __init__(self, request_id: _Optional[str] = ..., host_id: _Optional[str] = ..., work_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., outcome: _Optional[_Union[_types_pb2.Outcome, str]] = ..., results: _Optional[_Iterable[_Union[_types_pb2.StepResult, _Mapping]]] = ..., error: _Optional[str] = ..., runtime: _Optional[_Union[_types_pb2.RuntimeKind, str]] = ..., device: _Optional[str] = ..., egress: _Optional[_Union[_types_pb2.EgressPolicy, _Mapping]] = ...) -> None: ...
+    egress_events: _containers.RepeatedCompositeFieldContainer[_types_pb2.EgressEvent]
+    def __init__(self, request_id: _Optional[str] = ..., host_id: _Optional[str] = ..., work_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., outcome: _Optional[_Union[_types_pb2.Outcome, str]] = ..., results: _Optional[_Iterable[_Union[_types_pb2.StepResult, _Mapping]]] = ..., error: _Optional[str] = ..., runtime: _Optional[_Union[_types_pb2.RuntimeKind, str]] = ..., device: _Optional[str] = ..., egress: _Optional[_Union[_types_pb2.EgressPolicy, _Mapping]] = ..., egress_events: _Optional[_Iterable[_Union[_types_pb2.EgressEvent, _Mapping]]] = ...) -> None: ...
 
 class CompleteWorkResponse(_message.Message):
     __slots__ = ("state",)

@@ -282,3 +282,23 @@ class RolloutEvent(_message.Message):
     message: str
     attempt: int
     def __init__(self, sequence: _Optional[int] = ..., rollout_id: _Optional[str] = ..., kind: _Optional[str] = ..., from_state: _Optional[_Union[RolloutState, str]] = ..., to_state: _Optional[_Union[RolloutState, str]] = ..., actor: _Optional[str] = ..., at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., message: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
+
+class EgressEvent(_message.Message):
+    __slots__ = ("rollout_id", "attempt", "machine", "at", "kind", "destination", "decision", "reason")
+    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    MACHINE_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    rollout_id: str
+    attempt: int
+    machine: str
+    at: _timestamp_pb2.Timestamp
+    kind: str
+    destination: str
+    decision: str
+    reason: str
+    def __init__(self, rollout_id: _Optional[str] = ..., attempt: _Optional[int] = ..., machine: _Optional[str] = ..., at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., kind: _Optional[str] = ..., destination: _Optional[str] = ..., decision: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...

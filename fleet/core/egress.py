@@ -1,0 +1,157 @@
+"""Egress decisions: which names a machine may resolve and which addresses it may reach.
+
+Pure rules shared by the DNS forwarder, the firewall generator and the audit tools. The floor
+(cloud metadata, link-local, loopback, the host's own addresses) is never lifted; private
+ranges are reachable only where `allow_cidrs` lists them.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from fleet.core.policy import FLOOR, PRIVATE, EffectiveEgress, EgressMode
+
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+_FLOOR = tuple((ipaddress.ip_network(cidr), what) for cidr, what in FLOOR)
+_PRIVATE = tuple((ipaddress.ip_network(cidr), what) for cidr, what in PRIVATE)
+# Never a destination: "this network", multicast and broadcast.
+_NEVER = tuple(
+    (ipaddress.ip_network(cidr), what)
+    for cidr, what in (
+        ("0.0.0.0/8", "'this network' range"),
+        ("224.0.0.0/4", "IPv4 multicast"),
+        ("255.255.255.255/32", "IPv4 broadcast"),
+        ("ff00::/8", "IPv6 multicast"),
+        ("::/128", "IPv6 unspecified address"),
+    )
+)
+
+
+class EgressEvent(BaseModel):
+    """One refused DNS query or connection, as recorded in the ledger."""
+
+    model_config = ConfigDict(frozen=True)
+
+    at: float
+    machine: str
+    kind: Literal["dns", "connect"]
+    destination: str
+    decision: Literal["refused"] = "refused"
+    reason: str
+
+
+def _covers(name: str, pattern: str) -> bool:
+    name, pattern = name.lower().rstrip("."), pattern.lower().removeprefix("*.").rstrip(".")
+    return name == pattern or name.endswith("." + pattern)
+
+
+class EgressRules(BaseModel):
+    """One machine's egress: its mode, allowlist, and the host addresses it must not reach."""
+
+    model_config = ConfigDict(frozen=True)
+
+    mode: EgressMode
+    allow_hosts: tuple[str, ...] = ()
+    allow_cidrs: tuple[str, ...] = ()
+    host_addresses: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, egress: EffectiveEgress, host_addresses: Iterable[str] = ()) -> EgressRules:
+        return cls(
+            mode=egress.mode,
+            allow_hosts=egress.allow_hosts,
+            allow_cidrs=egress.allow_cidrs,
+            host_addresses=tuple(sorted(set(host_addresses))),
+        )
+
+    def cidrs(self) -> list[Network]:
+        return [ipaddress.ip_network(c) for c in self.allow_cidrs]
+
+    def name_refusal(self, name: str) -> str | None:
+        """Why a DNS query for `name` is refused, or None when it may be resolved."""
+        if self.mode == EgressMode.OFF:
+            return "networking is off for this machine"
+        if self.mode == EgressMode.OPEN:
+            return None
+        if any(_covers(name, allowed) for allowed in self.allow_hosts):
+            return None
+        return "not in allow_hosts"
+
+    def floor_refusal(self, address: str) -> str | None:
+        """Why no allowlist can make `address` reachable, or None (the floor and private ranges).
+
+        A private range is refused unless an `allow_cidrs` entry covers the address.
+        """
+        ip = ipaddress.ip_address(address)
+        if address in self.host_addresses or str(ip) in self.host_addresses:
+            return "the host's own address"
+        for net, what in (*_FLOOR, *_NEVER):
+            if ip.version == net.version and ip in net:
+                return what
+        for net, what in _PRIVATE:
+            if ip.version == net.version and ip in net:
+                if any(ip.version == c.version and ip in c for c in self.cidrs()):
+                    return None
+                return f"{what}, not listed in allow_cidrs"
+        return None
+
+    def address_refusal(self, address: str) -> str | None:
+        """Why a connection to the IP literal `address` is refused, or None when allowed."""
+        if self.mode == EgressMode.OFF:
+            return "networking is off for this machine"
+        floor = self.floor_refusal(address)
+        if floor is not None:
+            return floor
+        ip = ipaddress.ip_address(address)
+        if self.mode == EgressMode.OPEN:
+            return None
+        if any(ip.version == c.version and ip in c for c in self.cidrs()):
+            return None
+        return "not in allow_cidrs (and not an answer for an allowed name)"
+
+    def answer_refusal(self, name: str, address: str) -> str | None:
+        """Why an upstream answer `name → address` is refused (DNS rebinding), or None."""
+        floor = self.floor_refusal(address)
+        if floor is not None:
+            return f"{name} resolved to {address}: {floor} (DNS rebinding refused)"
+        return None
+
+    def hard_floor(self) -> list[str]:
+        """CIDRs no rule lifts, as firewall set elements (IPv4 and IPv6)."""
+        nets = [net for net, _ in (*_FLOOR, *_NEVER)]
+        nets += [ipaddress.ip_network(a) for a in self.host_addresses]
+        return _collapsed(nets)
+
+    def private_floor(self) -> list[str]:
+        """Private ranges minus what allow_cidrs lists, as firewall set elements."""
+        out: list[Network] = []
+        listed = self.cidrs()
+        for net, _ in _PRIVATE:
+            pieces = [net]
+            for allowed in listed:
+                if allowed.version != net.version:
+                    continue
+                next_pieces: list[Network] = []
+                for piece in pieces:
+                    if piece.subnet_of(allowed):  # type: ignore[arg-type]
+                        continue
+                    if allowed.subnet_of(piece):  # type: ignore[arg-type]
+                        next_pieces += list(piece.address_exclude(allowed))  # type: ignore[arg-type]
+                    else:
+                        next_pieces.append(piece)
+                pieces = next_pieces
+            out += pieces
+        return _collapsed(out)
+
+
+def _collapsed(nets: list[Network]) -> list[str]:
+    """Overlapping ranges merged (a firewall interval set refuses overlaps), IPv4 first."""
+    v4 = ipaddress.collapse_addresses(n for n in nets if isinstance(n, ipaddress.IPv4Network))
+    v6 = ipaddress.collapse_addresses(n for n in nets if isinstance(n, ipaddress.IPv6Network))
+    return [str(n) for n in v4] + [str(n) for n in v6]
