@@ -26,6 +26,37 @@ class Paths:
     def machines(self) -> Path:
         return self.home / "machines"
 
+    def token_secret(self) -> bytes:
+        """The key the server signs inference tokens with and the gateway checks them with.
+
+        $FLEET_TOKEN_SECRET (hex) if set; otherwise `token.secret` in the data directory,
+        created once with 32 random bytes, readable by its owner only. Hosts that share a
+        gateway share this file (or the variable).
+        """
+        env = os.environ.get("FLEET_TOKEN_SECRET")
+        if env:
+            try:
+                secret = bytes.fromhex(env)
+            except ValueError:
+                raise ValueError("FLEET_TOKEN_SECRET must be hex (32 bytes: 64 digits)") from None
+            if len(secret) < 16:
+                raise ValueError("FLEET_TOKEN_SECRET must be at least 16 bytes (32 hex digits)")
+            return secret
+        path = self.home / "token.secret"
+        if not path.exists():
+            self.home.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(os.urandom(32))
+            try:
+                os.link(tmp, path)  # first writer wins; others read what it wrote
+            except FileExistsError:
+                pass
+            finally:
+                tmp.unlink()
+        return path.read_bytes()
+
     @classmethod
     def from_env(cls) -> Paths:
         home = os.environ.get("FLEET_HOME") or str(Path.home() / ".local" / "share" / "fleet")

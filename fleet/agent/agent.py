@@ -15,7 +15,7 @@ import structlog
 
 from fleet._proto.fleet.v1 import host_pb2, host_pb2_grpc
 from fleet.agent.capabilities import RuntimeChoice, capabilities, make_runtime
-from fleet.core.errors import ErrorCode, FleetError
+from fleet.core.errors import ErrorCode, FleetError, Unavailable
 from fleet.core.lifecycle import Outcome
 from fleet.core.placement import HostCapabilities, HostClass
 from fleet.core.policy import EffectiveEgress, effective_egress
@@ -51,6 +51,8 @@ class AgentConfig:
     """Long-poll wait per ClaimWork call."""
     net: NetConfig | None = None
     """Where machine links end and which resolver the DNS forwarder asks (namespace runtime)."""
+    gateway: tuple[str, int] | None = None
+    """The inference gateway's HTTP endpoint as machines reach it ("host": this host)."""
 
 
 @dataclass
@@ -215,6 +217,19 @@ class Agent:
             self._slot_freed.set()
         await self._complete(stub, completion, log_)
 
+    def _gateway_for(self, a: Assignment) -> tuple[str, int] | None:
+        """The gateway endpoint for a rollout that uses it; None for every other rollout."""
+        if not a.manifest.requirements.inference:
+            return None
+        if self.config.gateway is None:
+            raise Unavailable(
+                f"rollout {a.rollout_id} calls the inference gateway and host "
+                f"{self.caps.host_id} has none configured (fleet agent --gateway HOST:PORT)"
+            )
+        if not a.inference_token:
+            raise Unavailable(f"rollout {a.rollout_id} uses the gateway but came without a token")
+        return self.config.gateway
+
     def _device(self, assignment: Assignment) -> str:
         if assignment.manifest.host_class == HostClass.GPU:
             return self.caps.device if self.caps.cuda_devices else "cpu (no CUDA device here)"
@@ -279,6 +294,7 @@ class Agent:
                     "attempt": str(a.attempt),
                 },
                 secrets=resolve_secrets(parsed.spec),
+                gateway=self._gateway_for(a),
             )
             machine = await self.runtime.create(spec)
             running.machine = machine
@@ -287,6 +303,8 @@ class Agent:
                 "FLEET_ATTEMPT": str(a.attempt),
                 "FLEET_DEVICE": device,
             }
+            if spec.gateway is not None:
+                extra_env["FLEET_INFERENCE_TOKEN"] = a.inference_token
             for command in parsed.spec.init:
                 init = await machine.exec(
                     ["/bin/sh", "-c", command], env=extra_env, timeout_s=INIT_TIMEOUT_S

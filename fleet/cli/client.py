@@ -70,6 +70,7 @@ def submit_request(
     max_attempts: int = 0,
     require_vm: bool = False,
     require_cuda_device: bool = False,
+    inference: bool = False,
     versions: dict[str, str] | None = None,
     tenant: str = "",
 ) -> fleet_pb2.SubmitRolloutRequest:
@@ -88,6 +89,7 @@ def submit_request(
         requirements=types_pb2.Requirements(
             isolation=types_pb2.ISOLATION_VM if require_vm else types_pb2.ISOLATION_UNSPECIFIED,
             cuda_device=require_cuda_device,
+            inference=inference,
         ),
         versions=types_pb2.Versions(**(versions or {})),
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,9 @@ async def embedded_fleet(
 ) -> AsyncIterator[Fleet]:
     images = ImageStore(paths.images, paths.recipes)
     choice = await asyncio.to_thread(choose_runtime, runtime, paths.home, images)
+    config = config or ServerConfig()
+    if not config.token_secret:
+        config = dataclasses.replace(config, token_secret=paths.token_secret())
     server = FleetServer(Ledger.sqlite(db), images, listen, config)
     await server.start()
     stop = asyncio.Event()

@@ -52,7 +52,11 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         Ledger.open(args.db or str(_default_db(paths))),
         ImageStore(paths.images, paths.recipes),
         args.listen,
-        ServerConfig(lease_ttl_s=args.lease_ttl_s, heartbeat_interval_s=args.heartbeat_s),
+        ServerConfig(
+            lease_ttl_s=args.lease_ttl_s,
+            heartbeat_interval_s=args.heartbeat_s,
+            token_secret=Paths.from_env().token_secret(),
+        ),
     )
     await server.start()
     print(f"fleet server listening on {server.address}", flush=True)
@@ -79,6 +83,51 @@ def net_config(uplink: str, dns: str) -> NetConfig:
     return NetConfig(uplink_netns=uplink or None, dns_upstream=upstream)
 
 
+async def cmd_gateway(args: argparse.Namespace) -> int:
+    """The inference gateway: gRPC InferenceService plus the HTTP endpoint machines call."""
+    from gateway.batcher import BatchConfig
+    from gateway.http import serve_http
+    from gateway.service import Gateway, GatewayConfig, serve
+
+    paths = Paths.from_env()
+    config = GatewayConfig(
+        secret=paths.token_secret(), device=args.device, capacity_mib=args.capacity_mib,
+        batch=BatchConfig(
+            max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
+            max_inflight_per_rollout=args.max_inflight_per_rollout,
+        ),
+    )  # fmt: skip
+    gw = Gateway.build(config)
+    server, port = await serve(gw, args.listen)
+    host, _, http_port = args.http_listen.rpartition(":")
+    http, bound = await serve_http(gw, host, int(http_port))
+    print(
+        f"fleet gateway: {gw.spec.name} {gw.spec.revision} on {gw.batcher.primary.device} "
+        f"(CPU replica behind a breaker); gRPC on port {port}, HTTP on port {bound}",
+        flush=True,
+    )
+    await _until_signalled(asyncio.Event())
+    http.close()
+    await gw.batcher.stop()
+    await server.stop(5)
+    return 0
+
+
+def gateway_endpoint(text: str) -> tuple[str, int] | None:
+    """--gateway ADDRESS:PORT ("host" for this host as machines see it); empty: none."""
+    import ipaddress
+
+    if not text:
+        return None
+    host, _, port = text.rpartition(":")
+    try:
+        if host != "host":
+            host = str(ipaddress.IPv4Address(host))
+        return host, int(port)
+    except ValueError:
+        raise SystemExit(f"--gateway {text!r}: expected ADDRESS:PORT or host:PORT") from None
+
+
 async def cmd_agent(args: argparse.Namespace) -> int:
     from fleet.agent.agent import Agent, AgentConfig, default_host_id
     from fleet.agent.capabilities import choose_runtime
@@ -99,6 +148,7 @@ async def cmd_agent(args: argparse.Namespace) -> int:
             images=images,
             slots=args.slots,
             net=net_config(args.egress_uplink, args.egress_dns),
+            gateway=gateway_endpoint(args.gateway),
         )
     )
     print(f"fleet agent: {host_class}-class, runtime {choice.kind} ({choice.reason})", flush=True)
@@ -175,6 +225,7 @@ async def cmd_submit(args: argparse.Namespace) -> int:
         max_attempts=args.max_attempts,
         require_vm=args.require_vm,
         require_cuda_device=args.require_cuda_device,
+        inference=args.inference,
         tenant=args.tenant,
     )
     channel, stub = _stub(args)
@@ -531,6 +582,28 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: first nameserver in /etc/resolv.conf)",
     )  # fmt: skip
 
+    sp.add_argument(
+        "--gateway", default="",
+        help="the inference gateway's HTTP endpoint as machines reach it: ADDRESS:PORT, or "
+        "host:PORT for a gateway on this host (rollouts that use inference need it)",
+    )  # fmt: skip
+
+    sp = add("gateway", cmd_gateway, "run the inference gateway (GPU host)", "info")
+    sp.add_argument("--listen", default="127.0.0.1:50052", help="gRPC address")
+    sp.add_argument(
+        "--http-listen", default="0.0.0.0:50053",
+        help="HTTP address machines call (they reach only it, and only with a rollout token)",
+    )  # fmt: skip
+    sp.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
+    sp.add_argument(
+        "--capacity-mib", type=float, default=0.0,
+        help="primary memory budget (default: the device's, or RAM/4 on CPU)",
+    )  # fmt: skip
+    sp.add_argument("--max-batch", type=int, default=64)
+    sp.add_argument("--max-wait-ms", type=float, default=2.0)
+    sp.add_argument("--max-queue", type=int, default=2048)
+    sp.add_argument("--max-inflight-per-rollout", type=int, default=16)
+
     sp = add("up", cmd_up, "server + 1 gpu-class + 2 cpu-class agents, SQLite, one process", "info")
     sp.add_argument("--listen", default=DEFAULT_SERVER)
     sp.add_argument("--db")
@@ -548,6 +621,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--max-attempts", type=int, default=0)
     sp.add_argument("--require-vm", action="store_true", help="never run on namespace isolation")
     sp.add_argument("--require-cuda-device", action="store_true")
+    sp.add_argument(
+        "--inference", action="store_true",
+        help="its steps call the inference gateway: the machine may reach it, and gets "
+        "FLEET_GATEWAY and a token for this rollout in FLEET_INFERENCE_TOKEN",
+    )  # fmt: skip
     sp.add_argument("--tenant", default="")
     sp.add_argument("--wait", action="store_true", help="watch until it ends, then print it")
     sp.add_argument("-q", "--quiet", action="store_true", help="print only the rollout id")

@@ -9,6 +9,8 @@ FleetError (code: ErrorCode)
 ├── Aborted              stale fencing token
 ├── DeadlineExceeded
 ├── Unavailable          a runtime or dependency is not there (retryable)
+├── Unauthenticated      no or unverifiable credentials (an inference token)
+├── PermissionDenied     a valid credential that does not cover this request
 └── Internal
 
 Foreign exceptions are translated into these once, at the adapter that caught them; the server
@@ -30,6 +32,8 @@ class ErrorCode(enum.StrEnum):
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
     UNAVAILABLE = "UNAVAILABLE"
     CANCELLED = "CANCELLED"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
     INTERNAL = "INTERNAL"
 
 
@@ -87,6 +91,14 @@ class Unavailable(FleetError):
 
 class Cancelled(FleetError):
     code = ErrorCode.CANCELLED
+
+
+class Unauthenticated(FleetError):
+    code = ErrorCode.UNAUTHENTICATED
+
+
+class PermissionDenied(FleetError):
+    code = ErrorCode.PERMISSION_DENIED
 
 
 class Internal(FleetError):

@@ -110,6 +110,10 @@ class SubmitRequest(BaseModel):
     @cached_property
     def body_fingerprint(self) -> str:
         body = self.model_dump(mode="json", exclude={"idempotency_key"})
+        if not body["requirements"]["inference"]:
+            # Added after the first schema: left out when unset, so a body's fingerprint (and
+            # an idempotent retry across an upgrade) does not change.
+            del body["requirements"]["inference"]
         blob = json.dumps(body, sort_keys=True, separators=(",", ":"))
         return "sha256:" + hashlib.sha256(blob.encode()).hexdigest()
 

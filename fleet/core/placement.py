@@ -32,6 +32,8 @@ class Requirements(BaseModel):
 
     isolation: Isolation = Isolation.ANY
     cuda_device: bool = False
+    inference: bool = False
+    """Steps call the inference gateway (the machine may reach it, with a rollout token)."""
 
 
 class HostCapabilities(BaseModel):

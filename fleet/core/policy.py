@@ -431,7 +431,8 @@ def explain(text: str, name: str) -> list[str]:
     out.append("    - any allowlisted name whose DNS answer falls in the floor (DNS rebinding)")
     out.append(
         "  Enforcement: the smol runtime applies this allowlist in the engine; the namespace "
-        "runtime keeps networking off for every machine for now (stricter than this policy)."
+        "runtime gives the machine its own network namespace, an nftables firewall and fleet's "
+        "DNS forwarder. Refused queries and connections are listed by `fleet egress-events`."
     )
     return out
 

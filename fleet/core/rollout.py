@@ -104,6 +104,7 @@ class Assignment(BaseModel):
     fencing_token: int
     lease_expires_at: datetime
     manifest: Manifest
+    inference_token: str = ""
 
 
 class Completion(BaseModel):

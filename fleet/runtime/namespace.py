@@ -89,6 +89,8 @@ class NamespaceMachine:
         self.cgroup = cgroup
         self.net = net
         self.dns = dns
+        self.gateway: tuple[str, int] | None = None
+        """The inference gateway as this machine reaches it (rollouts that use it only)."""
         self._dns_events: list[EgressEvent] = []
         self._name = spec.name
         self._deleted = False
@@ -170,7 +172,10 @@ class NamespaceMachine:
         # bwrap reads the filter from an inherited descriptor; ours closes once it is spawned.
         filt = os.open(self.root / "seccomp.bpf", os.O_RDONLY)
         try:
-            full = self._argv(argv, machine_env(self.spec, env), cwd, filt)
+            environment = machine_env(self.spec, env)
+            if self.gateway is not None:
+                environment["FLEET_GATEWAY"] = f"{self.gateway[0]}:{self.gateway[1]}"
+            full = self._argv(argv, environment, cwd, filt)
             proc = await asyncio.create_subprocess_exec(
                 *full,
                 stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE,
@@ -309,7 +314,7 @@ class NamespaceRuntime:
             shutil.rmtree(root, ignore_errors=True)
             raise
         machine = NamespaceMachine(spec, root, cgroup)
-        if spec.smolfile.egress_requested:
+        if spec.smolfile.egress_requested or spec.gateway is not None:
             try:
                 await self._network(machine)
             except BaseException:
@@ -335,7 +340,12 @@ class NamespaceRuntime:
         (machine.root / "resolv.conf").write_text(f"nameserver {DNS_ADDRESS}\n")
         net = MachineNet(self.net, self.machines_dir, spec.name, name)
         machine.net = net
-        await net.create(rules, spec.gateway)
+        gateway = spec.gateway
+        if gateway is not None and gateway[0] == "host":
+            # This host as the machine sees it: its end of the machine's link.
+            gateway = (net.reserve_link_host(), gateway[1])
+        await net.create(rules, gateway)
+        machine.gateway = gateway
         dns = DnsForwarder(
             spec.name, rules, name, self.net.uplink_path, self.net.dns_upstream, net.admit,
             machine.record,

@@ -248,6 +248,12 @@ class MachineNet:
             return index
         raise PoolExhausted(f"no free link address in {pool}: {slots} machines have egress")
 
+    def reserve_link_host(self) -> str:
+        """Claims the link's addresses now; returns the host's end (what the machine sees)."""
+        if self.index is None:
+            self.index = self._claim_index()
+        return self.link_addresses()[0]
+
     def link_addresses(self) -> tuple[str, str]:
         assert self.index is not None
         base = ipaddress.ip_network(self.config.address_pool).network_address + 4 * self.index
@@ -257,7 +263,8 @@ class MachineNet:
         if self.config.uplink_netns is None:
             await ensure_host_uplink(self.config.address_pool)
         self.rules = rules
-        self.index = await asyncio.to_thread(self._claim_index)
+        if self.index is None:
+            self.index = await asyncio.to_thread(self._claim_index)
         host_ip, machine_ip = self.link_addresses()
         host_if, machine_if = f"fh{self.netns[-10:]}"[:15], f"fm{self.netns[-10:]}"[:15]
         up = self.config.uplink_netns

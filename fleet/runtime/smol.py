@@ -80,6 +80,13 @@ def machine_config(spec: MachineSpec) -> Any:
     network = sf.network
     allow_hosts = list(network.allow_hosts) if network else []
     allow_cidrs = list(network.allow_cidrs) if network else []
+    if spec.gateway is not None:
+        if spec.gateway[0] == "host":
+            raise InvalidArgument(
+                "gateway 'host' names the namespace runtime's link; on smol give the gateway's "
+                "address as the machine reaches it (fleet agent --gateway ADDRESS:PORT)"
+            )
+        allow_cidrs.append(f"{spec.gateway[0]}/32")  # the engine allows addresses, not ports
     egress = bool(sf.net) or bool(allow_hosts or allow_cidrs)
     credentials = []
     for index, cred in enumerate(network.credentials if network else []):

@@ -18,11 +18,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, host_pb2, host_pb2_grpc, types_pb2
+from fleet.core import tokens
 from fleet.core.errors import FailedPrecondition, FleetError, InvalidArgument
 from fleet.core.lifecycle import RolloutState
 from fleet.core.manifest import build_manifest, validate_request
 from fleet.core.placement import unservable_reason
-from fleet.core.rollout import Completion
+from fleet.core.rollout import Assignment, Completion
 from fleet.image.store import ImageStore
 from fleet.ledger.store import Ledger
 from fleet.server import convert
@@ -51,6 +52,8 @@ class ServerConfig:
     """Queued plus running rollouts one tenant may have; more are refused with a retry hint."""
     max_running_per_tenant: int = 0
     """Rollouts of one tenant leased at once across the fleet (0: no limit)."""
+    token_secret: bytes = b""
+    """Signs inference tokens for rollouts that use the gateway (shared with the gateway)."""
 
 
 class Pulse:
@@ -284,6 +287,19 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
             ),
         )
 
+    def _with_token(self, a: Assignment) -> Assignment:
+        """A rollout that uses the gateway gets a token scoped to it, valid to its deadline."""
+        if not a.manifest.requirements.inference:
+            return a
+        secret = self.core.config.token_secret
+        if not secret:
+            raise FailedPrecondition(
+                "this server has no token secret, so it cannot give rollouts that use the "
+                "inference gateway their tokens (see Paths.token_secret)"
+            )
+        token = tokens.issue(secret, a.rollout_id, a.manifest.deadline.timestamp())
+        return a.model_copy(update={"inference_token": token})
+
     @mapped
     async def ClaimWork(
         self, request: host_pb2.ClaimWorkRequest, context: grpc.aio.ServicerContext
@@ -307,7 +323,7 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
             if items:
                 self.core.event_pulse.fire()
                 return host_pb2.ClaimWorkResponse(
-                    items=[convert.assignment_to_pb(a) for a in items]
+                    items=[convert.assignment_to_pb(self._with_token(a)) for a in items]
                 )
             left = give_up - time.monotonic()
             if left <= 0 or context.done():

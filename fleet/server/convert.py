@@ -117,7 +117,11 @@ def submit_from_pb(req: fleet_pb2.SubmitRolloutRequest) -> SubmitRequest:
         ),
         labels=dict(req.labels),
         tenant=req.tenant or "default",
-        requirements=Requirements(isolation=isolation, cuda_device=req.requirements.cuda_device),
+        requirements=Requirements(
+            isolation=isolation,
+            cuda_device=req.requirements.cuda_device,
+            inference=req.requirements.inference,
+        ),
         priority=req.priority,
     )
 
@@ -145,6 +149,7 @@ def manifest_to_pb(m: Manifest) -> types_pb2.Manifest:
         requirements=types_pb2.Requirements(
             isolation=ISOLATION_TO_PB[m.requirements.isolation],
             cuda_device=m.requirements.cuda_device,
+            inference=m.requirements.inference,
         ),
         host_class=HOST_CLASS_TO_PB[m.host_class],
     )
@@ -168,6 +173,7 @@ def manifest_from_pb(m: types_pb2.Manifest) -> Manifest:
         requirements=Requirements(
             isolation=ISOLATION_FROM_PB[m.requirements.isolation],
             cuda_device=m.requirements.cuda_device,
+            inference=m.requirements.inference,
         ),
         host_class=HOST_CLASS_FROM_PB[m.host_class],
     )
@@ -333,6 +339,7 @@ def assignment_to_pb(a: Assignment) -> host_pb2.WorkAssignment:
         fencing_token=a.fencing_token,
         lease_expires_at=ts(a.lease_expires_at),
         manifest=manifest_to_pb(a.manifest),
+        inference_token=a.inference_token,
     )
 
 
@@ -344,6 +351,7 @@ def assignment_from_pb(a: host_pb2.WorkAssignment) -> Assignment:
         fencing_token=a.fencing_token,
         lease_expires_at=from_ts(a.lease_expires_at),
         manifest=manifest_from_pb(a.manifest),
+        inference_token=a.inference_token,
     )
 
 

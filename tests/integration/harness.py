@@ -20,6 +20,7 @@ from fleet.ledger.store import Ledger
 from fleet.runtime.netns import NetConfig
 from fleet.server.app import FleetServer, ServerConfig
 
+SECRET = b"harness-token-secret-0123456789"
 NAMESPACE = RuntimeChoice(RuntimeKind.NAMESPACE, "tests run the namespace runtime")
 FINAL = {
     types_pb2.ROLLOUT_STATE_QUARANTINED,
@@ -40,7 +41,12 @@ class Harness:
     agents: dict[str, tuple[asyncio.Event, asyncio.Task[None]]] = field(default_factory=dict)
 
     async def start_agent(
-        self, host_id: str, host_class: HostClass, slots: int = 2, net: NetConfig | None = None
+        self,
+        host_id: str,
+        host_class: HostClass,
+        slots: int = 2,
+        net: NetConfig | None = None,
+        gateway: tuple[str, int] | None = None,
     ) -> Agent:
         agent = Agent(
             AgentConfig(
@@ -53,6 +59,7 @@ class Harness:
                 slots=slots,
                 claim_wait_s=1.0,
                 net=net,
+                gateway=gateway,
             )
         )
         stop = asyncio.Event()
@@ -119,7 +126,7 @@ async def harness(
         Ledger.sqlite(tmp / "ledger.sqlite3"),
         images,
         "127.0.0.1:0",
-        config or ServerConfig(lease_ttl_s=5, heartbeat_interval_s=0.5),
+        config or ServerConfig(lease_ttl_s=5, heartbeat_interval_s=0.5, token_secret=SECRET),
     )
     await server.start()
     channel = grpc.aio.insecure_channel(server.address)

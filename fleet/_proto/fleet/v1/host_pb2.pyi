@@ -93,20 +93,22 @@ class ClaimWorkRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., host_id: _Optional[str] = ..., max_items: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class WorkAssignment(_message.Message):
-    __slots__ = ("work_id", "rollout_id", "attempt", "fencing_token", "lease_expires_at", "manifest")
+    __slots__ = ("work_id", "rollout_id", "attempt", "fencing_token", "lease_expires_at", "manifest", "inference_token")
     WORK_ID_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    INFERENCE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     work_id: str
     rollout_id: str
     attempt: int
     fencing_token: int
     lease_expires_at: _timestamp_pb2.Timestamp
     manifest: _types_pb2.Manifest
-    def __init__(self, work_id: _Optional[str] = ..., rollout_id: _Optional[str] = ..., attempt: _Optional[int] = ..., fencing_token: _Optional[int] = ..., lease_expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., manifest: _Optional[_Union[_types_pb2.Manifest, _Mapping]] = ...) -> None: ...
+    inference_token: str
+    def __init__(self, work_id: _Optional[str] = ..., rollout_id: _Optional[str] = ..., attempt: _Optional[int] = ..., fencing_token: _Optional[int] = ..., lease_expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., manifest: _Optional[_Union[_types_pb2.Manifest, _Mapping]] = ..., inference_token: _Optional[str] = ...) -> None: ...
 
 class ClaimWorkResponse(_message.Message):
     __slots__ = ("items",)

@@ -1,0 +1,78 @@
+"""Rollout-scoped inference tokens: issued by the fleet server, checked by the gateway.
+
+A token names one rollout and its deadline and is signed with HMAC-SHA256 under a secret the
+server and the gateway share. The gateway refuses a token that is malformed, signed with
+another key, expired, or scoped to a different rollout than the request claims.
+
+Format: `v1.<payload>.<signature>`, both parts unpadded base64url; the payload is compact JSON
+`{"rid": rollout id, "exp": unix seconds}`.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+
+from pydantic import BaseModel, ConfigDict
+
+from fleet.core.errors import PermissionDenied, Unauthenticated
+
+MIN_SECRET_BYTES = 16
+
+
+class TokenClaims(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    rollout_id: str
+    expires_at: float
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def _check_secret(secret: bytes) -> None:
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"token secret must be at least {MIN_SECRET_BYTES} bytes")
+
+
+def issue(secret: bytes, rollout_id: str, expires_at: float) -> str:
+    """A token for `rollout_id`, valid until `expires_at` (the rollout's deadline)."""
+    _check_secret(secret)
+    payload = json.dumps({"rid": rollout_id, "exp": round(expires_at, 3)}, separators=(",", ":"))
+    body = _b64(payload.encode())
+    signature = hmac.new(secret, f"v1.{body}".encode(), hashlib.sha256).digest()
+    return f"v1.{body}.{_b64(signature)}"
+
+
+def verify(secret: bytes, token: str, now: float, rollout_id: str = "") -> TokenClaims:
+    """The token's claims, or Unauthenticated / PermissionDenied saying what is wrong.
+
+    With `rollout_id`, the token must be scoped to that rollout.
+    """
+    _check_secret(secret)
+    if not token:
+        raise Unauthenticated("no inference token: requests need the rollout's token")
+    parts = token.split(".")
+    if len(parts) != 3 or parts[0] != "v1":
+        raise Unauthenticated("malformed inference token (expected v1.<payload>.<signature>)")
+    try:
+        signature = _unb64(parts[2])
+        claims = json.loads(_unb64(parts[1]))
+        rid, exp = str(claims["rid"]), float(claims["exp"])
+    except (ValueError, KeyError, TypeError):
+        raise Unauthenticated("malformed inference token (unreadable payload)") from None
+    expected = hmac.new(secret, f"v1.{parts[1]}".encode(), hashlib.sha256).digest()
+    if not hmac.compare_digest(signature, expected):
+        raise Unauthenticated("inference token signature does not verify (another key?)")
+    if now >= exp:
+        raise PermissionDenied(f"inference token for rollout {rid} expired at its deadline")
+    if rollout_id and rollout_id != rid:
+        raise PermissionDenied(f"inference token is scoped to rollout {rid}, not to {rollout_id}")
+    return TokenClaims(rollout_id=rid, expires_at=exp)

@@ -1,0 +1,1 @@
+"""Small environments for evaluation demos (pure Python, standard library only)."""

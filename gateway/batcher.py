@@ -1,0 +1,329 @@
+"""Dynamic batching with a bounded queue, memory admission, a breaker and CPU failover.
+
+Requests join one queue. A batch starts when `max_batch` requests wait or the oldest has waited
+`max_wait_ms`. Before it runs, admission shrinks it to what the device's memory takes; the rest
+stay queued, first in line. The breaker picks the device: the primary while it is healthy, the
+CPU replica (its own, smaller batches) while it is open. A batch that faults on the primary is
+re-run at once on the replica, so an accepted request is answered, or refused with a resumable
+UNAVAILABLE, and never lost. A full queue refuses at once with RESOURCE_EXHAUSTED and a retry
+hint; requests never time out in a pile.
+
+Answers are kept by (rollout, idempotency key): a retried request gets the stored answer, and
+a duplicate of one still in flight waits for the same answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import structlog
+
+from fleet.core.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+)
+from gateway.admission import admissible
+from gateway.breaker import CircuitBreaker
+from gateway.model import DeviceFault, Runner
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    max_batch: int = 64
+    """Most samples in one primary batch."""
+    max_wait_ms: float = 2.0
+    """How long the oldest request waits for others to join its batch."""
+    max_queue: int = 2048
+    """Queued requests beyond this are refused at once (RESOURCE_EXHAUSTED)."""
+    max_inflight_per_rollout: int = 16
+    """Requests one rollout may have queued or running at once."""
+    fallback_max_batch: int = 16
+    """Most samples in one batch on the CPU replica (its lower concurrency)."""
+    answers_kept: int = 200_000
+    """Answers remembered for idempotent retries (oldest forgotten first)."""
+
+
+@dataclass(frozen=True)
+class Answer:
+    output: list[float]
+    device: str
+    revision: str
+    batch_size: int
+    queue_ms: float
+    degraded: bool
+    replayed: bool = False
+
+
+@dataclass
+class _Pending:
+    rollout_id: str
+    key: tuple[str, str]
+    sample: list[float]
+    deadline: float
+    enqueued: float
+    future: asyncio.Future[Answer]
+
+
+@dataclass
+class Metrics:
+    served: int = 0
+    replayed: int = 0
+    refused_full: int = 0
+    failovers: int = 0
+    degraded: int = 0
+    batches: int = 0
+    batch_sizes: collections.Counter[int] = field(default_factory=collections.Counter)
+    busy_s: float = 0.0
+    started: float = field(default_factory=time.monotonic)
+    shrunk: int = 0
+    oom_faults: int = 0
+
+
+class Batcher:
+    def __init__(
+        self,
+        primary: Runner,
+        fallback: Runner | None,
+        config: BatchConfig | None = None,
+        breaker: CircuitBreaker | None = None,
+    ) -> None:
+        self.primary = primary
+        self.fallback = fallback
+        self.config = config or BatchConfig()
+        self.breaker = breaker or CircuitBreaker()
+        self.metrics = Metrics()
+        self._queue: collections.deque[_Pending] = collections.deque()
+        self._wake = asyncio.Event()
+        self._inflight: dict[str, int] = collections.Counter()
+        self._pending: dict[tuple[str, str], asyncio.Future[Answer]] = {}
+        self._answers: collections.OrderedDict[tuple[str, str], Answer] = collections.OrderedDict()
+        self._task: asyncio.Task[None] | None = None
+        self._rate = 1000.0  # samples/s, updated per batch, for retry hints
+
+    # -- API ----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="batcher")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for item in self._queue:
+            if not item.future.done():
+                item.future.set_exception(
+                    Unavailable("the gateway is shutting down; retry", retry_after_s=1.0)
+                )
+                item.future.exception()  # its caller may be gone: no "never retrieved" noise
+        self._queue.clear()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    def oldest_queued_s(self) -> float:
+        return time.monotonic() - self._queue[0].enqueued if self._queue else 0.0
+
+    async def infer(
+        self, rollout_id: str, idempotency_key: str, sample: list[float], deadline: float
+    ) -> Answer:
+        """The model's output for one sample (see the module docstring for the rules)."""
+        if not idempotency_key:
+            raise InvalidArgument("idempotency_key is empty: every inference request needs one")
+        key = (rollout_id, idempotency_key)
+        stored = self._answers.get(key)
+        if stored is not None:
+            self.metrics.replayed += 1
+            return Answer(**{**stored.__dict__, "replayed": True})
+        running = self._pending.get(key)
+        if running is not None:
+            return await asyncio.shield(running)
+        if len(self._queue) >= self.config.max_queue:
+            self.metrics.refused_full += 1
+            raise ResourceExhausted(
+                f"gateway queue is full ({len(self._queue)} waiting); retry shortly",
+                retry_after_s=round(max(0.01, len(self._queue) / max(self._rate, 1.0)), 3),
+            )
+        if self._inflight[rollout_id] >= self.config.max_inflight_per_rollout:
+            raise ResourceExhausted(
+                f"rollout {rollout_id} has {self._inflight[rollout_id]} inference requests in "
+                f"flight, its limit; wait for one to finish",
+                retry_after_s=0.05,
+            )
+        if time.time() >= deadline:
+            raise DeadlineExceeded("the request's deadline passed before it was queued")
+        future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
+        self._pending[key] = future
+        self._inflight[rollout_id] += 1
+        self._queue.append(_Pending(rollout_id, key, sample, deadline, time.monotonic(), future))
+        self._wake.set()
+        try:
+            return await asyncio.shield(future)
+        finally:
+            self._inflight[rollout_id] -= 1
+            if self._inflight[rollout_id] <= 0:
+                del self._inflight[rollout_id]
+            if self._pending.get(key) is future and future.done():
+                del self._pending[key]
+
+    # -- the batch loop -----------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            if not self._queue:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            oldest = self._queue[0].enqueued
+            wait = oldest + self.config.max_wait_ms / 1000 - time.monotonic()
+            if len(self._queue) < self.config.max_batch and wait > 0:
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), wait)
+                if len(self._queue) < self.config.max_batch and (
+                    oldest + self.config.max_wait_ms / 1000 > time.monotonic()
+                ):
+                    continue
+            try:
+                await self._one_batch()
+            except Exception:  # never let one batch stop the loop
+                log.exception("batch_failed")
+
+    def _take(self, limit: int) -> list[_Pending]:
+        batch: list[_Pending] = []
+        now = time.time()
+        while self._queue and len(batch) < limit:
+            item = self._queue.popleft()
+            if item.future.done():
+                continue
+            if now >= item.deadline:
+                item.future.set_exception(
+                    DeadlineExceeded("the request's deadline passed while it was queued")
+                )
+                continue
+            batch.append(item)
+        return batch
+
+    async def _one_batch(self) -> None:
+        use_primary = self.breaker.use_primary(time.monotonic()) or self.fallback is None
+        runner = self.primary if use_primary else self.fallback
+        assert runner is not None
+        limit = self.config.max_batch if use_primary else self.config.fallback_max_batch
+        wanted = min(limit, len(self._queue))
+        decision = admissible(
+            runner.memory, runner.capacity_bytes, 0, wanted, runner.observed_free_bytes()
+        )
+        if decision.admit == 0:
+            if use_primary and self.fallback is not None:
+                runner, use_primary = self.fallback, False
+                decision = admissible(
+                    runner.memory, runner.capacity_bytes, 0,
+                    min(self.config.fallback_max_batch, wanted), runner.observed_free_bytes(),
+                )  # fmt: skip
+            if decision.admit == 0:
+                for item in self._take(1):
+                    item.future.set_exception(
+                        ResourceExhausted(
+                            f"one sample does not fit in the device's memory: {decision.reason}"
+                        )
+                    )
+                return
+        if decision.admit < wanted:
+            self.metrics.shrunk += 1
+        batch = self._take(decision.admit)
+        if not batch:
+            return
+        answers = await self._execute(runner, batch, degraded=not use_primary)
+        if answers is None and use_primary and self.fallback is not None:
+            self.metrics.failovers += 1
+            answers = await self._execute(self.fallback, batch, degraded=True)
+        if answers is None:
+            why = "inference failed on every device; retry with the same idempotency key"
+            for item in batch:
+                if not item.future.done():
+                    item.future.set_exception(Unavailable(why, retry_after_s=0.5))
+            return
+        for item, answer in zip(batch, answers, strict=True):
+            self._answers[item.key] = answer
+            if len(self._answers) > self.config.answers_kept:
+                self._answers.popitem(last=False)
+            if not item.future.done():
+                item.future.set_result(answer)
+            if self._pending.get(item.key) is item.future:
+                del self._pending[item.key]
+
+    async def _execute(
+        self, runner: Runner, batch: list[_Pending], *, degraded: bool
+    ) -> list[Answer] | None:
+        started = time.monotonic()
+        try:
+            outputs = await asyncio.to_thread(runner.run, [item.sample for item in batch])
+        except DeviceFault as exc:
+            if exc.kind == "oom":
+                self.metrics.oom_faults += 1
+            if runner is self.primary:
+                self.breaker.failure(time.monotonic(), f"{exc.kind}: {exc}")
+            log.warning("batch_fault", device=runner.device, kind=exc.kind, size=len(batch),
+                        error=str(exc), breaker=str(self.breaker.state))  # fmt: skip
+            return None
+        took = time.monotonic() - started
+        if runner is self.primary:
+            self.breaker.success(time.monotonic())
+        self.metrics.batches += 1
+        self.metrics.batch_sizes[len(batch)] += 1
+        self.metrics.busy_s += took
+        self.metrics.served += len(batch)
+        if degraded:
+            self.metrics.degraded += len(batch)
+        self._rate = 0.8 * self._rate + 0.2 * (len(batch) / max(took, 1e-6))
+        device = runner.device + (" (failover)" if degraded else "")
+        return [
+            Answer(
+                output=out, device=device, revision=runner.spec.revision, batch_size=len(batch),
+                queue_ms=(started - item.enqueued) * 1000, degraded=degraded,
+            )
+            for item, out in zip(batch, outputs, strict=True)
+        ]  # fmt: skip
+
+    def metrics_text(self) -> str:
+        """Prometheus text format."""
+        m = self.metrics
+        elapsed = max(1e-9, time.monotonic() - m.started)
+        lines = [
+            "# TYPE fleet_gateway_served_total counter",
+            f"fleet_gateway_served_total {m.served}",
+            "# TYPE fleet_gateway_replayed_total counter",
+            f"fleet_gateway_replayed_total {m.replayed}",
+            "# TYPE fleet_gateway_refused_queue_full_total counter",
+            f"fleet_gateway_refused_queue_full_total {m.refused_full}",
+            "# TYPE fleet_gateway_failovers_total counter",
+            f"fleet_gateway_failovers_total {m.failovers}",
+            "# TYPE fleet_gateway_queue_depth gauge",
+            f"fleet_gateway_queue_depth {self.queue_depth}",
+            "# TYPE fleet_gateway_queue_oldest_seconds gauge",
+            f"fleet_gateway_queue_oldest_seconds {self.oldest_queued_s():.6f}",
+            "# TYPE fleet_gateway_device_busy_fraction gauge",
+            f"fleet_gateway_device_busy_fraction {min(1.0, m.busy_s / elapsed):.4f}",
+            "# TYPE fleet_gateway_breaker_open gauge",
+            f"fleet_gateway_breaker_open {int(str(self.breaker.state) != 'closed')}",
+            "# TYPE fleet_gateway_batch_size histogram",
+        ]
+        cumulative = 0
+        for bound in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            cumulative = sum(n for size, n in m.batch_sizes.items() if size <= bound)
+            lines.append(f'fleet_gateway_batch_size_bucket{{le="{bound}"}} {cumulative}')
+        lines.append(f'fleet_gateway_batch_size_bucket{{le="+Inf"}} {m.batches}')
+        total = sum(size * n for size, n in m.batch_sizes.items())
+        lines += [
+            f"fleet_gateway_batch_size_sum {total}",
+            f"fleet_gateway_batch_size_count {m.batches}",
+        ]
+        return "\n".join(lines) + "\n"

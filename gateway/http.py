@@ -1,0 +1,149 @@
+"""The gateway's HTTP/JSON endpoint: the same Infer call for workloads with only a stdlib.
+
+Machines run the image's python3 without gRPC, so a step calls the gateway with `urllib`:
+
+    POST /v1/infer   {"token", "rollout_id", "idempotency_key", "model", "revision",
+                      "input": [floats], "deadline": unix seconds (optional)}
+      200 {"output", "model", "revision", "device", "batch_size", "queue_ms", "degraded",
+           "replayed"}
+      4xx/5xx {"code", "message"}; 429 and 503 carry Retry-After (seconds, fractional)
+    GET /metrics     Prometheus text
+    GET /healthz     "ok"
+
+HTTP/1.1 with keep-alive; bodies over 1 MiB are refused. Errors map from fleet's codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from typing import Any
+
+import structlog
+
+from fleet.core.errors import ErrorCode, FleetError
+from gateway.service import Gateway
+
+log = structlog.get_logger(__name__)
+
+MAX_BODY_BYTES = 1 << 20
+HTTP_STATUS = {
+    ErrorCode.INVALID_ARGUMENT: 400,
+    ErrorCode.UNAUTHENTICATED: 401,
+    ErrorCode.PERMISSION_DENIED: 403,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.ALREADY_EXISTS: 409,
+    ErrorCode.ABORTED: 409,
+    ErrorCode.FAILED_PRECONDITION: 412,
+    ErrorCode.RESOURCE_EXHAUSTED: 429,
+    ErrorCode.CANCELLED: 499,
+    ErrorCode.INTERNAL: 500,
+    ErrorCode.UNAVAILABLE: 503,
+    ErrorCode.DEADLINE_EXCEEDED: 504,
+}
+REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden",
+           404: "Not Found", 405: "Method Not Allowed", 409: "Conflict",
+           412: "Precondition Failed", 413: "Payload Too Large", 429: "Too Many Requests",
+           499: "Client Closed Request", 500: "Internal Server Error",
+           503: "Service Unavailable", 504: "Gateway Timeout"}  # fmt: skip
+
+
+def _response(status: int, body: bytes, content_type: str, extra: dict[str, str]) -> bytes:
+    head = [f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}",
+            f"Content-Type: {content_type}", f"Content-Length: {len(body)}"]  # fmt: skip
+    head += [f"{k}: {v}" for k, v in extra.items()]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+def _json(status: int, payload: dict[str, Any], extra: dict[str, str] | None = None) -> bytes:
+    return _response(status, json.dumps(payload).encode(), "application/json", extra or {})
+
+
+class HttpEndpoint:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                request_line = await reader.readline()
+                if not request_line:
+                    return
+                method, path, *_ = [*request_line.decode("latin-1").split(), "", ""]
+                headers: dict[str, str] = {}
+                while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+                    key, _, value = line.decode("latin-1").partition(":")
+                    headers[key.strip().lower()] = value.strip()
+                length = int(headers.get("content-length", "0") or 0)
+                if length > MAX_BODY_BYTES:
+                    why = f"body over {MAX_BODY_BYTES} bytes"
+                    writer.write(_json(413, {"code": "RESOURCE_EXHAUSTED", "message": why}))
+                    await writer.drain()
+                    return
+                body = await reader.readexactly(length) if length else b""
+                writer.write(await self._route(method, path, body))
+                await writer.drain()
+                if headers.get("connection", "").lower() == "close":
+                    return
+        except (ConnectionError, asyncio.IncompleteReadError, ValueError):
+            return
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+
+    async def _route(self, method: str, path: str, body: bytes) -> bytes:
+        if path == "/healthz":
+            return _response(200, b"ok", "text/plain", {})
+        if path == "/metrics" and method == "GET":
+            text = self.gateway.batcher.metrics_text().encode()
+            return _response(200, text, "text/plain; version=0.0.4", {})
+        if path != "/v1/infer":
+            return _json(404, {"code": "NOT_FOUND", "message": f"no route {path}"})
+        if method != "POST":
+            return _json(405, {"code": "INVALID_ARGUMENT", "message": "POST /v1/infer"})
+        try:
+            fields = json.loads(body)
+            if not isinstance(fields, dict) or not isinstance(fields.get("input"), list):
+                raise ValueError("expected a JSON object with an 'input' list")
+            values = [float(v) for v in fields["input"]]
+            deadline = fields.get("deadline")
+            answer = await self.gateway.infer(
+                token=str(fields.get("token", "")), rollout_id=str(fields.get("rollout_id", "")),
+                idempotency_key=str(fields.get("idempotency_key", "")),
+                model=str(fields.get("model", "")), revision=str(fields.get("revision", "")),
+                shape=[len(values)], values=values,
+                deadline=float(deadline) if deadline is not None else None,
+            )  # fmt: skip
+        except (ValueError, TypeError) as exc:
+            return _json(400, {"code": "INVALID_ARGUMENT", "message": f"bad request body: {exc}"})
+        except FleetError as exc:
+            extra = {}
+            if exc.retry_after_s is not None:
+                extra["Retry-After"] = f"{exc.retry_after_s:.3f}"
+            return _json(HTTP_STATUS[exc.code], {"code": str(exc.code), "message": exc.message},
+                         extra)  # fmt: skip
+        except Exception:
+            log.exception("http_infer_crashed")
+            return _json(500, {"code": "INTERNAL", "message": "internal error; see the log"})
+        return _json(200, {
+            "output": answer.output, "model": self.gateway.spec.name,
+            "revision": answer.revision, "device": answer.device,
+            "batch_size": answer.batch_size, "queue_ms": answer.queue_ms,
+            "degraded": answer.degraded or answer.replayed, "replayed": answer.replayed,
+        })  # fmt: skip
+
+
+async def serve_http(
+    gateway: Gateway, host: str = "", port: int = 0, sock: Any = None
+) -> tuple[asyncio.Server, int]:
+    """Serves the endpoint on host:port, or on an already bound socket (another netns)."""
+    endpoint = HttpEndpoint(gateway)
+    if sock is not None:
+        server = await asyncio.start_server(endpoint.handle, sock=sock)
+    else:
+        server = await asyncio.start_server(endpoint.handle, host or None, port)
+    bound = server.sockets[0].getsockname()[1]
+    log.info("gateway_http_listening", port=bound)
+    return server, int(bound)

@@ -1,0 +1,196 @@
+"""Models the gateway serves: checksum-verified loading and the torch runner.
+
+The only module (with scripts/train_policy.py) that imports torch. A `Runner` runs one batch on
+one device; the batcher and admission control see only that protocol, so another backend (a
+vLLM server on a real GPU host, say) plugs in without touching them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import tomllib
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from fleet.core.errors import FailedPrecondition, InvalidArgument
+from gateway.admission import MemoryModel
+
+WEIGHTS_DIR = Path(__file__).parent / "weights"
+FLOAT_BYTES = 4
+
+
+class DeviceFault(Exception):
+    """A batch failed on its device: out of memory, a device error, a failed probe."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One shipped model, from `weights/models.toml`."""
+
+    name: str
+    revision: str
+    file: str
+    sha256: str
+    input_dim: int
+    hidden: tuple[int, ...]
+    output_dim: int
+
+    directory: Path = WEIGHTS_DIR
+
+    @property
+    def path(self) -> Path:
+        return self.directory / self.file
+
+
+def model_specs(manifest: Path = WEIGHTS_DIR / "models.toml") -> dict[str, ModelSpec]:
+    """The models a manifest lists; weight files live next to it."""
+    data = tomllib.loads(manifest.read_text())
+    out = {}
+    for name, entry in data.get("model", {}).items():
+        out[name] = ModelSpec(
+            directory=manifest.parent,
+            name=name, revision=entry["revision"], file=entry["file"], sha256=entry["sha256"],
+            input_dim=int(entry["input_dim"]), hidden=tuple(int(h) for h in entry["hidden"]),
+            output_dim=int(entry["output_dim"]),
+        )  # fmt: skip
+    return out
+
+
+def build_network(spec: ModelSpec) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    width = spec.input_dim
+    for hidden in spec.hidden:
+        layers += [nn.Linear(width, hidden), nn.ReLU()]
+        width = hidden
+    layers.append(nn.Linear(width, spec.output_dim))
+    return nn.Sequential(*layers)
+
+
+def load_network(spec: ModelSpec, path: Path | None = None) -> nn.Sequential:
+    """The network with its weights, after checking the file's sha256 against the manifest."""
+    path = path or spec.path
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise FailedPrecondition(f"model {spec.name}: cannot read weights {path}: {exc}") from exc
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != spec.sha256:
+        raise FailedPrecondition(
+            f"model {spec.name}: weights {path.name} have sha256 {digest[:16]}…, the manifest "
+            f"says {spec.sha256[:16]}…; refusing to serve corrupt or substituted weights"
+        )
+    net = build_network(spec)
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    net.load_state_dict(state)
+    net.eval()
+    return net
+
+
+def memory_model(spec: ModelSpec, headroom_bytes: int = 0) -> MemoryModel:
+    """Bytes for weights and, per sample, for the input and every layer's output."""
+    params = 0
+    width = spec.input_dim
+    activations = spec.input_dim
+    for out in (*spec.hidden, spec.output_dim):
+        params += width * out + out
+        activations += out * (2 if out != spec.output_dim else 1)  # linear + relu outputs
+        width = out
+    return MemoryModel(
+        weights_bytes=params * FLOAT_BYTES,
+        activation_bytes_per_sample=activations * FLOAT_BYTES,
+        headroom_bytes=headroom_bytes,
+    )
+
+
+class Runner(Protocol):
+    """Runs batches of one model on one device."""
+
+    device: str
+    spec: ModelSpec
+    memory: MemoryModel
+    capacity_bytes: int
+
+    def run(self, inputs: list[list[float]]) -> list[list[float]]:
+        """Outputs for `inputs`, in order; raises DeviceFault."""
+        ...
+
+    def observed_free_bytes(self) -> int | None:
+        """What the device reports free (CUDA), or None where it cannot tell."""
+        ...
+
+
+class TorchRunner:
+    """A torch model on one device, with a memory budget it enforces like a real device.
+
+    On CUDA, allocation failures surface as DeviceFault("oom"). On the CPU there is no device
+    limit to hit, so the runner holds the batch's activation bytes against `capacity_bytes` and
+    fails the same way when a batch would not fit: that is what admission must prevent.
+    `fault` (tests, benchmarks) is called before each batch and may raise DeviceFault.
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        network: nn.Module,
+        device: str,
+        capacity_bytes: int,
+        fault: Callable[[], None] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.device = device
+        self.memory = memory_model(spec)
+        self.capacity_bytes = capacity_bytes
+        self.fault = fault
+        self._network = network.to(device)
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def observed_free_bytes(self) -> int | None:
+        if self.device.startswith("cuda"):
+            free, _total = torch.cuda.mem_get_info(torch.device(self.device))
+            return int(free)
+        return None
+
+    def run(self, inputs: list[list[float]]) -> list[list[float]]:
+        if self.fault is not None:
+            self.fault()
+        need = self.memory.batch_bytes(len(inputs))
+        with self._lock:
+            if self.memory.weights_bytes + self._held + need > self.capacity_bytes:
+                raise DeviceFault(
+                    "oom",
+                    f"{self.device}: out of memory: batch of {len(inputs)} needs {need} bytes, "
+                    f"{self.capacity_bytes - self.memory.weights_bytes - self._held} free",
+                )
+            self._held += need
+        try:
+            if any(len(sample) != self.spec.input_dim for sample in inputs):
+                raise InvalidArgument(
+                    f"model {self.spec.name} takes {self.spec.input_dim} inputs per sample"
+                )
+            flat = array("f")  # one copy into a packed buffer: far cheaper than nested lists
+            for sample in inputs:
+                flat.extend(sample)
+            x = torch.frombuffer(flat, dtype=torch.float32).view(len(inputs), -1)
+            x = x.to(self.device)
+            with torch.inference_mode():
+                y = self._network(x)
+            return [list(map(float, row)) for row in y.cpu().tolist()]
+        except torch.cuda.OutOfMemoryError as exc:
+            raise DeviceFault("oom", f"{self.device}: {exc}") from exc
+        except RuntimeError as exc:
+            raise DeviceFault("device_error", f"{self.device}: {exc}") from exc
+        finally:
+            with self._lock:
+                self._held -= need

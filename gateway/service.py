@@ -1,0 +1,208 @@
+"""InferenceService over gRPC, plus the gateway's assembly and its Prometheus metrics.
+
+A thin servicer: check the token, the model, the revision and the input, then hand the sample
+to the batcher. Errors leave through fleet's one chokepoint (`fleet.server.status.mapped`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import UTC
+from pathlib import Path
+
+import grpc
+import structlog
+
+from fleet._proto.fleet.v1 import inference_pb2, inference_pb2_grpc
+from fleet.core.errors import FailedPrecondition, InvalidArgument, NotFound
+from fleet.core.tokens import verify
+from fleet.server.status import mapped
+from gateway.batcher import Answer, BatchConfig, Batcher
+from gateway.breaker import CircuitBreaker
+from gateway.model import (
+    WEIGHTS_DIR,
+    DeviceFault,
+    ModelSpec,
+    TorchRunner,
+    load_network,
+    model_specs,
+)
+
+log = structlog.get_logger(__name__)
+
+MAX_REQUEST_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    secret: bytes
+    """Shared with the fleet server, which signs the rollout-scoped tokens."""
+    model: str = "gridworld-policy"
+    models_toml: Path = WEIGHTS_DIR / "models.toml"
+    """The model manifest (name, revision, weight file, sha256, shape)."""
+    device: str = "auto"
+    """Primary device: "auto" (cuda:0 when present, else cpu), "cpu" or "cuda:N"."""
+    capacity_mib: float = 0.0
+    """The primary's memory budget; 0: the device's total (CUDA), a quarter of RAM (CPU)."""
+    fallback_capacity_mib: float = 32.0
+    """The CPU replica's memory budget."""
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    breaker_failures: int = 3
+    breaker_open_s: float = 2.0
+
+
+def _primary_device(choice: str) -> str:
+    import torch
+
+    if choice == "auto":
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+    if choice.startswith("cuda") and not torch.cuda.is_available():
+        raise FailedPrecondition(f"device {choice!r}: no CUDA device here")
+    return choice
+
+
+def _capacity_bytes(device: str, mib: float) -> int:
+    if mib > 0:
+        return int(mib * 1024 * 1024)
+    if device.startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
+    # The CPU has no device limit to read: a quarter of this host's memory by default.
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+
+
+@dataclass
+class Gateway:
+    """One model on a primary device with a CPU replica behind a breaker."""
+
+    config: GatewayConfig
+    spec: ModelSpec
+    batcher: Batcher
+
+    @classmethod
+    def build(cls, config: GatewayConfig, fault_primary: object | None = None) -> Gateway:
+        specs = model_specs(config.models_toml)
+        if config.model not in specs:
+            raise NotFound(f"no model {config.model!r}; shipped: {', '.join(sorted(specs))}")
+        spec = specs[config.model]
+        device = _primary_device(config.device)
+        # Both replicas load the same checksum-verified file.
+        primary = TorchRunner(
+            spec, load_network(spec), device, _capacity_bytes(device, config.capacity_mib),
+            fault=fault_primary,  # type: ignore[arg-type]
+        )  # fmt: skip
+        fallback = TorchRunner(
+            spec, load_network(spec), "cpu", _capacity_bytes("cpu", config.fallback_capacity_mib)
+        )
+        breaker = CircuitBreaker(config.breaker_failures, config.breaker_open_s)
+        log.info("gateway_model_loaded", model=spec.name, revision=spec.revision,
+                 sha256=spec.sha256[:16], device=device, fallback="cpu")  # fmt: skip
+        return cls(config, spec, Batcher(primary, fallback, config.batch, breaker))
+
+    async def infer(
+        self,
+        *,
+        token: str,
+        rollout_id: str,
+        idempotency_key: str,
+        model: str,
+        revision: str,
+        shape: list[int],
+        values: list[float],
+        deadline: float | None,
+    ) -> Answer:
+        """One checked request through the batcher (shared by gRPC and the HTTP endpoint)."""
+        now = time.time()
+        verify(self.config.secret, token, now, rollout_id)
+        if not rollout_id:
+            raise InvalidArgument("rollout_id is empty")
+        if model != self.spec.name:
+            raise NotFound(f"model {model!r} is not served here (serving {self.spec.name})")
+        if revision and revision != self.spec.revision:
+            raise FailedPrecondition(
+                f"model {self.spec.name} revision {revision!r} is not served "
+                f"(serving {self.spec.revision})"
+            )
+        if shape != [self.spec.input_dim] or len(values) != self.spec.input_dim:
+            raise InvalidArgument(
+                f"input: model {self.spec.name} takes one sample of shape "
+                f"[{self.spec.input_dim}], got shape {shape} with {len(values)} values"
+            )
+        return await self.batcher.infer(
+            rollout_id, idempotency_key, values, deadline if deadline is not None else now + 30
+        )
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: ignore[misc]
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    @mapped
+    async def Infer(
+        self, request: inference_pb2.InferRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.InferResponse:
+        deadline = None
+        if request.HasField("deadline"):
+            deadline = request.deadline.ToDatetime(tzinfo=UTC).timestamp()
+        answer = await self.gateway.infer(
+            token=request.token, rollout_id=request.rollout_id,
+            idempotency_key=request.idempotency_key, model=request.model,
+            revision=request.revision, shape=list(request.input.shape),
+            values=list(request.input.values), deadline=deadline,
+        )  # fmt: skip
+        return inference_pb2.InferResponse(
+            output=inference_pb2.Tensor(shape=[len(answer.output)], values=answer.output),
+            model=self.gateway.spec.name, revision=answer.revision, device=answer.device,
+            batch_size=answer.batch_size, queue_ms=answer.queue_ms,
+            degraded=answer.degraded or answer.replayed, replayed=answer.replayed,
+        )  # fmt: skip
+
+    @mapped
+    async def Status(
+        self, request: inference_pb2.GatewayStatusRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.GatewayStatus:
+        gw = self.gateway
+        b = gw.batcher
+        return inference_pb2.GatewayStatus(
+            models=[
+                inference_pb2.ModelInfo(
+                    name=gw.spec.name, revision=gw.spec.revision, sha256=gw.spec.sha256,
+                    primary_device=b.primary.device,
+                )
+            ],
+            breaker=str(b.breaker.state), queue_depth=b.queue_depth,
+            oldest_queued_ms=b.oldest_queued_s() * 1000, served=b.metrics.served,
+            failovers=b.metrics.failovers, oom_faults=b.metrics.oom_faults,
+        )  # fmt: skip
+
+
+async def serve(gateway: Gateway, listen: str) -> tuple[grpc.aio.Server, int]:
+    """Starts the batcher and a gRPC server on `listen` (port 0 picks one); returns both."""
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+            ("grpc.max_send_message_length", MAX_REQUEST_BYTES),
+        ]
+    )
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(gateway), server)
+    port = server.add_insecure_port(listen)
+    gateway.batcher.start()
+    await server.start()
+    log.info("gateway_listening", address=listen.rsplit(":", 1)[0] + f":{port}")
+    return server, port
+
+
+def failing(kind: str = "device_error") -> object:
+    """A fault hook for tests and benchmarks: while `.on`, every primary batch fails."""
+
+    class Fault:
+        on = False
+
+        def __call__(self) -> None:
+            if self.on:
+                raise DeviceFault(kind, f"injected {kind}")
+
+    return Fault()

@@ -1,0 +1,360 @@
+"""The gateway benchmark behind scripts/bench-gateway. Prints one table, side by side.
+
+Gateways run in their own processes and are called over gRPC on loopback by asyncio clients
+in this one. Parts:
+
+1. samples/s with 64 concurrent clients, batched vs one sample per batch; p50 latency of a lone
+   request with and without batching (what batching adds when there is nothing to batch).
+2. offered load from 0.5x to 3x of the device's memory capacity (in samples that fit at once):
+   out-of-memory batch failures, and refusals at loads below 0.9x (false refusals).
+3. a fault injected into the primary device under load: time to the first answer served by the
+   CPU replica, and requests lost (no answer even after resumable refusals were retried).
+4. trajectories/s of gridworld episodes: 64 concurrent episodes through the gateway vs a
+   synchronous loop calling the same model in-process, one action at a time; the control plane's
+   cost per action (a lone gRPC request's p50 minus the bare model call's p50).
+
+The benchmark model is an MLP with the shipped policy's input and output (147 -> 4096 -> 4096 ->
+4, random weights written to a temporary directory with their sha256, loaded by the same
+checksum-verifying code): big enough that batching has something to amortize on a CPU. The
+shipped policy is too small for that; its figures are in the last row for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import io
+import json
+import logging
+import multiprocessing as mp
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import grpc  # noqa: E402
+import structlog  # noqa: E402
+
+from fleet._proto.fleet.v1 import inference_pb2, inference_pb2_grpc  # noqa: E402
+from fleet.core.tokens import issue  # noqa: E402
+from fleet.envs.gridworld import GridWorld, argmax  # noqa: E402
+
+SECRET = b"bench-secret-0123456789"
+BENCH_MODEL = "bench-mlp"
+CLIENTS = 64
+
+
+def quiet() -> None:
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+
+
+def make_bench_model(directory: Path) -> Path:
+    import torch
+
+    from gateway.model import ModelSpec, build_network
+
+    torch.manual_seed(0)
+    spec = ModelSpec(
+        name=BENCH_MODEL, revision="bench", file="bench-mlp.pt", sha256="", input_dim=147,
+        hidden=(4096, 4096), output_dim=4,
+    )  # fmt: skip
+    buffer = io.BytesIO()
+    torch.save(build_network(spec).state_dict(), buffer)
+    (directory / spec.file).write_bytes(buffer.getvalue())
+    digest = hashlib.sha256(buffer.getvalue()).hexdigest()
+    manifest = directory / "models.toml"
+    manifest.write_text(
+        f'[model.{BENCH_MODEL}]\nrevision = "bench"\nfile = "{spec.file}"\nsha256 = "{digest}"\n'
+        "input_dim = 147\nhidden = [4096, 4096]\noutput_dim = 4\n"
+    )
+    return manifest
+
+
+def _gateway_main(settings: dict[str, Any], port: Any, fault: Any) -> None:
+    quiet()
+    import torch
+
+    torch.set_num_threads(1)  # one core for the device, one for the clients
+    from gateway.batcher import BatchConfig
+    from gateway.model import DeviceFault
+    from gateway.service import Gateway, GatewayConfig, serve
+
+    def hook() -> None:
+        if fault.value:
+            raise DeviceFault("device_error", "injected device error")
+
+    async def main() -> None:
+        config = GatewayConfig(
+            secret=SECRET, model=settings["model"], models_toml=Path(settings["manifest"]),
+            device="cpu", capacity_mib=settings.get("capacity_mib", 0.0),
+            fallback_capacity_mib=512.0, batch=BatchConfig(**settings["batch"]),
+            breaker_failures=2, breaker_open_s=60.0,
+        )  # fmt: skip
+        gw = Gateway.build(config, fault_primary=hook)
+        _, bound = await serve(gw, "127.0.0.1:0")
+        port.value = bound
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+class GatewayProc:
+    def __init__(self, **settings: Any) -> None:
+        ctx = mp.get_context("spawn")
+        self.port = ctx.Value("i", 0)
+        self.fault = ctx.Value("b", False)
+        self.proc = ctx.Process(
+            target=_gateway_main, args=(settings, self.port, self.fault), daemon=True
+        )
+
+    def __enter__(self) -> GatewayProc:
+        self.proc.start()
+        deadline = time.monotonic() + 120
+        while self.port.value == 0:
+            if time.monotonic() > deadline or not self.proc.is_alive():
+                raise RuntimeError("benchmark gateway did not start")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.kill()
+        self.proc.join(10)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port.value}"
+
+
+def _request(model: str, rollout: str, key: str, sample: list[float]) -> Any:
+    return inference_pb2.InferRequest(
+        token=issue(SECRET, rollout, time.time() + 3600), rollout_id=rollout, request_id=key,
+        idempotency_key=key, model=model,
+        input=inference_pb2.Tensor(shape=[len(sample)], values=sample),
+    )  # fmt: skip
+
+
+async def hammer(
+    address: str, model: str, clients: int, per_client: int, tag: str,
+    retry_resumable: bool = False,
+) -> dict[str, Any]:  # fmt: skip
+    """`clients` concurrent callers, `per_client` sequential requests each."""
+    samples = [GridWorld(seed).observation() for seed in range(16)]
+    latencies: list[float] = []
+    codes: dict[str, int] = {}
+    degraded_at: list[float] = []
+    lost = 0
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = inference_pb2_grpc.InferenceServiceStub(channel)
+
+        async def client(c: int) -> None:
+            nonlocal lost
+            for i in range(per_client):
+                request = _request(model, f"{tag}-r{c}", f"{tag}-{c}-{i}", samples[i % 16])
+                for _attempt in range(20 if retry_resumable else 1):
+                    started = time.perf_counter()
+                    try:
+                        reply = await stub.Infer(request)
+                    except grpc.aio.AioRpcError as exc:
+                        codes[exc.code().name] = codes.get(exc.code().name, 0) + 1
+                        resumable = exc.code() in (
+                            grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED
+                        )  # fmt: skip
+                        if retry_resumable and resumable:
+                            await asyncio.sleep(0.01)
+                            continue
+                        if retry_resumable:
+                            lost += 1
+                        break
+                    latencies.append(time.perf_counter() - started)
+                    if reply.degraded:
+                        degraded_at.append(time.monotonic())
+                    break
+                else:
+                    lost += 1
+
+        started = time.perf_counter()
+        await asyncio.gather(*(client(c) for c in range(clients)))
+        elapsed = time.perf_counter() - started
+    return {
+        "answered": len(latencies), "elapsed": elapsed, "codes": codes, "lost": lost,
+        "rate": len(latencies) / elapsed, "degraded_at": degraded_at,
+        "p50_ms": statistics.median(latencies) * 1000 if latencies else float("nan"),
+    }  # fmt: skip
+
+
+async def status(address: str) -> Any:
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await inference_pb2_grpc.InferenceServiceStub(channel).Status(
+            inference_pb2.GatewayStatusRequest()
+        )
+
+
+async def pipeline(address: str, model: str, episodes: int, concurrency: int) -> tuple[float, int]:
+    """Trajectories/s with `concurrency` episodes in flight, each action from the gateway."""
+    actions = 0
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = inference_pb2_grpc.InferenceServiceStub(channel)
+        todo = list(range(episodes))
+
+        async def worker() -> None:
+            nonlocal actions
+            while todo:
+                seed = todo.pop()
+                env, done, step = GridWorld(seed), False, 0
+                while not done:
+                    key = f"ep{seed}-{step}"
+                    reply = await stub.Infer(_request(model, f"ep{seed}", key, env.observation()))
+                    _, done = env.step(argmax(list(reply.output.values)))
+                    step += 1
+                    actions += 1
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return episodes / (time.perf_counter() - started), actions
+
+
+def synchronous(manifest: Path, model: str, episodes: int) -> tuple[float, float]:
+    """Trajectories/s of the plain loop: step, call the model in-process, repeat."""
+    import torch
+
+    from gateway.model import load_network, model_specs
+
+    torch.set_num_threads(1)
+    net = load_network(model_specs(manifest)[model])
+    started = time.perf_counter()
+    calls = []
+    for seed in range(episodes):
+        env, done = GridWorld(seed), False
+        while not done:
+            t = time.perf_counter()
+            with torch.inference_mode():
+                logits = net(torch.tensor([env.observation()]))[0].tolist()
+            calls.append(time.perf_counter() - t)
+            _, done = env.step(argmax(logits))
+    return episodes / (time.perf_counter() - started), statistics.median(calls) * 1000
+
+
+def model_ceiling(manifest: Path, model: str, batch: int) -> float:
+    """Samples/s of the bare model on one thread at `batch` (what the device alone allows)."""
+    import torch
+
+    from gateway.model import load_network, model_specs
+
+    torch.set_num_threads(1)
+    net = load_network(model_specs(manifest)[model])
+    x = torch.randn(batch, 147)
+    with torch.inference_mode():
+        net(x)
+        started = time.perf_counter()
+        for _ in range(5):
+            net(x)
+    return 5 * batch / (time.perf_counter() - started)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="small counts: done in under 60 s")
+    parser.add_argument("--json", action="store_true", help="last line: one JSON object")
+    args = parser.parse_args()
+    quiet()
+    per_client, episodes, lone = (8, 64, 40) if args.quick else (40, 256, 200)
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="fleet-bench-gw-") as tmp:
+        manifest = make_bench_model(Path(tmp))
+        common = {"model": BENCH_MODEL, "manifest": str(manifest)}
+        batched_cfg = {"max_batch": 64, "max_wait_ms": 1.0, "max_queue": 4096,
+                       "max_inflight_per_rollout": 64}  # fmt: skip
+        with GatewayProc(**common, batch={**batched_cfg, "max_batch": 1}) as one:
+            lone_single = asyncio.run(hammer(one.address, BENCH_MODEL, 1, lone, "ls"))
+            single = asyncio.run(hammer(one.address, BENCH_MODEL, CLIENTS, per_client, "s"))
+        with GatewayProc(**common, batch=batched_cfg) as gw:
+            lone_batched = asyncio.run(hammer(gw.address, BENCH_MODEL, 1, lone, "lb"))
+            batched = asyncio.run(hammer(gw.address, BENCH_MODEL, CLIENTS, per_client, "b"))
+            traj_s, actions = asyncio.run(pipeline(gw.address, BENCH_MODEL, episodes, 64))
+            # (3) failover under load: fault at t0, first CPU-served answer after it.
+            async def failover() -> tuple[dict[str, Any], float]:
+                load = asyncio.create_task(
+                    hammer(gw.address, BENCH_MODEL, 32, per_client * 2, "f", True)
+                )
+                await asyncio.sleep(0.5)
+                t0 = time.monotonic()
+                gw.fault.value = True
+                result = await load
+                after = [t for t in result["degraded_at"] if t >= t0]
+                return result, (min(after) - t0) if after else float("inf")
+
+            fail, failover_s = asyncio.run(failover())
+            gw_status = asyncio.run(status(gw.address))
+        sync_traj_s, _ = synchronous(manifest, BENCH_MODEL, max(16, episodes // 4))
+        ceiling = model_ceiling(manifest, BENCH_MODEL, 64)
+        # The control plane's own cost: the shipped policy is so small that a lone request's
+        # time through the gateway is nearly all RPC, token check and batcher.
+        shipped = {"model": "gridworld-policy", "manifest": str(REPO / "gateway/weights/models.toml")}
+        with GatewayProc(**shipped, batch={**batched_cfg, "max_batch": 1}) as small:
+            lone_small = asyncio.run(hammer(small.address, "gridworld-policy", 1, lone, "sm"))
+        _, model_p50 = synchronous(REPO / "gateway/weights/models.toml", "gridworld-policy", 16)
+        # (2) memory: capacity for 64 samples at once; offered load 0.5x .. 3x of that.
+        from gateway.model import memory_model, model_specs
+
+        mem = memory_model(model_specs(manifest)[BENCH_MODEL])
+        capacity = (mem.weights_bytes + 64 * mem.activation_bytes_per_sample) / 2**20
+        loads: dict[float, dict[str, Any]] = {}
+        with GatewayProc(**common, batch={**batched_cfg, "max_batch": 256},
+                         capacity_mib=capacity) as mgw:  # fmt: skip
+            for factor in (0.5, 0.75, 1.0, 1.5, 2.0, 3.0):
+                loads[factor] = asyncio.run(
+                    hammer(mgw.address, BENCH_MODEL, int(64 * factor), per_client, f"m{factor}")
+                )
+            mem_status = asyncio.run(status(mgw.address))
+        below = [r for f, r in loads.items() if f < 0.9]
+        refused_below = sum(sum(r["codes"].values()) for r in below)
+        offered_below = sum(r["answered"] + sum(r["codes"].values()) for r in below)
+    overhead = lone_small["p50_ms"] - model_p50
+    out = {
+        "batching_gain": batched["rate"] / single["rate"],
+        "oom_failures": int(mem_status.oom_faults),
+        "false_refusal_rate": refused_below / max(1, offered_below),
+        "failover_s": failover_s,
+        "lost_requests": fail["lost"],
+        "pipeline_gain": traj_s / sync_traj_s,
+        "overhead_ms_per_action": overhead,
+    }
+    w = 58
+    print(f"{'':<{w}}{'fleet':>12}{'baseline':>12}{'ratio':>9}")
+    print(f"{'(1) samples/s, 64 clients: batched vs one per batch':<{w}}"
+          f"{batched['rate']:>12.0f}{single['rate']:>12.0f}{out['batching_gain']:>8.1f}x")  # fmt: skip
+    print(f"{'    p50 ms of a lone request: batched vs unbatched':<{w}}"
+          f"{lone_batched['p50_ms']:>12.2f}{lone_single['p50_ms']:>12.2f}"
+          f"{lone_batched['p50_ms'] - lone_single['p50_ms']:>+8.2f}ms")  # fmt: skip
+    print(f"{'    the bare model, batches of 64, same thread budget':<{w}}{ceiling:>12.0f}"
+          f"{'':>12}{batched['rate'] / ceiling:>8.2f} of it")  # fmt: skip
+    print(f"    p50 at 64 clients: {batched['p50_ms']:.1f} ms batched, {single['p50_ms']:.1f} ms "
+          f"one per batch; the gateway answered {gw_status.served} samples")
+    for factor, r in loads.items():
+        refused = sum(r["codes"].values())
+        print(f"{f'(2) load {factor:g}x memory capacity: answered / refused':<{w}}"
+              f"{r['answered']:>12}{refused:>12}")  # fmt: skip
+    print(f"{'    out-of-memory batch failures (all loads)':<{w}}{out['oom_failures']:>12}")
+    print(f"{'    false refusal rate below 0.9x':<{w}}{out['false_refusal_rate']:>12.3f}")
+    print(f"{'(3) fault on the primary: s to first CPU-served answer':<{w}}{failover_s:>12.3f}")
+    print(f"{'    requests lost / answered under the fault':<{w}}{fail['lost']:>12}"
+          f"{fail['answered']:>12}")  # fmt: skip
+    print(f"{'(4) trajectories/s: pipeline (64 episodes) vs synchronous':<{w}}"
+          f"{traj_s:>12.1f}{sync_traj_s:>12.1f}{out['pipeline_gain']:>8.1f}x")  # fmt: skip
+    print(f"{'    ms per action (shipped policy): via gateway vs bare call':<{w}}"
+          f"{lone_small['p50_ms']:>12.2f}{model_p50:>12.2f}{overhead:>+8.2f}ms")  # fmt: skip
+    print(f"(CPU only, torch 1 thread in the gateway; model {BENCH_MODEL} 147-4096-4096-4; "
+          f"{actions} actions in the pipeline run)")
+    if args.json:
+        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

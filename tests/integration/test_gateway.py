@@ -1,0 +1,281 @@
+"""The inference gateway: real torch, the shipped weights, a real in-process gRPC server."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import pytest
+import torch
+
+from fleet._proto.fleet.v1 import inference_pb2, inference_pb2_grpc
+from fleet.core.errors import FailedPrecondition
+from fleet.core.tokens import issue
+from fleet.envs.gridworld import GridWorld
+from gateway.batcher import BatchConfig
+from gateway.model import DeviceFault, load_network, model_specs
+from gateway.service import Gateway, GatewayConfig, failing, serve
+
+SECRET = b"s" * 32
+MODEL = "gridworld-policy"
+T = TypeVar("T")
+
+
+def go(coro: Awaitable[T]) -> T:
+    return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+class Client:
+    def __init__(self, stub: inference_pb2_grpc.InferenceServiceStub, gateway: Gateway) -> None:
+        self.stub = stub
+        self.gateway = gateway
+
+    def request(
+        self, rollout: str, key: str, sample: list[float], token: str | None = None
+    ) -> inference_pb2.InferRequest:
+        return inference_pb2.InferRequest(
+            token=issue(SECRET, rollout, time.time() + 60) if token is None else token,
+            rollout_id=rollout, request_id=key, idempotency_key=key, model=MODEL,
+            input=inference_pb2.Tensor(shape=[len(sample)], values=sample),
+        )  # fmt: skip
+
+    async def infer(self, rollout: str, key: str, sample: list[float]) -> Any:
+        return await self.stub.Infer(self.request(rollout, key, sample))
+
+
+@asynccontextmanager
+async def gateway(fault: Any = None, **overrides: Any) -> AsyncIterator[Client]:
+    config = replace(GatewayConfig(secret=SECRET, device="cpu"), **overrides)
+    gw = Gateway.build(config, fault_primary=fault)
+    server, port = await serve(gw, "127.0.0.1:0")
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield Client(inference_pb2_grpc.InferenceServiceStub(channel), gw)
+    finally:
+        await channel.close()
+        await gw.batcher.stop()
+        await server.stop(None)
+
+
+def observations(n: int) -> list[list[float]]:
+    return [GridWorld(seed).observation() for seed in range(n)]
+
+
+def reference(samples: list[list[float]]) -> list[list[float]]:
+    net = load_network(model_specs()[MODEL])
+    with torch.inference_mode():
+        out: list[list[float]] = net(torch.tensor(samples)).tolist()
+        return out
+
+
+def test_concurrent_requests_are_batched_and_answered_exactly() -> None:
+    """64 concurrent callers share batches; each gets the same output as an unbatched model."""
+    samples = observations(64)
+
+    async def body() -> list[Any]:
+        async with gateway(batch=BatchConfig(max_batch=32, max_wait_ms=20)) as c:
+            return await asyncio.gather(
+                *(c.infer(f"r-{i % 4}", f"k{i}", s) for i, s in enumerate(samples))
+            )
+
+    replies = go(body())
+    expected = reference(samples)
+    assert max(r.batch_size for r in replies) > 1
+    assert all(r.batch_size <= 32 and r.device == "cpu" and not r.degraded for r in replies)
+    for reply, want in zip(replies, expected, strict=True):
+        assert list(reply.output.shape) == [4]
+        assert reply.output.values == pytest.approx(want, abs=1e-5)
+
+
+def test_a_full_queue_refuses_at_once_with_a_retry_hint() -> None:
+    """Over max_queue: RESOURCE_EXHAUSTED immediately; everything accepted is still answered."""
+
+    def slow() -> None:
+        time.sleep(0.3)
+
+    async def body() -> tuple[list[Any], float]:
+        config = BatchConfig(max_batch=2, max_wait_ms=1, max_queue=4)
+        async with gateway(fault=slow, batch=config) as c:
+            started = time.monotonic()
+            replies = await asyncio.gather(
+                *(c.infer(f"r-{i}", "k", s) for i, s in enumerate(observations(12))),
+                return_exceptions=True,
+            )
+            return replies, time.monotonic() - started
+
+    replies, _ = go(body())
+    refused = [r for r in replies if isinstance(r, grpc.aio.AioRpcError)]
+    answered = [r for r in replies if not isinstance(r, Exception)]
+    assert refused and answered and len(refused) + len(answered) == 12
+    for error in refused:
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "queue is full" in (error.details() or "")
+        hints = dict(error.trailing_metadata() or ())
+        assert float(hints["retry-after-s"]) > 0
+
+
+def test_one_rollout_cannot_hold_more_than_its_in_flight_cap() -> None:
+    def slow() -> None:
+        time.sleep(0.2)
+
+    async def body() -> list[Any]:
+        config = BatchConfig(max_batch=1, max_wait_ms=1, max_inflight_per_rollout=2)
+        async with gateway(fault=slow, batch=config) as c:
+            return await asyncio.gather(
+                *(c.infer("r-greedy", f"k{i}", s) for i, s in enumerate(observations(5))),
+                return_exceptions=True,
+            )
+
+    replies = go(body())
+    refused = [r for r in replies if isinstance(r, grpc.aio.AioRpcError)]
+    assert len(refused) == 3
+    assert all("in flight" in (e.details() or "") for e in refused)
+
+
+def test_admission_shrinks_batches_to_the_memory_budget_without_oom() -> None:
+    """A budget for ~5 samples: batches never exceed it and no batch faults for memory."""
+    spec = model_specs()[MODEL]
+    from gateway.model import memory_model
+
+    mem = memory_model(spec)
+    budget = mem.weights_bytes + 5 * mem.activation_bytes_per_sample
+
+    async def body() -> tuple[list[Any], Gateway]:
+        async with gateway(
+            capacity_mib=budget / 2**20, batch=BatchConfig(max_batch=64, max_wait_ms=20)
+        ) as c:
+            replies = await asyncio.gather(
+                *(c.infer(f"r-{i}", "k", s) for i, s in enumerate(observations(40)))
+            )
+            return list(replies), c.gateway
+
+    replies, gw = go(body())
+    assert max(r.batch_size for r in replies) == 5
+    assert all(not r.degraded for r in replies)
+    assert gw.batcher.metrics.failovers == 0 and gw.batcher.metrics.shrunk > 0
+
+
+def test_faults_open_the_breaker_and_fail_over_without_losing_requests() -> None:
+    """A failing primary: every request is answered by the CPU replica; probes close it again."""
+    fault = failing("device_error")
+
+    async def body() -> tuple[list[Any], list[Any], Any]:
+        async with gateway(
+            fault=fault, breaker_failures=2, breaker_open_s=0.2,
+            batch=BatchConfig(max_batch=8, max_wait_ms=5),
+        ) as c:  # fmt: skip
+            fault.on = True  # type: ignore[attr-defined]
+            during = await asyncio.gather(
+                *(c.infer(f"r-{i}", "a", s) for i, s in enumerate(observations(30)))
+            )
+            assert str(c.gateway.batcher.breaker.state) == "open"
+            fault.on = False  # type: ignore[attr-defined]
+            await asyncio.sleep(0.3)
+            after = [await c.infer("r", f"b{i}", s) for i, s in enumerate(observations(3))]
+            return list(during), after, c.gateway.batcher
+
+    during, after, batcher = go(body())
+    assert len(during) == 30
+    assert all(r.degraded and r.device == "cpu (failover)" for r in during)
+    assert batcher.metrics.failovers >= 1
+    assert all(not r.degraded and r.device == "cpu" for r in after)
+    assert str(batcher.breaker.state) == "closed"
+    expected = reference(observations(30))
+    for reply, want in zip(during, expected, strict=True):
+        assert reply.output.values == pytest.approx(want, abs=1e-5)
+
+
+def test_a_retried_request_gets_the_stored_answer() -> None:
+    """Same rollout and idempotency key: the first answer again, marked replayed."""
+
+    async def body() -> tuple[Any, Any, Any]:
+        async with gateway() as c:
+            sample = observations(1)[0]
+            first = await c.infer("r-1", "step-7", sample)
+            again = await c.infer("r-1", "step-7", sample)
+            other = await c.infer("r-2", "step-7", sample)  # keys are per rollout
+            return first, again, other
+
+    first, again, other = go(body())
+    assert again.output.values == first.output.values and again.replayed
+    assert not first.replayed and not other.replayed
+
+
+@pytest.mark.parametrize(
+    ("token", "code", "text"),
+    [
+        (lambda: issue(SECRET, "r-other", time.time() + 60), "PERMISSION_DENIED", "scoped"),
+        (lambda: issue(SECRET, "r-1", time.time() - 1), "PERMISSION_DENIED", "expired"),
+        (lambda: issue(b"x" * 32, "r-1", time.time() + 60), "UNAUTHENTICATED", "signature"),
+        (lambda: "", "UNAUTHENTICATED", "no inference token"),
+    ],
+)
+def test_tokens_are_scoped_to_one_rollout_and_its_deadline(
+    token: Callable[[], str], code: str, text: str
+) -> None:
+    async def body() -> grpc.aio.AioRpcError:
+        async with gateway() as c:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await c.stub.Infer(c.request("r-1", "k", observations(1)[0], token=token()))
+            return info.value
+
+    error = go(body())
+    assert error.code().name == code and text in (error.details() or "")
+
+
+def test_malformed_requests_are_refused_saying_what() -> None:
+    async def body() -> list[tuple[str, str]]:
+        out = []
+        async with gateway() as c:
+            good = c.request("r-1", "k", observations(1)[0])
+            bad = [
+                inference_pb2.InferRequest(**{**_fields(good), "model": "gpt-17"}),
+                inference_pb2.InferRequest(**{**_fields(good), "revision": "v9"}),
+                inference_pb2.InferRequest(
+                    **{**_fields(good), "input": inference_pb2.Tensor(shape=[3], values=[1, 2, 3])}
+                ),
+                inference_pb2.InferRequest(**{**_fields(good), "idempotency_key": ""}),
+            ]
+            for request in bad:
+                try:
+                    await c.stub.Infer(request)
+                except grpc.aio.AioRpcError as exc:
+                    out.append((exc.code().name, exc.details() or ""))
+        return out
+
+    errors = go(body())
+    assert [code for code, _ in errors] == [
+        "NOT_FOUND", "FAILED_PRECONDITION", "INVALID_ARGUMENT", "INVALID_ARGUMENT"
+    ]  # fmt: skip
+    assert "gpt-17" in errors[0][1] and "v9" in errors[1][1]
+    assert "shape [147]" in errors[2][1] and "idempotency_key" in errors[3][1]
+
+
+def _fields(request: inference_pb2.InferRequest) -> dict[str, Any]:
+    return {f.name: v for f, v in request.ListFields()}
+
+
+def test_corrupt_weights_are_refused_before_loading(tmp_path: Path) -> None:
+    spec = model_specs()[MODEL]
+    bad = tmp_path / spec.file
+    shutil.copy(spec.path, bad)
+    with bad.open("r+b") as handle:
+        handle.seek(100)
+        handle.write(b"\x00\x01\x02")
+    with pytest.raises(FailedPrecondition, match="sha256"):
+        load_network(spec, bad)
+
+
+def test_runner_faults_instead_of_allocating_past_its_budget() -> None:
+    """The CPU runner holds batches to its budget the way a device would: an OOM fault."""
+    gw = Gateway.build(GatewayConfig(secret=SECRET, device="cpu", capacity_mib=0.2))
+    with pytest.raises(DeviceFault) as info:
+        gw.batcher.primary.run(observations(1) * 2000)
+    assert info.value.kind == "oom"
