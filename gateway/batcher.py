@@ -310,6 +310,8 @@ class Batcher:
             f"fleet_gateway_queue_depth {self.queue_depth}",
             "# TYPE fleet_gateway_queue_oldest_seconds gauge",
             f"fleet_gateway_queue_oldest_seconds {self.oldest_queued_s():.6f}",
+            "# TYPE fleet_gateway_device_seconds_total counter",
+            f"fleet_gateway_device_seconds_total {m.busy_s:.6f}",
             "# TYPE fleet_gateway_device_busy_fraction gauge",
             f"fleet_gateway_device_busy_fraction {min(1.0, m.busy_s / elapsed):.4f}",
             "# TYPE fleet_gateway_breaker_open gauge",

@@ -16,13 +16,13 @@ HTTP/1.1 with keep-alive; bodies over 1 MiB are refused. Errors map from fleet's
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from typing import Any
 
 import structlog
 
 from fleet.core.errors import ErrorCode, FleetError
+from fleet.httpd import connection_handler, reply
 from gateway.service import Gateway
 
 log = structlog.get_logger(__name__)
@@ -42,63 +42,22 @@ HTTP_STATUS = {
     ErrorCode.UNAVAILABLE: 503,
     ErrorCode.DEADLINE_EXCEEDED: 504,
 }
-REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden",
-           404: "Not Found", 405: "Method Not Allowed", 409: "Conflict",
-           412: "Precondition Failed", 413: "Payload Too Large", 429: "Too Many Requests",
-           499: "Client Closed Request", 500: "Internal Server Error",
-           503: "Service Unavailable", 504: "Gateway Timeout"}  # fmt: skip
-
-
-def _response(status: int, body: bytes, content_type: str, extra: dict[str, str]) -> bytes:
-    head = [f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}",
-            f"Content-Type: {content_type}", f"Content-Length: {len(body)}"]  # fmt: skip
-    head += [f"{k}: {v}" for k, v in extra.items()]
-    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
 def _json(status: int, payload: dict[str, Any], extra: dict[str, str] | None = None) -> bytes:
-    return _response(status, json.dumps(payload).encode(), "application/json", extra or {})
+    return reply(status, json.dumps(payload).encode(), "application/json", extra)
 
 
 class HttpEndpoint:
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
 
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                request_line = await reader.readline()
-                if not request_line:
-                    return
-                method, path, *_ = [*request_line.decode("latin-1").split(), "", ""]
-                headers: dict[str, str] = {}
-                while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
-                    key, _, value = line.decode("latin-1").partition(":")
-                    headers[key.strip().lower()] = value.strip()
-                length = int(headers.get("content-length", "0") or 0)
-                if length > MAX_BODY_BYTES:
-                    why = f"body over {MAX_BODY_BYTES} bytes"
-                    writer.write(_json(413, {"code": "RESOURCE_EXHAUSTED", "message": why}))
-                    await writer.drain()
-                    return
-                body = await reader.readexactly(length) if length else b""
-                writer.write(await self._route(method, path, body))
-                await writer.drain()
-                if headers.get("connection", "").lower() == "close":
-                    return
-        except (ConnectionError, asyncio.IncompleteReadError, ValueError):
-            return
-        finally:
-            writer.close()
-            with contextlib.suppress(ConnectionError):
-                await writer.wait_closed()
-
-    async def _route(self, method: str, path: str, body: bytes) -> bytes:
+    async def _route(self, method: str, path: str, _h: dict[str, str], body: bytes) -> bytes:
         if path == "/healthz":
-            return _response(200, b"ok", "text/plain", {})
+            return reply(200, b"ok")
         if path == "/metrics" and method == "GET":
             text = self.gateway.batcher.metrics_text().encode()
-            return _response(200, text, "text/plain; version=0.0.4", {})
+            return reply(200, text, "text/plain; version=0.0.4")
         if path != "/v1/infer":
             return _json(404, {"code": "NOT_FOUND", "message": f"no route {path}"})
         if method != "POST":
@@ -139,11 +98,11 @@ async def serve_http(
     gateway: Gateway, host: str = "", port: int = 0, sock: Any = None
 ) -> tuple[asyncio.Server, int]:
     """Serves the endpoint on host:port, or on an already bound socket (another netns)."""
-    endpoint = HttpEndpoint(gateway)
+    handle = connection_handler(HttpEndpoint(gateway)._route, MAX_BODY_BYTES)
     if sock is not None:
-        server = await asyncio.start_server(endpoint.handle, sock=sock)
+        server = await asyncio.start_server(handle, sock=sock)
     else:
-        server = await asyncio.start_server(endpoint.handle, host or None, port)
+        server = await asyncio.start_server(handle, host or None, port)
     bound = server.sockets[0].getsockname()[1]
     log.info("gateway_http_listening", port=bound)
     return server, int(bound)

@@ -92,7 +92,7 @@ def _gateway_main(settings: dict[str, Any], port: Any, fault: Any) -> None:
     async def main() -> None:
         config = GatewayConfig(
             secret=SECRET, model=settings["model"], models_toml=Path(settings["manifest"]),
-            device="cpu", capacity_mib=settings.get("capacity_mib", 0.0),
+            device=settings.get("device", "cpu"), capacity_mib=settings.get("capacity_mib", 0.0),
             fallback_capacity_mib=512.0, batch=BatchConfig(**settings["batch"]),
             breaker_failures=2, breaker_open_s=60.0,
         )  # fmt: skip
@@ -219,14 +219,16 @@ async def pipeline(address: str, model: str, episodes: int, concurrency: int) ->
         return episodes / (time.perf_counter() - started), actions
 
 
-def synchronous(manifest: Path, model: str, episodes: int) -> tuple[float, float]:
+def synchronous(
+    manifest: Path, model: str, episodes: int, device: str = "cpu"
+) -> tuple[float, float]:
     """Trajectories/s of the plain loop: step, call the model in-process, repeat."""
     import torch
 
     from gateway.model import load_network, model_specs
 
     torch.set_num_threads(1)
-    net = load_network(model_specs(manifest)[model])
+    net = load_network(model_specs(manifest)[model]).to(device)
     started = time.perf_counter()
     calls = []
     for seed in range(episodes):
@@ -234,21 +236,21 @@ def synchronous(manifest: Path, model: str, episodes: int) -> tuple[float, float
         while not done:
             t = time.perf_counter()
             with torch.inference_mode():
-                logits = net(torch.tensor([env.observation()]))[0].tolist()
+                logits = net(torch.tensor([env.observation()], device=device))[0].tolist()
             calls.append(time.perf_counter() - t)
             _, done = env.step(argmax(logits))
     return episodes / (time.perf_counter() - started), statistics.median(calls) * 1000
 
 
-def model_ceiling(manifest: Path, model: str, batch: int) -> float:
+def model_ceiling(manifest: Path, model: str, batch: int, device: str = "cpu") -> float:
     """Samples/s of the bare model on one thread at `batch` (what the device alone allows)."""
     import torch
 
     from gateway.model import load_network, model_specs
 
     torch.set_num_threads(1)
-    net = load_network(model_specs(manifest)[model])
-    x = torch.randn(batch, 147)
+    net = load_network(model_specs(manifest)[model]).to(device)
+    x = torch.randn(batch, 147, device=device)
     with torch.inference_mode():
         net(x)
         started = time.perf_counter()
@@ -261,13 +263,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small counts: done in under 60 s")
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
+    parser.add_argument("--device", default="cpu", help="the primary: cpu or cuda:N")
     args = parser.parse_args()
     quiet()
     per_client, episodes, lone = (8, 64, 40) if args.quick else (40, 256, 200)
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="fleet-bench-gw-") as tmp:
         manifest = make_bench_model(Path(tmp))
-        common = {"model": BENCH_MODEL, "manifest": str(manifest)}
+        common = {"model": BENCH_MODEL, "manifest": str(manifest), "device": args.device}
         batched_cfg = {"max_batch": 64, "max_wait_ms": 1.0, "max_queue": 4096,
                        "max_inflight_per_rollout": 64}  # fmt: skip
         with GatewayProc(**common, batch={**batched_cfg, "max_batch": 1}) as one:
@@ -291,14 +294,17 @@ def main() -> int:
 
             fail, failover_s = asyncio.run(failover())
             gw_status = asyncio.run(status(gw.address))
-        sync_traj_s, _ = synchronous(manifest, BENCH_MODEL, max(16, episodes // 4))
-        ceiling = model_ceiling(manifest, BENCH_MODEL, 64)
+        sync_traj_s, _ = synchronous(manifest, BENCH_MODEL, max(16, episodes // 4), args.device)
+        ceiling = model_ceiling(manifest, BENCH_MODEL, 64, args.device)
         # The control plane's own cost: the shipped policy is so small that a lone request's
         # time through the gateway is nearly all RPC, token check and batcher.
-        shipped = {"model": "gridworld-policy", "manifest": str(REPO / "gateway/weights/models.toml")}
+        shipped = {"model": "gridworld-policy", "device": args.device,
+                   "manifest": str(REPO / "gateway/weights/models.toml")}  # fmt: skip
         with GatewayProc(**shipped, batch={**batched_cfg, "max_batch": 1}) as small:
             lone_small = asyncio.run(hammer(small.address, "gridworld-policy", 1, lone, "sm"))
-        _, model_p50 = synchronous(REPO / "gateway/weights/models.toml", "gridworld-policy", 16)
+        _, model_p50 = synchronous(
+            REPO / "gateway/weights/models.toml", "gridworld-policy", 16, args.device
+        )
         # (2) memory: capacity for 64 samples at once; offered load 0.5x .. 3x of that.
         from gateway.model import memory_model, model_specs
 
@@ -349,7 +355,8 @@ def main() -> int:
           f"{traj_s:>12.1f}{sync_traj_s:>12.1f}{out['pipeline_gain']:>8.1f}x")  # fmt: skip
     print(f"{'    ms per action (shipped policy): via gateway vs bare call':<{w}}"
           f"{lone_small['p50_ms']:>12.2f}{model_p50:>12.2f}{overhead:>+8.2f}ms")  # fmt: skip
-    print(f"(CPU only, torch 1 thread in the gateway; model {BENCH_MODEL} 147-4096-4096-4; "
+    print(f"(primary {args.device}, torch 1 CPU thread in the gateway; model {BENCH_MODEL} "
+          "147-4096-4096-4; "
           f"{actions} actions in the pipeline run)")
     if args.json:
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}))

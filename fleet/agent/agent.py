@@ -15,7 +15,8 @@ import structlog
 
 from fleet._proto.fleet.v1 import host_pb2, host_pb2_grpc
 from fleet.agent.capabilities import RuntimeChoice, capabilities, make_runtime
-from fleet.core.errors import ErrorCode, FleetError, Unavailable
+from fleet.agent.checkpoints import RELAY_ADDRESS, CheckpointRelay
+from fleet.core.errors import Aborted, ErrorCode, FleetError, InvalidArgument, Unavailable
 from fleet.core.lifecycle import Outcome
 from fleet.core.placement import HostCapabilities, HostClass
 from fleet.core.policy import EffectiveEgress, effective_egress
@@ -62,6 +63,7 @@ class _Running:
     stop_reason: str = ""
     results: list[StepResult] = field(default_factory=list)
     machine: Machine | None = None
+    relay: CheckpointRelay | None = None
 
 
 class Agent:
@@ -74,6 +76,7 @@ class Agent:
         self.log = log.bind(host_id=config.host_id, host_class=config.host_class.value)
         self._running: dict[str, _Running] = {}
         self._slot_freed = asyncio.Event()
+        self._stub: host_pb2_grpc.HostServiceStub | None = None
         self._heartbeat_s = 3.0
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -83,6 +86,7 @@ class Agent:
             self.log.info("orphans_reaped", machines=reaped)
         async with grpc.aio.insecure_channel(self.config.server) as channel:
             stub = host_pb2_grpc.HostServiceStub(channel)
+            self._stub = stub
             await self._register(stub, stop)
             beat = asyncio.create_task(self._heartbeats(stub, stop))
             try:
@@ -217,6 +221,38 @@ class Agent:
             self._slot_freed.set()
         await self._complete(stub, completion, log_)
 
+    async def _checkpoint_relay(self, machine: Machine, a: Assignment) -> CheckpointRelay | None:
+        """Where the machine stores its state between model calls (namespace machines)."""
+        net = getattr(machine, "net", None)
+        if net is None or self._stub is None:
+            why = "the machine has no network namespace of its own for the relay"
+            self.log.warning("checkpoints_unavailable", rollout_id=a.rollout_id, reason=why)
+            return None
+        stub = self._stub
+
+        async def put(seq: int, data: bytes) -> None:
+            request = host_pb2.PutCheckpointRequest(
+                host_id=self.caps.host_id, work_id=a.work_id, fencing_token=a.fencing_token,
+                sequence=seq, data=data,
+            )  # fmt: skip
+            for attempt in range(20):
+                try:
+                    await stub.PutCheckpoint(request, timeout=10)
+                    return
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() not in RETRYABLE or attempt == 19:
+                        why = f"checkpoint {seq}: {exc.details()}"
+                        if exc.code() == grpc.StatusCode.ABORTED:
+                            raise Aborted(why) from exc
+                        if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                            raise InvalidArgument(why) from exc
+                        raise Unavailable(why) from exc
+                    await asyncio.sleep(0.2)
+
+        relay = CheckpointRelay(net.path, a.checkpoint_sequence, a.checkpoint, put)
+        await relay.start()
+        return relay
+
     def _gateway_for(self, a: Assignment) -> tuple[str, int] | None:
         """The gateway endpoint for a rollout that uses it; None for every other rollout."""
         if not a.manifest.requirements.inference:
@@ -238,9 +274,17 @@ class Agent:
     async def _execute(self, running: _Running, log_: structlog.BoundLogger) -> Completion:
         """Runs the attempt, then collects what its machine was refused and deletes it."""
         completion = await self._attempt(running, log_)
+        if running.relay is not None:
+            await running.relay.stop()
         machine = running.machine
         if machine is None:
             return completion
+        try:
+            cpu = await asyncio.shield(machine.cpu_seconds())
+            if cpu is not None:
+                completion = completion.model_copy(update={"cpu_seconds": round(cpu, 6)})
+        except Exception:
+            log_.exception("cpu_seconds_failed", machine=machine.name)
         try:
             events = await asyncio.shield(machine.egress_events())
             if events:
@@ -305,6 +349,10 @@ class Agent:
             }
             if spec.gateway is not None:
                 extra_env["FLEET_INFERENCE_TOKEN"] = a.inference_token
+                relay = await self._checkpoint_relay(machine, a)
+                if relay is not None:
+                    running.relay = relay
+                    extra_env["FLEET_CHECKPOINTS"] = "{}:{}".format(*RELAY_ADDRESS)
             for command in parsed.spec.init:
                 init = await machine.exec(
                     ["/bin/sh", "-c", command], env=extra_env, timeout_s=INIT_TIMEOUT_S

@@ -9,6 +9,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -90,24 +91,49 @@ async def _lose_a_host(fleet: Fleet, proc: asyncio.subprocess.Process, machines:
         await runtime.reap(host_id)
 
 
-async def run_demo(paths: Paths, timeout_s: float = 600.0) -> int:
+async def run_demo(
+    paths: Paths, timeout_s: float = 600.0, out_dir: Path = Path("fleet-demo-out"),
+    episodes: int = 64,
+) -> int:  # fmt: skip
+    from fleet.cli.evaluation import evaluate, start_gateway
+
     run_id = uuid.uuid4().hex[:8]
     tty = sys.stdout.isatty()
+    gateway = await start_gateway(paths)
+    try:
+        return await _run(paths, timeout_s, out_dir, episodes, run_id, tty, gateway, evaluate)
+    finally:
+        await gateway.stop()
+
+
+async def _run(
+    paths: Paths, timeout_s: float, out_dir: Path, episodes: int, run_id: str, tty: bool,
+    gateway: Any, evaluate: Any,
+) -> int:  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="fleet-demo-") as tmp:
-        # Short leases so that the host the demo kills is noticed within seconds.
-        config = ServerConfig(lease_ttl_s=3.0, heartbeat_interval_s=0.5)
-        async with embedded_fleet(paths, Path(tmp) / "ledger.sqlite3", config=config) as fleet:
+        # Short leases so that the host the demo kills is noticed within seconds; the gateway
+        # is watched for backpressure.
+        config = ServerConfig(
+            lease_ttl_s=3.0, heartbeat_interval_s=0.5,
+            gateway_address=f"127.0.0.1:{gateway.grpc_port}",
+        )  # fmt: skip
+        async with embedded_fleet(
+            paths, Path(tmp) / "ledger.sqlite3", config=config,
+            gateway=("host", gateway.http_port),
+        ) as fleet:  # fmt: skip
             print(
                 f"fleet demo {run_id}: embedded fleet on {fleet.address}, SQLite ledger, "
-                "1 gpu-class + 2 cpu-class agents,\n  and one more cpu-class agent in its own "
-                "process, which the demo kills (-9) while it runs rollouts"
+                "1 gpu-class + 2 cpu-class agents,\n  one more cpu-class agent in its own "
+                "process, which the demo kills (-9) while it runs rollouts,\n  and the inference "
+                f"gateway ({gateway.gateway.spec.name} on {gateway.gateway.batcher.primary.device})"
             )
             print(f"runtime: {fleet.runtime.kind} — {fleet.runtime.reason}")
             if fleet.runtime.kind == "namespace":
                 print(
                     "  Linux namespaces on the shared kernel: weaker isolation than a microVM\n"
-                    "  (rollouts that require vm isolation would wait for a smol host), and\n"
-                    "  networking stays off in every machine, even where a Smolfile allows egress"
+                    "  (rollouts that require vm isolation would wait for a smol host); a machine\n"
+                    "  whose Smolfile allows egress gets its own network namespace, firewall and\n"
+                    "  DNS forwarder holding it to the allowlist"
                 )
             gpu = next(a for a in fleet.agents if a.caps.host_class == "gpu")
             print(
@@ -173,7 +199,8 @@ async def run_demo(paths: Paths, timeout_s: float = 600.0) -> int:
                 wall = time.monotonic() - started
                 print(f"host loss: {await loss}")
             _summary(rollouts, ids, wall)
-    return 0
+            left = max(60.0, timeout_s - wall)
+            return int(await evaluate(fleet.address, gateway, run_id, out_dir, episodes, left))
 
 
 def _summary(rollouts: list[types_pb2.Rollout], names: dict[str, str], wall_s: float) -> None:

@@ -40,6 +40,7 @@ async def embedded_fleet(
     runtime: str = "auto",
     slots: int = 2,
     config: ServerConfig | None = None,
+    gateway: tuple[str, int] | None = None,
 ) -> AsyncIterator[Fleet]:
     images = ImageStore(paths.images, paths.recipes)
     choice = await asyncio.to_thread(choose_runtime, runtime, paths.home, images)
@@ -63,6 +64,7 @@ async def embedded_fleet(
                         images=images,
                         # CUDA remoting shares one GPU: a gpu host is single-tenant.
                         slots=1 if host_class == HostClass.GPU else slots,
+                        gateway=gateway,
                     )
                 )
             )

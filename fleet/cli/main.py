@@ -56,6 +56,9 @@ async def cmd_serve(args: argparse.Namespace) -> int:
             lease_ttl_s=args.lease_ttl_s,
             heartbeat_interval_s=args.heartbeat_s,
             token_secret=Paths.from_env().token_secret(),
+            gateway_address=args.gateway,
+            backpressure_queue_depth=args.backpressure_depth,
+            metrics_listen=args.metrics_listen,
         ),
     )
     await server.start()
@@ -320,6 +323,12 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+async def cmd_top(args: argparse.Namespace) -> int:
+    from fleet.cli.top import run_top
+
+    return await run_top(args.metrics, args.gateway_metrics, args.interval_s, args.once)
+
+
 async def cmd_egress_events(args: argparse.Namespace) -> int:
     """What a rollout's machines were refused: DNS queries and connections, oldest first."""
     import json
@@ -524,7 +533,9 @@ def policy_sarif(findings: list[Any]) -> dict[str, Any]:
 async def cmd_demo(args: argparse.Namespace) -> int:
     from fleet.cli.demo import run_demo
 
-    return await run_demo(Paths.from_env(), timeout_s=args.timeout_s)
+    return await run_demo(
+        Paths.from_env(), timeout_s=args.timeout_s, out_dir=Path(args.out), episodes=args.episodes
+    )
 
 
 # -- parser ------------------------------------------------------------------------------------
@@ -563,6 +574,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("--lease-ttl-s", type=float, default=15.0, help="lease life without a beat")
     sp.add_argument("--heartbeat-s", type=float, default=3.0, help="agents' heartbeat interval")
+    sp.add_argument(
+        "--gateway", default="",
+        help="the inference gateway's gRPC address, watched for backpressure",
+    )  # fmt: skip
+    sp.add_argument(
+        "--metrics-listen", default="",
+        help="host:port where GET /metrics answers in Prometheus text (e.g. 127.0.0.1:9464)",
+    )  # fmt: skip
+    sp.add_argument(
+        "--backpressure-depth", type=int, default=256,
+        help="gateway queue depth at which rollouts that use it stop being started",
+    )  # fmt: skip
 
     sp = add("agent", cmd_agent, "run a host agent", "info")
     server_flag(sp)
@@ -657,6 +680,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("id")
     sp.add_argument("--reason", default="")
 
+    sp = add("top", cmd_top, "live metrics of a server and its gateway")
+    sp.add_argument("--metrics", default="http://127.0.0.1:9464/metrics",
+                    help="the server's metrics URL (fleet serve --metrics-listen)")  # fmt: skip
+    sp.add_argument("--gateway-metrics", default="http://127.0.0.1:50053/metrics",
+                    help="the gateway's metrics URL (its HTTP endpoint)")  # fmt: skip
+    sp.add_argument("--interval-s", type=float, default=1.0)
+    sp.add_argument("--once", action="store_true", help="print once and exit")
+
     sp = add("egress-events", cmd_egress_events, "list what a rollout's machines were refused")
     server_flag(sp)
     sp.add_argument("rollout_id")
@@ -700,6 +731,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("demo", cmd_demo, "evaluate the shipped suite on an embedded fleet", "error")
     sp.add_argument("--timeout-s", type=float, default=600.0)
+    sp.add_argument("--out", default="fleet-demo-out", help="where the chart is written")
+    sp.add_argument("--episodes", type=int, default=64, help="gridworld episodes to evaluate")
     return p
 
 

@@ -110,10 +110,11 @@ class SubmitRequest(BaseModel):
     @cached_property
     def body_fingerprint(self) -> str:
         body = self.model_dump(mode="json", exclude={"idempotency_key"})
-        if not body["requirements"]["inference"]:
+        for added in ("inference", "near_gateway"):
             # Added after the first schema: left out when unset, so a body's fingerprint (and
             # an idempotent retry across an upgrade) does not change.
-            del body["requirements"]["inference"]
+            if not body["requirements"][added]:
+                del body["requirements"][added]
         blob = json.dumps(body, sort_keys=True, separators=(",", ":"))
         return "sha256:" + hashlib.sha256(blob.encode()).hexdigest()
 
@@ -178,5 +179,5 @@ def build_manifest(
         retry=request.retry,
         versions=request.versions,
         requirements=request.requirements,
-        host_class=host_class_for(parsed.spec),
+        host_class=host_class_for(parsed.spec, request.requirements),
     )

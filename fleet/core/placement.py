@@ -34,6 +34,9 @@ class Requirements(BaseModel):
     cuda_device: bool = False
     inference: bool = False
     """Steps call the inference gateway (the machine may reach it, with a rollout token)."""
+    near_gateway: bool = False
+    """Run the CPU steps on the GPU host, next to the gateway (a loop that calls the model at
+    every step trades cloud capacity for per-action latency)."""
 
 
 class HostCapabilities(BaseModel):
@@ -53,9 +56,11 @@ class HostCapabilities(BaseModel):
     runtime_reason: str = ""
 
 
-def host_class_for(spec: Smolfile) -> HostClass:
-    """CUDA work goes to gpu hosts; everything else to cpu hosts."""
-    return HostClass.GPU if spec.needs_cuda else HostClass.CPU
+def host_class_for(spec: Smolfile, needs: Requirements | None = None) -> HostClass:
+    """CUDA work, and work that asks to run next to the gateway, goes to gpu hosts."""
+    if spec.needs_cuda or (needs is not None and needs.near_gateway):
+        return HostClass.GPU
+    return HostClass.CPU
 
 
 def refusal(host: HostCapabilities, host_class: HostClass, needs: Requirements) -> str | None:

@@ -105,6 +105,8 @@ class Assignment(BaseModel):
     lease_expires_at: datetime
     manifest: Manifest
     inference_token: str = ""
+    checkpoint_sequence: int = 0
+    checkpoint: bytes = b""
 
 
 class Completion(BaseModel):
@@ -121,6 +123,8 @@ class Completion(BaseModel):
     device: str = ""
     egress: EffectiveEgress | None = None
     egress_events: tuple[EgressEvent, ...] = ()
+    cpu_seconds: float = 0.0
+    """CPU time the attempt's machine used (0 where the runtime cannot tell)."""
 
     def fingerprint(self) -> str:
         """Identifies the reported result, so a resent completion is recognised."""

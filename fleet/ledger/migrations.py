@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import structlog
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection, inspect, text
 from sqlalchemy.engine import Engine
 from sqlmodel import SQLModel
 
@@ -30,6 +30,17 @@ def _egress_events(conn: Connection) -> None:
     tables.EgressEventRow.__table__.create(conn, checkfirst=True)  # type: ignore[attr-defined]
 
 
+def _needs_inference(conn: Connection) -> None:
+    tables.CheckpointRow.__table__.create(conn, checkfirst=True)  # type: ignore[attr-defined]
+    columns = {c["name"] for c in inspect(conn).get_columns("work_items")}
+    if "needs_inference" not in columns:  # a fresh database got it from the initial schema
+        conn.execute(
+            text("ALTER TABLE work_items ADD COLUMN needs_inference BOOLEAN NOT NULL DEFAULT false")
+        )
+    if "cpu_s" not in {c["name"] for c in inspect(conn).get_columns("rollouts")}:
+        conn.execute(text("ALTER TABLE rollouts ADD COLUMN cpu_s FLOAT NOT NULL DEFAULT 0"))
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (
         1,
@@ -37,6 +48,11 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
         _initial,
     ),
     (2, "egress events: refused DNS queries and connections per rollout", _egress_events),
+    (
+        3,
+        "hybrid rollouts: work items that call the gateway, and their checkpoints",
+        _needs_inference,
+    ),
 ]
 LATEST = MIGRATIONS[-1][0]
 assert LATEST == tables.SCHEMA_VERSION

@@ -79,7 +79,8 @@ _UNIQUE_CLASH = (IntegrityError, sqlite3.IntegrityError, psycopg.errors.Integrit
 
 
 _ITEM_COLS = (
-    "id, rollout_id, tenant, state, host_class, needs_vm, needs_cuda_device, priority, attempt, "
+    "id, rollout_id, tenant, state, host_class, needs_vm, needs_cuda_device, needs_inference, "
+    "priority, attempt, "
     "max_attempts, not_before, deadline, lease_owner, fencing_token, lease_expires_at, "
     "cancel_requested, result_fingerprint, claim_request_id"
 )
@@ -95,6 +96,7 @@ class _Item(NamedTuple):
     host_class: str
     needs_vm: bool
     needs_cuda_device: bool
+    needs_inference: bool
     priority: int
     attempt: int
     max_attempts: int
@@ -116,6 +118,8 @@ def _pg_sql(sql: str) -> str:
 def _marks(n: int) -> str:
     return ",".join("?" * n)
 
+
+MAX_CHECKPOINT_BYTES = 1 << 20
 
 _EMPTY_DIGEST = "sha256:" + hashlib.sha256(b"").hexdigest()
 
@@ -524,7 +528,8 @@ class Ledger:
                 ("w-" + uuid.uuid4().hex[:16], rollout_id, request.tenant, QUEUED,
                  manifest.host_class.value,
                  manifest.requirements.isolation == Isolation.VM,
-                 manifest.requirements.cuda_device, request.priority,
+                 manifest.requirements.cuda_device, manifest.requirements.inference,
+                 request.priority,
                  manifest.retry.max_attempts, now, manifest.deadline.timestamp())
             )  # fmt: skip
             events.append(
@@ -542,17 +547,17 @@ class Ledger:
             db.many(
                 "INSERT INTO rollouts (id, idempotency_key, request_fingerprint, manifest_digest, "
                 "tenant, labels_json, state, priority, attempts, error, host_id, runtime, device, "
-                "results_json, egress_json, created_at, updated_at) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0, '', '', '', '', '[]', '', ?, ?)",
+                "results_json, egress_json, cpu_s, created_at, updated_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0, '', '', '', '', '[]', '', 0, ?, ?)",
                 rollouts,
             )
             db.many("INSERT INTO rollout_labels (rollout_id, key, value) VALUES (?, ?, ?)", labels)
             db.many(
                 "INSERT INTO work_items (id, rollout_id, tenant, state, host_class, needs_vm, "
-                "needs_cuda_device, priority, attempt, max_attempts, not_before, deadline, "
-                "lease_owner, fencing_token, cancel_requested, result_fingerprint, "
-                "claim_request_id) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?, '', 0, ?, '', '')",
+                "needs_cuda_device, needs_inference, priority, attempt, max_attempts, "
+                "not_before, deadline, lease_owner, fencing_token, cancel_requested, "
+                "result_fingerprint, claim_request_id) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?, '', 0, ?, '', '')",
                 [(*row, False) for row in items],
             )
             db.many(_INSERT_EVENT, events)
@@ -716,6 +721,7 @@ class Ledger:
         *,
         request_id: str = "",
         max_running_per_tenant: int = 0,
+        hold_inference: bool = False,
     ) -> list[Assignment]:
         """Leases up to `max_items` runnable items this host can serve, highest priority first.
 
@@ -740,6 +746,9 @@ class Ledger:
                 params.append(False)
             if host.cuda_devices == 0:
                 where += " AND needs_cuda_device = ?"
+                params.append(False)
+            if hold_inference:  # backpressure: the gateway's queue is over its threshold
+                where += " AND needs_inference = ?"
                 params.append(False)
             running: dict[str, int] = {}
             want = max(1, max_items)
@@ -819,14 +828,80 @@ class Ledger:
                 rollout_rows,
             )
             db.many(_INSERT_EVENT, event_rows)
+            # Hybrid rollouts resume from their latest checkpoint (only they have any).
+            hybrid = sorted({i.rollout_id for i, _, _, m in leased if m.requirements.inference})
+            saved = self._latest_checkpoints(db, hybrid)
         return [
             Assignment(
                 work_id=item.id, rollout_id=item.rollout_id, attempt=attempt,
                 fencing_token=token, lease_expires_at=lease_at,
                 manifest=manifest,
+                checkpoint_sequence=saved.get(item.rollout_id, (0, b""))[0],
+                checkpoint=saved.get(item.rollout_id, (0, b""))[1],
             )
             for item, attempt, token, manifest in leased
         ]  # fmt: skip
+
+    def _latest_checkpoints(self, db: _Raw, rollout_ids: list[str]) -> dict[str, tuple[int, bytes]]:
+        out: dict[str, tuple[int, bytes]] = {}
+        for rid in rollout_ids:
+            rows = db.all(
+                "SELECT seq, data FROM checkpoints WHERE rollout_id = ? ORDER BY seq DESC LIMIT 1",
+                (rid,),
+            )
+            if rows:
+                out[rid] = (int(rows[0][0]), bytes(rows[0][1]))
+        return out
+
+    def put_checkpoint(
+        self, host_id: str, work_id: str, fencing_token: int, seq: int, data: bytes, now: float
+    ) -> None:
+        """Stores a hybrid rollout's checkpoint under the attempt's lease (see PutCheckpoint)."""
+        if seq < 1:
+            raise InvalidArgument("checkpoint sequence numbers start at 1")
+        if len(data) > MAX_CHECKPOINT_BYTES:
+            raise ResourceExhausted(
+                f"checkpoint of {len(data)} bytes is over the limit of {MAX_CHECKPOINT_BYTES}"
+            )
+        with self._begin() as conn:
+            db = _Raw(conn, self._pg)
+            rows = db.all(f"SELECT {_ITEM_COLS} FROM work_items WHERE id = ?{db.lock}", (work_id,))
+            if not rows:
+                raise NotFound(f"no work item {work_id!r}")
+            item = _Item(*rows[0])
+            if (
+                item.fencing_token != fencing_token
+                or item.state != LEASED
+                or item.lease_owner != host_id
+            ):
+                raise Aborted(
+                    f"stale lease for {work_id} (token {fencing_token}, current "
+                    f"{item.fencing_token}): this attempt may not write checkpoints"
+                )
+            have = db.all(
+                "SELECT data FROM checkpoints WHERE rollout_id = ? AND seq = ?",
+                (item.rollout_id, seq),
+            )
+            if have:
+                if bytes(have[0][0]) != data:
+                    raise Aborted(
+                        f"rollout {item.rollout_id} already has checkpoint {seq} with other data"
+                    )
+                return  # a resend: already stored
+            db.run(
+                "INSERT INTO checkpoints (rollout_id, seq, attempt, data, created_at) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (item.rollout_id, seq, item.attempt, data, now),
+            )
+
+    def checkpoints(self, rollout_id: str) -> list[tuple[int, int, bytes]]:
+        """(sequence, attempt, data) of every checkpoint a rollout stored, in order."""
+        with self._begin() as conn:
+            rows = _Raw(conn, self._pg).all(
+                "SELECT seq, attempt, data FROM checkpoints WHERE rollout_id = ? ORDER BY seq",
+                (rollout_id,),
+            )
+        return [(int(s), int(a), bytes(d)) for s, a, d in rows]
 
     def _host_row(self, db: _Raw, host_id: str) -> HostCapabilities:
         rows = db.all("SELECT capabilities_json FROM hosts WHERE id = ?", (host_id,))
@@ -1029,7 +1104,7 @@ class Ledger:
                         target.value, error, host_id, report.runtime, report.device,
                         results_json,
                         report.egress.model_dump_json() if report.egress else "",
-                        now, now if target.final else None, rid,
+                        now, now if target.final else None, report.cpu_seconds, rid,
                     )
                 )  # fmt: skip
                 event_rows.append(
@@ -1059,7 +1134,8 @@ class Ledger:
             )
             db.many(
                 "UPDATE rollouts SET state = ?, error = ?, host_id = ?, runtime = ?, device = ?, "
-                "results_json = ?, egress_json = ?, updated_at = ?, finished_at = ? WHERE id = ?",
+                "results_json = ?, egress_json = ?, updated_at = ?, finished_at = ?, "
+                "cpu_s = cpu_s + ? WHERE id = ?",
                 rollout_rows,
             )
             db.many(_INSERT_EVENT, event_rows)
@@ -1208,6 +1284,36 @@ class Ledger:
         if changed:
             log.info("ledger_swept", changed=changed)
         return changed
+
+    def figures(self, now: float, window_s: float = 60.0) -> dict[str, float]:
+        """The numbers behind the server's metrics: counts by state, throughput, retries, CPU."""
+        with self._begin() as conn:
+            db = _Raw(conn, self._pg)
+            out: dict[str, float] = {
+                f"state_{state}": float(n)
+                for state, n in db.all("SELECT state, count(*) FROM rollouts GROUP BY state")
+            }
+            [(recent,)] = db.all(
+                "SELECT count(*) FROM rollouts WHERE state = ? AND finished_at >= ?",
+                (RolloutState.SUCCEEDED.value, now - window_s),
+            )
+            [(retries, cpu)] = db.all(
+                "SELECT coalesce(sum(CASE WHEN attempts > 1 THEN attempts - 1 ELSE 0 END), 0), "
+                "coalesce(sum(cpu_s), 0) FROM rollouts WHERE state = ?",
+                (RolloutState.SUCCEEDED.value,),
+            )
+            [(inference,)] = db.all(
+                "SELECT count(*) FROM work_items WHERE needs_inference = ? AND state = ?",
+                (True, DONE),
+            )
+        done = out.get(f"state_{RolloutState.SUCCEEDED.value}", 0.0)
+        out.update(
+            trajectories_per_second=float(recent) / window_s,
+            retries=float(retries),
+            cpu_seconds_per_trajectory=float(cpu) / done if done else 0.0,
+            inference_trajectories=float(inference),
+        )
+        return out
 
     def leased_to(self, host_id: str) -> int:
         """How many work items are leased to a host right now."""

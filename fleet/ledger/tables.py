@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sqlmodel import Field, SQLModel
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 class SchemaInfo(SQLModel, table=True):
@@ -43,6 +43,8 @@ class RolloutRow(SQLModel, table=True):
     device: str = ""
     results_json: str = "[]"
     egress_json: str = ""
+    cpu_s: float = 0.0
+    """CPU time of every attempt's machine, summed (schema version 3)."""
     """The effective egress of the final attempt's machine (EffectiveEgress as JSON)."""
     created_at: float
     updated_at: float
@@ -68,6 +70,8 @@ class WorkItemRow(SQLModel, table=True):
     host_class: str
     needs_vm: bool = False
     needs_cuda_device: bool = False
+    needs_inference: bool = False
+    """Its steps call the gateway: held back while the gateway is over its queue threshold."""
     priority: int = 0
     attempt: int = 0
     max_attempts: int = 3
@@ -129,6 +133,18 @@ class ArtifactRow(SQLModel, table=True):
 
     digest: str = Field(primary_key=True)
     size_bytes: int
+    data: bytes
+    created_at: float
+
+
+class CheckpointRow(SQLModel, table=True):
+    """A hybrid rollout's state between model calls (schema version 3)."""
+
+    __tablename__ = "checkpoints"
+
+    rollout_id: str = Field(primary_key=True)
+    seq: int = Field(primary_key=True)
+    attempt: int
     data: bytes
     created_at: float
 

@@ -75,6 +75,10 @@ class Machine(Protocol):
 
     async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None: ...
 
+    async def cpu_seconds(self) -> float | None:
+        """CPU time the machine used so far, where the runtime can tell."""
+        ...
+
     async def egress_events(self) -> list[EgressEvent]:
         """Refused DNS queries and connections since the last call."""
         ...

@@ -51,7 +51,11 @@ class MachineCgroup:
         if version == "v2":
             self.dirs = {"all": root / "fleet" / name}
         else:
-            self.dirs = {c: root / c / "fleet" / name for c in ("memory", "pids", "cpu")}
+            controllers = ["memory", "pids", "cpu"]
+            # CPU time is accounted by cpuacct, a hierarchy of its own on some v1 hosts.
+            if (root / "cpuacct").is_dir() and not (root / "cpu" / "cpuacct.usage").exists():
+                controllers.append("cpuacct")
+            self.dirs = {c: root / c / "fleet" / name for c in controllers}
 
     @property
     def procs_files(self) -> list[Path]:
@@ -99,6 +103,20 @@ class MachineCgroup:
         except OSError:
             pass
         return 0
+
+    def cpu_seconds(self) -> float | None:
+        """CPU time the machine's processes used so far (None where it cannot be read)."""
+        try:
+            if self.version == "v2":
+                for line in (self.dirs["all"] / "cpu.stat").read_text().splitlines():
+                    key, _, value = line.partition(" ")
+                    if key == "usage_usec":
+                        return int(value) / 1e6
+                return None
+            where = self.dirs.get("cpuacct", self.dirs["cpu"])
+            return int((where / "cpuacct.usage").read_text()) / 1e9
+        except (OSError, ValueError):
+            return None
 
     def pids(self) -> list[int]:
         found: set[int] = set()

@@ -246,6 +246,9 @@ class NamespaceMachine:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
 
+    async def cpu_seconds(self) -> float | None:
+        return await asyncio.to_thread(self.cgroup.cpu_seconds)
+
     def record(self, event: EgressEvent) -> None:
         self._dns_events.append(event)
 

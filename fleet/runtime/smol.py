@@ -148,6 +148,9 @@ class SmolMachine:
     def name(self) -> str:
         return self.spec.name
 
+    async def cpu_seconds(self) -> float | None:
+        return None  # the SDK reports no per-machine CPU time
+
     async def egress_events(self) -> list[EgressEvent]:
         """The engine's egress denials for this machine (`smol-vmm machine egress-events`)."""
         proc = await asyncio.create_subprocess_exec(

@@ -17,7 +17,15 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, host_pb2, host_pb2_grpc, types_pb2
+from fleet._proto.fleet.v1 import (
+    fleet_pb2,
+    fleet_pb2_grpc,
+    host_pb2,
+    host_pb2_grpc,
+    inference_pb2,
+    inference_pb2_grpc,
+    types_pb2,
+)
 from fleet.core import tokens
 from fleet.core.errors import FailedPrecondition, FleetError, InvalidArgument
 from fleet.core.lifecycle import RolloutState
@@ -54,6 +62,16 @@ class ServerConfig:
     """Rollouts of one tenant leased at once across the fleet (0: no limit)."""
     token_secret: bytes = b""
     """Signs inference tokens for rollouts that use the gateway (shared with the gateway)."""
+    gateway_address: str = ""
+    """The gateway's gRPC address, watched for backpressure ("": no watching)."""
+    backpressure_queue_depth: int = 256
+    """Gateway queue depth at which rollouts that use it stop being started."""
+    backpressure_resume_depth: int = 64
+    """Depth at which they start again (below the threshold, so the router does not flap)."""
+    gateway_poll_s: float = 0.25
+    """How often the gateway's queue is read."""
+    metrics_listen: str = ""
+    """host:port for GET /metrics (Prometheus text); "": no metrics endpoint."""
 
 
 class Pulse:
@@ -81,6 +99,9 @@ class Core:
         self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger")
         self.work_pulse = Pulse()
         self.event_pulse = Pulse()
+        self.hold_inference = False
+        """Backpressure: the gateway is over its threshold (or unreachable)."""
+        self.gateway_queue_depth = 0
 
     async def db(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._db, fn, *args)
@@ -314,6 +335,7 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
                     self.core.ledger.claim,
                     request_id=request.request_id,
                     max_running_per_tenant=self.core.config.max_running_per_tenant,
+                    hold_inference=self.core.hold_inference,
                 ),
                 request.host_id,
                 request.max_items,
@@ -330,6 +352,16 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
                 return host_pb2.ClaimWorkResponse()
             # Woken by new work; the timeout also catches retries whose backoff just ended.
             await self.core.work_pulse.wait(min(left, 0.5))
+
+    @mapped
+    async def PutCheckpoint(
+        self, request: host_pb2.PutCheckpointRequest, context: grpc.aio.ServicerContext
+    ) -> host_pb2.PutCheckpointResponse:
+        await self.core.db(
+            self.core.ledger.put_checkpoint, request.host_id, request.work_id,
+            request.fencing_token, request.sequence, request.data, time.time(),
+        )  # fmt: skip
+        return host_pb2.PutCheckpointResponse()
 
     @mapped
     async def CompleteWork(
@@ -358,6 +390,38 @@ async def _sweeper(core: Core) -> None:
         await asyncio.sleep(core.config.sweep_interval_s)
 
 
+async def _watch_gateway(core: Core) -> None:
+    """Backpressure: holds rollouts that call the gateway while its queue is too deep.
+
+    Over `backpressure_queue_depth` they stay queued (CPU-only work goes on); they start again
+    once the queue is down to `backpressure_resume_depth`. An unreachable gateway holds them too.
+    """
+    config = core.config
+    async with grpc.aio.insecure_channel(config.gateway_address) as channel:
+        stub = inference_pb2_grpc.InferenceServiceStub(channel)
+        while True:
+            before = core.hold_inference
+            try:
+                status = await stub.Status(
+                    inference_pb2.GatewayStatusRequest(), timeout=max(1.0, config.gateway_poll_s)
+                )
+                depth = int(status.queue_depth)
+                core.gateway_queue_depth = depth
+                if depth >= config.backpressure_queue_depth:
+                    core.hold_inference = True
+                elif depth <= config.backpressure_resume_depth:
+                    core.hold_inference = False
+                why = f"gateway queue depth {depth}"
+            except grpc.aio.AioRpcError as exc:
+                core.hold_inference = True
+                why = f"gateway unreachable: {exc.code().name}"
+            if core.hold_inference != before:
+                log.info("backpressure", hold_inference=core.hold_inference, reason=why)
+                if not core.hold_inference:
+                    core.changed()  # wake claims waiting for work
+            await asyncio.sleep(config.gateway_poll_s)
+
+
 class FleetServer:
     """A running server: `await start()`, then `await stop()`."""
 
@@ -374,6 +438,9 @@ class FleetServer:
         self.port = 0
         self._server: grpc.aio.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        self._metrics: asyncio.Server | None = None
+        self.metrics_port = 0
 
     @property
     def address(self) -> str:
@@ -407,11 +474,21 @@ class FleetServer:
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._server = server
         self._sweeper = asyncio.create_task(_sweeper(self.core))
+        if self.config.gateway_address:
+            self._watcher = asyncio.create_task(_watch_gateway(self.core))
+        if self.config.metrics_listen:
+            from fleet.server.metrics import serve_metrics
+
+            host, _, port = self.config.metrics_listen.rpartition(":")
+            self._metrics, self.metrics_port = await serve_metrics(self.core, host, int(port))
         log.info("server_started", address=self.address)
 
     async def stop(self, grace_s: float = 1.0) -> None:
-        if self._sweeper:
-            self._sweeper.cancel()
+        for task in (self._sweeper, self._watcher):
+            if task is not None:
+                task.cancel()
+        if self._metrics is not None:
+            self._metrics.close()
         if self._server:
             await self._server.stop(grace_s)
         self.core.close()

@@ -121,6 +121,7 @@ def submit_from_pb(req: fleet_pb2.SubmitRolloutRequest) -> SubmitRequest:
             isolation=isolation,
             cuda_device=req.requirements.cuda_device,
             inference=req.requirements.inference,
+            near_gateway=req.requirements.near_gateway,
         ),
         priority=req.priority,
     )
@@ -150,6 +151,7 @@ def manifest_to_pb(m: Manifest) -> types_pb2.Manifest:
             isolation=ISOLATION_TO_PB[m.requirements.isolation],
             cuda_device=m.requirements.cuda_device,
             inference=m.requirements.inference,
+            near_gateway=m.requirements.near_gateway,
         ),
         host_class=HOST_CLASS_TO_PB[m.host_class],
     )
@@ -174,6 +176,7 @@ def manifest_from_pb(m: types_pb2.Manifest) -> Manifest:
             isolation=ISOLATION_FROM_PB[m.requirements.isolation],
             cuda_device=m.requirements.cuda_device,
             inference=m.requirements.inference,
+            near_gateway=m.requirements.near_gateway,
         ),
         host_class=HOST_CLASS_FROM_PB[m.host_class],
     )
@@ -340,6 +343,8 @@ def assignment_to_pb(a: Assignment) -> host_pb2.WorkAssignment:
         lease_expires_at=ts(a.lease_expires_at),
         manifest=manifest_to_pb(a.manifest),
         inference_token=a.inference_token,
+        checkpoint_sequence=a.checkpoint_sequence,
+        checkpoint=a.checkpoint,
     )
 
 
@@ -352,6 +357,8 @@ def assignment_from_pb(a: host_pb2.WorkAssignment) -> Assignment:
         lease_expires_at=from_ts(a.lease_expires_at),
         manifest=manifest_from_pb(a.manifest),
         inference_token=a.inference_token,
+        checkpoint_sequence=a.checkpoint_sequence,
+        checkpoint=a.checkpoint,
     )
 
 
@@ -378,6 +385,7 @@ def completion_from_pb(req: host_pb2.CompleteWorkRequest) -> Completion:
         device=req.device,
         egress=egress_from_pb(req.egress) if req.HasField("egress") else None,
         egress_events=tuple(egress_event_from_pb(e) for e in req.egress_events),
+        cpu_seconds=max(0.0, req.cpu_seconds),
     )
 
 
@@ -417,4 +425,5 @@ def completion_to_pb(host_id: str, c: Completion, request_id: str) -> host_pb2.C
         device=c.device,
         egress=egress_to_pb(c.egress),
         egress_events=[egress_event_to_pb(e) for e in c.egress_events[:MAX_EGRESS_EVENTS]],
+        cpu_seconds=c.cpu_seconds,
     )

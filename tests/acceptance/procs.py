@@ -83,7 +83,13 @@ class Procs:
         return proc
 
     def agent(
-        self, host_id: str, server: str, machines: Path, slots: int = 4, host_class: str = "cpu"
+        self,
+        host_id: str,
+        server: str,
+        machines: Path,
+        slots: int = 4,
+        host_class: str = "cpu",
+        *extra: str,
     ) -> Proc:
         return self.spawn(
             host_id,
@@ -102,6 +108,7 @@ class Procs:
             host_id,
             "--machines-dir",
             str(machines),
+            *extra,
         )
 
     def stop_all(self) -> None:

@@ -103,3 +103,140 @@ def test_a_machine_gets_each_action_from_the_gateway(tmp_path: Path, images: Ima
     assert b"refused" in blocked.results[0].stderr
     assert [e.kind for e in events] == ["connect"]
     assert "host's own address" in events[0].reason
+
+
+def test_a_deep_gateway_queue_holds_inference_rollouts_while_cpu_work_goes_on(
+    tmp_path: Path, images: ImageStore
+) -> None:
+    """Over the threshold: only CPU-only work is handed out; drained: inference work again."""
+    import time
+
+    import grpc
+
+    from fleet._proto.fleet.v1 import host_pb2, inference_pb2, inference_pb2_grpc
+    from fleet.core.tokens import issue
+    from fleet.server.app import ServerConfig
+    from gateway.batcher import BatchConfig
+    from gateway.service import serve
+
+    def slow() -> None:
+        time.sleep(0.15)
+
+    async def body() -> tuple[list[str], list[str], str, str, bool]:
+        gateway = Gateway.build(
+            GatewayConfig(secret=SECRET, device="cpu",
+                          batch=BatchConfig(max_batch=1, max_wait_ms=0.5)),
+            fault_primary=slow,
+        )  # fmt: skip
+        grpc_server, port = await serve(gateway, "127.0.0.1:0")
+        config = ServerConfig(
+            lease_ttl_s=30, heartbeat_interval_s=0.5, token_secret=SECRET,
+            gateway_address=f"127.0.0.1:{port}", backpressure_queue_depth=4,
+            backpressure_resume_depth=1, gateway_poll_s=0.05,
+        )  # fmt: skip
+        try:
+            async with (
+                harness(tmp_path, images, config) as h,
+                grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel,
+            ):
+                stub = inference_pb2_grpc.InferenceServiceStub(channel)
+                sample = GridWorld(0).observation()
+                load = [
+                    stub.Infer(
+                        inference_pb2.InferRequest(
+                            token=issue(SECRET, f"load-{i}", time.time() + 60),
+                            rollout_id=f"load-{i}", idempotency_key="k", model="gridworld-policy",
+                            input=inference_pb2.Tensor(shape=[147], values=sample),
+                        )
+                    )
+                    for i in range(12)
+                ]  # fmt: skip
+                flood = asyncio.gather(*load)
+                for _ in range(100):  # until the server has seen the deep queue
+                    if h.server.core.hold_inference:
+                        break
+                    await asyncio.sleep(0.02)
+                held = h.server.core.hold_inference
+                await h.register_host("h1")
+                model = await h.fleet.SubmitRollout(
+                    request(requirements=types_pb2.Requirements(inference=True))
+                )
+                plain = await h.fleet.SubmitRollout(request())
+                first = await h.hosts.ClaimWork(
+                    host_pb2.ClaimWorkRequest(request_id="c1", host_id="h1", max_items=5, wait_s=0)
+                )
+                await flood  # the queue drains
+                second = await h.hosts.ClaimWork(
+                    host_pb2.ClaimWorkRequest(request_id="c2", host_id="h1", max_items=5, wait_s=5)
+                )
+                return (
+                    [i.rollout_id for i in first.items], [i.rollout_id for i in second.items],
+                    plain.rollout.id, model.rollout.id, held,
+                )  # fmt: skip
+        finally:
+            await gateway.batcher.stop()
+            await grpc_server.stop(None)
+
+    first, second, plain, model, held = asyncio.run(body())
+    assert held
+    assert first == [plain]
+    assert second == [model]
+
+
+def test_server_and_gateway_metrics_and_fleet_top(tmp_path: Path, images: ImageStore) -> None:
+    """Prometheus text from both; `fleet top --once` shows rollouts, throughput and the gateway."""
+    import time
+    import urllib.request
+
+    from fleet.core.tokens import issue
+    from fleet.server.app import ServerConfig
+    from tests.acceptance.procs import FLEET
+
+    def get(url: str) -> str:
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            return str(reply.read().decode())
+
+    async def body() -> tuple[str, str, str]:
+        gateway = Gateway.build(GatewayConfig(secret=SECRET, device="cpu"))
+        gateway.batcher.start()
+        http, port = await serve_http(gateway, "127.0.0.1", 0)
+        config = ServerConfig(
+            lease_ttl_s=5, heartbeat_interval_s=0.5, token_secret=SECRET,
+            metrics_listen="127.0.0.1:0",
+        )  # fmt: skip
+        try:
+            await gateway.infer(
+                token=issue(SECRET, "r-m", time.time() + 60),
+                rollout_id="r-m", idempotency_key="k", model="gridworld-policy", revision="",
+                shape=[147], values=GridWorld(1).observation(), deadline=None,
+            )  # fmt: skip
+            async with harness(tmp_path, images, config) as h:
+                await h.start_agent("cpu-a", HostClass.CPU)
+                busy = ["python3", "-c", "sum(i * i for i in range(3_000_000))"]
+                reply = await h.fleet.SubmitRollout(request('image = "minimal"\n', busy))
+                await h.wait_final(reply.rollout.id)
+                server_url = f"http://127.0.0.1:{h.server.metrics_port}/metrics"
+                server_text = await asyncio.to_thread(get, server_url)
+                gateway_text = await asyncio.to_thread(get, f"http://127.0.0.1:{port}/metrics")
+                top = await asyncio.create_subprocess_exec(
+                    *FLEET, "top", "--once", "--metrics", server_url,
+                    "--gateway-metrics", f"http://127.0.0.1:{port}/metrics",
+                    stdout=asyncio.subprocess.PIPE,
+                )  # fmt: skip
+                out, _ = await top.communicate()
+                return server_text, gateway_text, out.decode()
+        finally:
+            http.close()
+            await gateway.batcher.stop()
+
+    server_text, gateway_text, top = asyncio.run(body())
+    from fleet.cli.top import parse
+
+    server, gateway = parse(server_text), parse(gateway_text)
+    assert server['fleet_rollouts{state="SUCCEEDED"}'] == 1
+    assert server["fleet_trajectories_completed_total"] == 1
+    assert server["fleet_cpu_seconds_per_trajectory"] > 0.05  # the step's own CPU time
+    assert server["fleet_backpressure_holding"] == 0
+    assert gateway["fleet_gateway_served_total"] == 1
+    assert gateway['fleet_gateway_batch_size_bucket{le="1"}'] == 1
+    assert "trajectories/s" in top and "succeeded 1" in top and "gateway         queue 0" in top

@@ -387,3 +387,35 @@ def test_egress_events_are_kept_per_attempt_and_never_twice(ledger: Ledger) -> N
     assert ledger.egress_events(other.id) == []
     with pytest.raises(NotFound):
         ledger.egress_events("r-missing")
+
+
+def test_backpressure_holds_only_rollouts_that_call_the_gateway(ledger: Ledger) -> None:
+    """With hold_inference, CPU-only work is claimed and gateway work waits; then it goes."""
+    from fleet.core.placement import Requirements
+
+    register(ledger)
+    plain, _ = submit(ledger, key="plain")
+    model, _ = submit(ledger, key="model", requirements=Requirements(inference=True))
+    held = ledger.claim("cpu-1", 10, T0, TTL, hold_inference=True)
+    assert [a.rollout_id for a in held] == [plain.id]
+    later = ledger.claim("cpu-1", 10, T0, TTL)
+    assert [a.rollout_id for a in later] == [model.id]
+    assert later[0].manifest.requirements.inference
+
+
+def test_a_version_2_ledger_is_migrated_in_place(ledger_target: str) -> None:
+    """Opening an older database adds what the newer schema has and keeps its rows."""
+    from sqlalchemy import text
+
+    ledger = Ledger.open(ledger_target)
+    rollout, _ = submit(ledger)
+    with ledger.engine.begin() as conn:
+        conn.execute(text("ALTER TABLE work_items DROP COLUMN needs_inference"))
+        conn.execute(text("UPDATE schema_info SET version = 2 WHERE id = 1"))
+    ledger.engine.dispose()
+    reopened = Ledger.open(ledger_target)
+    assert reopened.schema_version == SCHEMA_VERSION == 3
+    register(reopened)
+    [a] = reopened.claim("cpu-1", 1, T0, TTL, hold_inference=True)
+    assert a.rollout_id == rollout.id
+    reopened.engine.dispose()

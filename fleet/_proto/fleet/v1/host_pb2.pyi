@@ -10,6 +10,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PutCheckpointRequest(_message.Message):
+    __slots__ = ("host_id", "work_id", "fencing_token", "sequence", "data")
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    WORK_ID_FIELD_NUMBER: _ClassVar[int]
+    FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    host_id: str
+    work_id: str
+    fencing_token: int
+    sequence: int
+    data: bytes
+    def __init__(self, host_id: _Optional[str] = ..., work_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., sequence: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PutCheckpointResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class Capabilities(_message.Message):
     __slots__ = ("runtime", "isolation", "cpus", "memory_mib", "cuda_devices", "slots", "runtime_reason", "device")
     RUNTIME_FIELD_NUMBER: _ClassVar[int]
@@ -93,7 +111,7 @@ class ClaimWorkRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., host_id: _Optional[str] = ..., max_items: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class WorkAssignment(_message.Message):
-    __slots__ = ("work_id", "rollout_id", "attempt", "fencing_token", "lease_expires_at", "manifest", "inference_token")
+    __slots__ = ("work_id", "rollout_id", "attempt", "fencing_token", "lease_expires_at", "manifest", "inference_token", "checkpoint_sequence", "checkpoint")
     WORK_ID_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +119,8 @@ class WorkAssignment(_message.Message):
     LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     INFERENCE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     work_id: str
     rollout_id: str
     attempt: int
@@ -108,7 +128,9 @@ class WorkAssignment(_message.Message):
     lease_expires_at: _timestamp_pb2.Timestamp
     manifest: _types_pb2.Manifest
     inference_token: str
-    def __init__(self, work_id: _Optional[str] = ..., rollout_id: _Optional[str] = ..., attempt: _Optional[int] = ..., fencing_token: _Optional[int] = ..., lease_expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., manifest: _Optional[_Union[_types_pb2.Manifest, _Mapping]] = ..., inference_token: _Optional[str] = ...) -> None: ...
+    checkpoint_sequence: int
+    checkpoint: bytes
+    def __init__(self, work_id: _Optional[str] = ..., rollout_id: _Optional[str] = ..., attempt: _Optional[int] = ..., fencing_token: _Optional[int] = ..., lease_expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., manifest: _Optional[_Union[_types_pb2.Manifest, _Mapping]] = ..., inference_token: _Optional[str] = ..., checkpoint_sequence: _Optional[int] = ..., checkpoint: _Optional[bytes] = ...) -> None: ...
 
 class ClaimWorkResponse(_message.Message):
     __slots__ = ("items",)
@@ -117,7 +139,7 @@ class ClaimWorkResponse(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[WorkAssignment, _Mapping]]] = ...) -> None: ...
 
 class CompleteWorkRequest(_message.Message):
-    __slots__ = ("request_id", "host_id", "work_id", "fencing_token", "outcome", "results", "error", "runtime", "device", "egress", "egress_events")
+    __slots__ = ("request_id", "host_id", "work_id", "fencing_token", "outcome", "results", "error", "runtime", "device", "egress", "egress_events", "cpu_seconds")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     WORK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +151,7 @@ class CompleteWorkRequest(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     EGRESS_FIELD_NUMBER: _ClassVar[int]
     EGRESS_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     host_id: str
     work_id: str
@@ -140,7 +163,8 @@ class CompleteWorkRequest(_message.Message):
     device: str
     egress: _types_pb2.EgressPolicy
     egress_events: _containers.RepeatedCompositeFieldContainer[_types_pb2.EgressEvent]
-    def __init__(self, request_id: _Optional[str] = ..., host_id: _Optional[str] = ..., work_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., outcome: _Optional[_Union[_types_pb2.Outcome, str]] = ..., results: _Optional[_Iterable[_Union[_types_pb2.StepResult, _Mapping]]] = ..., error: _Optional[str] = ..., runtime: _Optional[_Union[_types_pb2.RuntimeKind, str]] = ..., device: _Optional[str] = ..., egress: _Optional[_Union[_types_pb2.EgressPolicy, _Mapping]] = ..., egress_events: _Optional[_Iterable[_Union[_types_pb2.EgressEvent, _Mapping]]] = ...) -> None: ...
+    cpu_seconds: float
+    def __init__(self, request_id: _Optional[str] = ..., host_id: _Optional[str] = ..., work_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., outcome: _Optional[_Union[_types_pb2.Outcome, str]] = ..., results: _Optional[_Iterable[_Union[_types_pb2.StepResult, _Mapping]]] = ..., error: _Optional[str] = ..., runtime: _Optional[_Union[_types_pb2.RuntimeKind, str]] = ..., device: _Optional[str] = ..., egress: _Optional[_Union[_types_pb2.EgressPolicy, _Mapping]] = ..., egress_events: _Optional[_Iterable[_Union[_types_pb2.EgressEvent, _Mapping]]] = ..., cpu_seconds: _Optional[float] = ...) -> None: ...
 
 class CompleteWorkResponse(_message.Message):
     __slots__ = ("state",)

@@ -55,6 +55,11 @@ class HostServiceStub:
                 request_serializer=fleet_dot_v1_dot_host__pb2.CompleteWorkRequest.SerializeToString,
                 response_deserializer=fleet_dot_v1_dot_host__pb2.CompleteWorkResponse.FromString,
                 _registered_method=True)
+        self.PutCheckpoint = channel.unary_unary(
+                '/fleet.v1.HostService/PutCheckpoint',
+                request_serializer=fleet_dot_v1_dot_host__pb2.PutCheckpointRequest.SerializeToString,
+                response_deserializer=fleet_dot_v1_dot_host__pb2.PutCheckpointResponse.FromString,
+                _registered_method=True)
 
 
 class HostServiceServicer:
@@ -86,6 +91,14 @@ class HostServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutCheckpoint(self, request, context):
+        """A hybrid rollout's state between two model calls, stored before the next call is made;
+        a later attempt resumes from the latest one. Refused with ABORTED under a stale token.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_HostServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -108,6 +121,11 @@ def add_HostServiceServicer_to_server(servicer, server):
                     servicer.CompleteWork,
                     request_deserializer=fleet_dot_v1_dot_host__pb2.CompleteWorkRequest.FromString,
                     response_serializer=fleet_dot_v1_dot_host__pb2.CompleteWorkResponse.SerializeToString,
+            ),
+            'PutCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutCheckpoint,
+                    request_deserializer=fleet_dot_v1_dot_host__pb2.PutCheckpointRequest.FromString,
+                    response_serializer=fleet_dot_v1_dot_host__pb2.PutCheckpointResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +237,33 @@ class HostService:
             '/fleet.v1.HostService/CompleteWork',
             fleet_dot_v1_dot_host__pb2.CompleteWorkRequest.SerializeToString,
             fleet_dot_v1_dot_host__pb2.CompleteWorkResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fleet.v1.HostService/PutCheckpoint',
+            fleet_dot_v1_dot_host__pb2.PutCheckpointRequest.SerializeToString,
+            fleet_dot_v1_dot_host__pb2.PutCheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,

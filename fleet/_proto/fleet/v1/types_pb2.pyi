@@ -113,14 +113,16 @@ class Versions(_message.Message):
     def __init__(self, policy: _Optional[str] = ..., environment: _Optional[str] = ..., evaluator: _Optional[str] = ...) -> None: ...
 
 class Requirements(_message.Message):
-    __slots__ = ("isolation", "cuda_device", "inference")
+    __slots__ = ("isolation", "cuda_device", "inference", "near_gateway")
     ISOLATION_FIELD_NUMBER: _ClassVar[int]
     CUDA_DEVICE_FIELD_NUMBER: _ClassVar[int]
     INFERENCE_FIELD_NUMBER: _ClassVar[int]
+    NEAR_GATEWAY_FIELD_NUMBER: _ClassVar[int]
     isolation: Isolation
     cuda_device: bool
     inference: bool
-    def __init__(self, isolation: _Optional[_Union[Isolation, str]] = ..., cuda_device: _Optional[bool] = ..., inference: _Optional[bool] = ...) -> None: ...
+    near_gateway: bool
+    def __init__(self, isolation: _Optional[_Union[Isolation, str]] = ..., cuda_device: _Optional[bool] = ..., inference: _Optional[bool] = ..., near_gateway: _Optional[bool] = ...) -> None: ...
 
 class Manifest(_message.Message):
     __slots__ = ("digest", "smolfile", "smolfile_name", "smolfile_digest", "image_ref", "image_digest", "steps", "deadline", "retry", "versions", "requirements", "host_class")

@@ -1,0 +1,90 @@
+"""`fleet top`: the server's and the gateway's metrics, refreshed in place."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+import urllib.request
+
+
+def parse(text: str) -> dict[str, float]:
+    """Prometheus text to {name or name{labels}: value} (comments skipped)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def _label(key: str) -> str:
+    """The first label value of a `name{label="value"}` key."""
+    return key.split('"')[1] if '"' in key else key
+
+
+def _fetch(url: str) -> dict[str, float] | str:
+    try:
+        with urllib.request.urlopen(url, timeout=3) as reply:
+            return parse(reply.read().decode())
+    except OSError as exc:
+        return f"unreachable ({exc})"
+
+
+def render(server: dict[str, float] | str, gateway: dict[str, float] | str) -> str:
+    lines = [f"fleet top  {time.strftime('%H:%M:%S')}"]
+    if isinstance(server, str):
+        lines.append(f"server   {server}")
+    else:
+        states = " ".join(
+            f"{_label(k).lower()} {v:g}"
+            for k, v in sorted(server.items())
+            if k.startswith("fleet_rollouts{")
+        )
+        lines += [
+            f"rollouts        {states or 'none yet'}",
+            f"trajectories/s  {server.get('fleet_trajectories_per_second', 0):.2f}   "
+            f"retries {server.get('fleet_retries_total', 0):g}   "
+            f"cpu-s/trajectory {server.get('fleet_cpu_seconds_per_trajectory', 0):.3f}   "
+            f"backpressure {'HOLDING' if server.get('fleet_backpressure_holding') else 'off'}",
+        ]
+    if isinstance(gateway, str):
+        lines.append(f"gateway  {gateway}")
+    else:
+        batches = gateway.get("fleet_gateway_batch_size_count", 0)
+        mean = gateway.get("fleet_gateway_batch_size_sum", 0) / batches if batches else 0.0
+        device_s = gateway.get("fleet_gateway_device_seconds_total", 0)
+        per = ""
+        if not isinstance(server, str) and server.get("fleet_inference_trajectories_total"):
+            trajectories = server["fleet_inference_trajectories_total"]
+            per = f"   device-s/trajectory {device_s / trajectories:.4f}"
+        lines += [
+            f"gateway         queue {gateway.get('fleet_gateway_queue_depth', 0):g} "
+            f"(oldest {gateway.get('fleet_gateway_queue_oldest_seconds', 0) * 1000:.0f} ms)   "
+            f"batch mean {mean:.2f}   "
+            f"busy {gateway.get('fleet_gateway_device_busy_fraction', 0):.3f}"
+            f"   failovers {gateway.get('fleet_gateway_failovers_total', 0):g}   "
+            f"breaker {'open' if gateway.get('fleet_gateway_breaker_open') else 'closed'}{per}",
+        ]
+    return "\n".join(lines)
+
+
+async def run_top(server_url: str, gateway_url: str, interval_s: float, once: bool) -> int:
+    tty = sys.stdout.isatty() and not once
+    while True:
+        server, gateway = await asyncio.gather(
+            asyncio.to_thread(_fetch, server_url), asyncio.to_thread(_fetch, gateway_url)
+        )
+        screen = render(server, gateway)
+        if tty:
+            sys.stdout.write("\x1b[H\x1b[2J" + screen + "\n")
+            sys.stdout.flush()
+        else:
+            print(screen, flush=True)
+        if once:
+            return 0 if not isinstance(server, str) else 1
+        await asyncio.sleep(interval_s)

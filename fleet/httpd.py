@@ -1,0 +1,66 @@
+"""A minimal HTTP/1.1 server loop on asyncio streams, for fleet's small local endpoints.
+
+Used where a client has only a standard library (machines calling the gateway or storing
+checkpoints) and for Prometheus scrapes. Keep-alive, Content-Length bodies only, a body limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+
+Handler = Callable[[str, str, dict[str, str], bytes], Awaitable[bytes]]
+"""(method, target, lower-cased headers, body) -> a whole response from `reply`."""
+
+REASONS = {
+    200: "OK", 204: "No Content", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden",
+    404: "Not Found", 405: "Method Not Allowed", 409: "Conflict", 412: "Precondition Failed",
+    413: "Payload Too Large", 429: "Too Many Requests", 499: "Client Closed Request",
+    500: "Internal Server Error", 503: "Service Unavailable", 504: "Gateway Timeout",
+}  # fmt: skip
+
+
+def reply(
+    status: int,
+    body: bytes = b"",
+    content_type: str = "text/plain",
+    headers: dict[str, str] | None = None,
+) -> bytes:
+    lines = [f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}",
+             f"Content-Type: {content_type}", f"Content-Length: {len(body)}"]  # fmt: skip
+    lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+def connection_handler(
+    handler: Handler, max_body_bytes: int = 1 << 20
+) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]:
+    """An asyncio.start_server callback that serves requests with `handler`."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while line := await reader.readline():
+                method, target, *_ = [*line.decode("latin-1").split(), "", ""]
+                headers: dict[str, str] = {}
+                while (h := await reader.readline()) not in (b"\r\n", b"\n", b""):
+                    key, _, value = h.decode("latin-1").partition(":")
+                    headers[key.strip().lower()] = value.strip()
+                length = int(headers.get("content-length", "0") or 0)
+                if length > max_body_bytes:
+                    writer.write(reply(413, f"body over {max_body_bytes} bytes".encode()))
+                    await writer.drain()
+                    return
+                body = await reader.readexactly(length) if length else b""
+                writer.write(await handler(method, target, headers, body))
+                await writer.drain()
+                if headers.get("connection", "").lower() == "close":
+                    return
+        except (ConnectionError, asyncio.IncompleteReadError, ValueError):
+            return
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+
+    return serve

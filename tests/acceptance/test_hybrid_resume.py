@@ -1,0 +1,106 @@
+"""A hybrid rollout survives its worker: kill -9 mid-episode, resume from the last checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fleet._proto.fleet.v1 import fleet_pb2, types_pb2
+from fleet.core.placement import HostClass
+from fleet.envs.episode import program
+from fleet.image.store import ImageStore
+from fleet.runtime.namespace import NamespaceRuntime
+from fleet.runtime.netns import NetConfig, in_netns
+from gateway.http import serve_http
+from gateway.service import Gateway, GatewayConfig
+from tests.acceptance.procs import Procs
+from tests.integration.harness import SECRET, harness
+from tests.integration.test_hybrid import local_episode
+from tests.networld import GATEWAY, networld
+
+SEED = 9  # an episode that runs its full 28 steps: long enough to interrupt
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Procs]:
+    p = Procs(tmp_path)
+    yield p
+    p.stop_all()
+
+
+def test_a_killed_worker_resumes_from_its_last_checkpoint(
+    tmp_path: Path, images: ImageStore, procs: Procs
+) -> None:
+    """The second attempt replays the stored steps and asks for the rest: same trajectory."""
+
+    async def body() -> tuple[types_pb2.Rollout, list[tuple[int, int, bytes]], int]:
+        with networld() as world:
+            gateway = Gateway.build(GatewayConfig(secret=SECRET, device="cpu"))
+            gateway.batcher.start()
+
+            def bind() -> socket.socket:
+                sock = socket.socket()
+                sock.bind((GATEWAY[0], 0))
+                return sock
+
+            sock = await asyncio.to_thread(in_netns, f"/run/netns/{world.uplink}", bind)
+            http, port = await serve_http(gateway, sock=sock)
+            net = NetConfig(uplink_netns=world.uplink, dns_upstream=world.dns)
+            try:
+                async with harness(tmp_path, images) as h:
+                    doomed = procs.agent(
+                        "doomed", h.server.address, tmp_path / "machines", 1, "cpu",
+                        "--egress-uplink", world.uplink, "--egress-dns", "203.0.113.53",
+                        "--gateway", f"{GATEWAY[0]}:{port}",
+                    )  # fmt: skip
+                    ledger = h.server.core.ledger
+                    for _ in range(600):
+                        if any(host.host_id == "doomed" for host in ledger.hosts()):
+                            break
+                        await asyncio.sleep(0.05)
+                    argv = program(SEED)
+                    submitted = await h.fleet.SubmitRollout(
+                        fleet_pb2.SubmitRolloutRequest(
+                            request_id="r", idempotency_key="resume",
+                            smolfile='image = "minimal"\n',
+                            steps=[types_pb2.Step(
+                                argv=argv, timeout_s=120,
+                                env={"FLEET_EPISODE_STEP_DELAY_S": "0.15"},
+                            )],
+                            requirements=types_pb2.Requirements(inference=True),
+                            retry=types_pb2.RetryPolicy(max_attempts=3),
+                        )
+                    )  # fmt: skip
+                    rid = submitted.rollout.id
+                    deadline = time.monotonic() + 60
+                    while len(ledger.checkpoints(rid)) < 4:  # mid-episode, past a few handoffs
+                        assert time.monotonic() < deadline, doomed.log.read_text()[-2000:]
+                        await asyncio.sleep(0.05)
+                    doomed.kill9()
+                    saved_at_kill = len(ledger.checkpoints(rid))
+                    await h.start_agent("rescuer", HostClass.CPU, net=net,
+                                        gateway=(GATEWAY[0], port))  # fmt: skip
+                    final = await h.wait_final(rid, timeout_s=120)
+                    # The killed agent's machine: its reaper (same host id) removes it.
+                    await NamespaceRuntime(tmp_path / "machines", net).reap("doomed")
+                    return final, ledger.checkpoints(rid), saved_at_kill
+            finally:
+                http.close()
+                await gateway.batcher.stop()
+
+    final, checkpoints, saved_at_kill = asyncio.run(body())
+    assert final.state == types_pb2.ROLLOUT_STATE_SUCCEEDED, final.error
+    episode = json.loads(final.results[0].stdout)
+    assert episode["actions"] == local_episode(SEED)  # no step duplicated or missing
+    assert episode["resumed_at"] >= saved_at_kill >= 4
+    assert [a.outcome for a in final.attempt_history][-1] == "SUCCEEDED"
+    assert len(final.attempt_history) == 2
+    # One checkpoint per step, numbered without gaps, across both attempts.
+    assert [seq for seq, _, _ in checkpoints] == list(range(1, len(episode["actions"]) + 1))
+    assert {attempt for _, attempt, _ in checkpoints} == {1, 2}
