@@ -40,7 +40,8 @@ class BatchConfig:
     max_batch: int = 64
     """Most samples in one primary batch."""
     max_wait_ms: float = 2.0
-    """How long the oldest request waits for others to join its batch."""
+    """How long the oldest request waits for others to join its batch (0: dispatch as soon as
+    the device is free; batches then form from requests that arrive while it computes)."""
     max_queue: int = 2048
     """Queued requests beyond this are refused at once (RESOURCE_EXHAUSTED)."""
     max_inflight_per_rollout: int = 16

@@ -37,6 +37,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+import gateway  # noqa: E402,F401  (its __init__ quiets torch's numpy warning in every process)
 
 import grpc  # noqa: E402
 import structlog  # noqa: E402
@@ -78,6 +79,7 @@ def make_bench_model(directory: Path) -> Path:
 
 def _gateway_main(settings: dict[str, Any], port: Any, fault: Any) -> None:
     quiet()
+    import gateway  # noqa: F401  (quiets torch's numpy warning)
     import torch
 
     torch.set_num_threads(1)  # one core for the device, one for the clients
@@ -123,7 +125,8 @@ class GatewayProc:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.proc.kill()
+        if self.proc.is_alive():
+            self.proc.kill()
         self.proc.join(10)
 
     @property
@@ -186,6 +189,23 @@ async def hammer(
         "rate": len(latencies) / elapsed, "degraded_at": degraded_at,
         "p50_ms": statistics.median(latencies) * 1000 if latencies else float("nan"),
     }  # fmt: skip
+
+
+async def alternate(first: str, second: str, n: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """p50 of lone requests, sent in turn to two gateways."""
+    sample = GridWorld(0).observation()
+    times: tuple[list[float], list[float]] = ([], [])
+    async with grpc.aio.insecure_channel(first) as a, grpc.aio.insecure_channel(second) as b:
+        stubs = (inference_pb2_grpc.InferenceServiceStub(a),
+                 inference_pb2_grpc.InferenceServiceStub(b))  # fmt: skip
+        for i in range(n):
+            for side in (0, 1):
+                started = time.perf_counter()
+                await stubs[side].Infer(_request(BENCH_MODEL, f"alt{side}", f"k{i}", sample))
+                times[side].append(time.perf_counter() - started)
+    return tuple(  # type: ignore[return-value]
+        {"p50_ms": statistics.median(t) * 1000} for t in times
+    )
 
 
 async def status(address: str) -> Any:
@@ -271,13 +291,16 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="fleet-bench-gw-") as tmp:
         manifest = make_bench_model(Path(tmp))
         common = {"model": BENCH_MODEL, "manifest": str(manifest), "device": args.device}
-        batched_cfg = {"max_batch": 64, "max_wait_ms": 1.0, "max_queue": 4096,
+        batched_cfg = {"max_batch": 64, "max_wait_ms": 0.0, "max_queue": 4096,
                        "max_inflight_per_rollout": 64}  # fmt: skip
-        with GatewayProc(**common, batch={**batched_cfg, "max_batch": 1}) as one:
-            lone_single = asyncio.run(hammer(one.address, BENCH_MODEL, 1, lone, "ls"))
+        with (
+            GatewayProc(**common, batch={**batched_cfg, "max_batch": 1}) as one,
+            GatewayProc(**common, batch=batched_cfg) as gw,
+        ):
+            # Lone requests alternate between the two, so both see the same machine state.
+            lone_single, lone_batched = asyncio.run(alternate(one.address, gw.address, lone))
             single = asyncio.run(hammer(one.address, BENCH_MODEL, CLIENTS, per_client, "s"))
-        with GatewayProc(**common, batch=batched_cfg) as gw:
-            lone_batched = asyncio.run(hammer(gw.address, BENCH_MODEL, 1, lone, "lb"))
+            one.__exit__()
             batched = asyncio.run(hammer(gw.address, BENCH_MODEL, CLIENTS, per_client, "b"))
             traj_s, actions = asyncio.run(pipeline(gw.address, BENCH_MODEL, episodes, 64))
             # (3) failover under load: fault at t0, first CPU-served answer after it.

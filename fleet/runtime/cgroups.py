@@ -48,6 +48,7 @@ class MachineCgroup:
     def __init__(self, name: str, version: str, root: Path = ROOT) -> None:
         self.name = name
         self.version = version
+        self._root = root
         if version == "v2":
             self.dirs = {"all": root / "fleet" / name}
         else:
@@ -148,6 +149,14 @@ class MachineCgroup:
                     break
                 except OSError:
                     time.sleep(0.02)  # the last processes are still exiting
+
+    def children(self) -> list[MachineCgroup]:
+        """Cgroups of a warm parent's children (named `<parent>.<id>`), e.g. left by a kill."""
+        found: set[str] = set()
+        for d in self.dirs.values():
+            for sub in d.parent.glob(f"{self.name}.*") if d.parent.exists() else []:
+                found.add(sub.name)
+        return [MachineCgroup(name, self.version, self._root) for name in sorted(found)]
 
     def exists(self) -> bool:
         return any(d.exists() for d in self.dirs.values())

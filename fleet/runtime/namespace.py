@@ -101,7 +101,12 @@ class NamespaceMachine:
         return self._name
 
     def _argv(
-        self, argv: list[str], env: Mapping[str, str], workdir: str, seccomp_fd: int
+        self,
+        argv: list[str],
+        env: Mapping[str, str],
+        workdir: str,
+        seccomp_fd: int,
+        extra: list[str] | None = None,
     ) -> list[str]:
         network: list[str] = []
         if self.net is not None:  # its own namespace, entered by nsenter; resolver: the forwarder
@@ -124,6 +129,7 @@ class NamespaceMachine:
             "--tmpfs",
             "/tmp",
             *network,
+            *(extra or []),
             "--chdir",
             workdir,
             "--clearenv",
@@ -365,7 +371,10 @@ class NamespaceRuntime:
                 netns = json.loads((entry / "net.json").read_text())["netns"]
                 await destroy_netns(netns)
                 await asyncio.to_thread(release_leases, self.machines_dir, netns)
-            await asyncio.to_thread(cgroups.MachineCgroup(entry.name, self.cgroup_version).remove)
+            group = cgroups.MachineCgroup(entry.name, self.cgroup_version)
+            for child in await asyncio.to_thread(group.children):  # a warm parent's children
+                await asyncio.to_thread(child.remove)
+            await asyncio.to_thread(group.remove)
             await asyncio.to_thread(shutil.rmtree, entry, True)
             reaped += 1
         if reaped:

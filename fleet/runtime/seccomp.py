@@ -44,7 +44,12 @@ def _insn(code: int, jt: int, jf: int, k: int) -> bytes:
     return struct.pack("=HBBI", code, jt, jf, k)
 
 
-def program(machine: str | None = None) -> bytes:
+ZYGOTE_ALLOWS = frozenset({"unshare", "mount", "umount2"})
+"""What a warm parent's fork server may still call, to put each child into its own namespaces
+and overlay; every child installs the full filter on top before its step runs."""
+
+
+def program(machine: str | None = None, allow: frozenset[str] = frozenset()) -> bytes:
     """The filter as raw `struct sock_filter` instructions for this host's architecture."""
     arch = machine or platform.machine()
     if arch != "x86_64":
@@ -52,7 +57,7 @@ def program(machine: str | None = None) -> bytes:
             f"the namespace runtime's seccomp filter has no system-call table for {arch}; "
             "it refuses to run sandboxes without one"
         )
-    numbers = sorted(set(DENIED_X86_64.values()))
+    numbers = sorted({nr for name, nr in DENIED_X86_64.items() if name not in allow})
     deny = 4 + len(numbers) + 1  # index of the deny instruction
     out = [
         _insn(_LD_W_ABS, 0, 0, 4),  # seccomp_data.arch

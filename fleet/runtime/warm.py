@@ -1,0 +1,260 @@
+"""Warm parents on the namespace runtime: a fork server per parent, copy-on-write children.
+
+The parent is a namespace machine whose one long-running process is `zygote.py` (the fork
+server): it runs the warm-up once, then forks a child per step. Each child shares the parent's
+memory pages until it writes them, runs in its own user/mount/UTS/IPC namespaces on its own
+overlay layer (over the parent's layer and the image: branching copies no files), under the
+full system-call filter, and in its own cgroup, which the agent moves it into before it may
+start. Deleting a child kills its cgroup and removes its layer; children go before their
+parent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import time
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from fleet.core.errors import Internal, Unavailable
+from fleet.runtime import cgroups, seccomp
+from fleet.runtime.base import ExecResult, machine_env
+from fleet.runtime.namespace import NamespaceMachine, NamespaceRuntime
+
+log = structlog.get_logger(__name__)
+
+ZYGOTE = Path(__file__).with_name("zygote.py")
+SOCKET_LINKS = Path("/run/fleet-zygotes")
+
+
+def _host_pid(candidates: list[int], ns_pid: int) -> int | None:
+    """The host pid of the process whose innermost pid is `ns_pid` (from /proc NSpid)."""
+    for pid in candidates:
+        try:
+            with open(f"/proc/{pid}/status") as handle:
+                for line in handle:
+                    if line.startswith("NSpid:"):
+                        if int(line.split()[-1]) == ns_pid:
+                            return pid
+                        break
+        except OSError:
+            continue
+    return None
+
+
+class WarmChild:
+    """A copy-on-write child of a warm parent; each exec is a fresh fork on the child's layer."""
+
+    def __init__(self, parent: NamespaceParent, name: str, cgroup: cgroups.MachineCgroup) -> None:
+        self.parent = parent
+        self._name = name
+        self.cid = cgroup.name
+        self.cgroup = cgroup
+        self._deleted = False
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def layer(self) -> Path:
+        return self.parent.ctl / "children" / self.cid
+
+    async def start(
+        self, argv: list[str], env: Mapping[str, str] | None = None, workdir: str | None = None
+    ) -> int:
+        """Forks the child for `argv`, places it in its cgroup and lets it run; returns its pid."""
+        reply = await self.parent.call(
+            {"op": "spawn", "id": self.cid, "argv": argv, "hostname": self._name[:63],
+             "env": machine_env(self.parent.machine.spec, env),
+             "workdir": workdir or self.parent.machine.spec.smolfile.workdir or "/"}
+        )  # fmt: skip
+        candidates = await asyncio.to_thread(self.parent.machine.cgroup.pids)
+        host_pid = _host_pid(candidates, int(reply["pid"]))
+        if host_pid is None:
+            raise Internal(f"child {self._name}: forked, but its host pid was not found")
+        for procs in self.cgroup.procs_files:
+            procs.write_text(str(host_pid))
+        await self.parent.call({"op": "go", "id": self.cid})
+        return host_pid
+
+    async def wait(self) -> int:
+        reply = await self.parent.call({"op": "wait", "id": self.cid}, fresh=True)
+        return os.waitstatus_to_exitcode(int(reply["status"]))
+
+    async def exec(
+        self,
+        argv: list[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        workdir: str | None = None,
+        timeout_s: float,
+        **_: Any,
+    ) -> ExecResult:
+        if self._deleted:
+            raise Unavailable(f"machine {self._name} was deleted")
+        started = time.monotonic()
+        oom_before = self.cgroup.oom_kills()
+        await self.start(argv, env, workdir)
+        timed_out = False
+        try:
+            code = await asyncio.wait_for(self.wait(), timeout_s)
+        except TimeoutError:
+            timed_out = True
+            await asyncio.to_thread(self.cgroup.kill_all)
+            code = await self.wait()
+        out, err = await asyncio.to_thread(self._outputs)
+        return ExecResult(
+            exit_code=-int(signal.SIGKILL) if timed_out else code, stdout=out, stderr=err,
+            timed_out=timed_out, duration_s=time.monotonic() - started,
+            oom_killed=self.cgroup.oom_kills() > oom_before,
+        )  # fmt: skip
+
+    def _outputs(self) -> tuple[bytes, bytes]:
+        out, err = self.layer / "stdout", self.layer / "stderr"
+        return (
+            out.read_bytes() if out.exists() else b"",
+            err.read_bytes() if err.exists() else b"",
+        )
+
+    async def delete(self) -> None:
+        if self._deleted:
+            return
+        self._deleted = True
+        await asyncio.to_thread(self.cgroup.remove)
+        await asyncio.to_thread(shutil.rmtree, self.layer, True)
+        self.parent.children.discard(self)
+
+
+class NamespaceParent:
+    """A warm parent: its fork server, and the children it has."""
+
+    def __init__(self, runtime: NamespaceRuntime, machine: NamespaceMachine) -> None:
+        self.runtime = runtime
+        self.machine = machine
+        self.ctl = machine.root / "ctl"
+        self.children: set[WarmChild] = set()
+        self._proc: asyncio.subprocess.Process | None = None
+        self._conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self._lock = asyncio.Lock()
+        # Unix socket paths are limited to 108 bytes: reach the socket through a short link.
+        self._link = SOCKET_LINKS / uuid.uuid4().hex[:12]
+
+    @classmethod
+    async def create(
+        cls, runtime: NamespaceRuntime, machine: NamespaceMachine, warmup: str,
+        timeout_s: float = 300.0,
+    ) -> NamespaceParent:  # fmt: skip
+        parent = cls(runtime, machine)
+        try:
+            await parent._start(warmup, timeout_s)
+        except BaseException:
+            await parent.delete()
+            raise
+        return parent
+
+    async def _start(self, warmup: str, timeout_s: float) -> None:
+        ctl, root = self.ctl, self.machine.root
+        await asyncio.to_thread(self._prepare, warmup)
+        filt = os.open(root / "zygote.bpf", os.O_RDONLY)
+        try:
+            argv = self.machine._argv(
+                ["python3", "-u", "/run/fleet/zygote.py"],
+                machine_env(self.machine.spec, None), "/", filt,
+                extra=["--bind", str(ctl), "/run/fleet",
+                       "--ro-bind", str(self.machine.spec.rootfs), "/run/fleet/lower",
+                       "--ro-bind", str(root / "upper"), "/run/fleet/parent-upper"],
+            )  # fmt: skip
+            self._proc = await asyncio.create_subprocess_exec(
+                *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                start_new_session=True, pass_fds=(filt,),
+            )  # fmt: skip
+        finally:
+            os.close(filt)
+        assert self._proc.stdout is not None and self._proc.stderr is not None
+        try:
+            line = await asyncio.wait_for(self._proc.stdout.readline(), timeout_s)
+        except TimeoutError:
+            line = b""
+        if line.strip() != b"ready":
+            err = b""
+            if self._proc.returncode is not None or not line:
+                self._kill()
+                err = await self._proc.stderr.read()
+            raise Unavailable(
+                f"warm parent {self.machine.name}: its warm-up did not finish: "
+                f"{err.decode(errors='replace')[-800:] or 'no output'}"
+            )
+        log.info("warm_parent_ready", machine=self.machine.name)
+
+    def _prepare(self, warmup: str) -> None:
+        """The fork server's files: itself, the warm-up, and both system-call filters."""
+        ctl, root = self.ctl, self.machine.root
+        for sub in ("children", "lower", "parent-upper"):
+            (ctl / sub).mkdir(parents=True, exist_ok=True)
+        SOCKET_LINKS.mkdir(parents=True, exist_ok=True)
+        self._link.symlink_to(ctl)
+        shutil.copyfile(ZYGOTE, ctl / "zygote.py")
+        (ctl / "warmup.py").write_text(warmup)
+        (ctl / "child.bpf").write_bytes(seccomp.program())
+        (root / "zygote.bpf").write_bytes(seccomp.program(allow=seccomp.ZYGOTE_ALLOWS))
+
+    async def call(self, request: dict[str, Any], fresh: bool = False) -> dict[str, Any]:
+        """One request to the fork server (a wait gets a connection of its own)."""
+        sock = str(self._link / "zygote.sock")
+        if fresh:
+            reader, writer = await asyncio.open_unix_connection(sock)
+            try:
+                writer.write((json.dumps(request) + "\n").encode())
+                return dict(json.loads(await reader.readline()))
+            finally:
+                writer.close()
+        async with self._lock:
+            if self._conn is None:
+                self._conn = await asyncio.open_unix_connection(sock)
+            reader, writer = self._conn
+            writer.write((json.dumps(request) + "\n").encode())
+            line = await reader.readline()
+        if not line:
+            raise Unavailable(f"warm parent {self.machine.name}: its fork server is gone")
+        reply = dict(json.loads(line))
+        if "error" in reply:
+            raise Internal(f"warm parent {self.machine.name}: {reply['error']}")
+        return reply
+
+    async def branch(self, name: str) -> WarmChild:
+        cid = f"{self.machine.root.name}.{uuid.uuid4().hex[:8]}"
+        cgroup = cgroups.MachineCgroup(cid, self.runtime.cgroup_version)
+        limits = cgroups.Limits(
+            memory_mib=self.machine.spec.smolfile.memory_mib_effective,
+            cpus=self.machine.spec.smolfile.cpus_effective,
+        )
+        await asyncio.to_thread(cgroup.create, limits)
+        child = WarmChild(self, name, cgroup)
+        self.children.add(child)
+        return child
+
+    def _kill(self) -> None:
+        if self._proc is not None and self._proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._proc.pid, signal.SIGKILL)
+
+    async def delete(self) -> None:
+        for child in list(self.children):  # children go before their parent
+            await child.delete()
+        if self._conn is not None:
+            self._conn[1].close()
+        self._kill()
+        if self._proc is not None:
+            await self._proc.wait()
+        await asyncio.to_thread(self._link.unlink, True)
+        await self.machine.delete()

@@ -1,0 +1,183 @@
+"""The warm parent's fork server. Runs inside the sandbox with the image's python3 (stdlib only).
+
+At start it runs the warm-up (`/run/fleet/warmup.py`) into its own globals: imports, weights,
+whatever the children should find already in memory. Then it serves JSON lines on
+`/run/fleet/zygote.sock`:
+
+    {"op": "spawn", "id": ID, "argv": [...], "env": {...}, "workdir": DIR}
+        -> {"id": ID, "pid": PID}   the child is forked and waits for "go"
+    {"op": "go", "id": ID}          -> {"ok": true}
+    {"op": "wait", "id": ID}        -> {"id": ID, "status": waitpid status}
+
+A child is a copy-on-write fork() of this process. Before its step runs it enters new user,
+mount, UTS and IPC namespaces, mounts its own overlay (its writable layer over the parent's
+layer and the image), chroots into it, and installs the full system-call filter (this process
+runs under a looser one that still allows the namespace and mount calls it needs). Then
+`["python3", "-c", CODE]` runs CODE in the child's copy of the warm interpreter, so everything
+the warm-up loaded is there; any other argv is exec'd.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import socket
+import sys
+import threading
+import traceback
+from typing import Any
+
+CTL = "/run/fleet"
+NEWNS, NEWUTS, NEWIPC, NEWUSER = 0x20000, 0x04000000, 0x08000000, 0x10000000
+MS_BIND, MS_REC = 4096, 16384
+PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
+
+libc = ctypes.CDLL(None, use_errno=True)
+WARM: dict[str, Any] = {"__name__": "__warm__"}
+children: dict[str, list[Any]] = {}  # id -> [pid, go pipe write end, status or None, Event]
+lock = threading.Lock()
+spawned = threading.Semaphore(0)
+
+
+def check(result: int, what: str) -> None:
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, what + ": " + os.strerror(err))
+
+
+def install_filter(program: bytes) -> None:
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+
+    prog = SockFprog(len(program) // 8, program)
+    check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0), "seccomp")
+
+
+def become_machine(cid: str, hostname: str) -> None:
+    uid, gid = os.getuid(), os.getgid()
+    check(libc.unshare(NEWUSER | NEWNS | NEWUTS | NEWIPC), "unshare")
+    with open("/proc/self/setgroups", "w") as f:
+        f.write("deny")
+    with open("/proc/self/uid_map", "w") as f:
+        f.write(f"0 {uid} 1")
+    with open("/proc/self/gid_map", "w") as f:
+        f.write(f"0 {gid} 1")
+    base = f"{CTL}/children/{cid}"
+    lower = CTL + "/parent-upper:" + CTL + "/lower"
+    opts = f"lowerdir={lower},upperdir={base}/upper,workdir={base}/work,userxattr"
+    merged = base + "/merged"
+    check(libc.mount(b"overlay", merged.encode(), b"overlay", 0, opts.encode()), "overlay")
+    for fs in ("proc", "dev"):
+        target = (f"{merged}/{fs}").encode()
+        check(libc.mount(("/" + fs).encode(), target, None, MS_BIND | MS_REC, None), fs)
+    check(libc.mount(b"tmpfs", (merged + "/tmp").encode(), b"tmpfs", 0, None), "tmp")
+    name = hostname.encode()[:63]
+    check(libc.sethostname(name, len(name)), "hostname")
+    os.chroot(merged)
+
+
+def run_child(cid: str, request: dict[str, Any], go_read: int, program: bytes) -> int:
+    os.read(go_read, 1)  # placed into its own cgroup by the agent first
+    os.close(go_read)
+    base = f"{CTL}/children/{cid}"
+    out = os.open(base + "/stdout", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    err = os.open(base + "/stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    become_machine(cid, request.get("hostname") or cid)
+    install_filter(program)
+    os.chdir(request.get("workdir") or "/")
+    os.environ.clear()
+    os.environ.update(request.get("env") or {})
+    argv = request["argv"]
+    if len(argv) >= 3 and argv[0] in ("python3", "python") and argv[1] == "-c":
+        sys.argv = ["-c", *argv[3:]]
+        scope = dict(WARM)
+        scope["__name__"] = "__main__"
+        exec(compile(argv[2], "<step>", "exec"), scope)
+        return 0
+    os.execvpe(argv[0], argv, os.environ)
+    return 127
+
+
+def child_main(cid: str, request: dict[str, Any], go_read: int, program: bytes) -> None:
+    code = 1
+    try:
+        code = run_child(cid, request, go_read, program)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def reaper() -> None:
+    while True:
+        spawned.acquire()  # one waitpid per child forked: no polling, no missed exits
+        pid, status = os.waitpid(-1, 0)
+        with lock:
+            for entry in children.values():
+                if entry[0] == pid:
+                    entry[2] = status
+                    entry[3].set()
+
+
+def serve(conn: socket.socket, program: bytes) -> None:
+    reader = conn.makefile("r")
+    for line in reader:
+        request = json.loads(line)
+        op, cid = request.get("op"), str(request.get("id", ""))
+        if op == "spawn":
+            for sub in ("upper", "work", "merged"):
+                os.makedirs(f"{CTL}/children/{cid}/{sub}", exist_ok=True)
+            go_read, go_write = os.pipe()
+            with lock:  # the reaper must see the entry before the child can exit
+                pid = os.fork()
+                if pid == 0:
+                    os.close(go_write)
+                    child_main(cid, request, go_read, program)
+                os.close(go_read)
+                children[cid] = [pid, go_write, None, threading.Event()]
+            spawned.release()
+            reply = {"id": cid, "pid": pid}
+        elif op == "go":
+            entry = children[cid]
+            os.write(entry[1], b"g")
+            os.close(entry[1])
+            reply = {"ok": True}
+        elif op == "wait":
+            entry = children[cid]
+            entry[3].wait()
+            with lock:
+                children.pop(cid, None)
+            reply = {"id": cid, "status": entry[2]}
+        else:
+            reply = {"error": f"unknown op {op!r}"}
+        conn.sendall((json.dumps(reply) + "\n").encode())
+
+
+def main() -> None:
+    with open(CTL + "/child.bpf", "rb") as f:
+        program = f.read()
+    with open(CTL + "/warmup.py") as f:
+        exec(compile(f.read(), "<warm-up>", "exec"), WARM)
+    threading.Thread(target=reaper, daemon=True).start()
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    path = CTL + "/zygote.sock"
+    if os.path.exists(path):
+        os.unlink(path)
+    server.bind(path)
+    server.listen(64)
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+    while True:
+        conn, _ = server.accept()
+        threading.Thread(target=serve, args=(conn, program), daemon=True).start()
+
+
+if __name__ == "__main__":
+    main()

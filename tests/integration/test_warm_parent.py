@@ -1,0 +1,146 @@
+"""Warm parents on the namespace runtime: copy-on-write children of a fork server."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TypeVar
+
+from fleet.core.smolfile import parse_smolfile
+from fleet.runtime.base import MachineSpec
+from fleet.runtime.cgroups import MachineCgroup
+from fleet.runtime.namespace import NamespaceRuntime
+from fleet.runtime.warm import NamespaceParent
+
+T = TypeVar("T")
+
+# The warm-up runs once: it records each run on the parent's disk, imports a module and builds
+# an object the children should find in memory without running it again.
+WARMUP = """
+import json, time
+with open("/root/warmups.log", "a") as log:
+    log.write("warm-up ran\\n")
+MODEL = {"weights": list(range(1000)), "name": "policy-v1"}
+LOADED_AT = time.time()
+"""
+
+
+def with_parent(rootfs: Path, tmp_path: Path, body: Callable[[NamespaceParent], Awaitable[T]]) -> T:
+    async def go() -> T:
+        runtime = NamespaceRuntime(tmp_path / "machines")
+        spec = MachineSpec(
+            name=f"wp-{uuid.uuid4().hex[:6]}", smolfile=parse_smolfile('image = "minimal"\n').spec,
+            image_digest="sha256:x", rootfs=rootfs, labels={"host": "warm-test"},
+        )  # fmt: skip
+        parent = await NamespaceParent.create(runtime, await runtime.create(spec), WARMUP)
+        try:
+            return await body(parent)
+        finally:
+            await parent.delete()
+
+    return asyncio.run(go())
+
+
+def test_children_find_the_warm_state_without_running_the_warm_up(
+    rootfs: Path, tmp_path: Path
+) -> None:
+    """Objects and modules the warm-up made are in every child; the warm-up ran once."""
+    code = (
+        "import sys\n"
+        "print(MODEL['name'], sum(MODEL['weights']), 'json' in sys.modules, LOADED_AT > 0)\n"
+        "print(open('/root/warmups.log').read().count('warm-up ran'))\n"
+    )
+
+    async def body(parent: NamespaceParent) -> list[bytes]:
+        outs = []
+        for i in range(3):
+            child = await parent.branch(f"child-{i}")
+            result = await child.exec(["python3", "-c", code], timeout_s=30)
+            assert result.exit_code == 0, result.stderr
+            outs.append(result.stdout)
+        return outs
+
+    outs = with_parent(rootfs, tmp_path, body)
+    assert outs == [b"policy-v1 499500 True True\n1\n"] * 3
+
+
+def test_each_child_has_its_own_namespaces_disk_and_cgroup(rootfs: Path, tmp_path: Path) -> None:
+    """Own hostname, own writable layer (siblings and parent unaffected), own cgroup."""
+    write = "import socket; open('/root/mine', 'w').write(socket.gethostname()); print('ok')"
+    look = "import os; print(os.path.exists('/root/mine'))"
+
+    async def body(parent: NamespaceParent) -> tuple[bytes, bytes, bytes, bool, str]:
+        a = await parent.branch("alpha")
+        b = await parent.branch("beta")
+        await a.exec(["python3", "-c", write], timeout_s=30)
+        again = await a.exec(["python3", "-c", "print(open('/root/mine').read())"], timeout_s=30)
+        other = await b.exec(["python3", "-c", look], timeout_s=30)
+        parent_view = (parent.machine.root / "upper" / "root" / "mine").exists()
+        # While a child runs, its host pid sits in its own cgroup, not the parent's.
+        pid = await b.start(["python3", "-c", "import time; time.sleep(5)"])
+        in_own = pid in b.cgroup.pids() and pid not in parent.machine.cgroup.pids()
+        await asyncio.to_thread(b.cgroup.kill_all)
+        await b.wait()
+        hostname = (a.layer / "upper" / "root" / "mine").read_text()
+        return again.stdout, other.stdout, b"", in_own and not parent_view, hostname
+
+    persisted, sibling, _, isolated, hostname = with_parent(rootfs, tmp_path, body)
+    assert persisted == b"alpha\n"  # the child's layer persists from step to step
+    assert sibling == b"False\n" and isolated and hostname == "alpha"
+
+
+def test_children_run_under_the_full_system_call_filter(rootfs: Path, tmp_path: Path) -> None:
+    """The fork server may mount (to set children up); a child's step may not."""
+    code = (
+        "import ctypes, os\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "r = libc.mount(b'none', b'/mnt', b'tmpfs', 0, None)\n"
+        "print(r, os.strerror(ctypes.get_errno()))\n"
+        "print(libc.unshare(0x20000), os.strerror(ctypes.get_errno()))\n"
+    )
+
+    async def body(parent: NamespaceParent) -> bytes:
+        child = await parent.branch("probe")
+        return (await child.exec(["python3", "-c", code], timeout_s=30)).stdout
+
+    out = with_parent(rootfs, tmp_path, body)
+    assert out == b"-1 Operation not permitted\n-1 Operation not permitted\n"
+
+
+def test_deleting_a_parent_removes_its_children_and_a_reaper_finds_leftovers(
+    rootfs: Path, tmp_path: Path
+) -> None:
+    """Children go before their parent; cgroups a killed agent left are reaped by prefix."""
+
+    async def body(parent: NamespaceParent) -> tuple[list[str], str]:
+        kids = [await parent.branch(f"k{i}") for i in range(3)]
+        await kids[0].start(["python3", "-c", "import time; time.sleep(60)"])
+        names = [k.cgroup.name for k in kids]
+        return names, parent.machine.root.name
+
+    names, root_name = with_parent(rootfs, tmp_path, body)
+    assert not any(MachineCgroup(n, "v2" if os.path.exists("/sys/fs/cgroup/cgroup.controllers")
+                                 else "v1").exists() for n in names)  # fmt: skip
+    assert not (tmp_path / "machines" / "warm-test" / root_name).exists()
+
+    async def leftover() -> int:
+        runtime = NamespaceRuntime(tmp_path / "machines")
+        machine = await runtime.create(
+            MachineSpec(
+                name="orphan", smolfile=parse_smolfile('image = "minimal"\n').spec,
+                image_digest="sha256:x", rootfs=rootfs, labels={"host": "warm-reap"},
+            )
+        )  # fmt: skip
+        parent = await NamespaceParent.create(runtime, machine, "X = 1\n")
+        child = await parent.branch("stray")
+        await child.start(["python3", "-c", "import time; time.sleep(60)"])
+        parent._kill()  # the agent dies: nothing is deleted
+        assert child.cgroup.exists()
+        reaped = await NamespaceRuntime(tmp_path / "machines").reap("warm-reap")
+        assert not child.cgroup.exists() and not machine.cgroup.exists()
+        return reaped
+
+    assert asyncio.run(leftover()) == 1
