@@ -87,7 +87,7 @@ async def started_at(child: WarmChild, timeout_s: float = 60) -> float:
             first = path.read_text().split("\n", 1)[0]
             if first:
                 return float(first)
-        await asyncio.sleep(0.001)
+        await asyncio.sleep(0.0002)
     raise TimeoutError(f"{child.name} did not start")
 
 

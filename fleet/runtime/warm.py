@@ -194,6 +194,14 @@ class NamespaceParent:
                 f"warm parent {self.machine.name}: its warm-up did not finish: "
                 f"{err.decode(errors='replace')[-800:] or 'no output'}"
             )
+        # The branch point: one throwaway child takes the first-fork costs (the kernel's and
+        # the cgroup controllers' lazy set-up), so a rollout's first child does not.
+        probe = await self.branch("branch-point")
+        await probe.start(["python3", "-c", "pass"])
+        code = await probe.wait()
+        await probe.delete()
+        if code != 0:
+            raise Unavailable(f"warm parent {self.machine.name}: a probe child exited {code}")
         log.info("warm_parent_ready", machine=self.machine.name)
 
     def _prepare(self, warmup: str) -> None:

@@ -79,15 +79,16 @@ def become_machine(cid: str, hostname: str) -> None:
 
 
 def run_child(cid: str, request: dict[str, Any], go_read: int, program: bytes) -> int:
-    os.read(go_read, 1)  # placed into its own cgroup by the agent first
-    os.close(go_read)
     base = f"{CTL}/children/{cid}"
     out = os.open(base + "/stdout", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     err = os.open(base + "/stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(out, 1)
     os.dup2(err, 2)
+    # Set up while the agent moves this process into its cgroup; run only once it has.
     become_machine(cid, request.get("hostname") or cid)
     install_filter(program)
+    os.read(go_read, 1)
+    os.close(go_read)
     os.chdir(request.get("workdir") or "/")
     os.environ.clear()
     os.environ.update(request.get("env") or {})
