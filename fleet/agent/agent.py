@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import socket
 import time
 import uuid
@@ -16,14 +17,25 @@ import structlog
 from fleet._proto.fleet.v1 import host_pb2, host_pb2_grpc
 from fleet.agent.capabilities import RuntimeChoice, capabilities, make_runtime
 from fleet.agent.checkpoints import RELAY_ADDRESS, CheckpointRelay
-from fleet.core.errors import Aborted, ErrorCode, FleetError, InvalidArgument, Unavailable
+from fleet.core.errors import (
+    Aborted,
+    ErrorCode,
+    FailedPrecondition,
+    FleetError,
+    InvalidArgument,
+    Unavailable,
+)
 from fleet.core.lifecycle import Outcome
+from fleet.core.manifest import Step
 from fleet.core.placement import HostCapabilities, HostClass
 from fleet.core.policy import EffectiveEgress, effective_egress
 from fleet.core.rollout import Assignment, Completion, StepResult
+from fleet.core.smolfile import Smolfile
 from fleet.image.store import ImageStore
 from fleet.runtime.base import Machine, MachineSpec, Runtime, resolve_secrets
+from fleet.runtime.namespace import NamespaceRuntime
 from fleet.runtime.netns import NetConfig
+from fleet.runtime.warm import NamespaceParent
 from fleet.server import convert
 from fleet.server.convert import MAX_EGRESS_EVENTS
 
@@ -77,6 +89,8 @@ class Agent:
         self._running: dict[str, _Running] = {}
         self._slot_freed = asyncio.Event()
         self._stub: host_pb2_grpc.HostServiceStub | None = None
+        self._parents: dict[str, NamespaceParent] = {}
+        self._parents_lock = asyncio.Lock()
         self._heartbeat_s = 3.0
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -98,6 +112,9 @@ class Agent:
                 beat.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await beat
+                for parent in list(self._parents.values()):  # children went with their work
+                    await parent.delete()
+                self._parents.clear()
 
     async def _register(self, stub: host_pb2_grpc.HostServiceStub, stop: asyncio.Event) -> None:
         request = host_pb2.RegisterHostRequest(
@@ -253,6 +270,53 @@ class Agent:
         await relay.start()
         return relay
 
+    def _branching(self, spec: Smolfile, steps: list[tuple[int, Step]]) -> str | None:
+        """The warm-up code when this rollout runs as copy-on-write children of a warm parent.
+
+        That is a Smolfile with `[branch] enabled = true` on the namespace runtime whose first
+        step is named `warm-up` and is `python3 -c CODE`: CODE runs once per parent, and every
+        later step finds what it loaded already in memory.
+        """
+        if not (spec.branch and spec.branch.enabled) or not isinstance(
+            self.runtime, NamespaceRuntime
+        ):
+            return None
+        if not steps or steps[0][1].name != "warm-up":
+            return None
+        argv = list(steps[0][1].argv)
+        if len(argv) != 3 or argv[0] != "python3" or argv[1] != "-c":
+            raise InvalidArgument("the warm-up step must be python3 -c CODE")
+        return argv[2]
+
+    async def _warm_parent(self, a: Assignment, spec: MachineSpec, warmup: str) -> NamespaceParent:
+        """This host's warm parent for the rollout's image, Smolfile and warm-up (made once)."""
+        assert isinstance(self.runtime, NamespaceRuntime)
+        key = hashlib.sha256(
+            f"{a.manifest.image_digest}\0{a.manifest.smolfile_digest}\0{warmup}".encode()
+        ).hexdigest()[:16]
+        async with self._parents_lock:
+            parent = self._parents.get(key)
+            if parent is not None:
+                return parent
+            labels = {"fleet": "1", "host": self.caps.host_id, "parent": key}
+            machine = await self.runtime.create(
+                spec.model_copy(update={"name": f"fleet-parent-{key}", "labels": labels})
+            )
+            try:
+                for command in spec.smolfile.init:
+                    init = await machine.exec(["/bin/sh", "-c", command], timeout_s=INIT_TIMEOUT_S)
+                    if init.exit_code != 0:
+                        raise FailedPrecondition(
+                            f"warm parent: init command {command!r} exited {init.exit_code}"
+                        )
+            except BaseException:
+                await machine.delete()
+                raise
+            parent = await NamespaceParent.create(self.runtime, machine, warmup)
+            self._parents[key] = parent
+            self.log.info("warm_parent_started", parent=key, image=a.manifest.image_digest[:19])
+            return parent
+
     def _gateway_for(self, a: Assignment) -> tuple[str, int] | None:
         """The gateway endpoint for a rollout that uses it; None for every other rollout."""
         if not a.manifest.requirements.inference:
@@ -340,7 +404,14 @@ class Agent:
                 secrets=resolve_secrets(parsed.spec),
                 gateway=self._gateway_for(a),
             )
-            machine = await self.runtime.create(spec)
+            steps = list(enumerate(a.manifest.steps))
+            warm = self._branching(parsed.spec, steps)
+            if warm is not None:
+                parent = await self._warm_parent(a, spec, warm)
+                machine = await parent.branch(spec.name)
+                steps = steps[1:]  # the warm-up ran once, in the parent
+            else:
+                machine = await self.runtime.create(spec)
             running.machine = machine
             extra_env = {
                 "FLEET_ROLLOUT_ID": a.rollout_id,
@@ -353,7 +424,7 @@ class Agent:
                 if relay is not None:
                     running.relay = relay
                     extra_env["FLEET_CHECKPOINTS"] = "{}:{}".format(*RELAY_ADDRESS)
-            for command in parsed.spec.init:
+            for command in [] if warm is not None else parsed.spec.init:
                 init = await machine.exec(
                     ["/bin/sh", "-c", command], env=extra_env, timeout_s=INIT_TIMEOUT_S
                 )
@@ -363,7 +434,7 @@ class Agent:
                         f"init command {command!r} exited {init.exit_code}: "
                         f"{init.stderr.decode(errors='replace')[-500:]}",
                     )
-            for index, step in enumerate(a.manifest.steps):
+            for index, step in steps:
                 left = a.manifest.deadline.timestamp() - time.time()
                 if left <= 0:
                     return report(Outcome.CANCELLED, "the rollout's deadline passed")

@@ -12,6 +12,7 @@ parent.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import os
@@ -25,7 +26,8 @@ from typing import Any
 
 import structlog
 
-from fleet.core.errors import Internal, Unavailable
+from fleet.core.egress import EgressEvent
+from fleet.core.errors import Internal, InvalidArgument, NotFound, Unavailable
 from fleet.runtime import cgroups, seccomp
 from fleet.runtime.base import ExecResult, machine_env
 from fleet.runtime.namespace import NamespaceMachine, NamespaceRuntime
@@ -118,6 +120,30 @@ class WarmChild:
             timed_out=timed_out, duration_s=time.monotonic() - started,
             oom_killed=self.cgroup.oom_kills() > oom_before,
         )  # fmt: skip
+
+    async def read_file(self, path: str) -> bytes:
+        result = await self.exec(["cat", "--", path], timeout_s=60)
+        if result.exit_code != 0:
+            raise NotFound(f"{self._name}:{path}: {result.stderr.decode(errors='replace').strip()}")
+        return result.stdout
+
+    async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        code = (
+            "import base64, os, sys\n"
+            f"open(sys.argv[1], 'wb').write(base64.b64decode({base64.b64encode(data)!r}))\n"
+            f"os.chmod(sys.argv[1], {mode})\n"
+        )
+        result = await self.exec(["python3", "-c", code, path], timeout_s=60)
+        if result.exit_code != 0:
+            why = result.stderr.decode(errors="replace").strip()[-300:]
+            raise InvalidArgument(f"{self._name}:{path}: cannot write: {why}")
+
+    async def cpu_seconds(self) -> float | None:
+        return await asyncio.to_thread(self.cgroup.cpu_seconds)
+
+    async def egress_events(self) -> list[EgressEvent]:
+        """Children share their parent's network namespace; its refusals are the parent's."""
+        return []
 
     def _outputs(self) -> tuple[bytes, bytes]:
         out, err = self.layer / "stdout", self.layer / "stderr"
