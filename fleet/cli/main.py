@@ -445,6 +445,36 @@ async def cmd_image(args: argparse.Namespace) -> int:
             print(f"removed {path}")
         if busy:
             print(f"kept the unpacked tree: machines exist under {paths.machines}")
+    elif args.image_cmd == "pack":
+        return await pack_image(store, paths, args.name, args.out)
+    return 0
+
+
+async def pack_image(store: Any, paths: Paths, name: str, out: str) -> int:
+    """`fleet image pack`: a .smolmachine of the image, where microVMs boot."""
+    from fleet.agent.capabilities import canary_image
+    from fleet.core.smolfile import parse_smolfile
+    from fleet.runtime import smol as smol_runtime
+    from fleet.runtime.base import MachineSpec
+
+    record = store.record(name)
+    if record is None:
+        print(f"fleet image pack: no image {name!r} (fleet image build {name})", file=sys.stderr)
+        return 1
+    ok, why = await asyncio.to_thread(
+        smol_runtime.preflight, paths.home, lambda: canary_image(store)
+    )
+    if not ok:
+        print(f"fleet image pack: microVMs cannot boot here: {why}", file=sys.stderr)
+        return 1
+    rootfs = await asyncio.to_thread(store.rootfs, record.digest)
+    spec = MachineSpec(
+        name=f"fleet-pack-{name}", smolfile=parse_smolfile(f'image = "{name}"\n').spec,
+        image_digest=record.digest, rootfs=rootfs, labels={"fleet": "1", "pack": name},
+    )  # fmt: skip
+    target = Path.cwd() / (out or f"{name}-{record.digest[7:19]}.smolmachine")
+    path = await smol_runtime.SmolRuntime().pack(spec, target)
+    print(f"{name} {record.digest} packed: {path}")
     return 0
 
 
@@ -710,6 +740,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("name")
     r = isub.add_parser("rm", help="remove an image (its archive too if nothing else names it)")
     r.add_argument("name")
+    k = isub.add_parser("pack", help="pack an image into a .smolmachine (microVM hosts)")
+    k.add_argument("name")
+    k.add_argument("--out", default="", help="default: NAME-DIGEST.smolmachine here")
 
     sp = add("policy", cmd_policy, "audit, explain and diff Smolfiles' egress policy")
     psub = sp.add_subparsers(dest="policy_cmd", required=True)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 import tomllib
@@ -29,6 +31,8 @@ class Recipe(BaseModel):
     suite: str = "bookworm"
     variant: str = "essential"
     include: list[str] = []
+    pip: list[str] = []
+    """Pinned Python packages (name==version) installed into the image's /usr/local."""
 
 
 class ImageRecord(BaseModel):
@@ -117,6 +121,19 @@ class ImageStore:
             argv = ["mmdebstrap", "--quiet", f"--variant={recipe.variant}"]
             if recipe.include:
                 argv.append("--include=" + ",".join(recipe.include))
+            if recipe.pip:
+                unpinned = [p for p in recipe.pip if "==" not in p]
+                if unpinned:
+                    raise InvalidArgument(
+                        f"image {name!r}: pip packages must be pinned (name==version): "
+                        f"{', '.join(unpinned)}"
+                    )
+                target = '"$1/usr/local/lib/python3.11/dist-packages"'
+                argv.append(
+                    f"--customize-hook={shlex.quote(sys.executable)} -m pip install --quiet "
+                    f"--no-warn-script-location --no-cache-dir --no-deps --target {target} "
+                    + " ".join(shlex.quote(p) for p in recipe.pip)
+                )
             argv += [recipe.suite, str(out)]
             log.info("image_build_started", image=name, argv=argv)
             proc = subprocess.run(argv, capture_output=True, text=True, check=False)

@@ -321,6 +321,26 @@ class SmolRuntime:
             raise translate_error(exc) from exc
         return SmolParent(source, spec)
 
+    async def pack(self, spec: MachineSpec, out: Path) -> Path:
+        """Boots the image once, marks it with its digest, stops it and packs its disk.
+
+        The marker (`/etc/fleet-image`) is how a pack is verified: boot it and read the file.
+        """
+        machine = await self.create(spec)
+        try:
+            await machine._machine.write_file("/etc/fleet-image", spec.image_digest + "\n")
+            await machine._machine.stop()
+            out.parent.mkdir(parents=True, exist_ok=True)
+            from smol import SmolError
+
+            try:
+                await machine._machine.pack(str(out))
+            except SmolError as exc:
+                raise translate_error(exc) from exc
+        finally:
+            await machine.delete()
+        return out
+
     async def list_machines(self, labels: Mapping[str, str]) -> list[str]:
         from smol import ConnectOptions, Machine
 

@@ -151,3 +151,14 @@ def test_demo_runs_the_suite_and_prints_the_summary(tmp_path: Path) -> None:
     assert int(rows["actions served by the gateway"]) >= 64
     charts = list((tmp_path / "out").glob("demo-*.png"))
     assert len(charts) == 1 and charts[0].read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_image_pack_packs_where_microvms_boot_and_says_why_not_elsewhere(tmp_path: Path) -> None:
+    """`fleet image pack` either writes the pack or refuses with the preflight's reason."""
+    out = cli("image", "pack", "minimal", "--out", str(tmp_path / "m.smolmachine"), timeout=600)
+    if out.returncode == 0:
+        assert (tmp_path / "m.smolmachine").exists() and "packed" in out.stdout
+    else:
+        assert out.returncode == 1
+        assert "microVMs cannot boot here:" in out.stderr, out.stderr
+        assert not (tmp_path / "m.smolmachine").exists()

@@ -12,6 +12,7 @@ import pytest
 
 from fleet.core.errors import NotFound
 from fleet.core.smolfile import parse_smolfile
+from fleet.image.store import ImageStore
 from fleet.runtime import smol as smol_runtime
 from fleet.runtime.base import Machine, MachineSpec, Runtime
 from fleet.runtime.namespace import NamespaceRuntime
@@ -100,3 +101,29 @@ def test_timeout_is_reported_not_raised(kind: str, tmp_path: Path, rootfs: Path)
 
     slow, after = with_machine(kind, tmp_path, rootfs, body)
     assert slow.timed_out and after.stdout == b"still here\n"
+
+
+@pytest.mark.vm
+def test_an_image_packs_into_a_smolmachine_that_boots(
+    tmp_path: Path, rootfs: Path, images: ImageStore
+) -> None:
+    """`fleet image pack`: the pack boots and carries the image's digest as its marker."""
+    runtime = make_runtime("smol", tmp_path, rootfs)
+    assert isinstance(runtime, smol_runtime.SmolRuntime)
+    record = images.record("minimal")
+    assert record is not None
+
+    async def go() -> bytes:
+        spec = MachineSpec(
+            name=f"pack-{uuid.uuid4().hex[:6]}",
+            smolfile=parse_smolfile('image = "minimal"\n').spec,
+            image_digest=record.digest, rootfs=rootfs, labels={"fleet": "test"},
+        )  # fmt: skip
+        pack = await runtime.pack(spec, tmp_path / "minimal.smolmachine")
+        booted = await runtime.create(spec.model_copy(update={"rootfs": pack}))
+        try:
+            return await booted.read_file("/etc/fleet-image")
+        finally:
+            await booted.delete()
+
+    assert asyncio.run(go()).strip() == record.digest.encode()
