@@ -120,7 +120,9 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
         cold.append(float(result.stdout.split(b"\n", 1)[0]) - asked)
         await machine.delete()
 
-    parent = await NamespaceParent.create(runtime, await runtime.create(spec("warm")), WARMUP)
+    parent = await NamespaceParent.create(
+        runtime, await runtime.create(spec("warm")), WARMUP, pool_size=args.pool
+    )
     try:
         zygote_pids = await asyncio.to_thread(parent.machine.cgroup.pids)
         parent_rss = max(smaps(p).get("Rss", 0) for p in zygote_pids)
@@ -177,6 +179,10 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="small counts: under 60 s")
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
     parser.add_argument("--dir", default="/tmp/fleet-bench-spawn")
+    parser.add_argument(
+        "--pool", type=int, default=8,
+        help="children forked ahead of need ([branch] pool_size; 0: fork on request)",
+    )  # fmt: skip
     args = parser.parse_args()
     args.cold, args.forks, args.live, args.density_cap = (
         (10, 30, 100, 150) if args.quick else (30, 200, 100, 600)
@@ -194,8 +200,8 @@ def main() -> int:
     print(f"{'   private bytes each adds (MiB); it dirtied':<{w}}{r['child_private_mib']:>12.1f}"
           f"{r['dirtied_mib']:>12.1f}{r['child_private_mib'] / r['dirtied_mib']:>8.2f}x")  # fmt: skip
     print(f"{'density: live children before p99 > 100 ms or 80% memory':<{w}}{r['density']:>12.0f}")
-    print(f"(parent: 1 GiB written by its warm-up; naive = a full copy of the parent per child; "
-          f"the cap on density was {args.density_cap})")
+    print(f"(parent: 1 GiB written by its warm-up; pool of {args.pool} children forked ahead; "
+          f"naive = a full copy of the parent per child; the cap on density was {args.density_cap})")
     if args.json:
         keys = ("cold_p50_ms", "fork_p50_ms", "fork_p99_ms", "child_pss_mib",
                 "naive_child_mib", "density")  # fmt: skip

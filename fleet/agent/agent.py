@@ -312,7 +312,10 @@ class Agent:
             except BaseException:
                 await machine.delete()
                 raise
-            parent = await NamespaceParent.create(self.runtime, machine, warmup)
+            pool = spec.smolfile.branch.pool_size if spec.smolfile.branch else None
+            parent = await NamespaceParent.create(
+                self.runtime, machine, warmup, pool_size=pool or 0
+            )
             self._parents[key] = parent
             self.log.info("warm_parent_started", parent=key, image=a.manifest.image_digest[:19])
             return parent

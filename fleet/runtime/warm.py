@@ -62,6 +62,7 @@ class WarmChild:
         self.cid = cgroup.name
         self.cgroup = cgroup
         self._deleted = False
+        self.prepared_pid: int | None = None
 
     @property
     def name(self) -> str:
@@ -71,22 +72,39 @@ class WarmChild:
     def layer(self) -> Path:
         return self.parent.ctl / "children" / self.cid
 
-    async def start(
-        self, argv: list[str], env: Mapping[str, str] | None = None, workdir: str | None = None
-    ) -> int:
-        """Forks the child for `argv`, places it in its cgroup and lets it run; returns its pid."""
-        reply = await self.parent.call(
-            {"op": "spawn", "id": self.cid, "argv": argv, "hostname": self._name[:63],
-             "env": machine_env(self.parent.machine.spec, env),
-             "workdir": workdir or self.parent.machine.spec.smolfile.workdir or "/"}
-        )  # fmt: skip
+    async def _fork(self, step: dict[str, Any] | None) -> int:
+        """Forks the child (set up, waiting for its step) and moves it into its cgroup."""
+        reply = await self.parent.call({"op": "spawn", "id": self.cid, **(step or {})})
         candidates = await asyncio.to_thread(self.parent.machine.cgroup.pids)
         host_pid = _host_pid(candidates, int(reply["pid"]))
         if host_pid is None:
             raise Internal(f"child {self._name}: forked, but its host pid was not found")
         for procs in self.cgroup.procs_files:
             procs.write_text(str(host_pid))
-        await self.parent.call({"op": "go", "id": self.cid})
+        return host_pid
+
+    async def prepare(self) -> None:
+        """Forks ahead of need (the parent's pool): the next start only hands over the step."""
+        self.prepared_pid = await self._fork(None)
+
+    async def start(
+        self, argv: list[str], env: Mapping[str, str] | None = None, workdir: str | None = None
+    ) -> int:
+        """Runs `argv` in a fresh fork of the parent (or the one prepared); returns its pid."""
+        step = {
+            "argv": argv, "hostname": self._name[:63],
+            "env": machine_env(self.parent.machine.spec, env),
+            "workdir": workdir or self.parent.machine.spec.smolfile.workdir or "/",
+        }  # fmt: skip
+        if self.prepared_pid is not None:
+            host_pid, self.prepared_pid = self.prepared_pid, None
+            try:
+                await self.parent.call({"op": "go", "id": self.cid, "step": step})
+                return host_pid
+            except Internal:  # the prepared fork died while it waited: fork afresh
+                await self.parent.call({"op": "wait", "id": self.cid}, fresh=True)
+        host_pid = await self._fork(step)
+        await self.parent.call({"op": "go", "id": self.cid, "step": step})
         return host_pid
 
     async def wait(self) -> int:
@@ -169,6 +187,9 @@ class NamespaceParent:
         self.machine = machine
         self.ctl = machine.root / "ctl"
         self.children: set[WarmChild] = set()
+        self.pool_size = 0
+        self._pool: list[WarmChild] = []
+        self._refills: set[asyncio.Task[None]] = set()
         self._proc: asyncio.subprocess.Process | None = None
         self._conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._lock = asyncio.Lock()
@@ -178,11 +199,14 @@ class NamespaceParent:
     @classmethod
     async def create(
         cls, runtime: NamespaceRuntime, machine: NamespaceMachine, warmup: str,
-        timeout_s: float = 300.0,
+        timeout_s: float = 300.0, pool_size: int = 0,
     ) -> NamespaceParent:  # fmt: skip
+        """Starts the parent; `pool_size` children are kept forked ahead of need."""
         parent = cls(runtime, machine)
+        parent.pool_size = pool_size
         try:
             await parent._start(warmup, timeout_s)
+            await parent._refill()
         except BaseException:
             await parent.delete()
             raise
@@ -253,11 +277,16 @@ class NamespaceParent:
             finally:
                 writer.close()
         async with self._lock:
-            if self._conn is None:
-                self._conn = await asyncio.open_unix_connection(sock)
-            reader, writer = self._conn
-            writer.write((json.dumps(request) + "\n").encode())
-            line = await reader.readline()
+            try:
+                if self._conn is None:
+                    self._conn = await asyncio.open_unix_connection(sock)
+                reader, writer = self._conn
+                writer.write((json.dumps(request) + "\n").encode())
+                line = await reader.readline()
+            except OSError:
+                line = b""
+            if not line:
+                self._conn = None  # the next call connects afresh
         if not line:
             raise Unavailable(f"warm parent {self.machine.name}: its fork server is gone")
         reply = dict(json.loads(line))
@@ -266,6 +295,24 @@ class NamespaceParent:
         return reply
 
     async def branch(self, name: str) -> WarmChild:
+        """A new child: one of the pool's, already forked, when there is one."""
+        if self._pool:
+            child = self._pool.pop(0)
+            child._name = name
+            self._refills.add(asyncio.get_running_loop().create_task(self._refill()))
+            return child
+        return await self._new_child(name)
+
+    async def _refill(self) -> None:
+        try:
+            while len(self._pool) < self.pool_size and self._proc is not None:
+                child = await self._new_child("pool")
+                await child.prepare()
+                self._pool.append(child)
+        except Exception:  # the pool is an optimisation: a failed refill leaves it shorter
+            log.exception("warm_pool_refill_failed", machine=self.machine.name)
+
+    async def _new_child(self, name: str) -> WarmChild:
         cid = f"{self.machine.root.name}.{uuid.uuid4().hex[:8]}"
         cgroup = cgroups.MachineCgroup(cid, self.runtime.cgroup_version)
         limits = cgroups.Limits(
@@ -283,6 +330,10 @@ class NamespaceParent:
                 os.killpg(self._proc.pid, signal.SIGKILL)
 
     async def delete(self) -> None:
+        for task in self._refills:
+            task.cancel()
+        await asyncio.gather(*self._refills, return_exceptions=True)
+        self._pool.clear()
         for child in list(self.children):  # children go before their parent
             await child.delete()
         if self._conn is not None:

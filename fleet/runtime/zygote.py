@@ -5,8 +5,9 @@ whatever the children should find already in memory. Then it serves JSON lines o
 `/run/fleet/zygote.sock`:
 
     {"op": "spawn", "id": ID, "argv": [...], "env": {...}, "workdir": DIR}
-        -> {"id": ID, "pid": PID}   the child is forked and waits for "go"
-    {"op": "go", "id": ID}          -> {"ok": true}
+        -> {"id": ID, "pid": PID}   the child is forked, sets up, and waits for "go"
+    {"op": "go", "id": ID, "step": {...}}  -> {"ok": true}   runs the spawn's step, or this one
+                                    (a pool child is spawned without a step, ahead of need)
     {"op": "wait", "id": ID}        -> {"id": ID, "status": waitpid status}
 
 A child is a copy-on-write fork() of this process. Before its step runs it enters new user,
@@ -36,6 +37,7 @@ PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
 libc = ctypes.CDLL(None, use_errno=True)
 WARM: dict[str, Any] = {"__name__": "__warm__"}
 children: dict[str, list[Any]] = {}  # id -> [pid, go pipe write end, status or None, Event]
+STEP_KEYS = ("argv", "env", "workdir", "hostname")
 lock = threading.Lock()
 spawned = threading.Semaphore(0)
 
@@ -55,7 +57,7 @@ def install_filter(program: bytes) -> None:
     check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0), "seccomp")
 
 
-def become_machine(cid: str, hostname: str) -> None:
+def become_machine(cid: str) -> None:
     uid, gid = os.getuid(), os.getgid()
     check(libc.unshare(NEWUSER | NEWNS | NEWUTS | NEWIPC), "unshare")
     with open("/proc/self/setgroups", "w") as f:
@@ -73,8 +75,6 @@ def become_machine(cid: str, hostname: str) -> None:
         target = (f"{merged}/{fs}").encode()
         check(libc.mount(("/" + fs).encode(), target, None, MS_BIND | MS_REC, None), fs)
     check(libc.mount(b"tmpfs", (merged + "/tmp").encode(), b"tmpfs", 0, None), "tmp")
-    name = hostname.encode()[:63]
-    check(libc.sethostname(name, len(name)), "hostname")
     os.chroot(merged)
 
 
@@ -84,11 +84,17 @@ def run_child(cid: str, request: dict[str, Any], go_read: int, program: bytes) -
     err = os.open(base + "/stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(out, 1)
     os.dup2(err, 2)
-    # Set up while the agent moves this process into its cgroup; run only once it has.
-    become_machine(cid, request.get("hostname") or cid)
+    # Set up while the agent moves this process into its cgroup; run only once it has. The
+    # step arrives on the pipe then: with "go" at once, or later for a child of the pool.
+    become_machine(cid)
     install_filter(program)
-    os.read(go_read, 1)
-    os.close(go_read)
+    with os.fdopen(go_read, "rb") as pipe:
+        line = pipe.readline()
+    if not line:
+        return 0  # a pool child that was never used
+    request = json.loads(line)
+    name = (request.get("hostname") or cid).encode()[:63]
+    check(libc.sethostname(name, len(name)), "hostname")
     os.chdir(request.get("workdir") or "/")
     os.environ.clear()
     os.environ.update(request.get("env") or {})
@@ -130,35 +136,45 @@ def reaper() -> None:
 def serve(conn: socket.socket, program: bytes) -> None:
     reader = conn.makefile("r")
     for line in reader:
-        request = json.loads(line)
-        op, cid = request.get("op"), str(request.get("id", ""))
-        if op == "spawn":
-            for sub in ("upper", "work", "merged"):
-                os.makedirs(f"{CTL}/children/{cid}/{sub}", exist_ok=True)
-            go_read, go_write = os.pipe()
-            with lock:  # the reaper must see the entry before the child can exit
-                pid = os.fork()
-                if pid == 0:
-                    os.close(go_write)
-                    child_main(cid, request, go_read, program)
-                os.close(go_read)
-                children[cid] = [pid, go_write, None, threading.Event()]
-            spawned.release()
-            reply = {"id": cid, "pid": pid}
-        elif op == "go":
-            entry = children[cid]
-            os.write(entry[1], b"g")
-            os.close(entry[1])
-            reply = {"ok": True}
-        elif op == "wait":
-            entry = children[cid]
-            entry[3].wait()
-            with lock:
-                children.pop(cid, None)
-            reply = {"id": cid, "status": entry[2]}
-        else:
-            reply = {"error": f"unknown op {op!r}"}
+        try:
+            reply = handle(json.loads(line), program)
+        except Exception as exc:
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
         conn.sendall((json.dumps(reply) + "\n").encode())
+
+
+def handle(request: dict[str, Any], program: bytes) -> dict[str, Any]:
+    op, cid = request.get("op"), str(request.get("id", ""))
+    if op == "spawn":
+        for sub in ("upper", "work", "merged"):
+            os.makedirs(f"{CTL}/children/{cid}/{sub}", exist_ok=True)
+        go_read, go_write = os.pipe()
+        with lock:  # the reaper must see the entry before the child can exit
+            pid = os.fork()
+            if pid == 0:
+                os.close(go_write)
+                child_main(cid, request, go_read, program)
+            os.close(go_read)
+            step = {k: request[k] for k in STEP_KEYS if k in request}
+            children[cid] = [pid, go_write, None, threading.Event(), step]
+        spawned.release()
+        return {"id": cid, "pid": pid}
+    if op == "go":  # the step: from this request (a pool child) or from its spawn
+        entry = children[cid]
+        try:
+            os.write(entry[1], (json.dumps(request.get("step") or entry[4]) + "\n").encode())
+        except BrokenPipeError:
+            return {"error": f"child {cid} is gone"}
+        finally:
+            os.close(entry[1])
+        return {"ok": True}
+    if op == "wait":
+        entry = children[cid]
+        entry[3].wait()
+        with lock:
+            children.pop(cid, None)
+        return {"id": cid, "status": entry[2]}
+    return {"error": f"unknown op {op!r}"}
 
 
 def main() -> None:

@@ -144,3 +144,31 @@ def test_deleting_a_parent_removes_its_children_and_a_reaper_finds_leftovers(
         return reaped
 
     assert asyncio.run(leftover()) == 1
+
+
+def test_pool_children_are_forked_ahead_and_run_like_any_other(
+    rootfs: Path, tmp_path: Path
+) -> None:
+    """With a pool, branch hands out a child already forked and placed; it behaves the same."""
+
+    async def go() -> list[bytes]:
+        runtime = NamespaceRuntime(tmp_path / "machines")
+        spec = MachineSpec(
+            name=f"wp-{uuid.uuid4().hex[:6]}", smolfile=parse_smolfile('image = "minimal"\n').spec,
+            image_digest="sha256:x", rootfs=rootfs, labels={"host": "warm-pool"},
+        )  # fmt: skip
+        parent = await NamespaceParent.create(
+            runtime, await runtime.create(spec), WARMUP, pool_size=2
+        )
+        try:
+            outs = []
+            for i in range(4):  # more than the pool: refills and plain forks both serve
+                child = await parent.branch(f"pooled-{i}")
+                code = "import socket; print(MODEL['name'], socket.gethostname())"
+                result = await child.exec(["python3", "-c", code], timeout_s=30)
+                outs.append(result.stdout)
+            return outs
+        finally:
+            await parent.delete()
+
+    assert asyncio.run(go()) == [f"policy-v1 pooled-{i}\n".encode() for i in range(4)]
