@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,12 +15,10 @@ from fleet.core.placement import HostClass
 from fleet.envs.episode import program
 from fleet.image.store import ImageStore
 from fleet.runtime.namespace import NamespaceRuntime
-from fleet.runtime.netns import NetConfig, in_netns
-from gateway.http import serve_http
-from gateway.service import Gateway, GatewayConfig
+from fleet.runtime.netns import NetConfig
 from tests.acceptance.procs import Procs
-from tests.integration.harness import SECRET, harness
-from tests.integration.test_hybrid import local_episode
+from tests.integration.harness import harness
+from tests.integration.test_hybrid import gateway_on_uplink, local_episode
 from tests.networld import GATEWAY, networld
 
 SEED = 9  # an episode that runs its full 28 steps: long enough to interrupt
@@ -41,18 +38,8 @@ def test_a_killed_worker_resumes_from_its_last_checkpoint(
 
     async def body() -> tuple[types_pb2.Rollout, list[tuple[int, int, bytes]], int]:
         with networld() as world:
-            gateway = Gateway.build(GatewayConfig(secret=SECRET, device="cpu"))
-            gateway.batcher.start()
-
-            def bind() -> socket.socket:
-                sock = socket.socket()
-                sock.bind((GATEWAY[0], 0))
-                return sock
-
-            sock = await asyncio.to_thread(in_netns, f"/run/netns/{world.uplink}", bind)
-            http, port = await serve_http(gateway, sock=sock)
-            net = NetConfig(uplink_netns=world.uplink, dns_upstream=world.dns)
-            try:
+            async with gateway_on_uplink(world) as port:
+                net = NetConfig(uplink_netns=world.uplink, dns_upstream=world.dns)
                 async with harness(tmp_path, images) as h:
                     doomed = procs.agent(
                         "doomed", h.server.address, tmp_path / "machines", 1, "cpu",
@@ -90,9 +77,6 @@ def test_a_killed_worker_resumes_from_its_last_checkpoint(
                     # The killed agent's machine: its reaper (same host id) removes it.
                     await NamespaceRuntime(tmp_path / "machines", net).reap("doomed")
                     return final, ledger.checkpoints(rid), saved_at_kill
-            finally:
-                http.close()
-                await gateway.batcher.stop()
 
     final, checkpoints, saved_at_kill = asyncio.run(body())
     assert final.state == types_pb2.ROLLOUT_STATE_SUCCEEDED, final.error

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,7 @@ from gateway.http import HTTP_STATUS, serve_http
 from gateway.model import load_network, model_specs
 from gateway.service import Gateway, GatewayConfig
 from tests.integration.harness import SECRET, harness, request
-from tests.networld import GATEWAY, networld
+from tests.networld import GATEWAY, NetWorld, networld
 
 
 def local_episode(seed: int) -> list[int]:
@@ -40,6 +42,27 @@ def local_episode(seed: int) -> list[int]:
     return actions
 
 
+@asynccontextmanager
+async def gateway_on_uplink(world: NetWorld) -> AsyncIterator[int]:
+    """The shipped policy's gateway, its HTTP endpoint on the uplink's own address; yields
+    the port machines reach it on."""
+    gateway = Gateway.build(GatewayConfig(secret=SECRET, device="cpu"))
+    gateway.batcher.start()
+
+    def bind() -> socket.socket:
+        sock = socket.socket()
+        sock.bind((GATEWAY[0], 0))
+        return sock
+
+    sock = await asyncio.to_thread(in_netns, f"/run/netns/{world.uplink}", bind)
+    http, port = await serve_http(gateway, sock=sock)
+    try:
+        yield port
+    finally:
+        http.close()
+        await gateway.batcher.stop()
+
+
 def test_every_error_code_has_an_http_status() -> None:
     from fleet.core.errors import ErrorCode
 
@@ -51,48 +74,34 @@ def test_a_machine_gets_each_action_from_the_gateway(tmp_path: Path, images: Ima
 
     async def body() -> tuple[Any, Any, list[Any]]:
         with networld() as world:
-            gateway = Gateway.build(GatewayConfig(secret=SECRET, device="cpu"))
-            gateway.batcher.start()
-
-            def bind() -> socket.socket:
-                sock = socket.socket()
-                sock.bind((GATEWAY[0], 0))
-                return sock
-
-            sock = await asyncio.to_thread(in_netns, f"/run/netns/{world.uplink}", bind)
-            http, port = await serve_http(gateway, sock=sock)
-            try:
-                async with harness(tmp_path, images) as h:
-                    net = NetConfig(uplink_netns=world.uplink, dns_upstream=world.dns)
-                    await h.start_agent("cpu-a", HostClass.CPU, net=net, gateway=(GATEWAY[0], port))
-                    hybrid = await h.fleet.SubmitRollout(
-                        request(
-                            'image = "minimal"\n', program(7),
-                            requirements=types_pb2.Requirements(inference=True),
-                        )
-                    )  # fmt: skip
-                    # A rollout that does not use inference cannot reach the gateway, even
-                    # with egress of its own.
-                    probe = (
-                        "import socket, sys\ns = socket.socket(); s.settimeout(3)\n"
-                        f"try: s.connect(('{GATEWAY[0]}', {port}))\n"
-                        "except OSError as exc: sys.exit(f'refused: {exc}')\n"
+            async with gateway_on_uplink(world) as port, harness(tmp_path, images) as h:
+                net = NetConfig(uplink_netns=world.uplink, dns_upstream=world.dns)
+                await h.start_agent("cpu-a", HostClass.CPU, net=net, gateway=(GATEWAY[0], port))
+                hybrid = await h.fleet.SubmitRollout(
+                    request(
+                        'image = "minimal"\n', program(7),
+                        requirements=types_pb2.Requirements(inference=True),
                     )
-                    plain = await h.fleet.SubmitRollout(
-                        request(
-                            'image = "minimal"\n[network]\nallow_hosts = ["svc.fleet.test"]\n',
-                            ["python3", "-c", probe],
-                        )
-                    )  # fmt: skip
-                    done = await h.wait_final(hybrid.rollout.id)
-                    blocked = await h.wait_final(plain.rollout.id)
-                    events = await h.fleet.ListEgressEvents(
-                        fleet_pb2.ListEgressEventsRequest(rollout_id=plain.rollout.id)
+                )  # fmt: skip
+                # A rollout that does not use inference cannot reach the gateway, even
+                # with egress of its own.
+                probe = (
+                    "import socket, sys\ns = socket.socket(); s.settimeout(3)\n"
+                    f"try: s.connect(('{GATEWAY[0]}', {port}))\n"
+                    "except OSError as exc: sys.exit(f'refused: {exc}')\n"
+                )
+                plain = await h.fleet.SubmitRollout(
+                    request(
+                        'image = "minimal"\n[network]\nallow_hosts = ["svc.fleet.test"]\n',
+                        ["python3", "-c", probe],
                     )
-                    return done, blocked, list(events.events)
-            finally:
-                http.close()
-                await gateway.batcher.stop()
+                )  # fmt: skip
+                done = await h.wait_final(hybrid.rollout.id)
+                blocked = await h.wait_final(plain.rollout.id)
+                events = await h.fleet.ListEgressEvents(
+                    fleet_pb2.ListEgressEventsRequest(rollout_id=plain.rollout.id)
+                )
+                return done, blocked, list(events.events)
 
     done, blocked, events = asyncio.run(body())
     assert done.state == types_pb2.ROLLOUT_STATE_SUCCEEDED, done.results[0].stderr[-800:]
