@@ -95,9 +95,9 @@ def test_warm_children_soak_leaves_nothing_behind(tmp_path: Path, images: ImageS
     failed = [r for r in final if r.state == types_pb2.ROLLOUT_STATE_FAILED]
     assert kills >= 10
     assert len(succeeded) + len(failed) == ROLLOUTS
-    assert 1 <= len(failed) <= kills  # each kill fails at most the one rollout it hit
+    assert 0 < len(failed) <= kills  # each kill fails at most the one rollout it hit
     assert all(r.results[-1].stdout == b"9\n" for r in succeeded)  # the warm state, in each
-    assert all("exited -9" in r.error or "exited" in r.error for r in failed)
+    assert {r.error for r in failed} == {"step 1 (work) exited -9"}  # killed, reported as such
     # Nothing left: processes, cgroups, mounts, network namespaces.
     assert child_pids() == []
     assert cgroup_dirs() == before_cgroups
