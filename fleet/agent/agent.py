@@ -407,6 +407,12 @@ class Agent:
                 secrets=resolve_secrets(parsed.spec),
                 gateway=self._gateway_for(a),
             )
+            if spec.gateway is not None:  # recorded for review: what else this machine reached
+                where = f"{spec.gateway[0]}:{spec.gateway[1]}"
+                egress = egress.model_copy(
+                    update={"enforced_by": f"{egress.enforced_by}; plus the inference gateway "
+                            f"({where}), with a token for this rollout"}
+                )  # fmt: skip
             steps = list(enumerate(a.manifest.steps))
             warm = self._branching(parsed.spec, steps)
             if warm is not None:

@@ -108,6 +108,7 @@ def test_a_machine_gets_each_action_from_the_gateway(tmp_path: Path, images: Ima
     episode = json.loads(done.results[0].stdout)
     assert episode["actions"] == local_episode(7)
     assert episode["devices"] == ["cpu"]
+    assert "plus the inference gateway" in done.egress.enforced_by
     assert blocked.state == types_pb2.ROLLOUT_STATE_FAILED
     assert b"refused" in blocked.results[0].stderr
     assert [e.kind for e in events] == ["connect"]
