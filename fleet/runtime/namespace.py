@@ -281,6 +281,17 @@ class NamespaceMachine:
         log.info("machine_deleted", machine=self._name, runtime="namespace")
 
 
+SOCKET_LINKS = Path("/run/fleet-zygotes")
+"""Short links to warm parents' control directories (a Unix socket path has 108 bytes)."""
+
+
+def _drop_dangling_links() -> None:
+    """Warm parents reach their fork server through short links; drop those of gone machines."""
+    for link in SOCKET_LINKS.iterdir() if SOCKET_LINKS.exists() else []:
+        if link.is_symlink() and not link.exists():
+            link.unlink(missing_ok=True)
+
+
 class NamespaceRuntime:
     """Machines as namespace sandboxes under `machines_dir`."""
 
@@ -377,6 +388,7 @@ class NamespaceRuntime:
             await asyncio.to_thread(group.remove)
             await asyncio.to_thread(shutil.rmtree, entry, True)
             reaped += 1
+        await asyncio.to_thread(_drop_dangling_links)
         if reaped:
             log.info("machines_reaped", host_id=host_id, count=reaped)
         return reaped

@@ -24,6 +24,7 @@ import ipaddress
 import json
 import os
 import re
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -353,6 +354,22 @@ table ip fleet_uplink {{
     await _run("sysctl", "-qw", "net.ipv4.ip_forward=1")
     _host_uplink_ready.add(pool)
     log.info("host_uplink_ready", pool=pool, table="ip fleet_uplink", ip_forward=1)
+    # Every base chain on the forward hook must accept a packet; fleet's own table cannot
+    # overrule another table's drop policy (Docker sets iptables FORWARD to DROP).
+    if shutil.which("iptables"):
+        proc = await asyncio.create_subprocess_exec(
+            "iptables", "-S", "FORWARD", stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
+        out, _ = await proc.communicate()
+        if b"-P FORWARD DROP" in out:
+            log.warning(
+                "host_forward_policy_drop",
+                reason="iptables FORWARD policy is DROP: machines' allowed egress through this "
+                "host will be dropped unless a rule accepts the pool "
+                f"(e.g. iptables -I DOCKER-USER -s {pool} -j ACCEPT, and the replies), or "
+                "use fleet agent --egress-uplink",
+            )
 
 
 async def destroy_netns(name: str) -> None:

@@ -30,12 +30,11 @@ from fleet.core.egress import EgressEvent
 from fleet.core.errors import Internal, InvalidArgument, NotFound, Unavailable
 from fleet.runtime import cgroups, seccomp
 from fleet.runtime.base import ExecResult, machine_env
-from fleet.runtime.namespace import NamespaceMachine, NamespaceRuntime
+from fleet.runtime.namespace import SOCKET_LINKS, NamespaceMachine, NamespaceRuntime
 
 log = structlog.get_logger(__name__)
 
 ZYGOTE = Path(__file__).with_name("zygote.py")
-SOCKET_LINKS = Path("/run/fleet-zygotes")
 
 
 def _host_pid(candidates: list[int], ns_pid: int) -> int | None:
