@@ -84,7 +84,7 @@ class Agent:
         self.runtime: Runtime = make_runtime(config.runtime, config.machines_dir, config.net)
         self.caps: HostCapabilities = capabilities(
             config.host_id, config.host_class, config.runtime, config.slots
-        )
+        ).model_copy(update={"gateway": config.gateway is not None})
         self.log = log.bind(host_id=config.host_id, host_class=config.host_class.value)
         self._running: dict[str, _Running] = {}
         self._slot_freed = asyncio.Event()

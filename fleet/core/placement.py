@@ -54,6 +54,8 @@ class HostCapabilities(BaseModel):
     slots: int = 1
     device: str = "cpu"
     runtime_reason: str = ""
+    gateway: bool = False
+    """The agent knows the inference gateway's address (it may run rollouts that use it)."""
 
 
 def host_class_for(spec: Smolfile, needs: Requirements | None = None) -> HostClass:
@@ -71,6 +73,8 @@ def refusal(host: HostCapabilities, host_class: HostClass, needs: Requirements) 
         return f"host {host.host_id} offers {host.isolation} isolation, the rollout requires vm"
     if needs.cuda_device and host.cuda_devices == 0:
         return f"host {host.host_id} has no CUDA device, the rollout requires one"
+    if needs.inference and not host.gateway:
+        return f"host {host.host_id} has no inference gateway configured (fleet agent --gateway)"
     return None
 
 
@@ -87,6 +91,8 @@ def unservable_reason(
         why += " with vm isolation"
     if needs.cuda_device:
         why += " with a CUDA device"
+    if needs.inference:
+        why += " whose agent knows the inference gateway (fleet agent --gateway)"
     if not hosts:
         have = "no hosts are registered"
     else:
@@ -95,6 +101,8 @@ def unservable_reason(
             label = f"{h.host_class}-class {h.isolation}-isolation"
             if h.host_class == HostClass.GPU:
                 label += f" ({h.cuda_devices} CUDA devices)"
+            if h.gateway:
+                label += " with the gateway"
             counts[label] = counts.get(label, 0) + 1
         have = "the fleet has " + ", ".join(f"{n} {label}" for label, n in sorted(counts.items()))
     return f"no registered host can ever serve this rollout: {why}, and {have}"

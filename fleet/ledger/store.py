@@ -747,7 +747,9 @@ class Ledger:
             if host.cuda_devices == 0:
                 where += " AND needs_cuda_device = ?"
                 params.append(False)
-            if hold_inference:  # backpressure: the gateway's queue is over its threshold
+            if hold_inference or not host.gateway:
+                # Backpressure (the gateway's queue is over its threshold), or a host whose
+                # agent does not know where the gateway is.
                 where += " AND needs_inference = ?"
                 params.append(False)
             running: dict[str, int] = {}

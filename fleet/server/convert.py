@@ -318,6 +318,7 @@ def capabilities_from_pb(req: host_pb2.RegisterHostRequest) -> HostCapabilities:
         slots=max(1, caps.slots),
         device=caps.device or "cpu",
         runtime_reason=caps.runtime_reason,
+        gateway=caps.gateway,
     )
 
 
@@ -331,6 +332,7 @@ def capabilities_to_pb(c: HostCapabilities) -> host_pb2.Capabilities:
         slots=c.slots,
         runtime_reason=c.runtime_reason,
         device=c.device,
+        gateway=c.gateway,
     )
 
 

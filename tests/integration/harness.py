@@ -73,12 +73,13 @@ class Harness:
             await asyncio.sleep(0.02)
         raise AssertionError(f"agent {host_id} did not register")
 
-    async def register_host(self, host_id: str) -> None:
+    async def register_host(self, host_id: str, gateway: bool = False) -> None:
         """A cpu host registered by hand, for tests that drive HostService themselves."""
         caps = host_pb2.Capabilities(
             runtime=types_pb2.RUNTIME_KIND_NAMESPACE,
             isolation=types_pb2.ISOLATION_NAMESPACE,
             cpus=1,
+            gateway=gateway,
         )
         await self.hosts.RegisterHost(
             host_pb2.RegisterHostRequest(

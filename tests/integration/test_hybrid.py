@@ -167,7 +167,7 @@ def test_a_deep_gateway_queue_holds_inference_rollouts_while_cpu_work_goes_on(
                         break
                     await asyncio.sleep(0.02)
                 held = h.server.core.hold_inference
-                await h.register_host("h1")
+                await h.register_host("h1", gateway=True)
                 model = await h.fleet.SubmitRollout(
                     request(requirements=types_pb2.Requirements(inference=True))
                 )

@@ -40,7 +40,12 @@ def submit(ledger: Ledger, key: str = "k1", smolfile: str = 'image = "minimal"\n
     return ledger.submit(req, manifest, T0)
 
 
-def register(ledger: Ledger, host_id: str = "cpu-1", host_class: HostClass = HostClass.CPU) -> None:
+def register(
+    ledger: Ledger,
+    host_id: str = "cpu-1",
+    host_class: HostClass = HostClass.CPU,
+    gateway: bool = False,
+) -> None:
     ledger.register_host(
         HostCapabilities(
             host_id=host_id,
@@ -50,6 +55,7 @@ def register(ledger: Ledger, host_id: str = "cpu-1", host_class: HostClass = Hos
             cpus=2,
             memory_mib=1024,
             cuda_devices=0,
+            gateway=gateway,
         ),
         T0,
     )
@@ -394,11 +400,13 @@ def test_backpressure_holds_only_rollouts_that_call_the_gateway(ledger: Ledger) 
     from fleet.core.placement import Requirements
 
     register(ledger)
+    register(ledger, "cpu-gw", gateway=True)
     plain, _ = submit(ledger, key="plain")
     model, _ = submit(ledger, key="model", requirements=Requirements(inference=True))
-    held = ledger.claim("cpu-1", 10, T0, TTL, hold_inference=True)
+    held = ledger.claim("cpu-gw", 10, T0, TTL, hold_inference=True)
     assert [a.rollout_id for a in held] == [plain.id]
-    later = ledger.claim("cpu-1", 10, T0, TTL)
+    assert ledger.claim("cpu-1", 10, T0, TTL) == []  # no gateway known there: never its work
+    later = ledger.claim("cpu-gw", 10, T0, TTL)
     assert [a.rollout_id for a in later] == [model.id]
     assert later[0].manifest.requirements.inference
 

@@ -138,6 +138,18 @@ def test_vm_and_cuda_device_requirements() -> None:
     assert refusal(host(HostClass.GPU, cuda=1), HostClass.GPU, dev) is None
 
 
+def test_gateway_work_needs_a_host_that_knows_the_gateway_and_near_means_the_gpu_host() -> None:
+    """Inference rollouts go only to agents with a gateway; near_gateway picks the gpu class."""
+    needs = Requirements(inference=True)
+    plain = host(HostClass.CPU)
+    assert "no inference gateway" in (refusal(plain, HostClass.CPU, needs) or "")
+    assert refusal(plain.model_copy(update={"gateway": True}), HostClass.CPU, needs) is None
+    reason = unservable_reason([plain], HostClass.CPU, needs) or ""
+    assert "knows the inference gateway" in reason
+    near = Requirements(inference=True, near_gateway=True)
+    assert host_class_for(parse_smolfile(SMOL).spec, near) == HostClass.GPU
+
+
 def test_unservable_reason_names_the_gap() -> None:
     """With no gpu host the reason says the rollout needs one and what the fleet has."""
     reason = unservable_reason(

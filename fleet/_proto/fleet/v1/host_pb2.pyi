@@ -29,7 +29,7 @@ class PutCheckpointResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("runtime", "isolation", "cpus", "memory_mib", "cuda_devices", "slots", "runtime_reason", "device")
+    __slots__ = ("runtime", "isolation", "cpus", "memory_mib", "cuda_devices", "slots", "runtime_reason", "device", "gateway")
     RUNTIME_FIELD_NUMBER: _ClassVar[int]
     ISOLATION_FIELD_NUMBER: _ClassVar[int]
     CPUS_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class Capabilities(_message.Message):
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     RUNTIME_REASON_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    GATEWAY_FIELD_NUMBER: _ClassVar[int]
     runtime: _types_pb2.RuntimeKind
     isolation: _types_pb2.Isolation
     cpus: int
@@ -46,7 +47,8 @@ class Capabilities(_message.Message):
     slots: int
     runtime_reason: str
     device: str
-    def __init__(self, runtime: _Optional[_Union[_types_pb2.RuntimeKind, str]] = ..., isolation: _Optional[_Union[_types_pb2.Isolation, str]] = ..., cpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., cuda_devices: _Optional[int] = ..., slots: _Optional[int] = ..., runtime_reason: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    gateway: bool
+    def __init__(self, runtime: _Optional[_Union[_types_pb2.RuntimeKind, str]] = ..., isolation: _Optional[_Union[_types_pb2.Isolation, str]] = ..., cpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., cuda_devices: _Optional[int] = ..., slots: _Optional[int] = ..., runtime_reason: _Optional[str] = ..., device: _Optional[str] = ..., gateway: _Optional[bool] = ...) -> None: ...
 
 class RegisterHostRequest(_message.Message):
     __slots__ = ("request_id", "host_id", "host_class", "capabilities")
