@@ -21,18 +21,13 @@ import grpc
 
 from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
 from fleet.cli.chart import line_chart
+from fleet.cli.demo import FINAL
 from fleet.config import Paths
 from fleet.envs.episode import program
 
 NEAR_GATEWAY = 8
 """Episodes that ask to run on the GPU host, next to the gateway, for the latency comparison."""
 SMOLFILE = Path(__file__).resolve().parents[2] / "smolfiles" / "minimal.smolfile"
-FINAL = {
-    types_pb2.ROLLOUT_STATE_SUCCEEDED,
-    types_pb2.ROLLOUT_STATE_FAILED,
-    types_pb2.ROLLOUT_STATE_CANCELLED,
-    types_pb2.ROLLOUT_STATE_QUARANTINED,
-}
 
 
 @dataclass

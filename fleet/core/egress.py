@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Iterable
+from functools import cached_property
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -70,8 +71,10 @@ class EgressRules(BaseModel):
             host_addresses=tuple(sorted(set(host_addresses))),
         )
 
-    def cidrs(self) -> list[Network]:
-        return [ipaddress.ip_network(c) for c in self.allow_cidrs]
+    @cached_property
+    def networks(self) -> tuple[Network, ...]:
+        """allow_cidrs, parsed once (the rules are frozen)."""
+        return tuple(ipaddress.ip_network(c) for c in self.allow_cidrs)
 
     def name_refusal(self, name: str) -> str | None:
         """Why a DNS query for `name` is refused, or None when it may be resolved."""
@@ -96,7 +99,7 @@ class EgressRules(BaseModel):
                 return what
         for net, what in _PRIVATE:
             if ip.version == net.version and ip in net:
-                if any(ip.version == c.version and ip in c for c in self.cidrs()):
+                if any(ip.version == c.version and ip in c for c in self.networks):
                     return None
                 return f"{what}, not listed in allow_cidrs"
         return None
@@ -111,7 +114,7 @@ class EgressRules(BaseModel):
         ip = ipaddress.ip_address(address)
         if self.mode == EgressMode.OPEN:
             return None
-        if any(ip.version == c.version and ip in c for c in self.cidrs()):
+        if any(ip.version == c.version and ip in c for c in self.networks):
             return None
         return "not in allow_cidrs (and not an answer for an allowed name)"
 
@@ -131,7 +134,7 @@ class EgressRules(BaseModel):
     def private_floor(self) -> list[str]:
         """Private ranges minus what allow_cidrs lists, as firewall set elements."""
         out: list[Network] = []
-        listed = self.cidrs()
+        listed = self.networks
         for net, _ in _PRIVATE:
             pieces = [net]
             for allowed in listed:

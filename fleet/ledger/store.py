@@ -845,15 +845,16 @@ class Ledger:
         ]  # fmt: skip
 
     def _latest_checkpoints(self, db: _Raw, rollout_ids: list[str]) -> dict[str, tuple[int, bytes]]:
-        out: dict[str, tuple[int, bytes]] = {}
-        for rid in rollout_ids:
-            rows = db.all(
-                "SELECT seq, data FROM checkpoints WHERE rollout_id = ? ORDER BY seq DESC LIMIT 1",
-                (rid,),
-            )
-            if rows:
-                out[rid] = (int(rows[0][0]), bytes(rows[0][1]))
-        return out
+        """The newest checkpoint of each rollout, in one query."""
+        if not rollout_ids:
+            return {}
+        rows = db.all(
+            "SELECT c.rollout_id, c.seq, c.data FROM checkpoints c "
+            f"WHERE c.rollout_id IN ({_marks(len(rollout_ids))}) AND c.seq = "
+            "(SELECT max(seq) FROM checkpoints m WHERE m.rollout_id = c.rollout_id)",
+            rollout_ids,
+        )
+        return {rid: (int(seq), bytes(data)) for rid, seq, data in rows}
 
     def put_checkpoint(
         self, host_id: str, work_id: str, fencing_token: int, seq: int, data: bytes, now: float
