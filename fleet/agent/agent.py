@@ -15,8 +15,10 @@ import grpc
 import structlog
 
 from fleet._proto.fleet.v1 import host_pb2, host_pb2_grpc
+from fleet.agent import journal
 from fleet.agent.capabilities import RuntimeChoice, capabilities, make_runtime
 from fleet.agent.checkpoints import RELAY_ADDRESS, CheckpointRelay
+from fleet.agent.journal import AttemptJournal
 from fleet.core.errors import (
     Aborted,
     ErrorCode,
@@ -32,7 +34,7 @@ from fleet.core.policy import EffectiveEgress, effective_egress
 from fleet.core.rollout import Assignment, Completion, StepResult
 from fleet.core.smolfile import Smolfile
 from fleet.image.store import ImageStore
-from fleet.runtime.base import Machine, MachineSpec, Runtime, resolve_secrets
+from fleet.runtime.base import Leftover, Machine, MachineSpec, Runtime, resolve_secrets
 from fleet.runtime.namespace import NamespaceRuntime
 from fleet.runtime.netns import NetConfig
 from fleet.runtime.warm import NamespaceParent
@@ -76,6 +78,8 @@ class _Running:
     results: list[StepResult] = field(default_factory=list)
     machine: Machine | None = None
     relay: CheckpointRelay | None = None
+    adopt: Leftover | None = None
+    """The machine an earlier run of this agent left running this attempt (after a restart)."""
 
 
 class Agent:
@@ -92,16 +96,18 @@ class Agent:
         self._parents: dict[str, NamespaceParent] = {}
         self._parents_lock = asyncio.Lock()
         self._heartbeat_s = 3.0
+        self.journal_dir = config.machines_dir.parent / "journal" / config.host_id
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serves until `stop` is set; running work is finished first."""
-        reaped = await self.runtime.reap(self.caps.host_id)
-        if reaped:
-            self.log.info("orphans_reaped", machines=reaped)
         async with grpc.aio.insecure_channel(self.config.server) as channel:
             stub = host_pb2_grpc.HostServiceStub(channel)
             self._stub = stub
             await self._register(stub, stop)
+            adopted = await self._reconcile(stub, stop)
+            reaped = await self.runtime.reap(self.caps.host_id, keep=adopted)
+            if reaped:
+                self.log.info("orphans_reaped", machines=reaped)
             beat = asyncio.create_task(self._heartbeats(stub, stop))
             try:
                 await self._claim_loop(stub, stop)
@@ -143,6 +149,55 @@ class Agent:
             device=self.caps.device,
             slots=self.caps.slots,
         )
+
+    async def _reconcile(
+        self, stub: host_pb2_grpc.HostServiceStub, stop: asyncio.Event
+    ) -> set[str]:
+        """Machines an earlier run of this agent left: adopts those whose work is still leased
+        to this host (the attempt goes on in them); returns their names. The rest are reaped."""
+        leftovers = await self.runtime.leftovers(self.caps.host_id)
+        candidates: dict[str, Leftover] = {}
+        leases: list[host_pb2.LeaseRef] = []
+        for leftover in leftovers:
+            lease = leftover.lease
+            if leftover.adoptable and lease is not None:
+                candidates[lease[0]] = leftover
+                leases.append(host_pb2.LeaseRef(work_id=lease[0], fencing_token=lease[1]))
+            else:
+                self.log.info("machine_not_adoptable", machine=leftover.name,
+                              why=leftover.why_not or "no lease")  # fmt: skip
+        kept: set[str] = set()
+        # Asked even when nothing survived: the leases the dead agent held end now.
+        request = host_pb2.ReclaimWorkRequest(
+            request_id=uuid.uuid4().hex,
+            host_id=self.caps.host_id,
+            leases=leases,
+        )
+        delay = 0.2
+        while True:
+            try:
+                reply = await stub.ReclaimWork(request, timeout=30)
+                break
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in RETRYABLE or stop.is_set():
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+        for item in reply.items:
+            assignment = convert.assignment_from_pb(item)
+            leftover = candidates[assignment.work_id]
+            running = _Running(assignment, adopt=leftover)
+            self._running[assignment.work_id] = running
+            running.task = asyncio.create_task(self._serve(stub, running))
+            kept.add(leftover.name)
+            self.log.info("work_adopted", work_id=assignment.work_id,
+                          rollout_id=assignment.rollout_id, attempt=assignment.attempt,
+                          machine=leftover.name)  # fmt: skip
+        for work_id in reply.released_work_ids:
+            gone = candidates.get(work_id)
+            self.log.info("work_released", work_id=work_id, machine=gone.name if gone else "")
+        await asyncio.to_thread(journal.prune, self.journal_dir, set(self._running))
+        return kept
 
     async def _heartbeats(self, stub: host_pb2_grpc.HostServiceStub, stop: asyncio.Event) -> None:
         while True:
@@ -237,6 +292,7 @@ class Agent:
             self._running.pop(a.work_id, None)
             self._slot_freed.set()
         await self._complete(stub, completion, log_)
+        await asyncio.to_thread(AttemptJournal(self.journal_dir, a.work_id, a.fencing_token).remove)
 
     async def _checkpoint_relay(self, machine: Machine, a: Assignment) -> CheckpointRelay | None:
         """Where the machine stores its state between model calls (namespace machines)."""
@@ -403,6 +459,9 @@ class Agent:
                     "host": self.caps.host_id,
                     "rollout": a.rollout_id,
                     "attempt": str(a.attempt),
+                    # The lease it runs under: a restarted agent adopts it only if still held.
+                    "work": a.work_id,
+                    "fence": str(a.fencing_token),
                 },
                 secrets=resolve_secrets(parsed.spec),
                 gateway=self._gateway_for(a),
@@ -414,13 +473,30 @@ class Agent:
                             f"({where}), with a token for this rollout"}
                 )  # fmt: skip
             steps = list(enumerate(a.manifest.steps))
-            warm = self._branching(parsed.spec, steps)
-            if warm is not None:
-                parent = await self._warm_parent(a, spec, warm)
-                machine = await parent.branch(spec.name)
-                steps = steps[1:]  # the warm-up ran once, in the parent
+            warm = None if running.adopt else self._branching(parsed.spec, steps)
+            if running.adopt is not None:
+                record = await asyncio.to_thread(
+                    AttemptJournal.resume, self.journal_dir, a.work_id, a.fencing_token
+                )
+                machine = await self.runtime.adopt(running.adopt, spec)
+                running.results = list(record.results)
+                finished = record.finished
+                steps = [(i, step) for i, step in steps if i not in finished]
+                log_.info("attempt_resumed", machine=machine.name, steps_done=sorted(finished),
+                          init_done=record.init_done)  # fmt: skip
+                failed = next((r for r in record.results if not r.ok), None)
+                if failed is not None:  # the old agent died between that step and its report
+                    running.machine = machine
+                    why = "timed out" if failed.timed_out else f"exited {failed.exit_code}"
+                    return report(Outcome.STEP_FAILED, f"step {failed.index} ({failed.name}) {why}")
             else:
-                machine = await self.runtime.create(spec)
+                record = AttemptJournal(self.journal_dir, a.work_id, a.fencing_token)
+                if warm is not None:
+                    parent = await self._warm_parent(a, spec, warm)
+                    machine = await parent.branch(spec.name)
+                    steps = steps[1:]  # the warm-up ran once, in the parent
+                else:
+                    machine = await self.runtime.create(spec)
             running.machine = machine
             extra_env = {
                 "FLEET_ROLLOUT_ID": a.rollout_id,
@@ -433,7 +509,7 @@ class Agent:
                 if relay is not None:
                     running.relay = relay
                     extra_env["FLEET_CHECKPOINTS"] = "{}:{}".format(*RELAY_ADDRESS)
-            for command in [] if warm is not None else parsed.spec.init:
+            for command in [] if warm is not None or record.init_done else parsed.spec.init:
                 init = await machine.exec(
                     ["/bin/sh", "-c", command], env=extra_env, timeout_s=INIT_TIMEOUT_S
                 )
@@ -443,6 +519,8 @@ class Agent:
                         f"init command {command!r} exited {init.exit_code}: "
                         f"{init.stderr.decode(errors='replace')[-500:]}",
                     )
+            if not record.init_done:
+                await asyncio.to_thread(record.mark_init_done)
             for index, step in steps:
                 left = a.manifest.deadline.timestamp() - time.time()
                 if left <= 0:
@@ -454,19 +532,19 @@ class Agent:
                     workdir=step.workdir,
                     timeout_s=timeout,
                 )
-                running.results.append(
-                    StepResult(
-                        index=index,
-                        name=step.name,
-                        exit_code=result.exit_code,
-                        timed_out=result.timed_out,
-                        duration_s=result.duration_s,
-                        stdout=result.stdout,
-                        stderr=result.stderr,
-                        stdout_truncated=result.stdout_truncated,
-                        stderr_truncated=result.stderr_truncated,
-                    )
+                step_result = StepResult(
+                    index=index,
+                    name=step.name,
+                    exit_code=result.exit_code,
+                    timed_out=result.timed_out,
+                    duration_s=result.duration_s,
+                    stdout=result.stdout,
+                    stderr=result.stderr,
+                    stdout_truncated=result.stdout_truncated,
+                    stderr_truncated=result.stderr_truncated,
                 )
+                running.results.append(step_result)
+                await asyncio.to_thread(record.record, step_result)
                 log_.info(
                     "step_finished",
                     step=index,

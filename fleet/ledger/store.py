@@ -844,6 +844,73 @@ class Ledger:
             for item, attempt, token, manifest in leased
         ]  # fmt: skip
 
+    def reclaim(
+        self, host_id: str, leases: list[tuple[str, int]], now: float, lease_ttl_s: float
+    ) -> tuple[list[Assignment], list[str]]:
+        """After an agent restart: the leases still this host's, renewed, and those released.
+
+        A lease comes back only if its work is still LEASED to this host under the same fencing
+        token, not cancelled and not past its deadline; then nobody else can hold it, and the
+        agent may go on with the attempt in the machine that survived. Every other lease it
+        named is released: the agent deletes that machine (the work was finished, re-queued or
+        leased again, and the fencing token refuses anything the old attempt would still
+        report). Leases the host holds that it did not name (their machines are gone) are
+        released too, and expire now rather than at the end of their TTL.
+        """
+        kept: list[Assignment] = []
+        released: list[str] = []
+        with self._begin() as conn:
+            db = _Raw(conn, self._pg)
+            self._host_row(db, host_id)
+            expires = now + lease_ttl_s
+            for work_id, token in sorted(set(leases)):
+                rows = db.all(
+                    f"SELECT {_ITEM_COLS} FROM work_items WHERE id = ?{db.lock}", (work_id,)
+                )
+                item = _Item(*rows[0]) if rows else None
+                if (
+                    item is None
+                    or item.state != LEASED
+                    or item.lease_owner != host_id
+                    or item.fencing_token != token
+                    or item.cancel_requested
+                    or item.deadline <= now
+                ):
+                    released.append(work_id)
+                    continue
+                db.run(
+                    "UPDATE work_items SET lease_expires_at = ? WHERE id = ?", (expires, work_id)
+                )
+                db.run(
+                    _INSERT_EVENT,
+                    (item.rollout_id, "adopted", RolloutState.RUNNING.value,
+                     RolloutState.RUNNING.value, host_id, now,
+                     f"attempt {item.attempt} adopted by {host_id} after its agent restarted",
+                     item.attempt),
+                )  # fmt: skip
+                assignment = self._assignment(db, item._replace(lease_expires_at=expires))
+                if assignment.manifest.requirements.inference:
+                    saved = self._latest_checkpoints(db, [item.rollout_id])
+                    seq, data = saved.get(item.rollout_id, (0, b""))
+                    assignment = assignment.model_copy(
+                        update={"checkpoint_sequence": seq, "checkpoint": data}
+                    )
+                kept.append(assignment)
+            # Every other lease of this host belonged to the agent that died and will not be
+            # reported: the sweeper ends those attempts now (retry, cancel or fail) instead of
+            # when their leases would have run out.
+            adopted = {a.work_id for a in kept}
+            for (work_id,) in db.all(
+                "SELECT id FROM work_items WHERE state = ? AND lease_owner = ? ORDER BY id",
+                (LEASED, host_id),
+            ):
+                if work_id in adopted:
+                    continue
+                db.run("UPDATE work_items SET lease_expires_at = ? WHERE id = ?", (now, work_id))
+                if work_id not in released:
+                    released.append(work_id)
+        return kept, released
+
     def _latest_checkpoints(self, db: _Raw, rollout_ids: list[str]) -> dict[str, tuple[int, bytes]]:
         """The newest checkpoint of each rollout, in one query."""
         if not rollout_ids:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Protocol
 
@@ -53,6 +53,28 @@ class ExecResult(BaseModel):
     duration_s: float = 0.0
 
 
+class Leftover(BaseModel):
+    """A machine an earlier run of this host's agent left behind (found by its labels)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    labels: dict[str, str] = Field(default_factory=dict)
+    adoptable: bool = False
+    why_not: str = ""
+    """Why it cannot be adopted (it is deleted whatever its lease says)."""
+    is_source: bool = False
+    """Other machines were branched from it: it is deleted after them."""
+
+    @property
+    def lease(self) -> tuple[str, int] | None:
+        """(work id, fencing token) of the attempt it ran, from its labels."""
+        try:
+            return self.labels["work"], int(self.labels["fence"])
+        except (KeyError, ValueError):
+            return None
+
+
 class Machine(Protocol):
     """A running sandbox made from a Smolfile."""
 
@@ -96,8 +118,17 @@ class Runtime(Protocol):
 
     async def list_machines(self, labels: Mapping[str, str]) -> list[str]: ...
 
-    async def reap(self, host_id: str) -> int:
-        """Removes what an earlier run of this host left behind; returns how many machines."""
+    async def leftovers(self, host_id: str) -> list[Leftover]:
+        """Machines an earlier run of this host's agent left behind."""
+        ...
+
+    async def adopt(self, leftover: Leftover, spec: MachineSpec) -> Machine:
+        """A leftover machine, driven again by this agent (it must be `adoptable`)."""
+        ...
+
+    async def reap(self, host_id: str, keep: Collection[str] = ()) -> int:
+        """Removes what an earlier run of this host left behind, but the machines in `keep`
+        (adopted); returns how many machines it removed."""
         ...
 
 

@@ -21,7 +21,7 @@ import shutil
 import signal
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 import structlog
@@ -32,7 +32,7 @@ from fleet.core.placement import Isolation, RuntimeKind
 from fleet.core.policy import effective_egress
 from fleet.core.rollout import MAX_OUTPUT_BYTES
 from fleet.runtime import cgroups, seccomp
-from fleet.runtime.base import ExecResult, MachineSpec, machine_env
+from fleet.runtime.base import ExecResult, Leftover, MachineSpec, machine_env
 from fleet.runtime.cgroups import MachineCgroup
 from fleet.runtime.dnsfwd import DnsForwarder
 from fleet.runtime.netns import (
@@ -373,11 +373,61 @@ class NamespaceRuntime:
         machine.dns = dns
         await dns.start()
 
-    async def reap(self, host_id: str) -> int:
-        """Removes machines a previous run of this host left behind (after kill -9)."""
+    async def leftovers(self, host_id: str) -> list[Leftover]:
+        """Machines a previous run of this host left behind (after kill -9).
+
+        Their layers, cgroups and network namespaces survive the agent; their processes do
+        not (every sandbox dies with it). A plain rollout machine can be adopted: its files are
+        all there is to it. One with a network cannot (its DNS forwarder ran inside the agent
+        that died), nor can a warm parent (its fork server is gone).
+        """
+        found: list[Leftover] = []
+        mine = self.machines_dir / host_id
+        for entry in sorted(mine.iterdir()) if mine.exists() else []:
+            try:
+                labels = json.loads((entry / "labels.json").read_text())
+            except (OSError, ValueError):
+                labels = {}
+            why = ""
+            if not isinstance(labels, dict) or not labels:
+                labels, why = {}, "it has no labels (its creation was interrupted)"
+            elif "parent" in labels:
+                why = "a warm parent's fork server does not survive its agent"
+            elif (entry / "net.json").exists():
+                why = "its DNS forwarder ran inside the agent that died"
+            elif "work" not in labels or "fence" not in labels:
+                why = "it is labelled with no lease"
+            found.append(Leftover(name=entry.name, labels=labels, adoptable=not why, why_not=why))
+        return found
+
+    async def adopt(self, leftover: Leftover, spec: MachineSpec) -> NamespaceMachine:
+        if not leftover.adoptable:
+            raise InvalidArgument(f"machine {leftover.name} cannot be adopted: {leftover.why_not}")
+        root = self.machines_dir / spec.labels.get("host", "local") / leftover.name
+        if not (root / "upper").is_dir():
+            raise NotFound(f"machine {leftover.name} has no layer at {root}")
+        cgroup = cgroups.MachineCgroup(root.name, self.cgroup_version)
+        await asyncio.to_thread(cgroup.kill_all)  # nothing of the old agent's commands runs on
+        limits = cgroups.Limits(
+            memory_mib=spec.smolfile.memory_mib_effective, cpus=spec.smolfile.cpus_effective
+        )
+        try:
+            await asyncio.to_thread(cgroup.create, limits)
+        except BaseException:
+            await asyncio.to_thread(shutil.rmtree, root, True)  # not adoptable: not kept either
+            raise
+        if not (root / "seccomp.bpf").exists():
+            (root / "seccomp.bpf").write_bytes(self._seccomp)
+        log.info("machine_adopted", machine=spec.name, runtime="namespace", **spec.labels)
+        return NamespaceMachine(spec, root, cgroup)
+
+    async def reap(self, host_id: str, keep: Collection[str] = ()) -> int:
+        """Removes machines a previous run of this host left behind, but those in `keep`."""
         reaped = 0
         mine = self.machines_dir / host_id
         for entry in sorted(mine.iterdir()) if mine.exists() else []:
+            if entry.name in keep:
+                continue
             with contextlib.suppress(OSError, ValueError, KeyError):
                 netns = json.loads((entry / "net.json").read_text())["netns"]
                 await destroy_netns(netns)

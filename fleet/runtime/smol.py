@@ -8,12 +8,13 @@ with an error naming the key. Nothing is dropped in silence.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ from fleet.core.errors import (
 from fleet.core.placement import Isolation, RuntimeKind
 from fleet.core.rollout import MAX_OUTPUT_BYTES
 from fleet.core.smolfile import Smolfile
-from fleet.runtime.base import ExecResult, MachineSpec, machine_env
+from fleet.runtime.base import ExecResult, Leftover, MachineSpec, machine_env
 from fleet.runtime.branching import BranchCoalescer
 from fleet.runtime.output import OutputSink
 
@@ -135,6 +136,10 @@ def machine_config(spec: MachineSpec) -> Any:
         network=egress,
         branchable=bool(sf.branch and sf.branch.enabled) or None,
         credentials=credentials or None,
+        # A rollout's machine outlives a crash of its agent, so the restarted agent can adopt
+        # it if the work is still leased to this host (and deletes it otherwise).
+        persistent=True,
+        detach=True,
     )
 
 
@@ -347,18 +352,63 @@ class SmolRuntime:
         found = await asyncio.to_thread(Machine.list, ConnectOptions(target="local"), dict(labels))
         return [m.name for m in found]
 
-    async def reap(self, host_id: str) -> int:
-        """Deletes machines labelled with this host that a previous run left behind."""
+    async def leftovers(self, host_id: str) -> list[Leftover]:
+        """Machines labelled with this host that a previous run of its agent left behind."""
+        from smol import ConnectOptions, Machine, SmolError
+
+        try:
+            found = await asyncio.to_thread(
+                Machine.list, ConnectOptions(target="local"), {"fleet": "1", "host": host_id}
+            )
+        except SmolError as exc:
+            raise translate_error(exc) from exc
+        return [leftover_of(m.name, dict(m.labels or {}), bool(m.branchable)) for m in found]
+
+    async def adopt(self, leftover: Leftover, spec: MachineSpec) -> SmolMachine:
+        from smol import AsyncMachine, ConnectOptions, SmolError
+
+        if not leftover.adoptable:
+            raise InvalidArgument(f"machine {leftover.name} cannot be adopted: {leftover.why_not}")
+        conn = ConnectOptions(target="local")
+        try:
+            machine = await AsyncMachine.connect(leftover.name, conn)
+            await machine.wait_until_ready(timeout_s=ADOPT_READY_S)
+        except SmolError as exc:
+            # Not adoptable after all: not kept either (its attempt is reported failed).
+            with contextlib.suppress(SmolError):
+                await AsyncMachine.delete_by_name(leftover.name, conn)
+            raise translate_error(exc) from exc
+        log.info("machine_adopted", machine=leftover.name, runtime="smol", **spec.labels)
+        return SmolMachine(machine, spec.model_copy(update={"name": leftover.name}))
+
+    async def reap(self, host_id: str, keep: Collection[str] = ()) -> int:
+        """Deletes machines labelled with this host that a previous run left behind, but
+        those in `keep`; a warm parent's children go before it."""
         from smol import ConnectOptions, Machine, SmolError
 
         conn = ConnectOptions(target="local")
-        names = await self.list_machines({"fleet": "1", "host": host_id})
-        for name in names:
+        gone = [m for m in await self.leftovers(host_id) if m.name not in keep]
+        gone.sort(key=lambda m: m.is_source)  # children and plain machines first
+        for m in gone:
             try:
-                await asyncio.to_thread(Machine.delete_by_name, name, conn)
+                await asyncio.to_thread(Machine.delete_by_name, m.name, conn)
             except SmolError as exc:
-                raise translate_error(exc) from exc
-        return len(names)
+                if exc.code != "NOT_FOUND":
+                    raise translate_error(exc) from exc
+        return len(gone)
+
+
+ADOPT_READY_S = 60.0
+
+
+def leftover_of(name: str, labels: dict[str, str], branchable: bool) -> Leftover:
+    """Whether a machine found by label can be adopted by a restarted agent, and why not."""
+    why = ""
+    if "parent" in labels or branchable:
+        why = "a warm parent is rebuilt, not adopted (its children go with it)"
+    elif "work" not in labels or "fence" not in labels:
+        why = "it is labelled with no lease"
+    return Leftover(name=name, labels=labels, adoptable=not why, why_not=why, is_source=branchable)
 
 
 # -- preflight -------------------------------------------------------------------------------

@@ -364,6 +364,25 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
         return host_pb2.PutCheckpointResponse()
 
     @mapped
+    async def ReclaimWork(
+        self, request: host_pb2.ReclaimWorkRequest, context: grpc.aio.ServicerContext
+    ) -> host_pb2.ReclaimWorkResponse:
+        leases = [(lease.work_id, lease.fencing_token) for lease in request.leases]
+        for work_id, _ in leases:
+            if not work_id:
+                raise InvalidArgument("leases[].work_id must not be empty")
+        kept, released = await self.core.db(
+            self.core.ledger.reclaim, request.host_id, leases, time.time(),
+            self.core.config.lease_ttl_s,
+        )  # fmt: skip
+        log.info("work_reclaimed", host_id=request.host_id,
+                 adopted=[a.work_id for a in kept], released=released)  # fmt: skip
+        return host_pb2.ReclaimWorkResponse(
+            items=[convert.assignment_to_pb(self._with_token(a)) for a in kept],
+            released_work_ids=released,
+        )
+
+    @mapped
     async def CompleteWork(
         self, request: host_pb2.CompleteWorkRequest, context: grpc.aio.ServicerContext
     ) -> host_pb2.CompleteWorkResponse:

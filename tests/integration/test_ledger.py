@@ -427,3 +427,51 @@ def test_a_version_2_ledger_is_migrated_in_place(ledger_target: str) -> None:
     [a] = reopened.claim("cpu-1", 1, T0, TTL, hold_inference=True)
     assert a.rollout_id == rollout.id
     reopened.engine.dispose()
+
+
+def test_reclaim_after_agent_restart_keeps_only_leases_still_held(ledger: Ledger) -> None:
+    """A restarted agent gets back the work still leased to it under the same token; the rest
+    (cancelled, leased again, stale token, another host's, unnamed) is released at once."""
+    register(ledger)
+    register(ledger, "cpu-2")
+    kept, _ = submit(ledger, key="kept")
+    cancelled, _ = submit(ledger, key="cancelled")
+    unnamed, _ = submit(ledger, key="unnamed")
+    leases = {a.rollout_id: a for a in ledger.claim("cpu-1", 3, T0, TTL)}
+    other, _ = submit(ledger, key="other")
+    [theirs] = ledger.claim("cpu-2", 1, T0, TTL)
+    ledger.cancel(cancelled.id, "stop", "test", T0 + 1)
+    k, c = leases[kept.id], leases[cancelled.id]
+    named = [
+        (k.work_id, k.fencing_token),
+        (c.work_id, c.fencing_token),
+        (theirs.work_id, theirs.fencing_token),  # cpu-2's: never cpu-1's to adopt
+        ("w-missing", 7),
+    ]
+    back, released = ledger.reclaim("cpu-1", named, T0 + 2, TTL)
+    assert [a.work_id for a in back] == [k.work_id]
+    assert back[0].attempt == 1 and back[0].fencing_token == k.fencing_token
+    assert back[0].manifest.steps == k.manifest.steps
+    assert set(released) == {c.work_id, theirs.work_id, "w-missing", leases[unnamed.id].work_id}
+    # The kept lease was renewed; the cancelled and unnamed ones end at the next sweep, long
+    # before their TTL; cpu-2's lease is untouched.
+    assert ledger.sweep(T0 + 3) == 2
+    assert ledger.get(cancelled.id).state == RolloutState.CANCELLED
+    assert ledger.get(unnamed.id).state == RolloutState.QUEUED  # retried
+    assert ledger.get(other.id).state == RolloutState.RUNNING
+    # Past the first expiry only cpu-2's lease (never renewed) ends; the reclaimed one holds.
+    assert ledger.sweep(T0 + 2 + TTL - 1) == 1
+    assert ledger.get(other.id).state == RolloutState.QUEUED
+    assert ledger.get(kept.id).state == RolloutState.RUNNING
+    assert ledger.complete("cpu-1", done(k.work_id, k.fencing_token), T0 + 4) == (
+        RolloutState.SUCCEEDED
+    )
+    assert [e.kind for e in ledger.events(kept.id, 0)].count("adopted") == 1
+    # A stale token is never adopted, even from the host that holds the lease.
+    [again] = ledger.claim("cpu-1", 1, T0 + 30, TTL)
+    back, released = ledger.reclaim(
+        "cpu-1", [(again.work_id, again.fencing_token - 1)], T0 + 31, TTL
+    )
+    assert back == [] and released == [again.work_id]
+    with pytest.raises(FailedPrecondition, match="not registered"):
+        ledger.reclaim("cpu-9", [], T0, TTL)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from fleet.core.errors import InvalidArgument
 from fleet.core.smolfile import parse_smolfile
 from fleet.runtime.base import MachineSpec
 from fleet.runtime.namespace import NamespaceMachine, NamespaceRuntime
@@ -255,6 +256,49 @@ def test_reaper_removes_what_a_killed_agent_left(rootfs: Path, tmp_path: Path) -
     reaped, left, cgroup_left = asyncio.run(go())
     assert reaped == 1 and len(left) == 1 and left[0].startswith("orphan-other")
     assert cgroup_left == []
+
+
+def test_a_restarted_agent_adopts_a_leased_machine_and_reaps_the_rest(
+    rootfs: Path, tmp_path: Path
+) -> None:
+    """Left behind by a killed agent: a machine labelled with a lease is adoptable (its files
+    are all there is to it); one with no lease, or a warm parent, is not. Reaping keeps the
+    adopted one."""
+    smolfile = parse_smolfile('image = "minimal"\n').spec
+
+    def spec(name: str, **labels: str) -> MachineSpec:
+        return MachineSpec(
+            name=name, smolfile=smolfile, image_digest="sha256:x", rootfs=rootfs,
+            labels={"fleet": "1", "host": "me", **labels},
+        )  # fmt: skip
+
+    async def go() -> None:
+        before = NamespaceRuntime(tmp_path / "machines")
+        leased = spec("leased", work="w-1", fence="4")
+        first = await before.create(leased)
+        await first.exec(["/bin/sh", "-c", "echo kept > /root/state"], timeout_s=30)
+        await before.create(spec("unlabelled"))
+        await before.create(spec("parent", parent="abc"))
+
+        after = NamespaceRuntime(tmp_path / "machines")  # the restarted agent's
+        found = {m.name.rsplit("-", 1)[0]: m for m in await after.leftovers("me")}
+        assert set(found) == {"leased", "unlabelled", "parent"}
+        assert found["leased"].adoptable and found["leased"].lease == ("w-1", 4)
+        assert not found["unlabelled"].adoptable and "no lease" in found["unlabelled"].why_not
+        assert not found["parent"].adoptable and "fork server" in found["parent"].why_not
+        with pytest.raises(InvalidArgument, match="cannot be adopted"):
+            await after.adopt(found["parent"], spec("parent"))
+
+        adopted = await after.adopt(found["leased"], leased)
+        result = await adopted.exec(["cat", "/root/state"], timeout_s=30)
+        assert result.stdout == b"kept\n"
+        assert await after.reap("me", keep={found["leased"].name}) == 2
+        assert [m.name for m in await after.leftovers("me")] == [found["leased"].name]
+        await adopted.delete()
+        assert await after.leftovers("me") == []
+        assert not adopted.cgroup.exists()
+
+    asyncio.run(go())
 
 
 SYSCALLS = r"""

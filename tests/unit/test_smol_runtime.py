@@ -83,6 +83,32 @@ def test_defaults_and_networking_off() -> None:
     assert config.network is False and config.resources.allow_hosts is None
 
 
+def test_machines_outlive_their_agent_for_reconciliation() -> None:
+    """A rollout's machine is persistent and detached, so a restarted agent can adopt it."""
+    config = smol_runtime.machine_config(spec('image = "minimal"\n'))
+    assert config.persistent is True and config.detach is True
+    assert config.labels == {"fleet": "1", "rollout": "r-1"}
+
+
+@pytest.mark.parametrize(
+    ("labels", "branchable", "adoptable", "why"),
+    [
+        ({"fleet": "1", "host": "h", "work": "w-1", "fence": "3"}, False, True, ""),
+        ({"fleet": "1", "host": "h"}, False, False, "no lease"),
+        ({"fleet": "1", "host": "h", "work": "w-1"}, False, False, "no lease"),
+        ({"fleet": "1", "host": "h", "parent": "k"}, True, False, "warm parent"),
+        ({"fleet": "1", "host": "h", "work": "w-1", "fence": "3"}, True, False, "warm parent"),
+    ],
+)
+def test_which_leftover_machines_a_restarted_agent_may_adopt(
+    labels: dict[str, str], branchable: bool, adoptable: bool, why: str
+) -> None:
+    leftover = smol_runtime.leftover_of("m", labels, branchable)
+    assert leftover.adoptable is adoptable and why in leftover.why_not
+    assert leftover.is_source is branchable
+    assert leftover.lease == (("w-1", 3) if "fence" in labels else None)
+
+
 def test_allowlist_turns_scoped_networking_on() -> None:
     """allow_hosts alone enables networking, scoped to the list."""
     config = smol_runtime.machine_config(spec('[network]\nallow_hosts = ["pypi.org"]\n'))
@@ -199,6 +225,42 @@ def test_smol_machine_boots_and_runs_a_step(rootfs: Path) -> None:
             await machine.delete()
 
     assert asyncio.run(go()) == 0
+
+
+@pytest.mark.vm
+def test_a_restarted_agent_adopts_a_leased_microvm_and_reaps_the_rest(rootfs: Path) -> None:
+    """Machines outlive the runtime object that made them; a new one finds them by label,
+    adopts the leased one (its disk state intact) and reaps the other."""
+    ok, reason = smol_runtime.preflight(Path("/tmp/fleet-preflight"), lambda: rootfs)
+    if not ok:
+        pytest.skip(f"microVMs cannot boot on this host: {reason}")
+    import asyncio
+
+    def make(name: str, **labels: str) -> MachineSpec:
+        return MachineSpec(
+            name=name, smolfile=parse_smolfile('image = "x"\n').spec, image_digest="sha256:x",
+            rootfs=rootfs, labels={"fleet": "1", "host": "vm-adopt", **labels},
+        )  # fmt: skip
+
+    async def go() -> None:
+        before = smol_runtime.SmolRuntime()
+        leased = make("fleet-vm-adopt-a", work="w-1", fence="2")
+        first = await before.create(leased)
+        await first.exec(["/bin/sh", "-c", "echo kept > /root/state"], timeout_s=60)
+        await before.create(make("fleet-vm-adopt-b"))
+        after = smol_runtime.SmolRuntime()
+        found = {m.name: m for m in await after.leftovers("vm-adopt")}
+        assert found["fleet-vm-adopt-a"].adoptable and not found["fleet-vm-adopt-b"].adoptable
+        adopted = await after.adopt(found["fleet-vm-adopt-a"], leased)
+        try:
+            result = await adopted.exec(["cat", "/root/state"], timeout_s=60)
+            assert result.stdout == b"kept\n"
+            assert await after.reap("vm-adopt", keep={"fleet-vm-adopt-a"}) == 1
+        finally:
+            await adopted.delete()
+        assert await after.leftovers("vm-adopt") == []
+
+    asyncio.run(go())
 
 
 def test_errors_subclass_root() -> None:

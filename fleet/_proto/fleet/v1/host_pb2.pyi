@@ -10,6 +10,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ReclaimWorkRequest(_message.Message):
+    __slots__ = ("request_id", "host_id", "leases")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    host_id: str
+    leases: _containers.RepeatedCompositeFieldContainer[LeaseRef]
+    def __init__(self, request_id: _Optional[str] = ..., host_id: _Optional[str] = ..., leases: _Optional[_Iterable[_Union[LeaseRef, _Mapping]]] = ...) -> None: ...
+
+class ReclaimWorkResponse(_message.Message):
+    __slots__ = ("items", "released_work_ids")
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_WORK_IDS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[WorkAssignment]
+    released_work_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, items: _Optional[_Iterable[_Union[WorkAssignment, _Mapping]]] = ..., released_work_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class PutCheckpointRequest(_message.Message):
     __slots__ = ("host_id", "work_id", "fencing_token", "sequence", "data")
     HOST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -60,6 +60,11 @@ class HostServiceStub:
                 request_serializer=fleet_dot_v1_dot_host__pb2.PutCheckpointRequest.SerializeToString,
                 response_deserializer=fleet_dot_v1_dot_host__pb2.PutCheckpointResponse.FromString,
                 _registered_method=True)
+        self.ReclaimWork = channel.unary_unary(
+                '/fleet.v1.HostService/ReclaimWork',
+                request_serializer=fleet_dot_v1_dot_host__pb2.ReclaimWorkRequest.SerializeToString,
+                response_deserializer=fleet_dot_v1_dot_host__pb2.ReclaimWorkResponse.FromString,
+                _registered_method=True)
 
 
 class HostServiceServicer:
@@ -99,6 +104,17 @@ class HostServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReclaimWork(self, request, context):
+        """After an agent restart: which of the machines it found (by their labels) may it adopt?
+        Work still leased to this host under the same fencing token comes back as assignments
+        with renewed leases; every other lease is released and its machine must be deleted.
+        Leases of this host that the request does not name end at once (the agent that held them
+        is gone): their work is retried, cancelled or failed without waiting for the lease TTL.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_HostServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +142,11 @@ def add_HostServiceServicer_to_server(servicer, server):
                     servicer.PutCheckpoint,
                     request_deserializer=fleet_dot_v1_dot_host__pb2.PutCheckpointRequest.FromString,
                     response_serializer=fleet_dot_v1_dot_host__pb2.PutCheckpointResponse.SerializeToString,
+            ),
+            'ReclaimWork': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReclaimWork,
+                    request_deserializer=fleet_dot_v1_dot_host__pb2.ReclaimWorkRequest.FromString,
+                    response_serializer=fleet_dot_v1_dot_host__pb2.ReclaimWorkResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -264,6 +285,33 @@ class HostService:
             '/fleet.v1.HostService/PutCheckpoint',
             fleet_dot_v1_dot_host__pb2.PutCheckpointRequest.SerializeToString,
             fleet_dot_v1_dot_host__pb2.PutCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReclaimWork(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fleet.v1.HostService/ReclaimWork',
+            fleet_dot_v1_dot_host__pb2.ReclaimWorkRequest.SerializeToString,
+            fleet_dot_v1_dot_host__pb2.ReclaimWorkResponse.FromString,
             options,
             channel_credentials,
             insecure,
