@@ -9,9 +9,12 @@ in this one. Parts:
    out-of-memory batch failures, and refusals at loads below 0.9x (false refusals).
 3. a fault injected into the primary device under load: time to the first answer served by the
    CPU replica, and requests lost (no answer even after resumable refusals were retried).
-4. trajectories/s of gridworld episodes: 64 concurrent episodes through the gateway vs a
-   synchronous loop calling the same model in-process, one action at a time; the control plane's
-   cost per action (a lone gRPC request's p50 minus the bare model call's p50).
+4. trajectories/s of gridworld episodes vs a synchronous loop calling the same model in-process,
+   one action at a time: the whole fleet end to end (each episode a rollout in a sandboxed
+   machine of an embedded fleet, `--slots` at once, every action over HTTP to this gateway and a
+   checkpoint stored through the ledger after it), and the gateway alone (64 concurrent episode
+   loops in this process); the control plane's cost per action (a lone gRPC request's p50 minus
+   the bare model call's p50).
 
 The benchmark model is an MLP with the shipped policy's input and output (147 -> 4096 -> 4096 ->
 4, random weights written to a temporary directory with their sha256, loaded by the same
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import hashlib
 import io
 import json
@@ -32,6 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +87,7 @@ def _gateway_main(settings: dict[str, Any], port: Any, fault: Any) -> None:
     import gateway  # noqa: F401  (quiets torch's numpy warning)
     import torch
 
-    torch.set_num_threads(1)  # one core for the device, one for the clients
+    torch.set_num_threads(int(settings.get("threads", 1)))
     from gateway.batcher import BatchConfig
     from gateway.model import DeviceFault
     from gateway.service import Gateway, GatewayConfig, serve
@@ -99,7 +104,15 @@ def _gateway_main(settings: dict[str, Any], port: Any, fault: Any) -> None:
             breaker_failures=2, breaker_open_s=60.0,
         )  # fmt: skip
         gw = Gateway.build(config, fault_primary=hook)
-        _, bound = await serve(gw, "127.0.0.1:0")
+        servers: list[Any] = []  # held: a gRPC server that nothing references stops
+        grpc_server, bound = await serve(gw, "127.0.0.1:0")
+        servers.append(grpc_server)
+        if settings.get("http"):  # where sandboxed machines reach it: this host, any address
+            from gateway.http import serve_http
+
+            http_server, http_port = await serve_http(gw, "0.0.0.0", 0)
+            servers.append(http_server)
+            settings["http_port"].value = http_port
         port.value = bound
         await asyncio.Event().wait()
 
@@ -111,6 +124,8 @@ class GatewayProc:
         ctx = mp.get_context("spawn")
         self.port = ctx.Value("i", 0)
         self.fault = ctx.Value("b", False)
+        self.http_port = ctx.Value("i", 0)
+        settings = {**settings, "http_port": self.http_port}
         self.proc = ctx.Process(
             target=_gateway_main, args=(settings, self.port, self.fault), daemon=True
         )
@@ -134,9 +149,14 @@ class GatewayProc:
         return f"127.0.0.1:{self.port.value}"
 
 
+@functools.lru_cache(maxsize=4096)
+def _token(rollout: str) -> str:
+    return issue(SECRET, rollout, time.time() + 3600)
+
+
 def _request(model: str, rollout: str, key: str, sample: list[float]) -> Any:
     return inference_pb2.InferRequest(
-        token=issue(SECRET, rollout, time.time() + 3600), rollout_id=rollout, request_id=key,
+        token=_token(rollout), rollout_id=rollout, request_id=key,
         idempotency_key=key, model=model,
         input=inference_pb2.Tensor(shape=[len(sample)], values=sample),
     )  # fmt: skip
@@ -148,6 +168,15 @@ async def hammer(
 ) -> dict[str, Any]:  # fmt: skip
     """`clients` concurrent callers, `per_client` sequential requests each."""
     samples = [GridWorld(seed).observation() for seed in range(16)]
+    # Built before the clock starts: the load generator shares this machine's cores with the
+    # gateway, so it does as little per request as it can.
+    requests = [
+        [
+            _request(model, f"{tag}-r{c}", f"{tag}-{c}-{i}", samples[i % 16])
+            for i in range(per_client)
+        ]
+        for c in range(clients)
+    ]
     latencies: list[float] = []
     codes: dict[str, int] = {}
     degraded_at: list[float] = []
@@ -157,8 +186,7 @@ async def hammer(
 
         async def client(c: int) -> None:
             nonlocal lost
-            for i in range(per_client):
-                request = _request(model, f"{tag}-r{c}", f"{tag}-{c}-{i}", samples[i % 16])
+            for request in requests[c]:
                 for _attempt in range(20 if retry_resumable else 1):
                     started = time.perf_counter()
                     try:
@@ -239,15 +267,69 @@ async def pipeline(address: str, model: str, episodes: int, concurrency: int) ->
         return episodes / (time.perf_counter() - started), actions
 
 
+async def fleet_pipeline(
+    http_port: int, model: str, episodes: int, slots: int
+) -> tuple[float, int, list[float]]:
+    """Trajectories/s of the whole fleet: each episode a rollout on the embedded fleet (SQLite
+    ledger, one CPU agent with `slots` machines at once, the namespace runtime, firewall and
+    DNS per machine), stepping gridworld inside its sandbox and asking the gateway over HTTP
+    for every action, with a checkpoint stored through the ledger after each one."""
+    from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
+    from fleet.cli.embedded import embedded_fleet
+    from fleet.config import Paths
+    from fleet.envs.episode import program
+    from fleet.server.app import ServerConfig
+
+    paths = Paths.from_env()
+    smolfile = (REPO / "smolfiles" / "minimal.smolfile").read_text()
+    final = {types_pb2.ROLLOUT_STATE_SUCCEEDED, types_pb2.ROLLOUT_STATE_FAILED,
+             types_pb2.ROLLOUT_STATE_CANCELLED, types_pb2.ROLLOUT_STATE_QUARANTINED}  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="fleet-bench-fleet-") as tmp:
+        async with embedded_fleet(
+            paths, Path(tmp) / "ledger.sqlite3", gpu_agents=0, cpu_agents=1, runtime="namespace",
+            slots=slots, config=ServerConfig(token_secret=SECRET), gateway=("host", http_port),
+        ) as fleet:  # fmt: skip
+            async with grpc.aio.insecure_channel(fleet.address) as channel:
+                stub = fleet_pb2_grpc.FleetServiceStub(channel)
+                run = uuid.uuid4().hex[:8]
+                started = time.perf_counter()
+                for seed in range(episodes):
+                    await stub.SubmitRollout(
+                        fleet_pb2.SubmitRolloutRequest(
+                            request_id=f"{run}-{seed}", idempotency_key=f"{run}-{seed}",
+                            smolfile=smolfile, smolfile_name="smolfiles/minimal.smolfile",
+                            steps=[types_pb2.Step(name="episode", argv=program(seed),
+                                                  env={"FLEET_MODEL": model}, timeout_s=300)],
+                            labels={"bench": run},
+                            requirements=types_pb2.Requirements(inference=True),
+                        ),
+                        timeout=30,
+                    )  # fmt: skip
+                deadline = time.monotonic() + 600
+                while True:
+                    reply = await stub.ListRollouts(
+                        fleet_pb2.ListRolloutsRequest(page_size=500, labels={"bench": run})
+                    )
+                    if sum(r.state in final for r in reply.rollouts) == episodes:
+                        break
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("fleet pipeline: episodes did not finish in 600 s")
+                    await asyncio.sleep(0.05)
+                elapsed = time.perf_counter() - started
+    ok = [r for r in reply.rollouts if r.state == types_pb2.ROLLOUT_STATE_SUCCEEDED]
+    action_ms = [json.loads(r.results[0].stdout)["action_ms"] for r in ok if r.results]
+    return len(ok) / elapsed, len(ok), action_ms
+
+
 def synchronous(
-    manifest: Path, model: str, episodes: int, device: str = "cpu"
+    manifest: Path, model: str, episodes: int, device: str = "cpu", threads: int = 1
 ) -> tuple[float, float]:
     """Trajectories/s of the plain loop: step, call the model in-process, repeat."""
     import torch
 
     from gateway.model import load_network, model_specs
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     net = load_network(model_specs(manifest)[model]).to(device)
     started = time.perf_counter()
     calls = []
@@ -262,21 +344,26 @@ def synchronous(
     return episodes / (time.perf_counter() - started), statistics.median(calls) * 1000
 
 
-def model_ceiling(manifest: Path, model: str, batch: int, device: str = "cpu") -> float:
-    """Samples/s of the bare model on one thread at `batch` (what the device alone allows)."""
+def model_ceiling(
+    manifest: Path, model: str, batch: int, device: str = "cpu", threads: int = 1
+) -> float:
+    """Samples/s of the bare model at `batch` (what the device alone allows)."""
     import torch
 
     from gateway.model import load_network, model_specs
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     net = load_network(model_specs(manifest)[model]).to(device)
     x = torch.randn(batch, 147, device=device)
+    runs = 5 if batch > 1 else 40
     with torch.inference_mode():
         net(x)
         started = time.perf_counter()
-        for _ in range(5):
+        for _ in range(runs):
             net(x)
-    return 5 * batch / (time.perf_counter() - started)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+    return runs * batch / (time.perf_counter() - started)
 
 
 def main() -> int:
@@ -284,18 +371,24 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="small counts: done in under 60 s")
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
     parser.add_argument("--device", default="cpu", help="the primary: cpu or cuda:N")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per gateway")
+    parser.add_argument(
+        "--slots", type=int, default=16, help="machines the fleet runs at once in part (4)"
+    )
     args = parser.parse_args()
     quiet()
     per_client, episodes, lone = (8, 64, 40) if args.quick else (40, 256, 200)
+    fleet_episodes = 32 if args.quick else 128
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="fleet-bench-gw-") as tmp:
         manifest = make_bench_model(Path(tmp))
-        common = {"model": BENCH_MODEL, "manifest": str(manifest), "device": args.device}
+        common = {"model": BENCH_MODEL, "manifest": str(manifest), "device": args.device,
+                  "threads": args.threads}  # fmt: skip
         batched_cfg = {"max_batch": 64, "max_wait_ms": 0.0, "max_queue": 4096,
                        "max_inflight_per_rollout": 64}  # fmt: skip
         with (
             GatewayProc(**common, batch={**batched_cfg, "max_batch": 1}) as one,
-            GatewayProc(**common, batch=batched_cfg) as gw,
+            GatewayProc(**common, batch=batched_cfg, http=True) as gw,
         ):
             # Lone requests alternate between the two, so both see the same machine state.
             lone_single, lone_batched = asyncio.run(alternate(one.address, gw.address, lone))
@@ -303,6 +396,10 @@ def main() -> int:
             one.__exit__()
             batched = asyncio.run(hammer(gw.address, BENCH_MODEL, CLIENTS, per_client, "b"))
             traj_s, actions = asyncio.run(pipeline(gw.address, BENCH_MODEL, episodes, 64))
+            fleet_traj_s, fleet_ok, fleet_action_ms = asyncio.run(
+                fleet_pipeline(gw.http_port.value, BENCH_MODEL, fleet_episodes, args.slots)
+            )
+
             # (3) failover under load: fault at t0, first CPU-served answer after it.
             async def failover() -> tuple[dict[str, Any], float]:
                 load = asyncio.create_task(
@@ -317,8 +414,11 @@ def main() -> int:
 
             fail, failover_s = asyncio.run(failover())
             gw_status = asyncio.run(status(gw.address))
-        sync_traj_s, _ = synchronous(manifest, BENCH_MODEL, max(16, episodes // 4), args.device)
-        ceiling = model_ceiling(manifest, BENCH_MODEL, 64, args.device)
+        sync_traj_s, _ = synchronous(
+            manifest, BENCH_MODEL, max(16, episodes // 4), args.device, args.threads
+        )
+        ceiling = model_ceiling(manifest, BENCH_MODEL, 64, args.device, args.threads)
+        ceiling_one = model_ceiling(manifest, BENCH_MODEL, 1, args.device, args.threads)
         # The control plane's own cost: the shipped policy is so small that a lone request's
         # time through the gateway is nearly all RPC, token check and batcher.
         shipped = {"model": "gridworld-policy", "device": args.device,
@@ -351,7 +451,8 @@ def main() -> int:
         "false_refusal_rate": refused_below / max(1, offered_below),
         "failover_s": failover_s,
         "lost_requests": fail["lost"],
-        "pipeline_gain": traj_s / sync_traj_s,
+        "pipeline_gain": fleet_traj_s / sync_traj_s,
+        "gateway_pipeline_gain": traj_s / sync_traj_s,
         "overhead_ms_per_action": overhead,
     }
     w = 58
@@ -361,10 +462,14 @@ def main() -> int:
     print(f"{'    p50 ms of a lone request: batched vs unbatched':<{w}}"
           f"{lone_batched['p50_ms']:>12.2f}{lone_single['p50_ms']:>12.2f}"
           f"{lone_batched['p50_ms'] - lone_single['p50_ms']:>+8.2f}ms")  # fmt: skip
-    print(f"{'    the bare model, batches of 64, same thread budget':<{w}}{ceiling:>12.0f}"
-          f"{'':>12}{batched['rate'] / ceiling:>8.2f} of it")  # fmt: skip
-    print(f"    p50 at 64 clients: {batched['p50_ms']:.1f} ms batched, {single['p50_ms']:.1f} ms "
-          f"one per batch; the gateway answered {gw_status.served} samples")
+    print(f"{'    the bare model alone: batches of 64 vs of 1 (ceiling)':<{w}}{ceiling:>12.0f}"
+          f"{ceiling_one:>12.0f}{ceiling / ceiling_one:>8.1f}x")  # fmt: skip
+    print(f"{'    the gateway batched, as a fraction of the bare model':<{w}}"
+          f"{batched['rate'] / ceiling:>12.2f}")  # fmt: skip
+    print(
+        f"    p50 at 64 clients: {batched['p50_ms']:.1f} ms batched, {single['p50_ms']:.1f} ms "
+        f"one per batch; the gateway answered {gw_status.served} samples"
+    )
     for factor, r in loads.items():
         refused = sum(r["codes"].values())
         print(f"{f'(2) load {factor:g}x memory capacity: answered / refused':<{w}}"
@@ -374,13 +479,21 @@ def main() -> int:
     print(f"{'(3) fault on the primary: s to first CPU-served answer':<{w}}{failover_s:>12.3f}")
     print(f"{'    requests lost / answered under the fault':<{w}}{fail['lost']:>12}"
           f"{fail['answered']:>12}")  # fmt: skip
-    print(f"{'(4) trajectories/s: pipeline (64 episodes) vs synchronous':<{w}}"
-          f"{traj_s:>12.1f}{sync_traj_s:>12.1f}{out['pipeline_gain']:>8.1f}x")  # fmt: skip
+    print(f"{'(4) trajectories/s: the fleet end to end vs synchronous':<{w}}"
+          f"{fleet_traj_s:>12.1f}{sync_traj_s:>12.1f}{out['pipeline_gain']:>8.1f}x")  # fmt: skip
+    print(f"    ({fleet_ok} of {fleet_episodes} episodes as rollouts in sandboxed machines, "
+          f"{args.slots} at once; mean ms per action in them "
+          f"{statistics.fmean(fleet_action_ms) if fleet_action_ms else float('nan'):.2f})")
+    print(f"{'    only the gateway: 64 in-process episode loops':<{w}}"
+          f"{traj_s:>12.1f}{sync_traj_s:>12.1f}{out['gateway_pipeline_gain']:>8.1f}x")  # fmt: skip
     print(f"{'    ms per action (shipped policy): via gateway vs bare call':<{w}}"
           f"{lone_small['p50_ms']:>12.2f}{model_p50:>12.2f}{overhead:>+8.2f}ms")  # fmt: skip
-    print(f"(primary {args.device}, torch 1 CPU thread in the gateway; model {BENCH_MODEL} "
-          "147-4096-4096-4; "
-          f"{actions} actions in the pipeline run)")
+    print(
+        f"(primary {args.device}, torch {args.threads} CPU thread(s) per gateway; "
+        f"model {BENCH_MODEL} "
+        "147-4096-4096-4; "
+        f"{actions} actions in the pipeline run)"
+    )
     if args.json:
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}))
     return 0

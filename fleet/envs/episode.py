@@ -9,50 +9,76 @@ Prints one JSON line: seed, return, success, actions, and the devices that serve
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 MODEL = "gridworld-policy"
+"""The model asked for, unless the step's environment names another (`FLEET_MODEL`)."""
+
+
+_CONNECTIONS: dict = {}  # type: ignore[type-arg]
+
+
+def call(where: str, method: str, path: str, body: bytes | None = None, timeout: float = 30):  # type: ignore[no-untyped-def]
+    """(status, headers, body) of one request, on a connection kept open per endpoint.
+
+    Every request here may be sent twice (inference requests carry an idempotency key, a
+    checkpoint its sequence number), so one broken keep-alive connection is retried once on a
+    new one.
+    """
+    for attempt in (1, 2):
+        conn = _CONNECTIONS.get(where)
+        if conn is None:
+            conn = _CONNECTIONS[where] = http.client.HTTPConnection(where, timeout=timeout)
+        try:
+            conn.request(method, path, body=body, headers={"Content-Type": "application/json"})
+            reply = conn.getresponse()
+            data = reply.read()
+        except (http.client.HTTPException, OSError):
+            conn.close()
+            del _CONNECTIONS[where]
+            if attempt == 2:
+                raise
+            continue
+        if reply.will_close:
+            conn.close()
+            del _CONNECTIONS[where]
+        return reply.status, reply.headers, data
+    raise AssertionError("unreachable")
 
 
 def act(gateway: str, token: str, rollout: str, key: str, observation: list[float]) -> dict:  # type: ignore[type-arg]
     body = json.dumps({
-        "token": token, "rollout_id": rollout, "idempotency_key": key, "model": MODEL,
+        "token": token, "rollout_id": rollout, "idempotency_key": key,
+        "model": os.environ.get("FLEET_MODEL", MODEL),
         "input": observation,
     }).encode()  # fmt: skip
     for _ in range(50):  # a full queue or a failover answers with a hint: wait and retry
-        request = urllib.request.Request(
-            f"http://{gateway}/v1/infer", data=body,
-            headers={"Content-Type": "application/json"},
-        )  # fmt: skip
-        try:
-            with urllib.request.urlopen(request, timeout=30) as reply:
-                return json.loads(reply.read())  # type: ignore[no-any-return]
-        except urllib.error.HTTPError as exc:
-            if exc.code not in (429, 503):
-                why = f"gateway refused step {key}: {exc.code} {exc.read()[:300]!r}"
-                raise SystemExit(why) from None
-            time.sleep(float(exc.headers.get("Retry-After", "0.1")))
+        status, headers, data = call(gateway, "POST", "/v1/infer", body)
+        if status == 200:
+            return json.loads(data)  # type: ignore[no-any-return]
+        if status not in (429, 503):
+            raise SystemExit(f"gateway refused step {key}: {status} {data[:300]!r}")
+        time.sleep(float(headers.get("Retry-After", "0.1")))
     raise SystemExit(f"gateway kept refusing step {key}")
 
 
 def checkpoint_get(relay: str) -> dict | None:  # type: ignore[type-arg]
     """The latest saved state of this rollout, or None (a first attempt)."""
-    with urllib.request.urlopen(f"http://{relay}/checkpoint", timeout=30) as reply:
-        return json.loads(reply.read()) if reply.status == 200 else None
+    status, _, data = call(relay, "GET", "/checkpoint")
+    if status not in (200, 204):
+        raise SystemExit(f"checkpoint relay answered {status}: {data[:300]!r}")
+    return json.loads(data) if status == 200 else None
 
 
 def checkpoint_put(relay: str, seq: int, state: dict) -> None:  # type: ignore[type-arg]
     """Returns once the fleet has stored the state: only then is the next model call made."""
-    request = urllib.request.Request(
-        f"http://{relay}/checkpoint?seq={seq}", data=json.dumps(state).encode(), method="PUT"
-    )
-    with urllib.request.urlopen(request, timeout=60) as reply:
-        reply.read()
+    status, _, data = call(relay, "PUT", f"/checkpoint?seq={seq}", json.dumps(state).encode(), 60)
+    if status != 200 and status != 204:
+        raise SystemExit(f"checkpoint {seq} was not stored: {status} {data[:300]!r}")
 
 
 def run_episode(seed: int) -> dict:  # type: ignore[type-arg]

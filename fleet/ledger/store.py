@@ -927,42 +927,65 @@ class Ledger:
         self, host_id: str, work_id: str, fencing_token: int, seq: int, data: bytes, now: float
     ) -> None:
         """Stores a hybrid rollout's checkpoint under the attempt's lease (see PutCheckpoint)."""
+        [result] = self.put_checkpoints([(host_id, work_id, fencing_token, seq, data)], now)
+        if result is not None:
+            raise result
+
+    def put_checkpoints(
+        self, items: list[tuple[str, str, int, int, bytes]], now: float
+    ) -> list[FleetError | None]:
+        """Stores many checkpoints (host, work id, fencing token, sequence, data) in one
+        transaction, one durable commit; each gets None (stored, or already stored) or the error
+        that refused it alone."""
+        results: list[FleetError | None] = []
+        with self._begin() as conn:
+            db = _Raw(conn, self._pg)
+            for host_id, work_id, fencing_token, seq, data in items:
+                try:
+                    self._put_checkpoint(db, host_id, work_id, fencing_token, seq, data, now)
+                    results.append(None)
+                except FleetError as exc:
+                    results.append(exc)
+        return results
+
+    def _put_checkpoint(
+        self, db: _Raw, host_id: str, work_id: str, fencing_token: int, seq: int, data: bytes,
+        now: float,
+    ) -> None:  # fmt: skip
         if seq < 1:
             raise InvalidArgument("checkpoint sequence numbers start at 1")
         if len(data) > MAX_CHECKPOINT_BYTES:
             raise ResourceExhausted(
                 f"checkpoint of {len(data)} bytes is over the limit of {MAX_CHECKPOINT_BYTES}"
             )
-        with self._begin() as conn:
-            db = _Raw(conn, self._pg)
-            rows = db.all(f"SELECT {_ITEM_COLS} FROM work_items WHERE id = ?{db.lock}", (work_id,))
-            if not rows:
-                raise NotFound(f"no work item {work_id!r}")
-            item = _Item(*rows[0])
-            if (
-                item.fencing_token != fencing_token
-                or item.state != LEASED
-                or item.lease_owner != host_id
-            ):
+        rows = db.all(f"SELECT {_ITEM_COLS} FROM work_items WHERE id = ?{db.lock}", (work_id,))
+        if not rows:
+            raise NotFound(f"no work item {work_id!r}")
+        item = _Item(*rows[0])
+        if (
+            item.fencing_token != fencing_token
+            or item.state != LEASED
+            or item.lease_owner != host_id
+        ):
+            raise Aborted(
+                f"stale lease for {work_id} (token {fencing_token}, current "
+                f"{item.fencing_token}): this attempt may not write checkpoints"
+            )
+        have = db.all(
+            "SELECT data FROM checkpoints WHERE rollout_id = ? AND seq = ?",
+            (item.rollout_id, seq),
+        )
+        if have:
+            if bytes(have[0][0]) != data:
                 raise Aborted(
-                    f"stale lease for {work_id} (token {fencing_token}, current "
-                    f"{item.fencing_token}): this attempt may not write checkpoints"
+                    f"rollout {item.rollout_id} already has checkpoint {seq} with other data"
                 )
-            have = db.all(
-                "SELECT data FROM checkpoints WHERE rollout_id = ? AND seq = ?",
-                (item.rollout_id, seq),
-            )
-            if have:
-                if bytes(have[0][0]) != data:
-                    raise Aborted(
-                        f"rollout {item.rollout_id} already has checkpoint {seq} with other data"
-                    )
-                return  # a resend: already stored
-            db.run(
-                "INSERT INTO checkpoints (rollout_id, seq, attempt, data, created_at) "
-                "VALUES (?, ?, ?, ?, ?)",
-                (item.rollout_id, seq, item.attempt, data, now),
-            )
+            return  # a resend: already stored
+        db.run(
+            "INSERT INTO checkpoints (rollout_id, seq, attempt, data, created_at) "
+            "VALUES (?, ?, ?, ?, ?)",
+            (item.rollout_id, seq, item.attempt, data, now),
+        )
 
     def checkpoints(self, rollout_id: str) -> list[tuple[int, int, bytes]]:
         """(sequence, attempt, data) of every checkpoint a rollout stored, in order."""

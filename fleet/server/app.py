@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import grpc
 import structlog
@@ -39,6 +39,7 @@ from fleet.server.status import STATUS_FOR, mapped
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
+R = TypeVar("R")
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 MAX_CLAIM_WAIT_S = 30.0
@@ -114,21 +115,31 @@ class Core:
         self._db.shutdown(wait=True)
 
 
-class CompletionBatcher:
-    """Group commit for CompleteWork: reports that arrive while one batch is being written
-    are written together in the next transaction, one durable commit for all of them."""
+class GroupCommit(Generic[T, R]):
+    """Group commit: items that arrive while one batch is being written go together into the
+    next transaction, one durable commit for all of them. `write` gets a batch and returns one
+    answer per item, in order: a result, or the exception that refused that item alone."""
 
     MAX_BATCH = 256
 
-    def __init__(self, core: Core) -> None:
+    def __init__(
+        self,
+        core: Core,
+        write: Callable[[list[T], float], list[R | Exception]],
+        *,
+        notify: bool = True,
+    ) -> None:
         self.core = core
-        self._pending: list[tuple[str, Completion, asyncio.Future[RolloutState]]] = []
+        self._write = write
+        self._notify = notify
+        """Wake claims and watchers after each batch (what it wrote changes rollouts)."""
+        self._pending: list[tuple[T, asyncio.Future[R]]] = []
         self._flushing = False
         self._task: asyncio.Task[None] | None = None
 
-    async def complete(self, host_id: str, report: Completion) -> RolloutState:
-        future: asyncio.Future[RolloutState] = asyncio.get_running_loop().create_future()
-        self._pending.append((host_id, report, future))
+    async def submit(self, item: T) -> R:
+        future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
+        self._pending.append((item, future))
         if not self._flushing:
             self._flushing = True
             self._task = asyncio.create_task(self._flush())
@@ -140,26 +151,40 @@ class CompletionBatcher:
                 batch = self._pending[: self.MAX_BATCH]
                 del self._pending[: self.MAX_BATCH]
                 try:
-                    answers = await self.core.db(
-                        self.core.ledger.complete_batch,
-                        [(host, report) for host, report, _ in batch],
-                        time.time(),
-                    )
+                    answers = await self.core.db(self._write, [i for i, _ in batch], time.time())
                 except Exception as exc:
-                    for _, _, future in batch:
+                    for _, future in batch:
                         if not future.done():
                             future.set_exception(exc)
                     continue
-                for (_, _, future), answer in zip(batch, answers, strict=True):
+                for (_, future), answer in zip(batch, answers, strict=True):
                     if future.done():
                         continue
                     if isinstance(answer, Exception):
                         future.set_exception(answer)
                     else:
                         future.set_result(answer)
-                self.core.changed()
+                if self._notify:
+                    self.core.changed()
         finally:
             self._flushing = False
+
+
+class CompletionBatcher(GroupCommit[tuple[str, Completion], RolloutState]):
+    """Group commit for CompleteWork."""
+
+    def __init__(self, core: Core) -> None:
+        super().__init__(core, core.ledger.complete_batch)  # type: ignore[arg-type]
+
+    async def complete(self, host_id: str, report: Completion) -> RolloutState:
+        return await self.submit((host_id, report))
+
+
+class CheckpointBatcher(GroupCommit[tuple[str, str, int, int, bytes], None]):
+    """Group commit for PutCheckpoint: every running hybrid episode stores one per action."""
+
+    def __init__(self, core: Core) -> None:
+        super().__init__(core, core.ledger.put_checkpoints, notify=False)  # type: ignore[arg-type]
 
 
 class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
@@ -270,6 +295,7 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
     def __init__(self, core: Core) -> None:
         self.core = core
         self.batcher = CompletionBatcher(core)
+        self.checkpoints = CheckpointBatcher(core)
 
     @mapped
     async def RegisterHost(
@@ -357,9 +383,9 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
     async def PutCheckpoint(
         self, request: host_pb2.PutCheckpointRequest, context: grpc.aio.ServicerContext
     ) -> host_pb2.PutCheckpointResponse:
-        await self.core.db(
-            self.core.ledger.put_checkpoint, request.host_id, request.work_id,
-            request.fencing_token, request.sequence, request.data, time.time(),
+        await self.checkpoints.submit(
+            (request.host_id, request.work_id, request.fencing_token, request.sequence,
+             request.data)
         )  # fmt: skip
         return host_pb2.PutCheckpointResponse()
 

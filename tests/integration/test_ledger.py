@@ -475,3 +475,34 @@ def test_reclaim_after_agent_restart_keeps_only_leases_still_held(ledger: Ledger
     assert back == [] and released == [again.work_id]
     with pytest.raises(FailedPrecondition, match="not registered"):
         ledger.reclaim("cpu-9", [], T0, TTL)
+
+
+def test_checkpoints_are_written_together_and_refused_one_by_one(ledger: Ledger) -> None:
+    """One transaction for many checkpoints; a stale lease, a clash or a bad sequence number
+    refuses only its own item, and a resend of a stored one is harmless."""
+    register(ledger)
+    first, _ = submit(ledger, key="a")
+    second, _ = submit(ledger, key="b")
+    leases = {a.rollout_id: a for a in ledger.claim("cpu-1", 2, T0, TTL)}
+    a, b = leases[first.id], leases[second.id]
+    results = ledger.put_checkpoints(
+        [
+            ("cpu-1", a.work_id, a.fencing_token, 1, b"a1"),
+            ("cpu-1", b.work_id, b.fencing_token - 1, 1, b"stale"),
+            ("cpu-1", a.work_id, a.fencing_token, 2, b"a2"),
+            ("cpu-1", a.work_id, a.fencing_token, 2, b"a2"),  # a resend in the same batch
+            ("cpu-1", a.work_id, a.fencing_token, 1, b"other"),  # the same sequence, other data
+            ("cpu-1", b.work_id, b.fencing_token, 0, b"zero"),
+            ("cpu-1", "w-missing", 1, 1, b"x"),
+        ],
+        T0 + 1,
+    )
+    assert results[0] is None and results[2] is None and results[3] is None
+    assert isinstance(results[1], Aborted) and "stale lease" in results[1].message
+    assert isinstance(results[4], Aborted) and "other data" in results[4].message
+    assert isinstance(results[5], InvalidArgument)
+    assert isinstance(results[6], NotFound)
+    assert ledger.checkpoints(first.id) == [(1, 1, b"a1"), (2, 1, b"a2")]
+    assert ledger.checkpoints(second.id) == []
+    with pytest.raises(Aborted, match="stale lease"):
+        ledger.put_checkpoint("cpu-2", a.work_id, a.fencing_token, 3, b"a3", T0 + 2)
