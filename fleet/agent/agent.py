@@ -473,7 +473,23 @@ class Agent:
                             f"({where}), with a token for this rollout"}
                 )  # fmt: skip
             steps = list(enumerate(a.manifest.steps))
-            warm = None if running.adopt else self._branching(parsed.spec, steps)
+            warm = self._branching(parsed.spec, steps)
+            if warm is not None and (parsed.spec.egress_requested or spec.gateway is not None):
+                # Children of one warm parent share its network namespace: one firewall, one
+                # resolver, refusals that cannot be told apart. A machine that reaches out gets
+                # its own instead, and each later step starts from the warm-up's state by
+                # running the warm-up first (what a fork of the parent would have had).
+                steps = [(i, with_warm_up(step, warm)) for i, step in steps[1:]]
+                warm = None
+                why = "children of a warm parent would share its network namespace"
+                log_.info("warm_parent_not_used", reason=why)
+                if egress is not None:
+                    egress = egress.model_copy(
+                        update={"enforced_by": f"{egress.enforced_by}; ran as its own machine, "
+                                f"not a warm parent's child ({why})"}
+                    )  # fmt: skip
+            if running.adopt is not None:
+                warm = None  # a warm parent's children are never adopted
             if running.adopt is not None:
                 record = await asyncio.to_thread(
                     AttemptJournal.resume, self.journal_dir, a.work_id, a.fencing_token
@@ -599,6 +615,16 @@ class Agent:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
         log_.error("completion_undelivered", note="the lease will expire and the work rerun")
+
+
+def with_warm_up(step: Step, warm_up: str) -> Step:
+    """A `python3 -c` step that runs the warm-up code first, in its own interpreter: in a cold
+    machine it then starts from the state a warm parent's fork would have started from."""
+    argv = list(step.argv)
+    if len(argv) >= 3 and argv[0] == "python3" and argv[1] == "-c":
+        return step.model_copy(update={"argv": ("python3", "-c", f"{warm_up}\n{argv[2]}",
+                                                *argv[3:])})  # fmt: skip
+    return step
 
 
 def failure_class(exc: FleetError, *, image_ready: bool) -> Outcome:

@@ -536,6 +536,52 @@ def test_refused_egress_reaches_the_ledger_api_and_cli(tmp_path: Path, images: I
     assert "other.test" in table and "169.254.169.254" in table and "metadata" in table
 
 
+def test_a_warm_rollout_that_reaches_out_gets_its_own_machine_and_namespace(
+    tmp_path: Path, images: ImageStore
+) -> None:
+    """Children of a warm parent would share its network namespace: a `[branch]` rollout with
+    an allowlist runs in its own machine instead, each step starting from the warm-up's state,
+    and its refusals are its own."""
+    smolfile = (
+        'image = "minimal"\n[branch]\nenabled = true\n[network]\nallow_cidrs = ["10.9.9.0/24"]\n'
+    )
+    step = (
+        "import socket\n"
+        "page = socket.create_connection(('10.9.9.9', 8080), timeout=5).recv(100).decode()\n"
+        "print(STATE + 1, page.strip())\n"
+        "s = socket.socket(); s.settimeout(3)\n"
+        "try: s.connect(('198.51.100.99', 8080))\n"
+        "except OSError: pass\n"
+    )
+
+    async def body() -> tuple[types_pb2.Rollout, list[types_pb2.EgressEvent], list[str]]:
+        with networld() as world:
+            async with harness(tmp_path, images) as h:
+                net = NetConfig(uplink_netns=world.uplink, dns_upstream=world.dns)
+                await h.start_agent("cpu-a", HostClass.CPU, net=net)
+                submit = request(smolfile)
+                del submit.steps[:]
+                submit.steps.extend([
+                    types_pb2.Step(name="warm-up", argv=["python3", "-c", "STATE = 41"]),
+                    types_pb2.Step(name="work", argv=["python3", "-c", step], timeout_s=30),
+                ])  # fmt: skip
+                reply = await h.fleet.SubmitRollout(submit)
+                r = await h.wait_final(reply.rollout.id)
+                events = await h.fleet.ListEgressEvents(
+                    fleet_pb2.ListEgressEventsRequest(rollout_id=r.id)
+                )
+                parents = [p.name for p in (tmp_path / "machines").glob("*/fleet-parent-*")]
+                return r, list(events.events), parents
+
+    r, events, parents = go(body())
+    assert r.state == types_pb2.ROLLOUT_STATE_SUCCEEDED, r.results[-1].stderr.decode()
+    assert [res.name for res in r.results] == ["work"]  # the warm-up ran as part of it
+    assert r.results[0].stdout.decode().strip() == "42 hello from 10.9.9.9"
+    assert "not a warm parent's child" in r.egress.enforced_by
+    assert parents == []
+    assert [(e.kind, e.destination) for e in events] == [("connect", "tcp://198.51.100.99:8080")]
+
+
 def test_list_egress_events_refuses_bad_requests(tmp_path: Path, images: ImageStore) -> None:
     async def body() -> list[grpc.StatusCode]:
         codes = []
