@@ -375,6 +375,10 @@ def main() -> int:
     parser.add_argument(
         "--slots", type=int, default=16, help="machines the fleet runs at once in part (4)"
     )
+    parser.add_argument(
+        "--skip-fleet", action="store_true",
+        help="leave out part (4)'s whole-fleet run (it needs namespaces and the ledger's setup)",
+    )  # fmt: skip
     args = parser.parse_args()
     quiet()
     per_client, episodes, lone = (8, 64, 40) if args.quick else (40, 256, 200)
@@ -396,9 +400,11 @@ def main() -> int:
             one.__exit__()
             batched = asyncio.run(hammer(gw.address, BENCH_MODEL, CLIENTS, per_client, "b"))
             traj_s, actions = asyncio.run(pipeline(gw.address, BENCH_MODEL, episodes, 64))
-            fleet_traj_s, fleet_ok, fleet_action_ms = asyncio.run(
-                fleet_pipeline(gw.http_port.value, BENCH_MODEL, fleet_episodes, args.slots)
-            )
+            fleet_traj_s, fleet_ok, fleet_action_ms = float("nan"), 0, []
+            if not args.skip_fleet:
+                fleet_traj_s, fleet_ok, fleet_action_ms = asyncio.run(
+                    fleet_pipeline(gw.http_port.value, BENCH_MODEL, fleet_episodes, args.slots)
+                )
 
             # (3) failover under load: fault at t0, first CPU-served answer after it.
             async def failover() -> tuple[dict[str, Any], float]:
@@ -451,7 +457,7 @@ def main() -> int:
         "false_refusal_rate": refused_below / max(1, offered_below),
         "failover_s": failover_s,
         "lost_requests": fail["lost"],
-        "pipeline_gain": fleet_traj_s / sync_traj_s,
+        "pipeline_gain": None if args.skip_fleet else fleet_traj_s / sync_traj_s,
         "gateway_pipeline_gain": traj_s / sync_traj_s,
         "overhead_ms_per_action": overhead,
     }
@@ -479,11 +485,14 @@ def main() -> int:
     print(f"{'(3) fault on the primary: s to first CPU-served answer':<{w}}{failover_s:>12.3f}")
     print(f"{'    requests lost / answered under the fault':<{w}}{fail['lost']:>12}"
           f"{fail['answered']:>12}")  # fmt: skip
-    print(f"{'(4) trajectories/s: the fleet end to end vs synchronous':<{w}}"
-          f"{fleet_traj_s:>12.1f}{sync_traj_s:>12.1f}{out['pipeline_gain']:>8.1f}x")  # fmt: skip
-    print(f"    ({fleet_ok} of {fleet_episodes} episodes as rollouts in sandboxed machines, "
-          f"{args.slots} at once; mean ms per action in them "
-          f"{statistics.fmean(fleet_action_ms) if fleet_action_ms else float('nan'):.2f})")
+    if args.skip_fleet:
+        print("(4) trajectories/s: the fleet end to end: left out (--skip-fleet)")
+    else:
+        print(f"{'(4) trajectories/s: the fleet end to end vs synchronous':<{w}}"
+              f"{fleet_traj_s:>12.1f}{sync_traj_s:>12.1f}{fleet_traj_s / sync_traj_s:>8.1f}x")  # fmt: skip
+        print(f"    ({fleet_ok} of {fleet_episodes} episodes as rollouts in sandboxed machines, "
+              f"{args.slots} at once; mean ms per action in them "
+              f"{statistics.fmean(fleet_action_ms) if fleet_action_ms else float('nan'):.2f})")
     print(f"{'    only the gateway: 64 in-process episode loops':<{w}}"
           f"{traj_s:>12.1f}{sync_traj_s:>12.1f}{out['gateway_pipeline_gain']:>8.1f}x")  # fmt: skip
     print(f"{'    ms per action (shipped policy): via gateway vs bare call':<{w}}"

@@ -179,20 +179,29 @@ class Agent:
                 reply = await stub.ReclaimWork(request, timeout=30)
                 break
             except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # a server older than this agent
+                    self.log.warning("reclaim_unsupported", machines=len(leftovers),
+                                     note="every leftover machine is deleted; its work is "
+                                     "retried when its lease runs out")  # fmt: skip
+                    reply = host_pb2.ReclaimWorkResponse()
+                    break
                 if exc.code() not in RETRYABLE or stop.is_set():
                     raise
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
         for item in reply.items:
             assignment = convert.assignment_from_pb(item)
-            leftover = candidates[assignment.work_id]
-            running = _Running(assignment, adopt=leftover)
+            found = candidates.get(assignment.work_id)
+            if found is None:  # not one it asked for: leave it to its lease
+                self.log.error("reclaim_unasked", work_id=assignment.work_id)
+                continue
+            running = _Running(assignment, adopt=found)
             self._running[assignment.work_id] = running
             running.task = asyncio.create_task(self._serve(stub, running))
-            kept.add(leftover.name)
+            kept.add(found.name)
             self.log.info("work_adopted", work_id=assignment.work_id,
                           rollout_id=assignment.rollout_id, attempt=assignment.attempt,
-                          machine=leftover.name)  # fmt: skip
+                          machine=found.name)  # fmt: skip
         for work_id in reply.released_work_ids:
             gone = candidates.get(work_id)
             self.log.info("work_released", work_id=work_id, machine=gone.name if gone else "")
