@@ -71,6 +71,7 @@ async def _feed_then_wait(proc: asyncio.subprocess.Process, data: bytes | None) 
 
 
 MAX_FILE_BYTES = 64 * 1024 * 1024
+DNS_EVENTS = "dns-events.jsonl"
 
 
 class NamespaceMachine:
@@ -91,7 +92,7 @@ class NamespaceMachine:
         self.dns = dns
         self.gateway: tuple[str, int] | None = None
         """The inference gateway as this machine reaches it (rollouts that use it only)."""
-        self._dns_events: list[EgressEvent] = []
+        self._dns_read = 0  # how far DNS_EVENTS was reported
         self._name = spec.name
         self._deleted = False
         self._running: set[asyncio.subprocess.Process] = set()
@@ -256,13 +257,27 @@ class NamespaceMachine:
         return await asyncio.to_thread(self.cgroup.cpu_seconds)
 
     def record(self, event: EgressEvent) -> None:
-        self._dns_events.append(event)
+        """A refusal of the DNS forwarder: kept in the machine's directory, so that one made
+        before an agent crash is still reported by the agent that adopts the machine."""
+        with open(self.root / DNS_EVENTS, "a") as f:
+            f.write(event.model_dump_json() + "\n")
 
     async def egress_events(self) -> list[EgressEvent]:
-        events, self._dns_events = self._dns_events, []
+        events = await asyncio.to_thread(self._recorded)
         if self.net is not None and not self._deleted:
             events += await self.net.refused()
         return sorted(events, key=lambda e: e.at)
+
+    def _recorded(self) -> list[EgressEvent]:
+        """DNS refusals recorded since the last call."""
+        try:
+            with open(self.root / DNS_EVENTS) as f:
+                f.seek(self._dns_read)
+                lines = f.readlines()
+                self._dns_read = f.tell()
+        except FileNotFoundError:
+            return []
+        return [EgressEvent.model_validate_json(line) for line in lines if line.endswith("\n")]
 
     async def delete(self) -> None:
         if self._deleted:
@@ -283,6 +298,14 @@ class NamespaceMachine:
 
 SOCKET_LINKS = Path("/run/fleet-zygotes")
 """Short links to warm parents' control directories (a Unix socket path has 108 bytes)."""
+
+
+def _netns_alive(entry: Path) -> bool:
+    try:
+        netns = json.loads((entry / "net.json").read_text())["netns"]
+    except (OSError, ValueError, KeyError):
+        return False
+    return Path(f"/run/netns/{netns}").exists()
 
 
 def _drop_dangling_links() -> None:
@@ -377,9 +400,10 @@ class NamespaceRuntime:
         """Machines a previous run of this host left behind (after kill -9).
 
         Their layers, cgroups and network namespaces survive the agent; their processes do
-        not (every sandbox dies with it). A plain rollout machine can be adopted: its files are
-        all there is to it. One with a network cannot (its DNS forwarder ran inside the agent
-        that died), nor can a warm parent (its fork server is gone).
+        not (every sandbox dies with it). A rollout machine can be adopted: its files are all
+        there is to it, and a network it had is found again (namespace, link and firewall as
+        they were; the DNS forwarder, which ran inside the agent, is started anew). A warm
+        parent cannot (its fork server is gone), nor a machine whose namespace is gone.
         """
         found: list[Leftover] = []
         mine = self.machines_dir / host_id
@@ -393,8 +417,8 @@ class NamespaceRuntime:
                 labels, why = {}, "it has no labels (its creation was interrupted)"
             elif "parent" in labels:
                 why = "a warm parent's fork server does not survive its agent"
-            elif (entry / "net.json").exists():
-                why = "its DNS forwarder ran inside the agent that died"
+            elif (entry / "net.json").exists() and not _netns_alive(entry):
+                why = "its network namespace is gone"
             elif "work" not in labels or "fence" not in labels:
                 why = "it is labelled with no lease"
             found.append(Leftover(name=entry.name, labels=labels, adoptable=not why, why_not=why))
@@ -418,8 +442,42 @@ class NamespaceRuntime:
             raise
         if not (root / "seccomp.bpf").exists():
             (root / "seccomp.bpf").write_bytes(self._seccomp)
+        machine = NamespaceMachine(spec, root, cgroup)
+        if (root / "net.json").exists():
+            try:
+                await self._reattach_network(machine)
+            except BaseException:
+                if machine.net is None:  # what delete() cannot know of
+                    netns = json.loads((root / "net.json").read_text())["netns"]
+                    await destroy_netns(netns)
+                    await asyncio.to_thread(release_leases, self.machines_dir, netns)
+                await machine.delete()  # not adoptable after all: not kept either
+                raise
         log.info("machine_adopted", machine=spec.name, runtime="namespace", **spec.labels)
-        return NamespaceMachine(spec, root, cgroup)
+        return machine
+
+    async def _reattach_network(self, machine: NamespaceMachine) -> None:
+        """The namespace, link and firewall outlived the agent; its DNS forwarder did not."""
+        spec = machine.spec
+        netns = json.loads((machine.root / "net.json").read_text())["netns"]
+        rules = EgressRules.of(
+            effective_egress(spec.smolfile, "namespace"),
+            await asyncio.to_thread(host_addresses, self.net.uplink_netns),
+        )
+        net = await asyncio.to_thread(
+            MachineNet.attach, self.net, self.machines_dir, spec.name, netns, rules
+        )
+        machine.net = net
+        gateway = spec.gateway
+        if gateway is not None and gateway[0] == "host":
+            gateway = (net.link_addresses()[0], gateway[1])
+        machine.gateway = gateway
+        dns = DnsForwarder(
+            spec.name, rules, netns, self.net.uplink_path, self.net.dns_upstream, net.admit,
+            machine.record,
+        )  # fmt: skip
+        machine.dns = dns
+        await dns.start()
 
     async def reap(self, host_id: str, keep: Collection[str] = ()) -> int:
         """Removes machines a previous run of this host left behind, but those in `keep`."""

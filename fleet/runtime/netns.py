@@ -19,6 +19,7 @@ are recorded by the firewall itself (dynamic sets) and read back as egress event
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import ipaddress
 import json
@@ -35,7 +36,7 @@ from typing import TypeVar
 import structlog
 
 from fleet.core.egress import EgressEvent, EgressRules
-from fleet.core.errors import Unavailable
+from fleet.core.errors import NotFound, Unavailable
 from fleet.core.policy import EgressMode
 
 log = structlog.get_logger(__name__)
@@ -248,6 +249,23 @@ class MachineNet:
             os.close(fd)
             return index
         raise PoolExhausted(f"no free link address in {pool}: {slots} machines have egress")
+
+    @classmethod
+    def attach(
+        cls, config: NetConfig, state_dir: Path, machine: str, netns: str, rules: EgressRules
+    ) -> MachineNet:
+        """The network an earlier agent made for this machine, as it left it (after a crash):
+        its namespace, link and firewall are still there; only the link's lease is looked up."""
+        if not Path(f"/run/netns/{netns}").exists():
+            raise NotFound(f"machine {machine}: its network namespace {netns} is gone")
+        net = cls(config, state_dir, machine, netns)
+        net.rules = rules
+        for lease in sorted((state_dir / "net-leases").glob("*")):
+            with contextlib.suppress(OSError, ValueError):
+                if lease.read_text() == netns:
+                    net.index = int(lease.name)
+                    return net
+        raise NotFound(f"machine {machine}: no link address is leased to {netns}")
 
     def reserve_link_host(self) -> str:
         """Claims the link's addresses now; returns the host's end (what the machine sees)."""

@@ -31,21 +31,24 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
     p.stop_all()
 
 
+@pytest.mark.parametrize("rescue", ["another host", "the same host restarted"])
 def test_a_killed_worker_resumes_from_its_last_checkpoint(
-    tmp_path: Path, images: ImageStore, procs: Procs
+    tmp_path: Path, images: ImageStore, procs: Procs, rescue: str
 ) -> None:
-    """The second attempt replays the stored steps and asks for the rest: same trajectory."""
+    """The episode goes on from its last checkpoint: the same trajectory, no step duplicated
+    or missing. On another host that is a second attempt in a new machine; an agent restarted
+    under the same host id adopts the machine and its lease, and the attempt goes on."""
 
     async def body() -> tuple[types_pb2.Rollout, list[tuple[int, int, bytes]], int]:
         with networld() as world:
             async with gateway_on_uplink(world) as port:
                 net = NetConfig(uplink_netns=world.uplink, dns_upstream=world.dns)
                 async with harness(tmp_path, images) as h:
+                    flags = ("--egress-uplink", world.uplink, "--egress-dns", "203.0.113.53",
+                             "--gateway", f"{GATEWAY[0]}:{port}")  # fmt: skip
                     doomed = procs.agent(
-                        "doomed", h.server.address, tmp_path / "machines", 1, "cpu",
-                        "--egress-uplink", world.uplink, "--egress-dns", "203.0.113.53",
-                        "--gateway", f"{GATEWAY[0]}:{port}",
-                    )  # fmt: skip
+                        "doomed", h.server.address, tmp_path / "machines", 1, "cpu", *flags
+                    )
                     ledger = h.server.core.ledger
                     for _ in range(600):
                         if any(host.host_id == "doomed" for host in ledger.hosts()):
@@ -71,8 +74,13 @@ def test_a_killed_worker_resumes_from_its_last_checkpoint(
                         await asyncio.sleep(0.05)
                     doomed.kill9()
                     saved_at_kill = len(ledger.checkpoints(rid))
-                    await h.start_agent("rescuer", HostClass.CPU, net=net,
-                                        gateway=(GATEWAY[0], port))  # fmt: skip
+                    if rescue == "another host":
+                        await h.start_agent("rescuer", HostClass.CPU, net=net,
+                                            gateway=(GATEWAY[0], port))  # fmt: skip
+                    else:
+                        procs.agent(
+                            "doomed", h.server.address, tmp_path / "machines", 1, "cpu", *flags
+                        )
                     final = await h.wait_final(rid, timeout_s=120)
                     # The killed agent's machine: its reaper (same host id) removes it.
                     await NamespaceRuntime(tmp_path / "machines", net).reap("doomed")
@@ -84,7 +92,11 @@ def test_a_killed_worker_resumes_from_its_last_checkpoint(
     assert episode["actions"] == local_episode(SEED)  # no step duplicated or missing
     assert episode["resumed_at"] >= saved_at_kill >= 4
     assert [a.outcome for a in final.attempt_history][-1] == "SUCCEEDED"
-    assert len(final.attempt_history) == 2
-    # One checkpoint per step, numbered without gaps, across both attempts.
+    # One checkpoint per step, numbered without gaps.
     assert [seq for seq, _, _ in checkpoints] == list(range(1, len(episode["actions"]) + 1))
-    assert {attempt for _, attempt, _ in checkpoints} == {1, 2}
+    if rescue == "another host":
+        assert len(final.attempt_history) == 2
+        assert {attempt for _, attempt, _ in checkpoints} == {1, 2}
+    else:  # adopted: the same attempt went on, in the same machine, on the same host
+        assert len(final.attempt_history) == 1 and final.host_id == "doomed"
+        assert {attempt for _, attempt, _ in checkpoints} == {1}

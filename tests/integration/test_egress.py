@@ -201,3 +201,51 @@ def test_machine_without_egress_gets_no_namespace_and_deletion_removes_it(
         await left.dns.stop()  # the killed agent's socket, closed here as its exit would
 
     asyncio.run(go())
+
+
+def test_a_restarted_agent_adopts_a_machine_with_its_network(
+    world: NetWorld, rootfs: Path, tmp_path: Path
+) -> None:
+    """After an agent crash the machine's namespace, link and firewall are still there; the
+    agent that adopts it starts a new DNS forwarder, and what was refused before the crash is
+    still reported, once."""
+    before = _netns()
+    net = NetConfig(uplink_netns=world.uplink, dns_upstream=world.dns)
+    spec = MachineSpec(
+        name=f"eg-{uuid.uuid4().hex[:8]}", smolfile=parse_smolfile(ALLOWLIST).spec,
+        image_digest="sha256:x", rootfs=rootfs,
+        labels={"host": "egress-adopt", "work": "w-1", "fence": "1"},
+    )  # fmt: skip
+    targets = ["other.test:8080", "198.51.100.99:8080", "svc.fleet.test:8080"]
+
+    async def go() -> tuple[dict[str, Any], dict[str, Any], list[Any], list[Any]]:
+        first = await NamespaceRuntime(tmp_path / "machines", net).create(spec)
+        result = await first.exec(["python3", "-c", PROBE, *targets], timeout_s=60)
+        found_before = json.loads(result.stdout)
+        assert first.dns is not None and first.net is not None
+        await first.dns.stop()  # the agent dies: its forwarder with it, the machine stays
+        netns = first.net.netns
+
+        again = NamespaceRuntime(tmp_path / "machines", net)
+        [leftover] = await again.leftovers("egress-adopt")
+        assert leftover.adoptable, leftover.why_not
+        adopted = await again.adopt(leftover, spec)
+        assert adopted.net is not None and adopted.net.netns == netns
+        result = await adopted.exec(["python3", "-c", PROBE, *targets], timeout_s=60)
+        found_after = json.loads(result.stdout)
+        events = await adopted.egress_events()
+        later = await adopted.egress_events()
+        await adopted.delete()
+        return found_before, found_after, events, later
+
+    found_before, found_after, events, later = asyncio.run(go())
+    for found in (found_before, found_after):
+        assert found["svc.fleet.test:8080"]["reply"] == "hello from 203.0.113.10"
+        assert "not known" in found["other.test:8080"]["dns_error"]
+        assert "refused" in found["198.51.100.99:8080"]["connect_error"]
+    seen = [(e.kind, e.destination) for e in events]
+    assert seen.count(("dns", "other.test")) == 2  # once before the crash, once after
+    assert seen.count(("connect", "tcp://198.51.100.99:8080")) == 1  # one firewall entry
+    assert later == []
+    assert _netns() == before
+    assert not list((tmp_path / "machines" / "net-leases").iterdir())
