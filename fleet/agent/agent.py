@@ -8,8 +8,10 @@ import hashlib
 import socket
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 import structlog
@@ -45,6 +47,7 @@ log = structlog.get_logger(__name__)
 
 INIT_TIMEOUT_S = 300.0
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+R = TypeVar("R")
 
 
 @dataclass
@@ -129,17 +132,7 @@ class Agent:
             host_class=convert.HOST_CLASS_TO_PB[self.caps.host_class],
             capabilities=convert.capabilities_to_pb(self.caps),
         )
-        delay = 0.1
-        while True:
-            try:
-                reply = await stub.RegisterHost(request, timeout=10)
-                break
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() not in RETRYABLE or stop.is_set():
-                    raise
-                self.log.info("server_unreachable", retry_in_s=delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+        reply = await self._until_reachable(stub.RegisterHost, request, stop, 10)
         self._heartbeat_s = reply.heartbeat_interval_s or 3.0
         self.log.info(
             "agent_registered",
@@ -149,6 +142,22 @@ class Agent:
             device=self.caps.device,
             slots=self.caps.slots,
         )
+
+    async def _until_reachable(
+        self, call: Callable[..., Awaitable[R]], request: object, stop: asyncio.Event,
+        timeout_s: float,
+    ) -> R:  # fmt: skip
+        """`call(request)`, again with backoff while the server is unreachable."""
+        delay = 0.1
+        while True:
+            try:
+                return await call(request, timeout=timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in RETRYABLE or stop.is_set():
+                    raise
+                self.log.info("server_unreachable", retry_in_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
 
     async def _reconcile(
         self, stub: host_pb2_grpc.HostServiceStub, stop: asyncio.Event
@@ -173,22 +182,15 @@ class Agent:
             host_id=self.caps.host_id,
             leases=leases,
         )
-        delay = 0.2
-        while True:
-            try:
-                reply = await stub.ReclaimWork(request, timeout=30)
-                break
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # a server older than this agent
-                    self.log.warning("reclaim_unsupported", machines=len(leftovers),
-                                     note="every leftover machine is deleted; its work is "
-                                     "retried when its lease runs out")  # fmt: skip
-                    reply = host_pb2.ReclaimWorkResponse()
-                    break
-                if exc.code() not in RETRYABLE or stop.is_set():
-                    raise
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+        try:
+            reply = await self._until_reachable(stub.ReclaimWork, request, stop, 30)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            self.log.warning("reclaim_unsupported", machines=len(leftovers),
+                             note="the server predates ReclaimWork: every leftover machine is "
+                             "deleted, its work retried when its lease runs out")  # fmt: skip
+            reply = host_pb2.ReclaimWorkResponse()
         for item in reply.items:
             assignment = convert.assignment_from_pb(item)
             found = candidates.get(assignment.work_id)

@@ -370,24 +370,33 @@ class NamespaceRuntime:
         )  # fmt: skip
         return machine
 
-    async def _network(self, machine: NamespaceMachine) -> None:
-        """The machine's namespace, link, firewall and resolver (its Smolfile asked for egress)."""
+    async def _network(self, machine: NamespaceMachine, existing: str | None = None) -> None:
+        """The machine's namespace, link, firewall and resolver (its Smolfile asked for egress):
+        made anew, or, for a machine adopted after an agent crash, the `existing` namespace with
+        its link and firewall as the dead agent left them, and a new resolver."""
         spec = machine.spec
         rules = EgressRules.of(
             effective_egress(spec.smolfile, "namespace"),
             await asyncio.to_thread(host_addresses, self.net.uplink_netns),
         )
-        name = f"fleet-{uuid.uuid4().hex[:12]}"
-        # Written before the namespace exists, so a reaper after kill -9 knows what to remove.
-        (machine.root / "net.json").write_text(json.dumps({"netns": name}))
-        (machine.root / "resolv.conf").write_text(f"nameserver {DNS_ADDRESS}\n")
-        net = MachineNet(self.net, self.machines_dir, spec.name, name)
+        if existing is None:
+            name = f"fleet-{uuid.uuid4().hex[:12]}"
+            # Written before the namespace exists, so a reaper after kill -9 knows what to remove.
+            (machine.root / "net.json").write_text(json.dumps({"netns": name}))
+            (machine.root / "resolv.conf").write_text(f"nameserver {DNS_ADDRESS}\n")
+            net = MachineNet(self.net, self.machines_dir, spec.name, name)
+        else:
+            name = existing
+            net = await asyncio.to_thread(
+                MachineNet.attach, self.net, self.machines_dir, spec.name, name, rules
+            )
         machine.net = net
         gateway = spec.gateway
         if gateway is not None and gateway[0] == "host":
             # This host as the machine sees it: its end of the machine's link.
             gateway = (net.reserve_link_host(), gateway[1])
-        await net.create(rules, gateway)
+        if existing is None:
+            await net.create(rules, gateway)
         machine.gateway = gateway
         dns = DnsForwarder(
             spec.name, rules, name, self.net.uplink_path, self.net.dns_upstream, net.admit,
@@ -444,40 +453,17 @@ class NamespaceRuntime:
             (root / "seccomp.bpf").write_bytes(self._seccomp)
         machine = NamespaceMachine(spec, root, cgroup)
         if (root / "net.json").exists():
+            netns = json.loads((root / "net.json").read_text())["netns"]
             try:
-                await self._reattach_network(machine)
+                await self._network(machine, existing=netns)
             except BaseException:
                 if machine.net is None:  # what delete() cannot know of
-                    netns = json.loads((root / "net.json").read_text())["netns"]
                     await destroy_netns(netns)
                     await asyncio.to_thread(release_leases, self.machines_dir, netns)
                 await machine.delete()  # not adoptable after all: not kept either
                 raise
         log.info("machine_adopted", machine=spec.name, runtime="namespace", **spec.labels)
         return machine
-
-    async def _reattach_network(self, machine: NamespaceMachine) -> None:
-        """The namespace, link and firewall outlived the agent; its DNS forwarder did not."""
-        spec = machine.spec
-        netns = json.loads((machine.root / "net.json").read_text())["netns"]
-        rules = EgressRules.of(
-            effective_egress(spec.smolfile, "namespace"),
-            await asyncio.to_thread(host_addresses, self.net.uplink_netns),
-        )
-        net = await asyncio.to_thread(
-            MachineNet.attach, self.net, self.machines_dir, spec.name, netns, rules
-        )
-        machine.net = net
-        gateway = spec.gateway
-        if gateway is not None and gateway[0] == "host":
-            gateway = (net.link_addresses()[0], gateway[1])
-        machine.gateway = gateway
-        dns = DnsForwarder(
-            spec.name, rules, netns, self.net.uplink_path, self.net.dns_upstream, net.admit,
-            machine.record,
-        )  # fmt: skip
-        machine.dns = dns
-        await dns.start()
 
     async def reap(self, host_id: str, keep: Collection[str] = ()) -> int:
         """Removes machines a previous run of this host left behind, but those in `keep`."""
