@@ -499,9 +499,7 @@ class Agent:
                         update={"enforced_by": f"{egress.enforced_by}; ran as its own machine, "
                                 f"not a warm parent's child ({why})"}
                     )  # fmt: skip
-            if running.adopt is not None:
-                warm = None  # a warm parent's children are never adopted
-            if running.adopt is not None:
+            if running.adopt is not None:  # (a warm parent's children are never adopted)
                 record = await asyncio.to_thread(
                     AttemptJournal.resume, self.journal_dir, a.work_id, a.fencing_token
                 )

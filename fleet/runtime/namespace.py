@@ -440,28 +440,26 @@ class NamespaceRuntime:
         if not (root / "upper").is_dir():
             raise NotFound(f"machine {leftover.name} has no layer at {root}")
         cgroup = cgroups.MachineCgroup(root.name, self.cgroup_version)
-        await asyncio.to_thread(cgroup.kill_all)  # nothing of the old agent's commands runs on
+        machine = NamespaceMachine(spec, root, cgroup)
+        netns = None
+        if (root / "net.json").exists():
+            netns = json.loads((root / "net.json").read_text())["netns"]
         limits = cgroups.Limits(
             memory_mib=spec.smolfile.memory_mib_effective, cpus=spec.smolfile.cpus_effective
         )
         try:
+            await asyncio.to_thread(cgroup.kill_all)  # nothing of the old agent's commands runs on
             await asyncio.to_thread(cgroup.create, limits)
-        except BaseException:
-            await asyncio.to_thread(shutil.rmtree, root, True)  # not adoptable: not kept either
-            raise
-        if not (root / "seccomp.bpf").exists():
-            (root / "seccomp.bpf").write_bytes(self._seccomp)
-        machine = NamespaceMachine(spec, root, cgroup)
-        if (root / "net.json").exists():
-            netns = json.loads((root / "net.json").read_text())["netns"]
-            try:
+            if not (root / "seccomp.bpf").exists():
+                (root / "seccomp.bpf").write_bytes(self._seccomp)
+            if netns is not None:
                 await self._network(machine, existing=netns)
-            except BaseException:
-                if machine.net is None:  # what delete() cannot know of
-                    await destroy_netns(netns)
-                    await asyncio.to_thread(release_leases, self.machines_dir, netns)
-                await machine.delete()  # not adoptable after all: not kept either
-                raise
+        except BaseException:  # not adoptable after all: not kept either
+            if netns is not None and machine.net is None:  # what delete() cannot know of
+                await destroy_netns(netns)
+                await asyncio.to_thread(release_leases, self.machines_dir, netns)
+            await machine.delete()
+            raise
         log.info("machine_adopted", machine=spec.name, runtime="namespace", **spec.labels)
         return machine
 

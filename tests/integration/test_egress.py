@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from fleet.core.errors import NotFound
 from fleet.core.smolfile import parse_smolfile
 from fleet.runtime.base import MachineSpec
 from fleet.runtime.namespace import NamespaceMachine, NamespaceRuntime
@@ -249,3 +250,33 @@ def test_a_restarted_agent_adopts_a_machine_with_its_network(
     assert later == []
     assert _netns() == before
     assert not list((tmp_path / "machines" / "net-leases").iterdir())
+
+
+def test_a_machine_that_cannot_be_adopted_after_all_is_removed_whole(
+    world: NetWorld, rootfs: Path, tmp_path: Path
+) -> None:
+    """Its link's lease is lost: adopting it fails with the reason, and its namespace, cgroup
+    and directory are gone, not left for nobody."""
+    before = _netns()
+    net = NetConfig(uplink_netns=world.uplink, dns_upstream=world.dns)
+    spec = MachineSpec(
+        name=f"eg-{uuid.uuid4().hex[:8]}", smolfile=parse_smolfile(ALLOWLIST).spec,
+        image_digest="sha256:x", rootfs=rootfs,
+        labels={"host": "egress-lost", "work": "w-1", "fence": "1"},
+    )  # fmt: skip
+
+    async def go() -> None:
+        first = await NamespaceRuntime(tmp_path / "machines", net).create(spec)
+        assert first.dns is not None
+        await first.dns.stop()
+        for lease in (tmp_path / "machines" / "net-leases").iterdir():
+            lease.unlink()
+        again = NamespaceRuntime(tmp_path / "machines", net)
+        [leftover] = await again.leftovers("egress-lost")
+        with pytest.raises(NotFound, match="no link address is leased"):
+            await again.adopt(leftover, spec)
+        assert await again.leftovers("egress-lost") == []
+        assert not first.cgroup.exists()
+
+    asyncio.run(go())
+    assert _netns() == before
