@@ -353,6 +353,30 @@ def test_bad_host_registration_is_refused(tmp_path: Path, images: ImageStore) ->
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "host_class" in (err.details() or "")
 
 
+def test_bad_reclaim_requests_are_refused(tmp_path: Path, images: ImageStore) -> None:
+    """ReclaimWork from an unregistered host, or naming a lease without a work id."""
+
+    async def body() -> list[grpc.aio.AioRpcError]:
+        errors = []
+        async with harness(tmp_path, images) as h:
+            for request in (
+                host_pb2.ReclaimWorkRequest(request_id="r1", host_id="nobody"),
+                host_pb2.ReclaimWorkRequest(
+                    request_id="r2", host_id="nobody", leases=[host_pb2.LeaseRef(fencing_token=3)]
+                ),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await h.hosts.ReclaimWork(request)
+                errors.append(info.value)
+        return errors
+
+    unregistered, empty = go(body())
+    assert unregistered.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "not registered" in (unregistered.details() or "")
+    assert empty.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "work_id" in (empty.details() or "")
+
+
 def test_health_and_reflection(tmp_path: Path, images: ImageStore) -> None:
     """Standard health checking answers SERVING; reflection lists fleet's services."""
 
