@@ -486,13 +486,13 @@ class Agent:
             steps = list(enumerate(a.manifest.steps))
             warm = self._branching(parsed.spec, steps)
             if warm is not None and (parsed.spec.egress_requested or spec.gateway is not None):
-                # Children of one warm parent share its network namespace: one firewall, one
-                # resolver, refusals that cannot be told apart. A machine that reaches out gets
-                # its own instead, and each later step starts from the warm-up's state by
+                # A warm parent's child has a network of its own with nothing beyond its
+                # loopback. A machine that reaches out gets its own namespace, firewall and
+                # resolver instead, and each later step starts from the warm-up's state by
                 # running the warm-up first (what a fork of the parent would have had).
                 steps = [(i, with_warm_up(step, warm)) for i, step in steps[1:]]
                 warm = None
-                why = "children of a warm parent would share its network namespace"
+                why = "a warm parent's children have no network beyond their loopback"
                 log_.info("warm_parent_not_used", reason=why)
                 if egress is not None:
                     egress = egress.model_copy(

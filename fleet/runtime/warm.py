@@ -159,7 +159,7 @@ class WarmChild:
         return await asyncio.to_thread(self.cgroup.cpu_seconds)
 
     async def egress_events(self) -> list[EgressEvent]:
-        """Children share their parent's network namespace; its refusals are the parent's."""
+        """A child's network is its loopback alone: nothing to refuse, nothing to report."""
         return []
 
     def _outputs(self) -> tuple[bytes, bytes]:

@@ -11,9 +11,11 @@ whatever the children should find already in memory. Then it serves JSON lines o
     {"op": "wait", "id": ID}        -> {"id": ID, "status": waitpid status}
 
 A child is a copy-on-write fork() of this process. Before its step runs it enters new user,
-mount, UTS and IPC namespaces, mounts its own overlay (its writable layer over the parent's
-layer and the image), chroots into it, and installs the full system-call filter (this process
-runs under a looser one that still allows the namespace and mount calls it needs). Then
+mount, UTS, IPC and network namespaces (its network: a loopback of its own, so children of one
+parent cannot reach each other's sockets), mounts its own overlay (its writable layer over the
+parent's layer and the image), chroots into it, and installs the full system-call filter
+(this process runs under a looser one that still allows the namespace and mount calls it
+needs). Then
 `["python3", "-c", CODE]` runs CODE in the child's copy of the warm interpreter, so everything
 the warm-up loaded is there; any other argv is exec'd.
 """
@@ -21,16 +23,19 @@ the warm-up loaded is there; any other argv is exec'd.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import json
 import os
 import socket
+import struct
 import sys
 import threading
 import traceback
 from typing import Any
 
 CTL = "/run/fleet"
-NEWNS, NEWUTS, NEWIPC, NEWUSER = 0x20000, 0x04000000, 0x08000000, 0x10000000
+NEWNS, NEWUTS, NEWIPC, NEWUSER, NEWNET = 0x20000, 0x04000000, 0x08000000, 0x10000000, 0x40000000
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 MS_BIND, MS_REC = 4096, 16384
 PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
 
@@ -59,7 +64,7 @@ def install_filter(program: bytes) -> None:
 
 def become_machine(cid: str) -> None:
     uid, gid = os.getuid(), os.getgid()
-    check(libc.unshare(NEWUSER | NEWNS | NEWUTS | NEWIPC), "unshare")
+    check(libc.unshare(NEWUSER | NEWNS | NEWUTS | NEWIPC | NEWNET), "unshare")
     with open("/proc/self/setgroups", "w") as f:
         f.write("deny")
     with open("/proc/self/uid_map", "w") as f:
@@ -75,7 +80,17 @@ def become_machine(cid: str) -> None:
         target = (f"{merged}/{fs}").encode()
         check(libc.mount(("/" + fs).encode(), target, None, MS_BIND | MS_REC, None), fs)
     check(libc.mount(b"tmpfs", (merged + "/tmp").encode(), b"tmpfs", 0, None), "tmp")
+    loopback_up()
     os.chroot(merged)
+
+
+def loopback_up() -> None:
+    """The child's own network namespace starts with its loopback down."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        name, flags = struct.unpack(
+            "16sH", fcntl.ioctl(s, SIOCGIFFLAGS, struct.pack("16sH", b"lo", 0))[:18]
+        )
+        fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH", name, flags | IFF_UP))
 
 
 def run_child(cid: str, request: dict[str, Any], go_read: int, program: bytes) -> int:

@@ -563,8 +563,8 @@ def test_refused_egress_reaches_the_ledger_api_and_cli(tmp_path: Path, images: I
 def test_a_warm_rollout_that_reaches_out_gets_its_own_machine_and_namespace(
     tmp_path: Path, images: ImageStore
 ) -> None:
-    """Children of a warm parent would share its network namespace: a `[branch]` rollout with
-    an allowlist runs in its own machine instead, each step starting from the warm-up's state,
+    """A warm parent's children have no network beyond their loopback: a `[branch]` rollout
+    with an allowlist runs in its own machine instead, each step starting from the warm-up's state,
     and its refusals are its own."""
     smolfile = (
         'image = "minimal"\n[branch]\nenabled = true\n[network]\nallow_cidrs = ["10.9.9.0/24"]\n'

@@ -92,6 +92,43 @@ def test_each_child_has_its_own_namespaces_disk_and_cgroup(rootfs: Path, tmp_pat
     assert sibling == b"False\n" and isolated and hostname == "alpha"
 
 
+LISTEN = """
+import socket, time
+s = socket.socket(); s.bind(("127.0.0.1", 47011)); s.listen()
+c = socket.create_connection(("127.0.0.1", 47011), timeout=2)  # its own loopback works
+print("listening", flush=True)
+time.sleep(3)
+"""
+PROBE = """
+import socket
+try:
+    socket.create_connection(("127.0.0.1", 47011), timeout=2)
+    print("reached the sibling")
+except OSError as exc:
+    print("refused:", exc.errno)
+"""
+
+
+def test_children_cannot_reach_each_other_over_loopback(rootfs: Path, tmp_path: Path) -> None:
+    """Each child has a network namespace of its own: a sibling's listening socket on
+    127.0.0.1 is not there for it, while its own loopback works."""
+
+    async def body(parent: NamespaceParent) -> tuple[bytes, bytes]:
+        a = await parent.branch("listener")
+        b = await parent.branch("prober")
+        listening = asyncio.create_task(a.exec(["python3", "-c", LISTEN], timeout_s=30))
+        for _ in range(100):  # until the listener is up
+            if (a.layer / "stdout").exists() and (a.layer / "stdout").read_bytes():
+                break
+            await asyncio.sleep(0.05)
+        probe = await b.exec(["python3", "-c", PROBE], timeout_s=30)
+        return (await listening).stdout, probe.stdout
+
+    listened, probed = with_parent(rootfs, tmp_path, body)
+    assert listened == b"listening\n"
+    assert probed.startswith(b"refused: ")
+
+
 def test_children_run_under_the_full_system_call_filter(rootfs: Path, tmp_path: Path) -> None:
     """The fork server may mount (to set children up); a child's step may not."""
     code = (
