@@ -1,7 +1,8 @@
 """A small PNG line chart, written with the standard library only (zlib + struct).
 
-Panels stacked top to bottom, each with its own y scale, a shared x axis, light gridlines at
-quarters and one polyline per panel. Labels are left to the text that accompanies the chart.
+Panels stacked top to bottom, each with its own title and y scale (labelled at 0, half and the
+maximum), a shared x axis labelled at quarters, light gridlines and one polyline per panel.
+Text is drawn with a built-in 5x7 pixel font (upper case, digits and a little punctuation).
 """
 
 from __future__ import annotations
@@ -16,6 +17,55 @@ WHITE: Color = (255, 255, 255)
 GRID: Color = (225, 225, 225)
 AXIS: Color = (90, 90, 90)
 COLORS: tuple[Color, ...] = ((31, 119, 180), (214, 39, 40), (44, 160, 44))
+TEXT: Color = (40, 40, 40)
+
+# 5x7 glyphs, one string of 7 rows of 5 pixels each ('#' on, '.' off).
+_GLYPHS = {
+    "A": ".###.#...##...#######...##...##...#",
+    "B": "####.#...##...#####.#...##...#####.",
+    "C": ".###.#...##....#....#....#...#.###.",
+    "D": "####.#...##...##...##...##...#####.",
+    "E": "######....#....####.#....#....#####",
+    "F": "######....#....####.#....#....#....",
+    "G": ".###.#...##....#.####...##...#.####",
+    "H": "#...##...##...#######...##...##...#",
+    "I": ".###...#....#....#....#....#...###.",
+    "J": "..###...#....#....#....#.#..#..##..",
+    "K": "#...##..#.#.#..##...#.#..#..#.#...#",
+    "L": "#....#....#....#....#....#....#####",
+    "M": "#...###.###.#.##.#.##...##...##...#",
+    "N": "#...##...###..##.#.##..###...##...#",
+    "O": ".###.#...##...##...##...##...#.###.",
+    "P": "####.#...##...#####.#....#....#....",
+    "Q": ".###.#...##...##...##.#.##..#..##.#",
+    "R": "####.#...##...#####.#.#..#..#.#...#",
+    "S": ".#####....#.....###.....#....#####.",
+    "T": "#####..#....#....#....#....#....#..",
+    "U": "#...##...##...##...##...##...#.###.",
+    "V": "#...##...##...##...##...#.#.#...#..",
+    "W": "#...##...##...##.#.##.#.##.#.#.#.#.",
+    "X": "#...##...#.#.#...#...#.#.#...##...#",
+    "Y": "#...##...#.#.#...#....#....#....#..",
+    "Z": "#####....#...#...#...#...#....#####",
+    "0": ".###.#...##..###.#.###..##...#.###.",
+    "1": "..#...##....#....#....#....#...###.",
+    "2": ".###.#...#....#...#...#...#...#####",
+    "3": "#####...#...#.....#.....##...#.###.",
+    "4": "...#...##..#.#.#..#.#####...#....#.",
+    "5": "######....####.....#....##...#.###.",
+    "6": "..##..#...#....####.#...##...#.###.",
+    "7": "#####....#...#...#...#....#....#...",
+    "8": ".###.#...##...#.###.#...##...#.###.",
+    "9": ".###.#...##...#.####....#...#..##..",
+    " ": "." * 35,
+    ".": "." * 25 + ".##...##..",
+    "-": "." * 15 + "#####" + "." * 15,
+    "/": ".........#...#...#...#...#.........",
+    ",": "." * 20 + ".##....#...#...",
+    ":": "......##...##........##...##.......",
+    "(": "...#...#...#....#....#.....#.....#.",
+    ")": ".#.....#.....#....#....#...#...#...",
+}
 
 
 class Canvas:
@@ -46,6 +96,22 @@ class Canvas:
                 err += dx
                 y0 += sy
 
+    def text(self, x: int, y: int, words: str, color: Color = TEXT, scale: int = 2) -> int:
+        """Draws `words` with its top left corner at (x, y); returns the width it took."""
+        left = x
+        for char in words.upper():
+            glyph = _GLYPHS.get(char)
+            if glyph is None:
+                raise ValueError(f"chart text {words!r}: no glyph for {char!r}")
+            for row in range(7):
+                for col in range(5):
+                    if glyph[row * 5 + col] == "#":
+                        for oy in range(scale):
+                            for ox in range(scale):
+                                self.dot(x + col * scale + ox, y + row * scale + oy, color)
+            x += 6 * scale
+        return x - left
+
     def png(self) -> bytes:
         raw = b"".join(
             b"\x00" + bytes(self.pixels[3 * y * self.width : 3 * (y + 1) * self.width])
@@ -63,22 +129,33 @@ class Canvas:
         )  # fmt: skip
 
 
+def _tick(value: float) -> str:
+    return f"{value:.3g}"
+
+
 def line_chart(
     path: Path,
     panels: list[list[tuple[float, float]]],
     width: int = 900,
     panel_height: int = 220,
+    titles: list[str] | None = None,
+    x_label: str = "",
 ) -> None:
     """One panel per series of (x, y) points; x shared, y from 0 to each series' maximum."""
-    margin = 30
-    canvas = Canvas(width, margin + len(panels) * (panel_height + margin))
+    gap, title_h, left = 14, 22, 76
+    right = width - 24
+    height = gap + len(panels) * (title_h + panel_height + gap) + 40
+    canvas = Canvas(width, height)
     xs = [x for series in panels for x, _ in series] or [0.0, 1.0]
     x_lo, x_hi = min(xs), max(xs)
     span = (x_hi - x_lo) or 1.0
+    bottom = 0
     for index, series in enumerate(panels):
-        top = margin + index * (panel_height + margin)
+        top = gap + index * (title_h + panel_height + gap) + title_h
         bottom = top + panel_height
-        left, right = margin + 20, width - margin
+        color = COLORS[index % len(COLORS)]
+        if titles and index < len(titles):
+            canvas.text(left, top - title_h + 2, titles[index], color)
         for q in range(5):
             y = bottom - q * panel_height // 4
             canvas.line(left, y, right, y, GRID)
@@ -87,6 +164,10 @@ def line_chart(
         canvas.line(left, top, left, bottom, AXIS)
         canvas.line(left, bottom, right, bottom, AXIS)
         y_hi = max((y for _, y in series), default=1.0) or 1.0
+        for fraction in (0.0, 0.5, 1.0):
+            label = _tick(y_hi * fraction)
+            y = bottom - round(fraction * (panel_height - 4))
+            canvas.text(left - 8 - 12 * len(label), y - 7, label)
         points = [
             (
                 left + round((x - x_lo) / span * (right - left)),
@@ -94,7 +175,12 @@ def line_chart(
             )
             for x, y in series
         ]
-        color = COLORS[index % len(COLORS)]
         for (x0, y0), (x1, y1) in itertools.pairwise(points):
             canvas.line(x0, y0, x1, y1, color, thick=2)
+    for q in range(5):
+        label = _tick(x_lo + q * span / 4)
+        x = left + q * (right - left) // 4
+        canvas.text(max(left, min(x - 6 * len(label), right - 12 * len(label))), bottom + 8, label)
+    if x_label:
+        canvas.text(left + (right - left) // 2 - 6 * len(x_label), bottom + 26, x_label, AXIS)
     path.write_bytes(canvas.png())

@@ -59,7 +59,10 @@ async def start_gateway(paths: Paths) -> GatewayHandle:
 
 def _write_chart(path: Path, panels: list[list[tuple[float, float]]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    line_chart(path, panels)
+    line_chart(
+        path, panels, titles=["trajectories per second", "gateway queue depth"],
+        x_label="seconds since the evaluation started",
+    )  # fmt: skip
 
 
 def _bar(done: int, total: int, extra: str, width: int = 32) -> str:
