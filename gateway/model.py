@@ -23,7 +23,8 @@ from fleet.core.errors import FailedPrecondition, InvalidArgument
 from gateway.admission import MemoryModel
 
 WEIGHTS_DIR = Path(__file__).parent / "weights"
-FLOAT_BYTES = 4
+DTYPES = {"float32": (torch.float32, 4), "bfloat16": (torch.bfloat16, 2)}
+"""Serving precisions: the torch dtype and bytes per number. Weights are stored in float32."""
 
 
 class DeviceFault(Exception):
@@ -47,6 +48,8 @@ class ModelSpec:
     output_dim: int
 
     directory: Path = WEIGHTS_DIR
+    dtype: str = "float32"
+    """The precision it is served in (the manifest's `dtype`, or a gateway's override)."""
 
     @property
     def path(self) -> Path:
@@ -63,8 +66,15 @@ def model_specs(manifest: Path = WEIGHTS_DIR / "models.toml") -> dict[str, Model
             name=name, revision=entry["revision"], file=entry["file"], sha256=entry["sha256"],
             input_dim=int(entry["input_dim"]), hidden=tuple(int(h) for h in entry["hidden"]),
             output_dim=int(entry["output_dim"]),
+            dtype=checked_dtype(str(entry.get("dtype", "float32")), f"{manifest}: model.{name}"),
         )  # fmt: skip
     return out
+
+
+def checked_dtype(dtype: str, where: str) -> str:
+    if dtype not in DTYPES:
+        raise InvalidArgument(f"{where}: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    return dtype
 
 
 def build_network(spec: ModelSpec) -> nn.Sequential:
@@ -94,7 +104,7 @@ def load_network(spec: ModelSpec, path: Path | None = None) -> nn.Sequential:
     state = torch.load(path, map_location="cpu", weights_only=True)
     net.load_state_dict(state)
     net.eval()
-    return net
+    return net.to(DTYPES[spec.dtype][0])
 
 
 def memory_model(spec: ModelSpec, headroom_bytes: int = 0) -> MemoryModel:
@@ -106,9 +116,10 @@ def memory_model(spec: ModelSpec, headroom_bytes: int = 0) -> MemoryModel:
         params += width * out + out
         activations += out * (2 if out != spec.output_dim else 1)  # linear + relu outputs
         width = out
+    size = DTYPES[spec.dtype][1]
     return MemoryModel(
-        weights_bytes=params * FLOAT_BYTES,
-        activation_bytes_per_sample=activations * FLOAT_BYTES,
+        weights_bytes=params * size,
+        activation_bytes_per_sample=activations * size,
         headroom_bytes=headroom_bytes,
     )
 
@@ -183,10 +194,10 @@ class TorchRunner:
             for sample in inputs:
                 flat.extend(sample)
             x = torch.frombuffer(flat, dtype=torch.float32).view(len(inputs), -1)
-            x = x.to(self.device)
+            x = x.to(self.device, DTYPES[self.spec.dtype][0])
             with torch.inference_mode():
                 y = self._network(x)
-            return [list(map(float, row)) for row in y.cpu().tolist()]
+            return [list(map(float, row)) for row in y.float().cpu().tolist()]
         except torch.cuda.OutOfMemoryError as exc:
             raise DeviceFault("oom", f"{self.device}: {exc}") from exc
         except RuntimeError as exc:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC
 from pathlib import Path
 
@@ -26,6 +26,7 @@ from gateway.model import (
     DeviceFault,
     ModelSpec,
     TorchRunner,
+    checked_dtype,
     load_network,
     model_specs,
 )
@@ -51,6 +52,9 @@ class GatewayConfig:
     batch: BatchConfig = field(default_factory=BatchConfig)
     breaker_failures: int = 3
     breaker_open_s: float = 2.0
+    dtype: str = ""
+    """The primary's precision, over the manifest's (float32, bfloat16). The CPU replica
+    always serves float32, the precision the weights are stored in."""
 
 
 def _primary_device(choice: str) -> str:
@@ -88,18 +92,23 @@ class Gateway:
         if config.model not in specs:
             raise NotFound(f"no model {config.model!r}; shipped: {', '.join(sorted(specs))}")
         spec = specs[config.model]
+        if config.dtype:
+            spec = replace(spec, dtype=checked_dtype(config.dtype, "gateway dtype"))
         device = _primary_device(config.device)
         # Both replicas load the same checksum-verified file.
         primary = TorchRunner(
             spec, load_network(spec), device, _capacity_bytes(device, config.capacity_mib),
             fault=fault_primary,  # type: ignore[arg-type]
         )  # fmt: skip
+        stored = replace(spec, dtype="float32")
         fallback = TorchRunner(
-            spec, load_network(spec), "cpu", _capacity_bytes("cpu", config.fallback_capacity_mib)
-        )
+            stored, load_network(stored), "cpu",
+            _capacity_bytes("cpu", config.fallback_capacity_mib),
+        )  # fmt: skip
         breaker = CircuitBreaker(config.breaker_failures, config.breaker_open_s)
         log.info("gateway_model_loaded", model=spec.name, revision=spec.revision,
-                 sha256=spec.sha256[:16], device=device, fallback="cpu")  # fmt: skip
+                 sha256=spec.sha256[:16], device=device, dtype=spec.dtype,
+                 fallback="cpu float32")  # fmt: skip
         return cls(config, spec, Batcher(primary, fallback, config.batch, breaker))
 
     async def infer(

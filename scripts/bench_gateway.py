@@ -101,7 +101,7 @@ def _gateway_main(settings: dict[str, Any], port: Any, fault: Any) -> None:
             secret=SECRET, model=settings["model"], models_toml=Path(settings["manifest"]),
             device=settings.get("device", "cpu"), capacity_mib=settings.get("capacity_mib", 0.0),
             fallback_capacity_mib=512.0, batch=BatchConfig(**settings["batch"]),
-            breaker_failures=2, breaker_open_s=60.0,
+            breaker_failures=2, breaker_open_s=60.0, dtype=settings.get("dtype", ""),
         )  # fmt: skip
         gw = Gateway.build(config, fault_primary=hook)
         servers: list[Any] = []  # held: a gRPC server that nothing references stops
@@ -345,16 +345,19 @@ def synchronous(
 
 
 def model_ceiling(
-    manifest: Path, model: str, batch: int, device: str = "cpu", threads: int = 1
-) -> float:
+    manifest: Path, model: str, batch: int, device: str = "cpu", threads: int = 1,
+    dtype: str = "float32",
+) -> float:  # fmt: skip
     """Samples/s of the bare model at `batch` (what the device alone allows)."""
+    from dataclasses import replace
+
     import torch
 
-    from gateway.model import load_network, model_specs
+    from gateway.model import DTYPES, load_network, model_specs
 
     torch.set_num_threads(threads)
-    net = load_network(model_specs(manifest)[model]).to(device)
-    x = torch.randn(batch, 147, device=device)
+    net = load_network(replace(model_specs(manifest)[model], dtype=dtype)).to(device)
+    x = torch.randn(batch, 147, device=device, dtype=DTYPES[dtype][0])
     runs = 5 if batch > 1 else 40
     with torch.inference_mode():
         net(x)
@@ -372,6 +375,10 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
     parser.add_argument("--device", default="cpu", help="the primary: cpu or cuda:N")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per gateway")
+    parser.add_argument(
+        "--dtypes", default="float32,bfloat16",
+        help="precisions part (1) serves the model in (float32 always; bfloat16 also if listed)",
+    )  # fmt: skip
     parser.add_argument(
         "--slots", type=int, default=16, help="machines the fleet runs at once in part (4)"
     )
@@ -425,6 +432,24 @@ def main() -> int:
         )
         ceiling = model_ceiling(manifest, BENCH_MODEL, 64, args.device, args.threads)
         ceiling_one = model_ceiling(manifest, BENCH_MODEL, 1, args.device, args.threads)
+        # (1) again with the model served in bfloat16 (the CPU replica stays float32).
+        half: dict[str, Any] = {}
+        if "bfloat16" in args.dtypes:
+            half_common = {**common, "dtype": "bfloat16"}
+            with GatewayProc(**half_common, batch={**batched_cfg, "max_batch": 1}) as one16:
+                half["single"] = asyncio.run(
+                    hammer(one16.address, BENCH_MODEL, CLIENTS, per_client, "s16")
+                )
+            with GatewayProc(**half_common, batch=batched_cfg) as gw16:
+                half["batched"] = asyncio.run(
+                    hammer(gw16.address, BENCH_MODEL, CLIENTS, per_client, "b16")
+                )
+            half["ceiling"] = model_ceiling(
+                manifest, BENCH_MODEL, 64, args.device, args.threads, "bfloat16"
+            )
+            half["ceiling_one"] = model_ceiling(
+                manifest, BENCH_MODEL, 1, args.device, args.threads, "bfloat16"
+            )
         # The control plane's own cost: the shipped policy is so small that a lone request's
         # time through the gateway is nearly all RPC, token check and batcher.
         shipped = {"model": "gridworld-policy", "device": args.device,
@@ -453,6 +478,9 @@ def main() -> int:
     overhead = lone_small["p50_ms"] - model_p50
     out = {
         "batching_gain": batched["rate"] / single["rate"],
+        "batching_gain_bfloat16": (
+            half["batched"]["rate"] / half["single"]["rate"] if half else None
+        ),
         "oom_failures": int(mem_status.oom_faults),
         "false_refusal_rate": refused_below / max(1, offered_below),
         "failover_s": failover_s,
@@ -472,6 +500,13 @@ def main() -> int:
           f"{ceiling_one:>12.0f}{ceiling / ceiling_one:>8.1f}x")  # fmt: skip
     print(f"{'    the gateway batched, as a fraction of the bare model':<{w}}"
           f"{batched['rate'] / ceiling:>12.2f}")  # fmt: skip
+    if half:
+        print(f"{'    the same, model served in bfloat16: batched vs one':<{w}}"
+              f"{half['batched']['rate']:>12.0f}{half['single']['rate']:>12.0f}"
+              f"{out['batching_gain_bfloat16']:>8.1f}x")  # fmt: skip
+        print(f"{'    bfloat16, the bare model alone: 64 vs 1 (ceiling)':<{w}}"
+              f"{half['ceiling']:>12.0f}{half['ceiling_one']:>12.0f}"
+              f"{half['ceiling'] / half['ceiling_one']:>8.1f}x")  # fmt: skip
     print(
         f"    p50 at 64 clients: {batched['p50_ms']:.1f} ms batched, {single['p50_ms']:.1f} ms "
         f"one per batch; the gateway answered {gw_status.served} samples"

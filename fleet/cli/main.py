@@ -95,6 +95,7 @@ async def cmd_gateway(args: argparse.Namespace) -> int:
     paths = Paths.from_env()
     config = GatewayConfig(
         secret=paths.token_secret(), device=args.device, capacity_mib=args.capacity_mib,
+        dtype=args.dtype,
         batch=BatchConfig(
             max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
             max_inflight_per_rollout=args.max_inflight_per_rollout,
@@ -106,7 +107,8 @@ async def cmd_gateway(args: argparse.Namespace) -> int:
     http, bound = await serve_http(gw, host, int(http_port))
     print(
         f"fleet gateway: {gw.spec.name} {gw.spec.revision} on {gw.batcher.primary.device} "
-        f"(CPU replica behind a breaker); gRPC on port {port}, HTTP on port {bound}",
+        f"in {gw.spec.dtype} (CPU replica in float32 behind a breaker); gRPC on port {port}, "
+        f"HTTP on port {bound}",
         flush=True,
     )
     await _until_signalled(asyncio.Event())
@@ -648,6 +650,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="HTTP address machines call (they reach only it, and only with a rollout token)",
     )  # fmt: skip
     sp.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
+    sp.add_argument(
+        "--dtype", default="", choices=["", "float32", "bfloat16"],
+        help="the primary's precision (default: the model manifest's, float32 if it names none)",
+    )  # fmt: skip
     sp.add_argument(
         "--capacity-mib", type=float, default=0.0,
         help="primary memory budget (default: the device's, or RAM/4 on CPU)",

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from fleet._proto.fleet.v1 import inference_pb2, inference_pb2_grpc
-from fleet.core.errors import FailedPrecondition
+from fleet.core.errors import FailedPrecondition, InvalidArgument
 from fleet.core.tokens import issue
 from fleet.envs.gridworld import GridWorld
 from gateway.batcher import BatchConfig
-from gateway.model import DeviceFault, load_network, model_specs
+from gateway.model import DeviceFault, load_network, memory_model, model_specs
 from gateway.service import Gateway, GatewayConfig, failing, serve
 
 SECRET = b"s" * 32
@@ -279,3 +279,43 @@ def test_runner_faults_instead_of_allocating_past_its_budget() -> None:
     with pytest.raises(DeviceFault) as info:
         gw.batcher.primary.run(observations(1) * 2000)
     assert info.value.kind == "oom"
+
+
+def test_a_model_served_in_bfloat16_answers_like_float32_and_fails_over_in_float32() -> None:
+    """The primary in bfloat16 (half the bytes per weight, admission counts them so); the
+    actions agree with float32; the CPU replica serves the stored float32 weights."""
+    samples = observations(16)
+    expected = reference(samples)
+
+    async def body() -> tuple[list[list[float]], Gateway]:
+        async with gateway(dtype="bfloat16") as client:
+            replies = await asyncio.gather(
+                *(client.infer(f"r{i}", f"k{i}", s) for i, s in enumerate(samples))
+            )
+            return [list(r.output.values) for r in replies], client.gateway
+
+    outputs, gw = go(body())
+    assert gw.batcher.primary.spec.dtype == "bfloat16"
+    assert gw.batcher.fallback is not None and gw.batcher.fallback.spec.dtype == "float32"
+    full = replace(gw.spec, dtype="float32")
+    assert gw.batcher.primary.memory.weights_bytes * 2 == memory_model(full).weights_bytes
+    assert [max(range(4), key=o.__getitem__) for o in outputs] == [
+        max(range(4), key=e.__getitem__) for e in expected
+    ]
+    pairs = zip(outputs, expected, strict=True)  # bfloat16 keeps about 3 significant digits
+    assert all(
+        abs(a - b) <= 0.05 * max(1.0, abs(b)) for o, e in pairs for a, b in zip(o, e, strict=True)
+    )
+
+
+def test_an_unknown_dtype_is_refused_saying_where(tmp_path: Path) -> None:
+    spec = model_specs()[MODEL]
+    shutil.copy(spec.path, tmp_path / spec.file)
+    manifest = (spec.directory / "models.toml").read_text()
+    (tmp_path / "models.toml").write_text(
+        manifest.replace("output_dim", 'dtype = "int4"\noutput_dim')
+    )
+    with pytest.raises(InvalidArgument, match=r"model\.gridworld-policy: dtype 'int4'"):
+        model_specs(tmp_path / "models.toml")
+    with pytest.raises(InvalidArgument, match="gateway dtype: dtype 'fp8'"):
+        Gateway.build(GatewayConfig(secret=SECRET, device="cpu", dtype="fp8"))
