@@ -179,7 +179,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
             models=[
                 inference_pb2.ModelInfo(
                     name=gw.spec.name, revision=gw.spec.revision, sha256=gw.spec.sha256,
-                    primary_device=b.primary.device,
+                    primary_device=b.primary.device, dtype=b.primary.spec.dtype,
                 )
             ],
             breaker=str(b.breaker.state), queue_depth=b.queue_depth,

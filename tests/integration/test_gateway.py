@@ -287,14 +287,16 @@ def test_a_model_served_in_bfloat16_answers_like_float32_and_fails_over_in_float
     samples = observations(16)
     expected = reference(samples)
 
-    async def body() -> tuple[list[list[float]], Gateway]:
+    async def body() -> tuple[list[list[float]], Gateway, Any]:
         async with gateway(dtype="bfloat16") as client:
             replies = await asyncio.gather(
                 *(client.infer(f"r{i}", f"k{i}", s) for i, s in enumerate(samples))
             )
-            return [list(r.output.values) for r in replies], client.gateway
+            status = await client.stub.Status(inference_pb2.GatewayStatusRequest())
+            return [list(r.output.values) for r in replies], client.gateway, status
 
-    outputs, gw = go(body())
+    outputs, gw, status = go(body())
+    assert [(m.name, m.dtype) for m in status.models] == [(MODEL, "bfloat16")]
     assert gw.batcher.primary.spec.dtype == "bfloat16"
     assert gw.batcher.fallback is not None and gw.batcher.fallback.spec.dtype == "float32"
     full = replace(gw.spec, dtype="float32")

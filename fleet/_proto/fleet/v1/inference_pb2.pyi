@@ -62,16 +62,18 @@ class GatewayStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "revision", "sha256", "primary_device")
+    __slots__ = ("name", "revision", "sha256", "primary_device", "dtype")
     NAME_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     PRIMARY_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     name: str
     revision: str
     sha256: str
     primary_device: str
-    def __init__(self, name: _Optional[str] = ..., revision: _Optional[str] = ..., sha256: _Optional[str] = ..., primary_device: _Optional[str] = ...) -> None: ...
+    dtype: str
+    def __init__(self, name: _Optional[str] = ..., revision: _Optional[str] = ..., sha256: _Optional[str] = ..., primary_device: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class GatewayStatus(_message.Message):
     __slots__ = ("models", "breaker", "queue_depth", "oldest_queued_ms", "served", "failovers", "oom_faults")
