@@ -298,7 +298,13 @@ class Batcher:
         """Prometheus text format."""
         m = self.metrics
         elapsed = max(1e-9, time.monotonic() - m.started)
+        spec = self.primary.spec
         lines = [
+            "# HELP fleet_gateway_model_info What the primary serves: model, revision, device, "
+            "precision.",
+            "# TYPE fleet_gateway_model_info gauge",
+            f'fleet_gateway_model_info{{model="{spec.name}",revision="{spec.revision}",'
+            f'device="{self.primary.device}",dtype="{spec.dtype}"}} 1',
             "# TYPE fleet_gateway_served_total counter",
             f"fleet_gateway_served_total {m.served}",
             "# TYPE fleet_gateway_replayed_total counter",

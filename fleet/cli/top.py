@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import sys
 import time
 import urllib.request
@@ -62,6 +63,13 @@ def render(server: dict[str, float] | str, gateway: dict[str, float] | str) -> s
         if not isinstance(server, str) and server.get("fleet_inference_trajectories_total"):
             trajectories = server["fleet_inference_trajectories_total"]
             per = f"   device-s/trajectory {device_s / trajectories:.4f}"
+        model = next((k for k in gateway if k.startswith("fleet_gateway_model_info{")), "")
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', model))
+        if labels:
+            lines.append(
+                f"model           {labels.get('model', '?')} {labels.get('revision', '')} on "
+                f"{labels.get('device', '?')} in {labels.get('dtype', '?')}"
+            )
         lines += [
             f"gateway         queue {gateway.get('fleet_gateway_queue_depth', 0):g} "
             f"(oldest {gateway.get('fleet_gateway_queue_oldest_seconds', 0) * 1000:.0f} ms)   "
