@@ -204,6 +204,15 @@ def test_machine_without_egress_gets_no_namespace_and_deletion_removes_it(
     asyncio.run(go())
 
 
+def leased_spec(rootfs: Path, host: str) -> MachineSpec:
+    """An allowlisted machine labelled as an agent labels a rollout's machine with its lease."""
+    return MachineSpec(
+        name=f"eg-{uuid.uuid4().hex[:8]}", smolfile=parse_smolfile(ALLOWLIST).spec,
+        image_digest="sha256:x", rootfs=rootfs,
+        labels={"host": host, "work": "w-1", "fence": "1"},
+    )  # fmt: skip
+
+
 def test_a_restarted_agent_adopts_a_machine_with_its_network(
     world: NetWorld, rootfs: Path, tmp_path: Path
 ) -> None:
@@ -212,11 +221,7 @@ def test_a_restarted_agent_adopts_a_machine_with_its_network(
     still reported, once."""
     before = _netns()
     net = NetConfig(uplink_netns=world.uplink, dns_upstream=world.dns)
-    spec = MachineSpec(
-        name=f"eg-{uuid.uuid4().hex[:8]}", smolfile=parse_smolfile(ALLOWLIST).spec,
-        image_digest="sha256:x", rootfs=rootfs,
-        labels={"host": "egress-adopt", "work": "w-1", "fence": "1"},
-    )  # fmt: skip
+    spec = leased_spec(rootfs, "egress-adopt")
     targets = ["other.test:8080", "198.51.100.99:8080", "svc.fleet.test:8080"]
 
     async def go() -> tuple[dict[str, Any], dict[str, Any], list[Any], list[Any]]:
@@ -259,11 +264,7 @@ def test_a_machine_that_cannot_be_adopted_after_all_is_removed_whole(
     and directory are gone, not left for nobody."""
     before = _netns()
     net = NetConfig(uplink_netns=world.uplink, dns_upstream=world.dns)
-    spec = MachineSpec(
-        name=f"eg-{uuid.uuid4().hex[:8]}", smolfile=parse_smolfile(ALLOWLIST).spec,
-        image_digest="sha256:x", rootfs=rootfs,
-        labels={"host": "egress-lost", "work": "w-1", "fence": "1"},
-    )  # fmt: skip
+    spec = leased_spec(rootfs, "egress-lost")
 
     async def go() -> None:
         first = await NamespaceRuntime(tmp_path / "machines", net).create(spec)
