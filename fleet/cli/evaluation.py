@@ -164,6 +164,9 @@ async def evaluate(
          f"{statistics.fmean(by_place['cpu']):.2f}" if by_place.get("cpu") else "-"),
         (f"ms per action, next to the gateway ({len(by_place.get('gpu', []))})",
          f"{statistics.fmean(by_place['gpu']):.2f}" if by_place.get("gpu") else "-"),
+        ("ms storing each checkpoint",
+         f"{statistics.fmean(r.get('checkpoint_ms', 0.0) for r in results):.2f}"
+         if results else "-"),
         ("failovers to the CPU replica", str(m.failovers)),
         ("wall time", f"{wall:.2f} s"),
     ]  # fmt: skip

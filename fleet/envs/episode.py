@@ -97,7 +97,7 @@ def run_episode(seed: int) -> dict:  # type: ignore[type-arg]
             actions.append(action)
         devices.update(saved["devices"])
         step = resumed_at = len(actions)
-    waited = []
+    waited, stored = [], []
     while not done:
         asked = time.monotonic()
         answer = act(gateway, token, rollout, f"{rollout}/step-{step}", env.observation())
@@ -109,13 +109,16 @@ def run_episode(seed: int) -> dict:  # type: ignore[type-arg]
         devices.add(answer["device"])
         step += 1
         if relay:
+            asked = time.monotonic()
             checkpoint_put(relay, step, {"actions": actions, "devices": sorted(devices)})
+            stored.append(time.monotonic() - asked)
         delay = float(os.environ.get("FLEET_EPISODE_STEP_DELAY_S", "0"))
         if delay:
             time.sleep(delay)  # tests and demos: an episode slow enough to interrupt
     return {"seed": seed, "return": round(total, 4), "success": env.agent == env.goal,
             "actions": actions, "devices": sorted(devices), "resumed_at": resumed_at,
-            "action_ms": round(1000 * sum(waited) / max(1, len(waited)), 3)}  # fmt: skip
+            "action_ms": round(1000 * sum(waited) / max(1, len(waited)), 3),
+            "checkpoint_ms": round(1000 * sum(stored) / max(1, len(stored)), 3)}  # fmt: skip
 
 
 def program(seed: int) -> list[str]:
