@@ -39,6 +39,17 @@ def _bar(done: int, total: int, failed: int, running: int, width: int = 32) -> s
     )
 
 
+def print_table(title: str, rows: list[tuple[str, str]], value_width: int) -> None:
+    """A titled two-column table between rules, keys left and values right."""
+    width = max(len(k) for k, _ in rows)
+    print()
+    print(title)
+    print("-" * (width + 2 + value_width))
+    for key, value in rows:
+        print(f"{key:<{width}}  {value:>{value_width}}")
+    print("-" * (width + 2 + value_width))
+
+
 def _pct(values: list[float], q: float) -> float:
     if not values:
         return 0.0
@@ -228,13 +239,7 @@ def _summary(rollouts: list[types_pb2.Rollout], names: dict[str, str], wall_s: f
         ("wall time", f"{wall_s:.2f} s"),
         ("rollouts per second", f"{len(rollouts) / wall_s:.2f}"),
     ]
-    width = max(len(k) for k, _ in rows)
-    print()
-    print("summary")
-    print("-" * (width + 12))
-    for key, value in rows:
-        print(f"{key:<{width}}  {value:>10}")
-    print("-" * (width + 12))
+    print_table("summary", rows, 10)
     print("served by")
     for key, count in sorted(served.items()):
         print(f"  {count:>3}  {key}")

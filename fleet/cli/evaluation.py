@@ -21,7 +21,7 @@ import grpc
 
 from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
 from fleet.cli.chart import line_chart
-from fleet.cli.demo import FINAL
+from fleet.cli.demo import FINAL, print_table
 from fleet.config import Paths
 from fleet.envs.episode import program
 
@@ -170,13 +170,7 @@ async def evaluate(
         ("failovers to the CPU replica", str(m.failovers)),
         ("wall time", f"{wall:.2f} s"),
     ]  # fmt: skip
-    width = max(len(k) for k, _ in rows)
-    print()
-    print("evaluation")
-    print("-" * (width + 14))
-    for key, value in rows:
-        print(f"{key:<{width}}  {value:>12}")
-    print("-" * (width + 14))
+    print_table("evaluation", rows, 12)
     chart = out_dir / f"demo-{run_id}.png"
     throughput = []
     for (t0, d0, _), (t1, d1, _) in zip(samples, samples[4:], strict=False):
