@@ -534,7 +534,8 @@ class Agent:
                 if relay is not None:
                     running.relay = relay
                     extra_env["FLEET_CHECKPOINTS"] = "{}:{}".format(*RELAY_ADDRESS)
-            for command in [] if warm is not None or record.init_done else parsed.spec.init:
+            init_commands = [] if warm is not None or record.init_done else parsed.spec.init
+            for command in init_commands:
                 init = await machine.exec(
                     ["/bin/sh", "-c", command], env=extra_env, timeout_s=INIT_TIMEOUT_S
                 )
@@ -544,7 +545,7 @@ class Agent:
                         f"init command {command!r} exited {init.exit_code}: "
                         f"{init.stderr.decode(errors='replace')[-500:]}",
                     )
-            if not record.init_done:
+            if init_commands:  # journalled only when there was something not to run again
                 await asyncio.to_thread(record.mark_init_done)
             for index, step in steps:
                 left = a.manifest.deadline.timestamp() - time.time()
