@@ -32,6 +32,7 @@ import io
 import json
 import logging
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import tempfile
@@ -147,6 +148,23 @@ class GatewayProc:
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port.value}"
+
+    @property
+    def pid(self) -> int:
+        assert self.proc.pid is not None, "the gateway process was not started"
+        return self.proc.pid
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def busy_cpu_s() -> float:
+    """CPU seconds this whole machine has spent busy (every core, not idle nor iowait)."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(values[:8]) - values[3] - values[4]) / os.sysconf("SC_CLK_TCK")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -268,16 +286,21 @@ async def pipeline(address: str, model: str, episodes: int, concurrency: int) ->
 
 
 async def fleet_pipeline(
-    http_port: int, model: str, episodes: int, slots: int
-) -> tuple[float, int, list[tuple[float, float]]]:
+    http_port: int, gateway_pid: int, model: str, episodes: int, slots: int
+) -> dict[str, Any]:
     """Trajectories/s of the whole fleet: each episode a rollout on the embedded fleet (SQLite
     ledger, one CPU agent with `slots` machines at once, the namespace runtime, firewall and
     DNS per machine), stepping gridworld inside its sandbox and asking the gateway over HTTP
-    for every action, with a checkpoint stored through the ledger after each one."""
+    for every action, with a checkpoint stored through the ledger after each one.
+
+    Also where this machine's CPU went, per action: the machines (their cgroups), the gateway
+    process, and the rest of the machine's busy time (server, agent, the tools they run, this
+    process's polling, the kernel)."""
     from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
     from fleet.cli.embedded import embedded_fleet
     from fleet.config import Paths
     from fleet.envs.episode import program
+    from fleet.runtime.cgroups import all_machines_cpu_seconds
     from fleet.server.app import ServerConfig
 
     paths = Paths.from_env()
@@ -292,6 +315,7 @@ async def fleet_pipeline(
             async with grpc.aio.insecure_channel(fleet.address) as channel:
                 stub = fleet_pb2_grpc.FleetServiceStub(channel)
                 run = uuid.uuid4().hex[:8]
+                cpu_before = (all_machines_cpu_seconds(), process_cpu_s(gateway_pid), busy_cpu_s())
                 started = time.perf_counter()
                 for seed in range(episodes):
                     await stub.SubmitRollout(
@@ -316,23 +340,36 @@ async def fleet_pipeline(
                         raise RuntimeError("fleet pipeline: episodes did not finish in 600 s")
                     await asyncio.sleep(0.25)  # (a listing costs the ledger thread)
                 elapsed = time.perf_counter() - started
+                cpu_after = (all_machines_cpu_seconds(), process_cpu_s(gateway_pid), busy_cpu_s())
     ok = [r for r in reply.rollouts if r.state == types_pb2.ROLLOUT_STATE_SUCCEEDED]
     episodes_out = [json.loads(r.results[0].stdout) for r in ok if r.results]
-    per_action = [(e["action_ms"], e.get("checkpoint_ms", 0.0)) for e in episodes_out]
-    return len(ok) / elapsed, len(ok), per_action
+    actions = max(1, sum(len(e["actions"]) for e in episodes_out))
+    machines = None
+    if cpu_before[0] is not None and cpu_after[0] is not None:
+        machines = (cpu_after[0] - cpu_before[0]) * 1000 / actions
+    gateway_ms = (cpu_after[1] - cpu_before[1]) * 1000 / actions
+    total = (cpu_after[2] - cpu_before[2]) * 1000 / actions
+    return {
+        "traj_s": len(ok) / elapsed, "ok": len(ok), "actions": actions,
+        "asking_ms": statistics.fmean(e["action_ms"] for e in episodes_out) if ok else 0.0,
+        "storing_ms": statistics.fmean(e["checkpoint_ms"] for e in episodes_out) if ok else 0.0,
+        "cpu_ms": {"machines": machines, "gateway": gateway_ms, "total": total,
+                   "rest": total - gateway_ms - (machines or 0.0)},
+    }  # fmt: skip
 
 
 def synchronous(
     manifest: Path, model: str, episodes: int, device: str = "cpu", threads: int = 1
-) -> tuple[float, float]:
-    """Trajectories/s of the plain loop: step, call the model in-process, repeat."""
+) -> tuple[float, float, float]:
+    """Trajectories/s of the plain loop (step, call the model in-process, repeat), the p50 of
+    one model call in ms, and the CPU ms it spent per action."""
     import torch
 
     from gateway.model import load_network, model_specs
 
     torch.set_num_threads(threads)
     net = load_network(model_specs(manifest)[model]).to(device)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     calls = []
     for seed in range(episodes):
         env, done = GridWorld(seed), False
@@ -342,7 +379,8 @@ def synchronous(
                 logits = net(torch.tensor([env.observation()], device=device))[0].tolist()
             calls.append(time.perf_counter() - t)
             _, done = env.step(argmax(logits))
-    return episodes / (time.perf_counter() - started), statistics.median(calls) * 1000
+    cpu_ms = (time.process_time() - cpu_started) * 1000 / len(calls)
+    return episodes / (time.perf_counter() - started), statistics.median(calls) * 1000, cpu_ms
 
 
 def model_ceiling(
@@ -408,10 +446,12 @@ def main() -> int:
             one.__exit__()
             batched = asyncio.run(hammer(gw.address, BENCH_MODEL, CLIENTS, per_client, "b"))
             traj_s, actions = asyncio.run(pipeline(gw.address, BENCH_MODEL, episodes, 64))
-            fleet_traj_s, fleet_ok, fleet_action_ms = float("nan"), 0, []
+            whole: dict[str, Any] = {}
             if not args.skip_fleet:
-                fleet_traj_s, fleet_ok, fleet_action_ms = asyncio.run(
-                    fleet_pipeline(gw.http_port.value, BENCH_MODEL, fleet_episodes, args.slots)
+                whole = asyncio.run(
+                    fleet_pipeline(
+                        gw.http_port.value, gw.pid, BENCH_MODEL, fleet_episodes, args.slots
+                    )
                 )
 
             # (3) failover under load: fault at t0, first CPU-served answer after it.
@@ -428,7 +468,7 @@ def main() -> int:
 
             fail, failover_s = asyncio.run(failover())
             gw_status = asyncio.run(status(gw.address))
-        sync_traj_s, _ = synchronous(
+        sync_traj_s, _, sync_cpu_ms = synchronous(
             manifest, BENCH_MODEL, max(16, episodes // 4), args.device, args.threads
         )
         ceiling = model_ceiling(manifest, BENCH_MODEL, 64, args.device, args.threads)
@@ -457,7 +497,7 @@ def main() -> int:
                    "manifest": str(REPO / "gateway/weights/models.toml")}  # fmt: skip
         with GatewayProc(**shipped, batch={**batched_cfg, "max_batch": 1}) as small:
             lone_small = asyncio.run(hammer(small.address, "gridworld-policy", 1, lone, "sm"))
-        _, model_p50 = synchronous(
+        _, model_p50, _ = synchronous(
             REPO / "gateway/weights/models.toml", "gridworld-policy", 16, args.device
         )
         # (2) memory: capacity for 64 samples at once; offered load 0.5x .. 3x of that.
@@ -486,9 +526,11 @@ def main() -> int:
         "false_refusal_rate": refused_below / max(1, offered_below),
         "failover_s": failover_s,
         "lost_requests": fail["lost"],
-        "pipeline_gain": None if args.skip_fleet else fleet_traj_s / sync_traj_s,
+        "pipeline_gain": whole["traj_s"] / sync_traj_s if whole else None,
         "gateway_pipeline_gain": traj_s / sync_traj_s,
         "overhead_ms_per_action": overhead,
+        "fleet_cpu_ms_per_action": whole["cpu_ms"]["total"] if whole else None,
+        "sync_cpu_ms_per_action": sync_cpu_ms,
     }
     w = 58
     print(f"{'':<{w}}{'fleet':>12}{'baseline':>12}{'ratio':>9}")
@@ -525,12 +567,20 @@ def main() -> int:
         print("(4) trajectories/s: the fleet end to end: left out (--skip-fleet)")
     else:
         print(f"{'(4) trajectories/s: the fleet end to end vs synchronous':<{w}}"
-              f"{fleet_traj_s:>12.1f}{sync_traj_s:>12.1f}{fleet_traj_s / sync_traj_s:>8.1f}x")  # fmt: skip
-        asking = statistics.fmean(a for a, _ in fleet_action_ms) if fleet_action_ms else 0.0
-        storing = statistics.fmean(c for _, c in fleet_action_ms) if fleet_action_ms else 0.0
-        print(f"    ({fleet_ok} of {fleet_episodes} episodes as rollouts in sandboxed machines, "
-              f"{args.slots} at once; per action, ms asking the gateway {asking:.2f}, "
-              f"storing the checkpoint {storing:.2f})")
+              f"{whole['traj_s']:>12.1f}{sync_traj_s:>12.1f}{out['pipeline_gain']:>8.1f}x")  # fmt: skip
+        cpu = whole["cpu_ms"]
+        print(f"{'    CPU ms per action, this whole machine':<{w}}"
+              f"{cpu['total']:>12.2f}{sync_cpu_ms:>12.2f}{cpu['total'] / sync_cpu_ms:>8.1f}x")  # fmt: skip
+        machines = "unread" if cpu["machines"] is None else f"{cpu['machines']:.2f}"
+        print(
+            f"    (of the fleet's: machines {machines}, gateway {cpu['gateway']:.2f}, server, "
+            f"agent, their tools and the kernel {cpu['rest']:.2f})"
+        )
+        print(
+            f"    ({whole['ok']} of {fleet_episodes} episodes as rollouts in sandboxed machines, "
+            f"{args.slots} at once, {whole['actions']} actions; per action, ms asking the "
+            f"gateway {whole['asking_ms']:.2f}, storing the checkpoint {whole['storing_ms']:.2f})"
+        )
     print(f"{'    only the gateway: 64 in-process episode loops':<{w}}"
           f"{traj_s:>12.1f}{sync_traj_s:>12.1f}{out['gateway_pipeline_gain']:>8.1f}x")  # fmt: skip
     print(f"{'    ms per action (shipped policy): via gateway vs bare call':<{w}}"

@@ -42,8 +42,17 @@ def detect(root: Path = ROOT) -> str | None:
     return None
 
 
+def all_machines_cpu_seconds(root: Path = ROOT) -> float | None:
+    """CPU time used by every machine this host has run, live or deleted (None where it cannot
+    be read): the `fleet` parent group's own account, which keeps what removed groups used."""
+    version = detect(root)
+    if version is None:
+        return None
+    return MachineCgroup("", version, root).cpu_seconds()
+
+
 class MachineCgroup:
-    """The cgroup(s) of one machine."""
+    """The cgroup(s) of one machine (`name` empty: the `fleet` group that holds them all)."""
 
     def __init__(self, name: str, version: str, root: Path = ROOT) -> None:
         self.name = name
