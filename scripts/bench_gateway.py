@@ -286,12 +286,14 @@ async def pipeline(address: str, model: str, episodes: int, concurrency: int) ->
 
 
 async def fleet_pipeline(
-    http_port: int, gateway_pid: int, model: str, episodes: int, slots: int
+    http_port: int, gateway_pid: int, model: str, episodes: int, slots: int, warm: bool = False
 ) -> dict[str, Any]:
     """Trajectories/s of the whole fleet: each episode a rollout on the embedded fleet (SQLite
     ledger, one CPU agent with `slots` machines at once, the namespace runtime, firewall and
     DNS per machine), stepping gridworld inside its sandbox and asking the gateway over HTTP
-    for every action, with a checkpoint stored through the ledger after each one.
+    for every action, with a checkpoint stored through the ledger after each one. With `warm`,
+    each episode is a copy-on-write child of a warm parent that loaded the environment and the
+    client (`[branch]`), reaching the gateway and the relay through the agent's sockets.
 
     Also where this machine's CPU went, per action: the machines (their cgroups), the gateway
     process, and the rest of the machine's busy time (server, agent, the tools they run, this
@@ -299,12 +301,21 @@ async def fleet_pipeline(
     from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
     from fleet.cli.embedded import embedded_fleet
     from fleet.config import Paths
-    from fleet.envs.episode import program
+    from fleet.envs.episode import program, source, warm_step
     from fleet.runtime.cgroups import all_machines_cpu_seconds
     from fleet.server.app import ServerConfig
 
     paths = Paths.from_env()
     smolfile = (REPO / "smolfiles" / "minimal.smolfile").read_text()
+    if warm:
+        smolfile += f"\n[branch]\nenabled = true\npool_size = {slots}\n"
+    env = {"FLEET_MODEL": model}
+
+    def steps(seed: int) -> list[Any]:
+        if not warm:
+            return [types_pb2.Step(name="episode", argv=program(seed), env=env, timeout_s=300)]
+        return [types_pb2.Step(name="warm-up", argv=["python3", "-c", source()], timeout_s=60),
+                types_pb2.Step(name="episode", argv=warm_step(seed), env=env, timeout_s=300)]  # fmt: skip
     final = {types_pb2.ROLLOUT_STATE_SUCCEEDED, types_pb2.ROLLOUT_STATE_FAILED,
              types_pb2.ROLLOUT_STATE_CANCELLED, types_pb2.ROLLOUT_STATE_QUARANTINED}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="fleet-bench-fleet-") as tmp:
@@ -322,8 +333,7 @@ async def fleet_pipeline(
                         fleet_pb2.SubmitRolloutRequest(
                             request_id=f"{run}-{seed}", idempotency_key=f"{run}-{seed}",
                             smolfile=smolfile, smolfile_name="smolfiles/minimal.smolfile",
-                            steps=[types_pb2.Step(name="episode", argv=program(seed),
-                                                  env={"FLEET_MODEL": model}, timeout_s=300)],
+                            steps=steps(seed),
                             labels={"bench": run},
                             requirements=types_pb2.Requirements(inference=True),
                         ),
@@ -342,7 +352,7 @@ async def fleet_pipeline(
                 elapsed = time.perf_counter() - started
                 cpu_after = (all_machines_cpu_seconds(), process_cpu_s(gateway_pid), busy_cpu_s())
     ok = [r for r in reply.rollouts if r.state == types_pb2.ROLLOUT_STATE_SUCCEEDED]
-    episodes_out = [json.loads(r.results[0].stdout) for r in ok if r.results]
+    episodes_out = [json.loads(r.results[-1].stdout) for r in ok if r.results]
     actions = max(1, sum(len(e["actions"]) for e in episodes_out))
     machines = None
     if cpu_before[0] is not None and cpu_after[0] is not None:
@@ -447,12 +457,15 @@ def main() -> int:
             batched = asyncio.run(hammer(gw.address, BENCH_MODEL, CLIENTS, per_client, "b"))
             traj_s, actions = asyncio.run(pipeline(gw.address, BENCH_MODEL, episodes, 64))
             whole: dict[str, Any] = {}
+            warm: dict[str, Any] = {}
             if not args.skip_fleet:
-                whole = asyncio.run(
-                    fleet_pipeline(
-                        gw.http_port.value, gw.pid, BENCH_MODEL, fleet_episodes, args.slots
-                    )
-                )
+                for result, forked in ((whole, False), (warm, True)):
+                    result.update(
+                        asyncio.run(
+                            fleet_pipeline(gw.http_port.value, gw.pid, BENCH_MODEL,
+                                           fleet_episodes, args.slots, warm=forked)
+                        )
+                    )  # fmt: skip
 
             # (3) failover under load: fault at t0, first CPU-served answer after it.
             async def failover() -> tuple[dict[str, Any], float]:
@@ -527,9 +540,11 @@ def main() -> int:
         "failover_s": failover_s,
         "lost_requests": fail["lost"],
         "pipeline_gain": whole["traj_s"] / sync_traj_s if whole else None,
+        "pipeline_gain_warm": warm["traj_s"] / sync_traj_s if warm else None,
         "gateway_pipeline_gain": traj_s / sync_traj_s,
         "overhead_ms_per_action": overhead,
         "fleet_cpu_ms_per_action": whole["cpu_ms"]["total"] if whole else None,
+        "warm_cpu_ms_per_action": warm["cpu_ms"]["total"] if warm else None,
         "sync_cpu_ms_per_action": sync_cpu_ms,
     }
     w = 58
@@ -566,21 +581,19 @@ def main() -> int:
     if args.skip_fleet:
         print("(4) trajectories/s: the fleet end to end: left out (--skip-fleet)")
     else:
-        print(f"{'(4) trajectories/s: the fleet end to end vs synchronous':<{w}}"
-              f"{whole['traj_s']:>12.1f}{sync_traj_s:>12.1f}{out['pipeline_gain']:>8.1f}x")  # fmt: skip
-        cpu = whole["cpu_ms"]
-        print(f"{'    CPU ms per action, this whole machine':<{w}}"
-              f"{cpu['total']:>12.2f}{sync_cpu_ms:>12.2f}{cpu['total'] / sync_cpu_ms:>8.1f}x")  # fmt: skip
-        machines = "unread" if cpu["machines"] is None else f"{cpu['machines']:.2f}"
-        print(
-            f"    (of the fleet's: machines {machines}, gateway {cpu['gateway']:.2f}, server, "
-            f"agent, their tools and the kernel {cpu['rest']:.2f})"
-        )
-        print(
-            f"    ({whole['ok']} of {fleet_episodes} episodes as rollouts in sandboxed machines, "
-            f"{args.slots} at once, {whole['actions']} actions; per action, ms asking the "
-            f"gateway {whole['asking_ms']:.2f}, storing the checkpoint {whole['storing_ms']:.2f})"
-        )
+        for title, run in (("(4) trajectories/s: the fleet end to end vs synchronous", whole),
+                           ("    the same, episodes as warm parents' children", warm)):  # fmt: skip
+            gain = run["traj_s"] / sync_traj_s
+            print(f"{title:<{w}}{run['traj_s']:>12.1f}{sync_traj_s:>12.1f}{gain:>8.1f}x")
+            cpu = run["cpu_ms"]
+            print(f"{'      CPU ms per action, this whole machine':<{w}}"
+                  f"{cpu['total']:>12.2f}{sync_cpu_ms:>12.2f}{cpu['total'] / sync_cpu_ms:>8.1f}x")  # fmt: skip
+            machines = "unread" if cpu["machines"] is None else f"{cpu['machines']:.2f}"
+            print(f"      (of the fleet's: machines {machines}, gateway {cpu['gateway']:.2f}, "
+                  f"server, agent, their tools and the kernel {cpu['rest']:.2f})")
+            print(f"      ({run['ok']} of {fleet_episodes} episodes as rollouts, {args.slots} at "
+                  f"once, {run['actions']} actions; per action, ms asking the gateway "
+                  f"{run['asking_ms']:.2f}, storing the checkpoint {run['storing_ms']:.2f})")
     print(f"{'    only the gateway: 64 in-process episode loops':<{w}}"
           f"{traj_s:>12.1f}{sync_traj_s:>12.1f}{out['gateway_pipeline_gain']:>8.1f}x")  # fmt: skip
     print(f"{'    ms per action (shipped policy): via gateway vs bare call':<{w}}"

@@ -21,6 +21,7 @@ from fleet.agent import journal
 from fleet.agent.capabilities import RuntimeChoice, capabilities, make_runtime
 from fleet.agent.checkpoints import RELAY_ADDRESS, CheckpointRelay
 from fleet.agent.journal import AttemptJournal
+from fleet.agent.passage import CHECKPOINTS_SOCKET, GATEWAY_SOCKET, GatewaySplice, child_address
 from fleet.core.errors import (
     Aborted,
     ErrorCode,
@@ -39,7 +40,7 @@ from fleet.image.store import ImageStore
 from fleet.runtime.base import Leftover, Machine, MachineSpec, Runtime, resolve_secrets
 from fleet.runtime.namespace import NamespaceRuntime
 from fleet.runtime.netns import NetConfig
-from fleet.runtime.warm import NamespaceParent
+from fleet.runtime.warm import NamespaceParent, WarmChild
 from fleet.server import convert
 from fleet.server.convert import MAX_EGRESS_EVENTS
 
@@ -81,6 +82,8 @@ class _Running:
     results: list[StepResult] = field(default_factory=list)
     machine: Machine | None = None
     relay: CheckpointRelay | None = None
+    splice: GatewaySplice | None = None
+    """A warm child's way to the gateway (other machines reach it over their own link)."""
     adopt: Leftover | None = None
     """The machine an earlier run of this agent left running this attempt (after a restart)."""
 
@@ -305,10 +308,14 @@ class Agent:
         await self._complete(stub, completion, log_)
         await asyncio.to_thread(AttemptJournal(self.journal_dir, a.work_id, a.fencing_token).remove)
 
-    async def _checkpoint_relay(self, machine: Machine, a: Assignment) -> CheckpointRelay | None:
-        """Where the machine stores its state between model calls (namespace machines)."""
+    async def _checkpoint_relay(
+        self, machine: Machine, a: Assignment
+    ) -> tuple[CheckpointRelay, str] | None:
+        """Where the machine stores its state between model calls (namespace machines and warm
+        children), and how a step there names it (`FLEET_CHECKPOINTS`)."""
         net = getattr(machine, "net", None)
-        if net is None or self._stub is None:
+        warm = isinstance(machine, WarmChild)
+        if (net is None and not warm) or self._stub is None:
             why = "the machine has no network namespace of its own for the relay"
             self.log.warning("checkpoints_unavailable", rollout_id=a.rollout_id, reason=why)
             return None
@@ -333,9 +340,22 @@ class Agent:
                         raise Unavailable(why) from exc
                     await asyncio.sleep(0.2)
 
-        relay = CheckpointRelay(net.path, a.checkpoint_sequence, a.checkpoint, put)
-        await relay.start()
-        return relay
+        relay = CheckpointRelay(a.checkpoint_sequence, a.checkpoint, put)
+        if isinstance(machine, WarmChild):
+            await relay.start_unix(machine.sockets)
+            return relay, child_address(CHECKPOINTS_SOCKET)
+        assert net is not None
+        await relay.start_in_netns(net.path)
+        return relay, "{}:{}".format(*RELAY_ADDRESS)
+
+    async def _gateway_splice(self, child: WarmChild, gateway: tuple[str, int]) -> GatewaySplice:
+        """The gateway for a warm child, on a socket the agent joins to the gateway's endpoint
+        (`host`: this host, reached from the uplink's namespace as the machines' links are)."""
+        net = self.config.net or NetConfig()
+        where = ("127.0.0.1" if gateway[0] == "host" else gateway[0], gateway[1])
+        splice = GatewaySplice(child.sockets, where, net.uplink_path)
+        await splice.start()
+        return splice
 
     def _branching(self, spec: Smolfile, steps: list[tuple[int, Step]]) -> str | None:
         """The warm-up code when this rollout runs as copy-on-write children of a warm parent.
@@ -367,7 +387,10 @@ class Agent:
                 return parent
             labels = {"fleet": "1", "host": self.caps.host_id, "parent": key}
             machine = await self.runtime.create(
-                spec.model_copy(update={"name": f"fleet-parent-{key}", "labels": labels})
+                # The parent itself reaches nothing: its children get the gateway as a socket.
+                spec.model_copy(
+                    update={"name": f"fleet-parent-{key}", "labels": labels, "gateway": None}
+                )
             )
             try:
                 for command in spec.smolfile.init:
@@ -410,6 +433,8 @@ class Agent:
         completion = await self._attempt(running, log_)
         if running.relay is not None:
             await running.relay.stop()
+        if running.splice is not None:
+            await running.splice.stop()
         machine = running.machine
         if machine is None:
             return completion
@@ -485,9 +510,10 @@ class Agent:
                 )  # fmt: skip
             steps = list(enumerate(a.manifest.steps))
             warm = self._branching(parsed.spec, steps)
-            if warm is not None and (parsed.spec.egress_requested or spec.gateway is not None):
+            if warm is not None and parsed.spec.egress_requested:
                 # A warm parent's child has a network of its own with nothing beyond its
-                # loopback. A machine that reaches out gets its own namespace, firewall and
+                # loopback (the gateway and the checkpoint relay reach it as sockets the agent
+                # serves). A machine that reaches out gets its own namespace, firewall and
                 # resolver instead, and each later step starts from the warm-up's state by
                 # running the warm-up first (what a fork of the parent would have had).
                 steps = [(i, with_warm_up(step, warm)) for i, step in steps[1:]]
@@ -520,6 +546,13 @@ class Agent:
                     parent = await self._warm_parent(a, spec, warm)
                     machine = await parent.branch(spec.name)
                     steps = steps[1:]  # the warm-up ran once, in the parent
+                    if spec.gateway is not None and egress is not None:
+                        how = (f"ran as a warm parent's child: its own loopback only, the "
+                               f"gateway through {child_address(GATEWAY_SOCKET)}, joined by "
+                               f"the agent")  # fmt: skip
+                        egress = egress.model_copy(
+                            update={"enforced_by": f"{egress.enforced_by}; {how}"}
+                        )
                 else:
                     machine = await self.runtime.create(spec)
             running.machine = machine
@@ -530,10 +563,12 @@ class Agent:
             }
             if spec.gateway is not None:
                 extra_env["FLEET_INFERENCE_TOKEN"] = a.inference_token
+                if isinstance(machine, WarmChild):
+                    running.splice = await self._gateway_splice(machine, spec.gateway)
+                    extra_env["FLEET_GATEWAY"] = child_address(GATEWAY_SOCKET)
                 relay = await self._checkpoint_relay(machine, a)
                 if relay is not None:
-                    running.relay = relay
-                    extra_env["FLEET_CHECKPOINTS"] = "{}:{}".format(*RELAY_ADDRESS)
+                    running.relay, extra_env["FLEET_CHECKPOINTS"] = relay
             init_commands = [] if warm is not None or record.init_done else parsed.spec.init
             for command in init_commands:
                 init = await machine.exec(

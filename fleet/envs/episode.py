@@ -59,6 +59,23 @@ def _read_reply(stream) -> tuple[int, dict, bytes]:  # type: ignore[no-untyped-d
     return int(parts[1]), headers, data
 
 
+def _connect(where: str, timeout: float) -> socket.socket:
+    """`host:port`, or `unix:PATH` (how a warm parent's child reaches the agent's sockets)."""
+    if where.startswith("unix:"):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(where.removeprefix("unix:"))
+        except OSError:
+            sock.close()
+            raise
+        return sock
+    host, _, port = where.rpartition(":")
+    sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
 def call(where: str, method: str, path: str, body: bytes | None = None, timeout: float = 30):  # type: ignore[no-untyped-def]
     """(status, lower-cased headers, body) of one request, on a connection kept per endpoint.
 
@@ -67,17 +84,16 @@ def call(where: str, method: str, path: str, body: bytes | None = None, timeout:
     new one.
     """
     data = body or b""
+    host = "localhost" if where.startswith("unix:") else where
     request = (
-        f"{method} {path} HTTP/1.1\r\nHost: {where}\r\nContent-Type: application/json\r\n"
+        f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(data)}\r\n\r\n"
     ).encode("latin-1") + data
     for attempt in (1, 2):
         conn = _CONNECTIONS.get(where)
         try:
             if conn is None:
-                host, _, port = where.rpartition(":")
-                sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock = _connect(where, timeout)
                 conn = _CONNECTIONS[where] = (sock, sock.makefile("rb"))
             conn[0].settimeout(timeout)
             conn[0].sendall(request)
@@ -169,11 +185,20 @@ def run_episode(seed: int) -> dict:  # type: ignore[type-arg]
             "checkpoint_ms": round(1000 * sum(stored) / max(1, len(stored)), 3)}  # fmt: skip
 
 
-def program(seed: int) -> list[str]:
-    """The step's argv: python3 -c with the environment and this client inlined."""
+def source() -> str:
+    """The environment and this client as one module's source (what a warm-up loads)."""
     here = Path(__file__).parent
     parts = [(here / "gridworld.py").read_text(), Path(__file__).read_text()]
     future = "from __future__ import annotations\n"
-    source = future + "".join(part.replace(future, "") for part in parts)
-    source += f"\nprint(json.dumps(run_episode({int(seed)})), flush=True)\n"
-    return ["python3", "-c", source]
+    return future + "".join(part.replace(future, "") for part in parts)
+
+
+def program(seed: int) -> list[str]:
+    """The step's argv: python3 -c with the environment and this client inlined."""
+    code = source() + f"\nprint(json.dumps(run_episode({int(seed)})), flush=True)\n"
+    return ["python3", "-c", code]
+
+
+def warm_step(seed: int) -> list[str]:
+    """The step's argv in a warm parent's child whose warm-up step was `source()`."""
+    return ["python3", "-c", f"print(json.dumps(run_episode({int(seed)})), flush=True)"]

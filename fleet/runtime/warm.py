@@ -71,6 +71,11 @@ class WarmChild:
     def layer(self) -> Path:
         return self.parent.ctl / "children" / self.cid
 
+    @property
+    def sockets(self) -> Path:
+        """Where the agent puts the sockets this child reaches (`/run/fleet` in the child)."""
+        return self.layer / "sockets"
+
     async def _fork(self, step: dict[str, Any] | None) -> int:
         """Forks the child (set up, waiting for its step) and moves it into its cgroup."""
         reply = await self.parent.call({"op": "spawn", "id": self.cid, **(step or {})})

@@ -10,6 +10,10 @@ whatever the children should find already in memory. Then it serves JSON lines o
                                     (a pool child is spawned without a step, ahead of need)
     {"op": "wait", "id": ID}        -> {"id": ID, "status": waitpid status}
 
+Each child also finds `/run/fleet` in its root: its directory `children/ID/sockets`, bound
+read-only, where the agent puts the Unix sockets of what the child may reach beyond its
+loopback (the inference gateway, the checkpoint relay), if its rollout uses any.
+
 A child is a copy-on-write fork() of this process. Before its step runs it enters new user,
 mount, UTS, IPC and network namespaces (its network: a loopback of its own, so children of one
 parent cannot reach each other's sockets), mounts its own overlay (its writable layer over the
@@ -36,7 +40,9 @@ from typing import Any
 CTL = "/run/fleet"
 NEWNS, NEWUTS, NEWIPC, NEWUSER, NEWNET = 0x20000, 0x04000000, 0x08000000, 0x10000000, 0x40000000
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
-MS_BIND, MS_REC = 4096, 16384
+MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC = 1, 32, 4096, 16384
+# statvfs flag -> mount flag: nosuid, nodev, noexec, noatime, nodiratime, relatime
+STATVFS_TO_MS = ((2, 2), (4, 4), (8, 8), (1024, 1024), (2048, 2048), (4096, 1 << 21))
 PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
 
 libc = ctypes.CDLL(None, use_errno=True)
@@ -80,6 +86,13 @@ def become_machine(cid: str) -> None:
         target = (f"{merged}/{fs}").encode()
         check(libc.mount(("/" + fs).encode(), target, None, MS_BIND | MS_REC, None), fs)
     check(libc.mount(b"tmpfs", (merged + "/tmp").encode(), b"tmpfs", 0, None), "tmp")
+    run = (merged + CTL).encode()
+    os.makedirs(run, exist_ok=True)
+    check(libc.mount((base + "/sockets").encode(), run, None, MS_BIND, None), "sockets")
+    # A remount in a user namespace must keep the flags it inherited (they are locked).
+    kept = os.statvfs(run).f_flag
+    locked = sum(ms for st, ms in STATVFS_TO_MS if kept & st)
+    check(libc.mount(None, run, None, MS_BIND | MS_REMOUNT | MS_RDONLY | locked, None), "ro")
     loopback_up()
     os.chroot(merged)
 
@@ -161,7 +174,7 @@ def serve(conn: socket.socket, program: bytes) -> None:
 def handle(request: dict[str, Any], program: bytes) -> dict[str, Any]:
     op, cid = request.get("op"), str(request.get("id", ""))
     if op == "spawn":
-        for sub in ("upper", "work", "merged"):
+        for sub in ("upper", "work", "merged", "sockets"):
             os.makedirs(f"{CTL}/children/{cid}/{sub}", exist_ok=True)
         go_read, go_write = os.pipe()
         with lock:  # the reaper must see the entry before the child can exit

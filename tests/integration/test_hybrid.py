@@ -19,7 +19,7 @@ import torch
 
 from fleet._proto.fleet.v1 import fleet_pb2, types_pb2
 from fleet.core.placement import HostClass
-from fleet.envs.episode import program
+from fleet.envs.episode import program, source, warm_step
 from fleet.envs.gridworld import GridWorld, argmax
 from fleet.image.store import ImageStore
 from fleet.runtime.netns import NetConfig, in_netns
@@ -113,6 +113,70 @@ def test_a_machine_gets_each_action_from_the_gateway(tmp_path: Path, images: Ima
     assert b"refused" in blocked.results[0].stderr
     assert [e.kind for e in events] == ["connect"]
     assert "host's own address" in events[0].reason
+
+
+# Run in a warm child after the episode: nothing but the agent's sockets is reachable.
+CONFINED = """
+import os, socket, sys
+sys.stdout.write(" ".join(sorted(os.listdir("/run/fleet"))) + "\\n")
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3)
+    print("reached the gateway directly")
+except OSError as exc:
+    print("no route:", type(exc).__name__)
+try:
+    open("/run/fleet/mine", "w")
+    print("wrote into /run/fleet")
+except OSError as exc:
+    print("read-only:", exc.errno)
+"""
+
+
+def test_a_warm_child_gets_actions_and_stores_checkpoints_through_the_agents_sockets(
+    tmp_path: Path, images: ImageStore
+) -> None:
+    """A [branch] rollout that uses the gateway runs as a warm parent's child: its actions
+    come through gateway.sock, its checkpoints go through checkpoints.sock, and nothing else
+    (not even the gateway's own address) is reachable from it."""
+
+    async def body() -> tuple[Any, list[tuple[int, int, bytes]]]:
+        with networld() as world:
+            async with gateway_on_uplink(world) as port, harness(tmp_path, images) as h:
+                net = NetConfig(uplink_netns=world.uplink, dns_upstream=world.dns)
+                await h.start_agent("cpu-a", HostClass.CPU, net=net, gateway=(GATEWAY[0], port))
+                submitted = await h.fleet.SubmitRollout(
+                    fleet_pb2.SubmitRolloutRequest(
+                        request_id="warm-hybrid", idempotency_key="warm-hybrid",
+                        smolfile='image = "minimal"\n[branch]\nenabled = true\n',
+                        smolfile_name="test.smolfile",
+                        steps=[
+                            types_pb2.Step(name="warm-up", argv=["python3", "-c", source()],
+                                           timeout_s=60),
+                            types_pb2.Step(name="episode", argv=warm_step(7), timeout_s=60),
+                            types_pb2.Step(name="confined", timeout_s=30, argv=[
+                                "python3", "-c", CONFINED, GATEWAY[0], str(port)]),
+                        ],
+                        requirements=types_pb2.Requirements(inference=True),
+                    )
+                )  # fmt: skip
+                rid = submitted.rollout.id
+                done = await h.wait_final(rid)
+                return done, h.server.core.ledger.checkpoints(rid)
+
+    done, saved = asyncio.run(body())
+    assert done.state == types_pb2.ROLLOUT_STATE_SUCCEEDED, [r.stderr[-800:] for r in done.results]
+    episode = json.loads(done.results[0].stdout)
+    assert episode["actions"] == local_episode(7)
+    assert episode["devices"] == ["cpu"]
+    # One checkpoint per action, through the relay's socket, under attempt 1, the last whole.
+    assert [seq for seq, _, _ in saved] == list(range(1, len(episode["actions"]) + 1))
+    assert {attempt for _, attempt, _ in saved} == {1}
+    assert json.loads(saved[-1][2])["actions"] == episode["actions"]
+    assert done.results[1].stdout.decode().splitlines() == [
+        "checkpoints.sock gateway.sock", "no route: OSError", "read-only: 30",
+    ]  # fmt: skip
+    assert "warm parent's child" in done.egress.enforced_by
+    assert "gateway.sock" in done.egress.enforced_by
 
 
 def test_a_deep_gateway_queue_holds_inference_rollouts_while_cpu_work_goes_on(
