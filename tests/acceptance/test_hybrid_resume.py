@@ -12,7 +12,7 @@ import pytest
 
 from fleet._proto.fleet.v1 import fleet_pb2, types_pb2
 from fleet.core.placement import HostClass
-from fleet.envs.episode import program
+from fleet.envs.episode import program, source, warm_step
 from fleet.image.store import ImageStore
 from fleet.runtime.namespace import NamespaceRuntime
 from fleet.runtime.netns import NetConfig
@@ -31,13 +31,17 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
     p.stop_all()
 
 
-@pytest.mark.parametrize("rescue", ["another host", "the same host restarted"])
+@pytest.mark.parametrize(
+    "rescue", ["another host", "the same host restarted", "another host, as warm children"]
+)
 def test_a_killed_worker_resumes_from_its_last_checkpoint(
     tmp_path: Path, images: ImageStore, procs: Procs, rescue: str
 ) -> None:
     """The episode goes on from its last checkpoint: the same trajectory, no step duplicated
     or missing. On another host that is a second attempt in a new machine; an agent restarted
-    under the same host id adopts the machine and its lease, and the attempt goes on."""
+    under the same host id adopts the machine and its lease, and the attempt goes on. As a
+    warm parent's child (gateway and relay through the agent's sockets), the child dies with
+    its agent and the second attempt is a child of the rescuer's own warm parent."""
 
     async def body() -> tuple[types_pb2.Rollout, list[tuple[int, int, bytes]], int]:
         with networld() as world:
@@ -54,15 +58,23 @@ def test_a_killed_worker_resumes_from_its_last_checkpoint(
                         if any(host.host_id == "doomed" for host in ledger.hosts()):
                             break
                         await asyncio.sleep(0.05)
-                    argv = program(SEED)
+                    delay = {"FLEET_EPISODE_STEP_DELAY_S": "0.15"}
+                    smolfile, steps = (
+                        'image = "minimal"\n',
+                        [types_pb2.Step(argv=program(SEED), timeout_s=120, env=delay)],
+                    )
+                    if "warm" in rescue:
+                        smolfile += "[branch]\nenabled = true\n"
+                        steps = [
+                            types_pb2.Step(name="warm-up", argv=["python3", "-c", source()],
+                                           timeout_s=60),
+                            types_pb2.Step(name="episode", argv=warm_step(SEED), timeout_s=120,
+                                           env=delay),
+                        ]  # fmt: skip
                     submitted = await h.fleet.SubmitRollout(
                         fleet_pb2.SubmitRolloutRequest(
                             request_id="r", idempotency_key="resume",
-                            smolfile='image = "minimal"\n',
-                            steps=[types_pb2.Step(
-                                argv=argv, timeout_s=120,
-                                env={"FLEET_EPISODE_STEP_DELAY_S": "0.15"},
-                            )],
+                            smolfile=smolfile, steps=steps,
                             requirements=types_pb2.Requirements(inference=True),
                             retry=types_pb2.RetryPolicy(max_attempts=3),
                         )
@@ -74,7 +86,7 @@ def test_a_killed_worker_resumes_from_its_last_checkpoint(
                         await asyncio.sleep(0.05)
                     doomed.kill9()
                     saved_at_kill = len(ledger.checkpoints(rid))
-                    if rescue == "another host":
+                    if rescue.startswith("another host"):
                         await h.start_agent("rescuer", HostClass.CPU, net=net,
                                             gateway=(GATEWAY[0], port))  # fmt: skip
                     else:
@@ -88,14 +100,15 @@ def test_a_killed_worker_resumes_from_its_last_checkpoint(
 
     final, checkpoints, saved_at_kill = asyncio.run(body())
     assert final.state == types_pb2.ROLLOUT_STATE_SUCCEEDED, final.error
-    episode = json.loads(final.results[0].stdout)
+    episode = json.loads(final.results[-1].stdout)
     assert episode["actions"] == local_episode(SEED)  # no step duplicated or missing
     assert episode["resumed_at"] >= saved_at_kill >= 4
     assert [a.outcome for a in final.attempt_history][-1] == "SUCCEEDED"
     # One checkpoint per step, numbered without gaps.
     assert [seq for seq, _, _ in checkpoints] == list(range(1, len(episode["actions"]) + 1))
-    if rescue == "another host":
-        assert len(final.attempt_history) == 2
+    assert ("warm parent's child" in final.egress.enforced_by) == ("warm" in rescue)
+    if rescue.startswith("another host"):
+        assert len(final.attempt_history) == 2 and final.host_id == "rescuer"
         assert {attempt for _, attempt, _ in checkpoints} == {1, 2}
     else:  # adopted: the same attempt went on, in the same machine, on the same host
         assert len(final.attempt_history) == 1 and final.host_id == "doomed"
