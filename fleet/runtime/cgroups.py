@@ -99,6 +99,13 @@ class MachineCgroup:
             self.remove()
             raise Unavailable(f"cannot set up cgroup for machine {self.name}: {exc}") from exc
 
+    def set_memory_limit(self, mib: int) -> None:
+        """Changes the memory limit (OSError where the group holds more than `mib` now)."""
+        if self.version == "v2":
+            (self.dirs["all"] / "memory.max").write_text(str(mib * 1024 * 1024))
+        else:
+            (self.dirs["memory"] / "memory.limit_in_bytes").write_text(str(mib * 1024 * 1024))
+
     def oom_kills(self) -> int:
         """How many processes the kernel killed for exceeding the memory limit."""
         if self.version == "v2":

@@ -28,14 +28,17 @@ LOADED_AT = time.time()
 """
 
 
-def with_parent(rootfs: Path, tmp_path: Path, body: Callable[[NamespaceParent], Awaitable[T]]) -> T:
+def with_parent(
+    rootfs: Path, tmp_path: Path, body: Callable[[NamespaceParent], Awaitable[T]],
+    smolfile: str = 'image = "minimal"\n', warmup: str = WARMUP,
+) -> T:  # fmt: skip
     async def go() -> T:
         runtime = NamespaceRuntime(tmp_path / "machines")
         spec = MachineSpec(
-            name=f"wp-{uuid.uuid4().hex[:6]}", smolfile=parse_smolfile('image = "minimal"\n').spec,
+            name=f"wp-{uuid.uuid4().hex[:6]}", smolfile=parse_smolfile(smolfile).spec,
             image_digest="sha256:x", rootfs=rootfs, labels={"host": "warm-test"},
         )  # fmt: skip
-        parent = await NamespaceParent.create(runtime, await runtime.create(spec), WARMUP)
+        parent = await NamespaceParent.create(runtime, await runtime.create(spec), warmup)
         try:
             return await body(parent)
         finally:
@@ -209,3 +212,34 @@ def test_pool_children_are_forked_ahead_and_run_like_any_other(
             await parent.delete()
 
     assert asyncio.run(go()) == [f"policy-v1 pooled-{i}\n".encode() for i in range(4)]
+
+
+def test_a_small_parent_keeps_many_live_children(rootfs: Path, tmp_path: Path) -> None:
+    """Pages the fork server writes after each fork stay charged to the parent's cgroup while
+    children hold the originals: its limit grows with its live children, and shrinks back."""
+
+    def limit_mib(parent: NamespaceParent) -> int:
+        cgroup = parent.machine.cgroup
+        if cgroup.version == "v2":
+            return int((cgroup.dirs["all"] / "memory.max").read_text()) >> 20
+        return int((cgroup.dirs["memory"] / "memory.limit_in_bytes").read_text()) >> 20
+
+    async def body(parent: NamespaceParent) -> tuple[list[int], list[bytes], int, int]:
+        children = []
+        for i in range(48):  # as a pool holds them: forked, set up, waiting
+            child = await parent.branch(f"kid-{i}")
+            await child.prepare()
+            children.append(child)
+        grown = limit_mib(parent)
+        results = [await c.exec(["python3", "-c", "print(len(STATE))"], timeout_s=30)
+                   for c in children]  # fmt: skip
+        for child in children:
+            await child.delete()
+        return [r.exit_code for r in results], [r.stdout for r in results], grown, limit_mib(parent)
+
+    codes, outs, grown, after = with_parent(
+        rootfs, tmp_path, body, smolfile='image = "minimal"\nmemory = 64\n',
+        warmup="STATE = bytearray(24 << 20)\n",
+    )  # fmt: skip
+    assert codes == [0] * 48 and outs == [b"25165824\n"] * 48
+    assert grown == 64 + 4 * 48 and after == 64
