@@ -357,24 +357,6 @@ class Agent:
         await splice.start()
         return splice
 
-    def _branching(self, spec: Smolfile, steps: list[tuple[int, Step]]) -> str | None:
-        """The warm-up code when this rollout runs as copy-on-write children of a warm parent.
-
-        That is a Smolfile with `[branch] enabled = true` on the namespace runtime whose first
-        step is named `warm-up` and is `python3 -c CODE`: CODE runs once per parent, and every
-        later step finds what it loaded already in memory.
-        """
-        if not (spec.branch and spec.branch.enabled) or not isinstance(
-            self.runtime, NamespaceRuntime
-        ):
-            return None
-        if not steps or steps[0][1].name != "warm-up":
-            return None
-        argv = list(steps[0][1].argv)
-        if len(argv) != 3 or argv[0] != "python3" or argv[1] != "-c":
-            raise InvalidArgument("the warm-up step must be python3 -c CODE")
-        return argv[2]
-
     async def _warm_parent(self, a: Assignment, spec: MachineSpec, warmup: str) -> NamespaceParent:
         """This host's warm parent for the rollout's image, Smolfile and warm-up (made once)."""
         assert isinstance(self.runtime, NamespaceRuntime)
@@ -509,16 +491,10 @@ class Agent:
                             f"({where}), with a token for this rollout"}
                 )  # fmt: skip
             steps = list(enumerate(a.manifest.steps))
-            warm = self._branching(parsed.spec, steps)
-            if warm is not None and parsed.spec.egress_requested:
-                # A warm parent's child has a network of its own with nothing beyond its
-                # loopback (the gateway and the checkpoint relay reach it as sockets the agent
-                # serves). A machine that reaches out gets its own namespace, firewall and
-                # resolver instead, and each later step starts from the warm-up's state by
-                # running the warm-up first (what a fork of the parent would have had).
-                steps = [(i, with_warm_up(step, warm)) for i, step in steps[1:]]
-                warm = None
-                why = "a warm parent's children have no network beyond their loopback"
+            steps, warm, why = warm_plan(
+                parsed.spec, steps, isinstance(self.runtime, NamespaceRuntime), runtime_name
+            )
+            if why:
                 log_.info("warm_parent_not_used", reason=why)
                 if egress is not None:
                     egress = egress.model_copy(
@@ -660,6 +636,33 @@ class Agent:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
         log_.error("completion_undelivered", note="the lease will expire and the work rerun")
+
+
+def warm_plan(
+    spec: Smolfile, steps: list[tuple[int, Step]], forks_children: bool, runtime_name: str
+) -> tuple[list[tuple[int, Step]], str | None, str]:
+    """(the steps to run, the warm-up code when they run as a warm parent's children, and why
+    they do not where the rollout asked to).
+
+    A rollout asks with `[branch] enabled = true` and a first step named `warm-up` that is
+    `python3 -c CODE`: CODE runs once per parent, and every later step finds what it loaded
+    already in memory. Where that cannot be (a Smolfile that asks for egress: a child has no
+    network beyond its loopback; a runtime that forks no children), each later step runs the
+    warm-up first, in its own interpreter, and so starts from the state a fork would have had.
+    """
+    if not (spec.branch and spec.branch.enabled) or not steps or steps[0][1].name != "warm-up":
+        return steps, None, ""
+    argv = list(steps[0][1].argv)
+    if len(argv) != 3 or argv[0] != "python3" or argv[1] != "-c":
+        raise InvalidArgument("the warm-up step must be python3 -c CODE")
+    warm = argv[2]
+    if spec.egress_requested:
+        why = "a warm parent's children have no network beyond their loopback"
+    elif not forks_children:
+        why = f"this host's {runtime_name} runtime forks no warm children"
+    else:
+        return steps, warm, ""
+    return [(i, with_warm_up(step, warm)) for i, step in steps[1:]], None, why
 
 
 def with_warm_up(step: Step, warm_up: str) -> Step:

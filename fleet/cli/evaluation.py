@@ -1,9 +1,11 @@
 """The demo's second part: evaluate the shipped policy on gridworld episodes through the gateway.
 
-Each episode is a rollout on a CPU-class machine that steps the environment itself and asks the
-gateway (on this host) for every action, storing a checkpoint after each one. The gateway
-batches the actions of all running episodes. The report gives the evaluation result and the
-pipeline's figures, and a PNG chart of throughput and gateway queue depth over time.
+Each episode is a rollout that steps the environment itself and asks the gateway (on this host)
+for every action, storing a checkpoint after each one: a copy-on-write child of its host's warm
+parent, which loaded the environment and the client once
+(`smolfiles/gridworld-episode.smolfile`). The gateway batches the actions of all running
+episodes. The report gives the evaluation result and the pipeline's figures, and a PNG chart of
+throughput and gateway queue depth over time.
 """
 
 from __future__ import annotations
@@ -23,11 +25,11 @@ from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
 from fleet.cli.chart import line_chart
 from fleet.cli.demo import FINAL, print_table
 from fleet.config import Paths
-from fleet.envs.episode import program
+from fleet.envs.episode import source, warm_step
 
 NEAR_GATEWAY = 8
 """Episodes that ask to run on the GPU host, next to the gateway, for the latency comparison."""
-SMOLFILE = Path(__file__).resolve().parents[2] / "smolfiles" / "minimal.smolfile"
+SMOLFILE = Path(__file__).resolve().parents[2] / "smolfiles" / "gridworld-episode.smolfile"
 
 
 @dataclass
@@ -97,8 +99,11 @@ async def evaluate(
             reply = await stub.SubmitRollout(
                 fleet_pb2.SubmitRolloutRequest(
                     request_id=f"eval-{run_id}-{seed}", idempotency_key=f"eval-{run_id}-{seed}",
-                    smolfile=SMOLFILE.read_text(), smolfile_name="smolfiles/minimal.smolfile",
-                    steps=[types_pb2.Step(name="episode", argv=program(seed), timeout_s=300)],
+                    smolfile=SMOLFILE.read_text(),
+                    smolfile_name=f"smolfiles/{SMOLFILE.name}",
+                    steps=[types_pb2.Step(name="warm-up", argv=["python3", "-c", source()],
+                                          timeout_s=120),
+                           types_pb2.Step(name="episode", argv=warm_step(seed), timeout_s=300)],
                     labels={"demo": run_id, "suite": "gridworld-eval", "seed": str(seed)},
                     versions=types_pb2.Versions(
                         policy=f"{spec.name}@{spec.revision}", environment="gridworld-7x7",
@@ -139,12 +144,12 @@ async def evaluate(
     results = []
     for r in rollouts:
         if r.state == types_pb2.ROLLOUT_STATE_SUCCEEDED and r.results:
-            results.append(json.loads(r.results[0].stdout))
+            results.append(json.loads(r.results[-1].stdout))
     by_place: dict[str, list[float]] = {}
     for r in rollouts:
         if r.state == types_pb2.ROLLOUT_STATE_SUCCEEDED and r.results:
             place = "gpu" if r.host_class == types_pb2.HOST_CLASS_GPU else "cpu"
-            by_place.setdefault(place, []).append(json.loads(r.results[0].stdout)["action_ms"])
+            by_place.setdefault(place, []).append(json.loads(r.results[-1].stdout)["action_ms"])
     m = gw.batcher.metrics
     sizes = {k: v - sizes_before.get(k, 0) for k, v in m.batch_sizes.items()}
     batches = sum(sizes.values())

@@ -1,0 +1,57 @@
+"""Which rollouts run as a warm parent's children, and what the others run instead."""
+
+from __future__ import annotations
+
+import pytest
+
+from fleet.agent.agent import warm_plan
+from fleet.core.errors import InvalidArgument
+from fleet.core.manifest import Step
+from fleet.core.smolfile import parse_smolfile
+
+BRANCH = 'image = "minimal"\n[branch]\nenabled = true\n'
+WARM = "STATE = 41"
+
+
+def steps(*argvs: tuple[str, ...], first: str = "warm-up") -> list[tuple[int, Step]]:
+    return [
+        (i, Step(name=first if i == 0 else f"s{i}", argv=argv, timeout_s=10))
+        for i, argv in enumerate(argvs)
+    ]
+
+
+PLAN = steps(("python3", "-c", WARM), ("python3", "-c", "print(STATE + 1)"), ("true",))
+
+
+def test_a_branching_rollout_on_a_forking_runtime_keeps_its_steps_and_names_its_warm_up() -> None:
+    planned, warm, why = warm_plan(parse_smolfile(BRANCH).spec, PLAN, True, "namespace")
+    assert (planned, warm, why) == (PLAN, WARM, "")
+
+
+@pytest.mark.parametrize(
+    ("smolfile", "forks", "reason"),
+    [
+        (BRANCH + '[network]\nallow_hosts = ["a.example"]\n', True, "no network beyond"),
+        (BRANCH, False, "this host's smol runtime forks no warm children"),
+    ],
+)
+def test_where_it_cannot_fork_each_python_step_runs_the_warm_up_first(
+    smolfile: str, forks: bool, reason: str
+) -> None:
+    planned, warm, why = warm_plan(parse_smolfile(smolfile).spec, PLAN, forks, "smol")
+    assert warm is None and reason in why
+    assert [i for i, _ in planned] == [1, 2]  # the warm-up step itself is not run alone
+    assert planned[0][1].argv == ("python3", "-c", f"{WARM}\nprint(STATE + 1)")
+    assert planned[1][1].argv == ("true",)  # not python: as it was
+
+
+def test_no_branch_table_or_no_warm_up_step_means_plain_steps() -> None:
+    plain = parse_smolfile('image = "minimal"\n').spec
+    assert warm_plan(plain, PLAN, True, "namespace") == (PLAN, None, "")
+    unnamed = steps(("python3", "-c", WARM), first="setup")
+    assert warm_plan(parse_smolfile(BRANCH).spec, unnamed, True, "namespace") == (unnamed, None, "")
+
+
+def test_a_warm_up_that_is_not_python_c_is_refused() -> None:
+    with pytest.raises(InvalidArgument, match="python3 -c CODE"):
+        warm_plan(parse_smolfile(BRANCH).spec, steps(("sh", "-c", "true")), False, "smol")
