@@ -19,11 +19,10 @@ import structlog
 from fleet._proto.fleet.v1 import host_pb2, host_pb2_grpc
 from fleet.agent import journal
 from fleet.agent.capabilities import RuntimeChoice, capabilities, make_runtime
-from fleet.agent.checkpoints import RELAY_ADDRESS, CheckpointRelay
+from fleet.agent.checkpoints import RELAY_ADDRESS, CheckpointRelay, CheckpointSender
 from fleet.agent.journal import AttemptJournal
 from fleet.agent.passage import CHECKPOINTS_SOCKET, GATEWAY_SOCKET, GatewaySplice, child_address
 from fleet.core.errors import (
-    Aborted,
     ErrorCode,
     FailedPrecondition,
     FleetError,
@@ -99,6 +98,7 @@ class Agent:
         self._running: dict[str, _Running] = {}
         self._slot_freed = asyncio.Event()
         self._stub: host_pb2_grpc.HostServiceStub | None = None
+        self._checkpoints: CheckpointSender | None = None
         self._parents: dict[str, NamespaceParent] = {}
         self._parents_lock = asyncio.Lock()
         self._heartbeat_s = 3.0
@@ -109,6 +109,7 @@ class Agent:
         async with grpc.aio.insecure_channel(self.config.server) as channel:
             stub = host_pb2_grpc.HostServiceStub(channel)
             self._stub = stub
+            self._checkpoints = CheckpointSender(stub)
             await self._register(stub, stop)
             adopted = await self._reconcile(stub, stop)
             reaped = await self.runtime.reap(self.caps.host_id, keep=adopted)
@@ -315,30 +316,19 @@ class Agent:
         children), and how a step there names it (`FLEET_CHECKPOINTS`)."""
         net = getattr(machine, "net", None)
         warm = isinstance(machine, WarmChild)
-        if (net is None and not warm) or self._stub is None:
+        if (net is None and not warm) or self._checkpoints is None:
             why = "the machine has no network namespace of its own for the relay"
             self.log.warning("checkpoints_unavailable", rollout_id=a.rollout_id, reason=why)
             return None
-        stub = self._stub
+        sender = self._checkpoints
 
         async def put(seq: int, data: bytes) -> None:
-            request = host_pb2.PutCheckpointRequest(
-                host_id=self.caps.host_id, work_id=a.work_id, fencing_token=a.fencing_token,
-                sequence=seq, data=data,
+            await sender.put(
+                host_pb2.PutCheckpointRequest(
+                    host_id=self.caps.host_id, work_id=a.work_id, fencing_token=a.fencing_token,
+                    sequence=seq, data=data,
+                )
             )  # fmt: skip
-            for attempt in range(20):
-                try:
-                    await stub.PutCheckpoint(request, timeout=10)
-                    return
-                except grpc.aio.AioRpcError as exc:
-                    if exc.code() not in RETRYABLE or attempt == 19:
-                        why = f"checkpoint {seq}: {exc.details()}"
-                        if exc.code() == grpc.StatusCode.ABORTED:
-                            raise Aborted(why) from exc
-                        if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                            raise InvalidArgument(why) from exc
-                        raise Unavailable(why) from exc
-                    await asyncio.sleep(0.2)
 
         relay = CheckpointRelay(a.checkpoint_sequence, a.checkpoint, put)
         if isinstance(machine, WarmChild):

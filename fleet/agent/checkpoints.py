@@ -17,10 +17,12 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
+import grpc
 import structlog
 
+from fleet._proto.fleet.v1 import host_pb2, host_pb2_grpc
 from fleet.agent.passage import CHECKPOINTS_SOCKET, bind_unix
-from fleet.core.errors import FleetError
+from fleet.core.errors import FleetError, error_for
 from fleet.httpd import connection_handler, reply
 from fleet.runtime.netns import in_netns
 
@@ -30,6 +32,77 @@ RELAY_ADDRESS = ("127.0.0.54", 8080)
 MAX_BODY_BYTES = 1 << 20
 
 Put = Callable[[int, bytes], Awaitable[None]]
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+MAX_BATCH = 256
+
+
+class CheckpointSender:
+    """Sends every checkpoint of this agent's machines to the server, coalesced: those that
+    arrive while a call is in flight go together in the next PutCheckpoints call (one durable
+    commit on the server for all of them). A call that fails as a whole (the server out of
+    reach) is sent again, for up to about 4 s; a checkpoint refused alone fails only its own
+    `put`. Resending is harmless: the same sequence with the same data is stored once."""
+
+    def __init__(self, stub: host_pb2_grpc.HostServiceStub) -> None:
+        self._stub = stub
+        self._pending: list[tuple[host_pb2.PutCheckpointRequest, asyncio.Future[None]]] = []
+        self._task: asyncio.Task[None] | None = None
+        self._batched = True
+        self.calls = 0
+        """PutCheckpoints calls made (for tests and logs)."""
+
+    async def put(self, request: host_pb2.PutCheckpointRequest) -> None:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending.append((request, future))
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._flush())
+        await asyncio.shield(future)
+
+    async def _flush(self) -> None:
+        while self._pending:
+            batch = self._pending[:MAX_BATCH]
+            del self._pending[:MAX_BATCH]
+            try:
+                outcomes = await self._send([request for request, _ in batch])
+            except FleetError as exc:
+                outcomes = [exc] * len(batch)
+            for (_, future), outcome in zip(batch, outcomes, strict=True):
+                if future.done():
+                    continue
+                if outcome is None:
+                    future.set_result(None)
+                else:
+                    future.set_exception(outcome)
+
+    async def _send(self, requests: list[host_pb2.PutCheckpointRequest]) -> list[FleetError | None]:
+        for attempt in range(20):
+            try:
+                if not self._batched:
+                    return [await self._one(request) for request in requests]
+                self.calls += 1
+                reply = await self._stub.PutCheckpoints(
+                    host_pb2.PutCheckpointsRequest(checkpoints=requests), timeout=10
+                )
+                return [error_for(o.code, o.message) if o.code else None for o in reply.outcomes]
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED and self._batched:
+                    log.info("checkpoints_one_by_one", reason="the server has no PutCheckpoints")
+                    self._batched = False
+                    continue
+                if exc.code() not in RETRYABLE or attempt == 19:
+                    raise error_for(exc.code().name, f"checkpoints: {exc.details()}") from exc
+                await asyncio.sleep(0.2)
+        raise AssertionError("unreachable")
+
+    async def _one(self, request: host_pb2.PutCheckpointRequest) -> FleetError | None:
+        """PutCheckpoint alone (a server from before PutCheckpoints)."""
+        try:
+            await self._stub.PutCheckpoint(request, timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in RETRYABLE:
+                raise
+            return error_for(exc.code().name, f"checkpoint {request.sequence}: {exc.details()}")
+        return None
 
 
 class CheckpointRelay:

@@ -103,3 +103,12 @@ class PermissionDenied(FleetError):
 
 class Internal(FleetError):
     code = ErrorCode.INTERNAL
+
+
+def error_for(code: str, message: str) -> FleetError:
+    """The error a code's name stands for (as a peer reported it); INTERNAL for an unknown one."""
+    kinds = {kind.code: kind for kind in FleetError.__subclasses__()}
+    try:
+        return kinds.get(ErrorCode(code), Internal)(message)
+    except ValueError:
+        return Internal(f"{message} (unknown code {code!r})")

@@ -115,6 +115,9 @@ class Core:
         self._db.shutdown(wait=True)
 
 
+MAX_CHECKPOINTS_PER_CALL = 256
+
+
 class GroupCommit(Generic[T, R]):
     """Group commit: items that arrive while one batch is being written go together into the
     next transaction, one durable commit for all of them. `write` gets a batch and returns one
@@ -388,6 +391,33 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
              request.data)
         )  # fmt: skip
         return host_pb2.PutCheckpointResponse()
+
+    @mapped
+    async def PutCheckpoints(
+        self, request: host_pb2.PutCheckpointsRequest, context: grpc.aio.ServicerContext
+    ) -> host_pb2.PutCheckpointsResponse:
+        if len(request.checkpoints) > MAX_CHECKPOINTS_PER_CALL:
+            raise InvalidArgument(
+                f"checkpoints: at most {MAX_CHECKPOINTS_PER_CALL} per call, "
+                f"got {len(request.checkpoints)}"
+            )
+        answers = await asyncio.gather(
+            *(
+                self.checkpoints.submit((c.host_id, c.work_id, c.fencing_token, c.sequence, c.data))
+                for c in request.checkpoints
+            ),
+            return_exceptions=True,
+        )
+        outcomes = []
+        for answer in answers:
+            if isinstance(answer, FleetError):  # refused alone; the others are stored
+                outcomes.append(host_pb2.CheckpointOutcome(code=str(answer.code),
+                                                           message=answer.message))  # fmt: skip
+            elif isinstance(answer, BaseException):  # the whole batch failed: a retry may not
+                raise answer
+            else:
+                outcomes.append(host_pb2.CheckpointOutcome())
+        return host_pb2.PutCheckpointsResponse(outcomes=outcomes)
 
     @mapped
     async def ReclaimWork(

@@ -641,3 +641,55 @@ def test_list_egress_events_refuses_bad_requests(tmp_path: Path, images: ImageSt
         grpc.StatusCode.NOT_FOUND,
         grpc.StatusCode.INVALID_ARGUMENT,
     ]
+
+
+def test_put_checkpoints_stores_each_or_refuses_it_alone(
+    tmp_path: Path, images: ImageStore
+) -> None:
+    """One PutCheckpoints call: the good checkpoints are stored (a resend is harmless), a stale
+    token and another rollout's conflicting data are refused alone, with PutCheckpoint's code;
+    the agent's sender coalesces concurrent puts into fewer calls and reports the same."""
+    from fleet.agent.checkpoints import CheckpointSender
+    from fleet.core.errors import Aborted
+
+    async def body() -> tuple[
+        list[tuple[str, str]], list[tuple[int, int, bytes]], list[object], int
+    ]:
+        async with harness(tmp_path, images) as h:
+            await h.register_host("h1")
+            reply = await h.fleet.SubmitRollout(request())
+            claim = await h.hosts.ClaimWork(
+                host_pb2.ClaimWorkRequest(request_id="c", host_id="h1", max_items=1, wait_s=1)
+            )
+            item = claim.items[0]
+
+            def cp(
+                seq: int, data: bytes, token: int = item.fencing_token
+            ) -> host_pb2.PutCheckpointRequest:
+                return host_pb2.PutCheckpointRequest(
+                    host_id="h1", work_id=item.work_id, fencing_token=token, sequence=seq, data=data
+                )
+
+            answer = await h.hosts.PutCheckpoints(
+                host_pb2.PutCheckpointsRequest(checkpoints=[
+                    cp(1, b"one"), cp(2, b"two", token=item.fencing_token + 1), cp(1, b"one"),
+                    cp(2, b"two"), cp(1, b"other"),
+                ])
+            )  # fmt: skip
+            sender = CheckpointSender(h.hosts)
+            puts = [sender.put(cp(seq, b"s%d" % seq)) for seq in range(3, 11)]
+            puts.append(sender.put(cp(11, b"x", token=item.fencing_token + 1)))
+            results = await asyncio.gather(*puts, return_exceptions=True)
+            saved = h.server.core.ledger.checkpoints(reply.rollout.id)
+            return [(o.code, o.message) for o in answer.outcomes], saved, results, sender.calls
+
+    outcomes, saved, results, calls = go(body())
+    assert [code for code, _ in outcomes] == ["", "ABORTED", "", "", "ABORTED"]
+    assert "stale lease" in outcomes[1][1] and "other data" in outcomes[4][1]
+    assert [(seq, data) for seq, _, data in saved] == [
+        (1, b"one"),
+        (2, b"two"),
+        *((seq, b"s%d" % seq) for seq in range(3, 11)),
+    ]
+    assert results[:8] == [None] * 8 and isinstance(results[8], Aborted)
+    assert 1 <= calls < 9  # the nine puts went in fewer calls than one each

@@ -46,6 +46,26 @@ class PutCheckpointResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class PutCheckpointsRequest(_message.Message):
+    __slots__ = ("checkpoints",)
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    checkpoints: _containers.RepeatedCompositeFieldContainer[PutCheckpointRequest]
+    def __init__(self, checkpoints: _Optional[_Iterable[_Union[PutCheckpointRequest, _Mapping]]] = ...) -> None: ...
+
+class PutCheckpointsResponse(_message.Message):
+    __slots__ = ("outcomes",)
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    outcomes: _containers.RepeatedCompositeFieldContainer[CheckpointOutcome]
+    def __init__(self, outcomes: _Optional[_Iterable[_Union[CheckpointOutcome, _Mapping]]] = ...) -> None: ...
+
+class CheckpointOutcome(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
 class Capabilities(_message.Message):
     __slots__ = ("runtime", "isolation", "cpus", "memory_mib", "cuda_devices", "slots", "runtime_reason", "device", "gateway")
     RUNTIME_FIELD_NUMBER: _ClassVar[int]

@@ -60,6 +60,11 @@ class HostServiceStub:
                 request_serializer=fleet_dot_v1_dot_host__pb2.PutCheckpointRequest.SerializeToString,
                 response_deserializer=fleet_dot_v1_dot_host__pb2.PutCheckpointResponse.FromString,
                 _registered_method=True)
+        self.PutCheckpoints = channel.unary_unary(
+                '/fleet.v1.HostService/PutCheckpoints',
+                request_serializer=fleet_dot_v1_dot_host__pb2.PutCheckpointsRequest.SerializeToString,
+                response_deserializer=fleet_dot_v1_dot_host__pb2.PutCheckpointsResponse.FromString,
+                _registered_method=True)
         self.ReclaimWork = channel.unary_unary(
                 '/fleet.v1.HostService/ReclaimWork',
                 request_serializer=fleet_dot_v1_dot_host__pb2.ReclaimWorkRequest.SerializeToString,
@@ -104,6 +109,14 @@ class HostServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutCheckpoints(self, request, context):
+        """Many checkpoints (of any of the host's attempts) in one call and one durable commit; each
+        is stored or refused alone, with the code PutCheckpoint would have answered it with.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReclaimWork(self, request, context):
         """After an agent restart: which of the machines it found (by their labels) may it adopt?
         Work still leased to this host under the same fencing token comes back as assignments
@@ -142,6 +155,11 @@ def add_HostServiceServicer_to_server(servicer, server):
                     servicer.PutCheckpoint,
                     request_deserializer=fleet_dot_v1_dot_host__pb2.PutCheckpointRequest.FromString,
                     response_serializer=fleet_dot_v1_dot_host__pb2.PutCheckpointResponse.SerializeToString,
+            ),
+            'PutCheckpoints': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutCheckpoints,
+                    request_deserializer=fleet_dot_v1_dot_host__pb2.PutCheckpointsRequest.FromString,
+                    response_serializer=fleet_dot_v1_dot_host__pb2.PutCheckpointsResponse.SerializeToString,
             ),
             'ReclaimWork': grpc.unary_unary_rpc_method_handler(
                     servicer.ReclaimWork,
@@ -285,6 +303,33 @@ class HostService:
             '/fleet.v1.HostService/PutCheckpoint',
             fleet_dot_v1_dot_host__pb2.PutCheckpointRequest.SerializeToString,
             fleet_dot_v1_dot_host__pb2.PutCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutCheckpoints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fleet.v1.HostService/PutCheckpoints',
+            fleet_dot_v1_dot_host__pb2.PutCheckpointsRequest.SerializeToString,
+            fleet_dot_v1_dot_host__pb2.PutCheckpointsResponse.FromString,
             options,
             channel_credentials,
             insecure,
