@@ -433,8 +433,9 @@ def main() -> int:
         help="precisions part (1) serves the model in (float32 always; bfloat16 also if listed)",
     )  # fmt: skip
     parser.add_argument(
-        "--slots", type=int, default=16, help="machines the fleet runs at once in part (4)"
-    )
+        "--slots", type=int, default=64,
+        help="episodes the fleet runs at once in part (4) (as many as part (1)'s clients)",
+    )  # fmt: skip
     parser.add_argument(
         "--skip-fleet", action="store_true",
         help="leave out part (4)'s whole-fleet run (it needs namespaces and the ledger's setup)",
@@ -442,7 +443,7 @@ def main() -> int:
     args = parser.parse_args()
     quiet()
     per_client, episodes, lone = (8, 64, 40) if args.quick else (40, 256, 200)
-    fleet_episodes = 32 if args.quick else 128
+    fleet_episodes = 32 if args.quick else max(128, 4 * args.slots)
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="fleet-bench-gw-") as tmp:
         manifest = make_bench_model(Path(tmp))
