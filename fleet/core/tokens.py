@@ -11,6 +11,7 @@ Format: `v1.<payload>.<signature>`, both parts unpadded base64url; the payload i
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import hmac
 import json
@@ -59,6 +60,21 @@ def verify(secret: bytes, token: str, now: float, rollout_id: str = "") -> Token
     _check_secret(secret)
     if not token:
         raise Unauthenticated("no inference token: requests need the rollout's token")
+    rid, exp = _signed_claims(secret, token)
+    if now >= exp:
+        raise PermissionDenied(f"inference token for rollout {rid} expired at its deadline")
+    if rollout_id and rollout_id != rid:
+        raise PermissionDenied(f"inference token is scoped to rollout {rid}, not to {rollout_id}")
+    return TokenClaims(rollout_id=rid, expires_at=exp)
+
+
+@functools.lru_cache(maxsize=8192)
+def _signed_claims(secret: bytes, token: str) -> tuple[str, float]:
+    """(rollout id, expiry) of a token whose signature verifies under `secret`.
+
+    Remembered per token: a rollout's machine sends the same token with every action, and the
+    answer cannot change (only a valid signature is remembered; expiry is checked on each use).
+    """
     parts = token.split(".")
     if len(parts) != 3 or parts[0] != "v1":
         raise Unauthenticated("malformed inference token (expected v1.<payload>.<signature>)")
@@ -71,8 +87,4 @@ def verify(secret: bytes, token: str, now: float, rollout_id: str = "") -> Token
     expected = hmac.new(secret, f"v1.{parts[1]}".encode(), hashlib.sha256).digest()
     if not hmac.compare_digest(signature, expected):
         raise Unauthenticated("inference token signature does not verify (another key?)")
-    if now >= exp:
-        raise PermissionDenied(f"inference token for rollout {rid} expired at its deadline")
-    if rollout_id and rollout_id != rid:
-        raise PermissionDenied(f"inference token is scoped to rollout {rid}, not to {rollout_id}")
-    return TokenClaims(rollout_id=rid, expires_at=exp)
+    return rid, exp

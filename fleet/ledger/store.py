@@ -168,8 +168,10 @@ class _Raw:
         self._cur.execute(self._q(sql), params)
         return list(self._cur.fetchall())
 
-    def run(self, sql: str, params: tuple[Any, ...] | list[Any] = ()) -> None:
+    def run(self, sql: str, params: tuple[Any, ...] | list[Any] = ()) -> int:
+        """Runs one statement; how many rows it changed."""
         self._cur.execute(self._q(sql), params)
+        return int(self._cur.rowcount)
 
     def many(self, sql: str, rows: list[tuple[Any, ...]]) -> None:
         if rows:
@@ -971,21 +973,20 @@ class Ledger:
                 f"stale lease for {work_id} (token {fencing_token}, current "
                 f"{item.fencing_token}): this attempt may not write checkpoints"
             )
+        stored = db.run(
+            "INSERT INTO checkpoints (rollout_id, seq, attempt, data, created_at) "
+            "VALUES (?, ?, ?, ?, ?) ON CONFLICT (rollout_id, seq) DO NOTHING",
+            (item.rollout_id, seq, item.attempt, data, now),
+        )
+        if stored:
+            return
         have = db.all(
             "SELECT data FROM checkpoints WHERE rollout_id = ? AND seq = ?",
             (item.rollout_id, seq),
         )
-        if have:
-            if bytes(have[0][0]) != data:
-                raise Aborted(
-                    f"rollout {item.rollout_id} already has checkpoint {seq} with other data"
-                )
-            return  # a resend: already stored
-        db.run(
-            "INSERT INTO checkpoints (rollout_id, seq, attempt, data, created_at) "
-            "VALUES (?, ?, ?, ?, ?)",
-            (item.rollout_id, seq, item.attempt, data, now),
-        )
+        if bytes(have[0][0]) != data:
+            raise Aborted(f"rollout {item.rollout_id} already has checkpoint {seq} with other data")
+        # else a resend: already stored
 
     def checkpoints(self, rollout_id: str) -> list[tuple[int, int, bytes]]:
         """(sequence, attempt, data) of every checkpoint a rollout stored, in order."""

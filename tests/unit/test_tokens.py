@@ -49,3 +49,17 @@ def test_a_tampered_payload_fails_the_signature() -> None:
 def test_short_secrets_are_refused() -> None:
     with pytest.raises(ValueError, match="at least 16 bytes"):
         issue(b"short", "r-1", NOW)
+
+
+def test_a_remembered_token_still_expires_and_is_still_scoped() -> None:
+    """A verified signature is remembered; the deadline and the rollout are checked each use,
+    and the same token under another key is still refused."""
+    token = issue(KEY, "r-9", NOW + 60)
+    assert verify(KEY, token, NOW, "r-9").rollout_id == "r-9"
+    assert verify(KEY, token, NOW + 59, "r-9").rollout_id == "r-9"
+    with pytest.raises(PermissionDenied, match="expired"):
+        verify(KEY, token, NOW + 60, "r-9")
+    with pytest.raises(PermissionDenied, match="not to r-8"):
+        verify(KEY, token, NOW, "r-8")
+    with pytest.raises(Unauthenticated, match="signature"):
+        verify(b"z" * 32, token, NOW, "r-9")
