@@ -299,6 +299,7 @@ async def fleet_pipeline(
     process, and the rest of the machine's busy time (server, agent, the tools they run, this
     process's polling, the kernel)."""
     from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
+    from fleet.cli.client import list_all
     from fleet.cli.embedded import embedded_fleet
     from fleet.config import Paths
     from fleet.envs.episode import program, source, warm_step
@@ -352,10 +353,8 @@ async def fleet_pipeline(
                     await asyncio.sleep(0.1)
                 elapsed = time.perf_counter() - started
                 cpu_after = (all_machines_cpu_seconds(), process_cpu_s(gateway_pid), busy_cpu_s())
-                reply = await stub.ListRollouts(
-                    fleet_pb2.ListRolloutsRequest(page_size=500, labels={"bench": run})
-                )
-    ok = [r for r in reply.rollouts if r.state == types_pb2.ROLLOUT_STATE_SUCCEEDED]
+                rollouts = await list_all(stub, {"bench": run})
+    ok = [r for r in rollouts if r.state == types_pb2.ROLLOUT_STATE_SUCCEEDED]
     episodes_out = [json.loads(r.results[-1].stdout) for r in ok if r.results]
     actions = max(1, sum(len(e["actions"]) for e in episodes_out))
     machines = None

@@ -107,3 +107,18 @@ def rollout_dict(r: types_pb2.Rollout) -> dict[str, Any]:
 
     out: dict[str, Any] = MessageToDict(r, preserving_proto_field_name=True)
     return out
+
+
+async def list_all(stub: Any, labels: dict[str, str]) -> list[types_pb2.Rollout]:
+    """Every rollout carrying `labels`, newest first, page after page (a page ends early when
+    its results pass the server's byte limit)."""
+    rollouts: list[types_pb2.Rollout] = []
+    token = ""
+    while True:
+        reply = await stub.ListRollouts(
+            fleet_pb2.ListRolloutsRequest(page_size=500, page_token=token, labels=labels)
+        )
+        rollouts += list(reply.rollouts)
+        token = reply.next_page_token
+        if not token:
+            return rollouts

@@ -16,6 +16,7 @@ import grpc
 from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
 from fleet.agent.agent import default_host_id
 from fleet.agent.capabilities import make_runtime
+from fleet.cli.client import list_all
 from fleet.cli.demo_suite import suite
 from fleet.cli.embedded import Fleet, embedded_fleet
 from fleet.config import Paths
@@ -186,10 +187,7 @@ async def _run(
                 last_line = ""
                 rollouts: list[types_pb2.Rollout] = []
                 while True:
-                    reply = await stub.ListRollouts(
-                        fleet_pb2.ListRolloutsRequest(page_size=500, labels={"demo": run_id})
-                    )
-                    rollouts = list(reply.rollouts)
+                    rollouts = await list_all(stub, {"demo": run_id})
                     done = sum(1 for r in rollouts if r.state in FINAL)
                     failed = sum(1 for r in rollouts if r.state == types_pb2.ROLLOUT_STATE_FAILED)
                     running = sum(1 for r in rollouts if r.state == types_pb2.ROLLOUT_STATE_RUNNING)

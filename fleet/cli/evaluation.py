@@ -23,6 +23,7 @@ import grpc
 
 from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
 from fleet.cli.chart import line_chart
+from fleet.cli.client import list_all
 from fleet.cli.demo import FINAL, print_table
 from fleet.config import Paths
 from fleet.envs.episode import source, warm_step
@@ -118,12 +119,7 @@ async def evaluate(
         rollouts: list[types_pb2.Rollout] = []
         last = ""
         while True:
-            reply = await stub.ListRollouts(
-                fleet_pb2.ListRolloutsRequest(
-                    page_size=500, labels={"demo": run_id, "suite": "gridworld-eval"}
-                )
-            )
-            rollouts = list(reply.rollouts)
+            rollouts = await list_all(stub, {"demo": run_id, "suite": "gridworld-eval"})
             done = sum(1 for r in rollouts if r.state in FINAL)
             samples.append((time.monotonic() - started, done, gw.batcher.queue_depth))
             line = _bar(done, episodes, f"gateway queue {gw.batcher.queue_depth:>3}")

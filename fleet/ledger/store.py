@@ -623,6 +623,11 @@ class Ledger:
             histories = self._histories(s, [r.id for r in rows]) if rows else {}
             return [self._view(s, r, histories[r.id]) for r in rows], token
 
+    def page_token_at(self, rollout_id: str) -> str:
+        """The list_rollouts page token that continues after this rollout."""
+        with self._tx() as s:
+            return str(self._rollout_row(s, rollout_id).seq)
+
     def events(self, rollout_id: str, after_sequence: int, limit: int = 500) -> list[RolloutEvent]:
         with self._tx() as s:
             self._rollout_row(s, rollout_id)

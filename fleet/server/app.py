@@ -116,6 +116,8 @@ class Core:
 
 
 MAX_CHECKPOINTS_PER_CALL = 256
+MAX_LIST_BYTES = 3 << 20
+"""A ListRollouts page ends before this many bytes of rollouts (results included)."""
 
 
 class GroupCommit(Generic[T, R]):
@@ -246,9 +248,17 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
             dict(request.labels),
             request.could_reach.strip(),
         )
-        return fleet_pb2.ListRolloutsResponse(
-            rollouts=[convert.rollout_to_pb(r) for r in rollouts], next_page_token=token
-        )
+        page: list[types_pb2.Rollout] = []
+        size = 0
+        for rollout in rollouts:
+            pb = convert.rollout_to_pb(rollout)
+            if page and size + pb.ByteSize() > MAX_LIST_BYTES:
+                # A client's default receive limit is 4 MiB: end the page early instead.
+                token = await self.core.db(self.core.ledger.page_token_at, page[-1].id)
+                break
+            page.append(pb)
+            size += pb.ByteSize()
+        return fleet_pb2.ListRolloutsResponse(rollouts=page, next_page_token=token)
 
     async def WatchRollout(
         self, request: fleet_pb2.WatchRolloutRequest, context: grpc.aio.ServicerContext
