@@ -1,7 +1,8 @@
 """A minimal HTTP/1.1 server loop on asyncio streams, for fleet's small local endpoints.
 
 Used where a client has only a standard library (machines calling the gateway or storing
-checkpoints) and for Prometheus scrapes. Keep-alive, Content-Length bodies only, a body limit.
+checkpoints) and for Prometheus scrapes. Keep-alive, CRLF line ends, Content-Length bodies only,
+a body limit, headers up to the stream's limit (64 KiB).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ Handler = Callable[[str, str, dict[str, str], bytes], Awaitable[bytes]]
 REASONS = {
     200: "OK", 204: "No Content", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden",
     404: "Not Found", 405: "Method Not Allowed", 409: "Conflict", 412: "Precondition Failed",
-    413: "Payload Too Large", 429: "Too Many Requests", 499: "Client Closed Request",
+    413: "Payload Too Large", 429: "Too Many Requests", 431: "Request Header Fields Too Large",
+    499: "Client Closed Request",
     500: "Internal Server Error", 503: "Service Unavailable", 504: "Gateway Timeout",
 }  # fmt: skip
 
@@ -40,12 +42,23 @@ def connection_handler(
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            while line := await reader.readline():
-                method, target, *_ = [*line.decode("latin-1").split(), "", ""]
+            while True:
+                try:  # the request line and headers in one read (a client's next request too)
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except asyncio.IncompleteReadError as exc:
+                    if exc.partial.strip():
+                        writer.write(reply(400, b"the request's headers were cut off"))
+                    return
+                except asyncio.LimitOverrunError:
+                    writer.write(reply(431, b"request headers too large"))
+                    return
+                line, *lines = head.decode("latin-1").split("\r\n")
+                method, target, *_ = [*line.split(), "", ""]
                 headers: dict[str, str] = {}
-                while (h := await reader.readline()) not in (b"\r\n", b"\n", b""):
-                    key, _, value = h.decode("latin-1").partition(":")
-                    headers[key.strip().lower()] = value.strip()
+                for h in lines:
+                    if h:
+                        key, _, value = h.partition(":")
+                        headers[key.strip().lower()] = value.strip()
                 length = int(headers.get("content-length", "0") or 0)
                 if length > max_body_bytes:
                     writer.write(reply(413, f"body over {max_body_bytes} bytes".encode()))
