@@ -19,7 +19,7 @@ import structlog
 from fleet._proto.fleet.v1 import host_pb2, host_pb2_grpc
 from fleet.agent import journal
 from fleet.agent.capabilities import RuntimeChoice, capabilities, make_runtime
-from fleet.agent.checkpoints import RELAY_ADDRESS, CheckpointRelay, CheckpointSender
+from fleet.agent.checkpoints import RELAY_ADDRESS, RETRYABLE, CheckpointRelay, CheckpointSender
 from fleet.agent.journal import AttemptJournal
 from fleet.agent.passage import CHECKPOINTS_SOCKET, GATEWAY_SOCKET, GatewaySplice, child_address
 from fleet.core.errors import (
@@ -46,7 +46,6 @@ from fleet.server.convert import MAX_EGRESS_EVENTS
 log = structlog.get_logger(__name__)
 
 INIT_TIMEOUT_S = 300.0
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 R = TypeVar("R")
 
 

@@ -33,6 +33,7 @@ MAX_BODY_BYTES = 1 << 20
 
 Put = Callable[[int, bytes], Awaitable[None]]
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+"""Server answers an agent sends its call again after (the server out of reach or slow)."""
 MAX_BATCH = 256
 
 

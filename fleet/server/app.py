@@ -252,12 +252,12 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
         size = 0
         for rollout in rollouts:
             pb = convert.rollout_to_pb(rollout)
-            if page and size + pb.ByteSize() > MAX_LIST_BYTES:
+            size += pb.ByteSize()
+            if page and size > MAX_LIST_BYTES:
                 # A client's default receive limit is 4 MiB: end the page early instead.
                 token = await self.core.db(self.core.ledger.page_token_at, page[-1].id)
                 break
             page.append(pb)
-            size += pb.ByteSize()
         return fleet_pb2.ListRolloutsResponse(rollouts=page, next_page_token=token)
 
     async def WatchRollout(
