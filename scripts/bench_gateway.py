@@ -357,13 +357,17 @@ async def fleet_pipeline(
     ok = [r for r in rollouts if r.state == types_pb2.ROLLOUT_STATE_SUCCEEDED]
     episodes_out = [json.loads(r.results[-1].stdout) for r in ok if r.results]
     actions = max(1, sum(len(e["actions"]) for e in episodes_out))
+    first = min((r.created_at.ToNanoseconds() for r in rollouts), default=0) / 1e9
+    ends = sorted(r.finished_at.ToNanoseconds() / 1e9 - first for r in ok)
+    starts = sorted(r.started_at.ToNanoseconds() / 1e9 - first for r in ok)
     machines = None
     if cpu_before[0] is not None and cpu_after[0] is not None:
         machines = (cpu_after[0] - cpu_before[0]) * 1000 / actions
     gateway_ms = (cpu_after[1] - cpu_before[1]) * 1000 / actions
     total = (cpu_after[2] - cpu_before[2]) * 1000 / actions
     return {
-        "traj_s": len(ok) / elapsed, "ok": len(ok), "actions": actions,
+        "traj_s": len(ok) / elapsed, "ok": len(ok), "actions": actions, "elapsed_s": elapsed,
+        "first_done_s": ends[0] if ends else 0.0, "last_start_s": starts[-1] if starts else 0.0,
         "asking_ms": statistics.fmean(e["action_ms"] for e in episodes_out) if ok else 0.0,
         "storing_ms": statistics.fmean(e["checkpoint_ms"] for e in episodes_out) if ok else 0.0,
         "cpu_ms": {"machines": machines, "gateway": gateway_ms, "total": total,
@@ -442,7 +446,9 @@ def main() -> int:
     args = parser.parse_args()
     quiet()
     per_client, episodes, lone = (8, 64, 40) if args.quick else (40, 256, 200)
-    fleet_episodes = 32 if args.quick else max(128, 4 * args.slots)
+    # Eight waves of `slots` episodes: the first fills the fleet (the warm parent's warm-up,
+    # its pool) and the last drains it, so fewer waves would measure mostly filling and draining.
+    fleet_episodes = 32 if args.quick else max(128, 8 * args.slots)
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="fleet-bench-gw-") as tmp:
         manifest = make_bench_model(Path(tmp))
@@ -598,6 +604,8 @@ def main() -> int:
             print(f"      ({run['ok']} of {fleet_episodes} episodes as rollouts, {args.slots} at "
                   f"once, {run['actions']} actions; per action, ms asking the gateway "
                   f"{run['asking_ms']:.2f}, storing the checkpoint {run['storing_ms']:.2f})")
+            print(f"      (in {run['elapsed_s']:.1f} s: the first episode done at "
+                  f"{run['first_done_s']:.1f} s, the last started at {run['last_start_s']:.1f} s)")
     print(f"{'    only the gateway: 64 in-process episode loops':<{w}}"
           f"{traj_s:>12.1f}{sync_traj_s:>12.1f}{out['gateway_pipeline_gain']:>8.1f}x")  # fmt: skip
     print(f"{'    ms per action (shipped policy): via gateway vs bare call':<{w}}"
