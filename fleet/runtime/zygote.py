@@ -17,7 +17,11 @@ Each child also finds `/run/fleet` in its root: its directory `children/ID/socke
 read-only, where the agent puts the Unix sockets of what the child may reach beyond its
 loopback (the inference gateway, the checkpoint relay), if its rollout uses any.
 
-A child is a copy-on-write fork() of this process. Before its step runs it enters new user,
+A child is a copy-on-write fork() of this process. First it closes every descriptor this
+process opened after the warm-up (its listening socket, its connections to the agent, its other
+children's pipes): a step must not read another rollout's step off the agent's connection, nor
+hand a pooled sibling a step of its own. What the warm-up opened stays open, as warm state.
+Before its step runs it enters new user,
 mount, UTS, IPC and network namespaces (its network: a loopback of its own, so children of one
 parent cannot reach each other's sockets), mounts its own overlay (its writable layer over the
 parent's layer and the image), chroots into it, and installs the full system-call filter
@@ -55,6 +59,7 @@ children: dict[str, list[Any]] = {}  # id -> [pid, go pipe write end, status or 
 STEP_KEYS = ("argv", "env", "workdir", "hostname")
 lock = threading.Lock()
 spawned = threading.Semaphore(0)
+WARM_FDS: set[int] = set()  # descriptors the warm-up left open (children keep them)
 
 
 def check(result: int, what: str) -> None:
@@ -116,6 +121,8 @@ def run_child(cid: str, request: dict[str, Any], go_read: int, program: bytes) -
     err = os.open(base + "/stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(out, 1)
     os.dup2(err, 2)
+    os.close(out)
+    os.close(err)
     # Nothing happens until the agent has moved this process into its own cgroup: what setting
     # up allocates (namespaces, mounts) is charged there, not to the parent's (whose limit
     # would otherwise shrink with every child of the pool). Then "settle" (a pool child: set
@@ -147,9 +154,35 @@ def run_child(cid: str, request: dict[str, Any], go_read: int, program: bytes) -
     return 127
 
 
+def open_fds() -> set[int]:
+    fds = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            os.fstat(int(name))  # (the listing's own descriptor is closed by now)
+        except OSError:
+            continue
+        fds.add(int(name))
+    return fds
+
+
+def close_inherited(keep: set[int]) -> None:
+    """Closes every descriptor but `keep` (one close_range per gap between kept ones)."""
+    low = 0
+    for fd in sorted(keep):
+        if fd > low:
+            os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, os.sysconf("SC_OPEN_MAX"))
+
+
 def child_main(cid: str, request: dict[str, Any], go_read: int, program: bytes) -> None:
     code = 1
     try:
+        close_inherited(WARM_FDS | {1, 2, go_read})  # stdout, stderr: replaced in run_child
+        null = os.open("/dev/null", os.O_RDONLY)  # stdin: nothing to read (fd 0 was closed)
+        if null != 0:
+            os.dup2(null, 0)
+            os.close(null)
         code = run_child(cid, request, go_read, program)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -186,8 +219,8 @@ def handle(request: dict[str, Any], program: bytes) -> dict[str, Any]:
     if op == "spawn":
         for sub in ("upper", "work", "merged", "sockets"):
             os.makedirs(f"{CTL}/children/{cid}/{sub}", exist_ok=True)
-        go_read, go_write = os.pipe()
         with lock:  # the reaper must see the entry before the child can exit
+            go_read, go_write = os.pipe()  # (under the lock: no other fork holds its read end)
             pid = os.fork()
             if pid == 0:
                 os.close(go_write)
@@ -232,6 +265,7 @@ def main() -> None:
     # Unfrozen, a pool of 48 children held over 200 MiB of the parent's 256 MiB that way.
     gc.collect()
     gc.freeze()
+    WARM_FDS.update(open_fds() - {0, 1, 2})
     threading.Thread(target=reaper, daemon=True).start()
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     path = CTL + "/zygote.sock"

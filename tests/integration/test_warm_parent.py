@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import uuid
 from collections.abc import Awaitable, Callable
@@ -212,6 +213,52 @@ def test_pool_children_are_forked_ahead_and_run_like_any_other(
             await parent.delete()
 
     assert asyncio.run(go()) == [f"policy-v1 pooled-{i}\n".encode() for i in range(4)]
+
+
+FDS = """
+import json, os, stat
+kinds = {}
+for name in os.listdir("/proc/self/fd"):
+    try:
+        mode = os.fstat(int(name)).st_mode
+    except OSError:
+        continue  # (the listing's own descriptor, closed by now)
+    kind = "socket" if stat.S_ISSOCK(mode) else "pipe" if stat.S_ISFIFO(mode) else "file"
+    kinds[kind] = kinds.get(kind, 0) + 1
+KEPT.seek(0)
+print(json.dumps({"kinds": kinds, "kept": KEPT.read()}, sort_keys=True))
+"""
+
+
+def test_a_child_holds_none_of_the_fork_servers_descriptors(rootfs: Path, tmp_path: Path) -> None:
+    """The fork server's listening socket, its connections to the agent and its siblings'
+    pipes stay out of every child (else a step could read another rollout's step, token
+    included, or hand a pooled sibling a step of its own); what the warm-up opened stays."""
+    warmup = WARMUP + "KEPT = open('/root/kept.txt', 'w+')\nKEPT.write('warm')\nKEPT.flush()\n"
+
+    async def go() -> list[bytes]:
+        runtime = NamespaceRuntime(tmp_path / "machines")
+        spec = MachineSpec(
+            name=f"wp-{uuid.uuid4().hex[:6]}", smolfile=parse_smolfile('image = "minimal"\n').spec,
+            image_digest="sha256:x", rootfs=rootfs, labels={"host": "warm-fds"},
+        )  # fmt: skip
+        parent = await NamespaceParent.create(
+            runtime, await runtime.create(spec), warmup, pool_size=3
+        )
+        try:
+            outs = []
+            for i in range(3):  # pooled siblings wait on their pipes meanwhile
+                child = await parent.branch(f"fds-{i}")
+                result = await child.exec(["python3", "-c", FDS], timeout_s=30)
+                assert result.exit_code == 0, result.stderr
+                outs.append(result.stdout)
+            return outs
+        finally:
+            await parent.delete()
+
+    for out in asyncio.run(go()):
+        # stdin, stdout, stderr and the warm-up's file: no socket, no pipe.
+        assert json.loads(out) == {"kinds": {"file": 4}, "kept": "warm"}, out
 
 
 def test_a_small_parent_keeps_many_live_children(rootfs: Path, tmp_path: Path) -> None:
