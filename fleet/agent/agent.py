@@ -347,16 +347,17 @@ class Agent:
         return splice
 
     async def _warm_parent(self, a: Assignment, spec: MachineSpec, warmup: str) -> NamespaceParent:
-        """This host's warm parent for the rollout's image, Smolfile and warm-up (made once)."""
+        """This host's warm parent for the rollout's tenant, image, Smolfile and warm-up (made
+        once). Never shared across tenants: the fork server holds each child's step before it
+        forks it (its environment, inference token included), and it runs warm-up code a
+        tenant sent, so one tenant's warm-up must never see another's children."""
         assert isinstance(self.runtime, NamespaceRuntime)
-        key = hashlib.sha256(
-            f"{a.manifest.image_digest}\0{a.manifest.smolfile_digest}\0{warmup}".encode()
-        ).hexdigest()[:16]
+        key = parent_key(a.tenant, a.manifest.image_digest, a.manifest.smolfile_digest, warmup)
         async with self._parents_lock:
             parent = self._parents.get(key)
             if parent is not None:
                 return parent
-            labels = {"fleet": "1", "host": self.caps.host_id, "parent": key}
+            labels = {"fleet": "1", "host": self.caps.host_id, "parent": key, "tenant": a.tenant}
             machine = await self.runtime.create(
                 # The parent itself reaches nothing: its children get the gateway as a socket.
                 spec.model_copy(
@@ -625,6 +626,14 @@ class Agent:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
         log_.error("completion_undelivered", note="the lease will expire and the work rerun")
+
+
+def parent_key(tenant: str, image_digest: str, smolfile_digest: str, warmup: str) -> str:
+    """Which warm parent a rollout's children come from: one per tenant, image, Smolfile and
+    warm-up (each part length-prefixed, so no two different tuples share a key)."""
+    parts = (tenant, image_digest, smolfile_digest, warmup)
+    body = "".join(f"{len(part.encode())}:{part}" for part in parts)
+    return hashlib.sha256(body.encode()).hexdigest()[:16]
 
 
 def warm_plan(

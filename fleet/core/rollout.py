@@ -107,6 +107,7 @@ class Assignment(BaseModel):
     inference_token: str = ""
     checkpoint_sequence: int = 0
     checkpoint: bytes = b""
+    tenant: str = "default"
 
 
 class Completion(BaseModel):

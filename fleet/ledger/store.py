@@ -847,6 +847,7 @@ class Ledger:
                 manifest=manifest,
                 checkpoint_sequence=saved.get(item.rollout_id, (0, b""))[0],
                 checkpoint=saved.get(item.rollout_id, (0, b""))[1],
+                tenant=item.tenant,
             )
             for item, attempt, token, manifest in leased
         ]  # fmt: skip
@@ -1026,6 +1027,7 @@ class Ledger:
             fencing_token=item.fencing_token,
             lease_expires_at=_ts(item.lease_expires_at) or datetime.now(UTC),
             manifest=self._manifest_raw(db, digest),
+            tenant=item.tenant,
         )
 
     def heartbeat(

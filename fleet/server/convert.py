@@ -347,6 +347,7 @@ def assignment_to_pb(a: Assignment) -> host_pb2.WorkAssignment:
         inference_token=a.inference_token,
         checkpoint_sequence=a.checkpoint_sequence,
         checkpoint=a.checkpoint,
+        tenant=a.tenant,
     )
 
 
@@ -361,6 +362,7 @@ def assignment_from_pb(a: host_pb2.WorkAssignment) -> Assignment:
         inference_token=a.inference_token,
         checkpoint_sequence=a.checkpoint_sequence,
         checkpoint=a.checkpoint,
+        tenant=a.tenant or "default",
     )
 
 

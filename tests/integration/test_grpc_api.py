@@ -421,7 +421,7 @@ def test_stale_heartbeat_is_aborted_naming_the_work(tmp_path: Path, images: Imag
     async def body() -> tuple[grpc.aio.AioRpcError, types_pb2.Rollout]:
         async with harness(tmp_path, images) as h:
             await h.register_host("h1")
-            reply = await h.fleet.SubmitRollout(request())
+            reply = await h.fleet.SubmitRollout(request(tenant="team-x"))
             claim = await h.hosts.ClaimWork(
                 host_pb2.ClaimWorkRequest(request_id="c", host_id="h1", max_items=1, wait_s=1)
             )
@@ -429,6 +429,8 @@ def test_stale_heartbeat_is_aborted_naming_the_work(tmp_path: Path, images: Imag
                 host_pb2.ClaimWorkRequest(request_id="c", host_id="h1", max_items=1, wait_s=1)
             )
             assert [i.fencing_token for i in again.items] == [i.fencing_token for i in claim.items]
+            # The assignment names its tenant, first time and replayed (warm parents key by it).
+            assert [i.tenant for i in [*claim.items, *again.items]] == ["team-x", "team-x"]
             item = claim.items[0]
             stale = host_pb2.LeaseRef(work_id=item.work_id, fencing_token=item.fencing_token + 5)
             with pytest.raises(grpc.aio.AioRpcError) as info:

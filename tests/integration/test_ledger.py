@@ -331,6 +331,8 @@ def test_tenant_limits(ledger: Ledger) -> None:
     leased = ledger.claim("cpu-1", 5, T0, TTL, max_running_per_tenant=1)
     tenants = sorted(ledger.get(a.rollout_id).tenant for a in leased)
     assert tenants == ["team-a", "team-b"]
+    # Each assignment names its tenant (agents key warm parents by it).
+    assert sorted(a.tenant for a in leased) == tenants
 
 
 def _req_manifest(key: str, **kw: object):  # type: ignore[no-untyped-def]

@@ -1,10 +1,11 @@
-"""Which rollouts run as a warm parent's children, and what the others run instead."""
+"""Which rollouts run as a warm parent's children, of which parent, and what the others run
+instead."""
 
 from __future__ import annotations
 
 import pytest
 
-from fleet.agent.agent import warm_plan
+from fleet.agent.agent import parent_key, warm_plan
 from fleet.core.errors import InvalidArgument
 from fleet.core.manifest import Step
 from fleet.core.smolfile import parse_smolfile
@@ -55,3 +56,16 @@ def test_no_branch_table_or_no_warm_up_step_means_plain_steps() -> None:
 def test_a_warm_up_that_is_not_python_c_is_refused() -> None:
     with pytest.raises(InvalidArgument, match="python3 -c CODE"):
         warm_plan(parse_smolfile(BRANCH).spec, steps(("sh", "-c", "true")), False, "smol")
+
+
+def test_warm_parents_are_one_per_tenant_image_smolfile_and_warm_up() -> None:
+    key = parent_key("team-a", "sha256:img", "sha256:sf", WARM)
+    assert key == parent_key("team-a", "sha256:img", "sha256:sf", WARM)  # shared within a tenant
+    others = {
+        parent_key("team-b", "sha256:img", "sha256:sf", WARM),  # never across tenants
+        parent_key("team-a", "sha256:img2", "sha256:sf", WARM),
+        parent_key("team-a", "sha256:img", "sha256:sf2", WARM),
+        parent_key("team-a", "sha256:img", "sha256:sf", WARM + " "),
+        parent_key("team-a\0sha256:img", "", "sha256:sf", WARM),  # parts cannot run together
+    }
+    assert key not in others and len(others) == 5

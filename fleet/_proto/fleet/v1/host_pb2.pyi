@@ -151,7 +151,7 @@ class ClaimWorkRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., host_id: _Optional[str] = ..., max_items: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class WorkAssignment(_message.Message):
-    __slots__ = ("work_id", "rollout_id", "attempt", "fencing_token", "lease_expires_at", "manifest", "inference_token", "checkpoint_sequence", "checkpoint")
+    __slots__ = ("work_id", "rollout_id", "attempt", "fencing_token", "lease_expires_at", "manifest", "inference_token", "checkpoint_sequence", "checkpoint", "tenant")
     WORK_ID_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +161,7 @@ class WorkAssignment(_message.Message):
     INFERENCE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     work_id: str
     rollout_id: str
     attempt: int
@@ -170,7 +171,8 @@ class WorkAssignment(_message.Message):
     inference_token: str
     checkpoint_sequence: int
     checkpoint: bytes
-    def __init__(self, work_id: _Optional[str] = ..., rollout_id: _Optional[str] = ..., attempt: _Optional[int] = ..., fencing_token: _Optional[int] = ..., lease_expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., manifest: _Optional[_Union[_types_pb2.Manifest, _Mapping]] = ..., inference_token: _Optional[str] = ..., checkpoint_sequence: _Optional[int] = ..., checkpoint: _Optional[bytes] = ...) -> None: ...
+    tenant: str
+    def __init__(self, work_id: _Optional[str] = ..., rollout_id: _Optional[str] = ..., attempt: _Optional[int] = ..., fencing_token: _Optional[int] = ..., lease_expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., manifest: _Optional[_Union[_types_pb2.Manifest, _Mapping]] = ..., inference_token: _Optional[str] = ..., checkpoint_sequence: _Optional[int] = ..., checkpoint: _Optional[bytes] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class ClaimWorkResponse(_message.Message):
     __slots__ = ("items",)
