@@ -140,7 +140,12 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
         for child, _ in live:
             while "dirty" not in (child.layer / "stdout").read_text():
                 await asyncio.sleep(0.01)
-        rollups = [smaps(pid) for _, pid in live]
+        # A child is every process in its cgroup: the step, and the one that waits for it
+        # outside the step's PID namespace.
+        rollups = []
+        for child, _ in live:
+            procs = [smaps(pid) for pid in await asyncio.to_thread(child.cgroup.pids)]
+            rollups.append({key: sum(r.get(key, 0) for r in procs) for key in procs[0]})
         pss = statistics.fmean(r["Pss"] for r in rollups)
         private = statistics.fmean(r["Private_Dirty"] + r["Private_Clean"] for r in rollups)
         for child, _ in live:

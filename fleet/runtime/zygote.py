@@ -21,14 +21,15 @@ A child is a copy-on-write fork() of this process. First it closes every descrip
 process opened after the warm-up (its listening socket, its connections to the agent, its other
 children's pipes): a step must not read another rollout's step off the agent's connection, nor
 hand a pooled sibling a step of its own. What the warm-up opened stays open, as warm state.
-Before its step runs it enters new user,
-mount, UTS, IPC and network namespaces (its network: a loopback of its own, so children of one
-parent cannot reach each other's sockets), mounts its own overlay (its writable layer over the
-parent's layer and the image), chroots into it, and installs the full system-call filter
-(this process runs under a looser one that still allows the namespace and mount calls it
-needs). Then
-`["python3", "-c", CODE]` runs CODE in the child's copy of the warm interpreter, so everything
-the warm-up loaded is there; any other argv is exec'd.
+Before its step runs it enters new user, mount, UTS, IPC, network and PID namespaces (its
+network: a loopback of its own, so children of one parent cannot reach each other's sockets),
+mounts its own overlay (its writable layer over the parent's layer and the image), forks the
+first process of its PID namespace and exits (this process, a subreaper, adopts that fork and
+reaps it: the step can signal no sibling and not this process), chroots, and installs
+the full system-call filter (this process runs under a looser one that still allows the
+namespace and mount calls it needs). Then `["python3", "-c", CODE]` runs CODE in the child's
+copy of the warm interpreter, so everything the warm-up loaded is there; any other argv is
+exec'd.
 """
 
 from __future__ import annotations
@@ -46,16 +47,25 @@ import traceback
 from typing import Any
 
 CTL = "/run/fleet"
-NEWNS, NEWUTS, NEWIPC, NEWUSER, NEWNET = 0x20000, 0x04000000, 0x08000000, 0x10000000, 0x40000000
+NEWNS, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET = (
+    0x20000,
+    0x04000000,
+    0x08000000,
+    0x10000000,
+    0x20000000,
+    0x40000000,
+)
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC = 1, 32, 4096, 16384
 # statvfs flag -> mount flag: nosuid, nodev, noexec, noatime, nodiratime, relatime
 STATVFS_TO_MS = ((2, 2), (4, 4), (8, 8), (1024, 1024), (2048, 2048), (4096, 1 << 21))
 PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
+PR_SET_CHILD_SUBREAPER = 36
 
 libc = ctypes.CDLL(None, use_errno=True)
 WARM: dict[str, Any] = {"__name__": "__warm__"}
-children: dict[str, list[Any]] = {}  # id -> [pid, go pipe write end, status or None, Event]
+# id -> [pid, go pipe's write end, status or None, Event, step, report pipe's read end or None]
+children: dict[str, list[Any]] = {}
 STEP_KEYS = ("argv", "env", "workdir", "hostname")
 lock = threading.Lock()
 spawned = threading.Semaphore(0)
@@ -77,9 +87,19 @@ def install_filter(program: bytes) -> None:
     check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0), "seccomp")
 
 
-def become_machine(cid: str) -> None:
+def become_machine(cid: str, report: int) -> None:
+    """New namespaces, the child's overlay as its root, its loopback up.
+
+    The process that called this only forks: what returns from here is its fork, the first
+    process of a PID namespace of its own, while the caller writes that fork's pid to `report`
+    and exits, leaving it to the fork server (a subreaper) to wait for. So a step can signal no
+    process but its own: not its siblings (other rollouts), not the fork server. (Its /proc is
+    still the fork server's: a fresh one cannot be mounted under the sandbox's, whose covered
+    paths the kernel locks; there, other processes' environments stay unreadable, and their
+    numbers name nothing in the step's namespace.)
+    """
     uid, gid = os.getuid(), os.getgid()
-    check(libc.unshare(NEWUSER | NEWNS | NEWUTS | NEWIPC | NEWNET), "unshare")
+    check(libc.unshare(NEWUSER | NEWNS | NEWUTS | NEWIPC | NEWNET | NEWPID), "unshare")
     with open("/proc/self/setgroups", "w") as f:
         f.write("deny")
     with open("/proc/self/uid_map", "w") as f:
@@ -103,6 +123,11 @@ def become_machine(cid: str) -> None:
     locked = sum(ms for st, ms in STATVFS_TO_MS if kept & st)
     check(libc.mount(None, run, None, MS_BIND | MS_REMOUNT | MS_RDONLY | locked, None), "ro")
     loopback_up()
+    first = os.fork()
+    if first:
+        os.write(report, b"%d\n" % first)
+        os._exit(0)
+    os.close(report)
     os.chroot(merged)
 
 
@@ -115,7 +140,7 @@ def loopback_up() -> None:
         fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH", name, flags | IFF_UP))
 
 
-def run_child(cid: str, request: dict[str, Any], go_read: int, program: bytes) -> int:
+def run_child(cid: str, request: dict[str, Any], go_read: int, report: int, program: bytes) -> int:
     base = f"{CTL}/children/{cid}"
     out = os.open(base + "/stdout", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     err = os.open(base + "/stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -131,7 +156,7 @@ def run_child(cid: str, request: dict[str, Any], go_read: int, program: bytes) -
         line = pipe.readline()
         if not line:
             return 0  # a pool child that was never used
-        become_machine(cid)
+        become_machine(cid, report)
         install_filter(program)
         if json.loads(line).get("settle"):
             line = pipe.readline()
@@ -175,15 +200,17 @@ def close_inherited(keep: set[int]) -> None:
     os.closerange(low, os.sysconf("SC_OPEN_MAX"))
 
 
-def child_main(cid: str, request: dict[str, Any], go_read: int, program: bytes) -> None:
+def child_main(
+    cid: str, request: dict[str, Any], go_read: int, report: int, program: bytes
+) -> None:
     code = 1
     try:
-        close_inherited(WARM_FDS | {1, 2, go_read})  # stdout, stderr: replaced in run_child
+        close_inherited(WARM_FDS | {1, 2, go_read, report})  # 1, 2: replaced in run_child
         null = os.open("/dev/null", os.O_RDONLY)  # stdin: nothing to read (fd 0 was closed)
         if null != 0:
             os.dup2(null, 0)
             os.close(null)
-        code = run_child(cid, request, go_read, program)
+        code = run_child(cid, request, go_read, report, program)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:
@@ -194,14 +221,40 @@ def child_main(cid: str, request: dict[str, Any], go_read: int, program: bytes) 
 
 
 def reaper() -> None:
+    """Waits for every child: first the process forked here, then, if that one forked its
+    step's process (and reported its pid) before it exited, that process, which comes to this
+    one as a subreaper. The step's process may be reaped first: its status waits in `early`."""
+    early: dict[int, int] = {}
     while True:
-        spawned.acquire()  # one waitpid per child forked: no polling, no missed exits
-        pid, status = os.waitpid(-1, 0)
+        try:
+            pid, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            spawned.acquire()  # no child at all: until the next spawn (no polling)
+            continue
         with lock:
-            for entry in children.values():
-                if entry[0] == pid:
-                    entry[2] = status
-                    entry[3].set()
+            entry = next((e for e in children.values() if e[0] == pid), None)
+            if entry is None:
+                early[pid] = status
+                continue
+            step_pid = read_report(entry[5]) if entry[5] is not None else None
+            entry[5] = None
+            if step_pid is None:  # the step's process itself, or a first one that failed
+                entry[2] = status
+                entry[3].set()
+                continue
+            entry[0] = step_pid
+            if step_pid in early:
+                entry[2] = early.pop(step_pid)
+                entry[3].set()
+
+
+def read_report(fd: int) -> int | None:
+    """The pid a child's first process wrote before it exited (None: it wrote none)."""
+    try:
+        data = os.read(fd, 64)
+    finally:
+        os.close(fd)
+    return int(data) if data.strip() else None
 
 
 def serve(conn: socket.socket, program: bytes) -> None:
@@ -221,13 +274,14 @@ def handle(request: dict[str, Any], program: bytes) -> dict[str, Any]:
             os.makedirs(f"{CTL}/children/{cid}/{sub}", exist_ok=True)
         with lock:  # the reaper must see the entry before the child can exit
             go_read, go_write = os.pipe()  # (under the lock: no other fork holds its read end)
+            report_read, report_write = os.pipe()
             pid = os.fork()
             if pid == 0:
-                os.close(go_write)
-                child_main(cid, request, go_read, program)
+                child_main(cid, request, go_read, report_write, program)
             os.close(go_read)
+            os.close(report_write)
             step = {k: request[k] for k in STEP_KEYS if k in request}
-            children[cid] = [pid, go_write, None, threading.Event(), step]
+            children[cid] = [pid, go_write, None, threading.Event(), step, report_read]
         spawned.release()
         return {"id": cid, "pid": pid}
     if op == "settle":
@@ -266,6 +320,9 @@ def main() -> None:
     gc.collect()
     gc.freeze()
     WARM_FDS.update(open_fds() - {0, 1, 2})
+    # A child's step runs in a fork of the child's first process, which exits at once: this
+    # process adopts and waits for it.
+    check(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "subreaper")
     threading.Thread(target=reaper, daemon=True).start()
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     path = CTL + "/zygote.sock"

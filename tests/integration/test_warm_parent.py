@@ -261,6 +261,44 @@ def test_a_child_holds_none_of_the_fork_servers_descriptors(rootfs: Path, tmp_pa
         assert json.loads(out) == {"kinds": {"file": 4}, "kept": "warm"}, out
 
 
+SIGNAL_ALL = """
+import os
+reached = []
+for name in os.listdir("/proc"):  # every process the fork server's /proc lists
+    if name.isdigit():
+        try:
+            os.kill(int(name), 0)
+            reached.append(int(name))
+        except ProcessLookupError:
+            pass
+print(os.getpid(), sorted(reached))
+"""
+
+
+def test_a_child_can_signal_no_process_but_its_own(rootfs: Path, tmp_path: Path) -> None:
+    """Each step is the first process of a PID namespace of its own: the numbers of its
+    siblings (other rollouts) and of the fork server name nothing it can signal."""
+
+    async def body(parent: NamespaceParent) -> bytes:
+        sibling = await parent.branch("sibling")
+        running = asyncio.create_task(
+            sibling.exec(["python3", "-c", "import time; time.sleep(1); print('done')"],
+                         timeout_s=30)
+        )  # fmt: skip
+        await asyncio.sleep(0.3)
+        prober = await parent.branch("prober")
+        probe = await prober.exec(["python3", "-c", SIGNAL_ALL], timeout_s=30)
+        assert probe.exit_code == 0, probe.stderr
+        finished = await running
+        assert finished.stdout == b"done\n"  # the sibling ran on, untouched
+        return probe.stdout
+
+    out = with_parent(rootfs, tmp_path, body)
+    pid, reached = out.decode().split(" ", 1)
+    assert pid == "1"
+    assert json.loads(reached) in ([], [1])  # (1: itself, where the listing has a 1)
+
+
 def test_a_small_parent_keeps_many_live_children(rootfs: Path, tmp_path: Path) -> None:
     """Pages the fork server writes after each fork stay charged to the parent's cgroup while
     children hold the originals: its limit grows with its live children, and shrinks back."""
