@@ -44,9 +44,10 @@ def _insn(code: int, jt: int, jf: int, k: int) -> bytes:
     return struct.pack("=HBBI", code, jt, jf, k)
 
 
-ZYGOTE_ALLOWS = frozenset({"unshare", "mount", "umount2"})
+ZYGOTE_ALLOWS = frozenset({"unshare", "mount", "umount2", "pivot_root"})
 """What a warm parent's fork server may still call, to put each child into its own namespaces
-and overlay; every child installs the full filter on top before its step runs."""
+and make its overlay the root; every child installs the full filter on top before its step
+runs."""
 
 
 def program(machine: str | None = None, allow: frozenset[str] = frozenset()) -> bytes:

@@ -23,9 +23,10 @@ children's pipes): a step must not read another rollout's step off the agent's c
 hand a pooled sibling a step of its own. What the warm-up opened stays open, as warm state.
 Before its step runs it enters new user, mount, UTS, IPC, network and PID namespaces (its
 network: a loopback of its own, so children of one parent cannot reach each other's sockets),
-mounts its own overlay (its writable layer over the parent's layer and the image), forks the
+mounts its own overlay (its writable layer over the parent's layer and the image), makes it
+the root with pivot_root (the fork server's root, and all in it, detached), forks the
 first process of its PID namespace and exits (this process, a subreaper, adopts that fork and
-reaps it: the step can signal no sibling and not this process), chroots, and installs
+reaps it: the step can signal no sibling and not this process), and installs
 the full system-call filter (this process runs under a looser one that still allows the
 namespace and mount calls it needs). Then `["python3", "-c", CODE]` runs CODE in the child's
 copy of the warm interpreter, so everything the warm-up loaded is there; any other argv is
@@ -61,6 +62,7 @@ MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC = 1, 32, 4096, 16384
 STATVFS_TO_MS = ((2, 2), (4, 4), (8, 8), (1024, 1024), (2048, 2048), (4096, 1 << 21))
 PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
 PR_SET_CHILD_SUBREAPER = 36
+SYS_PIVOT_ROOT, MNT_DETACH, MS_PRIVATE = 155, 2, 1 << 18
 
 libc = ctypes.CDLL(None, use_errno=True)
 WARM: dict[str, Any] = {"__name__": "__warm__"}
@@ -88,7 +90,7 @@ def install_filter(program: bytes) -> None:
 
 
 def become_machine(cid: str, report: int) -> None:
-    """New namespaces, the child's overlay as its root, its loopback up.
+    """New namespaces, the child's overlay as its root (the fork server's gone), its loopback up.
 
     The process that called this only forks: what returns from here is its fork, the first
     process of a PID namespace of its own, while the caller writes that fork's pid to `report`
@@ -106,6 +108,8 @@ def become_machine(cid: str, report: int) -> None:
         f.write(f"0 {uid} 1")
     with open("/proc/self/gid_map", "w") as f:
         f.write(f"0 {gid} 1")
+    # Nothing mounted from here on propagates anywhere, nor anything from elsewhere here.
+    check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "private")
     base = f"{CTL}/children/{cid}"
     lower = CTL + "/parent-upper:" + CTL + "/lower"
     opts = f"lowerdir={lower},upperdir={base}/upper,workdir={base}/work,userxattr"
@@ -123,12 +127,18 @@ def become_machine(cid: str, report: int) -> None:
     locked = sum(ms for st, ms in STATVFS_TO_MS if kept & st)
     check(libc.mount(None, run, None, MS_BIND | MS_REMOUNT | MS_RDONLY | locked, None), "ro")
     loopback_up()
+    # The overlay becomes the root and the fork server's is detached: a chroot could be left
+    # (a step is root in its user namespace), and that root holds the fork server's socket and
+    # every sibling's directory. What was mounted under it stays in the new root.
+    os.chdir(merged)
+    check(libc.syscall(SYS_PIVOT_ROOT, b".", b"."), "pivot_root")
+    check(libc.umount2(b".", MNT_DETACH), "detach the fork server's root")
+    os.chdir("/")
     first = os.fork()
     if first:
         os.write(report, b"%d\n" % first)
         os._exit(0)
     os.close(report)
-    os.chroot(merged)
 
 
 def loopback_up() -> None:

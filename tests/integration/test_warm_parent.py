@@ -299,6 +299,33 @@ def test_a_child_can_signal_no_process_but_its_own(rootfs: Path, tmp_path: Path)
     assert json.loads(reached) in ([], [1])  # (1: itself, where the listing has a 1)
 
 
+ESCAPE = """
+import os
+os.mkdir("/tmp/deeper")
+top = os.open("/", os.O_RDONLY)
+os.chroot("/tmp/deeper")  # a chroot is left by going above it from outside it
+os.fchdir(top)
+for _ in range(30):
+    os.chdir("..")
+os.chroot(".")
+print(sorted(os.listdir("/run/fleet")), os.path.exists("/.fleet-image-digest"))
+"""
+
+
+def test_a_child_cannot_climb_out_of_its_root(rootfs: Path, tmp_path: Path) -> None:
+    """A step is root in its user namespace and may chroot: the fork server's root (its
+    socket, every sibling's directory) is detached from the child's mounts, not hidden."""
+
+    async def body(parent: NamespaceParent) -> bytes:
+        child = await parent.branch("climber")
+        result = await child.exec(["python3", "-c", ESCAPE], timeout_s=30)
+        assert result.exit_code == 0, result.stderr
+        return result.stdout
+
+    # Its own /run/fleet (an empty sockets directory here), in its own image's root.
+    assert with_parent(rootfs, tmp_path, body) == b"[] True\n"
+
+
 def test_a_small_parent_keeps_many_live_children(rootfs: Path, tmp_path: Path) -> None:
     """Pages the fork server writes after each fork stay charged to the parent's cgroup while
     children hold the originals: its limit grows with its live children, and shrinks back."""
