@@ -360,6 +360,11 @@ async def fleet_pipeline(
     first = min((r.created_at.ToNanoseconds() for r in rollouts), default=0) / 1e9
     ends = sorted(r.finished_at.ToNanoseconds() / 1e9 - first for r in ok)
     starts = sorted(r.started_at.ToNanoseconds() / 1e9 - first for r in ok)
+    # Trajectories/s while the fleet was full: over the middle half of the finishes (only
+    # where there were waves of episodes: with one wave, they all finish in a burst).
+    q1, q3 = len(ends) // 4, 3 * len(ends) // 4
+    waves = len(ends) >= 4 * slots and ends[q3] > ends[q1]
+    steady = (q3 - q1) / (ends[q3] - ends[q1]) if waves else None
     machines = None
     if cpu_before[0] is not None and cpu_after[0] is not None:
         machines = (cpu_after[0] - cpu_before[0]) * 1000 / actions
@@ -368,6 +373,7 @@ async def fleet_pipeline(
     return {
         "traj_s": len(ok) / elapsed, "ok": len(ok), "actions": actions, "elapsed_s": elapsed,
         "first_done_s": ends[0] if ends else 0.0, "last_start_s": starts[-1] if starts else 0.0,
+        "steady_traj_s": steady,
         "asking_ms": statistics.fmean(e["action_ms"] for e in episodes_out) if ok else 0.0,
         "storing_ms": statistics.fmean(e["checkpoint_ms"] for e in episodes_out) if ok else 0.0,
         "cpu_ms": {"machines": machines, "gateway": gateway_ms, "total": total,
@@ -604,8 +610,11 @@ def main() -> int:
             print(f"      ({run['ok']} of {fleet_episodes} episodes as rollouts, {args.slots} at "
                   f"once, {run['actions']} actions; per action, ms asking the gateway "
                   f"{run['asking_ms']:.2f}, storing the checkpoint {run['storing_ms']:.2f})")
+            steady = run["steady_traj_s"]
             print(f"      (in {run['elapsed_s']:.1f} s: the first episode done at "
-                  f"{run['first_done_s']:.1f} s, the last started at {run['last_start_s']:.1f} s)")
+                  f"{run['first_done_s']:.1f} s, the last started at {run['last_start_s']:.1f} s"
+                  + (f"; {steady:.1f} trajectories/s over the middle half of finishes)"
+                     if steady is not None else ")"))
     print(f"{'    only the gateway: 64 in-process episode loops':<{w}}"
           f"{traj_s:>12.1f}{sync_traj_s:>12.1f}{out['gateway_pipeline_gain']:>8.1f}x")  # fmt: skip
     print(f"{'    ms per action (shipped policy): via gateway vs bare call':<{w}}"
