@@ -31,7 +31,7 @@ LOADED_AT = time.time()
 
 def with_parent(
     rootfs: Path, tmp_path: Path, body: Callable[[NamespaceParent], Awaitable[T]],
-    smolfile: str = 'image = "minimal"\n', warmup: str = WARMUP,
+    smolfile: str = 'image = "minimal"\n', warmup: str = WARMUP, pool_size: int = 0,
 ) -> T:  # fmt: skip
     async def go() -> T:
         runtime = NamespaceRuntime(tmp_path / "machines")
@@ -39,7 +39,9 @@ def with_parent(
             name=f"wp-{uuid.uuid4().hex[:6]}", smolfile=parse_smolfile(smolfile).spec,
             image_digest="sha256:x", rootfs=rootfs, labels={"host": "warm-test"},
         )  # fmt: skip
-        parent = await NamespaceParent.create(runtime, await runtime.create(spec), warmup)
+        parent = await NamespaceParent.create(
+            runtime, await runtime.create(spec), warmup, pool_size=pool_size
+        )
         try:
             return await body(parent)
         finally:
@@ -192,27 +194,17 @@ def test_pool_children_are_forked_ahead_and_run_like_any_other(
 ) -> None:
     """With a pool, branch hands out a child already forked and placed; it behaves the same."""
 
-    async def go() -> list[bytes]:
-        runtime = NamespaceRuntime(tmp_path / "machines")
-        spec = MachineSpec(
-            name=f"wp-{uuid.uuid4().hex[:6]}", smolfile=parse_smolfile('image = "minimal"\n').spec,
-            image_digest="sha256:x", rootfs=rootfs, labels={"host": "warm-pool"},
-        )  # fmt: skip
-        parent = await NamespaceParent.create(
-            runtime, await runtime.create(spec), WARMUP, pool_size=2
-        )
-        try:
-            outs = []
-            for i in range(4):  # more than the pool: refills and plain forks both serve
-                child = await parent.branch(f"pooled-{i}")
-                code = "import socket; print(MODEL['name'], socket.gethostname())"
-                result = await child.exec(["python3", "-c", code], timeout_s=30)
-                outs.append(result.stdout)
-            return outs
-        finally:
-            await parent.delete()
+    async def body(parent: NamespaceParent) -> list[bytes]:
+        outs = []
+        for i in range(4):  # more than the pool: refills and plain forks both serve
+            child = await parent.branch(f"pooled-{i}")
+            code = "import socket; print(MODEL['name'], socket.gethostname())"
+            result = await child.exec(["python3", "-c", code], timeout_s=30)
+            outs.append(result.stdout)
+        return outs
 
-    assert asyncio.run(go()) == [f"policy-v1 pooled-{i}\n".encode() for i in range(4)]
+    outs = with_parent(rootfs, tmp_path, body, pool_size=2)
+    assert outs == [f"policy-v1 pooled-{i}\n".encode() for i in range(4)]
 
 
 FDS = """
@@ -236,27 +228,16 @@ def test_a_child_holds_none_of_the_fork_servers_descriptors(rootfs: Path, tmp_pa
     included, or hand a pooled sibling a step of its own); what the warm-up opened stays."""
     warmup = WARMUP + "KEPT = open('/root/kept.txt', 'w+')\nKEPT.write('warm')\nKEPT.flush()\n"
 
-    async def go() -> list[bytes]:
-        runtime = NamespaceRuntime(tmp_path / "machines")
-        spec = MachineSpec(
-            name=f"wp-{uuid.uuid4().hex[:6]}", smolfile=parse_smolfile('image = "minimal"\n').spec,
-            image_digest="sha256:x", rootfs=rootfs, labels={"host": "warm-fds"},
-        )  # fmt: skip
-        parent = await NamespaceParent.create(
-            runtime, await runtime.create(spec), warmup, pool_size=3
-        )
-        try:
-            outs = []
-            for i in range(3):  # pooled siblings wait on their pipes meanwhile
-                child = await parent.branch(f"fds-{i}")
-                result = await child.exec(["python3", "-c", FDS], timeout_s=30)
-                assert result.exit_code == 0, result.stderr
-                outs.append(result.stdout)
-            return outs
-        finally:
-            await parent.delete()
+    async def body(parent: NamespaceParent) -> list[bytes]:
+        outs = []
+        for i in range(3):  # pooled siblings wait on their pipes meanwhile
+            child = await parent.branch(f"fds-{i}")
+            result = await child.exec(["python3", "-c", FDS], timeout_s=30)
+            assert result.exit_code == 0, result.stderr
+            outs.append(result.stdout)
+        return outs
 
-    for out in asyncio.run(go()):
+    for out in with_parent(rootfs, tmp_path, body, warmup=warmup, pool_size=3):
         # stdin, stdout, stderr and the warm-up's file: no socket, no pipe.
         assert json.loads(out) == {"kinds": {"file": 4}, "kept": "warm"}, out
 
