@@ -23,11 +23,11 @@ children's pipes): a step must not read another rollout's step off the agent's c
 hand a pooled sibling a step of its own. What the warm-up opened stays open, as warm state.
 Before its step runs it enters new user, mount, UTS, IPC, network and PID namespaces (its
 network: a loopback of its own, so children of one parent cannot reach each other's sockets),
-mounts its own overlay (its writable layer over the parent's layer and the image), makes it
-the root with pivot_root (the fork server's root, and all in it, detached), forks the
-first process of its PID namespace and exits (this process, a subreaper, adopts that fork and
-reaps it: the step can signal no sibling and not this process), and installs
-the full system-call filter (this process runs under a looser one that still allows the
+mounts its own overlay (its writable layer over the parent's layer and the image) and a /dev
+of its own, makes the overlay the root with pivot_root (the fork server's root, and all in it,
+detached), forks the first process of its PID namespace and exits (this process, a subreaper,
+adopts that fork and reaps it: the step can signal no sibling and not this process), and
+installs the full system-call filter (this process runs under a looser one that still allows the
 namespace and mount calls it needs). Then `["python3", "-c", CODE]` runs CODE in the child's
 copy of the warm interpreter, so everything the warm-up loaded is there; any other argv is
 exec'd.
@@ -63,6 +63,12 @@ STATVFS_TO_MS = ((2, 2), (4, 4), (8, 8), (1024, 1024), (2048, 2048), (4096, 1 <<
 PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
 PR_SET_CHILD_SUBREAPER = 36
 SYS_PIVOT_ROOT, MNT_DETACH, MS_PRIVATE = 155, 2, 1 << 18
+MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
+DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+DEV_LINKS = (
+    ("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+    ("stderr", "/proc/self/fd/2"), ("ptmx", "pts/ptmx"),
+)  # fmt: skip
 
 libc = ctypes.CDLL(None, use_errno=True)
 WARM: dict[str, Any] = {"__name__": "__warm__"}
@@ -115,9 +121,8 @@ def become_machine(cid: str, report: int) -> None:
     opts = f"lowerdir={lower},upperdir={base}/upper,workdir={base}/work,userxattr"
     merged = base + "/merged"
     check(libc.mount(b"overlay", merged.encode(), b"overlay", 0, opts.encode()), "overlay")
-    for fs in ("proc", "dev"):
-        target = (f"{merged}/{fs}").encode()
-        check(libc.mount(("/" + fs).encode(), target, None, MS_BIND | MS_REC, None), fs)
+    check(libc.mount(b"/proc", (merged + "/proc").encode(), None, MS_BIND | MS_REC, None), "proc")
+    own_dev(merged + "/dev")
     check(libc.mount(b"tmpfs", (merged + "/tmp").encode(), b"tmpfs", 0, None), "tmp")
     run = (merged + CTL).encode()
     os.makedirs(run, exist_ok=True)
@@ -139,6 +144,28 @@ def become_machine(cid: str, report: int) -> None:
         os.write(report, b"%d\n" % first)
         os._exit(0)
     os.close(report)
+
+
+def own_dev(dev: str) -> None:
+    """A /dev of the child's own: a fresh tmpfs with the fork server's harmless devices bound
+    in, its own /dev/shm and its own pseudo-terminals. (Bound whole, the fork server's /dev was
+    one writable tmpfs for every child: one step could leave files in /dev/shm for the next,
+    or put a file of its own where a sibling's /dev/null or /dev/urandom was.)"""
+    check(libc.mount(b"tmpfs", dev.encode(), b"tmpfs", MS_NOSUID | MS_NOEXEC, b"mode=755"), "dev")
+    for name in DEVICES:
+        node = f"{dev}/{name}"
+        os.close(os.open(node, os.O_CREAT | os.O_WRONLY, 0o666))  # where the device is bound
+        check(libc.mount(f"/dev/{name}".encode(), node.encode(), None, MS_BIND, None), name)
+    for name in ("shm", "pts"):
+        os.mkdir(f"{dev}/{name}")
+    shm = MS_NOSUID | MS_NODEV
+    check(libc.mount(b"tmpfs", f"{dev}/shm".encode(), b"tmpfs", shm, b"mode=1777"), "shm")
+    pts = b"newinstance,ptmxmode=0666,mode=620"
+    check(
+        libc.mount(b"devpts", f"{dev}/pts".encode(), b"devpts", MS_NOSUID | MS_NOEXEC, pts), "pts"
+    )
+    for name, target in DEV_LINKS:
+        os.symlink(target, f"{dev}/{name}")
 
 
 def loopback_up() -> None:

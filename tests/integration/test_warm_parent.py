@@ -307,6 +307,39 @@ def test_a_child_cannot_climb_out_of_its_root(rootfs: Path, tmp_path: Path) -> N
     assert with_parent(rootfs, tmp_path, body) == b"[] True\n"
 
 
+LEAVE = """
+import os
+open("/dev/shm/left", "w").write("a")
+open("/dev/left", "w").write("a")
+try:
+    os.unlink("/dev/null")
+except OSError as e:
+    print("kept", e.errno)
+"""
+LOOK = """
+import os
+open("/dev/null", "w").write("x")
+print(os.listdir("/dev/shm"), os.path.exists("/dev/left"), len(open("/dev/urandom", "rb").read(8)))
+"""
+
+
+def test_each_child_has_a_dev_of_its_own(rootfs: Path, tmp_path: Path) -> None:
+    """What one step leaves in /dev or /dev/shm is not there for the next, and no step can
+    put a file of its own where a device was."""
+
+    async def body(parent: NamespaceParent) -> tuple[bytes, bytes]:
+        first = await parent.branch("leaves")
+        left = await first.exec(["python3", "-c", LEAVE], timeout_s=30)
+        second = await parent.branch("looks")
+        looked = await second.exec(["python3", "-c", LOOK], timeout_s=30)
+        assert left.exit_code == 0 and looked.exit_code == 0, (left.stderr, looked.stderr)
+        return left.stdout, looked.stdout
+
+    left, looked = with_parent(rootfs, tmp_path, body)
+    assert left == b"kept 16\n"  # /dev/null is a mount point: busy
+    assert looked == b"[] False 8\n"
+
+
 def test_a_small_parent_keeps_many_live_children(rootfs: Path, tmp_path: Path) -> None:
     """Pages the fork server writes after each fork stay charged to the parent's cgroup while
     children hold the originals: its limit grows with its live children, and shrinks back."""
