@@ -286,9 +286,13 @@ def reaper() -> None:
 
 
 def read_report(fd: int) -> int | None:
-    """The pid a child's first process wrote before it exited (None: it wrote none)."""
+    """The pid a child's first process wrote before it exited (None: it wrote none). Never
+    waits: a step's process that outlived a first process killed before it wrote still holds
+    the write end for a moment, and the reaper must not wait on it."""
     try:
         data = os.read(fd, 64)
+    except BlockingIOError:
+        data = b""
     finally:
         os.close(fd)
     return int(data) if data.strip() else None
@@ -312,6 +316,7 @@ def handle(request: dict[str, Any], program: bytes) -> dict[str, Any]:
         with lock:  # the reaper must see the entry before the child can exit
             go_read, go_write = os.pipe()  # (under the lock: no other fork holds its read end)
             report_read, report_write = os.pipe()
+            os.set_blocking(report_read, False)
             pid = os.fork()
             if pid == 0:
                 child_main(cid, request, go_read, report_write, program)
