@@ -158,8 +158,8 @@ class CheckpointRelay:
         try:
             await self._put(seq, body)
         except FleetError as exc:
-            status = 409 if exc.code in ("ABORTED", "INVALID_ARGUMENT") else 503
-            return reply(status, exc.message.encode())
+            statuses = {"ABORTED": 409, "INVALID_ARGUMENT": 409, "RESOURCE_EXHAUSTED": 413}
+            return reply(statuses.get(exc.code, 503), exc.message.encode())
         if seq > self.sequence:
             self.sequence, self.data = seq, body
         return reply(200)

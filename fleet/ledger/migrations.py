@@ -41,6 +41,23 @@ def _needs_inference(conn: Connection) -> None:
         conn.execute(text("ALTER TABLE rollouts ADD COLUMN cpu_s FLOAT NOT NULL DEFAULT 0"))
 
 
+def _checkpoint_budget(conn: Connection) -> None:
+    from fleet.ledger.store import CHECKPOINT_ROW_BYTES
+
+    if "checkpoint_bytes" not in {c["name"] for c in inspect(conn).get_columns("rollouts")}:
+        conn.execute(
+            text("ALTER TABLE rollouts ADD COLUMN checkpoint_bytes BIGINT NOT NULL DEFAULT 0")
+        )
+    # What the checkpoints already stored hold, charged as new ones are.
+    conn.execute(
+        text(
+            "UPDATE rollouts SET checkpoint_bytes = (SELECT COALESCE(SUM(length(data)), 0) "
+            f"+ {int(CHECKPOINT_ROW_BYTES)} * count(*) FROM checkpoints "
+            "WHERE checkpoints.rollout_id = rollouts.id)"
+        )
+    )
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (
         1,
@@ -53,6 +70,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
         "hybrid rollouts: work items that call the gateway, and their checkpoints",
         _needs_inference,
     ),
+    (4, "a budget of checkpoint bytes per rollout", _checkpoint_budget),
 ]
 LATEST = MIGRATIONS[-1][0]
 assert LATEST == tables.SCHEMA_VERSION

@@ -120,6 +120,12 @@ def _marks(n: int) -> str:
 
 
 MAX_CHECKPOINT_BYTES = 1 << 20
+MAX_CHECKPOINT_BYTES_PER_ROLLOUT = 256 << 20
+"""What one rollout's checkpoints may hold in all: code in a machine writes them, and must not
+fill the ledger's disk."""
+CHECKPOINT_ROW_BYTES = 512
+"""What each checkpoint is charged besides its data (a row's cost), so that many tiny ones are
+bounded too."""
 
 _EMPTY_DIGEST = "sha256:" + hashlib.sha256(b"").hexdigest()
 
@@ -227,6 +233,7 @@ class Ledger:
         self._lock_path = f"{database}.lock" if database else None
         self._thread_lock = threading.Lock()
         self._lock_file: TextIO | None = None
+        self.checkpoint_budget_bytes = MAX_CHECKPOINT_BYTES_PER_ROLLOUT
         self.schema_version = migrate(engine)
 
     @classmethod
@@ -549,8 +556,8 @@ class Ledger:
             db.many(
                 "INSERT INTO rollouts (id, idempotency_key, request_fingerprint, manifest_digest, "
                 "tenant, labels_json, state, priority, attempts, error, host_id, runtime, device, "
-                "results_json, egress_json, cpu_s, created_at, updated_at) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0, '', '', '', '', '[]', '', 0, ?, ?)",
+                "results_json, egress_json, cpu_s, checkpoint_bytes, created_at, updated_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0, '', '', '', '', '[]', '', 0, 0, ?, ?)",
                 rollouts,
             )
             db.many("INSERT INTO rollout_labels (rollout_id, key, value) VALUES (?, ?, ?)", labels)
@@ -985,7 +992,27 @@ class Ledger:
             (item.rollout_id, seq, item.attempt, data, now),
         )
         if stored:
-            return
+            charge = len(data) + CHECKPOINT_ROW_BYTES
+            [(held,)] = db.all(
+                "UPDATE rollouts SET checkpoint_bytes = checkpoint_bytes + ? WHERE id = ? "
+                "RETURNING checkpoint_bytes",
+                (charge, item.rollout_id),
+            )
+            if held <= self.checkpoint_budget_bytes:
+                return
+            # Over the budget: this one is not kept (the rest of the batch goes on).
+            db.run(
+                "DELETE FROM checkpoints WHERE rollout_id = ? AND seq = ?", (item.rollout_id, seq)
+            )
+            db.run(
+                "UPDATE rollouts SET checkpoint_bytes = checkpoint_bytes - ? WHERE id = ?",
+                (charge, item.rollout_id),
+            )
+            raise ResourceExhausted(
+                f"rollout {item.rollout_id}: checkpoint {seq} ({len(data)} bytes) would bring "
+                f"its checkpoints past their limit of {self.checkpoint_budget_bytes} bytes "
+                f"({held - charge} held, each charged its size plus {CHECKPOINT_ROW_BYTES})"
+            )
         have = db.all(
             "SELECT data FROM checkpoints WHERE rollout_id = ? AND seq = ?",
             (item.rollout_id, seq),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sqlmodel import Field, SQLModel
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 
 class SchemaInfo(SQLModel, table=True):
@@ -45,6 +45,8 @@ class RolloutRow(SQLModel, table=True):
     egress_json: str = ""
     cpu_s: float = 0.0
     """CPU time of every attempt's machine, summed (schema version 3)."""
+    checkpoint_bytes: int = 0
+    """What its checkpoints hold, each charged its data plus a row's cost (schema version 4)."""
     """The effective egress of the final attempt's machine (EffectiveEgress as JSON)."""
     created_at: float
     updated_at: float

@@ -20,7 +20,7 @@ from fleet.core.manifest import Step, SubmitRequest, build_manifest, validate_re
 from fleet.core.placement import HostCapabilities, HostClass, Isolation, RuntimeKind
 from fleet.core.retry import RetryPolicy
 from fleet.core.rollout import Completion, StepResult
-from fleet.ledger.store import Ledger
+from fleet.ledger.store import CHECKPOINT_ROW_BYTES, Ledger
 from fleet.ledger.tables import SCHEMA_VERSION, SchemaInfo
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC).timestamp()
@@ -424,10 +424,34 @@ def test_a_version_2_ledger_is_migrated_in_place(ledger_target: str) -> None:
         conn.execute(text("UPDATE schema_info SET version = 2 WHERE id = 1"))
     ledger.engine.dispose()
     reopened = Ledger.open(ledger_target)
-    assert reopened.schema_version == SCHEMA_VERSION == 3
+    assert reopened.schema_version == SCHEMA_VERSION == 4
     register(reopened)
     [a] = reopened.claim("cpu-1", 1, T0, TTL, hold_inference=True)
     assert a.rollout_id == rollout.id
+    reopened.engine.dispose()
+
+
+def test_a_version_3_ledger_gets_its_checkpoints_charged(ledger_target: str) -> None:
+    """Schema 4 counts the checkpoints a version 3 database already holds against their
+    rollouts' budgets."""
+    from sqlalchemy import text
+
+    ledger = Ledger.open(ledger_target)
+    register(ledger)
+    rollout, _ = submit(ledger)
+    [a] = ledger.claim("cpu-1", 1, T0, TTL)
+    ledger.put_checkpoint("cpu-1", a.work_id, a.fencing_token, 1, b"x" * 100, T0)
+    with ledger.engine.begin() as conn:
+        conn.execute(text("ALTER TABLE rollouts DROP COLUMN checkpoint_bytes"))
+        conn.execute(text("UPDATE schema_info SET version = 3 WHERE id = 1"))
+    ledger.engine.dispose()
+    reopened = Ledger.open(ledger_target)
+    assert reopened.schema_version == 4
+    with reopened.engine.begin() as conn:
+        held = conn.execute(
+            text("SELECT checkpoint_bytes FROM rollouts WHERE id = :id"), {"id": rollout.id}
+        ).scalar_one()
+    assert held == 100 + CHECKPOINT_ROW_BYTES
     reopened.engine.dispose()
 
 
@@ -477,6 +501,29 @@ def test_reclaim_after_agent_restart_keeps_only_leases_still_held(ledger: Ledger
     assert back == [] and released == [again.work_id]
     with pytest.raises(FailedPrecondition, match="not registered"):
         ledger.reclaim("cpu-9", [], T0, TTL)
+
+
+def test_a_rollouts_checkpoints_stop_at_its_budget(ledger: Ledger) -> None:
+    """Code in a machine writes checkpoints: past its rollout's budget one is refused, saying
+    why, and not kept; those stored stay, a resend of one is still answered, other rollouts
+    are not charged."""
+    register(ledger)
+    first, _ = submit(ledger, key="a")
+    second, _ = submit(ledger, key="b")
+    leases = {a.rollout_id: a for a in ledger.claim("cpu-1", 2, T0, TTL)}
+    a, b = leases[first.id], leases[second.id]
+    ledger.checkpoint_budget_bytes = 3 * (1000 + CHECKPOINT_ROW_BYTES)
+    put = [("cpu-1", a.work_id, a.fencing_token, seq, bytes([seq]) * 1000) for seq in (1, 2, 3, 4)]
+    results = ledger.put_checkpoints(
+        [*put, put[0], ("cpu-1", b.work_id, b.fencing_token, 1, b"b" * 1000)], T0 + 1
+    )
+    assert results[:3] == [None, None, None] and results[4:] == [None, None]
+    assert isinstance(results[3], ResourceExhausted)
+    assert "limit of 4536 bytes" in results[3].message and "checkpoint 4" in results[3].message
+    assert [seq for seq, _, _ in ledger.checkpoints(first.id)] == [1, 2, 3]
+    assert [seq for seq, _, _ in ledger.checkpoints(second.id)] == [1]
+    with pytest.raises(ResourceExhausted):  # still full: nothing of the refused one was kept
+        ledger.put_checkpoint("cpu-1", a.work_id, a.fencing_token, 5, b"e", T0 + 2)
 
 
 def test_checkpoints_are_written_together_and_refused_one_by_one(ledger: Ledger) -> None:

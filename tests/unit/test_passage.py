@@ -1,4 +1,5 @@
-"""The agent's sockets for warm children: a long directory path, the gateway splice."""
+"""The agent's sockets for warm children: a long directory path, the gateway splice, the
+checkpoint relay's answers."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from fleet.agent.passage import GATEWAY_SOCKET, GatewaySplice, bind_unix
+from fleet.agent.checkpoints import CheckpointRelay
+from fleet.agent.passage import CHECKPOINTS_SOCKET, GATEWAY_SOCKET, GatewaySplice, bind_unix
+from fleet.core.errors import Aborted, FleetError, ResourceExhausted, Unavailable
 from fleet.envs import episode
 from fleet.httpd import connection_handler, reply
 
@@ -100,3 +103,39 @@ def test_an_unreachable_gateway_is_a_503_the_client_retries(tmp_path: Path) -> N
     status, headers, data = asyncio.run(body())
     assert status == 503 and headers["retry-after"] == "0.5"
     assert b"unreachable" in data
+
+
+def test_the_relay_answers_each_refusal_with_what_it_means(tmp_path: Path) -> None:
+    """A stale lease or a clash: 409; over the rollout's checkpoint budget: 413 (neither is
+    worth retrying); the server out of reach: 503. A stored one is what GET answers next."""
+    refusals: dict[int, FleetError] = {
+        2: Aborted("stale lease"),
+        3: ResourceExhausted("past their limit of 4536 bytes"),
+        4: Unavailable("server unreachable"),
+    }
+
+    async def put(seq: int, data: bytes) -> None:
+        if seq in refusals:
+            raise refusals[seq]
+
+    async def body() -> list[tuple[int, bytes]]:
+        relay = CheckpointRelay(0, b"", put)
+        await relay.start_unix(long_dir(tmp_path))
+        where = f"unix:{_short(long_dir(tmp_path), CHECKPOINTS_SOCKET)}"
+        try:
+            answers = []
+            for seq in (1, 2, 3, 4):
+                status, _, data = await asyncio.to_thread(
+                    episode.call, where, "PUT", f"/checkpoint?seq={seq}", b"state-%d" % seq
+                )
+                answers.append((status, data))
+            status, _, data = await asyncio.to_thread(episode.call, where, "GET", "/checkpoint")
+            return [*answers, (status, data)]
+        finally:
+            _hang_up(where)
+            await relay.stop()
+
+    assert asyncio.run(body()) == [
+        (200, b""), (409, b"stale lease"), (413, b"past their limit of 4536 bytes"),
+        (503, b"server unreachable"), (200, b"state-1"),
+    ]  # fmt: skip
