@@ -33,6 +33,9 @@ CHILD_DIR = "/run/fleet"
 GATEWAY_SOCKET = "gateway.sock"
 CHECKPOINTS_SOCKET = "checkpoints.sock"
 CHUNK = 1 << 16
+MAX_LINKS = 32
+"""Connections one child may hold to the gateway at once (each costs the agent two
+descriptors): past that, a refusal the client retries after a moment."""
 
 
 def child_address(name: str) -> str:
@@ -83,7 +86,10 @@ class GatewaySplice:
         self._server = await asyncio.start_unix_server(self._accept, sock=sock)
 
     def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.create_task(self._link(reader, writer))
+        if len(self._links) >= MAX_LINKS:
+            task = asyncio.create_task(self._refuse(writer))
+        else:
+            task = asyncio.create_task(self._link(reader, writer))
         self._links.add(task)
         task.add_done_callback(self._links.discard)
 
@@ -127,6 +133,13 @@ class GatewaySplice:
                     end.close()
                     with contextlib.suppress(ConnectionError, OSError):
                         await end.wait_closed()
+
+    async def _refuse(self, writer: asyncio.StreamWriter) -> None:
+        why = f"this machine holds {MAX_LINKS} connections to the gateway, its limit".encode()
+        writer.write(reply(503, why, headers={"Retry-After": "0.5", "Connection": "close"}))
+        with contextlib.suppress(ConnectionError, OSError):
+            await writer.drain()
+        writer.close()
 
     async def stop(self) -> None:
         if self._server is not None:

@@ -12,7 +12,13 @@ from pathlib import Path
 import pytest
 
 from fleet.agent.checkpoints import CheckpointRelay
-from fleet.agent.passage import CHECKPOINTS_SOCKET, GATEWAY_SOCKET, GatewaySplice, bind_unix
+from fleet.agent.passage import (
+    CHECKPOINTS_SOCKET,
+    GATEWAY_SOCKET,
+    MAX_LINKS,
+    GatewaySplice,
+    bind_unix,
+)
 from fleet.core.errors import Aborted, FleetError, ResourceExhausted, Unavailable
 from fleet.envs import episode
 from fleet.httpd import connection_handler, reply
@@ -139,3 +145,52 @@ def test_the_relay_answers_each_refusal_with_what_it_means(tmp_path: Path) -> No
         (200, b""), (409, b"stale lease"), (413, b"past their limit of 4536 bytes"),
         (503, b"server unreachable"), (200, b"state-1"),
     ]  # fmt: skip
+
+
+def test_a_child_holds_at_most_max_links_connections_to_the_gateway(tmp_path: Path) -> None:
+    """Each connection costs the agent two descriptors: past MAX_LINKS at once the next is
+    refused with a 503 to retry, and once one closes a new one is carried again."""
+
+    def ask(path: str) -> tuple[socket.socket, bytes]:
+        conn = socket.socket(socket.AF_UNIX)
+        conn.settimeout(10)
+        conn.connect(path)
+        conn.sendall(b"GET /ping HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+        return conn, conn.recv(4096)
+
+    async def body() -> tuple[list[bytes], bytes, bytes]:
+        async def gateway(method: str, target: str, _h: dict[str, str], data: bytes) -> bytes:
+            return reply(200, b"pong")
+
+        server = await asyncio.start_server(connection_handler(gateway), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        splice = GatewaySplice(long_dir(tmp_path), ("127.0.0.1", port), None)
+        await splice.start()
+        path = _short(splice.directory, GATEWAY_SOCKET)
+        held: list[socket.socket] = []
+        try:
+            answers = []
+            for _ in range(MAX_LINKS):
+                conn, answer = await asyncio.to_thread(ask, path)
+                held.append(conn)
+                answers.append(answer)
+            extra, refused = await asyncio.to_thread(ask, path)
+            extra.close()
+            held.pop().close()
+            for _ in range(100):  # until the splice has seen that one go
+                if len(splice._links) < MAX_LINKS:
+                    break
+                await asyncio.sleep(0.01)
+            again, carried = await asyncio.to_thread(ask, path)
+            held.append(again)
+            return answers, refused, carried
+        finally:
+            for conn in held:
+                conn.close()
+            await splice.stop()
+            server.close()
+
+    answers, refused, carried = asyncio.run(body())
+    assert all(a.startswith(b"HTTP/1.1 200") and a.endswith(b"pong") for a in answers)
+    assert refused.startswith(b"HTTP/1.1 503") and b"its limit" in refused
+    assert carried.startswith(b"HTTP/1.1 200")
