@@ -36,12 +36,21 @@ def reply(
 
 
 def connection_handler(
-    handler: Handler, max_body_bytes: int = 1 << 20
+    handler: Handler, max_body_bytes: int = 1 << 20, max_connections: int = 0
 ) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]:
-    """An asyncio.start_server callback that serves requests with `handler`."""
+    """An asyncio.start_server callback that serves requests with `handler`; with
+    `max_connections`, a connection past that many open at once gets a 503 to retry."""
+    open_now = 0
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal open_now
+        open_now += 1
         try:
+            if max_connections and open_now > max_connections:
+                why = f"{max_connections} connections are open here, the limit".encode()
+                writer.write(reply(503, why, headers={"Retry-After": "0.5", "Connection": "close"}))
+                await writer.drain()
+                return
             while True:
                 try:  # the request line and headers in one read (a client's next request too)
                     head = await reader.readuntil(b"\r\n\r\n")
@@ -72,6 +81,7 @@ def connection_handler(
         except (ConnectionError, asyncio.IncompleteReadError, ValueError):
             return
         finally:
+            open_now -= 1
             writer.close()
             with contextlib.suppress(ConnectionError):
                 await writer.wait_closed()

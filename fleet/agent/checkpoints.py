@@ -21,7 +21,7 @@ import grpc
 import structlog
 
 from fleet._proto.fleet.v1 import host_pb2, host_pb2_grpc
-from fleet.agent.passage import CHECKPOINTS_SOCKET, bind_unix
+from fleet.agent.passage import CHECKPOINTS_SOCKET, MAX_LINKS, bind_unix
 from fleet.core.errors import FleetError, error_for
 from fleet.httpd import connection_handler, reply
 from fleet.runtime.netns import in_netns
@@ -126,14 +126,14 @@ class CheckpointRelay:
 
         sock = await asyncio.to_thread(in_netns, netns_path, bind)
         self._server = await asyncio.start_server(
-            connection_handler(self._route, MAX_BODY_BYTES), sock=sock
+            connection_handler(self._route, MAX_BODY_BYTES, MAX_LINKS), sock=sock
         )
 
     async def start_unix(self, directory: Path) -> None:
         """Listens on `checkpoints.sock` in a warm child's socket directory."""
         sock = await asyncio.to_thread(bind_unix, directory, CHECKPOINTS_SOCKET)
         self._server = await asyncio.start_unix_server(
-            connection_handler(self._route, MAX_BODY_BYTES), sock=sock
+            connection_handler(self._route, MAX_BODY_BYTES, MAX_LINKS), sock=sock
         )
 
     async def stop(self) -> None:

@@ -58,3 +58,42 @@ def test_a_body_past_the_limit_is_a_413() -> None:
 def test_a_closed_connection_between_requests_is_no_answer_at_all() -> None:
     answer, seen = asyncio.run(exchange(b""))
     assert (answer, seen) == (b"", [])
+
+
+def test_past_max_connections_a_connection_gets_a_503_until_one_closes() -> None:
+    async def body() -> tuple[list[bytes], bytes, bytes]:
+        async def handler(method: str, target: str, headers: dict[str, str], data: bytes) -> bytes:
+            return reply(200, b"ok")
+
+        server = await asyncio.start_server(
+            connection_handler(handler, 64, max_connections=2), "127.0.0.1", 0
+        )
+        port = server.sockets[0].getsockname()[1]
+        opened: list[asyncio.StreamWriter] = []
+
+        async def ask() -> bytes:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            opened.append(writer)
+            writer.write(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n")
+            return await asyncio.wait_for(reader.read(200), 5)
+
+        try:
+            kept = [await ask(), await ask()]  # both stay open (kept alive)
+            refused = await ask()
+            opened[0].close()
+            await opened[0].wait_closed()
+            for _ in range(100):  # until the server has seen it go
+                again = await ask()
+                if again.startswith(b"HTTP/1.1 200"):
+                    break
+                await asyncio.sleep(0.01)
+            return kept, refused, again
+        finally:
+            for writer in opened:
+                writer.close()
+            server.close()
+
+    kept, refused, again = asyncio.run(body())
+    assert all(k.startswith(b"HTTP/1.1 200") for k in kept)
+    assert refused.startswith(b"HTTP/1.1 503") and b"Retry-After: 0.5" in refused
+    assert again.startswith(b"HTTP/1.1 200")
