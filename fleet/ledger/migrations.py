@@ -44,16 +44,13 @@ def _needs_inference(conn: Connection) -> None:
 def _checkpoint_budget(conn: Connection) -> None:
     from fleet.ledger.store import CHECKPOINT_ROW_BYTES
 
-    if "checkpoint_bytes" not in {c["name"] for c in inspect(conn).get_columns("rollouts")}:
-        conn.execute(
-            text("ALTER TABLE rollouts ADD COLUMN checkpoint_bytes BIGINT NOT NULL DEFAULT 0")
-        )
+    tables.CheckpointUsageRow.__table__.create(conn, checkfirst=True)  # type: ignore[attr-defined]
     # What the checkpoints already stored hold, charged as new ones are.
     conn.execute(
         text(
-            "UPDATE rollouts SET checkpoint_bytes = (SELECT COALESCE(SUM(length(data)), 0) "
-            f"+ {int(CHECKPOINT_ROW_BYTES)} * count(*) FROM checkpoints "
-            "WHERE checkpoints.rollout_id = rollouts.id)"
+            "INSERT INTO checkpoint_usage (rollout_id, bytes) SELECT rollout_id, "
+            f"SUM(length(data)) + {int(CHECKPOINT_ROW_BYTES)} * count(*) FROM checkpoints "
+            "GROUP BY rollout_id ON CONFLICT (rollout_id) DO NOTHING"
         )
     )
 

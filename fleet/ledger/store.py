@@ -556,8 +556,8 @@ class Ledger:
             db.many(
                 "INSERT INTO rollouts (id, idempotency_key, request_fingerprint, manifest_digest, "
                 "tenant, labels_json, state, priority, attempts, error, host_id, runtime, device, "
-                "results_json, egress_json, cpu_s, checkpoint_bytes, created_at, updated_at) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0, '', '', '', '', '[]', '', 0, 0, ?, ?)",
+                "results_json, egress_json, cpu_s, created_at, updated_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0, '', '', '', '', '[]', '', 0, ?, ?)",
                 rollouts,
             )
             db.many("INSERT INTO rollout_labels (rollout_id, key, value) VALUES (?, ?, ?)", labels)
@@ -994,9 +994,10 @@ class Ledger:
         if stored:
             charge = len(data) + CHECKPOINT_ROW_BYTES
             [(held,)] = db.all(
-                "UPDATE rollouts SET checkpoint_bytes = checkpoint_bytes + ? WHERE id = ? "
-                "RETURNING checkpoint_bytes",
-                (charge, item.rollout_id),
+                "INSERT INTO checkpoint_usage (rollout_id, bytes) VALUES (?, ?) "
+                "ON CONFLICT (rollout_id) DO UPDATE SET bytes = checkpoint_usage.bytes + "
+                "excluded.bytes RETURNING bytes",
+                (item.rollout_id, charge),
             )
             if held <= self.checkpoint_budget_bytes:
                 return
@@ -1005,7 +1006,7 @@ class Ledger:
                 "DELETE FROM checkpoints WHERE rollout_id = ? AND seq = ?", (item.rollout_id, seq)
             )
             db.run(
-                "UPDATE rollouts SET checkpoint_bytes = checkpoint_bytes - ? WHERE id = ?",
+                "UPDATE checkpoint_usage SET bytes = bytes - ? WHERE rollout_id = ?",
                 (charge, item.rollout_id),
             )
             raise ResourceExhausted(

@@ -45,8 +45,6 @@ class RolloutRow(SQLModel, table=True):
     egress_json: str = ""
     cpu_s: float = 0.0
     """CPU time of every attempt's machine, summed (schema version 3)."""
-    checkpoint_bytes: int = 0
-    """What its checkpoints hold, each charged its data plus a row's cost (schema version 4)."""
     """The effective egress of the final attempt's machine (EffectiveEgress as JSON)."""
     created_at: float
     updated_at: float
@@ -149,6 +147,16 @@ class CheckpointRow(SQLModel, table=True):
     attempt: int
     data: bytes
     created_at: float
+
+
+class CheckpointUsageRow(SQLModel, table=True):
+    """What a rollout's checkpoints hold, each charged its data plus a row's cost (schema
+    version 4). A narrow table of its own: a batch of checkpoints updates few of its pages."""
+
+    __tablename__ = "checkpoint_usage"
+
+    rollout_id: str = Field(primary_key=True)
+    bytes: int
 
 
 class EgressEventRow(SQLModel, table=True):

@@ -442,14 +442,14 @@ def test_a_version_3_ledger_gets_its_checkpoints_charged(ledger_target: str) -> 
     [a] = ledger.claim("cpu-1", 1, T0, TTL)
     ledger.put_checkpoint("cpu-1", a.work_id, a.fencing_token, 1, b"x" * 100, T0)
     with ledger.engine.begin() as conn:
-        conn.execute(text("ALTER TABLE rollouts DROP COLUMN checkpoint_bytes"))
+        conn.execute(text("DROP TABLE checkpoint_usage"))
         conn.execute(text("UPDATE schema_info SET version = 3 WHERE id = 1"))
     ledger.engine.dispose()
     reopened = Ledger.open(ledger_target)
     assert reopened.schema_version == 4
     with reopened.engine.begin() as conn:
         held = conn.execute(
-            text("SELECT checkpoint_bytes FROM rollouts WHERE id = :id"), {"id": rollout.id}
+            text("SELECT bytes FROM checkpoint_usage WHERE rollout_id = :id"), {"id": rollout.id}
         ).scalar_one()
     assert held == 100 + CHECKPOINT_ROW_BYTES
     reopened.engine.dispose()
