@@ -35,6 +35,11 @@ def reply(
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
 
+def retry_later(why: str) -> bytes:
+    """A 503 the client retries after half a second, on a connection closed after it."""
+    return reply(503, why.encode(), headers={"Retry-After": "0.5", "Connection": "close"})
+
+
 def connection_handler(
     handler: Handler, max_body_bytes: int = 1 << 20, max_connections: int = 0
 ) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]:
@@ -47,8 +52,7 @@ def connection_handler(
         open_now += 1
         try:
             if max_connections and open_now > max_connections:
-                why = f"{max_connections} connections are open here, the limit".encode()
-                writer.write(reply(503, why, headers={"Retry-After": "0.5", "Connection": "close"}))
+                writer.write(retry_later(f"{max_connections} connections are open here, the limit"))
                 await writer.drain()
                 return
             while True:

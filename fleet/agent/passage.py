@@ -24,7 +24,7 @@ from pathlib import Path
 
 import structlog
 
-from fleet.httpd import reply
+from fleet.httpd import retry_later
 from fleet.runtime.netns import in_netns
 
 log = structlog.get_logger(__name__)
@@ -112,9 +112,7 @@ class GatewaySplice:
                 where = f"{self.gateway[0]}:{self.gateway[1]}"
                 log.warning("gateway_unreachable", gateway=where, error=str(exc))
                 # An answer the in-machine client retries, as for a gateway that is failing over.
-                refusal = f"gateway {where} unreachable: {exc}".encode()
-                headers = {"Retry-After": "0.5", "Connection": "close"}
-                writer.write(reply(503, refusal, headers=headers))
+                writer.write(retry_later(f"gateway {where} unreachable: {exc}"))
                 await writer.drain()
                 return
             pumps = [asyncio.create_task(_pump(reader, upstream)),
@@ -135,8 +133,9 @@ class GatewaySplice:
                         await end.wait_closed()
 
     async def _refuse(self, writer: asyncio.StreamWriter) -> None:
-        why = f"this machine holds {MAX_LINKS} connections to the gateway, its limit".encode()
-        writer.write(reply(503, why, headers={"Retry-After": "0.5", "Connection": "close"}))
+        writer.write(
+            retry_later(f"this machine holds {MAX_LINKS} connections to the gateway, its limit")
+        )
         with contextlib.suppress(ConnectionError, OSError):
             await writer.drain()
         writer.close()
