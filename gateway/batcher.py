@@ -125,6 +125,9 @@ class Batcher:
                 )
                 item.future.exception()  # its caller may be gone: no "never retrieved" noise
         self._queue.clear()
+        for runner in (self.primary, self.fallback):
+            if runner is not None:
+                runner.close()
 
     @property
     def queue_depth(self) -> int:
@@ -266,7 +269,7 @@ class Batcher:
     ) -> list[Answer] | None:
         started = time.monotonic()
         try:
-            outputs = await asyncio.to_thread(runner.run, [item.sample for item in batch])
+            outputs = await runner.infer([item.sample for item in batch])
         except DeviceFault as exc:
             if exc.kind == "oom":
                 self.metrics.oom_faults += 1
@@ -321,6 +324,10 @@ class Batcher:
             f"fleet_gateway_device_seconds_total {m.busy_s:.6f}",
             "# TYPE fleet_gateway_device_busy_fraction gauge",
             f"fleet_gateway_device_busy_fraction {min(1.0, m.busy_s / elapsed):.4f}",
+            "# HELP fleet_gateway_engine_restarts_total Times the primary's model engine was "
+            "started again after a device error, a hang or its exit.",
+            "# TYPE fleet_gateway_engine_restarts_total counter",
+            f"fleet_gateway_engine_restarts_total {self.primary.restarts}",
             "# TYPE fleet_gateway_breaker_open gauge",
             f"fleet_gateway_breaker_open {int(str(self.breaker.state) != 'closed')}",
             "# TYPE fleet_gateway_batch_size histogram",

@@ -7,7 +7,9 @@ vLLM server on a real GPU host, say) plugs in without touching them.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import os
 import threading
 import tomllib
 from array import array
@@ -131,13 +133,19 @@ class Runner(Protocol):
     spec: ModelSpec
     memory: MemoryModel
     capacity_bytes: int
+    restarts: int
+    """Times the device's process was started again after it was lost (0 for in-process)."""
 
-    def run(self, inputs: list[list[float]]) -> list[list[float]]:
+    async def infer(self, inputs: list[list[float]]) -> list[list[float]]:
         """Outputs for `inputs`, in order; raises DeviceFault."""
         ...
 
     def observed_free_bytes(self) -> int | None:
         """What the device reports free (CUDA), or None where it cannot tell."""
+        ...
+
+    def close(self) -> None:
+        """Lets go of the device (the batcher has stopped)."""
         ...
 
 
@@ -166,6 +174,7 @@ class TorchRunner:
         self._network = network.to(device)
         self._held = 0
         self._lock = threading.Lock()
+        self.restarts = 0
 
     def observed_free_bytes(self) -> int | None:
         if self.device.startswith("cuda"):
@@ -173,31 +182,47 @@ class TorchRunner:
             return int(free)
         return None
 
+    async def infer(self, inputs: list[list[float]]) -> list[list[float]]:
+        return await asyncio.to_thread(self.run, inputs)
+
+    def close(self) -> None:
+        """Nothing to let go of: the model is this process's."""
+
     def run(self, inputs: list[list[float]]) -> list[list[float]]:
         if self.fault is not None:
             self.fault()
-        need = self.memory.batch_bytes(len(inputs))
+        if any(len(sample) != self.spec.input_dim for sample in inputs):
+            raise InvalidArgument(
+                f"model {self.spec.name} takes {self.spec.input_dim} inputs per sample"
+            )
+        flat = array("f")  # one copy into a packed buffer: far cheaper than nested lists
+        for sample in inputs:
+            flat.extend(sample)
+        out = self.run_flat(flat, len(inputs), self.spec.input_dim)
+        k = self.spec.output_dim
+        return [out[i * k : (i + 1) * k].tolist() for i in range(len(inputs))]
+
+    def run_flat(self, flat: bytearray | array[float], samples: int, width: int) -> array[float]:
+        """The outputs (float32, row after row) of `samples` rows of `width` float32 numbers."""
+        if width != self.spec.input_dim:
+            raise InvalidArgument(
+                f"model {self.spec.name} takes {self.spec.input_dim} inputs per sample, got {width}"
+            )
+        need = self.memory.batch_bytes(samples)
         with self._lock:
             if self.memory.weights_bytes + self._held + need > self.capacity_bytes:
                 raise DeviceFault(
                     "oom",
-                    f"{self.device}: out of memory: batch of {len(inputs)} needs {need} bytes, "
+                    f"{self.device}: out of memory: batch of {samples} needs {need} bytes, "
                     f"{self.capacity_bytes - self.memory.weights_bytes - self._held} free",
                 )
             self._held += need
         try:
-            if any(len(sample) != self.spec.input_dim for sample in inputs):
-                raise InvalidArgument(
-                    f"model {self.spec.name} takes {self.spec.input_dim} inputs per sample"
-                )
-            flat = array("f")  # one copy into a packed buffer: far cheaper than nested lists
-            for sample in inputs:
-                flat.extend(sample)
-            x = torch.frombuffer(flat, dtype=torch.float32).view(len(inputs), -1)
+            x = torch.frombuffer(flat, dtype=torch.float32).view(samples, width)
             x = x.to(self.device, DTYPES[self.spec.dtype][0])
             with torch.inference_mode():
                 y = self._network(x)
-            return [list(map(float, row)) for row in y.float().cpu().tolist()]
+            return array("f", y.float().cpu().flatten().tolist())
         except torch.cuda.OutOfMemoryError as exc:
             raise DeviceFault("oom", f"{self.device}: {exc}") from exc
         except RuntimeError as exc:
@@ -205,3 +230,13 @@ class TorchRunner:
         finally:
             with self._lock:
                 self._held -= need
+
+
+def device_capacity_bytes(device: str, mib: float) -> int:
+    """A device's memory budget: `mib` when given, else the device's total (CUDA) or a quarter
+    of this host's memory (the CPU has no device limit to read)."""
+    if mib > 0:
+        return int(mib * 1024 * 1024)
+    if device.startswith("cuda"):
+        return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4

@@ -6,7 +6,6 @@ to the batcher. Errors leave through fleet's one chokepoint (`fleet.server.statu
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field, replace
 from datetime import UTC
@@ -21,12 +20,15 @@ from fleet.core.tokens import verify
 from fleet.server.status import mapped
 from gateway.batcher import Answer, BatchConfig, Batcher
 from gateway.breaker import CircuitBreaker
+from gateway.engine import EngineRunner
 from gateway.model import (
     WEIGHTS_DIR,
     DeviceFault,
     ModelSpec,
+    Runner,
     TorchRunner,
     checked_dtype,
+    device_capacity_bytes,
     load_network,
     model_specs,
 )
@@ -55,6 +57,14 @@ class GatewayConfig:
     dtype: str = ""
     """The primary's precision, over the manifest's (float32, bfloat16). The CPU replica
     always serves float32, the precision the weights are stored in."""
+    engine: str = "process"
+    """Where the primary's model runs: "process" (an engine process of its own, restarted
+    after a device error; `gateway.engine`) or "inline" (a thread of the gateway's process)."""
+    engine_threads: int = 0
+    """torch's CPU threads in the engine process (0: as many as this process uses)."""
+    engine_answer_timeout_s: float = 60.0
+    """An engine that has not answered a batch by then is hung: a device error; it is ended
+    and started again."""
 
 
 def _primary_device(choice: str) -> str:
@@ -67,15 +77,7 @@ def _primary_device(choice: str) -> str:
     return choice
 
 
-def _capacity_bytes(device: str, mib: float) -> int:
-    if mib > 0:
-        return int(mib * 1024 * 1024)
-    if device.startswith("cuda"):
-        import torch
-
-        return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
-    # The CPU has no device limit to read: a quarter of this host's memory by default.
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+ENGINES = ("process", "inline")
 
 
 @dataclass
@@ -94,21 +96,40 @@ class Gateway:
         spec = specs[config.model]
         if config.dtype:
             spec = replace(spec, dtype=checked_dtype(config.dtype, "gateway dtype"))
+        if config.engine not in ENGINES:
+            raise InvalidArgument(
+                f"gateway engine {config.engine!r} is not one of {', '.join(ENGINES)}"
+            )
         device = _primary_device(config.device)
         # Both replicas load the same checksum-verified file.
-        primary = TorchRunner(
-            spec, load_network(spec), device, _capacity_bytes(device, config.capacity_mib),
-            fault=fault_primary,  # type: ignore[arg-type]
-        )  # fmt: skip
         stored = replace(spec, dtype="float32")
         fallback = TorchRunner(
             stored, load_network(stored), "cpu",
-            _capacity_bytes("cpu", config.fallback_capacity_mib),
+            device_capacity_bytes("cpu", config.fallback_capacity_mib),
         )  # fmt: skip
+        primary: Runner
+        if config.engine == "process":
+            import torch
+
+            engine = EngineRunner(
+                spec, config.models_toml, device,
+                int(config.capacity_mib * 1024 * 1024) if config.capacity_mib > 0 else 0,
+                threads=config.engine_threads or torch.get_num_threads(),
+                fault=fault_primary,  # type: ignore[arg-type]
+                answer_timeout_s=config.engine_answer_timeout_s,
+            )  # fmt: skip
+            engine.start()
+            primary = engine
+        else:
+            primary = TorchRunner(
+                spec, load_network(spec), device,
+                device_capacity_bytes(device, config.capacity_mib),
+                fault=fault_primary,  # type: ignore[arg-type]
+            )  # fmt: skip
         breaker = CircuitBreaker(config.breaker_failures, config.breaker_open_s)
         log.info("gateway_model_loaded", model=spec.name, revision=spec.revision,
                  sha256=spec.sha256[:16], device=device, dtype=spec.dtype,
-                 fallback="cpu float32")  # fmt: skip
+                 engine=config.engine, fallback="cpu float32")  # fmt: skip
         return cls(config, spec, Batcher(primary, fallback, config.batch, breaker))
 
     async def infer(

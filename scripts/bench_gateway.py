@@ -103,6 +103,7 @@ def _gateway_main(settings: dict[str, Any], port: Any, fault: Any) -> None:
             device=settings.get("device", "cpu"), capacity_mib=settings.get("capacity_mib", 0.0),
             fallback_capacity_mib=512.0, batch=BatchConfig(**settings["batch"]),
             breaker_failures=2, breaker_open_s=60.0, dtype=settings.get("dtype", ""),
+            engine=settings.get("engine", "process"), engine_threads=settings.get("threads", 1),
         )  # fmt: skip
         gw = Gateway.build(config, fault_primary=hook)
         servers: list[Any] = []  # held: a gRPC server that nothing references stops
@@ -159,6 +160,18 @@ def process_cpu_s(pid: int) -> float:
     """CPU seconds (user + system, every thread) a process has used so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def gateway_cpu_s(pid: int) -> float:
+    """CPU seconds of a gateway process and its children (its model engine)."""
+    total = process_cpu_s(pid)
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            try:
+                total += process_cpu_s(int(child))
+            except OSError:  # ended since it was listed
+                continue
+    return total
 
 
 def busy_cpu_s() -> float:
@@ -327,7 +340,7 @@ async def fleet_pipeline(
             async with grpc.aio.insecure_channel(fleet.address) as channel:
                 stub = fleet_pb2_grpc.FleetServiceStub(channel)
                 run = uuid.uuid4().hex[:8]
-                cpu_before = (all_machines_cpu_seconds(), process_cpu_s(gateway_pid), busy_cpu_s())
+                cpu_before = (all_machines_cpu_seconds(), gateway_cpu_s(gateway_pid), busy_cpu_s())
                 started = time.perf_counter()
                 for seed in range(episodes):
                     await stub.SubmitRollout(
@@ -352,7 +365,7 @@ async def fleet_pipeline(
                         raise RuntimeError("fleet pipeline: episodes did not finish in 600 s")
                     await asyncio.sleep(0.1)
                 elapsed = time.perf_counter() - started
-                cpu_after = (all_machines_cpu_seconds(), process_cpu_s(gateway_pid), busy_cpu_s())
+                cpu_after = (all_machines_cpu_seconds(), gateway_cpu_s(gateway_pid), busy_cpu_s())
                 rollouts = await list_all(stub, {"bench": run})
     ok = [r for r in rollouts if r.state == types_pb2.ROLLOUT_STATE_SUCCEEDED]
     episodes_out = [json.loads(r.results[-1].stdout) for r in ok if r.results]

@@ -95,7 +95,7 @@ async def cmd_gateway(args: argparse.Namespace) -> int:
     paths = Paths.from_env()
     config = GatewayConfig(
         secret=paths.token_secret(), device=args.device, capacity_mib=args.capacity_mib,
-        dtype=args.dtype,
+        dtype=args.dtype, engine=args.engine,
         batch=BatchConfig(
             max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
             max_inflight_per_rollout=args.max_inflight_per_rollout,
@@ -657,6 +657,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "--capacity-mib", type=float, default=0.0,
         help="primary memory budget (default: the device's, or RAM/4 on CPU)",
+    )  # fmt: skip
+    sp.add_argument(
+        "--engine", default="process", choices=["process", "inline"],
+        help="where the primary's model runs: a process of its own, started again after a "
+        "device error or a hang (default), or a thread of the gateway's process",
     )  # fmt: skip
     sp.add_argument("--max-batch", type=int, default=64)
     sp.add_argument("--max-wait-ms", type=float, default=2.0)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -20,6 +22,7 @@ from fleet.core.errors import FailedPrecondition, InvalidArgument
 from fleet.core.tokens import issue
 from fleet.envs.gridworld import GridWorld
 from gateway.batcher import BatchConfig
+from gateway.engine import EngineRunner
 from gateway.model import DeviceFault, load_network, memory_model, model_specs
 from gateway.service import Gateway, GatewayConfig, failing, serve
 
@@ -102,7 +105,9 @@ def test_a_full_queue_refuses_at_once_with_a_retry_hint() -> None:
 
     async def body() -> tuple[list[Any], float]:
         config = BatchConfig(max_batch=2, max_wait_ms=1, max_queue=4)
-        async with gateway(fault=slow, batch=config) as c:
+        # A slow device, simulated by a hook that blocks: it must run off the event loop, as
+        # the inline runner runs it (an engine's hook runs on the loop, before sending).
+        async with gateway(fault=slow, batch=config, engine="inline") as c:
             started = time.monotonic()
             replies = await asyncio.gather(
                 *(c.infer(f"r-{i}", "k", s) for i, s in enumerate(observations(12))),
@@ -127,7 +132,7 @@ def test_one_rollout_cannot_hold_more_than_its_in_flight_cap() -> None:
 
     async def body() -> list[Any]:
         config = BatchConfig(max_batch=1, max_wait_ms=1, max_inflight_per_rollout=2)
-        async with gateway(fault=slow, batch=config) as c:
+        async with gateway(fault=slow, batch=config, engine="inline") as c:  # (a blocking hook)
             return await asyncio.gather(
                 *(c.infer("r-greedy", f"k{i}", s) for i, s in enumerate(observations(5))),
                 return_exceptions=True,
@@ -273,12 +278,91 @@ def test_corrupt_weights_are_refused_before_loading(tmp_path: Path) -> None:
         load_network(spec, bad)
 
 
-def test_runner_faults_instead_of_allocating_past_its_budget() -> None:
-    """The CPU runner holds batches to its budget the way a device would: an OOM fault."""
-    gw = Gateway.build(GatewayConfig(secret=SECRET, device="cpu", capacity_mib=0.2))
-    with pytest.raises(DeviceFault) as info:
-        gw.batcher.primary.run(observations(1) * 2000)
-    assert info.value.kind == "oom"
+@pytest.mark.parametrize("engine", ["process", "inline"])
+def test_runner_faults_instead_of_allocating_past_its_budget(engine: str) -> None:
+    """The CPU runner holds batches to its budget the way a device would: an OOM fault, from
+    the engine process as from a runner in the gateway's own."""
+    gw = Gateway.build(GatewayConfig(secret=SECRET, device="cpu", capacity_mib=0.2, engine=engine))
+    try:
+        with pytest.raises(DeviceFault) as info:
+            go(gw.batcher.primary.infer(observations(1) * 2000))
+        fits = go(gw.batcher.primary.infer(observations(2)))
+    finally:
+        go(gw.batcher.stop())
+    assert info.value.kind == "oom" and "out of memory: batch of 2000" in str(info.value)
+    for got, want in zip(fits, reference(observations(2)), strict=True):
+        assert got == pytest.approx(want, abs=1e-5)
+
+
+def _engine_pid(gw: Gateway) -> int:
+    pid = getattr(gw.batcher.primary, "pid", None)
+    assert isinstance(pid, int), "the primary runs in an engine process"
+    return pid
+
+
+async def _until(check: Callable[[], bool], what: str, within_s: float = 60.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not check():
+        assert time.monotonic() < deadline, f"not within {within_s} s: {what}"
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("how", ["killed", "hung"])
+def test_a_lost_engine_fails_over_without_losing_requests_and_is_started_again(
+    how: str,
+) -> None:
+    """The engine process killed (SIGKILL), or hung (SIGSTOP: no answer within the answer
+    timeout): every request is still answered, by the CPU replica; the engine is ended and
+    started again, and once the breaker's probe passes the primary serves again."""
+    samples = observations(24)
+
+    async def body() -> tuple[list[Any], list[Any], int, int, Gateway]:
+        async with gateway(
+            breaker_failures=1, breaker_open_s=0.3, engine_answer_timeout_s=1.0,
+            batch=BatchConfig(max_batch=8, max_wait_ms=5),
+        ) as c:  # fmt: skip
+            gw = c.gateway
+            await c.infer("warm", "k", samples[0])  # the engine answers
+            first = _engine_pid(gw)
+            os.kill(first, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+            during = await asyncio.gather(
+                *(c.infer(f"r-{i}", "a", s) for i, s in enumerate(samples))
+            )
+            await _until(lambda: gw.batcher.primary.restarts == 1, "the engine restarted")
+            second = _engine_pid(gw)
+            await asyncio.sleep(0.4)  # the breaker's open time: the next batch is its probe
+            after = [await c.infer("r", f"b{i}", s) for i, s in enumerate(samples[:3])]
+            return list(during), after, first, second, gw
+
+    during, after, first, second, gw = go(body())
+    assert len(during) == len(samples) and all(r.degraded for r in during)
+    assert {r.device for r in during} == {"cpu (failover)"}
+    for reply, want in zip(during, reference(samples), strict=True):
+        assert reply.output.values == pytest.approx(want, abs=1e-5)
+    assert second != first
+    with pytest.raises(ProcessLookupError):  # the lost one was ended, and reaped
+        os.kill(first, 0)
+    assert all(not r.degraded and r.device == "cpu" for r in after)
+    assert str(gw.batcher.breaker.state) == "closed"
+    assert "fleet_gateway_engine_restarts_total 1" in gw.batcher.metrics_text()
+    with pytest.raises(ProcessLookupError):  # stopping the gateway ended its engine
+        os.kill(second, 0)
+
+
+def test_an_engine_that_cannot_load_its_model_says_why(tmp_path: Path) -> None:
+    """Corrupt weights: the engine refuses them and the gateway's start fails with its reason."""
+    spec = model_specs()[MODEL]
+    shutil.copy(spec.directory / "models.toml", tmp_path / "models.toml")
+    (tmp_path / spec.file).write_bytes(spec.path.read_bytes()[:-10] + b"0123456789")
+    runner = EngineRunner(replace(spec, directory=tmp_path), tmp_path / "models.toml", "cpu")
+    with pytest.raises(FailedPrecondition, match=r"could not load gridworld-policy.*sha256"):
+        runner.start()
+    assert runner.pid is None
+
+
+def test_an_unknown_engine_is_refused() -> None:
+    with pytest.raises(InvalidArgument, match="gateway engine 'gpu' is not one of process"):
+        Gateway.build(GatewayConfig(secret=SECRET, device="cpu", engine="gpu"))
 
 
 def test_a_model_served_in_bfloat16_answers_like_float32_and_fails_over_in_float32() -> None:

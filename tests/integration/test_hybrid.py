@@ -198,7 +198,7 @@ def test_a_deep_gateway_queue_holds_inference_rollouts_while_cpu_work_goes_on(
 
     async def body() -> tuple[list[str], list[str], str, str, bool]:
         gateway = Gateway.build(
-            GatewayConfig(secret=SECRET, device="cpu",
+            GatewayConfig(secret=SECRET, device="cpu", engine="inline",  # (a blocking hook)
                           batch=BatchConfig(max_batch=1, max_wait_ms=0.5)),
             fault_primary=slow,
         )  # fmt: skip
