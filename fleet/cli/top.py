@@ -76,6 +76,7 @@ def render(server: dict[str, float] | str, gateway: dict[str, float] | str) -> s
             f"batch mean {mean:.2f}   "
             f"busy {gateway.get('fleet_gateway_device_busy_fraction', 0):.3f}"
             f"   failovers {gateway.get('fleet_gateway_failovers_total', 0):g}   "
+            f"engine restarts {gateway.get('fleet_gateway_engine_restarts_total', 0):g}   "
             f"breaker {'open' if gateway.get('fleet_gateway_breaker_open') else 'closed'}{per}",
         ]
     return "\n".join(lines)

@@ -315,3 +315,4 @@ def test_server_and_gateway_metrics_and_fleet_top(tmp_path: Path, images: ImageS
     assert gateway['fleet_gateway_batch_size_bucket{le="1"}'] == 1
     assert "trajectories/s" in top and "succeeded 1" in top and "gateway         queue 0" in top
     assert "model           gridworld-policy v1 on cpu in float32" in top
+    assert gateway["fleet_gateway_engine_restarts_total"] == 0 and "engine restarts 0" in top
