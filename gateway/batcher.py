@@ -50,6 +50,10 @@ class BatchConfig:
     """Most samples in one batch on the CPU replica (its lower concurrency)."""
     answers_kept: int = 200_000
     """Answers remembered for idempotent retries (oldest forgotten first)."""
+    probe_interval_s: float = 5.0
+    """After this long with nothing queued, the primary's health is probed with one sample
+    (0: never). A failed probe counts as a fault for the breaker; while the breaker is half
+    open, a probe that passes closes it, so an idle gateway recovers its device by itself."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,8 @@ class Metrics:
     started: float = field(default_factory=time.monotonic)
     shrunk: int = 0
     oom_faults: int = 0
+    probes: int = 0
+    probes_failed: int = 0
 
 
 class Batcher:
@@ -184,7 +190,13 @@ class Batcher:
         while True:
             if not self._queue:
                 self._wake.clear()
-                await self._wake.wait()
+                if self.config.probe_interval_s <= 0:
+                    await self._wake.wait()
+                    continue
+                try:
+                    await asyncio.wait_for(self._wake.wait(), self.config.probe_interval_s)
+                except TimeoutError:
+                    await self._probe()
                 continue
             oldest = self._queue[0].enqueued
             wait = oldest + self.config.max_wait_ms / 1000 - time.monotonic()
@@ -200,6 +212,23 @@ class Batcher:
                 await self._one_batch()
             except Exception:  # never let one batch stop the loop
                 log.exception("batch_failed")
+
+    async def _probe(self) -> None:
+        """One sample of zeros on the primary, as the breaker's health probe (see
+        `BatchConfig.probe_interval_s`); nothing is probed while the breaker keeps it shut."""
+        if not self.breaker.use_primary(time.monotonic()):
+            return
+        self.metrics.probes += 1
+        try:
+            await self.primary.infer([[0.0] * self.primary.spec.input_dim])
+        except Exception as exc:  # any failure of the probe is the device's
+            self.metrics.probes_failed += 1
+            kind = exc.kind if isinstance(exc, DeviceFault) else type(exc).__name__
+            self.breaker.failure(time.monotonic(), f"health probe: {kind}: {exc}")
+            log.warning("health_probe_failed", device=self.primary.device, kind=kind,
+                        error=str(exc), breaker=str(self.breaker.state))  # fmt: skip
+            return
+        self.breaker.success(time.monotonic())
 
     def _take(self, limit: int) -> list[_Pending]:
         batch: list[_Pending] = []
@@ -328,6 +357,12 @@ class Batcher:
             "started again after a device error, a hang or its exit.",
             "# TYPE fleet_gateway_engine_restarts_total counter",
             f"fleet_gateway_engine_restarts_total {self.primary.restarts}",
+            "# HELP fleet_gateway_health_probes_total Probes of an idle primary, and those that "
+            "failed.",
+            "# TYPE fleet_gateway_health_probes_total counter",
+            f"fleet_gateway_health_probes_total {m.probes}",
+            "# TYPE fleet_gateway_health_probes_failed_total counter",
+            f"fleet_gateway_health_probes_failed_total {m.probes_failed}",
             "# TYPE fleet_gateway_breaker_open gauge",
             f"fleet_gateway_breaker_open {int(str(self.breaker.state) != 'closed')}",
             "# TYPE fleet_gateway_batch_size histogram",

@@ -1,9 +1,9 @@
 """The circuit breaker in front of the primary device.
 
 CLOSED: batches go to the primary. `failure_threshold` consecutive faults (allocation failure,
-device error, failed health probe) open it. OPEN: batches go to the CPU replica; after `open_s`
-the breaker lets one probe batch through (HALF_OPEN). A probe that succeeds closes it; one that
-fails opens it again for another `open_s`.
+device error, failed health probe of an idle primary: `Batcher._probe`) open it. OPEN: batches
+go to the CPU replica; after `open_s` the breaker lets one probe batch through (HALF_OPEN). A
+probe that succeeds closes it; one that fails opens it again for another `open_s`.
 """
 
 from __future__ import annotations

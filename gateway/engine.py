@@ -194,6 +194,7 @@ class EngineRunner:
         self._free: int | None = None
         self._sequence = 0
         self._lock = threading.Lock()  # start/stop from a thread and from the loop
+        self._turn = asyncio.Lock()  # one batch on the socket at a time
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -317,6 +318,10 @@ class EngineRunner:
         raise NotImplementedError("an engine's batches are awaited: use `infer`")
 
     async def infer(self, inputs: list[list[float]]) -> list[list[float]]:
+        async with self._turn:
+            return await self._infer(inputs)
+
+    async def _infer(self, inputs: list[list[float]]) -> list[list[float]]:
         if self.fault is not None:
             self.fault()
         width = self.spec.input_dim

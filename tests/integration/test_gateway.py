@@ -349,6 +349,37 @@ def test_a_lost_engine_fails_over_without_losing_requests_and_is_started_again(
         os.kill(second, 0)
 
 
+def test_health_probes_of_an_idle_primary_open_the_breaker_and_close_it_again() -> None:
+    """No requests at all: the engine killed while idle is found by a probe, which opens the
+    breaker (a request then goes straight to the CPU replica, with no failed batch first); the
+    engine is started again and the next probe closes the breaker."""
+    probes = BatchConfig(max_batch=8, max_wait_ms=1, probe_interval_s=0.2)
+
+    async def body() -> tuple[list[str], Any, Any, Gateway]:
+        async with gateway(breaker_failures=1, breaker_open_s=60.0, batch=probes) as c:
+            gw = c.gateway
+            breaker = gw.batcher.breaker
+            await _until(lambda: gw.batcher.metrics.probes >= 2, "idle probes passed")
+            assert str(breaker.state) == "closed" and gw.batcher.metrics.probes_failed == 0
+            os.kill(_engine_pid(gw), signal.SIGKILL)
+            await _until(lambda: str(breaker.state) == "open", "a probe opened the breaker")
+            while_open = await c.infer("r-1", "a", observations(1)[0])
+            await _until(lambda: gw.batcher.primary.restarts == 1, "the engine restarted")
+            breaker.open_s = 0.1  # let the next probe be the half-open one
+            await _until(lambda: str(breaker.state) == "closed", "a probe closed the breaker")
+            after = await c.infer("r-2", "b", observations(1)[0])
+            return [t.reason for t in breaker.history], while_open, after, gw
+
+    reasons, while_open, after, gw = go(body())
+    assert reasons[0].startswith("1 faults in a row: health probe: device_error")
+    assert reasons[-1] == "probe succeeded"
+    assert while_open.degraded and while_open.device == "cpu (failover)"
+    assert gw.batcher.metrics.failovers == 0  # no batch of a request failed on the primary
+    assert not after.degraded and after.device == "cpu"
+    text = gw.batcher.metrics_text()
+    assert "fleet_gateway_health_probes_failed_total 1" in text
+
+
 def test_an_engine_that_cannot_load_its_model_says_why(tmp_path: Path) -> None:
     """Corrupt weights: the engine refuses them and the gateway's start fails with its reason."""
     spec = model_specs()[MODEL]
