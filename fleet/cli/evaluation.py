@@ -52,7 +52,10 @@ async def start_gateway(paths: Paths) -> GatewayHandle:
     from gateway.http import serve_http
     from gateway.service import Gateway, GatewayConfig, serve
 
-    gw = Gateway.build(GatewayConfig(secret=paths.token_secret(), device="auto"))
+    # Off the event loop: starting the model engine takes seconds, and the fleet's agents
+    # heartbeat on this loop meanwhile.
+    config = GatewayConfig(secret=paths.token_secret(), device="auto")
+    gw = await asyncio.to_thread(Gateway.build, config)
     server, port = await serve(gw, "127.0.0.1:0")
     # Machines reach this host at their link's host address; only their firewall rule (for
     # rollouts that use inference) and a rollout token get a request through.

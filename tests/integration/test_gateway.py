@@ -6,6 +6,8 @@ import asyncio
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -378,6 +380,49 @@ def test_health_probes_of_an_idle_primary_open_the_breaker_and_close_it_again() 
     assert not after.degraded and after.device == "cpu"
     text = gw.batcher.metrics_text()
     assert "fleet_gateway_health_probes_failed_total 1" in text
+
+
+def test_the_engine_ends_when_its_gateway_is_killed() -> None:
+    """A gateway killed with SIGKILL cleans nothing up: its engine ends by itself (its end of
+    the socket closes), rather than holding the device."""
+    script = (
+        "import sys\n"
+        "from gateway.service import Gateway, GatewayConfig\n"
+        f"gw = Gateway.build(GatewayConfig(secret={SECRET!r}, device='cpu'))\n"
+        "print('engine-pid', gw.batcher.primary.pid, flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        assert proc.stdout is not None
+        line = b""
+        while not line.startswith(b"engine-pid "):  # (the gateway's log lines come first)
+            line = proc.stdout.readline()
+            assert line, "the gateway exited before it was built"
+        engine = int(line.split()[1])
+        assert not _ended(engine)
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 30
+        while not _ended(engine):
+            assert time.monotonic() < deadline, f"engine {engine} outlived its gateway"
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def _ended(pid: int) -> bool:
+    """Gone, or a zombie waiting for whoever inherited it to reap it."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
 
 def test_an_engine_that_cannot_load_its_model_says_why(tmp_path: Path) -> None:
