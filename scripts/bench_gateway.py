@@ -33,6 +33,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -174,6 +175,12 @@ def gateway_cpu_s(pid: int) -> float:
     return total
 
 
+def own_cpu_s() -> float:
+    """CPU seconds (user + system) this process has used so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def busy_cpu_s() -> float:
     """CPU seconds this whole machine has spent busy (every core, not idle nor iowait)."""
     values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
@@ -209,6 +216,7 @@ async def hammer(
         for c in range(clients)
     ]
     latencies: list[float] = []
+    batch_sizes: list[int] = []
     codes: dict[str, int] = {}
     degraded_at: list[float] = []
     lost = 0
@@ -234,6 +242,7 @@ async def hammer(
                             lost += 1
                         break
                     latencies.append(time.perf_counter() - started)
+                    batch_sizes.append(reply.batch_size)
                     if reply.degraded:
                         degraded_at.append(time.monotonic())
                     break
@@ -246,6 +255,7 @@ async def hammer(
     return {
         "answered": len(latencies), "elapsed": elapsed, "codes": codes, "lost": lost,
         "rate": len(latencies) / elapsed, "degraded_at": degraded_at,
+        "batch_mean": statistics.fmean(batch_sizes) if batch_sizes else 0.0,
         "p50_ms": statistics.median(latencies) * 1000 if latencies else float("nan"),
     }  # fmt: skip
 
@@ -483,7 +493,17 @@ def main() -> int:
             lone_single, lone_batched = asyncio.run(alternate(one.address, gw.address, lone))
             single = asyncio.run(hammer(one.address, BENCH_MODEL, CLIENTS, per_client, "s"))
             one.__exit__()
+            before = (own_cpu_s(), process_cpu_s(gw.pid), gateway_cpu_s(gw.pid))
             batched = asyncio.run(hammer(gw.address, BENCH_MODEL, CLIENTS, per_client, "b"))
+            after = (own_cpu_s(), process_cpu_s(gw.pid), gateway_cpu_s(gw.pid))
+            # Where the batched run's CPU went, per sample: the load generator (this process),
+            # the gateway's own process (RPC, tokens, batching) and its model engine.
+            spent = [b - a for a, b in zip(before, after, strict=True)]
+            engine_busy = (spent[2] - spent[1]) / batched["elapsed"]
+            per_sample_us = {
+                "clients": spent[0], "gateway": spent[1], "engine": spent[2] - spent[1]
+            }  # fmt: skip
+            per_sample_us = {k: v * 1e6 / batched["answered"] for k, v in per_sample_us.items()}
             traj_s, actions = asyncio.run(pipeline(gw.address, BENCH_MODEL, episodes, 64))
             whole: dict[str, Any] = {}
             warm: dict[str, Any] = {}
@@ -575,6 +595,7 @@ def main() -> int:
         "fleet_cpu_ms_per_action": whole["cpu_ms"]["total"] if whole else None,
         "warm_cpu_ms_per_action": warm["cpu_ms"]["total"] if warm else None,
         "sync_cpu_ms_per_action": sync_cpu_ms,
+        "batched_cpu_us_per_sample": round(sum(per_sample_us.values()), 1),
     }
     w = 58
     print(f"{'':<{w}}{'fleet':>12}{'baseline':>12}{'ratio':>9}")
@@ -587,6 +608,10 @@ def main() -> int:
           f"{ceiling_one:>12.0f}{ceiling / ceiling_one:>8.1f}x")  # fmt: skip
     print(f"{'    the gateway batched, as a fraction of the bare model':<{w}}"
           f"{batched['rate'] / ceiling:>12.2f}")  # fmt: skip
+    print(f"    batched: a sample's batch held {batched['batch_mean']:.1f} on average; the model "
+          f"engine computed {engine_busy:.0%} of the time; CPU us per sample: the 64 clients "
+          f"{per_sample_us['clients']:.0f}, the gateway {per_sample_us['gateway']:.0f}, its "
+          f"model engine {per_sample_us['engine']:.0f}")  # fmt: skip
     if half:
         print(f"{'    the same, model served in bfloat16: batched vs one':<{w}}"
               f"{half['batched']['rate']:>12.0f}{half['single']['rate']:>12.0f}"
