@@ -274,6 +274,16 @@ class Batcher:
         batch = self._take(decision.admit)
         if not batch:
             return
+        try:
+            await self._answer(batch, runner, use_primary)
+        except BaseException:  # whatever went wrong, no request of the batch is left waiting
+            why = "the gateway failed this batch; retry with the same idempotency key"
+            for item in batch:
+                if not item.future.done():
+                    item.future.set_exception(Unavailable(why, retry_after_s=0.5))
+            raise
+
+    async def _answer(self, batch: list[_Pending], runner: Runner, use_primary: bool) -> None:
         answers = await self._execute(runner, batch, degraded=not use_primary)
         if answers is None and use_primary and self.fallback is not None:
             self.metrics.failovers += 1
@@ -298,7 +308,16 @@ class Batcher:
     ) -> list[Answer] | None:
         started = time.monotonic()
         try:
-            outputs = await runner.infer([item.sample for item in batch])
+            try:
+                outputs = await runner.infer([item.sample for item in batch])
+            except DeviceFault:
+                raise
+            except Exception as exc:  # a runner's own failure is its device's, too
+                raise DeviceFault("device_error", f"{type(exc).__name__}: {exc}") from exc
+            if len(outputs) != len(batch):
+                raise DeviceFault(
+                    "device_error", f"{len(outputs)} outputs for a batch of {len(batch)}"
+                )
         except DeviceFault as exc:
             if exc.kind == "oom":
                 self.metrics.oom_faults += 1

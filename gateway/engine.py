@@ -324,6 +324,8 @@ class EngineRunner:
     async def _infer(self, inputs: list[list[float]]) -> list[list[float]]:
         if self.fault is not None:
             self.fault()
+        if not inputs:
+            return []
         width = self.spec.input_dim
         if any(len(sample) != width for sample in inputs):
             raise InvalidArgument(f"model {self.spec.name} takes {width} inputs per sample")

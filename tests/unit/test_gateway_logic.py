@@ -1,11 +1,19 @@
-"""The gateway's pure decisions: the breaker's transitions and memory admission."""
+"""The gateway's pure decisions: the breaker's transitions, memory admission, and what the
+batcher does with a runner that fails in ways no device should (fakes of the Runner port)."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Callable
+
 import pytest
 
+from fleet.core.errors import Unavailable
 from gateway.admission import MemoryModel, admissible
+from gateway.batcher import Answer, BatchConfig, Batcher
 from gateway.breaker import BreakerState, CircuitBreaker
+from gateway.model import ModelSpec
 
 
 def test_breaker_opens_after_consecutive_faults_only() -> None:
@@ -70,3 +78,78 @@ def test_admission_shrinks_batches_to_what_fits(
         assert used <= capacity
     else:
         assert "no room" in decision.reason
+
+
+class FakeRunner:
+    """A Runner whose answers (or failures) a test chooses: output = [sum of the sample]."""
+
+    spec = ModelSpec(name="m", revision="r", file="f", sha256="", input_dim=2, hidden=(),
+                     output_dim=1)  # fmt: skip
+    memory = MemoryModel(weights_bytes=0, activation_bytes_per_sample=1)
+    capacity_bytes = 1 << 30
+    restarts = 0
+
+    def __init__(self, device: str, answer: Callable[[list[list[float]]], list[list[float]]]):
+        self.device = device
+        self.answer = answer
+        self.calls = 0
+
+    async def infer(self, inputs: list[list[float]]) -> list[list[float]]:
+        self.calls += 1
+        return self.answer(inputs)
+
+    def observed_free_bytes(self) -> int | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def sums(inputs: list[list[float]]) -> list[list[float]]:
+    return [[sum(sample)] for sample in inputs]
+
+
+def boom(inputs: list[list[float]]) -> list[list[float]]:
+    raise RuntimeError("boom")
+
+
+def run_batch(
+    primary: FakeRunner, fallback: FakeRunner
+) -> tuple[list[Answer | BaseException], Batcher]:
+    async def body() -> tuple[list[Answer | BaseException], Batcher]:
+        batcher = Batcher(primary, fallback, BatchConfig(max_batch=4, max_wait_ms=5),
+                          CircuitBreaker(failure_threshold=1, open_s=60))  # fmt: skip
+        batcher.start()
+        try:
+            calls = [batcher.infer("r", f"k{i}", [i, 1.0], time.time() + 30) for i in range(4)]
+            # A request left waiting would hang here: the timeout turns that into a failure.
+            return await asyncio.wait_for(
+                asyncio.gather(*calls, return_exceptions=True), 10
+            ), batcher
+        finally:
+            await batcher.stop()
+
+    return asyncio.run(body())
+
+
+@pytest.mark.parametrize(
+    ("broken", "why"),
+    [(boom, "RuntimeError: boom"), (lambda inputs: [[1.0]], "1 outputs for a batch of 4")],
+)
+def test_a_runner_failing_unlike_a_device_is_a_device_error_and_fails_over(
+    broken: Callable[[list[list[float]]], list[list[float]]], why: str
+) -> None:
+    """An exception that is not a DeviceFault, or answers that do not match the batch: the
+    batch is re-run on the replica, and the breaker counts a fault saying what happened."""
+    primary, fallback = FakeRunner("gpu", broken), FakeRunner("cpu", sums)
+    answers, batcher = run_batch(primary, fallback)
+    assert [a.output for a in answers if isinstance(a, Answer)] == [[1.0], [2.0], [3.0], [4.0]]
+    assert all(isinstance(a, Answer) and a.degraded for a in answers)
+    assert batcher.breaker.state == BreakerState.OPEN and why in batcher.breaker.history[0].reason
+
+
+def test_when_every_runner_fails_each_request_gets_a_resumable_refusal() -> None:
+    answers, batcher = run_batch(FakeRunner("gpu", boom), FakeRunner("cpu", boom))
+    assert len(answers) == 4 and all(isinstance(a, Unavailable) for a in answers)
+    assert all("retry with the same idempotency key" in str(a) for a in answers)
+    assert batcher.metrics.failovers == 1 and batcher.metrics.served == 0
