@@ -10,13 +10,15 @@ Machines run the image's python3 without gRPC, so a step calls the gateway with 
     GET /metrics     Prometheus text
     GET /healthz     "ok"
 
-HTTP/1.1 with keep-alive; bodies over 1 MiB are refused. Errors map from fleet's codes.
+HTTP/1.1 with keep-alive; bodies over 1 MiB are refused; past `connection_limit()` open
+connections a new one gets a 503 to retry. Errors map from fleet's codes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import resource
 from typing import Any
 
 import structlog
@@ -94,11 +96,26 @@ class HttpEndpoint:
         })  # fmt: skip
 
 
+def connection_limit() -> int:
+    """Connections the endpoint holds open at once: what this process may open, less room for
+    the rest of the gateway (gRPC, its engine, a restart), so that machines that open too many
+    get a 503 to retry rather than leave the gateway without descriptors."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(16, soft - 256) if soft != resource.RLIM_INFINITY else 65536
+
+
 async def serve_http(
-    gateway: Gateway, host: str = "", port: int = 0, sock: Any = None
+    gateway: Gateway,
+    host: str = "",
+    port: int = 0,
+    sock: Any = None,
+    max_connections: int = 0,
 ) -> tuple[asyncio.Server, int]:
-    """Serves the endpoint on host:port, or on an already bound socket (another netns)."""
-    handle = connection_handler(HttpEndpoint(gateway)._route, MAX_BODY_BYTES)
+    """Serves the endpoint on host:port, or on an already bound socket (another netns), with
+    at most `max_connections` open at once (0: `connection_limit()`)."""
+    handle = connection_handler(
+        HttpEndpoint(gateway)._route, MAX_BODY_BYTES, max_connections or connection_limit()
+    )  # fmt: skip
     if sock is not None:
         server = await asyncio.start_server(handle, sock=sock)
     else:

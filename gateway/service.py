@@ -6,6 +6,7 @@ to the batcher. Errors leave through fleet's one chokepoint (`fleet.server.statu
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, replace
 from datetime import UTC
@@ -161,6 +162,9 @@ class Gateway:
                 f"input: model {self.spec.name} takes one sample of shape "
                 f"[{self.spec.input_dim}], got shape {shape} with {len(values)} values"
             )
+        if not all(map(math.isfinite, values)):
+            at = next(i for i, v in enumerate(values) if not math.isfinite(v))
+            raise InvalidArgument(f"input[{at}] is {values[at]}: inputs must be finite numbers")
         return await self.batcher.infer(
             rollout_id, idempotency_key, values, deadline if deadline is not None else now + 30
         )

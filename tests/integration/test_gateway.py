@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -25,6 +27,7 @@ from fleet.core.tokens import issue
 from fleet.envs.gridworld import GridWorld
 from gateway.batcher import BatchConfig
 from gateway.engine import EngineRunner
+from gateway.http import connection_limit, serve_http
 from gateway.model import DeviceFault, load_network, memory_model, model_specs
 from gateway.service import Gateway, GatewayConfig, failing, serve
 
@@ -263,6 +266,84 @@ def test_malformed_requests_are_refused_saying_what() -> None:
     ]  # fmt: skip
     assert "gpt-17" in errors[0][1] and "v9" in errors[1][1]
     assert "shape [147]" in errors[2][1] and "idempotency_key" in errors[3][1]
+
+
+def test_non_finite_inputs_are_refused_saying_where() -> None:
+    """NaN or infinity in an input, over gRPC and over HTTP: refused before the batcher."""
+    sample = observations(1)[0]
+
+    async def body() -> tuple[list[str], list[tuple[int, dict[str, Any]]]]:
+        grpc_errors, http_replies = [], []
+        async with gateway() as c:
+            for bad in (float("nan"), float("inf")):
+                values = [*sample[:5], bad, *sample[6:]]
+                try:
+                    await c.infer("r-1", f"k{bad}", values)
+                except grpc.aio.AioRpcError as exc:
+                    grpc_errors.append(f"{exc.code().name} {exc.details()}")
+            http, port = await serve_http(c.gateway, "127.0.0.1", 0)
+            try:
+                for text in ("NaN", "-Infinity"):
+                    raw = (
+                        f'{{"token": "{issue(SECRET, "r-1", time.time() + 60)}", '
+                        f'"rollout_id": "r-1", "idempotency_key": "h{text}", "model": "{MODEL}", '
+                        f'"input": [{", ".join(map(str, sample[:146]))}, {text}]}}'
+                    )
+                    http_replies.append(await _post(port, "/v1/infer", raw.encode()))
+            finally:
+                http.close()
+        return grpc_errors, http_replies
+
+    grpc_errors, http_replies = go(body())
+    assert grpc_errors == [
+        "INVALID_ARGUMENT input[5] is nan: inputs must be finite numbers",
+        "INVALID_ARGUMENT input[5] is inf: inputs must be finite numbers",
+    ]
+    assert [status for status, _ in http_replies] == [400, 400]
+    assert http_replies[0][1]["message"] == "input[146] is nan: inputs must be finite numbers"
+    assert http_replies[1][1]["message"] == "input[146] is -inf: inputs must be finite numbers"
+
+
+def test_the_http_endpoint_holds_a_bounded_number_of_connections() -> None:
+    """Past its limit (by default what the process may open, less room for the rest of the
+    gateway) a connection gets a 503 to retry, and those already open are still served."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    assert connection_limit() == max(16, soft - 256)
+
+    async def body() -> tuple[bytes, int]:
+        async with gateway() as c:
+            http, port = await serve_http(c.gateway, "127.0.0.1", 0, max_connections=3)
+            try:
+                held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                refused = await asyncio.wait_for(reader.read(), 10)  # (not held open)
+                writer.close()
+                _, first = held[0]
+                first.write(b"GET /healthz HTTP/1.1\r\nHost: g\r\n\r\n")
+                answer = await held[0][0].readuntil(b"ok")
+                for _, w in held:
+                    w.close()
+                return refused, int(answer.split()[1])
+            finally:
+                http.close()
+
+    refused, status = go(body())
+    assert refused.startswith(b"HTTP/1.1 503") and b"Retry-After: 0.5" in refused
+    assert b"3 connections are open here, the limit" in refused
+    assert status == 200
+
+
+async def _post(port: int, path: str, body: bytes) -> tuple[int, dict[str, Any]]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        f"POST {path} HTTP/1.1\r\nHost: g\r\nContent-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n".encode()
+        + body
+    )
+    raw = await reader.read()
+    writer.close()
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(payload)
 
 
 def _fields(request: inference_pb2.InferRequest) -> dict[str, Any]:
