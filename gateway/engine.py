@@ -242,7 +242,7 @@ class EngineRunner:
                     f"model engine for {self.device} could not load {self.spec.name}: "
                     f"{payload.decode(errors='replace')}"
                 )
-        except (OSError, FailedPrecondition) as exc:
+        except (OSError, FailedPrecondition, subprocess.TimeoutExpired) as exc:
             parent.close()
             if proc.poll() is None:
                 proc.kill()
