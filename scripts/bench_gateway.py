@@ -507,6 +507,10 @@ def main() -> int:
             traj_s, actions = asyncio.run(pipeline(gw.address, BENCH_MODEL, episodes, 64))
             whole: dict[str, Any] = {}
             warm: dict[str, Any] = {}
+            # The synchronous baseline runs before part (4) and again after it: this machine's
+            # speed drifts, and the mean of the two brackets the fleet's runs.
+            sync_sizes = (manifest, BENCH_MODEL, max(16, episodes // 4), args.device, args.threads)
+            sync_before = synchronous(*sync_sizes)
             if not args.skip_fleet:
                 for result, forked in ((whole, False), (warm, True)):
                     result.update(
@@ -530,9 +534,9 @@ def main() -> int:
 
             fail, failover_s = asyncio.run(failover())
             gw_status = asyncio.run(status(gw.address))
-        sync_traj_s, _, sync_cpu_ms = synchronous(
-            manifest, BENCH_MODEL, max(16, episodes // 4), args.device, args.threads
-        )
+        sync_after = synchronous(*sync_sizes)
+        sync_traj_s = (sync_before[0] + sync_after[0]) / 2
+        sync_cpu_ms = (sync_before[2] + sync_after[2]) / 2
         ceiling = model_ceiling(manifest, BENCH_MODEL, 64, args.device, args.threads)
         ceiling_one = model_ceiling(manifest, BENCH_MODEL, 1, args.device, args.threads)
         # (1) again with the model served in bfloat16 (the CPU replica stays float32).
@@ -653,6 +657,8 @@ def main() -> int:
                   f"{run['first_done_s']:.1f} s, the last started at {run['last_start_s']:.1f} s"
                   + (f"; {steady:.1f} trajectories/s over the middle half of finishes)"
                      if steady is not None else ")"))
+    print(f"    (the synchronous loop: {sync_before[0]:.1f} trajectories/s before part (4), "
+          f"{sync_after[0]:.1f} after; their mean is the baseline)")  # fmt: skip
     print(f"{'    only the gateway: 64 in-process episode loops':<{w}}"
           f"{traj_s:>12.1f}{sync_traj_s:>12.1f}{out['gateway_pipeline_gain']:>8.1f}x")  # fmt: skip
     print(f"{'    ms per action (shipped policy): via gateway vs bare call':<{w}}"
