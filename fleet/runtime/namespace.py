@@ -55,6 +55,26 @@ _MOUNT_THEN_EXEC = (
     'shift 5; exec "$@"'
 )
 REQUIRED_TOOLS = ("bwrap", "unshare", "mount", "nsenter", "ip", "nft")
+PROC_READ_ONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs")
+"""Under a machine's /proc, read-only: a machine's root is the host's root user (in a user
+namespace, without capabilities outside it), and the kernel checks host-wide settings under
+/proc/sys by that user: writable, `kernel.core_pattern` would run a program of the machine's
+choosing as the host's root. bwrap covers only some of these, and not /proc/sys."""
+PROC_MASKED = ("kcore", "keys", "timer_list", "sched_debug")
+"""Under a machine's /proc, an empty file in their place: the kernel's memory, the keys and the
+host's timers and scheduler, nothing a workload needs."""
+
+
+def proc_cover(empty: Path) -> list[str]:
+    """bwrap arguments, after `--proc /proc`, for PROC_READ_ONLY and PROC_MASKED (those this
+    kernel has: a bind needs its target); `empty` is an empty file to mask with."""
+    args: list[str] = []
+    for name in PROC_READ_ONLY:
+        args += ["--ro-bind-try", f"/proc/{name}", f"/proc/{name}"]
+    for name in PROC_MASKED:
+        if os.path.exists(f"/proc/{name}"):
+            args += ["--ro-bind", str(empty), f"/proc/{name}"]
+    return args
 
 
 def missing_tools() -> list[str]:
@@ -101,6 +121,13 @@ class NamespaceMachine:
     def name(self) -> str:
         return self._name
 
+    def _empty(self) -> Path:
+        """An empty, read-only file of this machine's, for masking (made on first use)."""
+        empty = self.root / "empty"
+        if not empty.exists():
+            empty.touch(mode=0o444)
+        return empty
+
     def _argv(
         self,
         argv: list[str],
@@ -125,6 +152,7 @@ class NamespaceMachine:
             "/",
             "--proc",
             "/proc",
+            *proc_cover(self._empty()),
             "--dev",
             "/dev",
             "--tmpfs",

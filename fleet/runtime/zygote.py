@@ -1,7 +1,9 @@
 """The warm parent's fork server. Runs inside the sandbox with the image's python3 (stdlib only).
 
-At start it runs the warm-up (`/run/fleet/warmup.py`) into its own globals: imports, weights,
-whatever the children should find already in memory. Then it serves JSON lines on
+At start it locks the sandbox's mounts (a user and mount namespace of its own: what the sandbox
+made read-only, /proc/sys among it, stays so although this process may mount), then runs the
+warm-up (`/run/fleet/warmup.py`) into its own globals: imports, weights, whatever the children
+should find already in memory. Then it serves JSON lines on
 `/run/fleet/zygote.sock`:
 
     {"op": "spawn", "id": ID, "argv": [...], "env": {...}, "workdir": DIR}
@@ -350,9 +352,25 @@ def handle(request: dict[str, Any], program: bytes) -> dict[str, Any]:
     return {"error": f"unknown op {op!r}"}
 
 
+def lock_mounts() -> None:
+    """Enters a user and mount namespace of its own, so that every mount the sandbox made is
+    copied in locked: this process's filter allows mount and umount (its children need them)
+    and the warm-up runs here, yet nothing the sandbox covers (/proc/sys, read-only) can be
+    unmounted or made writable again. Children are made from here as before, one level down."""
+    uid, gid = os.getuid(), os.getgid()
+    check(libc.unshare(NEWUSER | NEWNS), "lock mounts")
+    with open("/proc/self/setgroups", "w") as f:
+        f.write("deny")
+    with open("/proc/self/uid_map", "w") as f:
+        f.write(f"{uid} {uid} 1")
+    with open("/proc/self/gid_map", "w") as f:
+        f.write(f"{gid} {gid} 1")
+
+
 def main() -> None:
     with open(CTL + "/child.bpf", "rb") as f:
         program = f.read()
+    lock_mounts()
     with open(CTL + "/warmup.py") as f:
         exec(compile(f.read(), "<warm-up>", "exec"), WARM)
     # Everything the warm-up made is left alone by the collector from now on: a collection

@@ -333,3 +333,46 @@ def test_seccomp_denies_what_a_sandbox_has_no_business_doing(rootfs: Path, tmp_p
     out = json.loads(result.stdout)
     assert out.pop("getpid") == "ok" and out.pop("seccomp") == "2"
     assert set(out.values()) == {"Operation not permitted"}, out
+
+
+# What a step may change outside its machine through /proc. Its root is the host's root user
+# (in a user namespace of its own, with no capability outside it), and the kernel lets that
+# user write host-wide settings under /proc/sys unless they are read-only in the machine. The
+# probe writes back the value it read, so nothing changes if the write gets through.
+HOST_KNOBS = r"""
+import json, os
+out = {}
+for path in ("/proc/sys/vm/stat_interval", "/proc/sys/kernel/core_pattern"):
+    try:
+        value = open(path).read()
+        with open(path, "w") as f:
+            f.write(value)
+        out[path] = "WRITTEN"
+    except OSError as e:
+        out[path] = e.errno
+for name in ("kcore", "keys", "timer_list", "sched_debug"):
+    path = "/proc/" + name
+    if os.path.exists(path):
+        try:
+            out[path] = len(open(path, "rb").read(64))
+        except OSError as e:
+            out[path] = e.errno
+print(json.dumps(out))
+"""
+
+
+def test_host_settings_under_proc_are_read_only_in_a_machine(rootfs: Path, tmp_path: Path) -> None:
+    """/proc/sys (host-wide settings: core_pattern runs a program as the host's root) is
+    read-only in a machine, and the kernel's memory, keys and timers read as empty."""
+    import errno
+    import json
+
+    async def body(m: NamespaceMachine):  # type: ignore[no-untyped-def]
+        return await m.exec(["python3", "-c", HOST_KNOBS], timeout_s=30)
+
+    result = run(rootfs, tmp_path, body)
+    assert result.exit_code == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out.pop("/proc/sys/vm/stat_interval") == errno.EROFS
+    assert out.pop("/proc/sys/kernel/core_pattern") == errno.EROFS
+    assert set(out.values()) <= {0}, out  # masked: /dev/null in their place

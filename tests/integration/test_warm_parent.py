@@ -369,3 +369,47 @@ def test_a_small_parent_keeps_many_live_children(rootfs: Path, tmp_path: Path) -
     )  # fmt: skip
     assert codes == [0] * 48 and outs == [b"25165824\n"] * 48
     assert grown == 64 + 4 * 48 and after == 64
+
+
+UNCOVER = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+def result(r):
+    return "ok" if r == 0 else os.strerror(ctypes.get_errno())
+UNCOVERED = {
+    "umount": result(libc.umount2(b"/proc/sys", 2)),
+    "remount_rw": result(libc.mount(None, b"/proc/sys", None, 4096 | 32, None)),
+}
+"""
+WRITE_BACK = """
+import json
+try:
+    value = open("/proc/sys/vm/stat_interval").read()
+    with open("/proc/sys/vm/stat_interval", "w") as f:
+        f.write(value)  # the value it read: nothing changes if this gets through
+    UNCOVERED["write"] = "WRITTEN"
+except OSError as e:
+    UNCOVERED["write"] = e.strerror
+print(json.dumps(UNCOVERED))
+"""
+
+
+def test_neither_the_warm_up_nor_a_child_can_uncover_host_settings(
+    rootfs: Path, tmp_path: Path
+) -> None:
+    """The warm-up runs in the fork server, whose system-call filter allows mount and umount
+    (its children need them): it still cannot unmount or remount /proc/sys read-write (the
+    fork server locks its mounts before the warm-up), and a child cannot write it either."""
+    import json
+
+    async def body(parent: NamespaceParent) -> bytes:
+        child = await parent.branch("uncover")
+        result = await child.exec(["python3", "-c", WRITE_BACK], timeout_s=30)
+        assert result.exit_code == 0, result.stderr
+        return result.stdout
+
+    out = json.loads(with_parent(rootfs, tmp_path, body, warmup=UNCOVER))
+    assert out == {
+        "umount": "Invalid argument", "remount_rw": "Operation not permitted",
+        "write": "Read-only file system",
+    }  # fmt: skip
