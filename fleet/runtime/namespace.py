@@ -371,8 +371,12 @@ class NamespaceRuntime:
         # Grouped by host, so a reaper finds even a machine whose creation a kill interrupted.
         host = spec.labels.get("host", "local")
         root = self.machines_dir / host / f"{spec.name}-{uuid.uuid4().hex[:8]}"
+        root.mkdir(parents=True, exist_ok=True)
+        # The host's root only: a machine's root is the host's root user, so a file it marks
+        # setuid in its layer is a setuid-root file on the host, for any user who reaches it.
+        root.chmod(0o700)
         for sub in ("upper", "work", "merged"):
-            (root / sub).mkdir(parents=True, exist_ok=True)
+            (root / sub).mkdir(exist_ok=True)
         (root / "labels.json").write_text(json.dumps(spec.labels, sort_keys=True))
         (root / "seccomp.bpf").write_bytes(self._seccomp)
         cgroup = cgroups.MachineCgroup(root.name, self.cgroup_version)

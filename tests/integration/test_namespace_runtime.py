@@ -376,3 +376,27 @@ def test_host_settings_under_proc_are_read_only_in_a_machine(rootfs: Path, tmp_p
     assert out.pop("/proc/sys/vm/stat_interval") == errno.EROFS
     assert out.pop("/proc/sys/kernel/core_pattern") == errno.EROFS
     assert set(out.values()) <= {0}, out  # masked: /dev/null in their place
+
+
+SETUID = r"""
+import os, shutil
+shutil.copy("/bin/sh", "/planted")
+os.chmod("/planted", 0o4755)
+print(oct(os.stat("/planted").st_mode & 0o7777))
+"""
+
+
+def test_a_machines_files_are_the_hosts_root_users_alone(rootfs: Path, tmp_path: Path) -> None:
+    """A machine's root is the host's root user: a file it marks setuid in its layer is a
+    setuid-root file on the host. No other host user can reach its directory."""
+    import stat
+
+    async def body(m: NamespaceMachine):  # type: ignore[no-untyped-def]
+        result = await m.exec(["python3", "-c", SETUID], timeout_s=30)
+        planted = m.root / "upper" / "planted"
+        return result, planted.stat().st_mode, stat.S_IMODE(m.root.stat().st_mode)
+
+    result, planted, mode = run(rootfs, tmp_path, body)
+    assert result.exit_code == 0 and result.stdout == b"0o4755\n", result.stderr
+    assert planted & stat.S_ISUID  # there on the host, as the machine left it
+    assert mode == 0o700
