@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import time
 import uuid
 from collections.abc import Mapping
@@ -28,6 +29,7 @@ import structlog
 
 from fleet.core.egress import EgressEvent
 from fleet.core.errors import Internal, InvalidArgument, NotFound, Unavailable
+from fleet.core.rollout import MAX_OUTPUT_BYTES
 from fleet.runtime import cgroups, seccomp
 from fleet.runtime.base import ExecResult, machine_env
 from fleet.runtime.namespace import SOCKET_LINKS, NamespaceMachine, NamespaceRuntime
@@ -126,6 +128,7 @@ class WarmChild:
         env: Mapping[str, str] | None = None,
         workdir: str | None = None,
         timeout_s: float,
+        max_output_bytes: int = MAX_OUTPUT_BYTES,
         **_: Any,
     ) -> ExecResult:
         if self._deleted:
@@ -140,9 +143,10 @@ class WarmChild:
             timed_out = True
             await asyncio.to_thread(self.cgroup.kill_all)
             code = await self.wait()
-        out, err = await asyncio.to_thread(self._outputs)
+        (out, out_cut), (err, err_cut) = await asyncio.to_thread(self._outputs, max_output_bytes)
         return ExecResult(
             exit_code=-int(signal.SIGKILL) if timed_out else code, stdout=out, stderr=err,
+            stdout_truncated=out_cut, stderr_truncated=err_cut,
             timed_out=timed_out, duration_s=time.monotonic() - started,
             oom_killed=self.cgroup.oom_kills() > oom_before,
         )  # fmt: skip
@@ -171,11 +175,15 @@ class WarmChild:
         """A child's network is its loopback alone: nothing to refuse, nothing to report."""
         return []
 
-    def _outputs(self) -> tuple[bytes, bytes]:
-        out, err = self.layer / "stdout", self.layer / "stderr"
+    def _outputs(self, limit: int) -> tuple[tuple[bytes, bool], tuple[bytes, bool]]:
+        """The step's stdout and stderr, at most `limit` bytes of each (and whether there was
+        more). The fork server runs a tenant's warm-up and can change anything under its
+        control directory, so these are opened without following a symbolic link anywhere
+        below it and must be regular files: the agent reads them as the host's root, and a
+        link to a host file would hand that file to the tenant as output."""
         return (
-            out.read_bytes() if out.exists() else b"",
-            err.read_bytes() if err.exists() else b"",
+            read_step_output(self.parent.ctl, ("children", self.cid, "stdout"), limit),
+            read_step_output(self.parent.ctl, ("children", self.cid, "stderr"), limit),
         )
 
     async def delete(self) -> None:
@@ -186,6 +194,36 @@ class WarmChild:
         await asyncio.to_thread(shutil.rmtree, self.layer, True)
         self.parent.children.discard(self)
         await asyncio.to_thread(self.parent.fit_limit)
+
+
+def open_beneath(base: Path, parts: tuple[str, ...], flags: int) -> int:
+    """A descriptor of base/parts..., following no symbolic link at any of `parts` (`base`
+    itself is the agent's own)."""
+    fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for part in parts[:-1]:
+            inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        return os.open(parts[-1], flags | os.O_NOFOLLOW, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def read_step_output(base: Path, parts: tuple[str, ...], limit: int) -> tuple[bytes, bool]:
+    """At most `limit` bytes of a regular file under `base` (see `open_beneath`), and whether
+    it held more; (b"", False) when there is none. Anything else there is refused."""
+    try:
+        fd = open_beneath(base, parts, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return b"", False
+    except OSError as exc:  # ELOOP (a link), ENOTDIR: not what the child was given
+        raise Internal(f"step output {'/'.join(parts)} was replaced: {exc.strerror}") from exc
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise Internal(f"step output {'/'.join(parts)} was replaced: not a regular file")
+        data = handle.read(limit + 1)
+    return data[:limit], len(data) > limit
 
 
 class NamespaceParent:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -413,3 +414,60 @@ def test_neither_the_warm_up_nor_a_child_can_uncover_host_settings(
         "umount": "Invalid argument", "remount_rw": "Operation not permitted",
         "write": "Read-only file system",
     }  # fmt: skip
+
+
+SWAP_OUTPUTS = """
+import os, threading, time
+def swap():
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            names = os.listdir("/run/fleet/children")
+        except OSError:
+            names = []
+        for cid in names:
+            out = f"/run/fleet/children/{cid}/stdout"
+            if os.path.isfile(out) and not os.path.islink(out):
+                os.symlink("/etc/hostname", out + ".swap")
+                os.replace(out + ".swap", out)  # read on the host, it would name the host's file
+        time.sleep(0.01)
+threading.Thread(target=swap, daemon=True).start()
+"""
+
+
+def test_output_files_the_fork_server_swaps_for_links_are_refused(
+    rootfs: Path, tmp_path: Path
+) -> None:
+    """The fork server runs the tenant's warm-up and can change its control directory, where
+    a step's stdout lands. A link put in its place is not followed by the agent (which would
+    read a host file as root and hand it over as the step's output): the step fails, saying so."""
+    from fleet.core.errors import Internal
+
+    async def body(parent: NamespaceParent) -> str:
+        child = await parent.branch("swapped")
+        try:
+            await child.exec(
+                ["python3", "-c", "import time; print('mine'); time.sleep(1)"], timeout_s=30
+            )
+        except Internal as exc:
+            return str(exc)
+        return "read through the link"
+
+    refused = with_parent(rootfs, tmp_path, body, warmup=SWAP_OUTPUTS)
+    assert re.fullmatch(
+        r"step output children/[\w.-]+/stdout was replaced: Too many levels of symbolic links",
+        refused,
+    ), refused
+
+
+def test_a_childs_output_is_bounded_like_any_machines(rootfs: Path, tmp_path: Path) -> None:
+    """The agent reads at most max_output_bytes of a child's stdout and says it cut it."""
+
+    async def body(parent: NamespaceParent) -> tuple[int, bool, bool]:
+        child = await parent.branch("loud")
+        result = await child.exec(
+            ["python3", "-c", "print('x' * 5000)"], timeout_s=30, max_output_bytes=1000
+        )
+        return len(result.stdout), result.stdout_truncated, result.stderr_truncated
+
+    assert with_parent(rootfs, tmp_path, body) == (1000, True, False)
