@@ -67,6 +67,7 @@ class WarmChild:
         self.cgroup = cgroup
         self._deleted = False
         self.prepared_pid: int | None = None
+        self._sockets_fd: int | None = None
 
     @property
     def name(self) -> str:
@@ -78,8 +79,13 @@ class WarmChild:
 
     @property
     def sockets(self) -> Path:
-        """Where the agent puts the sockets this child reaches (`/run/fleet` in the child)."""
-        return self.layer / "sockets"
+        """Where the agent puts the sockets this child reaches (`/run/fleet` in the child): the
+        directory itself, held open (`/proc/self/fd/N`) from the first use on. The fork server
+        runs the tenant's warm-up and can change its control directory: a link it put on the
+        way is refused, and one it puts later cannot send the agent's sockets elsewhere."""
+        if self._sockets_fd is None:
+            self._sockets_fd = open_dir_beneath(self.parent.ctl, ("children", self.cid, "sockets"))
+        return Path(f"/proc/self/fd/{self._sockets_fd}")
 
     async def _fork(self, step: dict[str, Any] | None) -> int:
         """Forks the child (set up, waiting for its step) and moves it into its cgroup."""
@@ -190,6 +196,9 @@ class WarmChild:
         if self._deleted:
             return
         self._deleted = True
+        if self._sockets_fd is not None:
+            os.close(self._sockets_fd)
+            self._sockets_fd = None
         await asyncio.to_thread(self.cgroup.remove)
         await asyncio.to_thread(shutil.rmtree, self.layer, True)
         self.parent.children.discard(self)
@@ -208,6 +217,29 @@ def open_beneath(base: Path, parts: tuple[str, ...], flags: int) -> int:
         return os.open(parts[-1], flags | os.O_NOFOLLOW, dir_fd=fd)
     finally:
         os.close(fd)
+
+
+def open_dir_beneath(base: Path, parts: tuple[str, ...]) -> int:
+    """A descriptor of the directory base/parts..., made where missing, following no symbolic
+    link at any of `parts` (an existing link is refused with Internal)."""
+    fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for part in parts:
+            flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+            try:
+                inner = os.open(part, flags, dir_fd=fd)
+            except FileNotFoundError:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(part, 0o755, dir_fd=fd)
+                inner = os.open(part, flags, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+    except OSError as exc:
+        os.close(fd)
+        if isinstance(exc, FileNotFoundError):
+            raise
+        raise Internal(f"{'/'.join(parts)} under {base} was replaced: {exc.strerror}") from exc
+    return fd
 
 
 def read_step_output(base: Path, parts: tuple[str, ...], limit: int) -> tuple[bytes, bool]:

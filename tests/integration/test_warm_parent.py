@@ -471,3 +471,59 @@ def test_a_childs_output_is_bounded_like_any_machines(rootfs: Path, tmp_path: Pa
         return len(result.stdout), result.stdout_truncated, result.stderr_truncated
 
     assert with_parent(rootfs, tmp_path, body) == (1000, True, False)
+
+
+SWAP_SOCKETS = """
+import os, threading, time
+def swap():
+    deadline = time.monotonic() + 60
+    while not os.path.exists("/run/fleet/swap-now") and time.monotonic() < deadline:
+        time.sleep(0.01)  # (the parent's own probe child runs first)
+    while time.monotonic() < deadline:
+        try:
+            names = os.listdir("/run/fleet/children")
+        except OSError:
+            names = []
+        for cid in names:
+            sockets = f"/run/fleet/children/{cid}/sockets"
+            if os.path.isdir(sockets) and not os.path.islink(sockets):
+                os.rename(sockets, sockets + ".moved")
+                os.symlink(TARGET, sockets)  # followed on the host, it names a host directory
+        time.sleep(0.01)
+threading.Thread(target=swap, daemon=True).start()
+"""
+
+
+def test_a_sockets_directory_the_fork_server_swaps_for_a_link_is_refused(
+    rootfs: Path, tmp_path: Path
+) -> None:
+    """The agent binds a child's gateway and relay sockets in the child's directory under the
+    fork server's control directory. A link the warm-up put there is refused, so the agent
+    never makes its sockets in a host directory of the tenant's choosing."""
+    from fleet.agent.passage import bind_unix
+    from fleet.core.errors import Internal
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+
+    async def body(parent: NamespaceParent) -> str:
+        child = await parent.branch("pooled")  # forked ahead: its directories are there
+        (parent.ctl / "swap-now").touch()
+        swapped = parent.ctl / "children" / child.cid / "sockets"
+        for _ in range(3000):  # the warm-up's thread swaps it for a link
+            if swapped.is_symlink():
+                break
+            await asyncio.sleep(0.01)
+        try:
+            bind_unix(child.sockets, "probe.sock").close()
+        except Internal as exc:
+            return str(exc)
+        return "bound"
+
+    warmup = SWAP_SOCKETS.replace("TARGET", repr(str(elsewhere)))
+    refused = with_parent(rootfs, tmp_path, body, warmup=warmup, pool_size=1)
+    assert re.fullmatch(
+        r"children/[\w.-]+/sockets under \S+ was replaced: Not a directory",
+        refused,
+    ), refused
+    assert list(elsewhere.iterdir()) == []
