@@ -37,7 +37,6 @@ import time
 import weakref
 from array import array
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 import structlog
@@ -88,16 +87,11 @@ def engine_main(argv: list[str] | None = None) -> int:
     try:
         import torch
 
-        from gateway.model import checked_dtype, device_capacity_bytes, load_network, model_specs
+        from gateway.model import device_capacity_bytes, load_network, select_model
 
         if args.threads > 0:
             torch.set_num_threads(args.threads)
-        specs = model_specs(args.manifest)
-        if args.model not in specs:
-            raise FailedPrecondition(f"no model {args.model!r} in {args.manifest}")
-        spec = specs[args.model]
-        if args.dtype:
-            spec = replace(spec, dtype=checked_dtype(args.dtype, "engine dtype"))
+        spec = select_model(args.manifest, args.model, args.dtype, "engine dtype")
         capacity = args.capacity_bytes or device_capacity_bytes(args.device, 0.0)
         runner = TorchRunner(spec, load_network(spec), args.device, capacity)
     except Exception as exc:  # the reason goes back to the gateway, which refuses to start

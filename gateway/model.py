@@ -14,14 +14,14 @@ import threading
 import tomllib
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
 import torch
 from torch import nn
 
-from fleet.core.errors import FailedPrecondition, InvalidArgument
+from fleet.core.errors import FailedPrecondition, InvalidArgument, NotFound
 from gateway.admission import MemoryModel
 
 WEIGHTS_DIR = Path(__file__).parent / "weights"
@@ -71,6 +71,15 @@ def model_specs(manifest: Path = WEIGHTS_DIR / "models.toml") -> dict[str, Model
             dtype=checked_dtype(str(entry.get("dtype", "float32")), f"{manifest}: model.{name}"),
         )  # fmt: skip
     return out
+
+
+def select_model(manifest: Path, name: str, dtype: str = "", where: str = "dtype") -> ModelSpec:
+    """The manifest's model `name`, served in `dtype` when one is given (`where` names the
+    setting in an error); NotFound, listing the manifest's models, when it has no such one."""
+    specs = model_specs(manifest)
+    if name not in specs:
+        raise NotFound(f"no model {name!r}; shipped: {', '.join(sorted(specs))}")
+    return replace(specs[name], dtype=checked_dtype(dtype, where)) if dtype else specs[name]
 
 
 def checked_dtype(dtype: str, where: str) -> str:

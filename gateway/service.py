@@ -28,10 +28,9 @@ from gateway.model import (
     ModelSpec,
     Runner,
     TorchRunner,
-    checked_dtype,
     device_capacity_bytes,
     load_network,
-    model_specs,
+    select_model,
 )
 
 log = structlog.get_logger(__name__)
@@ -91,12 +90,7 @@ class Gateway:
 
     @classmethod
     def build(cls, config: GatewayConfig, fault_primary: object | None = None) -> Gateway:
-        specs = model_specs(config.models_toml)
-        if config.model not in specs:
-            raise NotFound(f"no model {config.model!r}; shipped: {', '.join(sorted(specs))}")
-        spec = specs[config.model]
-        if config.dtype:
-            spec = replace(spec, dtype=checked_dtype(config.dtype, "gateway dtype"))
+        spec = select_model(config.models_toml, config.model, config.dtype, "gateway dtype")
         if config.engine not in ENGINES:
             raise InvalidArgument(
                 f"gateway engine {config.engine!r} is not one of {', '.join(ENGINES)}"

@@ -97,6 +97,17 @@ def install_filter(program: bytes) -> None:
     check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0), "seccomp")
 
 
+def map_ids(inside: int, uid: int, gid: int) -> None:
+    """Just after unshare(NEWUSER): this process's user and group `inside` are `uid` and `gid`
+    outside (the only ids it has; no supplementary groups)."""
+    with open("/proc/self/setgroups", "w") as f:
+        f.write("deny")
+    with open("/proc/self/uid_map", "w") as f:
+        f.write(f"{inside} {uid} 1")
+    with open("/proc/self/gid_map", "w") as f:
+        f.write(f"{inside} {gid} 1")
+
+
 def become_machine(cid: str, report: int) -> None:
     """New namespaces, the child's overlay as its root (the fork server's gone), its loopback up.
 
@@ -110,12 +121,7 @@ def become_machine(cid: str, report: int) -> None:
     """
     uid, gid = os.getuid(), os.getgid()
     check(libc.unshare(NEWUSER | NEWNS | NEWUTS | NEWIPC | NEWNET | NEWPID), "unshare")
-    with open("/proc/self/setgroups", "w") as f:
-        f.write("deny")
-    with open("/proc/self/uid_map", "w") as f:
-        f.write(f"0 {uid} 1")
-    with open("/proc/self/gid_map", "w") as f:
-        f.write(f"0 {gid} 1")
+    map_ids(0, uid, gid)
     # Nothing mounted from here on propagates anywhere, nor anything from elsewhere here.
     check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "private")
     base = f"{CTL}/children/{cid}"
@@ -359,12 +365,7 @@ def lock_mounts() -> None:
     unmounted or made writable again. Children are made from here as before, one level down."""
     uid, gid = os.getuid(), os.getgid()
     check(libc.unshare(NEWUSER | NEWNS), "lock mounts")
-    with open("/proc/self/setgroups", "w") as f:
-        f.write("deny")
-    with open("/proc/self/uid_map", "w") as f:
-        f.write(f"{uid} {uid} 1")
-    with open("/proc/self/gid_map", "w") as f:
-        f.write(f"{gid} {gid} 1")
+    map_ids(uid, uid, gid)
 
 
 def main() -> None:

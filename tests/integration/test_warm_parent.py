@@ -416,20 +416,26 @@ def test_neither_the_warm_up_nor_a_child_can_uncover_host_settings(
     }  # fmt: skip
 
 
-SWAP_OUTPUTS = """
+def swapper(name: str, target: str) -> str:
+    """Warm-up code whose thread, once the agent's side makes `swap-now` in the fork server's
+    control directory (after the parent's own probe child), puts a link to `target` in place
+    of each child's `name` there: read or followed on the host, it names a host path."""
+    return f"""
 import os, threading, time
 def swap():
     deadline = time.monotonic() + 60
+    while not os.path.exists("/run/fleet/swap-now") and time.monotonic() < deadline:
+        time.sleep(0.01)
     while time.monotonic() < deadline:
         try:
             names = os.listdir("/run/fleet/children")
         except OSError:
             names = []
         for cid in names:
-            out = f"/run/fleet/children/{cid}/stdout"
-            if os.path.isfile(out) and not os.path.islink(out):
-                os.symlink("/etc/hostname", out + ".swap")
-                os.replace(out + ".swap", out)  # read on the host, it would name the host's file
+            path = f"/run/fleet/children/{{cid}}/{name}"
+            if os.path.exists(path) and not os.path.islink(path):
+                os.rename(path, path + ".moved")
+                os.symlink({target!r}, path)
         time.sleep(0.01)
 threading.Thread(target=swap, daemon=True).start()
 """
@@ -445,6 +451,7 @@ def test_output_files_the_fork_server_swaps_for_links_are_refused(
 
     async def body(parent: NamespaceParent) -> str:
         child = await parent.branch("swapped")
+        (parent.ctl / "swap-now").touch()
         try:
             await child.exec(
                 ["python3", "-c", "import time; print('mine'); time.sleep(1)"], timeout_s=30
@@ -453,7 +460,7 @@ def test_output_files_the_fork_server_swaps_for_links_are_refused(
             return str(exc)
         return "read through the link"
 
-    refused = with_parent(rootfs, tmp_path, body, warmup=SWAP_OUTPUTS)
+    refused = with_parent(rootfs, tmp_path, body, warmup=swapper("stdout", "/etc/hostname"))
     assert re.fullmatch(
         r"step output children/[\w.-]+/stdout was replaced: Too many levels of symbolic links",
         refused,
@@ -471,27 +478,6 @@ def test_a_childs_output_is_bounded_like_any_machines(rootfs: Path, tmp_path: Pa
         return len(result.stdout), result.stdout_truncated, result.stderr_truncated
 
     assert with_parent(rootfs, tmp_path, body) == (1000, True, False)
-
-
-SWAP_SOCKETS = """
-import os, threading, time
-def swap():
-    deadline = time.monotonic() + 60
-    while not os.path.exists("/run/fleet/swap-now") and time.monotonic() < deadline:
-        time.sleep(0.01)  # (the parent's own probe child runs first)
-    while time.monotonic() < deadline:
-        try:
-            names = os.listdir("/run/fleet/children")
-        except OSError:
-            names = []
-        for cid in names:
-            sockets = f"/run/fleet/children/{cid}/sockets"
-            if os.path.isdir(sockets) and not os.path.islink(sockets):
-                os.rename(sockets, sockets + ".moved")
-                os.symlink(TARGET, sockets)  # followed on the host, it names a host directory
-        time.sleep(0.01)
-threading.Thread(target=swap, daemon=True).start()
-"""
 
 
 def test_a_sockets_directory_the_fork_server_swaps_for_a_link_is_refused(
@@ -520,7 +506,7 @@ def test_a_sockets_directory_the_fork_server_swaps_for_a_link_is_refused(
             return str(exc)
         return "bound"
 
-    warmup = SWAP_SOCKETS.replace("TARGET", repr(str(elsewhere)))
+    warmup = swapper("sockets", str(elsewhere))
     refused = with_parent(rootfs, tmp_path, body, warmup=warmup, pool_size=1)
     assert re.fullmatch(
         r"children/[\w.-]+/sockets under \S+ was replaced: Not a directory",
