@@ -120,7 +120,14 @@ class WarmChild:
             except Internal:  # the prepared fork died while it waited: fork afresh
                 await self.parent.call({"op": "wait", "id": self.cid}, fresh=True)
         host_pid = await self._fork(step)
-        await self.parent.call({"op": "go", "id": self.cid, "step": step})
+        try:
+            await self.parent.call({"op": "go", "id": self.cid, "step": step})
+        except Internal as exc:
+            if "is gone" not in str(exc):
+                raise
+            # Killed in its cgroup before its step began: `wait` reports what it died of, as
+            # for a step killed while it ran.
+            log.info("warm_child_gone_before_its_step", child=self._name)
         return host_pid
 
     async def wait(self) -> int:

@@ -99,7 +99,8 @@ def test_concurrent_requests_are_batched_and_answered_exactly() -> None:
     assert all(r.batch_size <= 32 and r.device == "cpu" and not r.degraded for r in replies)
     for reply, want in zip(replies, expected, strict=True):
         assert list(reply.output.shape) == [4]
-        assert reply.output.values == pytest.approx(want, abs=1e-5)
+        # To float32 rounding: batches of other sizes sum in other orders (seen: 4e-7 relative).
+        assert reply.output.values == pytest.approx(want, rel=2e-6, abs=1e-5)
 
 
 def test_a_full_queue_refuses_at_once_with_a_retry_hint() -> None:
