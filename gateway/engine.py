@@ -308,9 +308,6 @@ class EngineRunner:
     def observed_free_bytes(self) -> int | None:
         return self._free if self.device.startswith("cuda") else None
 
-    def run(self, inputs: list[list[float]]) -> list[list[float]]:
-        raise NotImplementedError("an engine's batches are awaited: use `infer`")
-
     async def infer(self, inputs: list[list[float]]) -> list[list[float]]:
         async with self._turn:
             return await self._infer(inputs)

@@ -33,7 +33,6 @@ import json
 import logging
 import multiprocessing as mp
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -173,12 +172,6 @@ def gateway_cpu_s(pid: int) -> float:
             except OSError:  # ended since it was listed
                 continue
     return total
-
-
-def own_cpu_s() -> float:
-    """CPU seconds (user + system) this process has used so far."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def busy_cpu_s() -> float:
@@ -493,9 +486,9 @@ def main() -> int:
             lone_single, lone_batched = asyncio.run(alternate(one.address, gw.address, lone))
             single = asyncio.run(hammer(one.address, BENCH_MODEL, CLIENTS, per_client, "s"))
             one.__exit__()
-            before = (own_cpu_s(), process_cpu_s(gw.pid), gateway_cpu_s(gw.pid))
+            before = (process_cpu_s(os.getpid()), process_cpu_s(gw.pid), gateway_cpu_s(gw.pid))
             batched = asyncio.run(hammer(gw.address, BENCH_MODEL, CLIENTS, per_client, "b"))
-            after = (own_cpu_s(), process_cpu_s(gw.pid), gateway_cpu_s(gw.pid))
+            after = (process_cpu_s(os.getpid()), process_cpu_s(gw.pid), gateway_cpu_s(gw.pid))
             # Where the batched run's CPU went, per sample: the load generator (this process),
             # the gateway's own process (RPC, tokens, batching) and its model engine.
             spent = [b - a for a, b in zip(before, after, strict=True)]

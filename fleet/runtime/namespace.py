@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -71,10 +72,15 @@ def proc_cover(empty: Path) -> list[str]:
     args: list[str] = []
     for name in PROC_READ_ONLY:
         args += ["--ro-bind-try", f"/proc/{name}", f"/proc/{name}"]
-    for name in PROC_MASKED:
-        if os.path.exists(f"/proc/{name}"):
-            args += ["--ro-bind", str(empty), f"/proc/{name}"]
+    for name in _masked_here():
+        args += ["--ro-bind", str(empty), f"/proc/{name}"]
     return args
+
+
+@functools.cache
+def _masked_here() -> tuple[str, ...]:
+    """PROC_MASKED as this kernel has them (it does not change while the agent runs)."""
+    return tuple(name for name in PROC_MASKED if os.path.exists(f"/proc/{name}"))
 
 
 def missing_tools() -> list[str]:

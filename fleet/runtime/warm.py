@@ -84,7 +84,9 @@ class WarmChild:
         runs the tenant's warm-up and can change its control directory: a link it put on the
         way is refused, and one it puts later cannot send the agent's sockets elsewhere."""
         if self._sockets_fd is None:
-            self._sockets_fd = open_dir_beneath(self.parent.ctl, ("children", self.cid, "sockets"))
+            self._sockets_fd = open_dir_beneath(
+                self.parent.ctl, ("children", self.cid, "sockets"), make=True
+            )
         return Path(f"/proc/self/fd/{self._sockets_fd}")
 
     async def _fork(self, step: dict[str, Any] | None) -> int:
@@ -212,23 +214,10 @@ class WarmChild:
         await asyncio.to_thread(self.parent.fit_limit)
 
 
-def open_beneath(base: Path, parts: tuple[str, ...], flags: int) -> int:
-    """A descriptor of base/parts..., following no symbolic link at any of `parts` (`base`
-    itself is the agent's own)."""
-    fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        for part in parts[:-1]:
-            inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
-            os.close(fd)
-            fd = inner
-        return os.open(parts[-1], flags | os.O_NOFOLLOW, dir_fd=fd)
-    finally:
-        os.close(fd)
-
-
-def open_dir_beneath(base: Path, parts: tuple[str, ...]) -> int:
-    """A descriptor of the directory base/parts..., made where missing, following no symbolic
-    link at any of `parts` (an existing link is refused with Internal)."""
+def open_dir_beneath(base: Path, parts: tuple[str, ...], make: bool = False) -> int:
+    """A descriptor of the directory base/parts..., following no symbolic link at any of
+    `parts` (`base` itself is the agent's own; a link is refused with Internal), made where
+    missing with `make`."""
     fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
     try:
         for part in parts:
@@ -236,6 +225,8 @@ def open_dir_beneath(base: Path, parts: tuple[str, ...]) -> int:
             try:
                 inner = os.open(part, flags, dir_fd=fd)
             except FileNotFoundError:
+                if not make:
+                    raise
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(part, 0o755, dir_fd=fd)
                 inner = os.open(part, flags, dir_fd=fd)
@@ -247,6 +238,15 @@ def open_dir_beneath(base: Path, parts: tuple[str, ...]) -> int:
             raise
         raise Internal(f"{'/'.join(parts)} under {base} was replaced: {exc.strerror}") from exc
     return fd
+
+
+def open_beneath(base: Path, parts: tuple[str, ...], flags: int) -> int:
+    """A descriptor of base/parts..., following no symbolic link at any of `parts`."""
+    fd = open_dir_beneath(base, parts[:-1])
+    try:
+        return os.open(parts[-1], flags | os.O_NOFOLLOW, dir_fd=fd)
+    finally:
+        os.close(fd)
 
 
 def read_step_output(base: Path, parts: tuple[str, ...], limit: int) -> tuple[bytes, bool]:
