@@ -37,6 +37,7 @@ import time
 import weakref
 from array import array
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import structlog
@@ -82,6 +83,7 @@ def engine_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", required=True)
     parser.add_argument("--capacity-bytes", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--no-pack", action="store_true", help="never pre-pack the weights")
     args = parser.parse_args(argv)
     sock = socket.socket(fileno=args.fd)
     try:
@@ -93,11 +95,15 @@ def engine_main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(args.threads)
         spec = select_model(args.manifest, args.model, args.dtype, "engine dtype")
         capacity = args.capacity_bytes or device_capacity_bytes(args.device, 0.0)
-        runner = TorchRunner(spec, load_network(spec), args.device, capacity)
+        runner = TorchRunner(spec, load_network(spec), args.device, capacity, pack=not args.no_pack)
     except Exception as exc:  # the reason goes back to the gateway, which refuses to start
         _reply(sock, FAILED, 0, f"{type(exc).__name__}: {exc}".encode(), -1)
         return 1
-    ready = {"device": args.device, "capacity_bytes": capacity, "pid": os.getpid()}
+    ready = {
+        "device": args.device, "capacity_bytes": capacity, "pid": os.getpid(),
+        "weights_bytes": runner.memory.weights_bytes,
+        "packed_from_rows": runner.packed.from_rows if runner.packed else None,
+    }  # fmt: skip
     try:
         _reply(sock, OK, 0, json.dumps(ready).encode(), runner.observed_free_bytes() or -1)
         return _serve(sock, runner)
@@ -170,6 +176,7 @@ class EngineRunner:
         fault: Callable[[], None] | None = None,
         answer_timeout_s: float = 60.0,
         start_timeout_s: float = 180.0,
+        pack: bool = True,
     ) -> None:
         self.spec = spec
         self.manifest = manifest
@@ -180,6 +187,7 @@ class EngineRunner:
         self.threads = threads
         self.answer_timeout_s = answer_timeout_s
         self.start_timeout_s = start_timeout_s
+        self.pack = pack
         self.restarts = 0
         self._engine: _Process | None = None
         self._closed = False
@@ -204,6 +212,7 @@ class EngineRunner:
             "--manifest", str(self.manifest), "--model", self.spec.name,
             "--dtype", self.spec.dtype, "--device", self.device,
             "--capacity-bytes", str(self.capacity_bytes), "--threads", str(self.threads),
+            *(() if self.pack else ("--no-pack",)),
         ]  # fmt: skip
         started = time.monotonic()
         try:
@@ -257,10 +266,13 @@ class EngineRunner:
             # Ended with this runner if nothing closed it (a gateway dropped without stop()).
             weakref.finalize(self, self._engine.end)
             self.capacity_bytes = int(ready["capacity_bytes"])
+            # What the engine holds: its packed copy of the weights too, if it made one.
+            self.memory = replace(self.memory, weights_bytes=int(ready["weights_bytes"]))
             self._free = None if free < 0 else free
             self._down = ""
         log.info("engine_ready", device=self.device, model=self.spec.name, pid=proc.pid,
-                 load_s=round(time.monotonic() - started, 3))  # fmt: skip
+                 load_s=round(time.monotonic() - started, 3),
+                 packed_from_rows=ready.get("packed_from_rows"))  # fmt: skip
 
     @property
     def pid(self) -> int | None:

@@ -65,6 +65,9 @@ class GatewayConfig:
     engine_answer_timeout_s: float = 60.0
     """An engine that has not answered a batch by then is hung: a device error; it is ended
     and started again."""
+    pack_weights: bool = True
+    """On a CPU primary in float32, also hold the weights pre-packed for oneDNN and serve the
+    batch sizes where that is faster, as timed at load (`gateway.model.pack_for_cpu`)."""
 
 
 def _primary_device(choice: str) -> str:
@@ -111,7 +114,7 @@ class Gateway:
                 int(config.capacity_mib * 1024 * 1024) if config.capacity_mib > 0 else 0,
                 threads=config.engine_threads or torch.get_num_threads(),
                 fault=fault_primary,  # type: ignore[arg-type]
-                answer_timeout_s=config.engine_answer_timeout_s,
+                answer_timeout_s=config.engine_answer_timeout_s, pack=config.pack_weights,
             )  # fmt: skip
             engine.start()
             primary = engine
@@ -120,6 +123,7 @@ class Gateway:
                 spec, load_network(spec), device,
                 device_capacity_bytes(device, config.capacity_mib),
                 fault=fault_primary,  # type: ignore[arg-type]
+                pack=config.pack_weights,
             )  # fmt: skip
         breaker = CircuitBreaker(config.breaker_failures, config.breaker_open_s)
         log.info("gateway_model_loaded", model=spec.name, revision=spec.revision,

@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 import uuid
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,7 @@ def _gateway_main(settings: dict[str, Any], port: Any, fault: Any) -> None:
             fallback_capacity_mib=512.0, batch=BatchConfig(**settings["batch"]),
             breaker_failures=2, breaker_open_s=60.0, dtype=settings.get("dtype", ""),
             engine=settings.get("engine", "process"), engine_threads=settings.get("threads", 1),
+            pack_weights=settings.get("pack_weights", True),
         )  # fmt: skip
         gw = Gateway.build(config, fault_primary=hook)
         servers: list[Any] = []  # held: a gRPC server that nothing references stops
@@ -402,20 +404,14 @@ def synchronous(
 ) -> tuple[float, float, float]:
     """Trajectories/s of the plain loop (step, call the model in-process, repeat), the p50 of
     one model call in ms, and the CPU ms it spent per action."""
-    import torch
-
-    from gateway.model import load_network, model_specs
-
-    torch.set_num_threads(threads)
-    net = load_network(model_specs(manifest)[model]).to(device)
+    runner = _runner(manifest, model, device, threads)
     started, cpu_started = time.perf_counter(), time.process_time()
     calls = []
     for seed in range(episodes):
         env, done = GridWorld(seed), False
         while not done:
             t = time.perf_counter()
-            with torch.inference_mode():
-                logits = net(torch.tensor([env.observation()], device=device))[0].tolist()
+            logits = runner.run_flat(array("f", env.observation()), 1, 147).tolist()
             calls.append(time.perf_counter() - t)
             _, done = env.step(argmax(logits))
     cpu_ms = (time.process_time() - cpu_started) * 1000 / len(calls)
@@ -426,25 +422,31 @@ def model_ceiling(
     manifest: Path, model: str, batch: int, device: str = "cpu", threads: int = 1,
     dtype: str = "float32",
 ) -> float:  # fmt: skip
-    """Samples/s of the bare model at `batch` (what the device alone allows)."""
+    """Samples/s of the bare model at `batch` (what the device alone allows), through the runner
+    the gateway's engine uses (its packed weights where they are faster), with no gateway."""
+    import torch
+
+    runner = _runner(manifest, model, device, threads, dtype)
+    x = array("f", torch.randn(batch * 147).tolist())
+    runs = 5 if batch > 1 else 40
+    runner.run_flat(x, batch, 147)
+    started = time.perf_counter()
+    for _ in range(runs):
+        runner.run_flat(x, batch, 147)
+    return runs * batch / (time.perf_counter() - started)
+
+
+def _runner(manifest: Path, model: str, device: str, threads: int, dtype: str = "float32") -> Any:
+    """The model as the gateway's engine holds it, in this process."""
     from dataclasses import replace
 
     import torch
 
-    from gateway.model import DTYPES, load_network, model_specs
+    from gateway.model import TorchRunner, load_network, model_specs
 
     torch.set_num_threads(threads)
-    net = load_network(replace(model_specs(manifest)[model], dtype=dtype)).to(device)
-    x = torch.randn(batch, 147, device=device, dtype=DTYPES[dtype][0])
-    runs = 5 if batch > 1 else 40
-    with torch.inference_mode():
-        net(x)
-        started = time.perf_counter()
-        for _ in range(runs):
-            net(x)
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-    return runs * batch / (time.perf_counter() - started)
+    spec = replace(model_specs(manifest)[model], dtype=dtype)
+    return TorchRunner(spec, load_network(spec), device, 1 << 40, pack=True)
 
 
 def main() -> int:
@@ -565,8 +567,10 @@ def main() -> int:
         mem = memory_model(model_specs(manifest)[BENCH_MODEL])
         capacity = (mem.weights_bytes + 64 * mem.activation_bytes_per_sample) / 2**20
         loads: dict[float, dict[str, Any]] = {}
+        # Without the engine's packed copy of the weights: whether it makes one is timed at
+        # load, and the budget must mean 64 samples whatever this machine's timings were.
         with GatewayProc(**common, batch={**batched_cfg, "max_batch": 256},
-                         capacity_mib=capacity) as mgw:  # fmt: skip
+                         capacity_mib=capacity, pack_weights=False) as mgw:  # fmt: skip
             for factor in (0.5, 0.75, 1.0, 1.5, 2.0, 3.0):
                 loads[factor] = asyncio.run(
                     hammer(mgw.address, BENCH_MODEL, int(64 * factor), per_client, f"m{factor}")

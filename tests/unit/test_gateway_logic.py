@@ -153,3 +153,23 @@ def test_when_every_runner_fails_each_request_gets_a_resumable_refusal() -> None
     assert len(answers) == 4 and all(isinstance(a, Unavailable) for a in answers)
     assert all("retry with the same idempotency key" in str(a) for a in answers)
     assert batcher.metrics.failovers == 1 and batcher.metrics.served == 0
+
+
+@pytest.mark.parametrize(
+    ("timings", "expected"),
+    [
+        # Plain wins at 1 and 2 rows (a matrix-vector product), packed from 4 on.
+        ({1: (3.2, 3.5), 2: (3.2, 5.5), 4: (6.5, 6.3), 8: (9.4, 7.2), 64: (22.3, 19.4)}, 4),
+        ({1: (3.0, 2.0), 4: (6.0, 5.0), 64: (20.0, 19.0)}, 1),  # packed wins everywhere
+        ({1: (0.03, 0.1), 8: (0.04, 0.1), 64: (0.1, 0.2)}, None),  # a small model: never
+        ({1: (3.0, 2.0), 8: (9.0, 7.0), 64: (20.0, 20.0)}, None),  # a tie at the largest: no
+        # A loss in the middle: only the sizes past it, where it won every time.
+        ({1: (3.0, 4.0), 4: (6.0, 5.0), 16: (11.0, 12.0), 32: (16.0, 13.0), 64: (22.0, 19.0)}, 32),
+    ],
+)
+def test_packed_weights_serve_from_the_size_past_their_last_loss(
+    timings: dict[int, tuple[float, float]], expected: int | None
+) -> None:
+    from gateway.model import packed_from
+
+    assert packed_from(timings) == expected
