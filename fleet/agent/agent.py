@@ -340,9 +340,10 @@ class Agent:
     async def _gateway_splice(self, child: WarmChild, gateway: tuple[str, int]) -> GatewaySplice:
         """The gateway for a warm child, on a socket the agent joins to the gateway's endpoint
         (`host`: this host, reached from the uplink's namespace as the machines' links are)."""
-        net = self.config.net or NetConfig()
         where = ("127.0.0.1" if gateway[0] == "host" else gateway[0], gateway[1])
-        splice = GatewaySplice(child.sockets, where, net.uplink_path)
+        splice = GatewaySplice(
+            child.sockets, where, self.config.net.uplink_path if self.config.net else None
+        )
         await splice.start()
         return splice
 

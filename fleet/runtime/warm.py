@@ -68,6 +68,8 @@ class WarmChild:
         self._deleted = False
         self.prepared_pid: int | None = None
         self._sockets_fd: int | None = None
+        self._oom_kills = 0
+        """The cgroup's OOM kills as of the end of the last exec (a new group has none)."""
 
     @property
     def name(self) -> str:
@@ -92,8 +94,17 @@ class WarmChild:
     async def _fork(self, step: dict[str, Any] | None) -> int:
         """Forks the child (set up, waiting for its step) and moves it into its cgroup."""
         reply = await self.parent.call({"op": "spawn", "id": self.cid, **(step or {})})
-        candidates = await asyncio.to_thread(self.parent.machine.cgroup.pids)
-        host_pid = _host_pid(candidates, int(reply["pid"]))
+        return await asyncio.to_thread(self._adopt, int(reply["pid"]))
+
+    def _adopt(self, ns_pid: int) -> int:
+        """The forked child's host pid (among the parent's processes, the one whose innermost
+        pid is `ns_pid`), after moving it into this child's cgroup. The parent's own processes
+        (its sandbox's init and the fork server) are looked at last."""
+        members = self.parent.machine.cgroup.members()
+        fresh = [p for p in members if p not in self.parent.own_pids]
+        host_pid = _host_pid(sorted(fresh, reverse=True), ns_pid)  # the newest first
+        if host_pid is None:  # (an own pid reused after its process exited: look at all)
+            host_pid = _host_pid(members, ns_pid)
         if host_pid is None:
             raise Internal(f"child {self._name}: forked, but its host pid was not found")
         for procs in self.cgroup.procs_files:
@@ -149,7 +160,7 @@ class WarmChild:
         if self._deleted:
             raise Unavailable(f"machine {self._name} was deleted")
         started = time.monotonic()
-        oom_before = self.cgroup.oom_kills()
+        oom_before = self._oom_kills
         await self.start(argv, env, workdir)
         timed_out = False
         try:
@@ -163,7 +174,7 @@ class WarmChild:
             exit_code=-int(signal.SIGKILL) if timed_out else code, stdout=out, stderr=err,
             stdout_truncated=out_cut, stderr_truncated=err_cut,
             timed_out=timed_out, duration_s=time.monotonic() - started,
-            oom_killed=self.cgroup.oom_kills() > oom_before,
+            oom_killed=self._oom_kills > oom_before,
         )  # fmt: skip
 
     async def read_file(self, path: str) -> bytes:
@@ -196,6 +207,7 @@ class WarmChild:
         control directory, so these are opened without following a symbolic link anywhere
         below it and must be regular files: the agent reads them as the host's root, and a
         link to a host file would hand that file to the tenant as output."""
+        self._oom_kills = self.cgroup.oom_kills()
         return (
             read_step_output(self.parent.ctl, ("children", self.cid, "stdout"), limit),
             read_step_output(self.parent.ctl, ("children", self.cid, "stderr"), limit),
@@ -208,10 +220,13 @@ class WarmChild:
         if self._sockets_fd is not None:
             os.close(self._sockets_fd)
             self._sockets_fd = None
-        await asyncio.to_thread(self.cgroup.remove)
-        await asyncio.to_thread(shutil.rmtree, self.layer, True)
         self.parent.children.discard(self)
-        await asyncio.to_thread(self.parent.fit_limit)
+        await asyncio.to_thread(self._remove)
+
+    def _remove(self) -> None:
+        self.cgroup.remove()
+        shutil.rmtree(self.layer, True)
+        self.parent.fit_limit()
 
 
 def open_dir_beneath(base: Path, parts: tuple[str, ...], make: bool = False) -> int:
@@ -279,6 +294,9 @@ class NamespaceParent:
         self._proc: asyncio.subprocess.Process | None = None
         self._conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._lock = asyncio.Lock()
+        self.own_pids: frozenset[int] = frozenset()
+        """The host pids of the parent's own processes (its sandbox's init, the fork server),
+        once the fork server is ready: never a child's."""
         # Unix socket paths are limited to 108 bytes: reach the socket through a short link.
         self._link = SOCKET_LINKS / uuid.uuid4().hex[:12]
 
@@ -330,6 +348,7 @@ class NamespaceParent:
                 f"warm parent {self.machine.name}: its warm-up did not finish: "
                 f"{err.decode(errors='replace')[-800:] or 'no output'}"
             )
+        self.own_pids = frozenset(await asyncio.to_thread(self.machine.cgroup.members))
         # The branch point: one throwaway child takes the first-fork costs (the kernel's and
         # the cgroup controllers' lazy set-up), so a rollout's first child does not.
         probe = await self.branch("branch-point")
@@ -405,10 +424,18 @@ class NamespaceParent:
             memory_mib=self.machine.spec.smolfile.memory_mib_effective,
             cpus=self.machine.spec.smolfile.cpus_effective,
         )
-        await asyncio.to_thread(cgroup.create, limits)
         child = WarmChild(self, name, cgroup)
         self.children.add(child)
-        await asyncio.to_thread(self.fit_limit)
+
+        def create() -> None:
+            try:
+                cgroup.create(limits)
+            except BaseException:
+                self.children.discard(child)
+                raise
+            self.fit_limit()
+
+        await asyncio.to_thread(create)
         return child
 
     def fit_limit(self) -> None:

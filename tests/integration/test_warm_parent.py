@@ -513,3 +513,74 @@ def test_a_sockets_directory_the_fork_server_swaps_for_a_link_is_refused(
         refused,
     ), refused
     assert list(elsewhere.iterdir()) == []
+
+
+def test_a_warm_child_over_its_memory_limit_is_reported_as_oom_once(
+    rootfs: Path, tmp_path: Path
+) -> None:
+    """The kernel's OOM kill of a child's step is reported for that step, and not again for
+    the child's next one."""
+    hog = "b = bytearray(400 * 1024 * 1024); print('survived')"
+
+    async def body(parent: NamespaceParent) -> list[tuple[int, bool, bytes]]:
+        child = await parent.branch("hog")
+        results = []
+        for code in ("print('ok')", hog, "print('after')"):
+            r = await child.exec(["python3", "-c", code], timeout_s=60)
+            results.append((r.exit_code, r.oom_killed, r.stdout))
+        return results
+
+    small, big, after = with_parent(
+        rootfs, tmp_path, body, smolfile='image = "minimal"\nmemory = 128\n'
+    )
+    assert small == (0, False, b"ok\n")
+    assert big[1] and big[0] != 0 and b"survived" not in big[2]
+    assert after == (0, False, b"after\n")
+
+
+def test_a_child_is_found_and_moved_into_its_cgroup_even_past_a_reused_pid(
+    rootfs: Path, tmp_path: Path
+) -> None:
+    """A new child's host pid is looked for first among the processes that are not the
+    parent's own; were its pid one the parent's own processes once had, it is still found."""
+
+    async def body(parent: NamespaceParent) -> tuple[bool, bool]:
+        assert parent.own_pids, "the fork server's own processes were not recorded"
+        first = await parent.branch("first")
+        pid = await first.start(["python3", "-c", "import time; time.sleep(5)"])
+        found = pid in first.cgroup.pids() and pid not in parent.machine.cgroup.pids()
+        await asyncio.to_thread(first.cgroup.kill_all)
+        await first.wait()
+        # As if every process in the parent's group now were one of its own (reused pids).
+        parent.own_pids = frozenset(parent.machine.cgroup.members())
+        second = await parent.branch("second")
+        pid = await second.start(["python3", "-c", "import time; time.sleep(5)"])
+        moved = pid in second.cgroup.pids() and pid not in parent.machine.cgroup.pids()
+        await asyncio.to_thread(second.cgroup.kill_all)
+        await second.wait()
+        return found, moved
+
+    assert with_parent(rootfs, tmp_path, body) == (True, True)
+
+
+def test_removing_a_cgroup_kills_what_is_left_in_it(rootfs: Path, tmp_path: Path) -> None:
+    """An empty group goes at once; one whose step still runs is emptied first."""
+
+    async def body(parent: NamespaceParent) -> tuple[bool, bool, bool]:
+        idle = await parent.branch("idle")
+        busy = await parent.branch("busy")
+        pid = await busy.start(["python3", "-c", "import time; time.sleep(60)"])
+        await asyncio.to_thread(idle.cgroup.remove)
+        await asyncio.to_thread(busy.cgroup.remove)
+        code = await busy.wait()
+        return idle.cgroup.exists(), busy.cgroup.exists(), code == -9 and not _alive(pid)
+
+    assert with_parent(rootfs, tmp_path, body) == (False, False, True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
