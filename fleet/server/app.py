@@ -30,7 +30,7 @@ from fleet.core import tokens
 from fleet.core.errors import FailedPrecondition, FleetError, InvalidArgument
 from fleet.core.lifecycle import RolloutState
 from fleet.core.manifest import build_manifest, validate_request
-from fleet.core.placement import unservable_reason
+from fleet.core.placement import HostCapabilities, HostClass, Requirements, unservable_reason
 from fleet.core.rollout import Assignment, Completion
 from fleet.image.store import ImageStore
 from fleet.ledger.store import Ledger
@@ -98,6 +98,7 @@ class Core:
         self.images = images
         self.config = config
         self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger")
+        self._hosts: tuple[float, list[HostCapabilities]] | None = None
         self.work_pulse = Pulse()
         self.event_pulse = Pulse()
         self.hold_inference = False
@@ -107,6 +108,26 @@ class Core:
     async def db(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._db, fn, *args)
 
+    async def unservable_reason(self, host_class: HostClass, needs: Requirements) -> str | None:
+        """Why no registered host could ever serve such work (None: some host could). The
+        hosts are read from the ledger at most once every HOSTS_FRESH_S for work some host
+        serves (every submission asks); a refusal is always decided on a fresh read, so a host
+        registered since, here or through another server, is never missed."""
+        now = time.monotonic()
+        cached = self._hosts
+        if (
+            cached is not None
+            and now - cached[0] < HOSTS_FRESH_S
+            and unservable_reason(cached[1], host_class, needs) is None
+        ):
+            return None
+        hosts = await self.db(self.ledger.hosts)
+        self._hosts = (now, hosts)
+        return unservable_reason(hosts, host_class, needs)
+
+    def hosts_changed(self) -> None:
+        self._hosts = None
+
     def changed(self) -> None:
         self.work_pulse.fire()
         self.event_pulse.fire()
@@ -115,6 +136,8 @@ class Core:
         self._db.shutdown(wait=True)
 
 
+HOSTS_FRESH_S = 1.0
+"""How long a submission may rely on the hosts another one read (see `Core.unservable_reason`)."""
 MAX_CHECKPOINTS_PER_CALL = 256
 MAX_LIST_BYTES = 3 << 20
 """A ListRollouts page ends before this many bytes of rollouts (results included)."""
@@ -205,8 +228,7 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
         parsed = validate_request(submit, now)
         image_digest = await self.core.db(self.core.images.resolve, parsed.spec.image)
         manifest = build_manifest(submit, parsed, image_digest, now)
-        hosts = await self.core.db(self.core.ledger.hosts)
-        reason = unservable_reason(hosts, manifest.host_class, manifest.requirements)
+        reason = await self.core.unservable_reason(manifest.host_class, manifest.requirements)
         if reason:
             raise FailedPrecondition(reason)
         rollout, created = await self.core.db(
@@ -316,6 +338,7 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
     ) -> host_pb2.RegisterHostResponse:
         caps = convert.capabilities_from_pb(request)
         await self.core.db(self.core.ledger.register_host, caps, time.time())
+        self.core.hosts_changed()
         log.info(
             "host_registered",
             host_id=caps.host_id,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from fleet._proto.fleet.v1 import fleet_pb2, host_pb2, types_pb2
-from fleet.core.placement import HostClass
+from fleet.core.placement import HostCapabilities, HostClass, Isolation, RuntimeKind
 from fleet.image.store import ImageStore
 from fleet.runtime.netns import NetConfig
 from tests.acceptance.procs import FLEET
@@ -115,6 +116,34 @@ def test_unservable_rollout_is_refused_at_submit(tmp_path: Path, images: ImageSt
     err, count = go(body())
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "needs a gpu-class host" in (err.details() or "") and count == 0
+
+
+def test_a_refusal_at_submit_sees_a_host_registered_a_moment_before(
+    tmp_path: Path, images: ImageStore
+) -> None:
+    """Submissions check hosts they may have read a moment ago, but a refusal is decided on
+    what the ledger holds now: a gpu host registered straight into the ledger (as through
+    another server sharing it) is seen by the very next submission."""
+    gpu = 'image = "minimal"\ncuda = true\n'
+
+    async def body() -> tuple[grpc.StatusCode, bool]:
+        async with harness(tmp_path, images) as h:
+            await h.start_agent("cpu-a", HostClass.CPU)
+            await h.fleet.SubmitRollout(request())  # the hosts read, and kept a moment
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await h.fleet.SubmitRollout(request(gpu))
+            caps = HostCapabilities(
+                host_id="gpu-elsewhere", host_class=HostClass.GPU,
+                runtime=RuntimeKind.NAMESPACE, isolation=Isolation.NAMESPACE, cpus=2,
+                memory_mib=4096, cuda_devices=1,
+            )  # fmt: skip
+            core = h.server.core
+            await core.db(core.ledger.register_host, caps, time.time())
+            reply = await h.fleet.SubmitRollout(request(gpu))
+            return refused.value.code(), reply.created
+
+    code, created = go(body())
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and created
 
 
 BAD_INPUTS = [
