@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import hashlib
 import io
@@ -39,6 +40,7 @@ import tempfile
 import time
 import uuid
 from array import array
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -136,12 +138,15 @@ class GatewayProc:
 
     def __enter__(self) -> GatewayProc:
         self.proc.start()
+        self.ready()
+        return self
+
+    def ready(self) -> None:
         deadline = time.monotonic() + 120
         while self.port.value == 0:
             if time.monotonic() > deadline or not self.proc.is_alive():
                 raise RuntimeError("benchmark gateway did not start")
             time.sleep(0.05)
-        return self
 
     def __exit__(self, *exc: object) -> None:
         if self.proc.is_alive():
@@ -151,6 +156,21 @@ class GatewayProc:
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port.value}"
+
+    @staticmethod
+    @contextlib.contextmanager
+    def together(*procs: GatewayProc) -> Iterator[tuple[GatewayProc, ...]]:
+        """Gateways started at once (each takes seconds to load torch and its model, much of
+        it waiting on its engine), and all ended at the end."""
+        try:
+            for proc in procs:
+                proc.proc.start()
+            for proc in procs:
+                proc.ready()
+            yield procs
+        finally:
+            for proc in procs:
+                proc.__exit__()
 
     @property
     def pid(self) -> int:
@@ -252,7 +272,44 @@ async def hammer(
         "rate": len(latencies) / elapsed, "degraded_at": degraded_at,
         "batch_mean": statistics.fmean(batch_sizes) if batch_sizes else 0.0,
         "p50_ms": statistics.median(latencies) * 1000 if latencies else float("nan"),
+        "latencies": latencies, "batch_sizes": batch_sizes,
     }  # fmt: skip
+
+
+def interleaved(
+    single: GatewayProc, batched: GatewayProc, model: str, per_client: int, tag: str,
+    rounds: int,
+) -> tuple[dict[str, Any], dict[str, Any], list[float]]:  # fmt: skip
+    """Part (1)'s two runs in turns: `rounds` rounds of 64 clients against each gateway, in
+    the order AB BA AB ..., so that a drift of this machine's speed (seen here: 30% within a
+    few minutes) weighs on both alike. Returns both merged, and the CPU seconds the batched
+    rounds cost the load generator, the batched gateway's process and its model engine."""
+    runs: dict[str, list[dict[str, Any]]] = {"single": [], "batched": []}
+    spent = [0.0, 0.0, 0.0]
+    share = max(1, per_client // rounds)
+    for i in range(rounds):
+        order = ("single", "batched") if i % 2 == 0 else ("batched", "single")
+        for which in order:
+            gw = single if which == "single" else batched
+            before = (process_cpu_s(os.getpid()), process_cpu_s(gw.pid), gateway_cpu_s(gw.pid))
+            runs[which].append(
+                asyncio.run(hammer(gw.address, model, CLIENTS, share, f"{tag}{which[0]}{i}"))
+            )
+            after = (process_cpu_s(os.getpid()), process_cpu_s(gw.pid), gateway_cpu_s(gw.pid))
+            if which == "batched":
+                spent = [t + b - a for t, a, b in zip(spent, before, after, strict=True)]
+    merged = {}
+    for which, parts in runs.items():
+        latencies = [x for part in parts for x in part["latencies"]]
+        sizes = [x for part in parts for x in part["batch_sizes"]]
+        elapsed = sum(part["elapsed"] for part in parts)
+        merged[which] = {
+            "answered": len(latencies), "elapsed": elapsed, "rate": len(latencies) / elapsed,
+            "batch_mean": statistics.fmean(sizes) if sizes else 0.0,
+            "p50_ms": statistics.median(latencies) * 1000 if latencies else float("nan"),
+            "rates": [part["rate"] for part in parts],
+        }  # fmt: skip
+    return merged["single"], merged["batched"], [spent[0], spent[1], spent[2] - spent[1]]
 
 
 async def alternate(first: str, second: str, n: int) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -436,8 +493,10 @@ def model_ceiling(
     return runs * batch / (time.perf_counter() - started)
 
 
+@functools.lru_cache(maxsize=4)
 def _runner(manifest: Path, model: str, device: str, threads: int, dtype: str = "float32") -> Any:
-    """The model as the gateway's engine holds it, in this process."""
+    """The model as the gateway's engine holds it, in this process (made once: packing times
+    the model at load)."""
     from dataclasses import replace
 
     import torch
@@ -470,6 +529,7 @@ def main() -> int:
     args = parser.parse_args()
     quiet()
     per_client, episodes, lone = (8, 64, 40) if args.quick else (40, 256, 200)
+    rounds = 2 if args.quick else 4
     # Eight waves of `slots` episodes: the first fills the fleet (the warm parent's warm-up,
     # its pool) and the last drains it, so fewer waves would measure mostly filling and draining.
     fleet_episodes = 32 if args.quick else max(128, 8 * args.slots)
@@ -480,25 +540,21 @@ def main() -> int:
                   "threads": args.threads}  # fmt: skip
         batched_cfg = {"max_batch": 64, "max_wait_ms": 0.0, "max_queue": 4096,
                        "max_inflight_per_rollout": 64}  # fmt: skip
-        with (
-            GatewayProc(**common, batch={**batched_cfg, "max_batch": 1}) as one,
-            GatewayProc(**common, batch=batched_cfg, http=True) as gw,
-        ):
+        with GatewayProc.together(
+            GatewayProc(**common, batch={**batched_cfg, "max_batch": 1}),
+            GatewayProc(**common, batch=batched_cfg, http=True),
+        ) as (one, gw):
             # Lone requests alternate between the two, so both see the same machine state.
             lone_single, lone_batched = asyncio.run(alternate(one.address, gw.address, lone))
-            single = asyncio.run(hammer(one.address, BENCH_MODEL, CLIENTS, per_client, "s"))
+            single, batched, spent = interleaved(one, gw, BENCH_MODEL, per_client, "", rounds)
             one.__exit__()
-            before = (process_cpu_s(os.getpid()), process_cpu_s(gw.pid), gateway_cpu_s(gw.pid))
-            batched = asyncio.run(hammer(gw.address, BENCH_MODEL, CLIENTS, per_client, "b"))
-            after = (process_cpu_s(os.getpid()), process_cpu_s(gw.pid), gateway_cpu_s(gw.pid))
-            # Where the batched run's CPU went, per sample: the load generator (this process),
+            # Where the batched runs' CPU went, per sample: the load generator (this process),
             # the gateway's own process (RPC, tokens, batching) and its model engine.
-            spent = [b - a for a, b in zip(before, after, strict=True)]
-            engine_busy = (spent[2] - spent[1]) / batched["elapsed"]
+            engine_busy = spent[2] / batched["elapsed"]
             per_sample_us = {
-                "clients": spent[0], "gateway": spent[1], "engine": spent[2] - spent[1]
-            }  # fmt: skip
-            per_sample_us = {k: v * 1e6 / batched["answered"] for k, v in per_sample_us.items()}
+                k: v * 1e6 / batched["answered"]
+                for k, v in zip(("clients", "gateway", "engine"), spent, strict=True)
+            }
             traj_s, actions = asyncio.run(pipeline(gw.address, BENCH_MODEL, episodes, 64))
             whole: dict[str, Any] = {}
             warm: dict[str, Any] = {}
@@ -538,13 +594,12 @@ def main() -> int:
         half: dict[str, Any] = {}
         if "bfloat16" in args.dtypes:
             half_common = {**common, "dtype": "bfloat16"}
-            with GatewayProc(**half_common, batch={**batched_cfg, "max_batch": 1}) as one16:
-                half["single"] = asyncio.run(
-                    hammer(one16.address, BENCH_MODEL, CLIENTS, per_client, "s16")
-                )
-            with GatewayProc(**half_common, batch=batched_cfg) as gw16:
-                half["batched"] = asyncio.run(
-                    hammer(gw16.address, BENCH_MODEL, CLIENTS, per_client, "b16")
+            with GatewayProc.together(
+                GatewayProc(**half_common, batch={**batched_cfg, "max_batch": 1}),
+                GatewayProc(**half_common, batch=batched_cfg),
+            ) as (one16, gw16):
+                half["single"], half["batched"], _ = interleaved(
+                    one16, gw16, BENCH_MODEL, per_client, "h", rounds
                 )
             half["ceiling"] = model_ceiling(
                 manifest, BENCH_MODEL, 64, args.device, args.threads, "bfloat16"
@@ -556,26 +611,29 @@ def main() -> int:
         # time through the gateway is nearly all RPC, token check and batcher.
         shipped = {"model": "gridworld-policy", "device": args.device,
                    "manifest": str(REPO / "gateway/weights/models.toml")}  # fmt: skip
-        with GatewayProc(**shipped, batch={**batched_cfg, "max_batch": 1}) as small:
-            lone_small = asyncio.run(hammer(small.address, "gridworld-policy", 1, lone, "sm"))
-        _, model_p50, _ = synchronous(
-            REPO / "gateway/weights/models.toml", "gridworld-policy", 16, args.device
-        )
         # (2) memory: capacity for 64 samples at once; offered load 0.5x .. 3x of that.
         from gateway.model import memory_model, model_specs
 
         mem = memory_model(model_specs(manifest)[BENCH_MODEL])
         capacity = (mem.weights_bytes + 64 * mem.activation_bytes_per_sample) / 2**20
         loads: dict[float, dict[str, Any]] = {}
-        # Without the engine's packed copy of the weights: whether it makes one is timed at
-        # load, and the budget must mean 64 samples whatever this machine's timings were.
-        with GatewayProc(**common, batch={**batched_cfg, "max_batch": 256},
-                         capacity_mib=capacity, pack_weights=False) as mgw:  # fmt: skip
+        with GatewayProc.together(
+            GatewayProc(**shipped, batch={**batched_cfg, "max_batch": 1}),
+            # Without the engine's packed copy of the weights: whether it makes one is timed
+            # at load, and the budget must mean 64 samples whatever this machine's timings were.
+            GatewayProc(**common, batch={**batched_cfg, "max_batch": 256},
+                        capacity_mib=capacity, pack_weights=False),
+        ) as (small, mgw):  # fmt: skip
+            lone_small = asyncio.run(hammer(small.address, "gridworld-policy", 1, lone, "sm"))
+            small.__exit__()
             for factor in (0.5, 0.75, 1.0, 1.5, 2.0, 3.0):
                 loads[factor] = asyncio.run(
                     hammer(mgw.address, BENCH_MODEL, int(64 * factor), per_client, f"m{factor}")
                 )
             mem_status = asyncio.run(status(mgw.address))
+        _, model_p50, _ = synchronous(
+            REPO / "gateway/weights/models.toml", "gridworld-policy", 16, args.device
+        )
         below = [r for f, r in loads.items() if f < 0.9]
         refused_below = sum(sum(r["codes"].values()) for r in below)
         offered_below = sum(r["answered"] + sum(r["codes"].values()) for r in below)
@@ -624,6 +682,9 @@ def main() -> int:
         f"    p50 at 64 clients: {batched['p50_ms']:.1f} ms batched, {single['p50_ms']:.1f} ms "
         f"one per batch; the gateway answered {gw_status.served} samples"
     )
+    gains = [b / a for a, b in zip(single["rates"], batched["rates"], strict=True)]
+    print(f"    runs in turns, batched vs one per batch, round by round: "
+          f"{' '.join(f'{g:.1f}x' for g in gains)}")  # fmt: skip
     for factor, r in loads.items():
         refused = sum(r["codes"].values())
         print(f"{f'(2) load {factor:g}x memory capacity: answered / refused':<{w}}"
