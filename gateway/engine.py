@@ -42,6 +42,7 @@ from pathlib import Path
 
 import structlog
 
+from fleet.cli import logs
 from fleet.core.errors import FailedPrecondition, InvalidArgument
 from gateway.model import DeviceFault, ModelSpec, TorchRunner, memory_model
 
@@ -84,7 +85,9 @@ def engine_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--capacity-bytes", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--no-pack", action="store_true", help="never pre-pack the weights")
+    parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
+    logs.configure(args.log_level)
     sock = socket.socket(fileno=args.fd)
     try:
         import torch
@@ -177,6 +180,7 @@ class EngineRunner:
         answer_timeout_s: float = 60.0,
         start_timeout_s: float = 180.0,
         pack: bool = True,
+        log_level: str = "info",
     ) -> None:
         self.spec = spec
         self.manifest = manifest
@@ -188,6 +192,7 @@ class EngineRunner:
         self.answer_timeout_s = answer_timeout_s
         self.start_timeout_s = start_timeout_s
         self.pack = pack
+        self.log_level = log_level
         self.restarts = 0
         self._engine: _Process | None = None
         self._closed = False
@@ -212,7 +217,7 @@ class EngineRunner:
             "--manifest", str(self.manifest), "--model", self.spec.name,
             "--dtype", self.spec.dtype, "--device", self.device,
             "--capacity-bytes", str(self.capacity_bytes), "--threads", str(self.threads),
-            *(() if self.pack else ("--no-pack",)),
+            "--log-level", self.log_level, *(() if self.pack else ("--no-pack",)),
         ]  # fmt: skip
         started = time.monotonic()
         try:

@@ -65,6 +65,8 @@ class GatewayConfig:
     engine_answer_timeout_s: float = 60.0
     """An engine that has not answered a batch by then is hung: a device error; it is ended
     and started again."""
+    log_level: str = "info"
+    """The engine process's log level (its events go to stderr, as the gateway's do)."""
     pack_weights: bool = True
     """On a CPU primary in float32, also hold the weights pre-packed for oneDNN and serve the
     batch sizes where that is faster, as timed at load (`gateway.model.pack_for_cpu`)."""
@@ -115,6 +117,7 @@ class Gateway:
                 threads=config.engine_threads or torch.get_num_threads(),
                 fault=fault_primary,  # type: ignore[arg-type]
                 answer_timeout_s=config.engine_answer_timeout_s, pack=config.pack_weights,
+                log_level=config.log_level,
             )  # fmt: skip
             engine.start()
             primary = engine

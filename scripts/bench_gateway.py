@@ -107,7 +107,7 @@ def _gateway_main(settings: dict[str, Any], port: Any, fault: Any) -> None:
             fallback_capacity_mib=512.0, batch=BatchConfig(**settings["batch"]),
             breaker_failures=2, breaker_open_s=60.0, dtype=settings.get("dtype", ""),
             engine=settings.get("engine", "process"), engine_threads=settings.get("threads", 1),
-            pack_weights=settings.get("pack_weights", True),
+            pack_weights=settings.get("pack_weights", True), log_level="error",
         )  # fmt: skip
         gw = Gateway.build(config, fault_primary=hook)
         servers: list[Any] = []  # held: a gRPC server that nothing references stops

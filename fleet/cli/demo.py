@@ -105,13 +105,13 @@ async def _lose_a_host(fleet: Fleet, proc: asyncio.subprocess.Process, machines:
 
 async def run_demo(
     paths: Paths, timeout_s: float = 600.0, out_dir: Path = Path("fleet-demo-out"),
-    episodes: int = 64,
+    episodes: int = 64, log_level: str = "error",
 ) -> int:  # fmt: skip
     from fleet.cli.evaluation import evaluate, start_gateway
 
     run_id = uuid.uuid4().hex[:8]
     tty = sys.stdout.isatty()
-    gateway = await start_gateway(paths)
+    gateway = await start_gateway(paths, log_level)
     try:
         return await _run(paths, timeout_s, out_dir, episodes, run_id, tty, gateway, evaluate)
     finally:

@@ -47,14 +47,14 @@ class GatewayHandle:
         await self.grpc_server.stop(1)
 
 
-async def start_gateway(paths: Paths) -> GatewayHandle:
+async def start_gateway(paths: Paths, log_level: str = "info") -> GatewayHandle:
     """The gateway with the shipped policy: gRPC on loopback, HTTP where machines reach it."""
     from gateway.http import serve_http
     from gateway.service import Gateway, GatewayConfig, serve
 
     # Off the event loop: starting the model engine takes seconds, and the fleet's agents
     # heartbeat on this loop meanwhile.
-    config = GatewayConfig(secret=paths.token_secret(), device="auto")
+    config = GatewayConfig(secret=paths.token_secret(), device="auto", log_level=log_level)
     gw = await asyncio.to_thread(Gateway.build, config)
     server, port = await serve(gw, "127.0.0.1:0")
     # Machines reach this host at their link's host address; only their firewall rule (for

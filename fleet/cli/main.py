@@ -95,7 +95,7 @@ async def cmd_gateway(args: argparse.Namespace) -> int:
     paths = Paths.from_env()
     config = GatewayConfig(
         secret=paths.token_secret(), device=args.device, capacity_mib=args.capacity_mib,
-        dtype=args.dtype, engine=args.engine,
+        dtype=args.dtype, engine=args.engine, log_level=args.log_level or args.default_log_level,
         batch=BatchConfig(
             max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
             max_inflight_per_rollout=args.max_inflight_per_rollout,
@@ -566,7 +566,11 @@ async def cmd_demo(args: argparse.Namespace) -> int:
     from fleet.cli.demo import run_demo
 
     return await run_demo(
-        Paths.from_env(), timeout_s=args.timeout_s, out_dir=Path(args.out), episodes=args.episodes
+        Paths.from_env(),
+        timeout_s=args.timeout_s,
+        out_dir=Path(args.out),
+        episodes=args.episodes,
+        log_level=args.log_level or args.default_log_level,
     )
 
 
