@@ -515,8 +515,9 @@ def main() -> int:
     parser.add_argument("--device", default="cpu", help="the primary: cpu or cuda:N")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per gateway")
     parser.add_argument(
-        "--dtypes", default="float32,bfloat16",
-        help="precisions part (1) serves the model in (float32 always; bfloat16 also if listed)",
+        "--dtypes", default=None,
+        help="precisions part (1) serves the model in (float32 always; bfloat16 also if listed;"
+        " default: both, or float32 alone with --quick)",
     )  # fmt: skip
     parser.add_argument(
         "--slots", type=int, default=64,
@@ -558,25 +559,28 @@ def main() -> int:
             traj_s, actions = asyncio.run(pipeline(gw.address, BENCH_MODEL, episodes, 64))
             whole: dict[str, Any] = {}
             warm: dict[str, Any] = {}
-            # The synchronous baseline runs before part (4) and again after it: this machine's
-            # speed drifts, and the mean of the two brackets the fleet's runs.
+            # The synchronous baseline runs before the fleet's runs, between them and after
+            # them: this machine's speed drifts, and each run is compared with the mean of the
+            # two that bracket it.
             sync_sizes = (manifest, BENCH_MODEL, max(16, episodes // 4), args.device, args.threads)
-            sync_before = synchronous(*sync_sizes)
-            if not args.skip_fleet:
-                for result, forked in ((whole, False), (warm, True)):
-                    result.update(
-                        asyncio.run(
-                            fleet_pipeline(gw.http_port.value, gw.pid, BENCH_MODEL,
-                                           fleet_episodes, args.slots, warm=forked)
-                        )
-                    )  # fmt: skip
+            syncs = [synchronous(*sync_sizes)]
+            for result, forked in () if args.skip_fleet else ((whole, False), (warm, True)):
+                result.update(
+                    asyncio.run(
+                        fleet_pipeline(gw.http_port.value, gw.pid, BENCH_MODEL,
+                                       fleet_episodes, args.slots, warm=forked)
+                    )
+                )  # fmt: skip
+                syncs.append(synchronous(*sync_sizes))
 
             # (3) failover under load: fault at t0, first CPU-served answer after it.
             async def failover() -> tuple[dict[str, Any], float]:
+                # Long enough to be under way when the fault comes (a load --quick's sizes
+                # make could be over within the 0.2 s before it).
                 load = asyncio.create_task(
-                    hammer(gw.address, BENCH_MODEL, 32, per_client * 2, "f", True)
+                    hammer(gw.address, BENCH_MODEL, 32, max(48, per_client * 2), "f", True)
                 )
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(0.2)
                 t0 = time.monotonic()
                 gw.fault.value = True
                 result = await load
@@ -585,14 +589,16 @@ def main() -> int:
 
             fail, failover_s = asyncio.run(failover())
             gw_status = asyncio.run(status(gw.address))
-        sync_after = synchronous(*sync_sizes)
-        sync_traj_s = (sync_before[0] + sync_after[0]) / 2
-        sync_cpu_ms = (sync_before[2] + sync_after[2]) / 2
+        sync_cpu_ms = statistics.fmean(run[2] for run in syncs)
+        for i, run in enumerate((whole, warm)[: len(syncs) - 1]):
+            run["sync_traj_s"] = (syncs[i][0] + syncs[i + 1][0]) / 2
+            run["sync_cpu_ms"] = (syncs[i][2] + syncs[i + 1][2]) / 2
         ceiling = model_ceiling(manifest, BENCH_MODEL, 64, args.device, args.threads)
         ceiling_one = model_ceiling(manifest, BENCH_MODEL, 1, args.device, args.threads)
         # (1) again with the model served in bfloat16 (the CPU replica stays float32).
         half: dict[str, Any] = {}
-        if "bfloat16" in args.dtypes:
+        dtypes = args.dtypes if args.dtypes is not None else "" if args.quick else "bfloat16"
+        if "bfloat16" in dtypes:
             half_common = {**common, "dtype": "bfloat16"}
             with GatewayProc.together(
                 GatewayProc(**half_common, batch={**batched_cfg, "max_batch": 1}),
@@ -647,9 +653,9 @@ def main() -> int:
         "false_refusal_rate": refused_below / max(1, offered_below),
         "failover_s": failover_s,
         "lost_requests": fail["lost"],
-        "pipeline_gain": whole["traj_s"] / sync_traj_s if whole else None,
-        "pipeline_gain_warm": warm["traj_s"] / sync_traj_s if warm else None,
-        "gateway_pipeline_gain": traj_s / sync_traj_s,
+        "pipeline_gain": whole["traj_s"] / whole["sync_traj_s"] if whole else None,
+        "pipeline_gain_warm": warm["traj_s"] / warm["sync_traj_s"] if warm else None,
+        "gateway_pipeline_gain": traj_s / syncs[0][0],
         "overhead_ms_per_action": overhead,
         "fleet_cpu_ms_per_action": whole["cpu_ms"]["total"] if whole else None,
         "warm_cpu_ms_per_action": warm["cpu_ms"]["total"] if warm else None,
@@ -699,11 +705,11 @@ def main() -> int:
     else:
         for title, run in (("(4) trajectories/s: the fleet end to end vs synchronous", whole),
                            ("    the same, episodes as warm parents' children", warm)):  # fmt: skip
-            gain = run["traj_s"] / sync_traj_s
-            print(f"{title:<{w}}{run['traj_s']:>12.1f}{sync_traj_s:>12.1f}{gain:>8.1f}x")
+            base, base_cpu = run["sync_traj_s"], run["sync_cpu_ms"]
+            print(f"{title:<{w}}{run['traj_s']:>12.1f}{base:>12.1f}{run['traj_s'] / base:>8.1f}x")
             cpu = run["cpu_ms"]
             print(f"{'      CPU ms per action, this whole machine':<{w}}"
-                  f"{cpu['total']:>12.2f}{sync_cpu_ms:>12.2f}{cpu['total'] / sync_cpu_ms:>8.1f}x")  # fmt: skip
+                  f"{cpu['total']:>12.2f}{base_cpu:>12.2f}{cpu['total'] / base_cpu:>8.1f}x")  # fmt: skip
             machines = "unread" if cpu["machines"] is None else f"{cpu['machines']:.2f}"
             print(f"      (of the fleet's: machines {machines}, gateway {cpu['gateway']:.2f}, "
                   f"server, agent, their tools and the kernel {cpu['rest']:.2f})")
@@ -715,10 +721,11 @@ def main() -> int:
                   f"{run['first_done_s']:.1f} s, the last started at {run['last_start_s']:.1f} s"
                   + (f"; {steady:.1f} trajectories/s over the middle half of finishes)"
                      if steady is not None else ")"))
-    print(f"    (the synchronous loop: {sync_before[0]:.1f} trajectories/s before part (4), "
-          f"{sync_after[0]:.1f} after; their mean is the baseline)")  # fmt: skip
+    print(f"    (the synchronous loop, trajectories/s before, between and after the fleet's "
+          f"runs: {', '.join(f'{run[0]:.1f}' for run in syncs)}; each run's baseline is the "
+          "mean of the two beside it)")  # fmt: skip
     print(f"{'    only the gateway: 64 in-process episode loops':<{w}}"
-          f"{traj_s:>12.1f}{sync_traj_s:>12.1f}{out['gateway_pipeline_gain']:>8.1f}x")  # fmt: skip
+          f"{traj_s:>12.1f}{syncs[0][0]:>12.1f}{out['gateway_pipeline_gain']:>8.1f}x")  # fmt: skip
     print(f"{'    ms per action (shipped policy): via gateway vs bare call':<{w}}"
           f"{lone_small['p50_ms']:>12.2f}{model_p50:>12.2f}{overhead:>+8.2f}ms")  # fmt: skip
     print(
