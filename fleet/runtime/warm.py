@@ -18,7 +18,9 @@ import json
 import os
 import shutil
 import signal
+import socket
 import stat
+import struct
 import time
 import uuid
 from collections.abc import Mapping
@@ -42,18 +44,28 @@ CHILD_ALLOWANCE_MIB = 4
 ZYGOTE = Path(__file__).with_name("zygote.py")
 
 
-def _host_pid(candidates: list[int], ns_pid: int) -> int | None:
-    """The host pid of the process whose innermost pid is `ns_pid` (from /proc NSpid)."""
+def ns_pids(pid: int) -> list[int]:
+    """A process's pid in each pid namespace it is in, outermost first (/proc NSpid; [] when
+    it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as handle:
+            for line in handle:
+                if line.startswith("NSpid:"):
+                    return [int(field) for field in line.split()[1:]]
+    except OSError:
+        pass
+    return []
+
+
+def host_pid_of(candidates: list[int], ns_pid: int, depth: int) -> int | None:
+    """The host pid of the process that is `ns_pid` in the pid namespace `depth` levels deep
+    (NSpid has `depth` entries for a process right in it). The fork server's children are in
+    its namespace: a process in a namespace nested below it (one the warm-up made, say) has
+    an innermost pid of its own that may equal `ns_pid`, and is never taken for the child."""
     for pid in candidates:
-        try:
-            with open(f"/proc/{pid}/status") as handle:
-                for line in handle:
-                    if line.startswith("NSpid:"):
-                        if int(line.split()[-1]) == ns_pid:
-                            return pid
-                        break
-        except OSError:
-            continue
+        found = ns_pids(pid)
+        if len(found) == depth and found[-1] == ns_pid:
+            return pid
     return None
 
 
@@ -102,9 +114,10 @@ class WarmChild:
         (its sandbox's init and the fork server) are looked at last."""
         members = self.parent.machine.cgroup.members()
         fresh = [p for p in members if p not in self.parent.own_pids]
-        host_pid = _host_pid(sorted(fresh, reverse=True), ns_pid)  # the newest first
+        depth = self.parent.ns_depth
+        host_pid = host_pid_of(sorted(fresh, reverse=True), ns_pid, depth)  # the newest first
         if host_pid is None:  # (an own pid reused after its process exited: look at all)
-            host_pid = _host_pid(members, ns_pid)
+            host_pid = host_pid_of(members, ns_pid, depth)
         if host_pid is None:
             raise Internal(f"child {self._name}: forked, but its host pid was not found")
         for procs in self.cgroup.procs_files:
@@ -297,6 +310,8 @@ class NamespaceParent:
         self.own_pids: frozenset[int] = frozenset()
         """The host pids of the parent's own processes (its sandbox's init, the fork server),
         once the fork server is ready: never a child's."""
+        self.ns_depth = 0
+        """How deep the fork server's pid namespace is (its children's NSpid length)."""
         # Unix socket paths are limited to 108 bytes: reach the socket through a short link.
         self._link = SOCKET_LINKS / uuid.uuid4().hex[:12]
 
@@ -349,6 +364,7 @@ class NamespaceParent:
                 f"{err.decode(errors='replace')[-800:] or 'no output'}"
             )
         self.own_pids = frozenset(await asyncio.to_thread(self.machine.cgroup.members))
+        self.ns_depth = await self._fork_server_depth()
         # The branch point: one throwaway child takes the first-fork costs (the kernel's and
         # the cgroup controllers' lazy set-up), so a rollout's first child does not.
         probe = await self.branch("branch-point")
@@ -358,6 +374,21 @@ class NamespaceParent:
         if code != 0:
             raise Unavailable(f"warm parent {self.machine.name}: a probe child exited {code}")
         log.info("warm_parent_ready", machine=self.machine.name)
+
+    async def _fork_server_depth(self) -> int:
+        """The fork server's pid namespace depth, from the process listening on its socket
+        (the kernel names it to a connecting peer, in this process's own namespace)."""
+        _reader, writer = await asyncio.open_unix_connection(str(self._link / "zygote.sock"))
+        try:
+            sock = writer.get_extra_info("socket")
+            creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            pid = struct.unpack("3i", creds)[0]
+        finally:
+            writer.close()
+        depth = len(await asyncio.to_thread(ns_pids, pid))
+        if depth == 0:
+            raise Unavailable(f"warm parent {self.machine.name}: its fork server is gone")
+        return depth
 
     def _prepare(self, warmup: str) -> None:
         """The fork server's files: itself, the warm-up, and both system-call filters."""

@@ -584,3 +584,45 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+# A warm-up that leaves a process in a pid namespace of its own: its innermost pid is 1.
+NESTED_PID_NS = """
+import ctypes, os, time
+_libc = ctypes.CDLL(None, use_errno=True)
+_ready, _tell = os.pipe()
+if os.fork() == 0:
+    if _libc.unshare(0x20000000) != 0:  # CLONE_NEWPID: this process's next child is its pid 1
+        os._exit(3)
+    if os.fork() == 0:
+        os.write(_tell, b"x")
+        time.sleep(3600)
+    os._exit(0)
+os.read(_ready, 1)
+"""
+
+
+def test_a_child_is_never_taken_for_a_process_in_a_namespace_the_warm_up_nested(
+    rootfs: Path, tmp_path: Path
+) -> None:
+    """A child is looked for by its pid in the fork server's own pid namespace: a process the
+    warm-up left in a nested one, whose innermost pid may equal a child's, is not it."""
+    from fleet.runtime.warm import host_pid_of, ns_pids
+
+    async def body(
+        parent: NamespaceParent,
+    ) -> tuple[dict[int, list[int]], int | None, list[int], bytes]:
+        depth = parent.ns_depth
+        members = parent.machine.cgroup.members()
+        nested = {p: ns_pids(p) for p in members if len(ns_pids(p)) > depth}
+        # Looked for as pid 1 of the fork server's namespace, the nested pid 1 listed first.
+        found = host_pid_of([*nested, *(p for p in members if p not in nested)], 1, depth)
+        child = await parent.branch("after-nesting")
+        result = await child.exec(["python3", "-c", "print('ok')"], timeout_s=30)
+        return nested, found, ns_pids(found) if found else [], result.stdout
+
+    nested, found, found_ns, out = with_parent(rootfs, tmp_path, body, warmup=NESTED_PID_NS)
+    assert nested, "the warm-up's nested process was not found"
+    assert all(pids[-1] == 1 for pids in nested.values())
+    assert found is not None and found not in nested and found_ns[-1] == 1
+    assert out == b"ok\n"
