@@ -360,9 +360,14 @@ async def pipeline(address: str, model: str, episodes: int, concurrency: int) ->
         return episodes / (time.perf_counter() - started), actions
 
 
+NOOP_STEP = 'print(json.dumps({"actions": [], "action_ms": 0, "checkpoint_ms": 0}))'
+"""A warm child's step that does nothing: what is left is the fleet's own cost per rollout."""
+
+
 async def fleet_pipeline(
-    http_port: int, gateway_pid: int, model: str, episodes: int, slots: int, warm: bool = False
-) -> dict[str, Any]:
+    http_port: int, gateway_pid: int, model: str, episodes: int, slots: int, warm: bool = False,
+    noop: bool = False,
+) -> dict[str, Any]:  # fmt: skip
     """Trajectories/s of the whole fleet: each episode a rollout on the embedded fleet (SQLite
     ledger, one CPU agent with `slots` machines at once, the namespace runtime, firewall and
     DNS per machine), stepping gridworld inside its sandbox and asking the gateway over HTTP
@@ -372,7 +377,8 @@ async def fleet_pipeline(
 
     Also where this machine's CPU went, per action: the machines (their cgroups), the gateway
     process, and the rest of the machine's busy time (server, agent, the tools they run, this
-    process's polling, the kernel)."""
+    process's polling, the kernel). With `noop` (and `warm`), each episode's step does nothing
+    but print its result: rollouts/s and CPU per rollout are then the fleet's own."""
     from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
     from fleet.cli.client import list_all
     from fleet.cli.embedded import embedded_fleet
@@ -390,8 +396,9 @@ async def fleet_pipeline(
     def steps(seed: int) -> list[Any]:
         if not warm:
             return [types_pb2.Step(name="episode", argv=program(seed), env=env, timeout_s=300)]
+        episode = ["python3", "-c", NOOP_STEP] if noop else warm_step(seed)
         return [types_pb2.Step(name="warm-up", argv=["python3", "-c", source()], timeout_s=60),
-                types_pb2.Step(name="episode", argv=warm_step(seed), env=env, timeout_s=300)]  # fmt: skip
+                types_pb2.Step(name="episode", argv=episode, env=env, timeout_s=300)]  # fmt: skip
     final = {types_pb2.ROLLOUT_STATE_SUCCEEDED, types_pb2.ROLLOUT_STATE_FAILED,
              types_pb2.ROLLOUT_STATE_CANCELLED, types_pb2.ROLLOUT_STATE_QUARANTINED}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="fleet-bench-fleet-") as tmp:
@@ -431,7 +438,8 @@ async def fleet_pipeline(
                 rollouts = await list_all(stub, {"bench": run})
     ok = [r for r in rollouts if r.state == types_pb2.ROLLOUT_STATE_SUCCEEDED]
     episodes_out = [json.loads(r.results[-1].stdout) for r in ok if r.results]
-    actions = max(1, sum(len(e["actions"]) for e in episodes_out))
+    # Per action; with `noop`, per rollout (its steps ask for no action).
+    actions = max(1, len(ok) if noop else sum(len(e["actions"]) for e in episodes_out))
     first = min((r.created_at.ToNanoseconds() for r in rollouts), default=0) / 1e9
     ends = sorted(r.finished_at.ToNanoseconds() / 1e9 - first for r in ok)
     starts = sorted(r.started_at.ToNanoseconds() / 1e9 - first for r in ok)
@@ -572,6 +580,12 @@ def main() -> int:
                     )
                 )  # fmt: skip
                 syncs.append(synchronous(*sync_sizes))
+            noop: dict[str, Any] = {}
+            if not args.skip_fleet:
+                noop = asyncio.run(
+                    fleet_pipeline(gw.http_port.value, gw.pid, BENCH_MODEL,
+                                   fleet_episodes, args.slots, warm=True, noop=True)
+                )  # fmt: skip
 
             # (3) failover under load: fault at t0, first CPU-served answer after it.
             async def failover() -> tuple[dict[str, Any], float]:
@@ -661,6 +675,8 @@ def main() -> int:
         "warm_cpu_ms_per_action": warm["cpu_ms"]["total"] if warm else None,
         "sync_cpu_ms_per_action": sync_cpu_ms,
         "batched_cpu_us_per_sample": round(sum(per_sample_us.values()), 1),
+        "noop_rollouts_s": noop["traj_s"] if noop else None,
+        "noop_cpu_ms_per_rollout": noop["cpu_ms"]["total"] if noop else None,
     }
     w = 58
     print(f"{'':<{w}}{'fleet':>12}{'baseline':>12}{'ratio':>9}")
@@ -721,6 +737,13 @@ def main() -> int:
                   f"{run['first_done_s']:.1f} s, the last started at {run['last_start_s']:.1f} s"
                   + (f"; {steady:.1f} trajectories/s over the middle half of finishes)"
                      if steady is not None else ")"))
+    if noop:  # its "actions" are its rollouts (none of its steps asks the gateway anything)
+        cpu = noop["cpu_ms"]
+        machines = "unread" if cpu["machines"] is None else f"{cpu['machines']:.1f}"
+        print(f"    the fleet's own cost: {noop['ok']} warm rollouts whose step does nothing, "
+              f"{noop['traj_s']:.1f} rollouts/s; CPU ms per rollout {cpu['total']:.1f} (the "
+              f"machines {machines}, server, agent, their tools and the kernel "
+              f"{cpu['rest'] + cpu['gateway']:.1f})")  # fmt: skip
     print(f"    (the synchronous loop, trajectories/s before, between and after the fleet's "
           f"runs: {', '.join(f'{run[0]:.1f}' for run in syncs)}; each run's baseline is the "
           "mean of the two beside it)")  # fmt: skip
