@@ -176,7 +176,7 @@ def pack_for_cpu(network: nn.Module, spec: ModelSpec, runs: int = 5) -> Packed |
     into its kernel's layout again on every call: at batches of 4 to 64 rows through
     4096x4096 layers, that copy is a quarter of the time, and some sizes take a slower kernel
     (measured here: 15 rows cost 5x what 3 do). Packed once, at load, oneDNN's kernels run
-    those batches 20-40% faster; single rows are faster plain (a matrix-vector product packs
+    those batches 10-40% faster; single rows are faster plain (a matrix-vector product packs
     nothing). Whether and from what size packing wins depends on the model and the machine
     (a 128-wide policy is faster plain at every size), so both are timed here at PACK_SIZES
     and the packed copy serves from the smallest size past which it wins at every timed size;
@@ -193,10 +193,10 @@ def pack_for_cpu(network: nn.Module, spec: ModelSpec, runs: int = 5) -> Packed |
         return None
     packed_layers = [_PackedLinear(m) if isinstance(m, nn.Linear) else m for m in layers]
     packed = Packed(nn.Sequential(*packed_layers).eval(), 0, {})
+    runs_of: tuple[Callable[[torch.Tensor], torch.Tensor], ...] = (network, packed)
     with torch.inference_mode():
         for rows in PACK_SIZES:
             x = torch.randn(rows, spec.input_dim)
-            runs_of: tuple[Callable[[torch.Tensor], torch.Tensor], ...] = (network, packed)
             for run in runs_of:
                 run(x)  # the first call of a size allocates its buffers
             best = [float("inf")] * len(runs_of)
