@@ -6,8 +6,10 @@ to the batcher. Errors leave through fleet's one chokepoint (`fleet.server.statu
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from datetime import UTC
 from pathlib import Path
@@ -16,7 +18,7 @@ import grpc
 import structlog
 
 from fleet._proto.fleet.v1 import inference_pb2, inference_pb2_grpc
-from fleet.core.errors import FailedPrecondition, InvalidArgument, NotFound
+from fleet.core.errors import FailedPrecondition, FleetError, InvalidArgument, NotFound
 from fleet.core.tokens import verify
 from fleet.server.status import mapped
 from gateway.batcher import Answer, BatchConfig, Batcher
@@ -70,6 +72,9 @@ class GatewayConfig:
     pack_weights: bool = True
     """On a CPU primary in float32, also hold the weights pre-packed for oneDNN and serve the
     batch sizes where that is faster, as timed at load (`gateway.model.pack_for_cpu`)."""
+    stream_outstanding: int = 256
+    """Requests one InferStream may have outstanding; at this many the gateway stops reading
+    from it (gRPC's flow control then holds the caller back) until one is answered."""
 
 
 def _primary_device(choice: str) -> str:
@@ -179,6 +184,66 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
     async def Infer(
         self, request: inference_pb2.InferRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.InferResponse:
+        return await self._answer(request)
+
+    async def InferStream(
+        self,
+        requests: AsyncIterator[inference_pb2.InferRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        """Each request served as by Infer, on a task of its own, answered when ready."""
+        room = asyncio.Semaphore(max(1, self.gateway.config.stream_outstanding))
+        outstanding: dict[str, asyncio.Task[None]] = {}
+        writing = asyncio.Lock()  # one message on the stream at a time
+
+        async def write(response: inference_pb2.InferStreamResponse) -> None:
+            async with writing:
+                await context.write(response)
+
+        async def serve_one(request: inference_pb2.InferRequest) -> None:
+            try:
+                try:
+                    response = inference_pb2.InferStreamResponse(
+                        request_id=request.request_id, answer=await self._answer(request)
+                    )
+                except FleetError as exc:
+                    log.info("request_refused", rpc="InferStream", code=exc.code,
+                             error=exc.message)  # fmt: skip
+                    response = _refusal(request.request_id, exc)
+                except Exception as exc:  # as `mapped` does: the details stay in the log
+                    log.exception("request_crashed", rpc="InferStream")
+                    response = _refusal(
+                        request.request_id,
+                        FleetError(f"internal error ({type(exc).__name__}) in InferStream; "
+                                   "see the gateway's log"),
+                    )  # fmt: skip
+                await write(response)
+            finally:  # answered (or cancelled): its place is free
+                outstanding.pop(request.request_id, None)
+                room.release()
+
+        try:
+            async for request in requests:
+                await room.acquire()
+                rid = request.request_id
+                if not rid or rid in outstanding:
+                    room.release()
+                    why = (
+                        "request_id is empty: on a stream, answers are matched to requests by it"
+                        if not rid
+                        else f"request_id {rid!r} is already outstanding on this stream"
+                    )
+                    await write(_refusal(rid, InvalidArgument(why)))
+                    continue
+                outstanding[rid] = asyncio.create_task(serve_one(request))
+            # Half-closed by the caller: answer what it is waiting for, then end with OK.
+            while outstanding:
+                await asyncio.gather(*outstanding.values(), return_exceptions=True)
+        finally:  # the caller went away (cancelled): nothing left to answer
+            for task in list(outstanding.values()):
+                task.cancel()
+
+    async def _answer(self, request: inference_pb2.InferRequest) -> inference_pb2.InferResponse:
         deadline = None
         if request.HasField("deadline"):
             deadline = request.deadline.ToDatetime(tzinfo=UTC).timestamp()
@@ -212,6 +277,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
             oldest_queued_ms=b.oldest_queued_s() * 1000, served=b.metrics.served,
             failovers=b.metrics.failovers, oom_faults=b.metrics.oom_faults,
         )  # fmt: skip
+
+
+def _refusal(request_id: str, exc: FleetError) -> inference_pb2.InferStreamResponse:
+    return inference_pb2.InferStreamResponse(
+        request_id=request_id,
+        error=inference_pb2.InferError(
+            code=str(exc.code), message=exc.message,
+            **({} if exc.retry_after_s is None else {"retry_after_s": exc.retry_after_s}),
+        ),
+    )  # fmt: skip
 
 
 async def serve(gateway: Gateway, listen: str) -> tuple[grpc.aio.Server, int]:

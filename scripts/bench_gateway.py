@@ -3,8 +3,10 @@
 Gateways run in their own processes and are called over gRPC on loopback by asyncio clients
 in this one. Parts:
 
-1. samples/s with 64 concurrent clients, batched vs one sample per batch; p50 latency of a lone
-   request with and without batching (what batching adds when there is nothing to batch).
+1. samples/s with 64 concurrent clients, batched vs one sample per batch, each client's
+   requests one after another on an InferStream of its own (`batching_gain`) and again as unary
+   Infer calls (`batching_gain_unary`); p50 latency of a lone request with and without batching
+   (what batching adds when there is nothing to batch).
 2. offered load from 0.5x to 3x of the device's memory capacity (in samples that fit at once):
    out-of-memory batch failures, and refusals at loads below 0.9x (false refusals).
 3. a fault injected into the primary device under load: time to the first answer served by the
@@ -217,9 +219,10 @@ def _request(model: str, rollout: str, key: str, sample: list[float]) -> Any:
 
 async def hammer(
     address: str, model: str, clients: int, per_client: int, tag: str,
-    retry_resumable: bool = False,
+    retry_resumable: bool = False, stream: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
-    """`clients` concurrent callers, `per_client` sequential requests each."""
+    """`clients` concurrent callers, `per_client` sequential requests each: unary Infer calls,
+    or with `stream` each caller's requests one after another on an InferStream of its own."""
     samples = [GridWorld(seed).observation() for seed in range(16)]
     # Built before the clock starts: the load generator shares this machine's cores with the
     # gateway, so it does as little per request as it can.
@@ -235,22 +238,31 @@ async def hammer(
     codes: dict[str, int] = {}
     degraded_at: list[float] = []
     lost = 0
+    resumable = ("UNAVAILABLE", "RESOURCE_EXHAUSTED")
     async with grpc.aio.insecure_channel(address) as channel:
         stub = inference_pb2_grpc.InferenceServiceStub(channel)
 
         async def client(c: int) -> None:
             nonlocal lost
+            call = stub.InferStream() if stream else None
             for request in requests[c]:
                 for _attempt in range(20 if retry_resumable else 1):
                     started = time.perf_counter()
-                    try:
-                        reply = await stub.Infer(request)
-                    except grpc.aio.AioRpcError as exc:
-                        codes[exc.code().name] = codes.get(exc.code().name, 0) + 1
-                        resumable = exc.code() in (
-                            grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED
-                        )  # fmt: skip
-                        if retry_resumable and resumable:
+                    if call is not None:
+                        await call.write(request)
+                        response = await call.read()
+                        if response == grpc.aio.EOF:
+                            raise RuntimeError(f"the gateway ended stream {c}")
+                        reply = response.answer
+                        code = response.error.code if response.HasField("error") else ""
+                    else:
+                        try:
+                            reply, code = await stub.Infer(request), ""
+                        except grpc.aio.AioRpcError as exc:
+                            code = exc.code().name
+                    if code:
+                        codes[code] = codes.get(code, 0) + 1
+                        if retry_resumable and code in resumable:
                             await asyncio.sleep(0.01)
                             continue
                         if retry_resumable:
@@ -263,6 +275,10 @@ async def hammer(
                     break
                 else:
                     lost += 1
+            if call is not None:
+                await call.done_writing()
+                if await call.code() != grpc.StatusCode.OK:
+                    raise RuntimeError(f"stream {c} ended with {await call.code()}")
 
         started = time.perf_counter()
         await asyncio.gather(*(client(c) for c in range(clients)))
@@ -277,39 +293,47 @@ async def hammer(
 
 
 def interleaved(
-    single: GatewayProc, batched: GatewayProc, model: str, per_client: int, tag: str,
+    sides: dict[str, tuple[GatewayProc, bool]], model: str, per_client: int, tag: str,
     rounds: int,
-) -> tuple[dict[str, Any], dict[str, Any], list[float]]:  # fmt: skip
-    """Part (1)'s two runs in turns: `rounds` rounds of 64 clients against each gateway, in
-    the order AB BA AB ..., so that a drift of this machine's speed (seen here: 30% within a
-    few minutes) weighs on both alike. Returns both merged, and the CPU seconds the batched
-    rounds cost the load generator, the batched gateway's process and its model engine."""
-    runs: dict[str, list[dict[str, Any]]] = {"single": [], "batched": []}
-    spent = [0.0, 0.0, 0.0]
+) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """Part (1)'s runs in turns: `rounds` rounds of 64 clients against each side (a gateway,
+    and whether its clients call on streams), in the order of `sides` and then reversed, and so
+    on, so that a drift of this machine's speed (seen here: 30% within a few minutes) weighs on
+    all alike. Returns each side's runs merged, with the CPU its rounds cost per sample: the load
+    generator's (this process), the gateway process's (RPC, tokens, batching) and its model
+    engine's."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
+    spent = {name: [0.0, 0.0, 0.0] for name in sides}
     share = max(1, per_client // rounds)
     for i in range(rounds):
-        order = ("single", "batched") if i % 2 == 0 else ("batched", "single")
-        for which in order:
-            gw = single if which == "single" else batched
+        for name in list(sides) if i % 2 == 0 else reversed(sides):
+            gw, stream = sides[name]
             before = (process_cpu_s(os.getpid()), process_cpu_s(gw.pid), gateway_cpu_s(gw.pid))
-            runs[which].append(
-                asyncio.run(hammer(gw.address, model, CLIENTS, share, f"{tag}{which[0]}{i}"))
-            )
+            runs[name].append(
+                asyncio.run(hammer(gw.address, model, CLIENTS, share, f"{tag}{name}{i}",
+                                   stream=stream))
+            )  # fmt: skip
             after = (process_cpu_s(os.getpid()), process_cpu_s(gw.pid), gateway_cpu_s(gw.pid))
-            if which == "batched":
-                spent = [t + b - a for t, a, b in zip(spent, before, after, strict=True)]
+            spent[name] = [t + b - a for t, a, b in zip(spent[name], before, after, strict=True)]
     merged = {}
-    for which, parts in runs.items():
+    for name, parts in runs.items():
         latencies = [x for part in parts for x in part["latencies"]]
         sizes = [x for part in parts for x in part["batch_sizes"]]
         elapsed = sum(part["elapsed"] for part in parts)
-        merged[which] = {
+        merged[name] = {
             "answered": len(latencies), "elapsed": elapsed, "rate": len(latencies) / elapsed,
             "batch_mean": statistics.fmean(sizes) if sizes else 0.0,
             "p50_ms": statistics.median(latencies) * 1000 if latencies else float("nan"),
             "rates": [part["rate"] for part in parts],
         }  # fmt: skip
-    return merged["single"], merged["batched"], [spent[0], spent[1], spent[2] - spent[1]]
+        clients, process, with_engine = spent[name]
+        merged[name]["cpu_us"] = {
+            k: v * 1e6 / max(1, len(latencies))
+            for k, v in (("clients", clients), ("gateway", process),
+                         ("engine", with_engine - process))
+        }  # fmt: skip
+        merged[name]["engine_busy"] = (with_engine - process) / elapsed
+    return merged
 
 
 async def alternate(first: str, second: str, n: int) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -555,15 +579,16 @@ def main() -> int:
         ) as (one, gw):
             # Lone requests alternate between the two, so both see the same machine state.
             lone_single, lone_batched = asyncio.run(alternate(one.address, gw.address, lone))
-            single, batched, spent = interleaved(one, gw, BENCH_MODEL, per_client, "", rounds)
+            # Each caller's requests on an InferStream of its own (the transport for callers
+            # that make many), and again as unary Infer calls; one per batch and batched alike.
+            part1 = interleaved(
+                {"single": (one, True), "batched": (gw, True),
+                 "single_unary": (one, False), "batched_unary": (gw, False)},
+                BENCH_MODEL, per_client, "", rounds,
+            )  # fmt: skip
+            single, batched = part1["single"], part1["batched"]
+            single_unary, batched_unary = part1["single_unary"], part1["batched_unary"]
             one.__exit__()
-            # Where the batched runs' CPU went, per sample: the load generator (this process),
-            # the gateway's own process (RPC, tokens, batching) and its model engine.
-            engine_busy = spent[2] / batched["elapsed"]
-            per_sample_us = {
-                k: v * 1e6 / batched["answered"]
-                for k, v in zip(("clients", "gateway", "engine"), spent, strict=True)
-            }
             traj_s, actions = asyncio.run(pipeline(gw.address, BENCH_MODEL, episodes, 64))
             whole: dict[str, Any] = {}
             warm: dict[str, Any] = {}
@@ -618,9 +643,12 @@ def main() -> int:
                 GatewayProc(**half_common, batch={**batched_cfg, "max_batch": 1}),
                 GatewayProc(**half_common, batch=batched_cfg),
             ) as (one16, gw16):
-                half["single"], half["batched"], _ = interleaved(
-                    one16, gw16, BENCH_MODEL, per_client, "h", rounds
-                )
+                half.update(
+                    interleaved(
+                        {"single": (one16, True), "batched": (gw16, True)},
+                        BENCH_MODEL, per_client, "h", rounds,
+                    )
+                )  # fmt: skip
             half["ceiling"] = model_ceiling(
                 manifest, BENCH_MODEL, 64, args.device, args.threads, "bfloat16"
             )
@@ -660,6 +688,7 @@ def main() -> int:
     overhead = lone_small["p50_ms"] - model_p50
     out = {
         "batching_gain": batched["rate"] / single["rate"],
+        "batching_gain_unary": batched_unary["rate"] / single_unary["rate"],
         "batching_gain_bfloat16": (
             half["batched"]["rate"] / half["single"]["rate"] if half else None
         ),
@@ -674,25 +703,32 @@ def main() -> int:
         "fleet_cpu_ms_per_action": whole["cpu_ms"]["total"] if whole else None,
         "warm_cpu_ms_per_action": warm["cpu_ms"]["total"] if warm else None,
         "sync_cpu_ms_per_action": sync_cpu_ms,
-        "batched_cpu_us_per_sample": round(sum(per_sample_us.values()), 1),
+        "batched_cpu_us_per_sample": round(sum(batched["cpu_us"].values()), 1),
+        "batched_cpu_us_per_sample_unary": round(sum(batched_unary["cpu_us"].values()), 1),
         "noop_rollouts_s": noop["traj_s"] if noop else None,
         "noop_cpu_ms_per_rollout": noop["cpu_ms"]["total"] if noop else None,
     }
     w = 58
     print(f"{'':<{w}}{'fleet':>12}{'baseline':>12}{'ratio':>9}")
-    print(f"{'(1) samples/s, 64 clients: batched vs one per batch':<{w}}"
+    print(f"{'(1) samples/s, 64 clients on streams: batched vs one':<{w}}"
           f"{batched['rate']:>12.0f}{single['rate']:>12.0f}{out['batching_gain']:>8.1f}x")  # fmt: skip
+    print(f"{'    the same, each request a unary call: batched vs one':<{w}}"
+          f"{batched_unary['rate']:>12.0f}{single_unary['rate']:>12.0f}"
+          f"{out['batching_gain_unary']:>8.1f}x")  # fmt: skip
     print(f"{'    p50 ms of a lone request: batched vs unbatched':<{w}}"
           f"{lone_batched['p50_ms']:>12.2f}{lone_single['p50_ms']:>12.2f}"
           f"{lone_batched['p50_ms'] - lone_single['p50_ms']:>+8.2f}ms")  # fmt: skip
     print(f"{'    the bare model alone: batches of 64 vs of 1 (ceiling)':<{w}}{ceiling:>12.0f}"
           f"{ceiling_one:>12.0f}{ceiling / ceiling_one:>8.1f}x")  # fmt: skip
     print(f"{'    the gateway batched, as a fraction of the bare model':<{w}}"
-          f"{batched['rate'] / ceiling:>12.2f}")  # fmt: skip
-    print(f"    batched: a sample's batch held {batched['batch_mean']:.1f} on average; the model "
-          f"engine computed {engine_busy:.0%} of the time; CPU us per sample: the 64 clients "
-          f"{per_sample_us['clients']:.0f}, the gateway {per_sample_us['gateway']:.0f}, its "
-          f"model engine {per_sample_us['engine']:.0f}")  # fmt: skip
+          f"{batched['rate'] / ceiling:>12.2f}{batched_unary['rate'] / ceiling:>12.2f}"
+          "  (streams, unary)")  # fmt: skip
+    for label, run in (("streams", batched), ("unary", batched_unary)):
+        us = run["cpu_us"]
+        print(f"    batched, {label}: a sample's batch held {run['batch_mean']:.1f} on average; "
+              f"the model engine computed {run['engine_busy']:.0%} of the time; CPU us per "
+              f"sample: the 64 clients {us['clients']:.0f}, the gateway {us['gateway']:.0f}, "
+              f"its model engine {us['engine']:.0f}")  # fmt: skip
     if half:
         print(f"{'    the same, model served in bfloat16: batched vs one':<{w}}"
               f"{half['batched']['rate']:>12.0f}{half['single']['rate']:>12.0f}"
@@ -701,12 +737,13 @@ def main() -> int:
               f"{half['ceiling']:>12.0f}{half['ceiling_one']:>12.0f}"
               f"{half['ceiling'] / half['ceiling_one']:>8.1f}x")  # fmt: skip
     print(
-        f"    p50 at 64 clients: {batched['p50_ms']:.1f} ms batched, {single['p50_ms']:.1f} ms "
-        f"one per batch; the gateway answered {gw_status.served} samples"
+        f"    p50 at 64 clients on streams: {batched['p50_ms']:.1f} ms batched, "
+        f"{single['p50_ms']:.1f} ms one per batch; the gateway answered {gw_status.served} samples"
     )
-    gains = [b / a for a, b in zip(single["rates"], batched["rates"], strict=True)]
-    print(f"    runs in turns, batched vs one per batch, round by round: "
-          f"{' '.join(f'{g:.1f}x' for g in gains)}")  # fmt: skip
+    for label, a, b in (("streams", single, batched), ("unary", single_unary, batched_unary)):
+        gains = [y / x for x, y in zip(a["rates"], b["rates"], strict=True)]
+        print(f"    runs in turns, batched vs one per batch, {label}, round by round: "
+              f"{' '.join(f'{g:.1f}x' for g in gains)}")  # fmt: skip
     for factor, r in loads.items():
         refused = sum(r["codes"].values())
         print(f"{f'(2) load {factor:g}x memory capacity: answered / refused':<{w}}"

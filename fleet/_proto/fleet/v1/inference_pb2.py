@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66leet/v1/inference.proto\x12\x08\x66leet.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"+\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\x12\n\x06values\x18\x02 \x03(\x02\x42\x02\x10\x01\"\xce\x01\n\x0cInferRequest\x12\r\n\x05token\x18\x01 \x01(\t\x12\x12\n\nrollout_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x17\n\x0fidempotency_key\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\x10\n\x08revision\x18\x06 \x01(\t\x12\x1f\n\x05input\x18\x07 \x01(\x0b\x32\x10.fleet.v1.Tensor\x12,\n\x08\x64\x65\x61\x64line\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xac\x01\n\rInferResponse\x12 \n\x06output\x18\x01 \x01(\x0b\x32\x10.fleet.v1.Tensor\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x12\n\nbatch_size\x18\x05 \x01(\r\x12\x10\n\x08queue_ms\x18\x06 \x01(\x01\x12\x10\n\x08\x64\x65graded\x18\x07 \x01(\x08\x12\x10\n\x08replayed\x18\x08 \x01(\x08\"\x16\n\x14GatewayStatusRequest\"b\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x16\n\x0eprimary_device\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\"\xab\x01\n\rGatewayStatus\x12#\n\x06models\x18\x01 \x03(\x0b\x32\x13.fleet.v1.ModelInfo\x12\x0f\n\x07\x62reaker\x18\x02 \x01(\t\x12\x13\n\x0bqueue_depth\x18\x03 \x01(\r\x12\x18\n\x10oldest_queued_ms\x18\x04 \x01(\x01\x12\x0e\n\x06served\x18\x05 \x01(\x04\x12\x11\n\tfailovers\x18\x06 \x01(\x04\x12\x12\n\noom_faults\x18\x07 \x01(\x04\x32\x8f\x01\n\x10InferenceService\x12\x38\n\x05Infer\x12\x16.fleet.v1.InferRequest\x1a\x17.fleet.v1.InferResponse\x12\x41\n\x06Status\x12\x1e.fleet.v1.GatewayStatusRequest\x1a\x17.fleet.v1.GatewayStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66leet/v1/inference.proto\x12\x08\x66leet.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"+\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\x12\n\x06values\x18\x02 \x03(\x02\x42\x02\x10\x01\"\xce\x01\n\x0cInferRequest\x12\r\n\x05token\x18\x01 \x01(\t\x12\x12\n\nrollout_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x17\n\x0fidempotency_key\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\x10\n\x08revision\x18\x06 \x01(\t\x12\x1f\n\x05input\x18\x07 \x01(\x0b\x32\x10.fleet.v1.Tensor\x12,\n\x08\x64\x65\x61\x64line\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xac\x01\n\rInferResponse\x12 \n\x06output\x18\x01 \x01(\x0b\x32\x10.fleet.v1.Tensor\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x12\n\nbatch_size\x18\x05 \x01(\r\x12\x10\n\x08queue_ms\x18\x06 \x01(\x01\x12\x10\n\x08\x64\x65graded\x18\x07 \x01(\x08\x12\x10\n\x08replayed\x18\x08 \x01(\x08\"Y\n\nInferError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x1a\n\rretry_after_s\x18\x03 \x01(\x01H\x00\x88\x01\x01\x42\x10\n\x0e_retry_after_s\"\x85\x01\n\x13InferStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x06\x61nswer\x18\x02 \x01(\x0b\x32\x17.fleet.v1.InferResponseH\x00\x12%\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x14.fleet.v1.InferErrorH\x00\x42\x08\n\x06result\"\x16\n\x14GatewayStatusRequest\"b\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x16\n\x0eprimary_device\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\"\xab\x01\n\rGatewayStatus\x12#\n\x06models\x18\x01 \x03(\x0b\x32\x13.fleet.v1.ModelInfo\x12\x0f\n\x07\x62reaker\x18\x02 \x01(\t\x12\x13\n\x0bqueue_depth\x18\x03 \x01(\r\x12\x18\n\x10oldest_queued_ms\x18\x04 \x01(\x01\x12\x0e\n\x06served\x18\x05 \x01(\x04\x12\x11\n\tfailovers\x18\x06 \x01(\x04\x12\x12\n\noom_faults\x18\x07 \x01(\x04\x32\xd9\x01\n\x10InferenceService\x12\x38\n\x05Infer\x12\x16.fleet.v1.InferRequest\x1a\x17.fleet.v1.InferResponse\x12H\n\x0bInferStream\x12\x16.fleet.v1.InferRequest\x1a\x1d.fleet.v1.InferStreamResponse(\x01\x30\x01\x12\x41\n\x06Status\x12\x1e.fleet.v1.GatewayStatusRequest\x1a\x17.fleet.v1.GatewayStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,12 +40,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INFERREQUEST']._serialized_end=323
   _globals['_INFERRESPONSE']._serialized_start=326
   _globals['_INFERRESPONSE']._serialized_end=498
-  _globals['_GATEWAYSTATUSREQUEST']._serialized_start=500
-  _globals['_GATEWAYSTATUSREQUEST']._serialized_end=522
-  _globals['_MODELINFO']._serialized_start=524
-  _globals['_MODELINFO']._serialized_end=622
-  _globals['_GATEWAYSTATUS']._serialized_start=625
-  _globals['_GATEWAYSTATUS']._serialized_end=796
-  _globals['_INFERENCESERVICE']._serialized_start=799
-  _globals['_INFERENCESERVICE']._serialized_end=942
+  _globals['_INFERERROR']._serialized_start=500
+  _globals['_INFERERROR']._serialized_end=589
+  _globals['_INFERSTREAMRESPONSE']._serialized_start=592
+  _globals['_INFERSTREAMRESPONSE']._serialized_end=725
+  _globals['_GATEWAYSTATUSREQUEST']._serialized_start=727
+  _globals['_GATEWAYSTATUSREQUEST']._serialized_end=749
+  _globals['_MODELINFO']._serialized_start=751
+  _globals['_MODELINFO']._serialized_end=849
+  _globals['_GATEWAYSTATUS']._serialized_start=852
+  _globals['_GATEWAYSTATUS']._serialized_end=1023
+  _globals['_INFERENCESERVICE']._serialized_start=1026
+  _globals['_INFERENCESERVICE']._serialized_end=1243
 # @@protoc_insertion_point(module_scope)

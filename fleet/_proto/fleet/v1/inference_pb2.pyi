@@ -57,6 +57,26 @@ class InferResponse(_message.Message):
     replayed: bool
     def __init__(self, output: _Optional[_Union[Tensor, _Mapping]] = ..., model: _Optional[str] = ..., revision: _Optional[str] = ..., device: _Optional[str] = ..., batch_size: _Optional[int] = ..., queue_ms: _Optional[float] = ..., degraded: _Optional[bool] = ..., replayed: _Optional[bool] = ...) -> None: ...
 
+class InferError(_message.Message):
+    __slots__ = ("code", "message", "retry_after_s")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    retry_after_s: float
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
+
+class InferStreamResponse(_message.Message):
+    __slots__ = ("request_id", "answer", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    answer: InferResponse
+    error: InferError
+    def __init__(self, request_id: _Optional[str] = ..., answer: _Optional[_Union[InferResponse, _Mapping]] = ..., error: _Optional[_Union[InferError, _Mapping]] = ...) -> None: ...
+
 class GatewayStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

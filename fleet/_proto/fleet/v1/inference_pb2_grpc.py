@@ -40,6 +40,11 @@ class InferenceServiceStub:
                 request_serializer=fleet_dot_v1_dot_inference__pb2.InferRequest.SerializeToString,
                 response_deserializer=fleet_dot_v1_dot_inference__pb2.InferResponse.FromString,
                 _registered_method=True)
+        self.InferStream = channel.stream_stream(
+                '/fleet.v1.InferenceService/InferStream',
+                request_serializer=fleet_dot_v1_dot_inference__pb2.InferRequest.SerializeToString,
+                response_deserializer=fleet_dot_v1_dot_inference__pb2.InferStreamResponse.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/fleet.v1.InferenceService/Status',
                 request_serializer=fleet_dot_v1_dot_inference__pb2.GatewayStatusRequest.SerializeToString,
@@ -59,6 +64,18 @@ class InferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def InferStream(self, request_iterator, context):
+        """Many model calls on one stream, for a caller that makes many: each request is answered by
+        one response carrying its request_id, as soon as its answer is ready (not necessarily in
+        the order sent; several may be outstanding at once). Each request is checked and served as
+        by Infer, and a refused one is answered in-band with `error` while the stream goes on.
+        The gateway stops reading while a stream has its limit of requests outstanding. When the
+        caller half-closes, the outstanding requests are answered and the stream ends with OK.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Status(self, request, context):
         """The models served, their revisions and sha256, and the breaker and queue state.
         """
@@ -73,6 +90,11 @@ def add_InferenceServiceServicer_to_server(servicer, server):
                     servicer.Infer,
                     request_deserializer=fleet_dot_v1_dot_inference__pb2.InferRequest.FromString,
                     response_serializer=fleet_dot_v1_dot_inference__pb2.InferResponse.SerializeToString,
+            ),
+            'InferStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.InferStream,
+                    request_deserializer=fleet_dot_v1_dot_inference__pb2.InferRequest.FromString,
+                    response_serializer=fleet_dot_v1_dot_inference__pb2.InferStreamResponse.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -108,6 +130,33 @@ class InferenceService:
             '/fleet.v1.InferenceService/Infer',
             fleet_dot_v1_dot_inference__pb2.InferRequest.SerializeToString,
             fleet_dot_v1_dot_inference__pb2.InferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InferStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/fleet.v1.InferenceService/InferStream',
+            fleet_dot_v1_dot_inference__pb2.InferRequest.SerializeToString,
+            fleet_dot_v1_dot_inference__pb2.InferStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

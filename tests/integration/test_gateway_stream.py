@@ -1,0 +1,208 @@
+"""InferStream: many model calls on one gRPC stream, each checked and served as Infer serves it.
+
+Real torch, the shipped weights, a real in-process gRPC server (the fixtures of test_gateway).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import grpc
+import pytest
+
+from fleet._proto.fleet.v1 import inference_pb2
+from fleet.core.tokens import issue
+from gateway.batcher import BatchConfig
+from tests.integration.test_gateway import SECRET, Client, gateway, go, observations, reference
+
+
+async def exchange(
+    c: Client, requests: list[inference_pb2.InferRequest], *, all_at_once: bool = True
+) -> list[inference_pb2.InferStreamResponse]:
+    """Sends `requests` on one stream (all before reading, or one at a time) and returns every
+    response in the order it came; the stream must end with OK."""
+    call = c.stub.InferStream()
+    responses: list[inference_pb2.InferStreamResponse] = []
+    if all_at_once:
+        for request in requests:
+            await call.write(request)
+        await call.done_writing()
+        async for response in call:
+            responses.append(response)
+    else:
+        for request in requests:
+            await call.write(request)
+            responses.append(await call.read())
+        await call.done_writing()
+        assert await call.read() == grpc.aio.EOF
+    assert await call.code() == grpc.StatusCode.OK
+    return responses
+
+
+def test_a_stream_answers_each_request_by_its_id_in_shared_batches() -> None:
+    """Sixty-four requests outstanding on one stream are batched together, and each answer
+    (matched by request_id, whatever order it came in) is the unbatched model's."""
+    samples = observations(64)
+
+    async def body() -> list[inference_pb2.InferStreamResponse]:
+        async with gateway(batch=BatchConfig(max_batch=32, max_wait_ms=20)) as c:
+            return await exchange(
+                c, [c.request(f"r-{i % 4}", f"k{i}", s) for i, s in enumerate(samples)]
+            )
+
+    responses = go(body())
+    assert sorted(r.request_id for r in responses) == sorted(f"k{i}" for i in range(64))
+    by_id = {r.request_id: r for r in responses}
+    assert all(r.WhichOneof("result") == "answer" for r in responses)
+    assert max(r.answer.batch_size for r in responses) > 1
+    for i, want in enumerate(reference(samples)):
+        answer = by_id[f"k{i}"].answer
+        assert answer.device == "cpu" and not answer.degraded and answer.model == "gridworld-policy"
+        assert answer.output.values == pytest.approx(want, rel=2e-6, abs=1e-5)
+
+
+def test_refusals_are_answered_in_band_and_the_stream_goes_on() -> None:
+    """A bad token, another rollout's token, a malformed input, a missing or duplicated
+    request_id: each gets an error naming what is wrong, and later requests are still served."""
+    sample = observations(1)[0]
+
+    async def body() -> list[inference_pb2.InferStreamResponse]:
+        async with gateway() as c:
+            other = issue(SECRET, "r-other", time.time() + 60)
+            bad = c.request("r-1", "k-bad", sample)
+            bad.input.values.append(1.0)
+            nameless = c.request("r-1", "k-nameless", sample)
+            nameless.request_id = ""
+            return await exchange(
+                c,
+                [
+                    c.request("r-1", "k-forged", sample, token=issue(b"x" * 32, "r-1", 1e10)),
+                    c.request("r-1", "k-other", sample, token=other),
+                    bad,
+                    nameless,
+                    c.request("r-1", "k-good", sample),
+                ],
+                all_at_once=False,
+            )
+
+    responses = go(body())
+    codes = [(r.request_id, r.WhichOneof("result")) for r in responses]
+    assert codes == [
+        ("k-forged", "error"), ("k-other", "error"), ("k-bad", "error"), ("", "error"),
+        ("k-good", "answer"),
+    ]  # fmt: skip
+    errors = [r.error for r in responses[:4]]
+    assert [e.code for e in errors] == [
+        "UNAUTHENTICATED", "PERMISSION_DENIED", "INVALID_ARGUMENT", "INVALID_ARGUMENT",
+    ]  # fmt: skip
+    assert "signature" in errors[0].message and "scoped" in errors[1].message
+    assert "with 148 values" in errors[2].message
+    assert "request_id is empty" in errors[3].message
+    assert not errors[0].HasField("retry_after_s")
+    assert responses[4].answer.output.values == pytest.approx(reference([sample])[0], abs=1e-5)
+
+
+def test_a_request_id_already_outstanding_is_refused() -> None:
+    def slow() -> None:
+        time.sleep(0.3)
+
+    sample = observations(1)[0]
+
+    async def body() -> list[inference_pb2.InferStreamResponse]:
+        async with gateway(fault=slow, engine="inline") as c:
+            first = c.request("r-1", "k-1", sample)
+            second = c.request("r-1", "k-2", sample)
+            second.request_id = "k-1"
+            return await exchange(c, [first, second])
+
+    responses = go(body())
+    assert [(r.request_id, r.WhichOneof("result")) for r in responses] == [
+        ("k-1", "error"), ("k-1", "answer"),
+    ]  # fmt: skip
+    assert "'k-1' is already outstanding on this stream" in responses[0].error.message
+
+
+def test_a_full_queue_refuses_on_the_stream_with_a_retry_hint_and_loses_nothing() -> None:
+    def slow() -> None:
+        time.sleep(0.3)
+
+    async def body() -> list[inference_pb2.InferStreamResponse]:
+        config = BatchConfig(max_batch=2, max_wait_ms=1, max_queue=4)
+        async with gateway(fault=slow, batch=config, engine="inline") as c:
+            requests = [c.request(f"r-{i}", "k", s) for i, s in enumerate(observations(12))]
+            for i, request in enumerate(requests):
+                request.request_id = f"call-{i}"
+            return await exchange(c, requests)
+
+    responses = go(body())
+    refused = [r for r in responses if r.WhichOneof("result") == "error"]
+    answered = [r for r in responses if r.WhichOneof("result") == "answer"]
+    assert refused and answered and len(refused) + len(answered) == 12
+    for r in refused:
+        assert r.error.code == "RESOURCE_EXHAUSTED" and "queue is full" in r.error.message
+        assert r.error.retry_after_s > 0
+
+
+def test_a_stream_is_held_back_at_its_outstanding_limit() -> None:
+    """With at most two outstanding, the gateway reads no further: no batch holds more than
+    two of the stream's requests, though the device would take eight, and all are answered."""
+
+    def slow() -> None:
+        time.sleep(0.05)
+
+    async def body() -> tuple[list[inference_pb2.InferStreamResponse], Any]:
+        config = BatchConfig(max_batch=8, max_wait_ms=20)
+        async with gateway(
+            fault=slow, batch=config, engine="inline", stream_outstanding=2
+        ) as c:  # fmt: skip
+            responses = await exchange(
+                c, [c.request("r-1", f"k{i}", s) for i, s in enumerate(observations(10))]
+            )
+            return responses, c.gateway.batcher.metrics
+
+    responses, metrics = go(body())
+    assert sorted(r.request_id for r in responses) == sorted(f"k{i}" for i in range(10))
+    assert all(r.WhichOneof("result") == "answer" for r in responses)
+    assert max(metrics.batch_sizes) == 2
+
+
+def test_a_repeated_idempotency_key_on_a_stream_gets_the_stored_answer() -> None:
+    sample = observations(1)[0]
+
+    async def body() -> list[inference_pb2.InferStreamResponse]:
+        async with gateway() as c:
+            again = c.request("r-1", "step-3", sample)
+            again.request_id = "retry-of-step-3"
+            return await exchange(c, [c.request("r-1", "step-3", sample), again], all_at_once=False)
+
+    first, again = go(body())
+    assert not first.answer.replayed and again.answer.replayed
+    assert again.request_id == "retry-of-step-3"
+    assert again.answer.output.values == first.answer.output.values
+
+
+def test_a_caller_that_goes_away_leaves_the_gateway_serving_others() -> None:
+    """A stream cancelled with requests outstanding: the gateway drops them quietly (their
+    answers are kept for a retry) and goes on answering other callers."""
+
+    def slow() -> None:
+        time.sleep(0.2)
+
+    samples = observations(4)
+
+    async def body() -> tuple[Any, Any]:
+        async with gateway(fault=slow, engine="inline") as c:
+            call = c.stub.InferStream()
+            for i, s in enumerate(samples):
+                await call.write(c.request("r-gone", f"k{i}", s))
+            await asyncio.sleep(0.05)
+            call.cancel()
+            after = await c.infer("r-2", "k", samples[0])
+            retried = await c.infer("r-gone", "k3", samples[3])
+            return after, retried
+
+    after, retried = go(body())
+    assert after.output.values == pytest.approx(reference(samples[:1])[0], abs=1e-5)
+    assert retried.output.values == pytest.approx(reference(samples[3:])[0], abs=1e-5)
