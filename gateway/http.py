@@ -58,7 +58,7 @@ class HttpEndpoint:
         if path == "/healthz":
             return reply(200, b"ok")
         if path == "/metrics" and method == "GET":
-            text = self.gateway.batcher.metrics_text().encode()
+            text = self.gateway.metrics_text().encode()
             return reply(200, text, "text/plain; version=0.0.4")
         if path != "/v1/infer":
             return _json(404, {"code": "NOT_FOUND", "message": f"no route {path}"})
@@ -71,7 +71,8 @@ class HttpEndpoint:
             values = [float(v) for v in fields["input"]]
             deadline = fields.get("deadline")
             answer = await self.gateway.infer(
-                token=str(fields.get("token", "")), rollout_id=str(fields.get("rollout_id", "")),
+                via="http", token=str(fields.get("token", "")),
+                rollout_id=str(fields.get("rollout_id", "")),
                 idempotency_key=str(fields.get("idempotency_key", "")),
                 model=str(fields.get("model", "")), revision=str(fields.get("revision", "")),
                 shape=[len(values)], values=values,

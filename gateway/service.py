@@ -7,6 +7,7 @@ to the batcher. Errors leave through fleet's one chokepoint (`fleet.server.statu
 from __future__ import annotations
 
 import asyncio
+import collections
 import math
 import time
 from collections.abc import AsyncIterator
@@ -97,6 +98,10 @@ class Gateway:
     config: GatewayConfig
     spec: ModelSpec
     batcher: Batcher
+    requests: collections.Counter[str] = field(default_factory=collections.Counter)
+    """Inference requests received, by how they came (`VIA`)."""
+    streams_open: int = 0
+    """InferStream calls open now."""
 
     @classmethod
     def build(cls, config: GatewayConfig, fault_primary: object | None = None) -> Gateway:
@@ -142,6 +147,7 @@ class Gateway:
     async def infer(
         self,
         *,
+        via: str,
         token: str,
         rollout_id: str,
         idempotency_key: str,
@@ -151,7 +157,9 @@ class Gateway:
         values: list[float],
         deadline: float | None,
     ) -> Answer:
-        """One checked request through the batcher (shared by gRPC and the HTTP endpoint)."""
+        """One checked request through the batcher (shared by gRPC and the HTTP endpoint);
+        `via`: how it came (one of `VIA`), for the metrics."""
+        self.requests[via] += 1
         now = time.time()
         verify(self.config.secret, token, now, rollout_id)
         if not rollout_id:
@@ -175,6 +183,22 @@ class Gateway:
             rollout_id, idempotency_key, values, deadline if deadline is not None else now + 30
         )
 
+    def metrics_text(self) -> str:
+        """Prometheus text: the batcher's figures and how requests reach this gateway."""
+        lines = [
+            "# HELP fleet_gateway_requests_total Inference requests received, by how they came: "
+            "grpc (Infer), grpc_stream (InferStream), http (POST /v1/infer).",
+            "# TYPE fleet_gateway_requests_total counter",
+            *(f'fleet_gateway_requests_total{{via="{via}"}} {self.requests[via]}' for via in VIA),
+            "# HELP fleet_gateway_streams_open InferStream calls open now.",
+            "# TYPE fleet_gateway_streams_open gauge",
+            f"fleet_gateway_streams_open {self.streams_open}",
+        ]
+        return self.batcher.metrics_text() + "\n".join(lines) + "\n"
+
+
+VIA = ("grpc", "grpc_stream", "http")
+
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: ignore[misc]
     def __init__(self, gateway: Gateway) -> None:
@@ -184,7 +208,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
     async def Infer(
         self, request: inference_pb2.InferRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.InferResponse:
-        return await self._answer(request)
+        return await self._answer(request, "grpc")
 
     async def InferStream(
         self,
@@ -204,7 +228,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
             try:
                 try:
                     response = inference_pb2.InferStreamResponse(
-                        request_id=request.request_id, answer=await self._answer(request)
+                        request_id=request.request_id,
+                        answer=await self._answer(request, "grpc_stream"),
                     )
                 except FleetError as exc:
                     log.info("request_refused", rpc="InferStream", code=exc.code,
@@ -222,6 +247,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
                 outstanding.pop(request.request_id, None)
                 room.release()
 
+        self.gateway.streams_open += 1
         try:
             async for request in requests:
                 await room.acquire()
@@ -240,15 +266,18 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
             while outstanding:
                 await asyncio.gather(*outstanding.values(), return_exceptions=True)
         finally:  # the caller went away (cancelled): nothing left to answer
+            self.gateway.streams_open -= 1
             for task in list(outstanding.values()):
                 task.cancel()
 
-    async def _answer(self, request: inference_pb2.InferRequest) -> inference_pb2.InferResponse:
+    async def _answer(
+        self, request: inference_pb2.InferRequest, via: str
+    ) -> inference_pb2.InferResponse:
         deadline = None
         if request.HasField("deadline"):
             deadline = request.deadline.ToDatetime(tzinfo=UTC).timestamp()
         answer = await self.gateway.infer(
-            token=request.token, rollout_id=request.rollout_id,
+            via=via, token=request.token, rollout_id=request.rollout_id,
             idempotency_key=request.idempotency_key, model=request.model,
             revision=request.revision, shape=list(request.input.shape),
             values=list(request.input.values), deadline=deadline,

@@ -70,6 +70,11 @@ def render(server: dict[str, float] | str, gateway: dict[str, float] | str) -> s
                 f"model           {labels.get('model', '?')} {labels.get('revision', '')} on "
                 f"{labels.get('device', '?')} in {labels.get('dtype', '?')}"
             )
+        requests = [
+            (via, gateway.get(key, 0))
+            for via in ("grpc", "grpc_stream", "http")
+            for key in (f'fleet_gateway_requests_total{{via="{via}"}}',)
+        ]
         lines += [
             f"gateway         queue {gateway.get('fleet_gateway_queue_depth', 0):g} "
             f"(oldest {gateway.get('fleet_gateway_queue_oldest_seconds', 0) * 1000:.0f} ms)   "
@@ -78,6 +83,9 @@ def render(server: dict[str, float] | str, gateway: dict[str, float] | str) -> s
             f"   failovers {gateway.get('fleet_gateway_failovers_total', 0):g}   "
             f"engine restarts {gateway.get('fleet_gateway_engine_restarts_total', 0):g}   "
             f"breaker {'open' if gateway.get('fleet_gateway_breaker_open') else 'closed'}{per}",
+            "requests        "
+            + "   ".join(f"{via} {n:g}" for via, n in requests)
+            + f"   streams open {gateway.get('fleet_gateway_streams_open', 0):g}",
         ]
     return "\n".join(lines)
 

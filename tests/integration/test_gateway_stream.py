@@ -192,17 +192,22 @@ def test_a_caller_that_goes_away_leaves_the_gateway_serving_others() -> None:
 
     samples = observations(4)
 
-    async def body() -> tuple[Any, Any]:
+    async def body() -> tuple[Any, Any, str, str]:
         async with gateway(fault=slow, engine="inline") as c:
             call = c.stub.InferStream()
             for i, s in enumerate(samples):
                 await call.write(c.request("r-gone", f"k{i}", s))
             await asyncio.sleep(0.05)
+            during = c.gateway.metrics_text()
             call.cancel()
             after = await c.infer("r-2", "k", samples[0])
             retried = await c.infer("r-gone", "k3", samples[3])
-            return after, retried
+            return after, retried, during, c.gateway.metrics_text()
 
-    after, retried = go(body())
+    after, retried, during, later = go(body())
+    assert "fleet_gateway_streams_open 1\n" in during
+    assert 'fleet_gateway_requests_total{via="grpc_stream"} 4\n' in later
+    assert 'fleet_gateway_requests_total{via="grpc"} 2\n' in later
+    assert "fleet_gateway_streams_open 0\n" in later
     assert after.output.values == pytest.approx(reference(samples[:1])[0], abs=1e-5)
     assert retried.output.values == pytest.approx(reference(samples[3:])[0], abs=1e-5)

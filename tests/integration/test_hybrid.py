@@ -280,7 +280,7 @@ def test_server_and_gateway_metrics_and_fleet_top(tmp_path: Path, images: ImageS
         )  # fmt: skip
         try:
             await gateway.infer(
-                token=issue(SECRET, "r-m", time.time() + 60),
+                via="grpc", token=issue(SECRET, "r-m", time.time() + 60),
                 rollout_id="r-m", idempotency_key="k", model="gridworld-policy", revision="",
                 shape=[147], values=GridWorld(1).observation(), deadline=None,
             )  # fmt: skip
@@ -312,7 +312,10 @@ def test_server_and_gateway_metrics_and_fleet_top(tmp_path: Path, images: ImageS
     assert server["fleet_cpu_seconds_per_trajectory"] > 0.05  # the step's own CPU time
     assert server["fleet_backpressure_holding"] == 0
     assert gateway["fleet_gateway_served_total"] == 1
+    assert gateway['fleet_gateway_requests_total{via="grpc"}'] == 1
+    assert gateway["fleet_gateway_streams_open"] == 0
     assert gateway['fleet_gateway_batch_size_bucket{le="1"}'] == 1
     assert "trajectories/s" in top and "succeeded 1" in top and "gateway         queue 0" in top
     assert "model           gridworld-policy v1 on cpu in float32" in top
     assert gateway["fleet_gateway_engine_restarts_total"] == 0 and "engine restarts 0" in top
+    assert "grpc 1   grpc_stream 0   http 0   streams open 0" in top
