@@ -91,6 +91,22 @@ def _primary_device(choice: str) -> str:
 ENGINES = ("process", "inline")
 
 
+def _check_limits(config: GatewayConfig) -> None:
+    """Refuses a limit that would make the gateway refuse, or never bound, what it serves."""
+    b = config.batch
+    least = {
+        "max_batch": (b.max_batch, 1), "max_queue": (b.max_queue, 1),
+        "max_inflight_per_rollout": (b.max_inflight_per_rollout, 1),
+        "fallback_max_batch": (b.fallback_max_batch, 1), "answers_kept": (b.answers_kept, 0),
+        "max_wait_ms": (b.max_wait_ms, 0), "probe_interval_s": (b.probe_interval_s, 0),
+        "stream_outstanding": (config.stream_outstanding, 1),
+        "breaker_failures": (config.breaker_failures, 1),
+    }  # fmt: skip
+    for name, (value, floor) in least.items():
+        if not value >= floor:  # (NaN too)
+            raise InvalidArgument(f"gateway {name} is {value}: it must be at least {floor}")
+
+
 @dataclass
 class Gateway:
     """One model on a primary device with a CPU replica behind a breaker."""
@@ -105,6 +121,7 @@ class Gateway:
 
     @classmethod
     def build(cls, config: GatewayConfig, fault_primary: object | None = None) -> Gateway:
+        _check_limits(config)
         spec = select_model(config.models_toml, config.model, config.dtype, "gateway dtype")
         if config.engine not in ENGINES:
             raise InvalidArgument(
@@ -216,7 +233,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
         context: grpc.aio.ServicerContext,
     ) -> None:
         """Each request served as by Infer, on a task of its own, answered when ready."""
-        room = asyncio.Semaphore(max(1, self.gateway.config.stream_outstanding))
+        room = asyncio.Semaphore(self.gateway.config.stream_outstanding)
         outstanding: dict[str, asyncio.Task[None]] = {}
         writing = asyncio.Lock()  # one message on the stream at a time
 

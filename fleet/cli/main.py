@@ -96,6 +96,7 @@ async def cmd_gateway(args: argparse.Namespace) -> int:
     config = GatewayConfig(
         secret=paths.token_secret(), device=args.device, capacity_mib=args.capacity_mib,
         dtype=args.dtype, engine=args.engine, log_level=args.log_level or args.default_log_level,
+        stream_outstanding=args.stream_outstanding,
         batch=BatchConfig(
             max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
             max_inflight_per_rollout=args.max_inflight_per_rollout,
@@ -671,6 +672,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--max-wait-ms", type=float, default=2.0)
     sp.add_argument("--max-queue", type=int, default=2048)
     sp.add_argument("--max-inflight-per-rollout", type=int, default=16)
+    sp.add_argument(
+        "--stream-outstanding", type=int, default=256,
+        help="requests one InferStream may have outstanding before the gateway stops reading it",
+    )  # fmt: skip
 
     sp = add("up", cmd_up, "server + 1 gpu-class + 2 cpu-class agents, SQLite, one process", "info")
     sp.add_argument("--listen", default=DEFAULT_SERVER)

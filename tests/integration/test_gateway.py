@@ -523,6 +523,23 @@ def test_an_unknown_engine_is_refused() -> None:
         Gateway.build(GatewayConfig(secret=SECRET, device="cpu", engine="gpu"))
 
 
+@pytest.mark.parametrize(
+    ("overrides", "text"),
+    [
+        ({"batch": BatchConfig(max_batch=0)}, "gateway max_batch is 0: it must be at least 1"),
+        ({"batch": BatchConfig(max_wait_ms=-1)}, "gateway max_wait_ms is -1"),
+        ({"batch": BatchConfig(max_queue=float("nan"))}, "gateway max_queue is nan"),  # type: ignore[arg-type]
+        ({"stream_outstanding": 0}, "gateway stream_outstanding is 0: it must be at least 1"),
+        ({"breaker_failures": 0}, "gateway breaker_failures is 0"),
+    ],
+)
+def test_limits_that_cannot_work_are_refused_saying_which(
+    overrides: dict[str, Any], text: str
+) -> None:
+    with pytest.raises(InvalidArgument, match=text):
+        Gateway.build(replace(GatewayConfig(secret=SECRET, device="cpu"), **overrides))
+
+
 def test_a_model_served_in_bfloat16_answers_like_float32_and_fails_over_in_float32() -> None:
     """The primary in bfloat16 (half the bytes per weight, admission counts them so); the
     actions agree with float32; the CPU replica serves the stored float32 weights."""
