@@ -15,7 +15,7 @@ in this one. Parts:
    one action at a time: the whole fleet end to end (each episode a rollout in a sandboxed
    machine of an embedded fleet, `--slots` at once, every action over HTTP to this gateway and a
    checkpoint stored through the ledger after it), and the gateway alone (64 concurrent episode
-   loops in this process); the control plane's cost per action (a lone gRPC request's p50 minus
+   loops in this process, sharing one InferStream); the control plane's cost per action (a lone gRPC request's p50 minus
    the bare model call's p50).
 
 The benchmark model is an MLP with the shipped policy's input and output (147 -> 4096 -> 4096 ->
@@ -361,27 +361,33 @@ async def status(address: str) -> Any:
 
 
 async def pipeline(address: str, model: str, episodes: int, concurrency: int) -> tuple[float, int]:
-    """Trajectories/s with `concurrency` episodes in flight, each action from the gateway."""
+    """Trajectories/s with `concurrency` episodes in flight, each action from the gateway, all
+    of them calling over one InferStream (`gateway.client.InferStreamClient`)."""
+    from gateway.client import InferStreamClient
+
     actions = 0
     async with grpc.aio.insecure_channel(address) as channel:
         stub = inference_pb2_grpc.InferenceServiceStub(channel)
         todo = list(range(episodes))
 
-        async def worker() -> None:
+        async def worker(client: InferStreamClient) -> None:
             nonlocal actions
             while todo:
                 seed = todo.pop()
                 env, done, step = GridWorld(seed), False, 0
                 while not done:
                     key = f"ep{seed}-{step}"
-                    reply = await stub.Infer(_request(model, f"ep{seed}", key, env.observation()))
+                    reply = await client.infer(
+                        _request(model, f"ep{seed}", key, env.observation())
+                    )
                     _, done = env.step(argmax(list(reply.output.values)))
                     step += 1
                     actions += 1
 
-        started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return episodes / (time.perf_counter() - started), actions
+        async with InferStreamClient(stub) as client:
+            started = time.perf_counter()
+            await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+            return episodes / (time.perf_counter() - started), actions
 
 
 NOOP_STEP = 'print(json.dumps({"actions": [], "action_ms": 0, "checkpoint_ms": 0}))'
@@ -786,7 +792,7 @@ def main() -> int:
     print(f"    (the synchronous loop, trajectories/s before, between and after the fleet's "
           f"runs: {', '.join(f'{run[0]:.1f}' for run in syncs)}; each run's baseline is the "
           "mean of the two beside it)")  # fmt: skip
-    print(f"{'    only the gateway: 64 in-process episode loops':<{w}}"
+    print(f"{'    only the gateway: 64 in-process episode loops, 1 stream':<{w}}"
           f"{traj_s:>12.1f}{syncs[0][0]:>12.1f}{out['gateway_pipeline_gain']:>8.1f}x")  # fmt: skip
     print(f"{'    ms per action (shipped policy): via gateway vs bare call':<{w}}"
           f"{lone_small['p50_ms']:>12.2f}{model_p50:>12.2f}{overhead:>+8.2f}ms")  # fmt: skip

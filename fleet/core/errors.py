@@ -105,10 +105,10 @@ class Internal(FleetError):
     code = ErrorCode.INTERNAL
 
 
-def error_for(code: str, message: str) -> FleetError:
+def error_for(code: str, message: str, retry_after_s: float | None = None) -> FleetError:
     """The error a code's name stands for (as a peer reported it); INTERNAL for an unknown one."""
     kinds = {kind.code: kind for kind in FleetError.__subclasses__()}
     try:
-        return kinds.get(ErrorCode(code), Internal)(message)
+        return kinds.get(ErrorCode(code), Internal)(message, retry_after_s=retry_after_s)
     except ValueError:
         return Internal(f"{message} (unknown code {code!r})")

@@ -41,9 +41,12 @@ def go(coro: Awaitable[T]) -> T:
 
 
 class Client:
-    def __init__(self, stub: inference_pb2_grpc.InferenceServiceStub, gateway: Gateway) -> None:
+    def __init__(
+        self, stub: inference_pb2_grpc.InferenceServiceStub, gateway: Gateway, address: str = ""
+    ) -> None:
         self.stub = stub
         self.gateway = gateway
+        self.address = address
 
     def request(
         self, rollout: str, key: str, sample: list[float], token: str | None = None
@@ -65,7 +68,7 @@ async def gateway(fault: Any = None, **overrides: Any) -> AsyncIterator[Client]:
     server, port = await serve(gw, "127.0.0.1:0")
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
-        yield Client(inference_pb2_grpc.InferenceServiceStub(channel), gw)
+        yield Client(inference_pb2_grpc.InferenceServiceStub(channel), gw, f"127.0.0.1:{port}")
     finally:
         await channel.close()
         await gw.batcher.stop()

@@ -12,9 +12,17 @@ from typing import Any
 import grpc
 import pytest
 
-from fleet._proto.fleet.v1 import inference_pb2
+from fleet._proto.fleet.v1 import inference_pb2, inference_pb2_grpc
+from fleet.core.errors import (
+    FleetError,
+    InvalidArgument,
+    PermissionDenied,
+    ResourceExhausted,
+    Unavailable,
+)
 from fleet.core.tokens import issue
 from gateway.batcher import BatchConfig
+from gateway.client import InferStreamClient
 from tests.integration.test_gateway import SECRET, Client, gateway, go, observations, reference
 
 
@@ -211,3 +219,100 @@ def test_a_caller_that_goes_away_leaves_the_gateway_serving_others() -> None:
     assert "fleet_gateway_streams_open 0\n" in later
     assert after.output.values == pytest.approx(reference(samples[:1])[0], abs=1e-5)
     assert retried.output.values == pytest.approx(reference(samples[3:])[0], abs=1e-5)
+
+
+# -- InferStreamClient: the caller's side ----------------------------------------------------
+
+
+def test_the_client_shares_one_stream_among_many_concurrent_calls() -> None:
+    samples = observations(48)
+
+    async def body() -> list[inference_pb2.InferResponse]:
+        async with (
+            gateway(batch=BatchConfig(max_batch=16, max_wait_ms=20)) as c,
+            InferStreamClient(c.stub) as client,
+        ):
+            return list(
+                await asyncio.gather(
+                    *(
+                        client.infer(c.request(f"r-{i % 3}", f"k{i}", s))
+                        for i, s in enumerate(samples)
+                    )
+                )
+            )
+
+    answers = go(body())
+    assert max(a.batch_size for a in answers) > 1
+    for answer, want in zip(answers, reference(samples), strict=True):
+        assert answer.output.values == pytest.approx(want, rel=2e-6, abs=1e-5)
+
+
+def test_the_client_raises_what_the_gateway_refused_with_and_goes_on() -> None:
+    def slow() -> None:
+        time.sleep(0.2)
+
+    sample = observations(1)[0]
+
+    async def body() -> tuple[list[Any], list[Any]]:
+        config = BatchConfig(max_batch=1, max_wait_ms=1, max_queue=1)
+        async with (
+            gateway(fault=slow, batch=config, engine="inline") as c,
+            InferStreamClient(c.stub) as client,
+        ):
+            other = issue(SECRET, "r-other", time.time() + 60)
+            nameless = c.request("r-1", "k-x", sample)
+            nameless.request_id = ""
+            local = []
+            for request in (nameless, c.request("r-1", "k-1", sample)):
+                try:
+                    await client.infer(request)
+                except FleetError as exc:
+                    local.append(exc)
+            results = await asyncio.gather(
+                client.infer(c.request("r-1", "k-denied", sample, token=other)),
+                *(client.infer(c.request(f"r-{i}", f"k-{i}", sample)) for i in range(2, 8)),
+                return_exceptions=True,
+            )
+            return local, list(results)
+
+    local, results = go(body())
+    assert isinstance(local[0], InvalidArgument) and "request_id is empty" in local[0].message
+    assert len(local) == 1  # the second call was answered
+    assert isinstance(results[0], PermissionDenied) and "scoped" in results[0].message
+    full = [r for r in results[1:] if isinstance(r, ResourceExhausted)]
+    answered = [r for r in results[1:] if isinstance(r, inference_pb2.InferResponse)]
+    assert full and answered and len(full) + len(answered) == 6
+    assert all(e.retry_after_s and e.retry_after_s > 0 for e in full)
+
+
+def test_calls_waiting_on_a_broken_stream_raise_unavailable_and_resume_on_a_new_one() -> None:
+    """The channel closes under two waiting calls: both raise Unavailable; the same requests
+    on a new stream get the answers the gateway stored meanwhile (replayed), not new ones."""
+
+    def slow() -> None:
+        time.sleep(0.3)
+
+    samples = observations(2)
+
+    async def body() -> tuple[list[Any], list[inference_pb2.InferResponse]]:
+        async with gateway(fault=slow, engine="inline") as c:
+            requests = [c.request("r-1", f"k{i}", s) for i, s in enumerate(samples)]
+            channel = grpc.aio.insecure_channel(c.address)
+            client = InferStreamClient(inference_pb2_grpc.InferenceServiceStub(channel))
+            await client.__aenter__()
+            calls = [asyncio.create_task(client.infer(r)) for r in requests]
+            await asyncio.sleep(0.05)
+            await channel.close()
+            broken = await asyncio.gather(*calls, return_exceptions=True)
+            with pytest.raises(Unavailable, match="open a new stream"):
+                await client.infer(c.request("r-1", "k-late", samples[0]))
+            await asyncio.sleep(0.7)  # the batches run to the end and their answers are stored
+            async with InferStreamClient(c.stub) as again:
+                resumed = [await again.infer(r) for r in requests]
+            return list(broken), resumed
+
+    broken, resumed = go(body())
+    assert all(isinstance(e, Unavailable) and e.retry_after_s for e in broken)
+    assert all(r.replayed for r in resumed)
+    for answer, want in zip(resumed, reference(samples), strict=True):
+        assert answer.output.values == pytest.approx(want, abs=1e-5)
