@@ -32,7 +32,7 @@ from fleet.core.errors import InvalidArgument, NotFound, ResourceExhausted, Unav
 from fleet.core.placement import Isolation, RuntimeKind
 from fleet.core.policy import effective_egress
 from fleet.core.rollout import MAX_OUTPUT_BYTES
-from fleet.runtime import cgroups, seccomp
+from fleet.runtime import cgroups, disk, seccomp
 from fleet.runtime.base import ExecResult, Leftover, MachineSpec, machine_env
 from fleet.runtime.cgroups import MachineCgroup
 from fleet.runtime.dnsfwd import DnsForwarder
@@ -113,6 +113,8 @@ class NamespaceMachine:
     ) -> None:
         self.spec = spec
         self.root = root
+        self.layer = root
+        """Where its writable layer lives: `root`, or its bounded disk (`fleet.runtime.disk`)."""
         self.cgroup = cgroup
         self.net = net
         self.dns = dns
@@ -187,8 +189,8 @@ class NamespaceMachine:
             _MOUNT_THEN_EXEC,
             "fleet-mount",
             str(self.spec.rootfs),
-            str(self.root / "upper"),
-            str(self.root / "work"),
+            str(self.layer / "upper"),
+            str(self.layer / "work"),
             str(self.root / "merged"),
             ":".join(str(f) for f in self.cgroup.procs_files),
             *bwrap,
@@ -326,6 +328,7 @@ class NamespaceMachine:
         if self.net is not None:
             await self.net.destroy()
         await asyncio.to_thread(self.cgroup.remove)
+        await asyncio.to_thread(disk.remove, self.root)
         await asyncio.to_thread(shutil.rmtree, self.root, True)
         log.info("machine_deleted", machine=self._name, runtime="namespace")
 
@@ -381,9 +384,19 @@ class NamespaceRuntime:
         # The host's root only: a machine's root is the host's root user, so a file it marks
         # setuid in its layer is a setuid-root file on the host, for any user who reaches it.
         root.chmod(0o700)
-        for sub in ("upper", "work", "merged"):
-            (root / sub).mkdir(exist_ok=True)
         (root / "labels.json").write_text(json.dumps(spec.labels, sort_keys=True))
+        layer = root
+        gib = disk.bound_gib(spec.smolfile)
+        try:
+            if gib is not None:
+                layer = await asyncio.to_thread(disk.make, root, gib)
+            for sub in ("upper", "work"):
+                (layer / sub).mkdir(exist_ok=True)
+        except Exception:
+            await asyncio.to_thread(disk.remove, root)
+            shutil.rmtree(root, ignore_errors=True)
+            raise
+        (root / "merged").mkdir(exist_ok=True)
         (root / "seccomp.bpf").write_bytes(self._seccomp)
         cgroup = cgroups.MachineCgroup(root.name, self.cgroup_version)
         limits = cgroups.Limits(
@@ -392,9 +405,11 @@ class NamespaceRuntime:
         try:
             await asyncio.to_thread(cgroup.create, limits)
         except Exception:
+            await asyncio.to_thread(disk.remove, root)
             shutil.rmtree(root, ignore_errors=True)
             raise
         machine = NamespaceMachine(spec, root, cgroup)
+        machine.layer = layer
         if spec.smolfile.egress_requested or spec.gateway is not None:
             try:
                 await self._network(machine)
@@ -404,6 +419,7 @@ class NamespaceRuntime:
         log.info(
             "machine_created", machine=spec.name, runtime="namespace",
             memory_mib=limits.memory_mib, cpus=limits.cpus, pids_max=limits.pids_max,
+            disk_gib=gib,
             **spec.labels,
         )  # fmt: skip
         return machine
@@ -475,10 +491,12 @@ class NamespaceRuntime:
         if not leftover.adoptable:
             raise InvalidArgument(f"machine {leftover.name} cannot be adopted: {leftover.why_not}")
         root = self.machines_dir / spec.labels.get("host", "local") / leftover.name
-        if not (root / "upper").is_dir():
-            raise NotFound(f"machine {leftover.name} has no layer at {root}")
+        layer = await asyncio.to_thread(disk.attach, root) or root
+        if not (layer / "upper").is_dir():
+            raise NotFound(f"machine {leftover.name} has no layer at {layer}")
         cgroup = cgroups.MachineCgroup(root.name, self.cgroup_version)
         machine = NamespaceMachine(spec, root, cgroup)
+        machine.layer = layer
         netns = None
         if (root / "net.json").exists():
             netns = json.loads((root / "net.json").read_text())["netns"]
@@ -516,6 +534,7 @@ class NamespaceRuntime:
             for child in await asyncio.to_thread(group.children):  # a warm parent's children
                 await asyncio.to_thread(child.remove)
             await asyncio.to_thread(group.remove)
+            await asyncio.to_thread(disk.remove, entry)
             await asyncio.to_thread(shutil.rmtree, entry, True)
             reaped += 1
         await asyncio.to_thread(_drop_dangling_links)

@@ -299,7 +299,7 @@ class NamespaceParent:
     def __init__(self, runtime: NamespaceRuntime, machine: NamespaceMachine) -> None:
         self.runtime = runtime
         self.machine = machine
-        self.ctl = machine.root / "ctl"
+        self.ctl = machine.layer / "ctl"  # the children's layers: on the parent's disk
         self.children: set[WarmChild] = set()
         self.pool_size = 0
         self._pool: list[WarmChild] = []
@@ -341,7 +341,7 @@ class NamespaceParent:
                 machine_env(self.machine.spec, None), "/", filt,
                 extra=["--bind", str(ctl), "/run/fleet",
                        "--ro-bind", str(self.machine.spec.rootfs), "/run/fleet/lower",
-                       "--ro-bind", str(root / "upper"), "/run/fleet/parent-upper"],
+                       "--ro-bind", str(self.machine.layer / "upper"), "/run/fleet/parent-upper"],
             )  # fmt: skip
             self._proc = await asyncio.create_subprocess_exec(
                 *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,

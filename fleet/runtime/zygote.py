@@ -248,21 +248,29 @@ def close_inherited(keep: set[int]) -> None:
 def child_main(
     cid: str, request: dict[str, Any], go_read: int, report: int, program: bytes
 ) -> None:
+    """The forked child's whole life: it ends here, with os._exit, whatever happens (an error
+    that escaped would carry on in the fork server's code, as a second fork server)."""
     code = 1
     try:
-        close_inherited(WARM_FDS | {1, 2, go_read, report})  # 1, 2: replaced in run_child
-        null = os.open("/dev/null", os.O_RDONLY)  # stdin: nothing to read (fd 0 was closed)
-        if null != 0:
-            os.dup2(null, 0)
-            os.close(null)
-        code = run_child(cid, request, go_read, report, program)
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException:
-        traceback.print_exc()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+        try:
+            close_inherited(WARM_FDS | {1, 2, go_read, report})  # 1, 2: replaced in run_child
+            null = os.open("/dev/null", os.O_RDONLY)  # stdin: nothing to read (fd 0 was closed)
+            if null != 0:
+                os.dup2(null, 0)
+                os.close(null)
+            code = run_child(cid, request, go_read, report, program)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        except BaseException:
+            code = 1
+            traceback.print_exc()  # (may fail too: a full disk under stderr)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except BaseException:  # (its disk is full): the output is lost, and the step failed
+                code = code or 1
+    finally:
+        os._exit(code)
 
 
 def reaper() -> None:

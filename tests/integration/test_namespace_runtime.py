@@ -400,3 +400,96 @@ def test_a_machines_files_are_the_hosts_root_users_alone(rootfs: Path, tmp_path:
     assert result.exit_code == 0 and result.stdout == b"0o4755\n", result.stderr
     assert planted & stat.S_ISUID  # there on the host, as the machine left it
     assert mode == 0o700
+
+
+FILL = """
+import os, sys
+fd = os.open(sys.argv[1], os.O_CREAT | os.O_WRONLY)
+try:
+    os.posix_fallocate(fd, 0, int(sys.argv[2]) << 20)
+except OSError as exc:
+    os.close(fd)  # (a failed fallocate keeps what it got until then)
+    os.unlink(sys.argv[1])
+    print(f"refused: {exc.strerror}")
+    sys.exit(3)
+print("written")
+"""
+
+
+def _mounted(path: Path) -> bool:
+    return any(
+        line.split()[1] == str(path) for line in Path("/proc/mounts").read_text().splitlines()
+    )
+
+
+def test_a_smolfiles_overlay_bounds_what_a_machine_can_write(rootfs: Path, tmp_path: Path) -> None:
+    """`overlay = 1`: 100 MiB fit, 2 GiB more do not (ENOSPC inside the machine); the layer's
+    filesystem is 1 GiB as the machine sees it; delete unmounts it and leaves nothing."""
+
+    async def body(m: NamespaceMachine):  # type: ignore[no-untyped-def]
+        small = await m.exec(["python3", "-c", FILL, "/root/small", "100"], timeout_s=60)
+        big = await m.exec(["python3", "-c", FILL, "/root/big", "2048"], timeout_s=60)
+        size = await m.exec(
+            ["python3", "-c", "import os; s = os.statvfs('/'); print(s.f_blocks * s.f_frsize)"],
+            timeout_s=30,
+        )
+        return small, big, size, m.root, _mounted(m.root / "disk")
+
+    small, big, size, root, mounted = run(
+        rootfs, tmp_path, body, 'image = "minimal"\noverlay = 4\nstorage = 1\n'
+    )
+    assert small.exit_code == 0 and small.stdout == b"written\n", small.stderr
+    assert big.exit_code == 3 and b"No space left on device" in big.stdout
+    assert 0.9 * 2**30 < int(size.stdout) <= 2**30
+    assert mounted and not _mounted(root / "disk") and not root.exists()
+
+
+def test_without_overlay_or_storage_a_machine_has_no_disk_of_its_own(
+    rootfs: Path, tmp_path: Path
+) -> None:
+    async def body(m: NamespaceMachine):  # type: ignore[no-untyped-def]
+        return m.layer == m.root, (m.root / "disk").exists(), (m.root / "upper").is_dir()
+
+    assert run(rootfs, tmp_path, body) == (True, False, True)
+
+
+def test_the_reaper_unmounts_a_bounded_disk_a_killed_agent_left(
+    rootfs: Path, tmp_path: Path
+) -> None:
+    async def go() -> tuple[int, bool, bool, bool]:
+        runtime, spec = make(rootfs, tmp_path, 'image = "minimal"\noverlay = 1\n')
+        spec.labels["host"] = "gone"
+        machine = await runtime.create(spec)
+        was = _mounted(machine.root / "disk")
+        reaped = await NamespaceRuntime(tmp_path / "machines").reap("gone")
+        return reaped, was, _mounted(machine.root / "disk"), machine.root.exists()
+
+    assert asyncio.run(go()) == (1, True, False, False)
+
+
+def test_a_restarted_agent_adopts_a_machine_with_its_bounded_disk(
+    rootfs: Path, tmp_path: Path
+) -> None:
+    """The disk stays mounted when the agent dies; the adopting agent finds it (and mounts it
+    again if it is not: after an unmount here), with the machine's files and its bound."""
+    labels = {"fleet": "1", "host": "me", "work": "w-1", "fence": "2"}
+    spec = MachineSpec(
+        name="bounded", smolfile=parse_smolfile('image = "minimal"\noverlay = 1\n').spec,
+        image_digest="sha256:x", rootfs=rootfs, labels=labels,
+    )  # fmt: skip
+
+    async def go() -> tuple[bytes, bytes, bool]:
+        first = await NamespaceRuntime(tmp_path / "machines").create(spec)
+        await first.exec(["/bin/sh", "-c", "echo kept > /root/state"], timeout_s=30)
+        unmount = await asyncio.create_subprocess_exec("umount", str(first.root / "disk"))
+        assert await unmount.wait() == 0  # as after a host's restart
+        after = NamespaceRuntime(tmp_path / "machines")
+        (leftover,) = await after.leftovers("me")
+        adopted = await after.adopt(leftover, spec)
+        state = await adopted.exec(["cat", "/root/state"], timeout_s=30)
+        big = await adopted.exec(["python3", "-c", FILL, "/root/big", "2048"], timeout_s=60)
+        await adopted.delete()
+        return state.stdout, big.stdout, adopted.root.exists()
+
+    state, big, left = asyncio.run(go())
+    assert state == b"kept\n" and b"No space left on device" in big and not left

@@ -626,3 +626,58 @@ def test_a_child_is_never_taken_for_a_process_in_a_namespace_the_warm_up_nested(
     assert all(pids[-1] == 1 for pids in nested.values())
     assert found is not None and found not in nested and found_ns[-1] == 1
     assert out == b"ok\n"
+
+
+def test_a_parent_and_its_children_share_its_bounded_disk(rootfs: Path, tmp_path: Path) -> None:
+    """`overlay = 1` on a warm parent: a child can write 100 MiB but not 2 GiB, and what one
+    child holds counts against the next (they share the parent's disk). A step that fills the
+    disk and then cannot write its own output fails (its output is lost), and the parent goes
+    on serving children."""
+    fill = (
+        "import os, sys\n"
+        "fd = os.open(sys.argv[1], os.O_CREAT | os.O_WRONLY)\n"
+        "try:\n"
+        "    os.posix_fallocate(fd, 0, int(sys.argv[2]) << 20)\n"
+        "except OSError as exc:\n"
+        "    os.close(fd)  # (a failed fallocate keeps what it got until then)\n"
+        "    os.unlink(sys.argv[1])\n"
+        "    print('refused:', exc.strerror)\n"
+        "    sys.exit(3)\n"
+        "print('written')\n"
+    )
+    hog = (
+        "import os\n"
+        "fd = os.open('/root/hog', os.O_CREAT | os.O_WRONLY)\n"
+        "try:\n"
+        "    os.posix_fallocate(fd, 0, 2048 << 20)\n"
+        "except OSError:\n"
+        "    pass\n"
+        "os.unlink('/root/hog')  # still open: the disk stays full until the step ends\n"
+        "print('this output has nowhere to go')\n"
+    )
+
+    async def body(parent: NamespaceParent) -> list[tuple[int, bytes]]:
+        first = await parent.branch("first")
+        second = await parent.branch("second")
+        out = []
+        for child, path, mib in ((first, "/root/a", 100), (first, "/root/b", 2048),
+                                 (first, "/root/c", 700), (second, "/root/d", 700)):  # fmt: skip
+            result = await child.exec(["python3", "-c", fill, path, str(mib)], timeout_s=60)
+            out.append((result.exit_code, result.stdout))
+        await first.delete()
+        await second.delete()
+        hogger = await parent.branch("hogger")
+        result = await hogger.exec(["python3", "-c", hog], timeout_s=60)
+        out.append((result.exit_code, result.stdout))
+        await hogger.delete()
+        after = await parent.branch("after")
+        result = await after.exec(["python3", "-c", fill, "/root/e", "100"], timeout_s=60)
+        out.append((result.exit_code, result.stdout))
+        return out
+
+    out = with_parent(rootfs, tmp_path, body, smolfile='image = "minimal"\noverlay = 1\n')
+    refused = b"refused: No space left on device\n"
+    assert out == [
+        (0, b"written\n"), (3, refused), (0, b"written\n"), (3, refused),
+        (1, b""), (0, b"written\n"),
+    ]  # fmt: skip
