@@ -110,10 +110,11 @@ class NamespaceMachine:
         cgroup: MachineCgroup,
         net: MachineNet | None = None,
         dns: DnsForwarder | None = None,
+        layer: Path | None = None,
     ) -> None:
         self.spec = spec
         self.root = root
-        self.layer = root
+        self.layer = layer or root
         """Where its writable layer lives: `root`, or its bounded disk (`fleet.runtime.disk`)."""
         self.cgroup = cgroup
         self.net = net
@@ -408,8 +409,7 @@ class NamespaceRuntime:
             await asyncio.to_thread(disk.remove, root)
             shutil.rmtree(root, ignore_errors=True)
             raise
-        machine = NamespaceMachine(spec, root, cgroup)
-        machine.layer = layer
+        machine = NamespaceMachine(spec, root, cgroup, layer=layer)
         if spec.smolfile.egress_requested or spec.gateway is not None:
             try:
                 await self._network(machine)
@@ -495,8 +495,7 @@ class NamespaceRuntime:
         if not (layer / "upper").is_dir():
             raise NotFound(f"machine {leftover.name} has no layer at {layer}")
         cgroup = cgroups.MachineCgroup(root.name, self.cgroup_version)
-        machine = NamespaceMachine(spec, root, cgroup)
-        machine.layer = layer
+        machine = NamespaceMachine(spec, root, cgroup, layer=layer)
         netns = None
         if (root / "net.json").exists():
             netns = json.loads((root / "net.json").read_text())["netns"]
