@@ -259,7 +259,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
                         FleetError(f"internal error ({type(exc).__name__}) in InferStream; "
                                    "see the gateway's log"),
                     )  # fmt: skip
-                await write(response)
+                try:
+                    await write(response)
+                except Exception as exc:  # the stream is gone: its caller retries, or went away
+                    log.info("stream_answer_undelivered", request_id=request.request_id,
+                             error=f"{type(exc).__name__}: {exc}")  # fmt: skip
             finally:  # answered (or cancelled): its place is free
                 outstanding.pop(request.request_id, None)
                 room.release()
