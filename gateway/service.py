@@ -21,7 +21,7 @@ import structlog
 from fleet._proto.fleet.v1 import inference_pb2, inference_pb2_grpc
 from fleet.core.errors import FailedPrecondition, FleetError, InvalidArgument, NotFound
 from fleet.core.tokens import verify
-from fleet.server.status import mapped
+from fleet.server.status import as_refusal, mapped
 from gateway.batcher import Answer, BatchConfig, Batcher
 from gateway.breaker import CircuitBreaker
 from gateway.engine import EngineRunner
@@ -248,17 +248,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
                         request_id=request.request_id,
                         answer=await self._answer(request, "grpc_stream"),
                     )
-                except FleetError as exc:
-                    log.info("request_refused", rpc="InferStream", code=exc.code,
-                             error=exc.message)  # fmt: skip
-                    response = _refusal(request.request_id, exc)
-                except Exception as exc:  # as `mapped` does: the details stay in the log
-                    log.exception("request_crashed", rpc="InferStream")
-                    response = _refusal(
-                        request.request_id,
-                        FleetError(f"internal error ({type(exc).__name__}) in InferStream; "
-                                   "see the gateway's log"),
-                    )  # fmt: skip
+                except Exception as exc:  # answered in-band, as `mapped` would end a call
+                    response = _refusal(request.request_id, as_refusal(exc, "InferStream"))
                 try:
                     await write(response)
                 except Exception as exc:  # the stream is gone: its caller retries, or went away

@@ -46,6 +46,10 @@ def _run(argv: list[str], what: str) -> None:
         raise FailedPrecondition(f"{what}: {(done.stderr or done.stdout).strip()[-500:]}")
 
 
+def _mount(image: Path, point: Path, what: str) -> None:
+    _run(["mount", "-o", "loop,nosuid,nodev", str(image), str(point)], what)
+
+
 def make(root: Path, gib: int) -> Path:
     """Makes and mounts `root`'s bounded disk of `gib` GiB; returns where it is mounted."""
     image, point = root / IMAGE, root / MOUNT
@@ -56,7 +60,7 @@ def make(root: Path, gib: int) -> Path:
     try:
         _run(["mkfs.ext4", "-q", "-F", "-m", "0", "-O", "^has_journal",
               "-E", "lazy_itable_init=1,nodiscard", str(image)], what)  # fmt: skip
-        _run(["mount", "-o", "loop,nosuid,nodev", str(image), str(point)], what)
+        _mount(image, point, what)
     except FailedPrecondition:
         image.unlink(missing_ok=True)
         raise
@@ -71,8 +75,7 @@ def attach(root: Path) -> Path | None:
     if not image.exists():
         return None
     if not os.path.ismount(point):
-        _run(["mount", "-o", "loop,nosuid,nodev", str(image), str(point)],
-             f"machine {root.name}: cannot mount its disk again")  # fmt: skip
+        _mount(image, point, f"machine {root.name}: cannot mount its disk again")
     return point
 
 

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 import grpc
 import structlog
 
-from fleet.core.errors import ErrorCode, FleetError
+from fleet.core.errors import ErrorCode, FleetError, Internal
 
 log = structlog.get_logger(__name__)
 
@@ -41,6 +41,17 @@ def trailing_metadata(exc: FleetError) -> tuple[tuple[str, str], ...]:
     return tuple(pairs)
 
 
+def as_refusal(exc: Exception, rpc: str) -> FleetError:
+    """What the caller is told of `exc` (call it where `exc` is being handled): a FleetError as
+    it is, logged as a refusal; anything else as INTERNAL naming only its type, logged with its
+    traceback (the details stay in the log: they may carry SQL and other clients' data)."""
+    if isinstance(exc, FleetError):
+        log.info("request_refused", rpc=rpc, code=exc.code, error=exc.message)
+        return exc
+    log.exception("request_crashed", rpc=rpc)
+    return Internal(f"internal error ({type(exc).__name__}) in {rpc}; see the server log")
+
+
 def mapped(method: F) -> F:
     """Turns FleetError into the matching status, anything else into INTERNAL (logged)."""
 
@@ -48,17 +59,12 @@ def mapped(method: F) -> F:
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             return await method(self, request, context)
-        except FleetError as exc:
-            log.info("request_refused", rpc=method.__name__, code=exc.code, error=exc.message)
-            await context.abort(STATUS_FOR[exc.code], exc.message, trailing_metadata(exc))
         except Exception as exc:  # the last line of defence: never leak a traceback as a hang
             if isinstance(exc, grpc.aio.AbortError):
                 raise
-            log.exception("request_crashed", rpc=method.__name__)
-            # The details stay in the server's log: they may carry SQL and other clients' data.
+            refusal = as_refusal(exc, method.__name__)
             await context.abort(
-                grpc.StatusCode.INTERNAL,
-                f"internal error ({type(exc).__name__}) in {method.__name__}; see the server log",
+                STATUS_FOR[refusal.code], refusal.message, trailing_metadata(refusal)
             )
 
     return wrapper  # type: ignore[return-value]

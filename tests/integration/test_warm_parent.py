@@ -16,6 +16,7 @@ from fleet.runtime.base import MachineSpec
 from fleet.runtime.cgroups import MachineCgroup
 from fleet.runtime.namespace import NamespaceRuntime
 from fleet.runtime.warm import NamespaceParent
+from tests.integration.test_namespace_runtime import FILL
 
 T = TypeVar("T")
 
@@ -633,18 +634,6 @@ def test_a_parent_and_its_children_share_its_bounded_disk(rootfs: Path, tmp_path
     child holds counts against the next (they share the parent's disk). A step that fills the
     disk and then cannot write its own output fails (its output is lost), and the parent goes
     on serving children."""
-    fill = (
-        "import os, sys\n"
-        "fd = os.open(sys.argv[1], os.O_CREAT | os.O_WRONLY)\n"
-        "try:\n"
-        "    os.posix_fallocate(fd, 0, int(sys.argv[2]) << 20)\n"
-        "except OSError as exc:\n"
-        "    os.close(fd)  # (a failed fallocate keeps what it got until then)\n"
-        "    os.unlink(sys.argv[1])\n"
-        "    print('refused:', exc.strerror)\n"
-        "    sys.exit(3)\n"
-        "print('written')\n"
-    )
     hog = (
         "import os\n"
         "fd = os.open('/root/hog', os.O_CREAT | os.O_WRONLY)\n"
@@ -662,7 +651,7 @@ def test_a_parent_and_its_children_share_its_bounded_disk(rootfs: Path, tmp_path
         out = []
         for child, path, mib in ((first, "/root/a", 100), (first, "/root/b", 2048),
                                  (first, "/root/c", 700), (second, "/root/d", 700)):  # fmt: skip
-            result = await child.exec(["python3", "-c", fill, path, str(mib)], timeout_s=60)
+            result = await child.exec(["python3", "-c", FILL, path, str(mib)], timeout_s=60)
             out.append((result.exit_code, result.stdout))
         await first.delete()
         await second.delete()
@@ -671,7 +660,7 @@ def test_a_parent_and_its_children_share_its_bounded_disk(rootfs: Path, tmp_path
         out.append((result.exit_code, result.stdout))
         await hogger.delete()
         after = await parent.branch("after")
-        result = await after.exec(["python3", "-c", fill, "/root/e", "100"], timeout_s=60)
+        result = await after.exec(["python3", "-c", FILL, "/root/e", "100"], timeout_s=60)
         out.append((result.exit_code, result.stdout))
         return out
 
