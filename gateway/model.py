@@ -144,21 +144,48 @@ PACK_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
 class _PackedLinear(nn.Module):
-    """A linear layer whose weight and bias are held as oneDNN tensors (packed once)."""
+    """A linear layer, and the ReLU after it if there is one, run by oneDNN's kernel from a
+    weight reordered once into that kernel's own layout."""
 
-    def __init__(self, layer: nn.Linear) -> None:
+    def __init__(self, layer: nn.Linear, relu: bool) -> None:
         super().__init__()
-        self.weight = layer.weight.detach().to_mkldnn()
-        self.bias = layer.bias.detach().to_mkldnn()
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), None)
+        self.bias = layer.bias.detach()
+        self.attr = "relu" if relu else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten.mkldnn_linear(x, self.weight, self.bias)  # type: ignore[no-any-return]
+        return torch.ops.mkldnn._linear_pointwise(  # type: ignore[no-any-return]
+            x, self.weight, self.bias, self.attr, [], ""
+        )
+
+
+def _packable(spec: ModelSpec) -> bool:
+    """Whether this torch has oneDNN kernels for the precision `spec` is served in."""
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+        return False
+    if spec.dtype == "bfloat16":
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return spec.dtype == "float32"
+
+
+def _packed_layers(layers: list[nn.Module]) -> list[nn.Module] | None:
+    """Linear layers, each with the ReLU after it fused in; None for any other kind of layer."""
+    out: list[nn.Module] = []
+    i = 0
+    while i < len(layers):
+        layer = layers[i]
+        if not isinstance(layer, nn.Linear):
+            return None
+        relu = i + 1 < len(layers) and isinstance(layers[i + 1], nn.ReLU)
+        out.append(_PackedLinear(layer, relu))
+        i += 2 if relu else 1
+    return out
 
 
 @dataclass
 class Packed:
-    """A float32 network's copy whose linear layers hold their weights pre-packed for the
-    CPU's oneDNN kernels, and the smallest batch it serves (smaller ones: the plain network)."""
+    """A network's copy whose linear layers hold their weights pre-packed for the CPU's oneDNN
+    kernels, and the smallest batch it serves (smaller ones: the plain network)."""
 
     network: nn.Module
     from_rows: int
@@ -166,37 +193,37 @@ class Packed:
     """Per timed batch size: (plain, packed) ms per batch, the best of a few runs."""
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.network(x.to_mkldnn()).to_dense()  # type: ignore[no-any-return]
+        return self.network(x)  # type: ignore[no-any-return]
 
 
 def pack_for_cpu(network: nn.Module, spec: ModelSpec, runs: int = 5) -> Packed | None:
     """The network with pre-packed weights, if it is faster than the plain one on this CPU.
 
-    Plain float32 linear layers call the BLAS's matrix product, which packs the weight matrix
-    into its kernel's layout again on every call: at batches of 4 to 64 rows through
-    4096x4096 layers, that copy is a quarter of the time, and some sizes take a slower kernel
-    (measured here: 15 rows cost 5x what 3 do). Packed once, at load, oneDNN's kernels run
-    those batches 10-40% faster; single rows are faster plain (a matrix-vector product packs
-    nothing). Whether and from what size packing wins depends on the model and the machine
-    (a 128-wide policy is faster plain at every size), so both are timed here at PACK_SIZES
-    and the packed copy serves from the smallest size past which it wins at every timed size;
-    None when it never does, or when this torch has no oneDNN. The copy doubles the weights
-    held (admission counts it).
+    A plain linear layer's kernel packs the weight matrix into its own layout again on every
+    call. In float32 (the BLAS), at batches of 4 to 64 rows through 4096x4096 layers, that copy
+    is a quarter of the time, and some sizes take a slower kernel (measured here: 15 rows cost
+    5x what 3 do). In bfloat16 on a CPU with AMX it is most of the time: 2.6 ms of a single
+    row's 2.7, where the packed copy takes 1.6 ms, and 5.1 ms for 64 rows against 3.0 packed;
+    batches of changing sizes, as a gateway under load runs, cost about twice as much plain.
+    Packed once, at load (oneDNN's own layout, the ReLU after each layer fused into it), the
+    kernels skip that copy. Whether and from what size packing wins depends on the model, the
+    precision and the machine (a 128-wide policy is faster plain at every size), so both are
+    timed here at PACK_SIZES and the packed copy serves from the smallest size past which it
+    wins at every timed size; None when it never does, or when this torch has no oneDNN kernels
+    for the precision. The copy doubles the weights held (admission counts it).
     """
     layers = list(network.children()) if isinstance(network, nn.Sequential) else []
-    if (
-        spec.dtype != "float32"
-        or not torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
-        or not layers
-        or not all(isinstance(layer, nn.Linear | nn.ReLU) for layer in layers)
-    ):
+    if not layers or not _packable(spec):
         return None
-    packed_layers = [_PackedLinear(m) if isinstance(m, nn.Linear) else m for m in layers]
+    packed_layers = _packed_layers(layers)
+    if packed_layers is None:
+        return None
     packed = Packed(nn.Sequential(*packed_layers).eval(), 0, {})
     runs_of: tuple[Callable[[torch.Tensor], torch.Tensor], ...] = (network, packed)
+    dtype = DTYPES[spec.dtype][0]
     with torch.inference_mode():
         for rows in PACK_SIZES:
-            x = torch.randn(rows, spec.input_dim)
+            x = torch.randn(rows, spec.input_dim).to(dtype)
             for run in runs_of:
                 run(x)  # the first call of a size allocates its buffers
             best = [float("inf")] * len(runs_of)
@@ -207,7 +234,7 @@ def pack_for_cpu(network: nn.Module, spec: ModelSpec, runs: int = 5) -> Packed |
                     best[i] = min(best[i], (time.perf_counter() - started) * 1000)
             packed.timings_ms[rows] = (round(best[0], 3), round(best[1], 3))
     from_rows = packed_from(packed.timings_ms)
-    log.info("model_packing", model=spec.name, packed_from_rows=from_rows,
+    log.info("model_packing", model=spec.name, dtype=spec.dtype, packed_from_rows=from_rows,
              plain_vs_packed_ms=packed.timings_ms)  # fmt: skip
     if from_rows is None:
         return None

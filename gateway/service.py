@@ -71,8 +71,8 @@ class GatewayConfig:
     log_level: str = "info"
     """The engine process's log level (its events go to stderr, as the gateway's do)."""
     pack_weights: bool = True
-    """On a CPU primary in float32, also hold the weights pre-packed for oneDNN and serve the
-    batch sizes where that is faster, as timed at load (`gateway.model.pack_for_cpu`)."""
+    """On a CPU primary, also hold the weights pre-packed for oneDNN and serve the batch sizes
+    where that is faster, as timed at load (`gateway.model.pack_for_cpu`)."""
     stream_outstanding: int = 256
     """Requests one InferStream may have outstanding; at this many the gateway stops reading
     from it (gRPC's flow control then holds the caller back) until one is answered."""

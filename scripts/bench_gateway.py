@@ -151,6 +151,8 @@ class GatewayProc:
             time.sleep(0.05)
 
     def __exit__(self, *exc: object) -> None:
+        if self.proc.pid is None:  # never started (another gateway of `together` failed first)
+            return
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join(10)

@@ -89,15 +89,32 @@ def test_a_packed_runner_answers_like_the_plain_network_at_every_size(
     assert calls == [4, 5, 16, 37, 64, 100]
 
 
-def test_packing_is_only_for_float32_on_the_cpu(tmp_path: Path) -> None:
+def test_packing_is_for_the_cpu_only_where_asked(tmp_path: Path) -> None:
     spec = model_specs(wide_model(tmp_path))["wide"]
-    half = TorchRunner(
-        ModelSpec(**{**spec.__dict__, "dtype": "bfloat16"}), load_network(spec), "cpu", 1 << 34,
-        pack=True,
-    )  # fmt: skip
     plain = TorchRunner(spec, load_network(spec), "cpu", 1 << 34, pack=False)
-    assert half.packed is None and plain.packed is None
+    assert plain.packed is None
     assert plain.memory == memory_model(spec)
+
+
+@pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU has no bfloat16 kernels"
+)
+def test_bfloat16_packs_and_answers_as_the_plain_bfloat16_network(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Served in bfloat16, the packed copy (forced from 2 rows) gives the plain bfloat16
+    network's answers bit for bit at every size, and counts twice at 2 bytes a number."""
+    stored = model_specs(wide_model(tmp_path))["wide"]
+    spec = ModelSpec(**{**stored.__dict__, "dtype": "bfloat16"})
+    monkeypatch.setattr(gateway.model, "packed_from", lambda timings: 2)
+    packed = TorchRunner(spec, load_network(spec), "cpu", 1 << 34, pack=True)
+    plain = TorchRunner(spec, load_network(spec), "cpu", 1 << 34, pack=False)
+    assert packed.packed is not None and packed.packed.from_rows == 2
+    assert packed.memory.weights_bytes == 2 * memory_model(spec).weights_bytes
+    assert memory_model(spec).weights_bytes * 2 == memory_model(stored).weights_bytes
+    for n in (1, 2, 7, 33, 64):
+        samples = rows(n, seed=200 + n)
+        assert packed.run(samples) == plain.run(samples), n
 
 
 def test_the_engine_reports_what_it_holds_and_answers_like_the_plain_network(
