@@ -215,10 +215,27 @@ def pack_for_cpu(network: nn.Module, spec: ModelSpec, runs: int = 5) -> Packed |
     layers = list(network.children()) if isinstance(network, nn.Sequential) else []
     if not layers or not _packable(spec):
         return None
-    packed_layers = _packed_layers(layers)
-    if packed_layers is None:
+    try:
+        packed_layers = _packed_layers(layers)
+        if packed_layers is None:
+            return None
+        packed = Packed(nn.Sequential(*packed_layers).eval(), 0, {})
+        _time_both(network, packed, spec, runs)
+    except (RuntimeError, NotImplementedError) as exc:  # kernels this CPU's oneDNN lacks
+        log.warning("model_packing_unavailable", model=spec.name, dtype=spec.dtype,
+                    error=f"{type(exc).__name__}: {exc}", serving="plain")  # fmt: skip
         return None
-    packed = Packed(nn.Sequential(*packed_layers).eval(), 0, {})
+    from_rows = packed_from(packed.timings_ms)
+    log.info("model_packing", model=spec.name, dtype=spec.dtype, packed_from_rows=from_rows,
+             plain_vs_packed_ms=packed.timings_ms)  # fmt: skip
+    if from_rows is None:
+        return None
+    packed.from_rows = from_rows
+    return packed
+
+
+def _time_both(network: nn.Module, packed: Packed, spec: ModelSpec, runs: int) -> None:
+    """Fills `packed.timings_ms`: the best of `runs` of each at every PACK_SIZES batch."""
     runs_of: tuple[Callable[[torch.Tensor], torch.Tensor], ...] = (network, packed)
     dtype = DTYPES[spec.dtype][0]
     with torch.inference_mode():
@@ -233,13 +250,6 @@ def pack_for_cpu(network: nn.Module, spec: ModelSpec, runs: int = 5) -> Packed |
                     run(x)
                     best[i] = min(best[i], (time.perf_counter() - started) * 1000)
             packed.timings_ms[rows] = (round(best[0], 3), round(best[1], 3))
-    from_rows = packed_from(packed.timings_ms)
-    log.info("model_packing", model=spec.name, dtype=spec.dtype, packed_from_rows=from_rows,
-             plain_vs_packed_ms=packed.timings_ms)  # fmt: skip
-    if from_rows is None:
-        return None
-    packed.from_rows = from_rows
-    return packed
 
 
 def packed_from(timings_ms: dict[int, tuple[float, float]]) -> int | None:

@@ -96,6 +96,24 @@ def test_packing_is_for_the_cpu_only_where_asked(tmp_path: Path) -> None:
     assert plain.memory == memory_model(spec)
 
 
+def test_a_cpu_without_the_packed_kernels_serves_plain(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where oneDNN cannot pack (its kernels refuse the layer), the runner serves the plain
+    network and counts its weights once."""
+    spec = model_specs(wide_model(tmp_path))["wide"]
+
+    def refuse(self: Any, layer: Any, relu: bool) -> None:
+        raise RuntimeError("no kernel for this layout")
+
+    monkeypatch.setattr(gateway.model._PackedLinear, "__init__", refuse)
+    runner = TorchRunner(spec, load_network(spec), "cpu", 1 << 34, pack=True)
+    assert runner.packed is None
+    assert runner.memory == memory_model(spec)
+    samples = rows(5, seed=3)
+    assert close(runner.run(samples), reference(load_network(spec), samples))
+
+
 @pytest.mark.skipif(
     not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU has no bfloat16 kernels"
 )
