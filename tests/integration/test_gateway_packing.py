@@ -121,7 +121,9 @@ def test_bfloat16_packs_and_answers_as_the_plain_bfloat16_network(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Served in bfloat16, the packed copy (forced from 2 rows) gives the plain bfloat16
-    network's answers bit for bit at every size, and counts twice at 2 bytes a number."""
+    network's answers at every size (bit for bit on the CPUs measured; another CPU's kernels may
+    sum in another order, so within bfloat16's rounding), and counts twice at 2 bytes a
+    number."""
     stored = model_specs(wide_model(tmp_path))["wide"]
     spec = ModelSpec(**{**stored.__dict__, "dtype": "bfloat16"})
     monkeypatch.setattr(gateway.model, "packed_from", lambda timings: 2)
@@ -132,7 +134,10 @@ def test_bfloat16_packs_and_answers_as_the_plain_bfloat16_network(
     assert memory_model(spec).weights_bytes * 2 == memory_model(stored).weights_bytes
     for n in (1, 2, 7, 33, 64):
         samples = rows(n, seed=200 + n)
-        assert packed.run(samples) == plain.run(samples), n
+        got, want = packed.run(samples), plain.run(samples)
+        assert all(
+            g == pytest.approx(w, rel=2**-7, abs=1e-3) for g, w in zip(got, want, strict=True)
+        ), n
 
 
 def test_the_engine_reports_what_it_holds_and_answers_like_the_plain_network(
