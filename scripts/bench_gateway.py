@@ -607,7 +607,9 @@ def main() -> int:
             # The synchronous baseline runs before the fleet's runs, between them and after
             # them: this machine's speed drifts, and each run is compared with the mean of the
             # two that bracket it.
-            sync_sizes = (manifest, BENCH_MODEL, max(16, episodes // 4), args.device, args.threads)
+            # (--quick: 8 episodes a run, which keeps it under its minute on a slow host.)
+            sync_episodes = 8 if args.quick else episodes // 4
+            sync_sizes = (manifest, BENCH_MODEL, sync_episodes, args.device, args.threads)
             syncs = [synchronous(*sync_sizes)]
             for result, forked in () if args.skip_fleet else ((whole, False), (warm, True)):
                 result.update(
@@ -618,7 +620,7 @@ def main() -> int:
                 )  # fmt: skip
                 syncs.append(synchronous(*sync_sizes))
             noop: dict[str, Any] = {}
-            if not args.skip_fleet:
+            if not args.skip_fleet and not args.quick:  # (--quick: its minute is spent)
                 noop = asyncio.run(
                     fleet_pipeline(gw.http_port.value, gw.pid, BENCH_MODEL,
                                    fleet_episodes, args.slots, warm=True, noop=True)
