@@ -569,7 +569,10 @@ def main() -> int:
     )  # fmt: skip
     args = parser.parse_args()
     quiet()
-    per_client, episodes, lone = (8, 64, 40) if args.quick else (40, 256, 200)
+    # --quick: 8 episodes per synchronous baseline, which keeps it inside its minute on a
+    # slow host.
+    quick, full = (8, 64, 40, 8), (40, 256, 200, 64)
+    per_client, episodes, lone, sync_episodes = quick if args.quick else full
     rounds = 2 if args.quick else 4
     # Eight waves of `slots` episodes: the first fills the fleet (the warm parent's warm-up,
     # its pool) and the last drains it, so fewer waves would measure mostly filling and draining.
@@ -607,8 +610,6 @@ def main() -> int:
             # The synchronous baseline runs before the fleet's runs, between them and after
             # them: this machine's speed drifts, and each run is compared with the mean of the
             # two that bracket it.
-            # (--quick: 8 episodes a run, which keeps it under its minute on a slow host.)
-            sync_episodes = 8 if args.quick else episodes // 4
             sync_sizes = (manifest, BENCH_MODEL, sync_episodes, args.device, args.threads)
             syncs = [synchronous(*sync_sizes)]
             for result, forked in () if args.skip_fleet else ((whole, False), (warm, True)):

@@ -57,9 +57,11 @@ def reference(net: torch.nn.Module, samples: list[list[float]]) -> list[list[flo
     return out
 
 
-def close(got: list[list[float]], want: list[list[float]]) -> bool:
-    # Other kernels sum in other orders: float32 rounding apart, no more.
-    return all(g == pytest.approx(w, rel=1e-5, abs=1e-5) for g, w in zip(got, want, strict=True))
+def close(
+    got: list[list[float]], want: list[list[float]], rel: float = 1e-5, abs_: float = 1e-5
+) -> bool:
+    # Other kernels sum in other orders: the precision's rounding apart (float32's by default).
+    return all(g == pytest.approx(w, rel=rel, abs=abs_) for g, w in zip(got, want, strict=True))
 
 
 def test_a_packed_runner_answers_like_the_plain_network_at_every_size(
@@ -134,10 +136,7 @@ def test_bfloat16_packs_and_answers_as_the_plain_bfloat16_network(
     assert memory_model(spec).weights_bytes * 2 == memory_model(stored).weights_bytes
     for n in (1, 2, 7, 33, 64):
         samples = rows(n, seed=200 + n)
-        got, want = packed.run(samples), plain.run(samples)
-        assert all(
-            g == pytest.approx(w, rel=2**-7, abs=1e-3) for g, w in zip(got, want, strict=True)
-        ), n
+        assert close(packed.run(samples), plain.run(samples), rel=2**-7, abs_=1e-3), n
 
 
 def test_the_engine_reports_what_it_holds_and_answers_like_the_plain_network(
