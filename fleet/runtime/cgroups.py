@@ -101,10 +101,35 @@ class MachineCgroup:
 
     def set_memory_limit(self, mib: int) -> None:
         """Changes the memory limit (OSError where the group holds more than `mib` now)."""
+        self.set_memory_limit_bytes(mib * 1024 * 1024)
+
+    def set_memory_limit_bytes(self, limit: int) -> None:
         if self.version == "v2":
-            (self.dirs["all"] / "memory.max").write_text(str(mib * 1024 * 1024))
+            (self.dirs["all"] / "memory.max").write_text(str(limit))
         else:
-            (self.dirs["memory"] / "memory.limit_in_bytes").write_text(str(mib * 1024 * 1024))
+            (self.dirs["memory"] / "memory.limit_in_bytes").write_text(str(limit))
+
+    def memory_limit_bytes(self) -> int | None:
+        """The group's memory limit now (None where it cannot be read, or there is none)."""
+        if self.version == "v2":
+            source = self.dirs["all"] / "memory.max"
+        else:
+            source = self.dirs["memory"] / "memory.limit_in_bytes"
+        try:
+            return int(source.read_text())
+        except (OSError, ValueError):  # ("max": none)
+            return None
+
+    def memory_usage_bytes(self) -> int | None:
+        """Memory charged to the group now (None where it cannot be read)."""
+        if self.version == "v2":
+            source = self.dirs["all"] / "memory.current"
+        else:
+            source = self.dirs["memory"] / "memory.usage_in_bytes"
+        try:
+            return int(source.read_text())
+        except (OSError, ValueError):
+            return None
 
     def oom_kills(self) -> int:
         """How many processes the kernel killed for exceeding the memory limit."""

@@ -242,6 +242,15 @@ class WarmChild:
         self.parent.fit_limit()
 
 
+def fitted_limit(due: int, held: int | None, now: int | None, room: int) -> int:
+    """A warm parent's next memory limit in bytes (see `NamespaceParent.fit_limit`): `due`,
+    unless that is less than what it `held` plus `room`; then that, but no more than the limit
+    it has `now`. Unknown usage or limit: `due`."""
+    if held is None or now is None or due >= held + room:
+        return due
+    return max(due, min(now, held + room))
+
+
 def open_dir_beneath(base: Path, parts: tuple[str, ...], make: bool = False) -> int:
     """A descriptor of the directory base/parts..., following no symbolic link at any of
     `parts` (`base` itself is the agent's own; a link is refused with Internal), made where
@@ -477,14 +486,26 @@ class NamespaceParent:
         page where it was first touched, and moves no charges). So the parent's cgroup holds
         about 1-2 MiB per live child (measured with the gridworld warm-up) besides the warm
         state itself; without the allowance a pool of 48 children exhausted a 256 MiB parent.
+
+        Lowered, it stops one allowance above what the parent holds now. Lowered to just
+        above it, the parent's next fork would find no room and the kernel would kill the fork
+        server (lowered below it, cgroup v2 kills at once; v1 refuses the write). It is never
+        raised on account of what the parent holds, only of its children: a warm-up that keeps
+        allocating meets the limit it has.
         """
+        cgroup = self.machine.cgroup
         mib = self.machine.spec.smolfile.memory_mib_effective
-        mib += CHILD_ALLOWANCE_MIB * len(self.children)
+        due = (mib + CHILD_ALLOWANCE_MIB * len(self.children)) * 1024 * 1024
+        held, now = cgroup.memory_usage_bytes(), cgroup.memory_limit_bytes()
+        limit = fitted_limit(due, held, now, CHILD_ALLOWANCE_MIB * 1024 * 1024)
+        if limit != due:
+            log.info("warm_parent_limit_held_up", machine=self.machine.name, due_mib=due >> 20,
+                     held_mib=(held or 0) >> 20, limit_mib=limit >> 20)  # fmt: skip
         try:
-            self.machine.cgroup.set_memory_limit(mib)
+            cgroup.set_memory_limit_bytes(limit)
         except OSError as exc:  # lowering below what it holds now: it stays higher for now
-            log.info("warm_parent_limit_kept", machine=self.machine.name, wanted_mib=mib,
-                     error=str(exc))  # fmt: skip
+            log.info("warm_parent_limit_kept", machine=self.machine.name,
+                     wanted_mib=limit >> 20, error=str(exc))  # fmt: skip
 
     def _kill(self) -> None:
         if self._proc is not None and self._proc.returncode is None:

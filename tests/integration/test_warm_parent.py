@@ -11,11 +11,13 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
+from structlog.testing import capture_logs
+
 from fleet.core.smolfile import parse_smolfile
 from fleet.runtime.base import MachineSpec
 from fleet.runtime.cgroups import MachineCgroup
 from fleet.runtime.namespace import NamespaceRuntime
-from fleet.runtime.warm import NamespaceParent
+from fleet.runtime.warm import CHILD_ALLOWANCE_MIB, NamespaceParent
 from tests.integration.test_namespace_runtime import FILL
 
 T = TypeVar("T")
@@ -537,6 +539,58 @@ def test_a_warm_child_over_its_memory_limit_is_reported_as_oom_once(
     assert small == (0, False, b"ok\n")
     assert big[1] and big[0] != 0 and b"survived" not in big[2]
     assert after == (0, False, b"after\n")
+
+
+def _limit_bytes(cgroup: MachineCgroup) -> int:
+    d = cgroup.dirs.get("all") or cgroup.dirs["memory"]
+    name = "memory.max" if cgroup.version == "v2" else "memory.limit_in_bytes"
+    return int((d / name).read_text())
+
+
+def test_a_parent_that_holds_more_than_its_due_keeps_a_limit_above_what_it_holds(
+    rootfs: Path, tmp_path: Path
+) -> None:
+    """Children that end lower the parent's memory limit, but never below what the parent
+    holds now plus one child's allowance. Lowered to just above its usage, the parent's next
+    fork found no room and the kernel killed the fork server; here it still forks."""
+    grower = """
+import os, threading, time
+HELD = []
+def grow():
+    deadline = time.monotonic() + 60
+    while not os.path.exists("/run/fleet/grow-now") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    HELD.append(bytearray(b"\\x01") * (72 * 1024 * 1024))  # every page written
+    open("/run/fleet/grown", "w").close()
+threading.Thread(target=grow, daemon=True).start()
+"""
+
+    async def body(parent: NamespaceParent) -> tuple[int, int, int, tuple[int, bytes]]:
+        children = [await parent.branch(f"c{i}") for i in range(12)]  # its limit: 64 + 12 x 4
+        (parent.ctl / "grow-now").touch()
+        for _ in range(3000):
+            if (parent.ctl / "grown").exists():
+                break
+            await asyncio.sleep(0.01)
+        assert (parent.ctl / "grown").exists(), "the warm-up's thread did not allocate"
+        for child in children:
+            await child.delete()
+        held = parent.machine.cgroup.memory_usage_bytes()
+        assert held is not None
+        limit = _limit_bytes(parent.machine.cgroup)
+        after = await parent.branch("after")
+        result = await after.exec(["python3", "-c", "print('forked')"], timeout_s=30)
+        return held, limit, len(parent.children), (result.exit_code, result.stdout)
+
+    with capture_logs() as logs:
+        held, limit, left, probe = with_parent(
+            rootfs, tmp_path, body, smolfile='image = "minimal"\nmemory = 64\n', warmup=grower
+        )
+    mib = 1024 * 1024
+    assert held > 72 * mib  # more than its Smolfile's 64 MiB, the scenario under test
+    assert limit >= held + (CHILD_ALLOWANCE_MIB - 1) * mib, (held / mib, limit / mib)
+    assert [e for e in logs if e["event"] == "warm_parent_limit_kept"] == []  # no write refused
+    assert left == 1 and probe == (0, b"forked\n")
 
 
 def test_a_child_is_found_and_moved_into_its_cgroup_even_past_a_reused_pid(

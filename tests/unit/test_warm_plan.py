@@ -9,6 +9,7 @@ from fleet.agent.agent import parent_key, warm_plan
 from fleet.core.errors import InvalidArgument
 from fleet.core.manifest import Step
 from fleet.core.smolfile import parse_smolfile
+from fleet.runtime.warm import fitted_limit
 
 BRANCH = 'image = "minimal"\n[branch]\nenabled = true\n'
 WARM = "STATE = 41"
@@ -69,3 +70,25 @@ def test_warm_parents_are_one_per_tenant_image_smolfile_and_warm_up() -> None:
         parent_key("team-a\0sha256:img", "", "sha256:sf", WARM),  # parts cannot run together
     }
     assert key not in others and len(others) == 5
+
+
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize(
+    ("due", "held", "now", "want", "why"),
+    [
+        (96, 40, 128, 96, "holds far less: what is due"),
+        (160, 40, 128, 160, "a child more: raised to what is due"),
+        (64, 70, 96, 74, "lowered: it stops one allowance above what the parent holds"),
+        (64, 70, 72, 72, "never above the limit it has, whatever it holds"),
+        (64, 100, 90, 90, "holds more than its limit (charged before it was lowered): kept"),
+        (64, None, 96, 64, "usage unreadable: what is due"),
+        (64, 70, None, 64, "no limit to keep: what is due"),
+    ],
+)
+def test_a_warm_parents_limit_never_falls_to_what_it_holds_nor_grows_with_it(
+    due: int, held: int | None, now: int | None, want: int, why: str
+) -> None:
+    mib = [None if v is None else v * MIB for v in (due, held, now)]
+    assert fitted_limit(mib[0] or 0, mib[1], mib[2], 4 * MIB) == want * MIB, why
