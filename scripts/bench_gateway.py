@@ -5,8 +5,9 @@ in this one. Parts:
 
 1. samples/s with 64 concurrent clients, batched vs one sample per batch, each client's
    requests one after another on an InferStream of its own (`batching_gain`) and again as unary
-   Infer calls (`batching_gain_unary`); p50 latency of a lone request with and without batching
-   (what batching adds when there is nothing to batch).
+   Infer calls (`batching_gain_unary`), and (without --quick) each on a kept-alive connection to
+   the HTTP endpoint, the way machines call (`batching_gain_http`); p50 latency of a lone request
+   with and without batching (what batching adds when there is nothing to batch).
 2. offered load from 0.5x to 3x of the device's memory capacity (in samples that fit at once):
    out-of-memory batch failures, and refusals at loads below 0.9x (false refusals).
 3. a fault injected into the primary device under load: time to the first answer served by the
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import io
@@ -161,6 +163,12 @@ class GatewayProc:
     def address(self) -> str:
         return f"127.0.0.1:{self.port.value}"
 
+    @property
+    def http_address(self) -> str:
+        """Its HTTP endpoint's (only a gateway started with `http=True` has one)."""
+        assert self.http_port.value, "this gateway serves no HTTP endpoint"
+        return f"127.0.0.1:{self.http_port.value}"
+
     @staticmethod
     @contextlib.contextmanager
     def together(*procs: GatewayProc) -> Iterator[tuple[GatewayProc, ...]]:
@@ -219,20 +227,55 @@ def _request(model: str, rollout: str, key: str, sample: list[float]) -> Any:
     )  # fmt: skip
 
 
+def _http_request(model: str, rollout: str, key: str, sample: list[float]) -> bytes:
+    """The same request for the gateway's HTTP endpoint, as a machine's step sends it."""
+    body = json.dumps({"token": _token(rollout), "rollout_id": rollout,
+                       "idempotency_key": key, "model": model, "input": sample}).encode()
+    head = f"POST /v1/infer HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+    return f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body
+
+
+@dataclasses.dataclass
+class _HttpReply:
+    batch_size: int
+    degraded: bool
+
+
+async def _http_infer(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes
+) -> tuple[_HttpReply | None, str]:
+    """One request on a kept-alive connection: (the answer, "") or (None, the error's code)."""
+    writer.write(request)
+    head = await reader.readuntil(b"\r\n\r\n")
+    status, length = int(head.split(None, 2)[1]), 0
+    for line in head.split(b"\r\n")[1:]:
+        key, _, value = line.partition(b":")
+        if key.strip().lower() == b"content-length":
+            length = int(value)
+    answer = json.loads(await reader.readexactly(length))
+    if status != 200:
+        return None, str(answer.get("code", status))
+    return _HttpReply(answer["batch_size"], answer["degraded"]), ""
+
+
+TRANSPORTS = ("unary", "stream", "http")
+
+
 async def hammer(
     address: str, model: str, clients: int, per_client: int, tag: str,
-    retry_resumable: bool = False, stream: bool = False,
+    retry_resumable: bool = False, transport: str = "unary",
 ) -> dict[str, Any]:  # fmt: skip
-    """`clients` concurrent callers, `per_client` sequential requests each: unary Infer calls,
-    or with `stream` each caller's requests one after another on an InferStream of its own."""
+    """`clients` concurrent callers, `per_client` sequential requests each: unary Infer calls;
+    with transport "stream", each caller's requests one after another on an InferStream of its
+    own; with "http", on a kept-alive connection of its own to the HTTP endpoint at `address`
+    (how machines call)."""
+    assert transport in TRANSPORTS, transport
     samples = [GridWorld(seed).observation() for seed in range(16)]
     # Built before the clock starts: the load generator shares this machine's cores with the
     # gateway, so it does as little per request as it can.
+    make = _http_request if transport == "http" else _request
     requests = [
-        [
-            _request(model, f"{tag}-r{c}", f"{tag}-{c}-{i}", samples[i % 16])
-            for i in range(per_client)
-        ]
+        [make(model, f"{tag}-r{c}", f"{tag}-{c}-{i}", samples[i % 16]) for i in range(per_client)]
         for c in range(clients)
     ]
     latencies: list[float] = []
@@ -241,16 +284,25 @@ async def hammer(
     degraded_at: list[float] = []
     lost = 0
     resumable = ("UNAVAILABLE", "RESOURCE_EXHAUSTED")
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = inference_pb2_grpc.InferenceServiceStub(channel)
+    async with contextlib.AsyncExitStack() as stack:
+        if transport != "http":
+            channel = await stack.enter_async_context(grpc.aio.insecure_channel(address))
+            stub = inference_pb2_grpc.InferenceServiceStub(channel)
 
         async def client(c: int) -> None:
             nonlocal lost
-            call = stub.InferStream() if stream else None
+            call = stub.InferStream() if transport == "stream" else None
+            conn = None
+            if transport == "http":
+                host, _, port = address.rpartition(":")
+                conn = await asyncio.open_connection(host, int(port))
             for request in requests[c]:
                 for _attempt in range(20 if retry_resumable else 1):
                     started = time.perf_counter()
-                    if call is not None:
+                    reply: Any = None
+                    if conn is not None:
+                        reply, code = await _http_infer(*conn, request)
+                    elif call is not None:
                         await call.write(request)
                         response = await call.read()
                         if response == grpc.aio.EOF:
@@ -277,6 +329,9 @@ async def hammer(
                     break
                 else:
                     lost += 1
+            if conn is not None:
+                conn[1].close()
+                await conn[1].wait_closed()
             if call is not None:
                 await call.done_writing()
                 if await call.code() != grpc.StatusCode.OK:
@@ -295,11 +350,11 @@ async def hammer(
 
 
 def interleaved(
-    sides: dict[str, tuple[GatewayProc, bool]], model: str, per_client: int, tag: str,
+    sides: dict[str, tuple[GatewayProc, str]], model: str, per_client: int, tag: str,
     rounds: int,
 ) -> dict[str, dict[str, Any]]:  # fmt: skip
     """Part (1)'s runs in turns: `rounds` rounds of 64 clients against each side (a gateway,
-    and whether its clients call on streams), in the order of `sides` and then reversed, and so
+    and how its clients call: one of `TRANSPORTS`), in the order of `sides` and then reversed, and so
     on, so that a drift of this machine's speed (seen here: 30% within a few minutes) weighs on
     all alike. Returns each side's runs merged, with the CPU its rounds cost per sample: the load
     generator's (this process), the gateway process's (RPC, tokens, batching) and its model
@@ -309,11 +364,12 @@ def interleaved(
     share = max(1, per_client // rounds)
     for i in range(rounds):
         for name in list(sides) if i % 2 == 0 else reversed(sides):
-            gw, stream = sides[name]
+            gw, transport = sides[name]
+            address = gw.http_address if transport == "http" else gw.address
             before = (process_cpu_s(os.getpid()), process_cpu_s(gw.pid), gateway_cpu_s(gw.pid))
             runs[name].append(
-                asyncio.run(hammer(gw.address, model, CLIENTS, share, f"{tag}{name}{i}",
-                                   stream=stream))
+                asyncio.run(hammer(address, model, CLIENTS, share, f"{tag}{name}{i}",
+                                   transport=transport))
             )  # fmt: skip
             after = (process_cpu_s(os.getpid()), process_cpu_s(gw.pid), gateway_cpu_s(gw.pid))
             spent[name] = [t + b - a for t, a, b in zip(spent[name], before, after, strict=True)]
@@ -585,20 +641,22 @@ def main() -> int:
         batched_cfg = {"max_batch": 64, "max_wait_ms": 0.0, "max_queue": 4096,
                        "max_inflight_per_rollout": 64}  # fmt: skip
         with GatewayProc.together(
-            GatewayProc(**common, batch={**batched_cfg, "max_batch": 1}),
+            GatewayProc(**common, batch={**batched_cfg, "max_batch": 1}, http=True),
             GatewayProc(**common, batch=batched_cfg, http=True),
         ) as (one, gw):
             # Lone requests alternate between the two, so both see the same machine state.
             lone_single, lone_batched = asyncio.run(alternate(one.address, gw.address, lone))
             # Each caller's requests on an InferStream of its own (the transport for callers
             # that make many), and again as unary Infer calls; one per batch and batched alike.
-            part1 = interleaved(
-                {"single": (one, True), "batched": (gw, True),
-                 "single_unary": (one, False), "batched_unary": (gw, False)},
-                BENCH_MODEL, per_client, "", rounds,
-            )  # fmt: skip
+            # Without --quick, also over HTTP, as machines call.
+            sides = {"single": (one, "stream"), "batched": (gw, "stream"),
+                     "single_unary": (one, "unary"), "batched_unary": (gw, "unary")}  # fmt: skip
+            if not args.quick:
+                sides |= {"single_http": (one, "http"), "batched_http": (gw, "http")}
+            part1 = interleaved(sides, BENCH_MODEL, per_client, "", rounds)
             single, batched = part1["single"], part1["batched"]
             single_unary, batched_unary = part1["single_unary"], part1["batched_unary"]
+            single_http, batched_http = part1.get("single_http"), part1.get("batched_http")
             one.__exit__()
             # The bare model's ceiling, measured right after the runs it bounds: this machine's
             # speed drifts (measured at the end, it once came out below the gateway's rate).
@@ -658,7 +716,7 @@ def main() -> int:
             ) as (one16, gw16):
                 half.update(
                     interleaved(
-                        {"single": (one16, True), "batched": (gw16, True)},
+                        {"single": (one16, "stream"), "batched": (gw16, "stream")},
                         BENCH_MODEL, per_client, "h", rounds,
                     )
                 )  # fmt: skip
@@ -702,6 +760,9 @@ def main() -> int:
     out = {
         "batching_gain": batched["rate"] / single["rate"],
         "batching_gain_unary": batched_unary["rate"] / single_unary["rate"],
+        "batching_gain_http": (
+            batched_http["rate"] / single_http["rate"] if batched_http and single_http else None
+        ),
         "batching_gain_bfloat16": (
             half["batched"]["rate"] / half["single"]["rate"] if half else None
         ),
@@ -728,6 +789,10 @@ def main() -> int:
     print(f"{'    the same, each request a unary call: batched vs one':<{w}}"
           f"{batched_unary['rate']:>12.0f}{single_unary['rate']:>12.0f}"
           f"{out['batching_gain_unary']:>8.1f}x")  # fmt: skip
+    if batched_http and single_http:
+        print(f"{'    the same over HTTP, as machines call: batched vs one':<{w}}"
+              f"{batched_http['rate']:>12.0f}{single_http['rate']:>12.0f}"
+              f"{out['batching_gain_http']:>8.1f}x")  # fmt: skip
     print(f"{'    p50 ms of a lone request: batched vs unbatched':<{w}}"
           f"{lone_batched['p50_ms']:>12.2f}{lone_single['p50_ms']:>12.2f}"
           f"{lone_batched['p50_ms'] - lone_single['p50_ms']:>+8.2f}ms")  # fmt: skip
@@ -736,7 +801,8 @@ def main() -> int:
     print(f"{'    the gateway batched, as a fraction of the bare model':<{w}}"
           f"{batched['rate'] / ceiling:>12.2f}{batched_unary['rate'] / ceiling:>12.2f}"
           "  (streams, unary)")  # fmt: skip
-    for label, run in (("streams", batched), ("unary", batched_unary)):
+    by_transport = [("streams", batched), ("unary", batched_unary), ("HTTP", batched_http)]
+    for label, run in [(label, run) for label, run in by_transport if run]:
         us = run["cpu_us"]
         print(f"    batched, {label}: a sample's batch held {run['batch_mean']:.1f} on average; "
               f"the model engine computed {run['engine_busy']:.0%} of the time; CPU us per "
@@ -753,7 +819,9 @@ def main() -> int:
         f"    p50 at 64 clients on streams: {batched['p50_ms']:.1f} ms batched, "
         f"{single['p50_ms']:.1f} ms one per batch; the gateway answered {gw_status.served} samples"
     )
-    for label, a, b in (("streams", single, batched), ("unary", single_unary, batched_unary)):
+    pairs = [("streams", single, batched), ("unary", single_unary, batched_unary),
+             ("HTTP", single_http, batched_http)]  # fmt: skip
+    for label, a, b in [(label, a, b) for label, a, b in pairs if a and b]:
         gains = [y / x for x, y in zip(a["rates"], b["rates"], strict=True)]
         print(f"    runs in turns, batched vs one per batch, {label}, round by round: "
               f"{' '.join(f'{g:.1f}x' for g in gains)}")  # fmt: skip
