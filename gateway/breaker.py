@@ -8,6 +8,7 @@ probe that succeeds closes it; one that fails opens it again for another `open_s
 
 from __future__ import annotations
 
+import collections
 import enum
 from dataclasses import dataclass, field
 
@@ -23,6 +24,9 @@ ALLOWED: dict[BreakerState, frozenset[BreakerState]] = {
     BreakerState.OPEN: frozenset({BreakerState.HALF_OPEN}),
     BreakerState.HALF_OPEN: frozenset({BreakerState.CLOSED, BreakerState.OPEN}),
 }
+
+
+HISTORY_KEPT = 256
 
 
 @dataclass
@@ -43,7 +47,10 @@ class CircuitBreaker:
     failures: int = 0
     opened_at: float = 0.0
     probing: bool = False
-    history: list[Transition] = field(default_factory=list)
+    history: collections.deque[Transition] = field(
+        default_factory=lambda: collections.deque(maxlen=HISTORY_KEPT)
+    )
+    """The latest transitions, oldest first (a flapping device must not grow it forever)."""
 
     def _move(self, to: BreakerState, now: float, reason: str) -> None:
         if to not in ALLOWED[self.state]:
@@ -76,4 +83,5 @@ class CircuitBreaker:
             self._move(BreakerState.OPEN, now, f"probe failed: {reason}")
         elif self.state == BreakerState.CLOSED and self.failures >= self.failure_threshold:
             self.opened_at = now
-            self._move(BreakerState.OPEN, now, f"{self.failures} faults in a row: {reason}")
+            many = f"{self.failures} faults in a row" if self.failures > 1 else "a fault"
+            self._move(BreakerState.OPEN, now, f"{many}: {reason}")

@@ -12,7 +12,7 @@ import pytest
 from fleet.core.errors import Unavailable
 from gateway.admission import MemoryModel, admissible
 from gateway.batcher import Answer, BatchConfig, Batcher
-from gateway.breaker import BreakerState, CircuitBreaker
+from gateway.breaker import HISTORY_KEPT, BreakerState, CircuitBreaker
 from gateway.model import ModelSpec
 
 
@@ -47,6 +47,17 @@ def test_breaker_probes_once_half_open_then_closes_or_reopens() -> None:
         (BreakerState.OPEN, BreakerState.HALF_OPEN),
         (BreakerState.HALF_OPEN, BreakerState.CLOSED),
     ]
+
+
+def test_a_flapping_breaker_keeps_only_its_latest_transitions() -> None:
+    b = CircuitBreaker(failure_threshold=1, open_s=1.0)
+    for i in range(HISTORY_KEPT):  # each round: closed -> open -> half open -> closed
+        b.failure(2.0 * i, f"fault {i}")
+        assert b.use_primary(2.0 * i + 1.0)
+        b.success(2.0 * i + 1.0)
+    assert len(b.history) == HISTORY_KEPT
+    assert b.history[-1].after == BreakerState.CLOSED
+    assert b.history[-3].reason == f"a fault: fault {HISTORY_KEPT - 1}"
 
 
 def test_breaker_refuses_illegal_moves() -> None:
