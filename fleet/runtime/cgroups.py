@@ -89,8 +89,7 @@ class MachineCgroup:
             else:
                 for d in self.dirs.values():
                     d.mkdir(parents=True, exist_ok=True)
-                mem = self.dirs["memory"]
-                (mem / "memory.limit_in_bytes").write_text(str(limits.memory_mib * 1024 * 1024))
+                self._set_v1_memory(limits.memory_mib * 1024 * 1024)
                 (self.dirs["pids"] / "pids.max").write_text(str(limits.pids_max))
                 cpu = self.dirs["cpu"]
                 (cpu / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
@@ -107,7 +106,25 @@ class MachineCgroup:
         if self.version == "v2":
             (self.dirs["all"] / "memory.max").write_text(str(limit))
         else:
-            (self.dirs["memory"] / "memory.limit_in_bytes").write_text(str(limit))
+            self._set_v1_memory(limit)
+
+    def _set_v1_memory(self, limit: int) -> None:
+        """memory.limit_in_bytes, and memory.memsw.limit_in_bytes (memory and swap together)
+        to the same, where the kernel accounts swap: v1's memory limit alone bounds only what
+        is resident, so on a host with swap a machine could hold its limit in memory and as
+        much again in swap (v2: `memory.swap.max` 0). The kernel refuses a memsw limit below
+        the memory limit, so a raise writes memsw first and a cut writes it last."""
+        mem = self.dirs["memory"]
+        resident, both = mem / "memory.limit_in_bytes", mem / "memory.memsw.limit_in_bytes"
+        if not both.exists():
+            resident.write_text(str(limit))
+            return
+        if limit > int(resident.read_text()):
+            both.write_text(str(limit))
+            resident.write_text(str(limit))
+        else:
+            resident.write_text(str(limit))
+            both.write_text(str(limit))
 
     def memory_limit_bytes(self) -> int | None:
         """The group's memory limit now (None where it cannot be read, or there is none)."""

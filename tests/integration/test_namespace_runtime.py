@@ -214,7 +214,9 @@ def test_machine_processes_live_in_its_cgroup_with_its_limits(rootfs: Path, tmp_
         for d in machine.cgroup.dirs.values():
             for name in (
                 "memory.limit_in_bytes",
+                "memory.memsw.limit_in_bytes",
                 "memory.max",
+                "memory.swap.max",
                 "cpu.cfs_quota_us",
                 "cpu.max",
                 "pids.max",
@@ -228,6 +230,11 @@ def test_machine_processes_live_in_its_cgroup_with_its_limits(rootfs: Path, tmp_
     pids, limits, exists = asyncio.run(go())
     assert len(pids) >= 2  # unshare/bwrap and the sandboxed sleep
     assert limits.get("memory.limit_in_bytes", limits.get("memory.max")) == str(300 * 1024 * 1024)
+    # No swap beyond it: v1 bounds memory and swap together where it accounts swap, v2 swap.
+    if "memory.limit_in_bytes" in limits and "memory.memsw.limit_in_bytes" in limits:
+        assert limits["memory.memsw.limit_in_bytes"] == str(300 * 1024 * 1024)
+    if "memory.max" in limits and "memory.swap.max" in limits:
+        assert limits["memory.swap.max"] == "0"
     assert limits.get("cpu.cfs_quota_us") == "200000" or limits.get("cpu.max") == "200000 100000"
     assert limits["pids.max"] == "4096"
     assert not exists
