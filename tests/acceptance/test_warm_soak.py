@@ -77,8 +77,11 @@ def test_warm_children_soak_leaves_nothing_behind(tmp_path: Path, images: ImageS
             for _ in range(400):  # kill some children mid-step while the rest run
                 pids = child_pids()
                 if pids and kills < 20 and rng.random() < 0.5:
-                    os.kill(rng.choice(pids), signal.SIGKILL)
-                    kills += 1
+                    try:
+                        os.kill(rng.choice(pids), signal.SIGKILL)
+                        kills += 1
+                    except ProcessLookupError:  # it ended between the listing and the kill
+                        pass
                 states = [
                     (await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=i))).state
                     for i in ids[-5:]
