@@ -345,6 +345,18 @@ class Batcher:
             for item, out in zip(batch, outputs, strict=True)
         ]  # fmt: skip
 
+    def _utilization_lines(self) -> list[str]:
+        """The primary GPU's utilization as its driver reports it, where there is one."""
+        share = self.primary.utilization()
+        if share is None:
+            return []
+        return [
+            "# HELP fleet_gateway_gpu_utilization Share of the driver's last sample period in "
+            "which a kernel ran on the primary GPU (NVML; nvidia-smi's GPU-Util).",
+            "# TYPE fleet_gateway_gpu_utilization gauge",
+            f"fleet_gateway_gpu_utilization {share:.4f}",
+        ]
+
     def metrics_text(self) -> str:
         """Prometheus text format."""
         m = self.metrics
@@ -382,6 +394,7 @@ class Batcher:
             f"fleet_gateway_health_probes_total {m.probes}",
             "# TYPE fleet_gateway_health_probes_failed_total counter",
             f"fleet_gateway_health_probes_failed_total {m.probes_failed}",
+            *self._utilization_lines(),
             "# TYPE fleet_gateway_breaker_open gauge",
             f"fleet_gateway_breaker_open {int(str(self.breaker.state) != 'closed')}",
             "# TYPE fleet_gateway_batch_size histogram",

@@ -13,7 +13,9 @@ The engine is `python -m gateway.engine` with one end of a socket pair (`--fd`).
 little-endian:
 
 - the engine's first one, once the model is loaded: a reply (sequence 0) whose payload is JSON
-  `{"device", "capacity_bytes", "pid"}`, or status FAILED with the reason, after which it exits;
+  `{"device", "capacity_bytes", "pid", "weights_bytes", "packed_from_rows", "uuid"}` (uuid:
+  the CUDA device's, for its utilization; null on a CPU), or status FAILED with the reason,
+  after which it exits;
 - a batch: `REQUEST` (magic, sequence, samples, width) then samples x width float32;
 - its answer: `REPLY` (magic, status, sequence, payload bytes, free device bytes or -1) then
   samples x outputs float32, or, for a fault, the message in UTF-8.
@@ -45,6 +47,7 @@ import structlog
 from fleet.cli import logs
 from fleet.core.errors import FailedPrecondition, InvalidArgument
 from gateway.model import DeviceFault, ModelSpec, TorchRunner, memory_model
+from gateway.nvml import UtilizationProbe
 
 log = structlog.get_logger(__name__)
 
@@ -92,20 +95,21 @@ def engine_main(argv: list[str] | None = None) -> int:
     try:
         import torch
 
-        from gateway.model import device_capacity_bytes, load_network, select_model
+        from gateway.model import cuda_uuid, device_capacity_bytes, load_network, select_model
 
         if args.threads > 0:
             torch.set_num_threads(args.threads)
         spec = select_model(args.manifest, args.model, args.dtype, "engine dtype")
         capacity = args.capacity_bytes or device_capacity_bytes(args.device, 0.0)
         runner = TorchRunner(spec, load_network(spec), args.device, capacity, pack=not args.no_pack)
+        uuid = cuda_uuid(args.device)
     except Exception as exc:  # the reason goes back to the gateway, which refuses to start
         _reply(sock, FAILED, 0, f"{type(exc).__name__}: {exc}".encode(), -1)
         return 1
     ready = {
         "device": args.device, "capacity_bytes": capacity, "pid": os.getpid(),
         "weights_bytes": runner.memory.weights_bytes,
-        "packed_from_rows": runner.packed.from_rows if runner.packed else None,
+        "packed_from_rows": runner.packed.from_rows if runner.packed else None, "uuid": uuid,
     }  # fmt: skip
     try:
         _reply(sock, OK, 0, json.dumps(ready).encode(), runner.observed_free_bytes() or -1)
@@ -202,6 +206,7 @@ class EngineRunner:
         self._sequence = 0
         self._lock = threading.Lock()  # start/stop from a thread and from the loop
         self._turn = asyncio.Lock()  # one batch on the socket at a time
+        self._utilization = UtilizationProbe(device, None)  # (its GPU's UUID: when ready)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -275,6 +280,9 @@ class EngineRunner:
             self.memory = replace(self.memory, weights_bytes=int(ready["weights_bytes"]))
             self._free = None if free < 0 else free
             self._down = ""
+            if ready.get("uuid") and ready["uuid"] != self._utilization.uuid:
+                self._utilization.close()
+                self._utilization = UtilizationProbe(self.device, str(ready["uuid"]))
         log.info("engine_ready", device=self.device, model=self.spec.name, pid=proc.pid,
                  load_s=round(time.monotonic() - started, 3),
                  packed_from_rows=ready.get("packed_from_rows"))  # fmt: skip
@@ -292,6 +300,7 @@ class EngineRunner:
             self._down = "closed"
         if engine is not None:
             engine.end()
+        self._utilization.close()
 
     def _lost(self, why: str) -> None:
         """The engine is unusable: end it and start another in the background."""
@@ -324,6 +333,11 @@ class EngineRunner:
 
     def observed_free_bytes(self) -> int | None:
         return self._free if self.device.startswith("cuda") else None
+
+    def utilization(self) -> float | None:
+        """Read by this process from the driver (NVML), by the UUID the engine reported: the
+        driver sees the GPU whichever process holds it."""
+        return self._utilization.read()
 
     async def infer(self, inputs: list[list[float]]) -> list[list[float]]:
         async with self._turn:

@@ -25,6 +25,7 @@ from torch import nn
 
 from fleet.core.errors import FailedPrecondition, InvalidArgument, NotFound
 from gateway.admission import MemoryModel
+from gateway.nvml import UtilizationProbe
 
 log = structlog.get_logger(__name__)
 
@@ -282,6 +283,11 @@ class Runner(Protocol):
         """What the device reports free (CUDA), or None where it cannot tell."""
         ...
 
+    def utilization(self) -> float | None:
+        """The share of the driver's last sample period the device computed (0 to 1; a CUDA
+        GPU, through NVML), or None where there is no such figure."""
+        ...
+
     def close(self) -> None:
         """Lets go of the device (the batcher has stopped)."""
         ...
@@ -318,6 +324,7 @@ class TorchRunner:
         self._held = 0
         self._lock = threading.Lock()
         self.restarts = 0
+        self._utilization = UtilizationProbe(device, cuda_uuid(device))
 
     def observed_free_bytes(self) -> int | None:
         if self.device.startswith("cuda"):
@@ -325,11 +332,15 @@ class TorchRunner:
             return int(free)
         return None
 
+    def utilization(self) -> float | None:
+        return self._utilization.read()
+
     async def infer(self, inputs: list[list[float]]) -> list[list[float]]:
         return await asyncio.to_thread(self.run, inputs)
 
     def close(self) -> None:
-        """Nothing to let go of: the model is this process's."""
+        """Nothing to let go of but the driver's library: the model is this process's."""
+        self._utilization.close()
 
     def run(self, inputs: list[list[float]]) -> list[list[float]]:
         if self.fault is not None:
@@ -377,6 +388,20 @@ class TorchRunner:
         finally:
             with self._lock:
                 self._held -= need
+
+
+def cuda_uuid(device: str) -> str | None:
+    """A CUDA device's UUID as its driver names it (`GPU-...`; `MIG-...` for a MIG instance),
+    or None for any other device, or where torch cannot say (logged: only the utilization
+    metric depends on it, never whether the model serves)."""
+    if not device.startswith("cuda"):
+        return None
+    try:
+        raw = str(torch.cuda.get_device_properties(torch.device(device)).uuid)
+    except (AttributeError, RuntimeError, AssertionError) as exc:
+        log.warning("cuda_uuid_unknown", device=device, error=f"{type(exc).__name__}: {exc}")
+        return None
+    return raw if raw.startswith(("GPU-", "MIG-")) else f"GPU-{raw}"
 
 
 def device_capacity_bytes(device: str, mib: float) -> int:

@@ -75,11 +75,13 @@ def render(server: dict[str, float] | str, gateway: dict[str, float] | str) -> s
             for via in ("grpc", "grpc_stream", "http")
             for key in (f'fleet_gateway_requests_total{{via="{via}"}}',)
         ]
+        util = gateway.get("fleet_gateway_gpu_utilization")
+        gpu = f" (GPU util {util:.0%})" if util is not None else ""
         lines += [
             f"gateway         queue {gateway.get('fleet_gateway_queue_depth', 0):g} "
             f"(oldest {gateway.get('fleet_gateway_queue_oldest_seconds', 0) * 1000:.0f} ms)   "
             f"batch mean {mean:.2f}   "
-            f"busy {gateway.get('fleet_gateway_device_busy_fraction', 0):.3f}"
+            f"busy {gateway.get('fleet_gateway_device_busy_fraction', 0):.3f}{gpu}"
             f"   failovers {gateway.get('fleet_gateway_failovers_total', 0):g}   "
             f"engine restarts {gateway.get('fleet_gateway_engine_restarts_total', 0):g}   "
             f"breaker {'open' if gateway.get('fleet_gateway_breaker_open') else 'closed'}{per}",

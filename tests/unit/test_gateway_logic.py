@@ -104,6 +104,7 @@ class FakeRunner:
         self.device = device
         self.answer = answer
         self.calls = 0
+        self.gpu: float | None = None
 
     async def infer(self, inputs: list[list[float]]) -> list[list[float]]:
         self.calls += 1
@@ -111,6 +112,9 @@ class FakeRunner:
 
     def observed_free_bytes(self) -> int | None:
         return None
+
+    def utilization(self) -> float | None:
+        return self.gpu
 
     def close(self) -> None:
         pass
@@ -157,6 +161,16 @@ def test_a_runner_failing_unlike_a_device_is_a_device_error_and_fails_over(
     assert [a.output for a in answers if isinstance(a, Answer)] == [[1.0], [2.0], [3.0], [4.0]]
     assert all(isinstance(a, Answer) and a.degraded for a in answers)
     assert batcher.breaker.state == BreakerState.OPEN and why in batcher.breaker.history[0].reason
+
+
+def test_the_primary_gpus_utilization_is_a_metric_only_where_its_driver_gives_one() -> None:
+    primary = FakeRunner("cuda:0", sums)
+    _, batcher = run_batch(primary, FakeRunner("cpu", sums))
+    assert "fleet_gateway_gpu_utilization" not in batcher.metrics_text()  # never a made-up 0
+    primary.gpu = 0.42
+    lines = batcher.metrics_text().splitlines()
+    assert "fleet_gateway_gpu_utilization 0.4200" in lines
+    assert "# TYPE fleet_gateway_gpu_utilization gauge" in lines
 
 
 def test_when_every_runner_fails_each_request_gets_a_resumable_refusal() -> None:
