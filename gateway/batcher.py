@@ -50,6 +50,9 @@ class BatchConfig:
     """Most samples in one batch on the CPU replica (its lower concurrency)."""
     answers_kept: int = 200_000
     """Answers remembered for idempotent retries (oldest forgotten first)."""
+    answers_kept_mib: float = 256.0
+    """Memory the remembered answers may take (estimated from their outputs' lengths): past
+    it the oldest are forgotten too, however few they are (a model with large outputs)."""
     probe_interval_s: float = 5.0
     """After this long with nothing queued, the primary's health is probed with one sample
     (0: never). A failed probe counts as a fault for the breaker; while the breaker is half
@@ -65,6 +68,16 @@ class Answer:
     queue_ms: float
     degraded: bool
     replayed: bool = False
+
+
+ANSWER_BYTES, VALUE_BYTES = 640, 34
+"""What one remembered answer takes beyond its output (the answer, its key, the table's entry),
+and per output value (a float and its place in the list): measured on CPython 3.11, rounded
+up."""
+
+
+def kept_bytes(key: tuple[str, str], answer: Answer) -> int:
+    return ANSWER_BYTES + VALUE_BYTES * len(answer.output) + len(key[0]) + len(key[1])
 
 
 @dataclass
@@ -112,6 +125,7 @@ class Batcher:
         self._inflight: dict[str, int] = collections.Counter()
         self._pending: dict[tuple[str, str], asyncio.Future[Answer]] = {}
         self._answers: collections.OrderedDict[tuple[str, str], Answer] = collections.OrderedDict()
+        self._answers_bytes = 0
         self._task: asyncio.Task[None] | None = None
         self._rate = 1000.0  # samples/s, updated per batch, for retry hints
 
@@ -295,13 +309,25 @@ class Batcher:
                     item.future.set_exception(Unavailable(why, retry_after_s=0.5))
             return
         for item, answer in zip(batch, answers, strict=True):
-            self._answers[item.key] = answer
-            if len(self._answers) > self.config.answers_kept:
-                self._answers.popitem(last=False)
+            self._remember(item.key, answer)
             if not item.future.done():
                 item.future.set_result(answer)
             if self._pending.get(item.key) is item.future:
                 del self._pending[item.key]
+
+    def _remember(self, key: tuple[str, str], answer: Answer) -> None:
+        """Keeps `answer` for retries of `key`, forgetting the oldest past either bound."""
+        old = self._answers.pop(key, None)
+        if old is not None:
+            self._answers_bytes -= kept_bytes(key, old)
+        self._answers[key] = answer
+        self._answers_bytes += kept_bytes(key, answer)
+        most = self.config.answers_kept_mib * 1024 * 1024
+        while self._answers and (
+            len(self._answers) > self.config.answers_kept or self._answers_bytes > most
+        ):
+            gone = self._answers.popitem(last=False)
+            self._answers_bytes -= kept_bytes(*gone)
 
     async def _execute(
         self, runner: Runner, batch: list[_Pending], *, degraded: bool
@@ -376,6 +402,12 @@ class Batcher:
             f"fleet_gateway_refused_queue_full_total {m.refused_full}",
             "# TYPE fleet_gateway_failovers_total counter",
             f"fleet_gateway_failovers_total {m.failovers}",
+            "# HELP fleet_gateway_answers_kept Answers remembered for idempotent retries, and "
+            "the memory they are estimated to take.",
+            "# TYPE fleet_gateway_answers_kept gauge",
+            f"fleet_gateway_answers_kept {len(self._answers)}",
+            "# TYPE fleet_gateway_answers_kept_bytes gauge",
+            f"fleet_gateway_answers_kept_bytes {self._answers_bytes}",
             "# TYPE fleet_gateway_queue_depth gauge",
             f"fleet_gateway_queue_depth {self.queue_depth}",
             "# TYPE fleet_gateway_queue_oldest_seconds gauge",

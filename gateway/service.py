@@ -99,6 +99,7 @@ def _check_limits(config: GatewayConfig) -> None:
         "max_inflight_per_rollout": (b.max_inflight_per_rollout, 1),
         "fallback_max_batch": (b.fallback_max_batch, 1), "answers_kept": (b.answers_kept, 0),
         "max_wait_ms": (b.max_wait_ms, 0), "probe_interval_s": (b.probe_interval_s, 0),
+        "answers_kept_mib": (b.answers_kept_mib, 0),
         "stream_outstanding": (config.stream_outstanding, 1),
         "breaker_failures": (config.breaker_failures, 1),
     }  # fmt: skip

@@ -100,6 +100,7 @@ async def cmd_gateway(args: argparse.Namespace) -> int:
         batch=BatchConfig(
             max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
             max_inflight_per_rollout=args.max_inflight_per_rollout,
+            answers_kept=args.answers_kept, answers_kept_mib=args.answers_kept_mib,
         ),
     )  # fmt: skip
     gw = Gateway.build(config)
@@ -672,6 +673,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--max-wait-ms", type=float, default=2.0)
     sp.add_argument("--max-queue", type=int, default=2048)
     sp.add_argument("--max-inflight-per-rollout", type=int, default=16)
+    sp.add_argument(
+        "--answers-kept", type=int, default=200_000,
+        help="answers remembered for idempotent retries (oldest forgotten first)",
+    )  # fmt: skip
+    sp.add_argument(
+        "--answers-kept-mib", type=float, default=256.0,
+        help="memory those answers may take (estimated); past it the oldest are forgotten too",
+    )  # fmt: skip
     sp.add_argument(
         "--stream-outstanding", type=int, default=256,
         help="requests one InferStream may have outstanding before the gateway stops reading it",

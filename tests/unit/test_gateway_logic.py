@@ -9,9 +9,10 @@ from collections.abc import Callable
 
 import pytest
 
+from fleet.cli.top import parse
 from fleet.core.errors import Unavailable
 from gateway.admission import MemoryModel, admissible
-from gateway.batcher import Answer, BatchConfig, Batcher
+from gateway.batcher import Answer, BatchConfig, Batcher, kept_bytes
 from gateway.breaker import HISTORY_KEPT, BreakerState, CircuitBreaker
 from gateway.model import ModelSpec
 
@@ -171,6 +172,35 @@ def test_the_primary_gpus_utilization_is_a_metric_only_where_its_driver_gives_on
     lines = batcher.metrics_text().splitlines()
     assert "fleet_gateway_gpu_utilization 0.4200" in lines
     assert "# TYPE fleet_gateway_gpu_utilization gauge" in lines
+
+
+def test_remembered_answers_are_bounded_by_memory_as_well_as_by_count() -> None:
+    """Answers of 1,000 values each, a budget of about ten of them: the oldest are forgotten
+    (a retry of one is computed again), the newest are replayed, and the estimate stays under
+    the budget."""
+    wide = FakeRunner("cpu", lambda inputs: [[sum(x)] * 1000 for x in inputs])
+    budget_mib = 10 * kept_bytes(("r", "k00"), Answer([0.0] * 1000, "", "", 1, 0.0, False)) / 2**20
+
+    async def body() -> tuple[list[Answer], Batcher]:
+        batcher = Batcher(wide, None, BatchConfig(max_batch=1, max_wait_ms=0,
+                                                  answers_kept_mib=budget_mib))  # fmt: skip
+        batcher.start()
+        try:
+            for i in range(30):
+                await batcher.infer("r", f"k{i:02d}", [i, 0.0], time.time() + 30)
+            again = [await batcher.infer("r", key, [0.0, 0.0], time.time() + 30)
+                     for key in ("k29", "k00")]  # fmt: skip
+            return again, batcher
+        finally:
+            await batcher.stop()
+
+    (newest, oldest), batcher = asyncio.run(body())
+    assert newest.replayed and newest.output[0] == 29.0  # remembered: the stored answer
+    assert not oldest.replayed and oldest.output[0] == 0.0  # forgotten: computed again
+    assert wide.calls == 31 and batcher.metrics.replayed == 1
+    kept = parse(batcher.metrics_text())
+    assert 1 <= kept["fleet_gateway_answers_kept"] <= 10
+    assert kept["fleet_gateway_answers_kept_bytes"] <= budget_mib * 2**20
 
 
 def test_when_every_runner_fails_each_request_gets_a_resumable_refusal() -> None:
