@@ -128,24 +128,20 @@ class MachineCgroup:
 
     def memory_limit_bytes(self) -> int | None:
         """The group's memory limit now (None where it cannot be read, or there is none)."""
-        if self.version == "v2":
-            source = self.dirs["all"] / "memory.max"
-        else:
-            source = self.dirs["memory"] / "memory.limit_in_bytes"
-        try:
-            return int(source.read_text())
-        except (OSError, ValueError):  # ("max": none)
-            return None
+        return self._memory_figure("memory.max", "memory.limit_in_bytes")
 
     def memory_usage_bytes(self) -> int | None:
         """Memory charged to the group now (None where it cannot be read)."""
+        return self._memory_figure("memory.current", "memory.usage_in_bytes")
+
+    def _memory_figure(self, v2_file: str, v1_file: str) -> int | None:
         if self.version == "v2":
-            source = self.dirs["all"] / "memory.current"
+            source = self.dirs["all"] / v2_file
         else:
-            source = self.dirs["memory"] / "memory.usage_in_bytes"
+            source = self.dirs["memory"] / v1_file
         try:
             return int(source.read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError):  # (v2's "max": no limit)
             return None
 
     def oom_kills(self) -> int:
