@@ -321,6 +321,7 @@ class NamespaceParent:
         once the fork server is ready: never a child's."""
         self.ns_depth = 0
         """How deep the fork server's pid namespace is (its children's NSpid length)."""
+        self._held_up = False  # its limit is above its due (`fit_limit`): said once, not each time
         # Unix socket paths are limited to 108 bytes: reach the socket through a short link.
         self._link = SOCKET_LINKS / uuid.uuid4().hex[:12]
 
@@ -498,9 +499,11 @@ class NamespaceParent:
         due = (mib + CHILD_ALLOWANCE_MIB * len(self.children)) * 1024 * 1024
         held, now = cgroup.memory_usage_bytes(), cgroup.memory_limit_bytes()
         limit = fitted_limit(due, held, now, CHILD_ALLOWANCE_MIB * 1024 * 1024)
-        if limit != due:
-            log.info("warm_parent_limit_held_up", machine=self.machine.name, due_mib=due >> 20,
-                     held_mib=(held or 0) >> 20, limit_mib=limit >> 20)  # fmt: skip
+        if (limit != due) != self._held_up:
+            self._held_up = limit != due
+            log.info("warm_parent_limit_held_up" if self._held_up else "warm_parent_limit_due",
+                     machine=self.machine.name, due_mib=due >> 20, held_mib=(held or 0) >> 20,
+                     limit_mib=limit >> 20)  # fmt: skip
         try:
             cgroup.set_memory_limit_bytes(limit)
         except OSError as exc:  # lowering below what it holds now: it stays higher for now

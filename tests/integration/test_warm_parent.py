@@ -590,6 +590,8 @@ threading.Thread(target=grow, daemon=True).start()
     assert held > 72 * mib  # more than its Smolfile's 64 MiB, the scenario under test
     assert limit >= held + (CHILD_ALLOWANCE_MIB - 1) * mib, (held / mib, limit / mib)
     assert [e for e in logs if e["event"] == "warm_parent_limit_kept"] == []  # no write refused
+    held_up = [e for e in logs if e["event"] == "warm_parent_limit_held_up"]
+    assert len(held_up) == 1 and held_up[0]["held_mib"] > 72  # said once, for all the fits after
     assert left == 1 and probe == (0, b"forked\n")
 
 
