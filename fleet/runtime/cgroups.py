@@ -102,13 +102,14 @@ class MachineCgroup:
         """Changes the memory limit (OSError where the group holds more than `mib` now)."""
         self.set_memory_limit_bytes(mib * 1024 * 1024)
 
-    def set_memory_limit_bytes(self, limit: int) -> None:
+    def set_memory_limit_bytes(self, limit: int, now: int | None = None) -> None:
+        """Changes the memory limit; `now`: the limit it has, where the caller just read it."""
         if self.version == "v2":
             (self.dirs["all"] / "memory.max").write_text(str(limit))
         else:
-            self._set_v1_memory(limit)
+            self._set_v1_memory(limit, now)
 
-    def _set_v1_memory(self, limit: int) -> None:
+    def _set_v1_memory(self, limit: int, now: int | None = None) -> None:
         """memory.limit_in_bytes, and memory.memsw.limit_in_bytes (memory and swap together)
         to the same, where the kernel accounts swap: v1's memory limit alone bounds only what
         is resident, so on a host with swap a machine could hold its limit in memory and as
@@ -119,7 +120,7 @@ class MachineCgroup:
         if not both.exists():
             resident.write_text(str(limit))
             return
-        if limit > int(resident.read_text()):
+        if limit > (now if now is not None else int(resident.read_text())):
             both.write_text(str(limit))
             resident.write_text(str(limit))
         else:

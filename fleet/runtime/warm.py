@@ -505,7 +505,7 @@ class NamespaceParent:
                      machine=self.machine.name, due_mib=due >> 20, held_mib=(held or 0) >> 20,
                      limit_mib=limit >> 20)  # fmt: skip
         try:
-            cgroup.set_memory_limit_bytes(limit)
+            cgroup.set_memory_limit_bytes(limit, now)
         except OSError as exc:  # lowering below what it holds now: it stays higher for now
             log.info("warm_parent_limit_kept", machine=self.machine.name,
                      wanted_mib=limit >> 20, error=str(exc))  # fmt: skip
