@@ -13,9 +13,10 @@ The engine is `python -m gateway.engine` with one end of a socket pair (`--fd`).
 little-endian:
 
 - the engine's first one, once the model is loaded: a reply (sequence 0) whose payload is JSON
-  `{"device", "capacity_bytes", "pid", "weights_bytes", "packed_from_rows", "uuid"}` (uuid:
-  the CUDA device's, for its utilization; null on a CPU), or status FAILED with the reason,
-  after which it exits;
+  `{"device", "capacity_bytes", "pid", "weights_bytes", "packed_from_rows", "uuid",
+  "reserved_rows"}` (uuid: the CUDA device's, for its utilization, null on a CPU;
+  reserved_rows: the largest batch whose memory it took at load, `TorchRunner._reserve`, 0 on a
+  CPU), or status FAILED with the reason, after which it exits;
 - a batch: `REQUEST` (magic, sequence, samples, width) then samples x width float32;
 - its answer: `REPLY` (magic, status, sequence, payload bytes, free device bytes or -1) then
   samples x outputs float32, or, for a fault, the message in UTF-8.
@@ -87,6 +88,12 @@ def engine_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", required=True)
     parser.add_argument("--capacity-bytes", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument(
+        "--reserve-rows",
+        type=int,
+        default=0,
+        help="on CUDA, take the memory batches up to this size need at load",
+    )
     parser.add_argument("--no-pack", action="store_true", help="never pre-pack the weights")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
@@ -101,7 +108,8 @@ def engine_main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(args.threads)
         spec = select_model(args.manifest, args.model, args.dtype, "engine dtype")
         capacity = args.capacity_bytes or device_capacity_bytes(args.device, 0.0)
-        runner = TorchRunner(spec, load_network(spec), args.device, capacity, pack=not args.no_pack)
+        runner = TorchRunner(spec, load_network(spec), args.device, capacity,
+                             pack=not args.no_pack, reserve_rows=args.reserve_rows)  # fmt: skip
         uuid = cuda_uuid(args.device)
     except Exception as exc:  # the reason goes back to the gateway, which refuses to start
         _reply(sock, FAILED, 0, f"{type(exc).__name__}: {exc}".encode(), -1)
@@ -110,6 +118,7 @@ def engine_main(argv: list[str] | None = None) -> int:
         "device": args.device, "capacity_bytes": capacity, "pid": os.getpid(),
         "weights_bytes": runner.memory.weights_bytes,
         "packed_from_rows": runner.packed.from_rows if runner.packed else None, "uuid": uuid,
+        "reserved_rows": runner.reserved_rows,
     }  # fmt: skip
     try:
         _reply(sock, OK, 0, json.dumps(ready).encode(), runner.observed_free_bytes() or -1)
@@ -185,6 +194,7 @@ class EngineRunner:
         start_timeout_s: float = 180.0,
         pack: bool = True,
         log_level: str = "info",
+        reserve_rows: int = 0,
     ) -> None:
         self.spec = spec
         self.manifest = manifest
@@ -197,6 +207,9 @@ class EngineRunner:
         self.start_timeout_s = start_timeout_s
         self.pack = pack
         self.log_level = log_level
+        self.reserve_rows = reserve_rows
+        self.reserved_rows = 0
+        """What the engine reserved at its last start (`TorchRunner.reserved_rows`)."""
         self.restarts = 0
         self._engine: _Process | None = None
         self._closed = False
@@ -222,7 +235,8 @@ class EngineRunner:
             "--manifest", str(self.manifest), "--model", self.spec.name,
             "--dtype", self.spec.dtype, "--device", self.device,
             "--capacity-bytes", str(self.capacity_bytes), "--threads", str(self.threads),
-            "--log-level", self.log_level, *(() if self.pack else ("--no-pack",)),
+            "--reserve-rows", str(self.reserve_rows), "--log-level", self.log_level,
+            *(() if self.pack else ("--no-pack",)),
         ]  # fmt: skip
         started = time.monotonic()
         try:
@@ -279,13 +293,15 @@ class EngineRunner:
             # What the engine holds: its packed copy of the weights too, if it made one.
             self.memory = replace(self.memory, weights_bytes=int(ready["weights_bytes"]))
             self._free = None if free < 0 else free
+            self.reserved_rows = int(ready.get("reserved_rows") or 0)
             self._down = ""
             if ready.get("uuid") and ready["uuid"] != self._utilization.uuid:
                 self._utilization.close()
                 self._utilization = UtilizationProbe(self.device, str(ready["uuid"]))
         log.info("engine_ready", device=self.device, model=self.spec.name, pid=proc.pid,
                  load_s=round(time.monotonic() - started, 3),
-                 packed_from_rows=ready.get("packed_from_rows"))  # fmt: skip
+                 packed_from_rows=ready.get("packed_from_rows"),
+                 reserved_rows=ready.get("reserved_rows"))  # fmt: skip
 
     @property
     def pid(self) -> int | None:

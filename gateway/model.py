@@ -310,6 +310,7 @@ class TorchRunner:
         capacity_bytes: int,
         fault: Callable[[], None] | None = None,
         pack: bool = False,
+        reserve_rows: int = 0,
     ) -> None:
         self.spec = spec
         self.device = device
@@ -325,11 +326,44 @@ class TorchRunner:
         self._lock = threading.Lock()
         self.restarts = 0
         self._utilization = UtilizationProbe(device, cuda_uuid(device))
+        self.reserved_rows = self._reserve(reserve_rows) if device.startswith("cuda") else 0
+        """On CUDA: the largest batch whose memory the runner took from the device at load
+        (`_reserve`); 0 elsewhere."""
+
+    def _reserve(self, rows: int) -> int:
+        """Runs batches of 1, 2, 4, ... up to `rows` rows once, so that torch's caching
+        allocator holds the blocks such batches need (and cuBLAS its workspace, and the driver
+        the kernels they launch): later batches up to that size take no memory from the
+        device, and another process that fills the GPU meanwhile cannot make them fail. Where
+        `rows` does not fit (the budget, or the memory the device has now) the largest power
+        of two that does is reserved, and said; returns the rows reserved."""
+        per = max(1, self.memory.activation_bytes_per_sample)
+        rows = min(rows, max(0, (self.capacity_bytes - self.memory.weights_bytes) // per))
+        sizes = [1 << i for i in range(rows.bit_length()) if 1 << i < rows] + [rows] * (rows > 0)
+        reserved = 0
+        for size in sizes:
+            try:
+                self.run_flat(array("f", bytes(4 * size * self.spec.input_dim)), size,
+                              self.spec.input_dim)  # fmt: skip
+                torch.cuda.synchronize(torch.device(self.device))
+            except DeviceFault as exc:
+                log.warning("device_memory_reserved_short", device=self.device, wanted_rows=rows,
+                            reserved_rows=reserved, error=str(exc))  # fmt: skip
+                break
+            reserved = size
+        log.info("device_memory_reserved", device=self.device, rows=reserved,
+                 reserved_bytes=torch.cuda.memory_reserved(torch.device(self.device)))  # fmt: skip
+        return reserved
 
     def observed_free_bytes(self) -> int | None:
+        """On CUDA, what the driver reports free plus what torch's caching allocator holds
+        for this process unused: both can serve a batch (the driver's figure alone counts
+        blocks a finished batch left cached as taken, and would shrink batches that fit)."""
         if self.device.startswith("cuda"):
-            free, _total = torch.cuda.mem_get_info(torch.device(self.device))
-            return int(free)
+            device = torch.device(self.device)
+            free, _total = torch.cuda.mem_get_info(device)
+            cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+            return int(free) + max(0, int(cached))
         return None
 
     def utilization(self) -> float | None:

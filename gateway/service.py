@@ -73,6 +73,9 @@ class GatewayConfig:
     pack_weights: bool = True
     """On a CPU primary, also hold the weights pre-packed for oneDNN and serve the batch sizes
     where that is faster, as timed at load (`gateway.model.pack_for_cpu`)."""
+    reserve_device_memory: bool = True
+    """On a CUDA primary, take at load the memory batches up to `batch.max_batch` need
+    (`TorchRunner._reserve`), so that another process filling the GPU cannot fail them."""
     stream_outstanding: int = 256
     """Requests one InferStream may have outstanding; at this many the gateway stops reading
     from it (gRPC's flow control then holds the caller back) until one is answered."""
@@ -136,6 +139,7 @@ class Gateway:
             device_capacity_bytes("cpu", config.fallback_capacity_mib),
         )  # fmt: skip
         primary: Runner
+        reserve = config.batch.max_batch if config.reserve_device_memory else 0
         if config.engine == "process":
             import torch
 
@@ -145,7 +149,7 @@ class Gateway:
                 threads=config.engine_threads or torch.get_num_threads(),
                 fault=fault_primary,  # type: ignore[arg-type]
                 answer_timeout_s=config.engine_answer_timeout_s, pack=config.pack_weights,
-                log_level=config.log_level,
+                log_level=config.log_level, reserve_rows=reserve,
             )  # fmt: skip
             engine.start()
             primary = engine
@@ -154,7 +158,7 @@ class Gateway:
                 spec, load_network(spec), device,
                 device_capacity_bytes(device, config.capacity_mib),
                 fault=fault_primary,  # type: ignore[arg-type]
-                pack=config.pack_weights,
+                pack=config.pack_weights, reserve_rows=reserve,
             )  # fmt: skip
         breaker = CircuitBreaker(config.breaker_failures, config.breaker_open_s)
         log.info("gateway_model_loaded", model=spec.name, revision=spec.revision,
