@@ -9,7 +9,8 @@ in this one. Parts:
    the HTTP endpoint, the way machines call (`batching_gain_http`); p50 latency of a lone request
    with and without batching (what batching adds when there is nothing to batch).
 2. offered load from 0.5x to 3x of the device's memory capacity (in samples that fit at once):
-   out-of-memory batch failures, and refusals at loads below 0.9x (false refusals).
+   out-of-memory batch failures, and refusals at loads below 0.9x (false refusals). On CUDA,
+   again against the GPU's own memory taken by another process (`real_memory`).
 3. a fault injected into the primary device under load: time to the first answer served by the
    CPU replica, and requests lost (no answer even after resumable refusals were retried).
 4. trajectories/s of gridworld episodes vs a synchronous loop calling the same model in-process,
@@ -41,7 +42,9 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 import uuid
 from array import array
 from collections.abc import Iterator
@@ -112,6 +115,7 @@ def _gateway_main(settings: dict[str, Any], port: Any, fault: Any) -> None:
             breaker_failures=2, breaker_open_s=60.0, dtype=settings.get("dtype", ""),
             engine=settings.get("engine", "process"), engine_threads=settings.get("threads", 1),
             pack_weights=settings.get("pack_weights", True), log_level="error",
+            reserve_device_memory=settings.get("reserve", True),
         )  # fmt: skip
         gw = Gateway.build(config, fault_primary=hook)
         servers: list[Any] = []  # held: a gRPC server that nothing references stops
@@ -188,6 +192,108 @@ class GatewayProc:
     def pid(self) -> int:
         assert self.proc.pid is not None, "the gateway process was not started"
         return self.proc.pid
+
+
+def _ballast_main(device: str, leave_mib: float, left: Any, release: Any) -> None:
+    """Takes the CUDA device's free memory, all but about `leave_mib`, in plain allocations
+    (1 GiB, then halves, down to 2 MiB), sets `left` to what the driver then reports free, and
+    holds it until `release` is set."""
+    import torch
+
+    dev = torch.device(device)
+    held = []
+    chunk = 1 << 30
+    while chunk >= 2 << 20:
+        free, _total = torch.cuda.mem_get_info(dev)
+        if free - chunk < leave_mib * 2**20:
+            chunk //= 2
+            continue
+        try:
+            held.append(torch.empty(chunk, dtype=torch.uint8, device=dev))
+        except torch.cuda.OutOfMemoryError:
+            chunk //= 2
+    left.value = torch.cuda.mem_get_info(dev)[0] / 2**20
+    release.wait()
+
+
+@contextlib.contextmanager
+def ballast(device: str, leave_mib: float) -> Iterator[float]:
+    """Another process holding all of the device's free memory but about `leave_mib` while the
+    block runs (what machines and models sharing the GPU do); yields the MiB left free."""
+    ctx = mp.get_context("spawn")
+    left, release = ctx.Value("d", -1.0), ctx.Event()
+    proc = ctx.Process(target=_ballast_main, args=(device, leave_mib, left, release), daemon=True)
+    proc.start()
+    try:
+        deadline = time.monotonic() + 120
+        while left.value < 0:
+            if time.monotonic() > deadline or not proc.is_alive():
+                raise RuntimeError("the process taking the GPU's memory did not get it")
+            time.sleep(0.05)
+        yield float(left.value)
+    finally:
+        release.set()
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
+
+
+def real_memory(
+    common: dict[str, Any], batch: dict[str, Any], per_client: int, device: str
+) -> list[dict[str, Any]]:
+    """(2) again on a CUDA primary, against the device's own memory: with two gateways loaded
+    (one reserving at load the memory its batches need, the default, and one not), another
+    process takes the memory the GPU has free, all but 32 MiB and then all it can; at each level
+    both gateways get (2)'s loads, resumable refusals retried. Answers from the GPU, from the CPU
+    replica, requests lost, and out-of-memory batch failures, per gateway and level."""
+    rows = []
+    with GatewayProc.together(
+        GatewayProc(**common, batch={**batch, "max_batch": 256}),
+        GatewayProc(**common, batch={**batch, "max_batch": 256}, reserve=False),
+    ) as (reserved, unreserved):  # fmt: skip
+        for leave in (32.0, 0.0):
+            with ballast(device, leave) as left:
+                for name, gw in (("reserved", reserved), ("unreserved", unreserved)):
+                    before = asyncio.run(status(gw.address))
+                    runs = [
+                        asyncio.run(hammer(gw.address, BENCH_MODEL, int(64 * factor), per_client,
+                                           f"g{leave:g}{name}{factor}", True))
+                        for factor in (0.5, 1.0, 2.0, 3.0)
+                    ]  # fmt: skip
+                    after = asyncio.run(status(gw.address))
+                    cpu = sum(len(r["degraded_at"]) for r in runs)
+                    rows.append({
+                        "gateway": name, "left_mib": left,
+                        "gpu": sum(r["answered"] for r in runs) - cpu, "cpu": cpu,
+                        "lost": sum(r["lost"] for r in runs),
+                        "oom": after.oom_faults - before.oom_faults,
+                        "failovers": after.failovers - before.failovers,
+                    })  # fmt: skip
+    return rows
+
+
+@contextlib.contextmanager
+def gauge_readings(url: str, name: str, every_s: float = 0.25) -> Iterator[list[float]]:
+    """Reads gauge `name` from the Prometheus text at `url` every `every_s` while the block runs,
+    into the list it yields (a reading the page lacks is skipped)."""
+    readings: list[float] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.wait(every_s):
+            with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as page:
+                for line in page.read().decode().splitlines():
+                    if line.startswith(name + " "):
+                        readings.append(float(line.split()[1]))
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    try:
+        yield readings
+    finally:
+        stop.set()
+        thread.join(5)
 
 
 def process_cpu_s(pid: int) -> float:
@@ -653,7 +759,11 @@ def main() -> int:
                      "single_unary": (one, "unary"), "batched_unary": (gw, "unary")}  # fmt: skip
             if not args.quick:
                 sides |= {"single_http": (one, "http"), "batched_http": (gw, "http")}
-            part1 = interleaved(sides, BENCH_MODEL, per_client, "", rounds)
+            # The GPU's utilization as the batched gateway reports it (CUDA only; NVML).
+            with gauge_readings(
+                f"http://{gw.http_address}/metrics", "fleet_gateway_gpu_utilization"
+            ) as gpu_util:
+                part1 = interleaved(sides, BENCH_MODEL, per_client, "", rounds)
             single, batched = part1["single"], part1["batched"]
             single_unary, batched_unary = part1["single_unary"], part1["batched_unary"]
             single_http, batched_http = part1.get("single_http"), part1.get("batched_http")
@@ -753,6 +863,11 @@ def main() -> int:
         _, model_p50, _ = synchronous(
             REPO / "gateway/weights/models.toml", "gridworld-policy", 16, args.device
         )
+        # On CUDA, (2) once more against the device's own memory, taken by another process.
+        gpu_rows = (
+            real_memory(common, batched_cfg, per_client, args.device)
+            if args.device.startswith("cuda") else []
+        )  # fmt: skip
         below = [r for f, r in loads.items() if f < 0.9]
         refused_below = sum(sum(r["codes"].values()) for r in below)
         offered_below = sum(r["answered"] + sum(r["codes"].values()) for r in below)
@@ -767,6 +882,14 @@ def main() -> int:
             half["batched"]["rate"] / half["single"]["rate"] if half else None
         ),
         "oom_failures": int(mem_status.oom_faults),
+        "oom_failures_gpu_full": (
+            sum(row["oom"] for row in gpu_rows if row["gateway"] == "reserved")
+            if gpu_rows else None
+        ),
+        "cpu_answers_gpu_full": (
+            sum(row["cpu"] for row in gpu_rows if row["gateway"] == "reserved")
+            if gpu_rows else None
+        ),
         "false_refusal_rate": refused_below / max(1, offered_below),
         "failover_s": failover_s,
         "lost_requests": fail["lost"],
@@ -815,6 +938,10 @@ def main() -> int:
         print(f"{'    bfloat16, the bare model alone: 64 vs 1 (ceiling)':<{w}}"
               f"{half['ceiling']:>12.0f}{half['ceiling_one']:>12.0f}"
               f"{half['ceiling'] / half['ceiling_one']:>8.1f}x")  # fmt: skip
+    if gpu_util:
+        print(f"    GPU utilization the batched gateway reported during (1) (NVML; both gateways"
+              f" share the GPU): mean {statistics.fmean(gpu_util):.0%}, highest "
+              f"{max(gpu_util):.0%}, {len(gpu_util)} readings")  # fmt: skip
     print(
         f"    p50 at 64 clients on streams: {batched['p50_ms']:.1f} ms batched, "
         f"{single['p50_ms']:.1f} ms one per batch; the gateway answered {gw_status.served} samples"
@@ -831,6 +958,11 @@ def main() -> int:
               f"{r['answered']:>12}{refused:>12}")  # fmt: skip
     print(f"{'    out-of-memory batch failures (all loads)':<{w}}{out['oom_failures']:>12}")
     print(f"{'    false refusal rate below 0.9x':<{w}}{out['false_refusal_rate']:>12.3f}")
+    for row in gpu_rows:
+        print(f"    GPU's memory taken by another process, {row['left_mib']:.0f} MiB left, "
+              f"{row['gateway']}: answered by the GPU {row['gpu']}, by the CPU replica "
+              f"{row['cpu']}; lost {row['lost']}; out-of-memory batch failures {row['oom']}; "
+              f"failovers {row['failovers']}")  # fmt: skip
     print(f"{'(3) fault on the primary: s to first CPU-served answer':<{w}}{failover_s:>12.3f}")
     print(f"{'    requests lost / answered under the fault':<{w}}{fail['lost']:>12}"
           f"{fail['answered']:>12}")  # fmt: skip
