@@ -334,25 +334,28 @@ class TorchRunner:
         """Runs batches of 1, 2, 4, ... up to `rows` rows once, so that torch's caching
         allocator holds the blocks such batches need (and cuBLAS its workspace, and the driver
         the kernels they launch): later batches up to that size take no memory from the
-        device, and another process that fills the GPU meanwhile cannot make them fail. Where
-        `rows` does not fit (the budget, or the memory the device has now) the largest power
-        of two that does is reserved, and said; returns the rows reserved."""
+        device, so another process that fills the GPU meanwhile cannot take it from them.
+        `rows` is first cut to what the budget holds; where the device has not the memory now,
+        the largest size tried that fitted is reserved, and the log says so. Returns the rows
+        reserved."""
         per = max(1, self.memory.activation_bytes_per_sample)
         rows = min(rows, max(0, (self.capacity_bytes - self.memory.weights_bytes) // per))
         sizes = [1 << i for i in range(rows.bit_length()) if 1 << i < rows] + [rows] * (rows > 0)
         reserved = 0
         for size in sizes:
-            try:
+            try:  # (run_flat waits for the device: it copies the outputs back)
                 self.run_flat(array("f", bytes(4 * size * self.spec.input_dim)), size,
                               self.spec.input_dim)  # fmt: skip
-                torch.cuda.synchronize(torch.device(self.device))
             except DeviceFault as exc:
                 log.warning("device_memory_reserved_short", device=self.device, wanted_rows=rows,
                             reserved_rows=reserved, error=str(exc))  # fmt: skip
                 break
             reserved = size
-        log.info("device_memory_reserved", device=self.device, rows=reserved,
-                 reserved_bytes=torch.cuda.memory_reserved(torch.device(self.device)))  # fmt: skip
+        held = (
+            torch.cuda.memory_reserved(torch.device(self.device))
+            if self.device.startswith("cuda") else None
+        )  # fmt: skip
+        log.info("device_memory_reserved", device=self.device, rows=reserved, reserved_bytes=held)
         return reserved
 
     def observed_free_bytes(self) -> int | None:

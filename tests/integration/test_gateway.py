@@ -28,7 +28,7 @@ from fleet.envs.gridworld import GridWorld
 from gateway.batcher import BatchConfig
 from gateway.engine import EngineRunner
 from gateway.http import connection_limit, serve_http
-from gateway.model import DeviceFault, load_network, memory_model, model_specs
+from gateway.model import DeviceFault, TorchRunner, load_network, memory_model, model_specs
 from gateway.service import Gateway, GatewayConfig, failing, serve
 
 SECRET = b"s" * 32
@@ -379,6 +379,35 @@ def test_runner_faults_instead_of_allocating_past_its_budget(engine: str) -> Non
     assert info.value.kind == "oom" and "out of memory: batch of 2000" in str(info.value)
     for got, want in zip(fits, reference(observations(2)), strict=True):
         assert got == pytest.approx(want, abs=1e-5)
+
+
+def test_the_reservation_stops_at_the_budget_and_at_the_first_size_that_does_not_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What a CUDA runner does at load, run here on the CPU: batches of 1, 2, 4 ... rows up to
+    the largest, which the budget may cut; on a device without the memory for one of them, the
+    sizes before it are what is reserved."""
+    spec = model_specs()[MODEL]
+    memory = memory_model(spec)
+    budget = memory.weights_bytes + 100 * memory.activation_bytes_per_sample
+    runner = TorchRunner(spec, load_network(spec), "cpu", budget)
+    run_flat, sizes = runner.run_flat, []
+
+    def spy(flat: Any, samples: int, width: int) -> Any:
+        sizes.append(samples)
+        if samples >= 32 and short:
+            raise DeviceFault("oom", "cuda:0: out of memory")
+        return run_flat(flat, samples, width)
+
+    monkeypatch.setattr(runner, "run_flat", spy)
+    short = False
+    assert runner._reserve(256) == 100
+    assert sizes == [1, 2, 4, 8, 16, 32, 64, 100]
+    sizes.clear()
+    short = True
+    assert runner._reserve(64) == 16
+    assert sizes == [1, 2, 4, 8, 16, 32]
+    assert runner._reserve(0) == 0
 
 
 def _engine_pid(gw: Gateway) -> int:
