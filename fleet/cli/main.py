@@ -96,7 +96,7 @@ async def cmd_gateway(args: argparse.Namespace) -> int:
     config = GatewayConfig(
         secret=paths.token_secret(), device=args.device, capacity_mib=args.capacity_mib,
         dtype=args.dtype, engine=args.engine, log_level=args.log_level or args.default_log_level,
-        stream_outstanding=args.stream_outstanding,
+        stream_outstanding=args.stream_outstanding, reserve_device_memory=not args.no_reserve,
         batch=BatchConfig(
             max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
             max_inflight_per_rollout=args.max_inflight_per_rollout,
@@ -668,6 +668,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine", default="process", choices=["process", "inline"],
         help="where the primary's model runs: a process of its own, started again after a "
         "device error or a hang (default), or a thread of the gateway's process",
+    )  # fmt: skip
+    sp.add_argument(
+        "--no-reserve", action="store_true",
+        help="on CUDA, do not take at load the memory batches up to --max-batch need (then "
+        "another process filling the GPU sends batches to the CPU replica)",
     )  # fmt: skip
     sp.add_argument("--max-batch", type=int, default=64)
     sp.add_argument("--max-wait-ms", type=float, default=2.0)
