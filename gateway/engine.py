@@ -4,10 +4,11 @@ Why a process: the gateway's event loop (gRPC, HTTP, tokens, batching) and a mod
 of its threads share one interpreter lock. Every operator of a forward pass gives the lock up
 and must take it back, and the thread that hands the batch over must take it to start: under
 load, with the loop busy, each of those waits lasts up to the interpreter's switch interval.
-In a process of its own the model waits on nothing but its next batch. And a device error
-that leaves a device unusable (CUDA's sticky errors) ends with the process: the engine is
-started again from the same checksum-verified weights, and the breaker's next probe finds it
-fresh, where an in-process model would stay broken until the gateway restarted.
+In a process of its own the model waits on nothing but its next batch. And a device error,
+which may leave the device unusable (CUDA's sticky errors poison the process's context), ends
+with the process: the engine answers the batch with the error and exits, is started again from
+the same checksum-verified weights, and the breaker's next probe finds it fresh, where an
+in-process model would stay broken until the gateway restarted.
 
 The engine is `python -m gateway.engine` with one end of a socket pair (`--fd`). Frames,
 little-endian:
@@ -19,7 +20,8 @@ little-endian:
   CPU), or status FAILED with the reason, after which it exits;
 - a batch: `REQUEST` (magic, sequence, samples, width) then samples x width float32;
 - its answer: `REPLY` (magic, status, sequence, payload bytes, free device bytes or -1) then
-  samples x outputs float32, or, for a fault, the message in UTF-8.
+  samples x outputs float32, or, for a fault, the message in UTF-8 (after a device error,
+  status DEVICE_ERROR, the engine exits).
 
 It exits when the gateway's end closes (the gateway stopped or died).
 """
@@ -121,7 +123,7 @@ def engine_main(argv: list[str] | None = None) -> int:
         "reserved_rows": runner.reserved_rows,
     }  # fmt: skip
     try:
-        _reply(sock, OK, 0, json.dumps(ready).encode(), runner.observed_free_bytes() or -1)
+        _reply(sock, OK, 0, json.dumps(ready).encode(), _free(runner))
         return _serve(sock, runner)
     except (BrokenPipeError, ConnectionResetError):
         return 0  # the gateway went away mid-answer
@@ -148,7 +150,23 @@ def _serve(sock: socket.socket, runner: TorchRunner) -> int:
             status, payload = INVALID, exc.message.encode()
         except Exception as exc:  # anything else the device raised: a device error
             status, payload = DEVICE_ERROR, f"{type(exc).__name__}: {exc}".encode()
-        _reply(sock, status, sequence, payload, runner.observed_free_bytes() or -1)
+        _reply(sock, status, sequence, payload, _free(runner))
+        if status == DEVICE_ERROR:
+            # A device that raised may be unusable for good (an error on CUDA can poison the
+            # process's context: every later call fails), so this engine ends; the gateway
+            # starts a fresh one from the same weights.
+            log.error("engine_device_error", device=runner.device, error=payload.decode())
+            return 3
+
+
+def _free(runner: TorchRunner) -> int:
+    """The device's free bytes as admission sees them, or -1 where it cannot tell (a CPU, or
+    a CUDA context an error left unusable)."""
+    try:
+        free = runner.observed_free_bytes()
+    except Exception:  # whatever the broken device raises
+        return -1
+    return -1 if free is None else free
 
 
 # -- the gateway's side ---------------------------------------------------------------------
@@ -174,11 +192,12 @@ class _Process:
 class EngineRunner:
     """A `Runner` whose batches run in an engine process (see the module docstring).
 
-    Faults come back as `DeviceFault`, as from an in-process runner. An engine that dies, or
-    does not answer a batch within `answer_timeout_s`, is a device error: it is ended and
-    started again in the background at once, and batches fault (the breaker sends them to the
-    CPU replica) until it is ready. `fault` (tests, benchmarks) is called on the event loop
-    before each batch is sent and may raise DeviceFault; it must not block.
+    Faults come back as `DeviceFault`, as from an in-process runner. An engine that dies, does
+    not answer a batch within `answer_timeout_s`, or answers one with a device error (after
+    which it ends itself), is a device error: it is ended and started again in the background
+    at once, and batches fault (the breaker sends them to the CPU replica) until it is ready.
+    An out-of-memory answer keeps the engine. `fault` (tests, benchmarks) is called on the
+    event loop before each batch is sent and may raise DeviceFault; it must not block.
     """
 
     def __init__(
@@ -409,6 +428,9 @@ class EngineRunner:
         message = payload.decode(errors="replace")
         if status == INVALID:
             raise InvalidArgument(message)
+        if status == DEVICE_ERROR:  # the engine ends after one (`_serve`): start another now
+            self._lost(f"its device raised an error: {message}")
+            raise DeviceFault("device_error", f"{message}; restarting the model engine")
         raise DeviceFault(_FAULT_KINDS.get(status, "device_error"), message)
 
 

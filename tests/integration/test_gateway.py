@@ -30,6 +30,7 @@ from gateway.engine import EngineRunner
 from gateway.http import connection_limit, serve_http
 from gateway.model import DeviceFault, TorchRunner, load_network, memory_model, model_specs
 from gateway.service import Gateway, GatewayConfig, failing, serve
+from tests import faulty_device
 
 SECRET = b"s" * 32
 MODEL = "gridworld-policy"
@@ -421,6 +422,24 @@ async def _until(check: Callable[[], bool], what: str, within_s: float = 60.0) -
     while not check():
         assert time.monotonic() < deadline, f"not within {within_s} s: {what}"
         await asyncio.sleep(0.05)
+
+
+def test_an_engine_whose_device_raised_an_error_is_replaced_by_a_fresh_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a device error the engine ends itself (a CUDA context may be unusable for good,
+    tests/gpu has that one), and the runner starts another at once, which serves again."""
+    hook = faulty_device.install(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (hook, os.getenv("PYTHONPATH")))))
+    seen = go(faulty_device.device_error_then_fresh_engine("cpu"))
+    assert seen["fault"] is not None and seen["fault"].kind == "device_error"
+    assert "injected device error" in str(seen["fault"])
+    assert "restarting the model engine" in str(seen["fault"])
+    assert seen["restarts"] == 1 and seen["pid"] != seen["first_pid"]
+    assert seen["after"] == seen["before"]
+    for got, want in zip(seen["after"], reference([[0.25 * (i % 4)] * 147 for i in range(4)]),
+                         strict=True):  # fmt: skip
+        assert got == pytest.approx(want, abs=1e-5)
 
 
 @pytest.mark.parametrize("how", ["killed", "hung"])
