@@ -140,6 +140,9 @@ def memory_model(spec: ModelSpec, headroom_bytes: int = 0) -> MemoryModel:
     )
 
 
+CACHED_READ_S = 0.5
+"""How often a CUDA runner reads again what torch's caching allocator holds unused."""
+
 PACK_SIZES = (1, 2, 4, 8, 16, 32, 64)
 """Batch sizes at which a packed network is timed against the plain one (`pack_for_cpu`)."""
 
@@ -325,6 +328,8 @@ class TorchRunner:
         self._held = 0
         self._lock = threading.Lock()
         self.restarts = 0
+        self._cached_bytes = 0
+        self._cached_read_at = float("-inf")
         self._utilization = UtilizationProbe(device, cuda_uuid(device))
         self.reserved_rows = self._reserve(reserve_rows) if device.startswith("cuda") else 0
         """On CUDA: the largest batch whose memory the runner took from the device at load
@@ -362,12 +367,22 @@ class TorchRunner:
         """On CUDA, what the driver reports free plus what torch's caching allocator holds
         for this process unused: both can serve a batch (the driver's figure alone counts
         blocks a finished batch left cached as taken, and would shrink batches that fit)."""
-        if self.device.startswith("cuda"):
-            device = torch.device(self.device)
-            free, _total = torch.cuda.mem_get_info(device)
-            cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-            return int(free) + max(0, int(cached))
-        return None
+        if not self.device.startswith("cuda"):
+            return None
+        device = torch.device(self.device)
+        free, _total = torch.cuda.mem_get_info(device)
+        # The allocator's figures come from building its whole table of statistics: on an H200
+        # host 68 us for memory_stats, 209 us for memory_reserved and memory_allocated (each
+        # builds it), against 6 us for mem_get_info; read after every batch, they halved a
+        # one-row-per-batch gateway's rate. They change only when the allocator takes or gives
+        # back memory, so they are read again at most every CACHED_READ_S.
+        now = time.monotonic()
+        if now - self._cached_read_at >= CACHED_READ_S:
+            stats = torch.cuda.memory_stats(device)
+            held = stats.get("reserved_bytes.all.current", 0)
+            self._cached_bytes = max(0, held - stats.get("allocated_bytes.all.current", 0))
+            self._cached_read_at = now
+        return int(free) + self._cached_bytes
 
     def utilization(self) -> float | None:
         return self._utilization.read()

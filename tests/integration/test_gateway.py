@@ -411,6 +411,36 @@ def test_the_reservation_stops_at_the_budget_and_at_the_first_size_that_does_not
     assert runner._reserve(0) == 0
 
 
+def test_on_cuda_the_allocators_figures_are_read_at_most_every_half_second(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Admission's free memory on CUDA: the driver's free bytes at every call, plus what the
+    caching allocator holds unused, whose statistics (slow to build) are read again only every
+    CACHED_READ_S. The CUDA calls are stood in for here (tests/gpu has the real ones)."""
+    from gateway import model
+
+    spec = model_specs()[MODEL]
+    runner = TorchRunner(spec, load_network(spec), "cpu", 1 << 30)
+    runner.device = "cuda:0"
+    clock, reads, driver_free = [100.0], [], [1000]
+    stats = {"reserved_bytes.all.current": 700, "allocated_bytes.all.current": 200}
+    monkeypatch.setattr(model.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (driver_free[0], 1 << 40))
+
+    def memory_stats(device: Any) -> dict[str, int]:
+        reads.append(clock[0])
+        return dict(stats)
+
+    monkeypatch.setattr(torch.cuda, "memory_stats", memory_stats)
+    assert runner.observed_free_bytes() == 1000 + 500
+    driver_free[0], stats["reserved_bytes.all.current"] = 400, 1300  # the allocator grew
+    clock[0] += model.CACHED_READ_S / 2
+    assert runner.observed_free_bytes() == 400 + 500  # the driver's figure is always fresh
+    clock[0] += model.CACHED_READ_S / 2
+    assert runner.observed_free_bytes() == 400 + 1100
+    assert reads == [100.0, 100.0 + model.CACHED_READ_S]
+
+
 def _engine_pid(gw: Gateway) -> int:
     pid = getattr(gw.batcher.primary, "pid", None)
     assert isinstance(pid, int), "the primary runs in an engine process"
