@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -455,15 +456,78 @@ async def hammer(
     }  # fmt: skip
 
 
+def _hammer_in_worker(args: tuple[Any, ...]) -> tuple[dict[str, Any], float]:
+    """`hammer(*args)` in a load-generating process of a `ClientPool`: its result, and the CPU
+    seconds this process spent on it."""
+    started = time.process_time()
+    result = asyncio.run(hammer(*args))
+    return result, time.process_time() - started
+
+
+class ClientPool:
+    """The load generator's processes: with `procs` > 1, a round's callers are shared out among
+    that many processes (on a host with cores to spare, one asyncio process making all the
+    calls bounds the rate it can measure: on the GPU host it spent as much CPU per sample as the
+    gateway); with 1, they run in this one."""
+
+    def __init__(self, procs: int) -> None:
+        self.procs = procs
+        self.pool = (
+            concurrent.futures.ProcessPoolExecutor(procs, mp_context=mp.get_context("spawn"))
+            if procs > 1 else None
+        )  # fmt: skip
+        if self.pool is not None:  # started now, not inside the first timed round
+            list(self.pool.map(time.sleep, [0.2] * procs))
+
+    def __enter__(self) -> ClientPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+
+    def hammer(
+        self, address: str, model: str, clients: int, per_client: int, tag: str, transport: str
+    ) -> tuple[dict[str, Any], float]:
+        """One round: `hammer`'s result over all the callers (elapsed: the slowest process's),
+        and the CPU seconds the load generator's processes spent on it."""
+        if self.pool is None:
+            started = process_cpu_s(os.getpid())
+            result = asyncio.run(hammer(address, model, clients, per_client, tag,
+                                        transport=transport))  # fmt: skip
+            return result, process_cpu_s(os.getpid()) - started
+        shares = [clients // self.procs + (k < clients % self.procs) for k in range(self.procs)]
+        jobs = [(address, model, n, per_client, f"{tag}w{k}", False, transport)
+                for k, n in enumerate(shares) if n]  # fmt: skip
+        parts = list(self.pool.map(_hammer_in_worker, jobs))
+        results = [result for result, _cpu in parts]
+        latencies = [x for r in results for x in r["latencies"]]
+        sizes = [x for r in results for x in r["batch_sizes"]]
+        elapsed = max(r["elapsed"] for r in results)
+        codes: dict[str, int] = {}
+        for r in results:
+            for code, n in r["codes"].items():
+                codes[code] = codes.get(code, 0) + n
+        merged = {
+            "answered": len(latencies), "elapsed": elapsed, "codes": codes,
+            "lost": sum(r["lost"] for r in results), "rate": len(latencies) / elapsed,
+            "degraded_at": [x for r in results for x in r["degraded_at"]],
+            "batch_mean": statistics.fmean(sizes) if sizes else 0.0,
+            "p50_ms": statistics.median(latencies) * 1000 if latencies else float("nan"),
+            "latencies": latencies, "batch_sizes": sizes,
+        }  # fmt: skip
+        return merged, sum(cpu for _result, cpu in parts)
+
+
 def interleaved(
     sides: dict[str, tuple[GatewayProc, str]], model: str, per_client: int, tag: str,
-    rounds: int,
+    rounds: int, load: ClientPool,
 ) -> dict[str, dict[str, Any]]:  # fmt: skip
     """Part (1)'s runs in turns: `rounds` rounds of 64 clients against each side (a gateway,
     and how its clients call: one of `TRANSPORTS`), in the order of `sides` and then reversed, and so
     on, so that a drift of this machine's speed (seen here: 30% within a few minutes) weighs on
     all alike. Returns each side's runs merged, with the CPU its rounds cost per sample: the load
-    generator's (this process), the gateway process's (RPC, tokens, batching) and its model
+    generator's (`load`'s processes), the gateway process's (RPC, tokens, batching) and its model
     engine's."""
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
     spent = {name: [0.0, 0.0, 0.0] for name in sides}
@@ -472,13 +536,14 @@ def interleaved(
         for name in list(sides) if i % 2 == 0 else reversed(sides):
             gw, transport = sides[name]
             address = gw.http_address if transport == "http" else gw.address
-            before = (process_cpu_s(os.getpid()), process_cpu_s(gw.pid), gateway_cpu_s(gw.pid))
-            runs[name].append(
-                asyncio.run(hammer(address, model, CLIENTS, share, f"{tag}{name}{i}",
-                                   transport=transport))
-            )  # fmt: skip
-            after = (process_cpu_s(os.getpid()), process_cpu_s(gw.pid), gateway_cpu_s(gw.pid))
-            spent[name] = [t + b - a for t, a, b in zip(spent[name], before, after, strict=True)]
+            before = (process_cpu_s(gw.pid), gateway_cpu_s(gw.pid))
+            result, load_cpu = load.hammer(address, model, CLIENTS, share,
+                                              f"{tag}{name}{i}", transport)  # fmt: skip
+            runs[name].append(result)
+            after = (process_cpu_s(gw.pid), gateway_cpu_s(gw.pid))
+            spent[name] = [spent[name][0] + load_cpu,
+                           *(t + b - a for t, a, b in zip(spent[name][1:], before, after,
+                                                          strict=True))]  # fmt: skip
     merged = {}
     for name, parts in runs.items():
         latencies = [x for part in parts for x in part["latencies"]]
@@ -717,6 +782,10 @@ def main() -> int:
     parser.add_argument("--device", default="cpu", help="the primary: cpu or cuda:N")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per gateway")
     parser.add_argument(
+        "--client-procs", type=int, default=1,
+        help="processes part (1)'s 64 callers are shared out among (default 1: this one)",
+    )  # fmt: skip
+    parser.add_argument(
         "--dtypes", default=None,
         help="precisions part (1) serves the model in (float32 always; bfloat16 also if listed;"
         " default: both, or float32 alone with --quick)",
@@ -740,7 +809,10 @@ def main() -> int:
     # its pool) and the last drains it, so fewer waves would measure mostly filling and draining.
     fleet_episodes = 32 if args.quick else max(128, 8 * args.slots)
     out: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="fleet-bench-gw-") as tmp:
+    with (
+        tempfile.TemporaryDirectory(prefix="fleet-bench-gw-") as tmp,
+        ClientPool(args.client_procs) as clients,
+    ):
         manifest = make_bench_model(Path(tmp))
         common = {"model": BENCH_MODEL, "manifest": str(manifest), "device": args.device,
                   "threads": args.threads}  # fmt: skip
@@ -759,11 +831,14 @@ def main() -> int:
                      "single_unary": (one, "unary"), "batched_unary": (gw, "unary")}  # fmt: skip
             if not args.quick:
                 sides |= {"single_http": (one, "http"), "batched_http": (gw, "http")}
-            # The GPU's utilization as the batched gateway reports it (CUDA only; NVML).
-            with gauge_readings(
-                f"http://{gw.http_address}/metrics", "fleet_gateway_gpu_utilization"
-            ) as gpu_util:
-                part1 = interleaved(sides, BENCH_MODEL, per_client, "", rounds)
+            # The GPU's utilization as the batched gateway reports it (NVML: CUDA only).
+            watch: contextlib.AbstractContextManager[list[float]] = (
+                gauge_readings(f"http://{gw.http_address}/metrics",
+                               "fleet_gateway_gpu_utilization")
+                if args.device.startswith("cuda") else contextlib.nullcontext([])
+            )  # fmt: skip
+            with watch as gpu_util:
+                part1 = interleaved(sides, BENCH_MODEL, per_client, "", rounds, clients)
             single, batched = part1["single"], part1["batched"]
             single_unary, batched_unary = part1["single_unary"], part1["batched_unary"]
             single_http, batched_http = part1.get("single_http"), part1.get("batched_http")
@@ -827,7 +902,7 @@ def main() -> int:
                 half.update(
                     interleaved(
                         {"single": (one16, "stream"), "batched": (gw16, "stream")},
-                        BENCH_MODEL, per_client, "h", rounds,
+                        BENCH_MODEL, per_client, "h", rounds, clients,
                     )
                 )  # fmt: skip
             half["ceiling"] = model_ceiling(
