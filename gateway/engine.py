@@ -196,8 +196,10 @@ class EngineRunner:
     not answer a batch within `answer_timeout_s`, or answers one with a device error (after
     which it ends itself), is a device error: it is ended and started again in the background
     at once, and batches fault (the breaker sends them to the CPU replica) until it is ready.
-    An out-of-memory answer keeps the engine. `fault` (tests, benchmarks) is called on the
-    event loop before each batch is sent and may raise DeviceFault; it must not block.
+    A restart that fails is tried again after a wait (`restart_backoff_s`) that doubles with
+    each failure in a row. An out-of-memory answer keeps the engine. `fault` (tests,
+    benchmarks) is called on the event loop before each batch is sent and may raise
+    DeviceFault; it must not block.
     """
 
     def __init__(
@@ -214,6 +216,7 @@ class EngineRunner:
         pack: bool = True,
         log_level: str = "info",
         reserve_rows: int = 0,
+        restart_backoff_s: tuple[float, float] = (1.0, 60.0),
     ) -> None:
         self.spec = spec
         self.manifest = manifest
@@ -230,6 +233,13 @@ class EngineRunner:
         self.reserved_rows = 0
         """What the engine reserved at its last start (`TorchRunner.reserved_rows`)."""
         self.restarts = 0
+        self.restart_backoff_s = restart_backoff_s
+        """The wait after a failed restart before the next try, doubled at each failure in a
+        row up to the second figure: a device that cannot start an engine (a GPU lost from the
+        bus) costs a failed start now and then, not one at every probe."""
+        self.failed_starts = 0
+        """Restarts that failed since the engine last started."""
+        self._retry_at = 0.0
         self._engine: _Process | None = None
         self._closed = False
         self._down = "not started"
@@ -350,15 +360,24 @@ class EngineRunner:
     def _restart(self) -> None:
         if self._closed or (self._restarting is not None and not self._restarting.done()):
             return
+        if time.monotonic() < self._retry_at:  # waiting after a failed restart
+            return
 
         async def again() -> None:
             try:
                 await asyncio.to_thread(self.start)
             except FailedPrecondition as exc:
+                self.failed_starts += 1
+                first, most = self.restart_backoff_s
+                wait = min(most, first * 2 ** (self.failed_starts - 1))
+                self._retry_at = time.monotonic() + wait
                 with self._lock:
-                    self._down = f"restart failed: {exc.message}"
-                log.error("engine_restart_failed", device=self.device, error=exc.message)
+                    self._down = (f"restart failed ({self.failed_starts} in a row; next try in "
+                                  f"{wait:g} s): {exc.message}")  # fmt: skip
+                log.error("engine_restart_failed", device=self.device, error=exc.message,
+                          failed_starts=self.failed_starts, retry_in_s=wait)  # fmt: skip
                 return
+            self.failed_starts, self._retry_at = 0, 0.0
             self.restarts += 1
             log.info("engine_restarted", device=self.device, restarts=self.restarts)
 

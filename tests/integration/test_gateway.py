@@ -472,6 +472,67 @@ def test_an_engine_whose_device_raised_an_error_is_replaced_by_a_fresh_one(
         assert got == pytest.approx(want, abs=1e-5)
 
 
+def test_an_engine_that_cannot_start_again_is_retried_with_growing_waits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine lost and its model unloadable (its weights gone): one failed restart, then
+    batches fault at once saying when the next try comes, and no new try is made before then;
+    once the weights are back, the next try after the wait serves again."""
+    shipped = model_specs()[MODEL]
+    shutil.copy(shipped.directory / "models.toml", tmp_path / "models.toml")
+    weights = tmp_path / shipped.file
+    shutil.copy(shipped.path, weights)
+    spec = model_specs(tmp_path / "models.toml")[MODEL]
+    runner = EngineRunner(spec, tmp_path / "models.toml", "cpu", restart_backoff_s=(1.0, 60.0))
+    start, tries = runner.start, []
+
+    def counted() -> None:
+        tries.append(time.monotonic())
+        start()
+
+    batch = observations(3)
+
+    async def body() -> tuple[list[Any], list[Any], list[str]]:
+        await asyncio.to_thread(runner.start)
+        first = await runner.infer(batch)
+        monkeypatch.setattr(runner, "start", counted)
+        weights.rename(tmp_path / "elsewhere.pt")
+        os.kill(_pid(runner), signal.SIGKILL)
+        with pytest.raises(DeviceFault):
+            await runner.infer(batch)
+        await _until(lambda: runner.failed_starts == 1, "a failed restart")
+        failed_at, downs = time.monotonic(), []
+        while time.monotonic() - failed_at < 0.6:  # inside the 1 s wait
+            with pytest.raises(DeviceFault) as info:
+                await runner.infer(batch)
+            downs.append(str(info.value))
+            await asyncio.sleep(0.05)
+        assert len(tries) == 1, "a new try before the wait was over"
+        (tmp_path / "elsewhere.pt").rename(weights)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                return first, await runner.infer(batch), downs
+            except DeviceFault:
+                assert time.monotonic() < deadline, "the engine did not start again"
+                await asyncio.sleep(0.1)
+
+    try:
+        first, again, downs = go(body())
+    finally:
+        runner.close()
+    assert downs and all("restart failed (1 in a row; next try in 1 s)" in d for d in downs)
+    assert "cannot read weights" in downs[0]
+    assert len(tries) == 2 and tries[1] - tries[0] >= 1.0
+    assert runner.failed_starts == 0 and runner.restarts == 1
+    assert again == first
+
+
+def _pid(runner: EngineRunner) -> int:
+    assert runner.pid is not None, "the engine runs"
+    return runner.pid
+
+
 @pytest.mark.parametrize("how", ["killed", "hung"])
 def test_a_lost_engine_fails_over_without_losing_requests_and_is_started_again(
     how: str,
