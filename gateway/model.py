@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from fleet.core.errors import FailedPrecondition, InvalidArgument, NotFound
-from gateway.admission import MemoryModel
+from gateway.admission import MemoryModel, admissible
 from gateway.nvml import UtilizationProbe
 
 log = structlog.get_logger(__name__)
@@ -343,8 +343,7 @@ class TorchRunner:
         `rows` is first cut to what the budget holds; where the device has not the memory now,
         the largest size tried that fitted is reserved, and the log says so. Returns the rows
         reserved."""
-        per = max(1, self.memory.activation_bytes_per_sample)
-        rows = min(rows, max(0, (self.capacity_bytes - self.memory.weights_bytes) // per))
+        rows = admissible(self.memory, self.capacity_bytes, 0, rows).admit if rows > 0 else 0
         sizes = [1 << i for i in range(rows.bit_length()) if 1 << i < rows] + [rows] * (rows > 0)
         reserved = 0
         for size in sizes:

@@ -447,13 +447,35 @@ async def hammer(
         started = time.perf_counter()
         await asyncio.gather(*(client(c) for c in range(clients)))
         elapsed = time.perf_counter() - started
+    return _summary(latencies, batch_sizes, elapsed, codes=codes, lost=lost,
+                    degraded_at=degraded_at)  # fmt: skip
+
+
+def _summary(
+    latencies: list[float], sizes: list[int], elapsed: float, **rest: Any
+) -> dict[str, Any]:
+    """A load's result: its answers' latencies and batch sizes over `elapsed` seconds."""
     return {
-        "answered": len(latencies), "elapsed": elapsed, "codes": codes, "lost": lost,
-        "rate": len(latencies) / elapsed, "degraded_at": degraded_at,
-        "batch_mean": statistics.fmean(batch_sizes) if batch_sizes else 0.0,
+        "answered": len(latencies), "elapsed": elapsed, "rate": len(latencies) / elapsed,
+        "batch_mean": statistics.fmean(sizes) if sizes else 0.0,
         "p50_ms": statistics.median(latencies) * 1000 if latencies else float("nan"),
-        "latencies": latencies, "batch_sizes": batch_sizes,
+        "latencies": latencies, "batch_sizes": sizes, **rest,
     }  # fmt: skip
+
+
+def merged_runs(runs: list[dict[str, Any]], elapsed: float) -> dict[str, Any]:
+    """`hammer` results as one, over `elapsed` seconds (the runs' sum when they came one after
+    another, the slowest's when they ran at once)."""
+    codes: dict[str, int] = {}
+    for run in runs:
+        for code, n in run["codes"].items():
+            codes[code] = codes.get(code, 0) + n
+    return _summary(
+        [x for run in runs for x in run["latencies"]],
+        [x for run in runs for x in run["batch_sizes"]], elapsed, codes=codes,
+        lost=sum(run["lost"] for run in runs),
+        degraded_at=[x for run in runs for x in run["degraded_at"]],
+    )  # fmt: skip
 
 
 def _hammer_in_worker(args: tuple[Any, ...]) -> tuple[dict[str, Any], float]:
@@ -501,21 +523,7 @@ class ClientPool:
                 for k, n in enumerate(shares) if n]  # fmt: skip
         parts = list(self.pool.map(_hammer_in_worker, jobs))
         results = [result for result, _cpu in parts]
-        latencies = [x for r in results for x in r["latencies"]]
-        sizes = [x for r in results for x in r["batch_sizes"]]
-        elapsed = max(r["elapsed"] for r in results)
-        codes: dict[str, int] = {}
-        for r in results:
-            for code, n in r["codes"].items():
-                codes[code] = codes.get(code, 0) + n
-        merged = {
-            "answered": len(latencies), "elapsed": elapsed, "codes": codes,
-            "lost": sum(r["lost"] for r in results), "rate": len(latencies) / elapsed,
-            "degraded_at": [x for r in results for x in r["degraded_at"]],
-            "batch_mean": statistics.fmean(sizes) if sizes else 0.0,
-            "p50_ms": statistics.median(latencies) * 1000 if latencies else float("nan"),
-            "latencies": latencies, "batch_sizes": sizes,
-        }  # fmt: skip
+        merged = merged_runs(results, max(r["elapsed"] for r in results))
         return merged, sum(cpu for _result, cpu in parts)
 
 
@@ -546,18 +554,11 @@ def interleaved(
                                                           strict=True))]  # fmt: skip
     merged = {}
     for name, parts in runs.items():
-        latencies = [x for part in parts for x in part["latencies"]]
-        sizes = [x for part in parts for x in part["batch_sizes"]]
         elapsed = sum(part["elapsed"] for part in parts)
-        merged[name] = {
-            "answered": len(latencies), "elapsed": elapsed, "rate": len(latencies) / elapsed,
-            "batch_mean": statistics.fmean(sizes) if sizes else 0.0,
-            "p50_ms": statistics.median(latencies) * 1000 if latencies else float("nan"),
-            "rates": [part["rate"] for part in parts],
-        }  # fmt: skip
+        merged[name] = merged_runs(parts, elapsed) | {"rates": [part["rate"] for part in parts]}
         clients, process, with_engine = spent[name]
         merged[name]["cpu_us"] = {
-            k: v * 1e6 / max(1, len(latencies))
+            k: v * 1e6 / max(1, merged[name]["answered"])
             for k, v in (("clients", clients), ("gateway", process),
                          ("engine", with_engine - process))
         }  # fmt: skip
