@@ -17,8 +17,10 @@ in this one. Parts:
    one action at a time: the whole fleet end to end (each episode a rollout in a sandboxed
    machine of an embedded fleet, `--slots` at once, every action over HTTP to this gateway and a
    checkpoint stored through the ledger after it), and the gateway alone (64 concurrent episode
-   loops in this process, sharing one InferStream); the control plane's cost per action (a lone gRPC request's p50 minus
-   the bare model call's p50).
+   loops in this process, sharing one InferStream); the control plane's cost per action: a lone
+   request's p50 through the gateway minus the bare model call's p50, with the shipped policy,
+   over HTTP (`overhead_ms_per_action`: how a machine's step asks for its action), on an
+   InferStream and as a unary Infer call.
 
 The benchmark model is an MLP with the shipped policy's input and output (147 -> 4096 -> 4096 ->
 4, random weights written to a temporary directory with their sha256, loaded by the same
@@ -370,21 +372,25 @@ TRANSPORTS = ("unary", "stream", "http")
 
 async def hammer(
     address: str, model: str, clients: int, per_client: int, tag: str,
-    retry_resumable: bool = False, transport: str = "unary",
+    retry_resumable: bool = False, transport: str = "unary", seconds: float = 0.0,
 ) -> dict[str, Any]:  # fmt: skip
     """`clients` concurrent callers, `per_client` sequential requests each: unary Infer calls;
     with transport "stream", each caller's requests one after another on an InferStream of its
     own; with "http", on a kept-alive connection of its own to the HTTP endpoint at `address`
-    (how machines call)."""
+    (how machines call). With `seconds`, a caller sends no new request once that long has
+    passed since the start (those it is waiting for are still answered and counted), so a
+    fast side and a slow one are measured over the same time, not the same count."""
     assert transport in TRANSPORTS, transport
     samples = [GridWorld(seed).observation() for seed in range(16)]
-    # Built before the clock starts: the load generator shares this machine's cores with the
-    # gateway, so it does as little per request as it can.
+    # Built before the clock starts, and their CPU left out of the load generator's: it shares
+    # this machine's cores with the gateway, so it does as little per request as it can.
+    building = time.process_time()
     make = _http_request if transport == "http" else _request
     requests = [
         [make(model, f"{tag}-r{c}", f"{tag}-{c}-{i}", samples[i % 16]) for i in range(per_client)]
         for c in range(clients)
     ]
+    build_cpu_s = time.process_time() - building
     latencies: list[float] = []
     batch_sizes: list[int] = []
     codes: dict[str, int] = {}
@@ -404,6 +410,8 @@ async def hammer(
                 host, _, port = address.rpartition(":")
                 conn = await asyncio.open_connection(host, int(port))
             for request in requests[c]:
+                if seconds and time.perf_counter() >= until:
+                    break
                 for _attempt in range(20 if retry_resumable else 1):
                     started = time.perf_counter()
                     reply: Any = None
@@ -445,10 +453,11 @@ async def hammer(
                     raise RuntimeError(f"stream {c} ended with {await call.code()}")
 
         started = time.perf_counter()
+        until = started + seconds
         await asyncio.gather(*(client(c) for c in range(clients)))
         elapsed = time.perf_counter() - started
     return _summary(latencies, batch_sizes, elapsed, codes=codes, lost=lost,
-                    degraded_at=degraded_at)  # fmt: skip
+                    degraded_at=degraded_at, build_cpu_s=build_cpu_s)  # fmt: skip
 
 
 def _summary(
@@ -480,10 +489,10 @@ def merged_runs(runs: list[dict[str, Any]], elapsed: float) -> dict[str, Any]:
 
 def _hammer_in_worker(args: tuple[Any, ...]) -> tuple[dict[str, Any], float]:
     """`hammer(*args)` in a load-generating process of a `ClientPool`: its result, and the CPU
-    seconds this process spent on it."""
+    seconds this process spent calling (building the requests left out)."""
     started = time.process_time()
     result = asyncio.run(hammer(*args))
-    return result, time.process_time() - started
+    return result, time.process_time() - started - result["build_cpu_s"]
 
 
 class ClientPool:
@@ -509,17 +518,18 @@ class ClientPool:
             self.pool.shutdown()
 
     def hammer(
-        self, address: str, model: str, clients: int, per_client: int, tag: str, transport: str
-    ) -> tuple[dict[str, Any], float]:
+        self, address: str, model: str, clients: int, per_client: int, tag: str, transport: str,
+        seconds: float = 0.0,
+    ) -> tuple[dict[str, Any], float]:  # fmt: skip
         """One round: `hammer`'s result over all the callers (elapsed: the slowest process's),
         and the CPU seconds the load generator's processes spent on it."""
         if self.pool is None:
             started = process_cpu_s(os.getpid())
             result = asyncio.run(hammer(address, model, clients, per_client, tag,
-                                        transport=transport))  # fmt: skip
-            return result, process_cpu_s(os.getpid()) - started
+                                        transport=transport, seconds=seconds))  # fmt: skip
+            return result, process_cpu_s(os.getpid()) - started - result["build_cpu_s"]
         shares = [clients // self.procs + (k < clients % self.procs) for k in range(self.procs)]
-        jobs = [(address, model, n, per_client, f"{tag}w{k}", False, transport)
+        jobs = [(address, model, n, per_client, f"{tag}w{k}", False, transport, seconds)
                 for k, n in enumerate(shares) if n]  # fmt: skip
         parts = list(self.pool.map(_hammer_in_worker, jobs))
         results = [result for result, _cpu in parts]
@@ -528,25 +538,28 @@ class ClientPool:
 
 
 def interleaved(
-    sides: dict[str, tuple[GatewayProc, str]], model: str, per_client: int, tag: str,
-    rounds: int, load: ClientPool,
+    sides: dict[str, tuple[GatewayProc, str]], model: str, round_s: float, most: int,
+    tag: str, rounds: int, load: ClientPool,
 ) -> dict[str, dict[str, Any]]:  # fmt: skip
     """Part (1)'s runs in turns: `rounds` rounds of 64 clients against each side (a gateway,
-    and how its clients call: one of `TRANSPORTS`), in the order of `sides` and then reversed, and so
-    on, so that a drift of this machine's speed (seen here: 30% within a few minutes) weighs on
-    all alike. Returns each side's runs merged, with the CPU its rounds cost per sample: the load
-    generator's (`load`'s processes), the gateway process's (RPC, tokens, batching) and its model
-    engine's."""
+    and how its clients call: one of `TRANSPORTS`), in the order of `sides` and then reversed,
+    and so on, so that a drift of this machine's speed (seen here: 30% within a few minutes)
+    weighs on all alike. A round lasts `round_s` seconds whichever side it is (each caller
+    sends at most `most` requests): a round of equal counts is over for the batched side in a
+    fraction of the one-per-batch side's time, so opening 64 streams and the first and last
+    batches, which batch little, weighed on the batched side alone (rounds of 4 requests per
+    caller measured it 15-20% slower than rounds of 30-60). Returns each side's runs merged,
+    with the CPU its rounds cost per sample: the load generator's (`load`'s processes), the
+    gateway process's (RPC, tokens, batching) and its model engine's."""
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
     spent = {name: [0.0, 0.0, 0.0] for name in sides}
-    share = max(1, per_client // rounds)
     for i in range(rounds):
         for name in list(sides) if i % 2 == 0 else reversed(sides):
             gw, transport = sides[name]
             address = gw.http_address if transport == "http" else gw.address
             before = (process_cpu_s(gw.pid), gateway_cpu_s(gw.pid))
-            result, load_cpu = load.hammer(address, model, CLIENTS, share,
-                                              f"{tag}{name}{i}", transport)  # fmt: skip
+            result, load_cpu = load.hammer(address, model, CLIENTS, most,
+                                           f"{tag}{name}{i}", transport, round_s)  # fmt: skip
             runs[name].append(result)
             after = (process_cpu_s(gw.pid), gateway_cpu_s(gw.pid))
             spent[name] = [spent[name][0] + load_cpu,
@@ -806,6 +819,9 @@ def main() -> int:
     quick, full = (8, 64, 40, 8), (40, 256, 200, 64)
     per_client, episodes, lone, sync_episodes = quick if args.quick else full
     rounds = 2 if args.quick else 4
+    # Part (1)'s rounds: seconds each, and the most requests a caller sends in one (a bound
+    # the fastest side, a GPU's over HTTP, does not reach within the round).
+    round_s, most = (0.75, 64) if args.quick else (2.0, 256)
     # Eight waves of `slots` episodes: the first fills the fleet (the warm parent's warm-up,
     # its pool) and the last drains it, so fewer waves would measure mostly filling and draining.
     fleet_episodes = 32 if args.quick else max(128, 8 * args.slots)
@@ -839,7 +855,7 @@ def main() -> int:
                 if args.device.startswith("cuda") else contextlib.nullcontext([])
             )  # fmt: skip
             with watch as gpu_util:
-                part1 = interleaved(sides, BENCH_MODEL, per_client, "", rounds, clients)
+                part1 = interleaved(sides, BENCH_MODEL, round_s, most, "", rounds, clients)
             single, batched = part1["single"], part1["batched"]
             single_unary, batched_unary = part1["single_unary"], part1["batched_unary"]
             single_http, batched_http = part1.get("single_http"), part1.get("batched_http")
@@ -903,7 +919,7 @@ def main() -> int:
                 half.update(
                     interleaved(
                         {"single": (one16, "stream"), "batched": (gw16, "stream")},
-                        BENCH_MODEL, per_client, "h", rounds, clients,
+                        BENCH_MODEL, round_s, most, "h", rounds, clients,
                     )
                 )  # fmt: skip
             half["ceiling"] = model_ceiling(
@@ -923,13 +939,19 @@ def main() -> int:
         capacity = (mem.weights_bytes + 64 * mem.activation_bytes_per_sample) / 2**20
         loads: dict[float, dict[str, Any]] = {}
         with GatewayProc.together(
-            GatewayProc(**shipped, batch={**batched_cfg, "max_batch": 1}),
+            GatewayProc(**shipped, batch={**batched_cfg, "max_batch": 1}, http=True),
             # Without the engine's packed copy of the weights: whether it makes one is timed
             # at load, and the budget must mean 64 samples whatever this machine's timings were.
             GatewayProc(**common, batch={**batched_cfg, "max_batch": 256},
                         capacity_mib=capacity, pack_weights=False),
         ) as (small, mgw):  # fmt: skip
-            lone_small = asyncio.run(hammer(small.address, "gridworld-policy", 1, lone, "sm"))
+            lone_small = {
+                transport: asyncio.run(
+                    hammer(small.http_address if transport == "http" else small.address,
+                           "gridworld-policy", 1, lone, f"sm{transport}", transport=transport)
+                )
+                for transport in ("http", "stream", "unary")
+            }  # fmt: skip
             small.__exit__()
             for factor in (0.5, 0.75, 1.0, 1.5, 2.0, 3.0):
                 loads[factor] = asyncio.run(
@@ -947,7 +969,7 @@ def main() -> int:
         below = [r for f, r in loads.items() if f < 0.9]
         refused_below = sum(sum(r["codes"].values()) for r in below)
         offered_below = sum(r["answered"] + sum(r["codes"].values()) for r in below)
-    overhead = lone_small["p50_ms"] - model_p50
+    overhead = {transport: run["p50_ms"] - model_p50 for transport, run in lone_small.items()}
     out = {
         "batching_gain": batched["rate"] / single["rate"],
         "batching_gain_unary": batched_unary["rate"] / single_unary["rate"],
@@ -969,12 +991,16 @@ def main() -> int:
         "false_refusal_rate": refused_below / max(1, offered_below),
         "failover_s": failover_s,
         "lost_requests": fail["lost"],
-        "pipeline_gain": whole["traj_s"] / whole["sync_traj_s"] if whole else None,
-        "pipeline_gain_warm": warm["traj_s"] / warm["sync_traj_s"] if warm else None,
+        # The fleet's pipeline as its evaluations run it (`fleet demo`): each episode a warm
+        # parent's child; and with a fresh machine of its own per episode.
+        "pipeline_gain": warm["traj_s"] / warm["sync_traj_s"] if warm else None,
+        "pipeline_gain_fresh": whole["traj_s"] / whole["sync_traj_s"] if whole else None,
         "gateway_pipeline_gain": traj_s / syncs[0][0],
-        "overhead_ms_per_action": overhead,
-        "fleet_cpu_ms_per_action": whole["cpu_ms"]["total"] if whole else None,
-        "warm_cpu_ms_per_action": warm["cpu_ms"]["total"] if warm else None,
+        "overhead_ms_per_action": overhead["http"],
+        "overhead_ms_per_action_stream": overhead["stream"],
+        "overhead_ms_per_action_unary": overhead["unary"],
+        "fleet_cpu_ms_per_action": warm["cpu_ms"]["total"] if warm else None,
+        "fresh_cpu_ms_per_action": whole["cpu_ms"]["total"] if whole else None,
         "sync_cpu_ms_per_action": sync_cpu_ms,
         "batched_cpu_us_per_sample": round(sum(batched["cpu_us"].values()), 1),
         "batched_cpu_us_per_sample_unary": round(sum(batched_unary["cpu_us"].values()), 1),
@@ -1045,8 +1071,9 @@ def main() -> int:
     if args.skip_fleet:
         print("(4) trajectories/s: the fleet end to end: left out (--skip-fleet)")
     else:
-        for title, run in (("(4) trajectories/s: the fleet end to end vs synchronous", whole),
-                           ("    the same, episodes as warm parents' children", warm)):  # fmt: skip
+        # First as `fleet demo` runs episodes: each a warm parent's child.
+        for title, run in (("(4) trajectories/s, the fleet (warm children) vs sync", warm),
+                           ("    the same, each episode a fresh machine of its own", whole)):  # fmt: skip
             base, base_cpu = run["sync_traj_s"], run["sync_cpu_ms"]
             print(f"{title:<{w}}{run['traj_s']:>12.1f}{base:>12.1f}{run['traj_s'] / base:>8.1f}x")
             cpu = run["cpu_ms"]
@@ -1075,8 +1102,12 @@ def main() -> int:
           "mean of the two beside it)")  # fmt: skip
     print(f"{'    only the gateway: 64 in-process episode loops, 1 stream':<{w}}"
           f"{traj_s:>12.1f}{syncs[0][0]:>12.1f}{out['gateway_pipeline_gain']:>8.1f}x")  # fmt: skip
-    print(f"{'    ms per action (shipped policy): via gateway vs bare call':<{w}}"
-          f"{lone_small['p50_ms']:>12.2f}{model_p50:>12.2f}{overhead:>+8.2f}ms")  # fmt: skip
+    for transport, label in (("http", "ms per action, shipped policy: HTTP (machines) vs bare"),
+                             ("stream", "  the same on an InferStream"),
+                             ("unary", "  the same as unary Infer calls")):  # fmt: skip
+        print(f"{'    ' + label:<{w}}"
+              f"{lone_small[transport]['p50_ms']:>12.2f}{model_p50:>12.2f}"
+              f"{overhead[transport]:>+8.2f}ms")  # fmt: skip
     print(
         f"(primary {args.device}, torch {args.threads} CPU thread(s) per gateway; "
         f"model {BENCH_MODEL} "
