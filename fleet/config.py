@@ -26,6 +26,21 @@ class Paths:
     def machines(self) -> Path:
         return self.home / "machines"
 
+    @property
+    def ca(self) -> Path:
+        """The fleet CA (`ca.key`, mode 0600, and `ca.crt`): on the server's host only."""
+        return self.home / "ca"
+
+    @property
+    def admin_key(self) -> Path:
+        """An admin API key for the local user (mode 0600), found by the CLI."""
+        return self.home / "admin.key"
+
+    @property
+    def host_identity(self) -> Path:
+        """This host's key, certificate and CA after `fleet agent --join`."""
+        return self.home / "host"
+
     def token_secret(self) -> bytes:
         """The key the server signs inference tokens with and the gateway checks them with.
 

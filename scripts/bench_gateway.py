@@ -679,7 +679,7 @@ async def fleet_pipeline(
             paths, Path(tmp) / "ledger.sqlite3", gpu_agents=0, cpu_agents=1, runtime="namespace",
             slots=slots, config=ServerConfig(token_secret=SECRET), gateway=("host", http_port),
         ) as fleet:  # fmt: skip
-            async with grpc.aio.insecure_channel(fleet.address) as channel:
+            async with fleet.channel() as channel:
                 stub = fleet_pb2_grpc.FleetServiceStub(channel)
                 run = uuid.uuid4().hex[:8]
                 cpu_before = (all_machines_cpu_seconds(), gateway_cpu_s(gateway_pid), busy_cpu_s())

@@ -11,7 +11,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import structlog
@@ -21,20 +21,23 @@ from fleet.agent import journal
 from fleet.agent.capabilities import RuntimeChoice, capabilities, make_runtime
 from fleet.agent.checkpoints import RELAY_ADDRESS, RETRYABLE, CheckpointRelay, CheckpointSender
 from fleet.agent.journal import AttemptJournal
+from fleet.agent.link import Link
 from fleet.agent.passage import CHECKPOINTS_SOCKET, GATEWAY_SOCKET, GatewaySplice, child_address
 from fleet.core.errors import (
     ErrorCode,
     FailedPrecondition,
     FleetError,
     InvalidArgument,
+    Unauthenticated,
     Unavailable,
 )
 from fleet.core.lifecycle import Outcome
 from fleet.core.manifest import Step
-from fleet.core.placement import HostCapabilities, HostClass
+from fleet.core.placement import HostCapabilities, HostClass, Isolation
 from fleet.core.policy import EffectiveEgress, effective_egress
 from fleet.core.rollout import Assignment, Completion, StepResult
 from fleet.core.smolfile import Smolfile
+from fleet.identity.tls import HostFiles, HostIdentityMaterial
 from fleet.image.store import ImageStore
 from fleet.runtime.base import Leftover, Machine, MachineSpec, Runtime, resolve_secrets
 from fleet.runtime.namespace import NamespaceRuntime
@@ -46,6 +49,7 @@ from fleet.server.convert import MAX_EGRESS_EVENTS
 log = structlog.get_logger(__name__)
 
 INIT_TIMEOUT_S = 300.0
+REFUSED = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
 R = TypeVar("R")
 
 
@@ -70,6 +74,10 @@ class AgentConfig:
     """Where machine links end and which resolver the DNS forwarder asks (namespace runtime)."""
     gateway: tuple[str, int] | None = None
     """The inference gateway's HTTP endpoint as machines reach it ("host": this host)."""
+    identity: HostIdentityMaterial | None = None
+    """This host's certificate and the CA, for a server with TLS (None: a server without)."""
+    identity_files: HostFiles | None = None
+    """Where the identity lives, rewritten at renewal."""
 
 
 @dataclass
@@ -88,6 +96,11 @@ class _Running:
 
 class Agent:
     def __init__(self, config: AgentConfig) -> None:
+        if config.identity is not None and config.identity.host_id != config.host_id:
+            raise FailedPrecondition(
+                f"host id {config.host_id!r} is not the one this host's certificate names "
+                f"({config.identity.host_id!r})"
+            )
         self.config = config
         self.runtime: Runtime = make_runtime(config.runtime, config.machines_dir, config.net)
         self.caps: HostCapabilities = capabilities(
@@ -101,12 +114,15 @@ class Agent:
         self._parents: dict[str, NamespaceParent] = {}
         self._parents_lock = asyncio.Lock()
         self._heartbeat_s = 3.0
+        self.refused = ""
+        """Why the server stopped accepting this host ("": it has not)."""
         self.journal_dir = config.machines_dir.parent / "journal" / config.host_id
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serves until `stop` is set; running work is finished first."""
-        async with grpc.aio.insecure_channel(self.config.server) as channel:
-            stub = host_pb2_grpc.HostServiceStub(channel)
+        link = Link(self.config.server, self.config.identity, self.config.identity_files)
+        async with link:
+            stub: Any = link
             self._stub = stub
             self._checkpoints = CheckpointSender(stub)
             await self._register(stub, stop)
@@ -114,6 +130,7 @@ class Agent:
             reaped = await self.runtime.reap(self.caps.host_id, keep=adopted)
             if reaped:
                 self.log.info("orphans_reaped", machines=reaped)
+            renewals = asyncio.create_task(link.renewals(stop))
             beat = asyncio.create_task(self._heartbeats(stub, stop))
             try:
                 await self._claim_loop(stub, stop)
@@ -122,11 +139,16 @@ class Agent:
                     await asyncio.gather(*tasks, return_exceptions=True)
             finally:
                 beat.cancel()
+                renewals.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await beat
+                with contextlib.suppress(asyncio.CancelledError):
+                    await renewals
                 for parent in list(self._parents.values()):  # children went with their work
                     await parent.delete()
                 self._parents.clear()
+        if self.refused:
+            raise Unauthenticated(f"the server refused host {self.caps.host_id!r}: {self.refused}")
 
     async def _register(self, stub: host_pb2_grpc.HostServiceStub, stop: asyncio.Event) -> None:
         request = host_pb2.RegisterHostRequest(
@@ -288,6 +310,14 @@ class Agent:
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     await self._register(stub, stop)  # the server forgot us (a new ledger)
                     continue
+                if exc.code() in REFUSED:
+                    # Revoked, or no longer trusted: the server has released this host's
+                    # leases already; stop the work here and end, saying why.
+                    self.refused = exc.details() or exc.code().name
+                    self.log.error("agent_refused", code=exc.code().name, error=self.refused)
+                    for work_id in list(self._running):
+                        self._stop(work_id, f"the server refused this host: {self.refused}")
+                    break
                 self.log.warning("claim_failed", code=exc.code().name, error=exc.details())
                 await asyncio.sleep(1.0)
                 continue
@@ -433,6 +463,19 @@ class Agent:
             log_.exception("machine_delete_failed", machine=machine.name)
         return completion
 
+    def _cannot_honour(self, a: Assignment) -> str:
+        """Why this host's own runtime cannot give the rollout what it requires ("": it can)."""
+        needs = a.manifest.requirements
+        isolation = self.runtime.isolation
+        if needs.isolation == Isolation.VM and isolation != Isolation.VM:
+            return (f"the rollout requires vm isolation and this host's runtime gives "
+                    f"{isolation.value}")  # fmt: skip
+        if needs.cuda_device and self.caps.cuda_devices < 1:
+            return "the rollout requires a CUDA device and this host has none"
+        if needs.inference and self.config.gateway is None:
+            return "the rollout calls the inference gateway and this host knows of none"
+        return ""
+
     async def _attempt(self, running: _Running, log_: structlog.BoundLogger) -> Completion:
         a = running.assignment
         runtime_name, device = self.caps.runtime.value, self._device(a)
@@ -453,6 +496,12 @@ class Agent:
 
         machine: Machine | None = None
         rootfs_ready = False
+        unmet = self._cannot_honour(a)
+        if unmet:
+            # A host that registered as more than it is (or a server that placed it wrongly)
+            # must not run it: another host is tried.
+            log_.error("requirement_unmet", reason=unmet)
+            return report(Outcome.TRANSIENT_ERROR, f"host {self.caps.host_id}: {unmet}")
         try:
             parsed = a.manifest.parsed_smolfile()
             egress = effective_egress(parsed.spec, runtime_name)

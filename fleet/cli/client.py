@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import tomllib
 import uuid
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from fleet._proto.fleet.v1 import fleet_pb2, types_pb2
+from fleet.config import Paths
 from fleet.core.errors import InvalidArgument
 from fleet.core.smolfile import load_smolfile
 
@@ -122,3 +127,69 @@ async def list_all(stub: Any, labels: dict[str, str]) -> list[types_pb2.Rollout]
         token = reply.next_page_token
         if not token:
             return rollouts
+
+
+# -- credentials -------------------------------------------------------------------------------
+
+
+class _Bearer:
+    """Adds `authorization: Bearer <API key>` to every call."""
+
+    def __init__(self, key: str) -> None:
+        self._pair = ("authorization", f"Bearer {key}")
+
+    def _details(self, details: Any) -> Any:
+        metadata = [*(details.metadata or ()), self._pair]
+        return grpc.aio.ClientCallDetails(
+            details.method, details.timeout, metadata, details.credentials,
+            details.wait_for_ready,
+        )  # fmt: skip
+
+
+# A channel files an interceptor under one kind only, so each kind has its own class.
+class _BearerUnary(_Bearer, grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+
+class _BearerStream(_Bearer, grpc.aio.UnaryStreamClientInterceptor):  # type: ignore[misc]
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+
+@dataclass(frozen=True)
+class ClientAuth:
+    """How the CLI reaches a server: its CA (None: no TLS) and an API key ("": none)."""
+
+    ca_pem: bytes | None
+    key: str
+
+    @classmethod
+    def find(
+        cls, home: Path, *, ca: str = "", key: str = "", plaintext: bool = False
+    ) -> ClientAuth:
+        """--ca, else $FLEET_CA, else `$FLEET_HOME/ca/ca.crt` when it exists (no TLS without
+        one, or with --plaintext); --key, else $FLEET_KEY, else `$FLEET_HOME/admin.key` when it
+        exists (written by `fleet up` and by `fleet serve` on first start)."""
+        ca_pem: bytes | None = None
+        if not plaintext:
+            path = ca or os.environ.get("FLEET_CA", "")
+            if path:
+                try:
+                    ca_pem = Path(path).read_bytes()
+                except OSError as exc:
+                    raise InvalidArgument(f"--ca {path}: cannot read: {exc}") from None
+            elif (Paths(home, home).ca / "ca.crt").exists():
+                ca_pem = (Paths(home, home).ca / "ca.crt").read_bytes()
+        key = key or os.environ.get("FLEET_KEY", "")
+        admin = Paths(home, home).admin_key
+        if not key and admin.exists():
+            key = admin.read_text().strip()
+        return cls(ca_pem, key)
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        interceptors = [_BearerUnary(self.key), _BearerStream(self.key)] if self.key else []
+        if self.ca_pem is None:
+            return grpc.aio.insecure_channel(address, interceptors=interceptors)
+        credentials = grpc.ssl_channel_credentials(root_certificates=self.ca_pem)
+        return grpc.aio.secure_channel(address, credentials, interceptors=interceptors)

@@ -11,8 +11,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import grpc
-
 from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
 from fleet.agent.agent import default_host_id
 from fleet.agent.capabilities import make_runtime
@@ -69,12 +67,17 @@ async def _wait_hosts(fleet_core: Core, want: int, timeout_s: float) -> None:
 DOOMED = f"{default_host_id(HostClass.CPU, 9)}-doomed"
 
 
-async def _start_doomed_agent(fleet: Fleet, machines: Path) -> asyncio.subprocess.Process:
-    """One more cpu agent, as its own process: the host the demo will lose."""
+async def _start_doomed_agent(
+    fleet: Fleet, paths: Paths, machines: Path
+) -> asyncio.subprocess.Process:
+    """One more cpu agent, as its own process: the host the demo will lose. It joins the
+    fleet as a cloud host would, with a one-use join token."""
     return await asyncio.create_subprocess_exec(
         sys.executable, "-m", "fleet.cli.main", "--log-level", "error", "agent",
         "--class", "cpu", "--runtime", fleet.runtime.kind.value, "--server", fleet.address,
         "--host-id", DOOMED, "--slots", "2", "--machines-dir", str(machines),
+        "--join", fleet.join_token(HostClass.CPU), "--ca", str(paths.ca / "ca.crt"),
+        "--identity-dir", str(machines.parent / "doomed-identity"),
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
     )  # fmt: skip
 
@@ -153,11 +156,11 @@ async def _run(
                 f"CUDA work runs on: {gpu.caps.device}"
             )
             machines = Path(tmp) / "machines"
-            doomed = await _start_doomed_agent(fleet, machines)
+            doomed = await _start_doomed_agent(fleet, paths, machines)
             await _wait_hosts(fleet.server.core, len(fleet.agents) + 1, 60)
             items = suite()
             started = time.monotonic()
-            async with grpc.aio.insecure_channel(fleet.address) as channel:
+            async with fleet.channel() as channel:
                 stub = fleet_pb2_grpc.FleetServiceStub(channel)
                 ids: dict[str, str] = {}
                 for item in items:
@@ -209,7 +212,7 @@ async def _run(
                 print(f"host loss: {await loss}")
             _summary(rollouts, ids, wall)
             left = max(60.0, timeout_s - wall)
-            return int(await evaluate(fleet.address, gateway, run_id, out_dir, episodes, left))
+            return int(await evaluate(fleet.channel, gateway, run_id, out_dir, episodes, left))
 
 
 def _summary(rollouts: list[types_pb2.Rollout], names: dict[str, str], wall_s: float) -> None:

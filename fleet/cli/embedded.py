@@ -5,17 +5,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+
 from fleet.agent.agent import Agent, AgentConfig, default_host_id
-from fleet.agent.capabilities import RuntimeChoice, choose_runtime
+from fleet.agent.capabilities import RuntimeChoice, capabilities, choose_runtime
+from fleet.cli.client import ClientAuth
 from fleet.config import Paths
+from fleet.core.credentials import format_join_token
 from fleet.core.placement import HostClass
+from fleet.identity.ca import CertificateAuthority
+from fleet.identity.local import ensure_admin_key, local_host_identity
 from fleet.image.store import ImageStore
 from fleet.ledger.store import Ledger
 from fleet.server.app import FleetServer, ServerConfig
+from fleet.server.auth import Security
 
 
 @dataclass
@@ -23,10 +31,23 @@ class Fleet:
     server: FleetServer
     agents: list[Agent]
     runtime: RuntimeChoice
+    auth: ClientAuth
+    """How a client of this fleet connects: its CA and the local admin key."""
 
     @property
     def address(self) -> str:
         return self.server.address
+
+    def channel(self) -> grpc.aio.Channel:
+        """A channel to the server's API, with TLS and the local admin key."""
+        return self.auth.channel(self.address)
+
+    def join_token(self, host_class: HostClass) -> str:
+        """A one-use join token, for an agent started as a process of its own."""
+        _, presented = self.server.core.ledger.identities.create_join_token(
+            host_class, {}, 3600, 1, time.time()
+        )
+        return format_join_token(presented)
 
 
 @contextlib.asynccontextmanager
@@ -47,30 +68,46 @@ async def embedded_fleet(
     config = config or ServerConfig()
     if not config.token_secret:
         config = dataclasses.replace(config, token_secret=paths.token_secret())
-    server = FleetServer(Ledger.sqlite(db), images, listen, config)
+    # TLS and keys even on loopback: the CA, the admin key and the agents' certificates are
+    # made here, so the embedded default needs no set-up and runs the path cloud hosts run.
+    ca = await asyncio.to_thread(CertificateAuthority.load_or_init, paths.ca)
+    ledger = Ledger.sqlite(db)
+    server = FleetServer(ledger, images, listen, config, Security(ca))
     await server.start()
+    await asyncio.to_thread(ensure_admin_key, paths, ledger)
     stop = asyncio.Event()
     agents: list[Agent] = []
     for host_class, count in ((HostClass.GPU, gpu_agents), (HostClass.CPU, cpu_agents)):
         for index in range(count):
+            host_id = default_host_id(host_class, index)
+            # CUDA remoting shares one GPU: a gpu host is single-tenant.
+            host_slots = 1 if host_class == HostClass.GPU else slots
+            caps = capabilities(host_id, host_class, choice, host_slots).model_copy(
+                update={"gateway": gateway is not None}
+            )
+            identity = await asyncio.to_thread(
+                local_host_identity, ca, ledger, caps, server.address, server.core.host_port
+            )
             agents.append(
                 Agent(
                     AgentConfig(
                         server=server.address,
-                        host_id=default_host_id(host_class, index),
+                        host_id=host_id,
                         host_class=host_class,
                         runtime=choice,
                         machines_dir=paths.machines,
                         images=images,
-                        # CUDA remoting shares one GPU: a gpu host is single-tenant.
-                        slots=1 if host_class == HostClass.GPU else slots,
+                        slots=host_slots,
                         gateway=gateway,
+                        identity=identity,
                     )
                 )
             )
     tasks = [asyncio.create_task(a.run(stop)) for a in agents]
     try:
-        yield Fleet(server, agents, choice)
+        yield Fleet(
+            server, agents, choice, ClientAuth.find(paths.home, ca=str(paths.ca / "ca.crt"))
+        )
     finally:
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)

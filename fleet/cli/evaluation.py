@@ -15,6 +15,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,8 +78,8 @@ def _bar(done: int, total: int, extra: str, width: int = 32) -> str:
 
 
 async def evaluate(
-    address: str, handle: GatewayHandle, run_id: str, out_dir: Path, episodes: int,
-    timeout_s: float,
+    connect: Callable[[], grpc.aio.Channel], handle: GatewayHandle, run_id: str, out_dir: Path,
+    episodes: int, timeout_s: float,
 ) -> int:  # fmt: skip
     gw = handle.gateway
     spec = gw.spec
@@ -92,7 +93,7 @@ async def evaluate(
     samples: list[tuple[float, int, int]] = []
     served_before, busy_before = gw.batcher.metrics.served, gw.batcher.metrics.busy_s
     sizes_before = dict(gw.batcher.metrics.batch_sizes)
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with connect() as channel:
         stub = fleet_pb2_grpc.FleetServiceStub(channel)
         ids: dict[str, int] = {}
         started = time.monotonic()

@@ -16,9 +16,13 @@ import grpc
 
 from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
 from fleet.cli import client, logs
+from fleet.cli.admin import add_commands as add_admin_commands
+from fleet.cli.admin import duration_s
 from fleet.config import Paths
 from fleet.core.errors import FleetError, InvalidArgument
+from fleet.identity.local import ensure_admin_key
 from fleet.runtime.netns import NetConfig
+from fleet.server.auth import Security
 
 DEFAULT_SERVER = "127.0.0.1:50051"
 STATE_NAMES = {v: k.removeprefix("ROLLOUT_STATE_") for k, v in types_pb2.RolloutState.items()}
@@ -48,11 +52,14 @@ async def cmd_serve(args: argparse.Namespace) -> int:
     from fleet.server.app import FleetServer, ServerConfig
 
     paths = Paths.from_env()
+    security = serve_security(args, paths)
+    ledger = Ledger.open(args.db or str(_default_db(paths)))
     server = FleetServer(
-        Ledger.open(args.db or str(_default_db(paths))),
+        ledger,
         ImageStore(paths.images, paths.recipes),
         args.listen,
-        ServerConfig(
+        security=security,
+        config=ServerConfig(
             lease_ttl_s=args.lease_ttl_s,
             heartbeat_interval_s=args.heartbeat_s,
             token_secret=Paths.from_env().token_secret(),
@@ -62,10 +69,48 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         ),
     )
     await server.start()
-    print(f"fleet server listening on {server.address}", flush=True)
+    if security is None:
+        print(
+            f"fleet server listening on {server.address} WITHOUT TLS OR AUTHENTICATION: any "
+            "caller that reaches it may act as any tenant or host",
+            flush=True,
+        )
+    else:
+        wrote = await asyncio.to_thread(ensure_admin_key, paths, ledger)
+        print(
+            f"fleet server listening on {server.address} (TLS, API keys); hosts call "
+            f"{server.host_address} (mutual TLS); CA {security.ca.fingerprint}"
+            + (f"; an admin key for this user is in {paths.admin_key}" if wrote else ""),
+            flush=True,
+        )
     await _until_signalled(asyncio.Event())
     await server.stop()
     return 0
+
+
+def serve_security(args: argparse.Namespace, paths: Paths) -> Security | None:
+    """TLS and authentication with --tls, and always beyond loopback; none on loopback without
+    --tls, or anywhere with --insecure (said loudly)."""
+    from fleet.identity.ca import CertificateAuthority
+    from fleet.identity.tls import is_loopback, split_address
+
+    host, _ = split_address(args.listen)
+    if args.insecure:
+        if args.tls:
+            raise SystemExit("fleet serve: --tls and --insecure contradict each other")
+        return None
+    if not args.tls and is_loopback(host):
+        return None
+    if not CertificateAuthority.exists(paths.ca):
+        why = "--tls" if args.tls else f"listening on {args.listen}, beyond loopback,"
+        raise SystemExit(
+            f"fleet serve: {why} needs the fleet CA: run `fleet ca init` first "
+            "(or --insecure to serve without TLS or authentication)"
+        )
+    return Security(
+        CertificateAuthority.load(paths.ca), host_listen=args.host_listen, san=args.san,
+        host_cert_ttl_s=duration_s(args.host_cert_ttl),
+    )  # fmt: skip
 
 
 def net_config(uplink: str, dns: str) -> NetConfig:
@@ -137,25 +182,58 @@ def gateway_endpoint(text: str) -> tuple[str, int] | None:
 
 async def cmd_agent(args: argparse.Namespace) -> int:
     from fleet.agent.agent import Agent, AgentConfig, default_host_id
-    from fleet.agent.capabilities import choose_runtime
+    from fleet.agent.capabilities import capabilities, choose_runtime
+    from fleet.agent.link import enroll
     from fleet.core.placement import HostClass
+    from fleet.identity.tls import HostFiles
     from fleet.image.store import ImageStore
 
     paths = Paths.from_env()
     images = ImageStore(paths.images, paths.recipes)
     choice = choose_runtime(args.runtime, paths.home, images)
     host_class = HostClass(args.host_class)
+    host_id = args.host_id or default_host_id(host_class)
+    gateway = gateway_endpoint(args.gateway)
+    files = HostFiles(Path(args.identity_dir) if args.identity_dir else paths.host_identity)
+    identity = None
+    if files.exists():
+        identity = files.load()
+        if not identity.valid():
+            raise SystemExit(
+                f"fleet agent: this host's certificate ({files.cert}) expired at "
+                f"{identity.not_after:.0f}; enroll again with a new --join token after "
+                f"removing {files.directory}"
+            )
+        if args.host_id and args.host_id != identity.host_id:
+            raise SystemExit(
+                f"fleet agent: {files.directory} holds host {identity.host_id!r}'s identity, "
+                f"not {args.host_id!r}'s: drop --host-id, or use another --identity-dir"
+            )
+        host_id = identity.host_id
+        if args.join:
+            print(f"fleet agent: enrolled already as {host_id}; the join token was not used",
+                  flush=True)  # fmt: skip
+    elif args.join:
+        caps = capabilities(host_id, host_class, choice, args.slots).model_copy(
+            update={"gateway": gateway is not None}
+        )
+        ca_pem = await asyncio.to_thread(Path(args.ca).read_bytes) if args.ca else b""
+        identity = await enroll(args.server, args.join, host_id, caps, files,
+                                ca_fingerprint=args.ca_fingerprint, ca_pem=ca_pem)  # fmt: skip
+        print(f"fleet agent: enrolled as {host_id}; identity in {files.directory}", flush=True)
     agent = Agent(
         AgentConfig(
             server=args.server,
-            host_id=args.host_id or default_host_id(host_class),
+            identity=identity,
+            identity_files=files if identity is not None else None,
+            host_id=host_id,
             host_class=host_class,
             runtime=choice,
             machines_dir=Path(args.machines_dir) if args.machines_dir else paths.machines,
             images=images,
             slots=args.slots,
             net=net_config(args.egress_uplink, args.egress_dns),
-            gateway=gateway_endpoint(args.gateway),
+            gateway=gateway,
         )
     )
     print(f"fleet agent: {host_class}-class, runtime {choice.kind} ({choice.reason})", flush=True)
@@ -185,7 +263,10 @@ async def cmd_up(args: argparse.Namespace) -> int:
 
 
 def _stub(args: argparse.Namespace) -> tuple[grpc.aio.Channel, fleet_pb2_grpc.FleetServiceStub]:
-    channel = grpc.aio.insecure_channel(args.server)
+    auth = client.ClientAuth.find(
+        Paths.from_env().home, ca=args.ca, key=args.key, plaintext=args.plaintext
+    )
+    channel = auth.channel(args.server)
     return channel, fleet_pb2_grpc.FleetServiceStub(channel)
 
 
@@ -226,7 +307,7 @@ async def cmd_submit(args: argparse.Namespace) -> int:
     request = client.submit_request(
         args.smolfile,
         steps,
-        key=args.key,
+        key=args.idempotency_key,
         labels=client.parse_labels(args.label),
         deadline_s=args.deadline_s,
         max_attempts=args.max_attempts,
@@ -596,12 +677,27 @@ def build_parser() -> argparse.ArgumentParser:
         sp.set_defaults(fn=fn, default_log_level=log_level)
         return sp
 
-    def server_flag(sp: argparse.ArgumentParser) -> None:
+    def server_flag(sp: argparse.ArgumentParser, *, client_auth: bool = True) -> None:
         sp.add_argument(
             "--server",
             default=_server_default(),
             help=f"fleet server host:port (default $FLEET_SERVER or {DEFAULT_SERVER})",
         )
+        if not client_auth:
+            return
+        sp.add_argument(
+            "--key", default="",
+            help="API key (default $FLEET_KEY, else $FLEET_HOME/admin.key when it exists)",
+        )  # fmt: skip
+        sp.add_argument(
+            "--ca", default="",
+            help="the fleet CA's certificate, to verify the server with (default $FLEET_CA, "
+            "else $FLEET_HOME/ca/ca.crt when it exists; without one, no TLS)",
+        )  # fmt: skip
+        sp.add_argument(
+            "--plaintext", action="store_true",
+            help="no TLS (a server started with --insecure or without a CA)",
+        )  # fmt: skip
 
     sp = add("serve", cmd_serve, "run a fleet server", "info")
     sp.add_argument("--listen", default=DEFAULT_SERVER)
@@ -624,9 +720,36 @@ def build_parser() -> argparse.ArgumentParser:
         "--backpressure-depth", type=int, default=256,
         help="gateway queue depth at which rollouts that use it stop being started",
     )  # fmt: skip
+    sp.add_argument("--tls", action="store_true",
+                    help="TLS and authentication on a loopback address too (always on "
+                    "beyond loopback unless --insecure)")  # fmt: skip
+    sp.add_argument("--insecure", action="store_true",
+                    help="no TLS and no authentication, even beyond loopback: any caller may "
+                    "act as any tenant or host")  # fmt: skip
+    sp.add_argument("--host-listen", default="",
+                    help="host:port of the mutual-TLS endpoint hosts call (default: the "
+                    "--listen host, port 50054)")  # fmt: skip
+    sp.add_argument("--san", action="append", default=[],
+                    help="another name or address the server's certificate carries "
+                    "(repeatable; the listen addresses are always in it)")  # fmt: skip
+    sp.add_argument(
+        "--host-cert-ttl", default="24h",
+        help="life of the certificates hosts get (default 24h; renewed at 2/3)",
+    )  # fmt: skip
 
     sp = add("agent", cmd_agent, "run a host agent", "info")
-    server_flag(sp)
+    server_flag(sp, client_auth=False)
+    sp.add_argument("--join", default="", metavar="TOKEN",
+                    help="enroll with this join token (fleet host token create) unless this "
+                    "host holds a valid certificate already")  # fmt: skip
+    sp.add_argument("--ca-fingerprint", default="",
+                    help="sha256:… of the fleet CA, to pin it when enrolling "
+                    "(printed by fleet host token create)")  # fmt: skip
+    sp.add_argument("--ca", default="", help="the fleet CA's certificate, instead of a fingerprint")
+    sp.add_argument(
+        "--identity-dir", default="",
+        help="where this host keeps its key and certificate (default $FLEET_HOME/host)",
+    )  # fmt: skip
     sp.add_argument("--class", dest="host_class", choices=["gpu", "cpu"], required=True)
     sp.add_argument("--runtime", choices=["auto", "smol", "namespace"], default="auto")
     sp.add_argument("--slots", type=int, default=2, help="work items run at once")
@@ -702,7 +825,8 @@ def build_parser() -> argparse.ArgumentParser:
     group = sp.add_mutually_exclusive_group()
     group.add_argument("--step", action="append", default=[], help="a step command (repeatable)")
     group.add_argument("--plan", help="TOML plan file with [[steps]]")
-    sp.add_argument("--key", help="idempotency key (default: a new one)")
+    sp.add_argument("--idempotency-key", default=None,
+                    help="idempotency key (default: a new one)")  # fmt: skip
     sp.add_argument("--label", action="append", default=[], help="KEY=VALUE (repeatable)")
     sp.add_argument("--deadline-s", type=float, default=None)
     sp.add_argument("--max-attempts", type=int, default=0)
@@ -796,6 +920,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("old")
     d.add_argument("new")
 
+    add_admin_commands(add)
+
     sp = add("demo", cmd_demo, "evaluate the shipped suite on an embedded fleet", "error")
     sp.add_argument("--timeout-s", type=float, default=600.0)
     sp.add_argument("--out", default="fleet-demo-out", help="where the chart is written")
@@ -814,6 +940,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except grpc.aio.AioRpcError as exc:
         print(f"fleet {args.cmd}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        if exc.code() == grpc.StatusCode.UNAVAILABLE and "ssl" in (exc.details() or "").lower():
+            print(
+                "  (TLS failed: a server started without TLS, on loopback without --tls, needs "
+                "--plaintext; one with TLS needs the fleet CA: --ca FILE or $FLEET_CA)",
+                file=sys.stderr,
+            )
         return 2
     except KeyboardInterrupt:
         return 130

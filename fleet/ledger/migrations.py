@@ -55,6 +55,11 @@ def _checkpoint_budget(conn: Connection) -> None:
     )
 
 
+def _identity(conn: Connection) -> None:
+    for table in (tables.JoinTokenRow, tables.ApiKeyRow, tables.HostIdentityRow):
+        table.__table__.create(conn, checkfirst=True)  # type: ignore[union-attr]
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (
         1,
@@ -68,6 +73,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
         _needs_inference,
     ),
     (4, "a budget of checkpoint bytes per rollout", _checkpoint_budget),
+    (5, "identity: join tokens, tenants' API keys, enrolled and revoked hosts", _identity),
 ]
 LATEST = MIGRATIONS[-1][0]
 assert LATEST == tables.SCHEMA_VERSION

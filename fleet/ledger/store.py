@@ -10,6 +10,7 @@ import fcntl
 import hashlib
 import json
 import random
+import secrets
 import sqlite3
 import threading
 import uuid
@@ -36,6 +37,7 @@ from fleet.core.errors import (
     InvalidArgument,
     NotFound,
     ResourceExhausted,
+    Unauthenticated,
 )
 from fleet.core.lifecycle import Outcome, RolloutState, check_transition
 from fleet.core.manifest import Manifest, SubmitRequest
@@ -49,12 +51,14 @@ from fleet.core.rollout import (
     RolloutEvent,
     StepResult,
 )
+from fleet.ledger.identity import Identities
 from fleet.ledger.migrations import migrate
 from fleet.ledger.tables import (
     ArtifactRow,
     AttemptRow,
     EgressEventRow,
     EventRow,
+    HostIdentityRow,
     HostRow,
     ManifestRow,
     RolloutLabel,
@@ -120,6 +124,8 @@ def _marks(n: int) -> str:
 
 
 MAX_CHECKPOINT_BYTES = 1 << 20
+FENCING_STEP = 1 << 31
+"""A claim adds 1 plus a random number below this to the fencing token."""
 MAX_CHECKPOINT_BYTES_PER_ROLLOUT = 256 << 20
 """What one rollout's checkpoints may hold in all: code in a machine writes them, and must not
 fill the ledger's disk."""
@@ -235,6 +241,11 @@ class Ledger:
         self._lock_file: TextIO | None = None
         self.checkpoint_budget_bytes = MAX_CHECKPOINT_BYTES_PER_ROLLOUT
         self.schema_version = migrate(engine)
+        self.identities = Identities(self)
+
+    @property
+    def _lock_clause(self) -> str:
+        return " FOR UPDATE" if self._pg else ""
 
     @classmethod
     def sqlite(cls, path: Path) -> Ledger:
@@ -578,16 +589,20 @@ class Ledger:
             return self._view(s, self._rollout_row(s, rollout_id))
 
     def list_rollouts(
-        self, page_size: int, page_token: str, labels: dict[str, str], could_reach: str = ""
-    ) -> tuple[list[Rollout], str]:
+        self, page_size: int, page_token: str, labels: dict[str, str], could_reach: str = "",
+        *, tenant: str | None = None,
+    ) -> tuple[list[Rollout], str]:  # fmt: skip
         """Rollouts newest first; the token is the last seq of the previous page.
 
-        `could_reach` keeps only rollouts whose machine's effective egress allowed that host.
+        `could_reach` keeps only rollouts whose machine's effective egress allowed that host;
+        `tenant` only that tenant's (None: every tenant's).
         """
         if page_size < 0:
             raise InvalidArgument(f"page_size must not be negative, got {page_size}")
         size = min(page_size or 50, 500)
         query = select(RolloutRow)
+        if tenant is not None:
+            query = query.where(RolloutRow.tenant == tenant)
         if page_token:
             try:
                 before = int(page_token)
@@ -715,7 +730,12 @@ class Ledger:
 
     def hosts(self) -> list[HostCapabilities]:
         with self._tx() as s:
-            rows = s.exec(select(HostRow).order_by(col(HostRow.id)))
+            revoked = select(HostIdentityRow.host_id).where(
+                col(HostIdentityRow.revoked_at).is_not(None)
+            )
+            rows = s.exec(
+                select(HostRow).where(col(HostRow.id).not_in(revoked)).order_by(col(HostRow.id))
+            )
             return [HostCapabilities.model_validate_json(r.capabilities_json) for r in rows]
 
     def _host(self, s: Session, host_id: str) -> HostCapabilities:
@@ -813,7 +833,10 @@ class Ledger:
             item_rows, attempt_rows, rollout_rows, event_rows = [], [], [], []
             leased: list[tuple[_Item, int, int, Manifest]] = []
             for item in chosen:
-                attempt, token = item.attempt + 1, item.fencing_token + 1
+                # The token grows at every claim, by a random step: a caller cannot guess the next
+                # attempt's token from the last one it saw.
+                attempt = item.attempt + 1
+                token = item.fencing_token + 1 + secrets.randbelow(FENCING_STEP)
                 rid, state, digest, started_at = rollouts[item.rollout_id]
                 current = RolloutState(state)
                 check_transition(current, RolloutState.RUNNING)
@@ -1032,9 +1055,17 @@ class Ledger:
         return [(int(s), int(a), bytes(d)) for s, a, d in rows]
 
     def _host_row(self, db: _Raw, host_id: str) -> HostCapabilities:
-        rows = db.all("SELECT capabilities_json FROM hosts WHERE id = ?", (host_id,))
+        rows = db.all(
+            "SELECT h.capabilities_json, i.revoked_at FROM hosts h "
+            "LEFT JOIN host_identities i ON i.host_id = h.id WHERE h.id = ?",
+            (host_id,),
+        )
         if not rows:
             raise FailedPrecondition(f"host {host_id!r} is not registered; call RegisterHost first")
+        if rows[0][1] is not None:
+            # Checked here too, in the claim's own transaction: a server's cache of who is
+            # revoked may be a moment old, and a revoked host must never take new work.
+            raise Unauthenticated(f"host {host_id!r} was revoked")
         text = rows[0][0]
         caps = self._host_caps.get(text)
         if caps is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sqlmodel import Field, SQLModel
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 
 class SchemaInfo(SQLModel, table=True):
@@ -173,3 +173,51 @@ class EgressEventRow(SQLModel, table=True):
     destination: str
     decision: str
     reason: str
+
+
+class JoinTokenRow(SQLModel, table=True):
+    """A token a new host enrolls with (schema version 5). Only the secret's hash is kept."""
+
+    __tablename__ = "join_tokens"
+
+    id: str = Field(primary_key=True)
+    secret_hash: str
+    host_class: str
+    labels_json: str = "{}"
+    created_at: float
+    expires_at: float
+    uses_left: int = 1
+    revoked_at: float | None = None
+
+
+class ApiKeyRow(SQLModel, table=True):
+    """A tenant's API key (schema version 5). Only the secret's hash is kept."""
+
+    __tablename__ = "api_keys"
+
+    id: str = Field(primary_key=True)
+    secret_hash: str
+    tenant: str = Field(index=True)
+    scopes: str
+    """Comma-separated Scope values."""
+    created_at: float
+    expires_at: float | None = None
+    last_used_at: float | None = None
+    revoked_at: float | None = None
+
+
+class HostIdentityRow(SQLModel, table=True):
+    """An enrolled host (schema version 5): what it enrolled as, and whether it is revoked."""
+
+    __tablename__ = "host_identities"
+
+    host_id: str = Field(primary_key=True)
+    host_class: str
+    labels_json: str = "{}"
+    capabilities_json: str
+    """The capabilities it enrolled with: it may never claim more."""
+    token_id: str = ""
+    enrolled_at: float
+    cert_serial: str = ""
+    cert_expires_at: float = 0.0
+    revoked_at: float | None = None

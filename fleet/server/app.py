@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Generic, TypeVar
 
 import grpc
@@ -27,14 +27,24 @@ from fleet._proto.fleet.v1 import (
     types_pb2,
 )
 from fleet.core import tokens
-from fleet.core.errors import FailedPrecondition, FleetError, InvalidArgument
+from fleet.core.credentials import parse_join_token
+from fleet.core.errors import (
+    FailedPrecondition,
+    FleetError,
+    Internal,
+    InvalidArgument,
+    PermissionDenied,
+)
 from fleet.core.lifecycle import RolloutState
 from fleet.core.manifest import build_manifest, validate_request
 from fleet.core.placement import HostCapabilities, HostClass, Requirements, unservable_reason
 from fleet.core.rollout import Assignment, Completion
+from fleet.identity.ca import Issued
+from fleet.identity.tls import ServerTls, server_names, split_address
 from fleet.image.store import ImageStore
 from fleet.ledger.store import Ledger
 from fleet.server import convert
+from fleet.server.auth import Authenticator, AuthInterceptor, Caller, Security, current
 from fleet.server.status import STATUS_FOR, mapped
 
 log = structlog.get_logger(__name__)
@@ -93,10 +103,23 @@ class Pulse:
 class Core:
     """Shared state of the servicers: the ledger on one worker thread, and wake-ups."""
 
-    def __init__(self, ledger: Ledger, images: ImageStore, config: ServerConfig) -> None:
+    def __init__(
+        self, ledger: Ledger, images: ImageStore, config: ServerConfig,
+        security: Security | None = None,
+    ) -> None:  # fmt: skip
         self.ledger = ledger
         self.images = images
         self.config = config
+        self.security = security
+        self.host_port = 0
+        """The mutual-TLS host endpoint's port (0: none, the server has no TLS)."""
+        self.auth: Authenticator | None = None
+        if security is not None:
+            identities = ledger.identities
+            self.auth = Authenticator(
+                self.db, identities.key_row, identities.host, identities.key_used,
+                host_port=lambda: self.host_port, cache_s=security.cache_s,
+            )  # fmt: skip
         self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger")
         self._hosts: tuple[float, list[HostCapabilities]] | None = None
         self.work_pulse = Pulse()
@@ -107,6 +130,13 @@ class Core:
 
     async def db(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._db, fn, *args)
+
+    def caller(self) -> Caller:
+        """Who the current call is from (see `fleet.server.auth`)."""
+        caller = current()
+        if self.security is not None and caller.kind == "open":
+            raise Internal("a call reached a servicer without being authenticated")
+        return caller
 
     async def unservable_reason(self, host_class: HostClass, needs: Requirements) -> str | None:
         """Why no registered host could ever serve such work (None: some host could). The
@@ -136,6 +166,8 @@ class Core:
         self._db.shutdown(wait=True)
 
 
+DEFAULT_HOST_PORT = 50054
+"""The host endpoint's port when the API listens on a fixed one."""
 HOSTS_FRESH_S = 1.0
 """How long a submission may rely on the hosts another one read (see `Core.unservable_reason`)."""
 MAX_CHECKPOINTS_PER_CALL = 256
@@ -224,6 +256,7 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
         self, request: fleet_pb2.SubmitRolloutRequest, context: grpc.aio.ServicerContext
     ) -> fleet_pb2.SubmitRolloutResponse:
         now = datetime.now(UTC)
+        request.tenant = self.core.caller().tenant_for(request.tenant)
         submit = convert.submit_from_pb(request)
         parsed = validate_request(submit, now)
         image_digest = await self.core.db(self.core.images.resolve, parsed.spec.image)
@@ -257,14 +290,26 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
     async def GetRollout(
         self, request: fleet_pb2.GetRolloutRequest, context: grpc.aio.ServicerContext
     ) -> types_pb2.Rollout:
-        return convert.rollout_to_pb(await self.core.db(self.core.ledger.get, request.id))
+        rollout = await self.core.db(self.core.ledger.get, request.id)
+        self.core.caller().check_owner(request.id, rollout.tenant)
+        return convert.rollout_to_pb(rollout)
+
+    async def _check_owner(self, rollout_id: str) -> None:
+        caller = self.core.caller()
+        if not caller.all_tenants:
+            rollout = await self.core.db(self.core.ledger.get, rollout_id)
+            caller.check_owner(rollout_id, rollout.tenant)
 
     @mapped
     async def ListRollouts(
         self, request: fleet_pb2.ListRolloutsRequest, context: grpc.aio.ServicerContext
     ) -> fleet_pb2.ListRolloutsResponse:
+        caller = self.core.caller()
         rollouts, token = await self.core.db(
-            self.core.ledger.list_rollouts,
+            functools.partial(
+                self.core.ledger.list_rollouts,
+                tenant=None if caller.all_tenants else caller.tenant,
+            ),
             request.page_size,
             request.page_token,
             dict(request.labels),
@@ -288,6 +333,11 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
         after = request.after_sequence
         if after < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "after_sequence is negative")
+        try:
+            await self._check_owner(request.id)
+        except FleetError as exc:
+            await context.abort(STATUS_FOR[exc.code], exc.message)
+            return
         while True:
             try:
                 events = await self.core.db(self.core.ledger.events, request.id, after)
@@ -307,7 +357,11 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
     async def CancelRollout(
         self, request: fleet_pb2.CancelRolloutRequest, context: grpc.aio.ServicerContext
     ) -> types_pb2.Rollout:
+        await self._check_owner(request.id)
+        caller = self.core.caller()
         actor = f"request:{request.request_id}" if request.request_id else "client"
+        if caller.key_id:
+            actor += f" key:{caller.key_id}"
         rollout = await self.core.db(
             self.core.ledger.cancel, request.id, request.reason, actor, time.time()
         )
@@ -320,6 +374,7 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
     ) -> fleet_pb2.ListEgressEventsResponse:
         if not request.rollout_id:
             raise InvalidArgument("rollout_id is empty")
+        await self._check_owner(request.rollout_id)
         rows = await self.core.db(self.core.ledger.egress_events, request.rollout_id)
         return fleet_pb2.ListEgressEventsResponse(
             events=[convert.egress_event_to_pb(e, request.rollout_id, a) for a, e in rows]
@@ -332,11 +387,81 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
         self.batcher = CompletionBatcher(core)
         self.checkpoints = CheckpointBatcher(core)
 
+    def _host_id(self, requested: str) -> str:
+        return self.core.caller().host_id_for(requested)
+
+    @mapped
+    async def EnrollHost(
+        self, request: host_pb2.EnrollHostRequest, context: grpc.aio.ServicerContext
+    ) -> host_pb2.EnrollHostResponse:
+        security = self.core.security
+        if security is None:
+            raise FailedPrecondition(
+                "this server has no TLS, so hosts cannot enroll: start it with a CA "
+                "(fleet ca init; fleet serve --tls)"
+            )
+        presented = parse_join_token(request.join_token)
+        ttl = security.host_cert_ttl_s
+
+        def caps_json(host_class: HostClass) -> str:
+            caps = convert.capabilities_from_pb(
+                host_pb2.RegisterHostRequest(
+                    host_id=request.host_id, host_class=convert.HOST_CLASS_TO_PB[host_class],
+                    capabilities=request.capabilities,
+                )
+            )  # fmt: skip
+            return caps.model_dump_json()
+
+        signed: list[Issued] = []
+
+        def issue() -> tuple[str, float]:
+            signed.append(security.ca.sign_host_csr(request.csr_pem, request.host_id, _td(ttl)))
+            return signed[0].serial, signed[0].not_after
+
+        host, token = await self.core.db(
+            self.core.ledger.identities.enroll, presented, request.host_id, caps_json, issue,
+            time.time(),
+        )  # fmt: skip
+        issued = signed[0]
+        log.info("host_enrolled", host_id=host.host_id, host_class=host.host_class,
+                 token_id=token.id, serial=issued.serial, peer=context.peer())  # fmt: skip
+        return host_pb2.EnrollHostResponse(
+            host_id=host.host_id,
+            host_class=convert.HOST_CLASS_TO_PB[host.host_class],
+            certificate_pem=issued.pem,
+            ca_pem=security.ca.pem,
+            host_port=self.core.host_port,
+            expires_at=convert.ts(datetime.fromtimestamp(issued.not_after, UTC)),
+        )
+
+    @mapped
+    async def RenewCertificate(
+        self, request: host_pb2.RenewCertificateRequest, context: grpc.aio.ServicerContext
+    ) -> host_pb2.RenewCertificateResponse:
+        security = self.core.security
+        host_id = self._host_id("")
+        if security is None:
+            raise FailedPrecondition("this server has no TLS: there is no certificate to renew")
+        issued = security.ca.sign_host_csr(request.csr_pem, host_id,
+                                           _td(security.host_cert_ttl_s))  # fmt: skip
+        await self.core.db(
+            self.core.ledger.identities.renewed, host_id, issued.serial, issued.not_after
+        )
+        log.info("host_certificate_renewed", host_id=host_id, serial=issued.serial)
+        return host_pb2.RenewCertificateResponse(
+            certificate_pem=issued.pem,
+            expires_at=convert.ts(datetime.fromtimestamp(issued.not_after, UTC)),
+        )
+
     @mapped
     async def RegisterHost(
         self, request: host_pb2.RegisterHostRequest, context: grpc.aio.ServicerContext
     ) -> host_pb2.RegisterHostResponse:
+        request.host_id = self._host_id(request.host_id)
         caps = convert.capabilities_from_pb(request)
+        enrolled = self.core.caller().host
+        if enrolled is not None:
+            check_within(caps, HostCapabilities.model_validate_json(enrolled.capabilities_json))
         await self.core.db(self.core.ledger.register_host, caps, time.time())
         self.core.hosts_changed()
         log.info(
@@ -358,9 +483,10 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
         self, request: host_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> host_pb2.HeartbeatResponse:
         now = time.time()
+        host_id = self._host_id(request.host_id)
         leases = [(lease.work_id, lease.fencing_token) for lease in request.leases]
         renewed, stop = await self.core.db(
-            self.core.ledger.heartbeat, request.host_id, leases, now, self.core.config.lease_ttl_s
+            self.core.ledger.heartbeat, host_id, leases, now, self.core.config.lease_ttl_s
         )
         return host_pb2.HeartbeatResponse(
             renewed=[host_pb2.LeaseRef(work_id=w, fencing_token=t) for w, t in renewed],
@@ -390,6 +516,7 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
         if request.max_items < 1:
             raise InvalidArgument("max_items must be at least 1")
         wait_s = min(max(request.wait_s, 0.0), MAX_CLAIM_WAIT_S)
+        host_id = self._host_id(request.host_id)
         give_up = time.monotonic() + wait_s
         while True:
             items = await self.core.db(
@@ -399,7 +526,7 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
                     max_running_per_tenant=self.core.config.max_running_per_tenant,
                     hold_inference=self.core.hold_inference,
                 ),
-                request.host_id,
+                host_id,
                 request.max_items,
                 time.time(),
                 self.core.config.lease_ttl_s,
@@ -419,10 +546,10 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
     async def PutCheckpoint(
         self, request: host_pb2.PutCheckpointRequest, context: grpc.aio.ServicerContext
     ) -> host_pb2.PutCheckpointResponse:
+        host_id = self._host_id(request.host_id)
         await self.checkpoints.submit(
-            (request.host_id, request.work_id, request.fencing_token, request.sequence,
-             request.data)
-        )  # fmt: skip
+            (host_id, request.work_id, request.fencing_token, request.sequence, request.data)
+        )
         return host_pb2.PutCheckpointResponse()
 
     @mapped
@@ -434,10 +561,11 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
                 f"checkpoints: at most {MAX_CHECKPOINTS_PER_CALL} per call, "
                 f"got {len(request.checkpoints)}"
             )
+        host_ids = [self._host_id(c.host_id) for c in request.checkpoints]
         answers = await asyncio.gather(
             *(
-                self.checkpoints.submit((c.host_id, c.work_id, c.fencing_token, c.sequence, c.data))
-                for c in request.checkpoints
+                self.checkpoints.submit((h, c.work_id, c.fencing_token, c.sequence, c.data))
+                for h, c in zip(host_ids, request.checkpoints, strict=True)
             ),
             return_exceptions=True,
         )
@@ -456,15 +584,16 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
     async def ReclaimWork(
         self, request: host_pb2.ReclaimWorkRequest, context: grpc.aio.ServicerContext
     ) -> host_pb2.ReclaimWorkResponse:
+        host_id = self._host_id(request.host_id)
         leases = [(lease.work_id, lease.fencing_token) for lease in request.leases]
         for work_id, _ in leases:
             if not work_id:
                 raise InvalidArgument("leases[].work_id must not be empty")
         kept, released = await self.core.db(
-            self.core.ledger.reclaim, request.host_id, leases, time.time(),
+            self.core.ledger.reclaim, host_id, leases, time.time(),
             self.core.config.lease_ttl_s,
         )  # fmt: skip
-        log.info("work_reclaimed", host_id=request.host_id,
+        log.info("work_reclaimed", host_id=host_id,
                  adopted=[a.work_id for a in kept], released=released)  # fmt: skip
         return host_pb2.ReclaimWorkResponse(
             items=[convert.assignment_to_pb(self._with_token(a)) for a in kept],
@@ -475,17 +604,44 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
     async def CompleteWork(
         self, request: host_pb2.CompleteWorkRequest, context: grpc.aio.ServicerContext
     ) -> host_pb2.CompleteWorkResponse:
+        host_id = self._host_id(request.host_id)
         report = convert.completion_from_pb(request)
-        state = await self.batcher.complete(request.host_id, report)
+        state = await self.batcher.complete(host_id, report)
         log.info(
             "work_completed",
             work_id=request.work_id,
-            host_id=request.host_id,
+            host_id=host_id,
             outcome=report.outcome,
             state=state,
             request_id=request.request_id,
         )
         return host_pb2.CompleteWorkResponse(state=convert.STATE_TO_PB[state])
+
+
+def _td(seconds: float) -> timedelta:
+    return timedelta(seconds=seconds)
+
+
+def check_within(claimed: HostCapabilities, enrolled: HostCapabilities) -> None:
+    """A registering host may claim no more than it enrolled with."""
+    problems = []
+    if claimed.host_class != enrolled.host_class:
+        problems.append(f"class {claimed.host_class} (enrolled as {enrolled.host_class})")
+    if claimed.isolation != enrolled.isolation:
+        problems.append(f"isolation {claimed.isolation} (enrolled with {enrolled.isolation})")
+    if claimed.runtime != enrolled.runtime:
+        problems.append(f"runtime {claimed.runtime} (enrolled with {enrolled.runtime})")
+    if claimed.cuda_devices > enrolled.cuda_devices:
+        problems.append(f"{claimed.cuda_devices} CUDA devices (enrolled with "
+                        f"{enrolled.cuda_devices})")  # fmt: skip
+    if claimed.gateway and not enrolled.gateway:
+        problems.append("a gateway (enrolled without one)")
+    if problems:
+        raise PermissionDenied(
+            f"host {claimed.host_id!r} claims more than it enrolled with: "
+            + "; ".join(problems)
+            + ". Enroll it again under a new host id to change them"
+        )
 
 
 async def _sweeper(core: Core) -> None:
@@ -539,11 +695,14 @@ class FleetServer:
         images: ImageStore,
         listen: str = "127.0.0.1:0",
         config: ServerConfig | None = None,
+        security: Security | None = None,
     ) -> None:
         self.config = config or ServerConfig()
-        self.core = Core(ledger, images, self.config)
+        self.security = security
+        self.core = Core(ledger, images, self.config, security)
         self.listen = listen
         self.port = 0
+        self.tls: ServerTls | None = None
         self._server: grpc.aio.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._watcher: asyncio.Task[None] | None = None
@@ -555,13 +714,32 @@ class FleetServer:
         host = self.listen.rsplit(":", 1)[0]
         return f"{host}:{self.port}"
 
+    @property
+    def host_address(self) -> str:
+        """Where hosts call HostService: the mutual-TLS endpoint, or the API's without TLS."""
+        if self.security is None:
+            return self.address
+        host, _ = split_address(self._host_listen())
+        return f"{host}:{self.core.host_port}"
+
+    def _host_listen(self) -> str:
+        assert self.security is not None
+        if self.security.host_listen:
+            return self.security.host_listen
+        host, port = split_address(self.listen)
+        return f"{host}:{DEFAULT_HOST_PORT if port else 0}"
+
     async def start(self) -> None:
         limit = self.config.max_message_bytes
+        interceptors = []
+        if self.core.auth is not None:
+            interceptors.append(AuthInterceptor(self.core.auth))
         server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit * 4),
-            ]
+            ],
+            interceptors=interceptors,
         )
         fleet_pb2_grpc.add_FleetServiceServicer_to_server(FleetServicer(self.core), server)
         host_pb2_grpc.add_HostServiceServicer_to_server(HostServicer(self.core), server)
@@ -574,7 +752,26 @@ class FleetServer:
             reflection.SERVICE_NAME,
         ]
         reflection.enable_server_reflection(names, server)
-        self.port = server.add_insecure_port(self.listen)
+        if self.security is None:
+            self.port = server.add_insecure_port(self.listen)
+            log.warning(
+                "server_insecure", listen=self.listen,
+                note="no TLS and no authentication: any caller that reaches this port may act "
+                "as any tenant or host",
+            )  # fmt: skip
+        else:
+            host_listen = self._host_listen()
+            names = server_names(self.listen, [*self.security.san,
+                                               split_address(host_listen)[0]])  # fmt: skip
+            self.tls = ServerTls.issue(self.security.ca, names)
+            self.port = server.add_secure_port(
+                self.listen, self.tls.credentials(require_client_cert=False)
+            )
+            self.core.host_port = server.add_secure_port(
+                host_listen, self.tls.credentials(require_client_cert=True)
+            )
+            if self.core.host_port == 0:
+                raise FailedPrecondition(f"cannot listen on {host_listen} (host endpoint)")
         if self.port == 0:
             raise FailedPrecondition(f"cannot listen on {self.listen}")
         await server.start()
@@ -589,7 +786,8 @@ class FleetServer:
 
             host, _, port = self.config.metrics_listen.rpartition(":")
             self._metrics, self.metrics_port = await serve_metrics(self.core, host, int(port))
-        log.info("server_started", address=self.address)
+        log.info("server_started", address=self.address, tls=self.security is not None,
+                 host_address=self.host_address)  # fmt: skip
 
     async def stop(self, grace_s: float = 1.0) -> None:
         for task in (self._sweeper, self._watcher):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -13,12 +14,18 @@ import grpc
 
 from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, host_pb2, host_pb2_grpc, types_pb2
 from fleet.agent.agent import Agent, AgentConfig
-from fleet.agent.capabilities import RuntimeChoice
+from fleet.agent.capabilities import RuntimeChoice, capabilities
+from fleet.cli.client import ClientAuth
+from fleet.core.credentials import Scope, format_api_key, parse_scopes
 from fleet.core.placement import HostClass, RuntimeKind
+from fleet.identity.ca import CertificateAuthority
+from fleet.identity.local import local_host_identity
+from fleet.identity.tls import HostIdentityMaterial
 from fleet.image.store import ImageStore
 from fleet.ledger.store import Ledger
 from fleet.runtime.netns import NetConfig
 from fleet.server.app import FleetServer, ServerConfig
+from fleet.server.auth import Security
 
 SECRET = b"harness-token-secret-0123456789"
 NAMESPACE = RuntimeChoice(RuntimeKind.NAMESPACE, "tests run the namespace runtime")
@@ -39,6 +46,32 @@ class Harness:
     fleet: fleet_pb2_grpc.FleetServiceStub
     hosts: host_pb2_grpc.HostServiceStub
     agents: dict[str, tuple[asyncio.Event, asyncio.Task[None]]] = field(default_factory=dict)
+    ca: CertificateAuthority | None = None
+    """The fleet CA of a secure harness (None: a server without TLS or authentication)."""
+    admin_key: str = ""
+
+    def connect(self, key: str = "", *, address: str = "") -> grpc.aio.Channel:
+        """A channel to the API as a client with `key` ("" : none), over TLS when secure."""
+        auth = ClientAuth(self.ca.pem if self.ca else None, key)
+        return auth.channel(address or self.server.address)
+
+    def key(self, tenant: str, scopes: str = "rollouts:read,rollouts:write") -> str:
+        _, presented = self.server.core.ledger.identities.create_key(
+            tenant, parse_scopes(scopes), None, time.time()
+        )
+        return format_api_key(presented)
+
+    def identity(self, host_id: str, host_class: HostClass = HostClass.CPU, *,
+                 gateway: bool = False) -> HostIdentityMaterial:  # fmt: skip
+        """A certificate for `host_id`, enrolled as a namespace host of `host_class`."""
+        assert self.ca is not None
+        caps = capabilities(host_id, host_class, NAMESPACE, 2).model_copy(
+            update={"gateway": gateway}
+        )
+        return local_host_identity(
+            self.ca, self.server.core.ledger, caps, self.server.address,
+            self.server.core.host_port,
+        )  # fmt: skip
 
     async def start_agent(
         self,
@@ -48,9 +81,13 @@ class Harness:
         net: NetConfig | None = None,
         gateway: tuple[str, int] | None = None,
     ) -> Agent:
+        identity = None
+        if self.ca is not None:
+            identity = self.identity(host_id, host_class, gateway=gateway is not None)
         agent = Agent(
             AgentConfig(
                 server=self.server.address,
+                identity=identity,
                 host_id=host_id,
                 host_class=host_class,
                 runtime=NAMESPACE,
@@ -121,16 +158,32 @@ def request(
 
 @contextlib.asynccontextmanager
 async def harness(
-    tmp: Path, images: ImageStore, config: ServerConfig | None = None
-) -> AsyncIterator[Harness]:
+    tmp: Path, images: ImageStore, config: ServerConfig | None = None, *, secure: bool = False,
+    host_cert_ttl_s: float = 3600.0,
+) -> AsyncIterator[Harness]:  # fmt: skip
+    """A server on loopback; `secure`: with TLS, a CA in `tmp/ca`, API keys and host
+    certificates (`fleet` is then the admin key's stub, `hosts` has no certificate)."""
+    ca = CertificateAuthority.init(tmp / "ca") if secure else None
+    security = (
+        Security(ca, host_listen="127.0.0.1:0", cache_s=0.2, host_cert_ttl_s=host_cert_ttl_s)
+        if ca is not None
+        else None
+    )
     server = FleetServer(
         Ledger.sqlite(tmp / "ledger.sqlite3"),
         images,
         "127.0.0.1:0",
         config or ServerConfig(lease_ttl_s=5, heartbeat_interval_s=0.5, token_secret=SECRET),
+        security,
     )
     await server.start()
-    channel = grpc.aio.insecure_channel(server.address)
+    admin = ""
+    if ca is not None:
+        _, presented = server.core.ledger.identities.create_key(
+            "default", frozenset({Scope.ADMIN}), None, time.time()
+        )
+        admin = format_api_key(presented)
+    channel = ClientAuth(ca.pem if ca else None, admin).channel(server.address)
     h = Harness(
         server,
         images,
@@ -138,6 +191,8 @@ async def harness(
         channel,
         fleet_pb2_grpc.FleetServiceStub(channel),
         host_pb2_grpc.HostServiceStub(channel),
+        ca=ca,
+        admin_key=admin,
     )
     try:
         yield h

@@ -572,7 +572,7 @@ def test_refused_egress_reaches_the_ledger_api_and_cli(tmp_path: Path, images: I
                     fleet_pb2.ListRolloutsRequest(could_reach="api.svc.fleet.test")
                 )
                 cli = await asyncio.create_subprocess_exec(
-                    *FLEET, "egress-events", "--server", h.server.address, r.id,
+                    *FLEET, "egress-events", "--plaintext", "--server", h.server.address, r.id,
                     stdout=asyncio.subprocess.PIPE,
                 )  # fmt: skip
                 out, _ = await cli.communicate()

@@ -213,3 +213,45 @@ class CompleteWorkResponse(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     state: _types_pb2.RolloutState
     def __init__(self, state: _Optional[_Union[_types_pb2.RolloutState, str]] = ...) -> None: ...
+
+class EnrollHostRequest(_message.Message):
+    __slots__ = ("join_token", "host_id", "csr_pem", "capabilities")
+    JOIN_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    CSR_PEM_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    join_token: str
+    host_id: str
+    csr_pem: bytes
+    capabilities: Capabilities
+    def __init__(self, join_token: _Optional[str] = ..., host_id: _Optional[str] = ..., csr_pem: _Optional[bytes] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ...) -> None: ...
+
+class EnrollHostResponse(_message.Message):
+    __slots__ = ("host_id", "host_class", "certificate_pem", "ca_pem", "host_port", "expires_at")
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_CLASS_FIELD_NUMBER: _ClassVar[int]
+    CERTIFICATE_PEM_FIELD_NUMBER: _ClassVar[int]
+    CA_PEM_FIELD_NUMBER: _ClassVar[int]
+    HOST_PORT_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    host_id: str
+    host_class: _types_pb2.HostClass
+    certificate_pem: bytes
+    ca_pem: bytes
+    host_port: int
+    expires_at: _timestamp_pb2.Timestamp
+    def __init__(self, host_id: _Optional[str] = ..., host_class: _Optional[_Union[_types_pb2.HostClass, str]] = ..., certificate_pem: _Optional[bytes] = ..., ca_pem: _Optional[bytes] = ..., host_port: _Optional[int] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class RenewCertificateRequest(_message.Message):
+    __slots__ = ("csr_pem",)
+    CSR_PEM_FIELD_NUMBER: _ClassVar[int]
+    csr_pem: bytes
+    def __init__(self, csr_pem: _Optional[bytes] = ...) -> None: ...
+
+class RenewCertificateResponse(_message.Message):
+    __slots__ = ("certificate_pem", "expires_at")
+    CERTIFICATE_PEM_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    certificate_pem: bytes
+    expires_at: _timestamp_pb2.Timestamp
+    def __init__(self, certificate_pem: _Optional[bytes] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...

@@ -26,7 +26,11 @@ if _version_not_supported:
 
 
 class HostServiceStub:
-    """The host agents' API: register, heartbeat, claim leased work, complete it.
+    """The host agents' API: enroll, register, heartbeat, claim leased work, complete it.
+
+    On a server with TLS, every call but EnrollHost needs the host's client certificate (from
+    EnrollHost or RenewCertificate) and is made on the server's host endpoint; the host id is
+    the certificate's, and a request naming another host is refused with PERMISSION_DENIED.
     """
 
     def __init__(self, channel):
@@ -35,6 +39,16 @@ class HostServiceStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.EnrollHost = channel.unary_unary(
+                '/fleet.v1.HostService/EnrollHost',
+                request_serializer=fleet_dot_v1_dot_host__pb2.EnrollHostRequest.SerializeToString,
+                response_deserializer=fleet_dot_v1_dot_host__pb2.EnrollHostResponse.FromString,
+                _registered_method=True)
+        self.RenewCertificate = channel.unary_unary(
+                '/fleet.v1.HostService/RenewCertificate',
+                request_serializer=fleet_dot_v1_dot_host__pb2.RenewCertificateRequest.SerializeToString,
+                response_deserializer=fleet_dot_v1_dot_host__pb2.RenewCertificateResponse.FromString,
+                _registered_method=True)
         self.RegisterHost = channel.unary_unary(
                 '/fleet.v1.HostService/RegisterHost',
                 request_serializer=fleet_dot_v1_dot_host__pb2.RegisterHostRequest.SerializeToString,
@@ -73,8 +87,28 @@ class HostServiceStub:
 
 
 class HostServiceServicer:
-    """The host agents' API: register, heartbeat, claim leased work, complete it.
+    """The host agents' API: enroll, register, heartbeat, claim leased work, complete it.
+
+    On a server with TLS, every call but EnrollHost needs the host's client certificate (from
+    EnrollHost or RenewCertificate) and is made on the server's host endpoint; the host id is
+    the certificate's, and a request naming another host is refused with PERMISSION_DENIED.
     """
+
+    def EnrollHost(self, request, context):
+        """A new host joins: a join token (`fleet host token create`) and a certificate signing
+        request for a key the host made; answered with its client certificate. Needs no client
+        certificate, only the token; made on the server's API endpoint.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RenewCertificate(self, request, context):
+        """A new certificate for the caller's host, over a new key, before the current one expires.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def RegisterHost(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -131,6 +165,16 @@ class HostServiceServicer:
 
 def add_HostServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'EnrollHost': grpc.unary_unary_rpc_method_handler(
+                    servicer.EnrollHost,
+                    request_deserializer=fleet_dot_v1_dot_host__pb2.EnrollHostRequest.FromString,
+                    response_serializer=fleet_dot_v1_dot_host__pb2.EnrollHostResponse.SerializeToString,
+            ),
+            'RenewCertificate': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewCertificate,
+                    request_deserializer=fleet_dot_v1_dot_host__pb2.RenewCertificateRequest.FromString,
+                    response_serializer=fleet_dot_v1_dot_host__pb2.RenewCertificateResponse.SerializeToString,
+            ),
             'RegisterHost': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterHost,
                     request_deserializer=fleet_dot_v1_dot_host__pb2.RegisterHostRequest.FromString,
@@ -175,8 +219,66 @@ def add_HostServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class HostService:
-    """The host agents' API: register, heartbeat, claim leased work, complete it.
+    """The host agents' API: enroll, register, heartbeat, claim leased work, complete it.
+
+    On a server with TLS, every call but EnrollHost needs the host's client certificate (from
+    EnrollHost or RenewCertificate) and is made on the server's host endpoint; the host id is
+    the certificate's, and a request naming another host is refused with PERMISSION_DENIED.
     """
+
+    @staticmethod
+    def EnrollHost(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fleet.v1.HostService/EnrollHost',
+            fleet_dot_v1_dot_host__pb2.EnrollHostRequest.SerializeToString,
+            fleet_dot_v1_dot_host__pb2.EnrollHostResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewCertificate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fleet.v1.HostService/RenewCertificate',
+            fleet_dot_v1_dot_host__pb2.RenewCertificateRequest.SerializeToString,
+            fleet_dot_v1_dot_host__pb2.RenewCertificateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def RegisterHost(request,

@@ -1,0 +1,166 @@
+"""The agent's connection to the server, and its identity: enrollment with a join token, a
+channel with its client certificate, and renewal at two thirds of the certificate's life.
+
+A renewed certificate means a new channel: calls made from then on go over it, calls already
+in flight finish on the old one, which is closed a minute later. Work is not interrupted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import structlog
+
+from fleet._proto.fleet.v1 import host_pb2, host_pb2_grpc
+from fleet.core.errors import FailedPrecondition, Unauthenticated, error_for
+from fleet.core.placement import HostCapabilities
+from fleet.identity.ca import csr_for, key_pem, load_cert, new_key
+from fleet.identity.tls import HostFiles, HostIdentityMaterial, discover_ca
+from fleet.server import convert
+
+log = structlog.get_logger(__name__)
+
+OLD_CHANNEL_GRACE_S = 60.0
+RENEW_AT = 2 / 3
+"""Renew when this fraction of the certificate's life has passed."""
+
+
+async def enroll(
+    server: str, join_token: str, host_id: str, caps: HostCapabilities, files: HostFiles,
+    *, ca_fingerprint: str = "", ca_pem: bytes = b"",
+) -> HostIdentityMaterial:  # fmt: skip
+    """Joins the fleet at `server` (its API endpoint): checks the server against the pinned CA
+    (its fingerprint, or its certificate), makes a key here, and trades the join token and a
+    CSR for a client certificate. Writes the identity to `files` and returns it."""
+    if not ca_pem:
+        if not ca_fingerprint:
+            raise FailedPrecondition(
+                "enrolling needs the fleet CA pinned: --ca-fingerprint sha256:… (printed by "
+                "`fleet host token create`) or --ca FILE"
+            )
+        ca_pem = await asyncio.to_thread(discover_ca, server, ca_fingerprint)
+    key = new_key()
+    request = host_pb2.EnrollHostRequest(
+        join_token=join_token, host_id=host_id, csr_pem=csr_for(key, host_id),
+        capabilities=convert.capabilities_to_pb(caps),
+    )  # fmt: skip
+
+    credentials = grpc.ssl_channel_credentials(root_certificates=ca_pem)
+    try:
+        async with grpc.aio.secure_channel(server, credentials) as channel:
+            reply = await host_pb2_grpc.HostServiceStub(channel).EnrollHost(request, timeout=30)
+    except grpc.aio.AioRpcError as exc:
+        raise error_for(exc.code().name, f"enrollment refused: {exc.details()}") from None
+    if reply.ca_pem != ca_pem and load_cert(reply.ca_pem, "CA") != load_cert(ca_pem, "CA"):
+        raise Unauthenticated("the server answered with another CA than the pinned one")
+    await asyncio.to_thread(
+        files.save, key_pem(key), reply.certificate_pem, ca_pem, server, reply.host_port
+    )
+    identity = files.load()
+    log.info("host_enrolled", host_id=identity.host_id, server=server,
+             host_endpoint=identity.host_address, expires_at=identity.not_after)  # fmt: skip
+    return identity
+
+
+class Link:
+    """The HostService stub the agent calls through; its methods are the current channel's."""
+
+    def __init__(self, server: str, identity: HostIdentityMaterial | None,
+                 files: HostFiles | None) -> None:  # fmt: skip
+        self.server = server
+        self.identity = identity
+        self.files = files
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: Any = None
+        self._closing: set[asyncio.Task[None]] = set()
+
+    @property
+    def address(self) -> str:
+        return self.identity.host_address if self.identity is not None else self.server
+
+    def _open(self) -> None:
+        if self.identity is None:
+            self._channel = grpc.aio.insecure_channel(self.server)
+        else:
+            self._channel = grpc.aio.secure_channel(
+                self.identity.host_address, self.identity.channel_credentials()
+            )
+        self._stub = host_pb2_grpc.HostServiceStub(self._channel)
+
+    async def __aenter__(self) -> Link:
+        self._open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for task in self._closing:
+            task.cancel()
+        if self._channel is not None:
+            await self._channel.close()
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._stub, name)
+
+    def renew_in(self, now: float | None = None) -> float | None:
+        """Seconds until the certificate should be renewed (None: no certificate)."""
+        if self.identity is None:
+            return None
+        life = self.identity.not_after - self.identity.not_before
+        due = self.identity.not_before + life * RENEW_AT
+        return max(0.0, due - (now if now is not None else time.time()))
+
+    async def renew(self) -> None:
+        """A new key and certificate; later calls use them."""
+        assert self.identity is not None
+        key = new_key()
+        reply = await self._stub.RenewCertificate(
+            host_pb2.RenewCertificateRequest(csr_pem=csr_for(key, self.identity.host_id)),
+            timeout=30,
+        )
+        if self.files is not None:
+            await asyncio.to_thread(self.files.renewed, key_pem(key), reply.certificate_pem)
+        self.identity = dataclasses.replace(
+            self.identity, key_pem=key_pem(key), cert_pem=reply.certificate_pem
+        )
+        old = self._channel
+        self._open()
+        if old is not None:
+            task = asyncio.create_task(_close_later(old))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+        log.info("host_certificate_renewed", host_id=self.identity.host_id,
+                 expires_at=self.identity.not_after)  # fmt: skip
+
+    async def renewals(self, stop: asyncio.Event) -> None:
+        """Renews the certificate at two thirds of its life, until `stop`."""
+        while not stop.is_set():
+            wait = self.renew_in()
+            if wait is None:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), wait)
+                return
+            try:
+                await self.renew()
+            except Exception as exc:
+                assert self.identity is not None
+                left = self.identity.not_after - time.time()
+                log.warning("certificate_renewal_failed", error=str(exc), expires_in_s=left)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), min(30.0, max(left / 10, 1.0)))
+
+
+async def _close_later(channel: grpc.aio.Channel) -> None:
+    await asyncio.sleep(OLD_CHANNEL_GRACE_S)
+    await channel.close()
+
+
+def host_files(home: Path) -> HostFiles:
+    return HostFiles(home / "host")

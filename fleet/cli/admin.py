@@ -1,0 +1,178 @@
+"""`fleet ca`, `fleet host` and `fleet key`: the fleet's CA, join tokens, hosts and API keys.
+
+These act on the ledger directly (`--db`, as `fleet serve` takes it): they run where the server
+runs, by whoever holds its database and CA. Servers see a change within their cache time (1 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+from collections.abc import Callable, Coroutine
+from datetime import UTC, datetime
+from typing import Any
+
+from fleet.config import Paths
+from fleet.core.credentials import format_api_key, format_join_token, parse_scopes
+from fleet.core.errors import InvalidArgument
+from fleet.core.placement import HostClass
+from fleet.identity.ca import CertificateAuthority
+
+DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
+UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+Add = Callable[..., argparse.ArgumentParser]
+
+
+def duration_s(text: str) -> float:
+    """`90s`, `10m`, `1h`, `30d` -> seconds."""
+    found = DURATION.match(text.strip())
+    if found is None:
+        raise InvalidArgument(f"duration {text!r}: expected a number and s, m, h or d (e.g. 1h)")
+    return float(found.group(1)) * UNIT_S[found.group(2)]
+
+
+def _when(at: float | None) -> str:
+    if at is None:
+        return "-"
+    return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def _ledger(args: argparse.Namespace) -> Any:
+    from fleet.ledger.store import Ledger
+
+    paths = Paths.from_env()
+    return Ledger.open(args.db or str(paths.home / "ledger.sqlite3"))
+
+
+def _labels(items: list[str]) -> dict[str, str]:
+    from fleet.cli.client import parse_labels
+
+    return parse_labels(items)
+
+
+async def cmd_ca(args: argparse.Namespace) -> int:
+    paths = Paths.from_env()
+    if args.ca_cmd == "init":
+        ca = CertificateAuthority.init(paths.ca)
+        print(f"created the fleet CA in {paths.ca} (ca.key is readable by its owner only)")
+    else:
+        ca = CertificateAuthority.load(paths.ca)
+    print(f"certificate: {paths.ca / 'ca.crt'}")
+    print(f"fingerprint: {ca.fingerprint}")
+    return 0
+
+
+async def cmd_host(args: argparse.Namespace) -> int:
+    ledger = _ledger(args)
+    ids = ledger.identities
+    now = time.time()
+    if args.host_cmd == "token":
+        if args.token_cmd == "create":
+            ca = CertificateAuthority.load(Paths.from_env().ca)
+            token, presented = ids.create_join_token(
+                HostClass(args.host_class), _labels(args.label), duration_s(args.ttl),
+                args.uses, now,
+            )  # fmt: skip
+            uses = "once" if token.uses_left == 1 else f"{token.uses_left} times"
+            print(f"join token {token.id}: {token.host_class}-class hosts, usable {uses}, "
+                  f"until {_when(token.expires_at)}")  # fmt: skip
+            print(f"CA fingerprint: {ca.fingerprint}")
+            print("on the new host:")
+            print(f"  fleet agent --class {token.host_class} --server SERVER:PORT "
+                  f"--ca-fingerprint {ca.fingerprint} --join TOKEN")  # fmt: skip
+            print(format_join_token(presented))
+        elif args.token_cmd == "list":
+            print(
+                f"{'id':<8} {'class':<5} {'uses left':>9}  {'expires':<20} {'revoked':<20} labels"
+            )
+            for t in ids.join_tokens():
+                labels = ",".join(f"{k}={v}" for k, v in sorted(t.labels.items()))
+                print(f"{t.id:<8} {t.host_class.value:<5} {t.uses_left:>9}  "
+                      f"{_when(t.expires_at):<20} {_when(t.revoked_at):<20} {labels}")  # fmt: skip
+        else:
+            ids.revoke_join_token(args.id, now)
+            print(f"join token {args.id} revoked")
+    elif args.host_cmd == "list":
+        print(f"{'host':<32} {'class':<5} {'enrolled':<20} {'certificate until':<20} revoked")
+        for h in ids.hosts():
+            print(f"{h.host_id:<32} {h.host_class.value:<5} {_when(h.enrolled_at):<20} "
+                  f"{_when(h.cert_expires_at):<20} {_when(h.revoked_at)}")  # fmt: skip
+    elif args.host_cmd == "revoke":
+        released = ids.revoke_host(args.id, now)
+        print(f"host {args.id} revoked: its calls are refused from now on; "
+              f"{released} leases it held were released for retry elsewhere")  # fmt: skip
+    return 0
+
+
+async def cmd_key(args: argparse.Namespace) -> int:
+    ledger = _ledger(args)
+    ids = ledger.identities
+    now = time.time()
+    if args.key_cmd == "create":
+        expires = now + duration_s(args.expires) if args.expires else None
+        key, presented = ids.create_key(args.tenant, parse_scopes(args.scope), expires, now)
+        print(f"API key {key.id} for tenant {key.tenant!r}: {','.join(sorted(key.scopes))}, "
+              f"expires {_when(key.expires_at) if expires else 'never'}")  # fmt: skip
+        print("shown once; the ledger keeps only its hash. Use it as --key or $FLEET_KEY:")
+        print(format_api_key(presented))
+    elif args.key_cmd == "list":
+        print(f"{'id':<14} {'tenant':<16} {'scopes':<32} {'expires':<20} {'last used':<20} revoked")
+        for k in ids.keys(args.tenant or None):
+            scopes = ",".join(sorted(k.scopes))
+            print(f"{k.id:<14} {k.tenant:<16} {scopes:<32} {_when(k.expires_at):<20} "
+                  f"{_when(k.last_used_at):<20} {_when(k.revoked_at)}")  # fmt: skip
+    else:
+        ids.revoke_key(args.id, now)
+        print(f"API key {args.id} revoked")
+    return 0
+
+
+def add_commands(
+    add: Callable[[str, Callable[[argparse.Namespace], Coroutine[Any, Any, int]], str],
+                  argparse.ArgumentParser],
+) -> None:  # fmt: skip
+    def db_flag(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--db", help="the server's ledger: a SQLite file or postgresql:// URL "
+                        "(default $FLEET_HOME/ledger.sqlite3)")  # fmt: skip
+
+    sp = add("ca", cmd_ca, "the fleet's certificate authority")
+    csub = sp.add_subparsers(dest="ca_cmd", required=True)
+    csub.add_parser("init", help="create the CA in $FLEET_HOME/ca (refuses to replace one)")
+    csub.add_parser("show", help="print the CA's certificate path and fingerprint")
+
+    sp = add("host", cmd_host, "join tokens and enrolled hosts")
+    hsub = sp.add_subparsers(dest="host_cmd", required=True)
+    t = hsub.add_parser("token", help="join tokens new hosts enroll with")
+    tsub = t.add_subparsers(dest="token_cmd", required=True)
+    c = tsub.add_parser("create", help="a join token; printed on the last line")
+    c.add_argument("--class", dest="host_class", choices=["cpu", "gpu"], required=True)
+    c.add_argument("--ttl", default="1h", help="how long it can be used (default 1h)")
+    c.add_argument("--uses", type=int, default=1, help="how many hosts may use it (default 1)")
+    c.add_argument("--label", action="append", default=[], help="KEY=VALUE (repeatable)")
+    db_flag(c)
+    db_flag(tsub.add_parser("list", help="join tokens, without their secrets"))
+    r = tsub.add_parser("revoke", help="a token no host may use any more")
+    r.add_argument("id")
+    db_flag(r)
+    db_flag(hsub.add_parser("list", help="enrolled hosts"))
+    r = hsub.add_parser("revoke", help="refuse a host from now on and release its leases")
+    r.add_argument("id")
+    db_flag(r)
+
+    sp = add("key", cmd_key, "tenants' API keys")
+    ksub = sp.add_subparsers(dest="key_cmd", required=True)
+    c = ksub.add_parser("create", help="an API key; printed once, on the last line")
+    c.add_argument("--tenant", required=True)
+    c.add_argument("--scope", default="rollouts:read,rollouts:write",
+                   help="comma-separated: rollouts:read, rollouts:write, admin "
+                   "(default rollouts:read,rollouts:write)")  # fmt: skip
+    c.add_argument("--expires", default="", help="e.g. 30d (default: never)")
+    db_flag(c)
+    ls = ksub.add_parser("list", help="keys, without their secrets")
+    ls.add_argument("--tenant", default="")
+    db_flag(ls)
+    r = ksub.add_parser("revoke", help="refuse a key from now on")
+    r.add_argument("id")
+    db_flag(r)

@@ -1,0 +1,1 @@
+"""Who is calling: the fleet CA, host certificates, TLS credentials."""

@@ -1,0 +1,300 @@
+"""Who is calling, checked on every call before the servicer sees it.
+
+- HostService (but EnrollHost): the caller's client certificate, verified by TLS against the
+  fleet CA, names a host (`spiffe://fleet/host/<id>`); that host must be enrolled and not
+  revoked. The servicers take the host id from here, never from the request.
+- FleetService: an API key in `authorization: Bearer …`; the key names the tenant and scopes.
+- Health checking, reflection and EnrollHost (which carries its own join token) need nothing.
+
+A server without TLS (`Security` absent: loopback only, or `--insecure`) authenticates no one:
+every caller is `OPEN`, and the tenant is the request's, as before identity existed.
+
+What the ledger says of keys and hosts is kept for `cache_s` (1 s by default), so a revoked key
+or host is refused at most that long after its revocation, on every server replica.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import structlog
+
+from fleet.core.credentials import Scope, bearer, host_id_from_uri, matches
+from fleet.core.errors import FleetError, NotFound, PermissionDenied, Unauthenticated
+from fleet.identity.ca import CertificateAuthority
+from fleet.ledger.identity import ApiKey, HostIdentity
+from fleet.server.status import STATUS_FOR
+
+log = structlog.get_logger(__name__)
+
+FLEET = "/fleet.v1.FleetService/"
+HOSTS = "/fleet.v1.HostService/"
+PUBLIC = (
+    "/grpc.health.v1.Health/",
+    "/grpc.reflection.v1alpha.ServerReflection/",
+    "/grpc.reflection.v1.ServerReflection/",
+    HOSTS + "EnrollHost",
+)
+SCOPE_OF = {
+    "SubmitRollout": Scope.ROLLOUTS_WRITE,
+    "CancelRollout": Scope.ROLLOUTS_WRITE,
+    "GetRollout": Scope.ROLLOUTS_READ,
+    "ListRollouts": Scope.ROLLOUTS_READ,
+    "WatchRollout": Scope.ROLLOUTS_READ,
+    "ListEgressEvents": Scope.ROLLOUTS_READ,
+}
+KEY_TOUCH_S = 60.0
+"""A key's last use is written at most this often."""
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who a call is from."""
+
+    kind: str
+    """"tenant", "host", "public" (a call that needs no identity) or "open" (no security)."""
+    tenant: str = ""
+    scopes: frozenset[Scope] = frozenset()
+    key_id: str = ""
+    host: HostIdentity | None = None
+
+    @property
+    def host_id(self) -> str:
+        return self.host.host_id if self.host is not None else ""
+
+    @property
+    def all_tenants(self) -> bool:
+        """Sees and acts on every tenant's rollouts."""
+        return self.kind == "open" or Scope.ADMIN in self.scopes
+
+    def tenant_for(self, requested: str) -> str:
+        """The tenant a submission is for: the key's; a request naming another is refused
+        (an admin key may name any)."""
+        if self.all_tenants:
+            return requested or self.tenant or "default"
+        if requested and requested != self.tenant:
+            raise PermissionDenied(
+                f"this key is tenant {self.tenant!r}'s; it cannot act for tenant {requested!r}"
+            )
+        return self.tenant
+
+    def check_owner(self, rollout_id: str, tenant: str) -> None:
+        """Another tenant's rollout answers exactly as an unknown one does."""
+        if not self.all_tenants and tenant != self.tenant:
+            raise NotFound(f"no rollout {rollout_id!r}")
+
+    def host_id_for(self, requested: str) -> str:
+        """The host a HostService call is from: the certificate's. A request naming another
+        host is refused."""
+        if self.kind == "open":
+            return requested
+        if self.host is None:
+            raise Unauthenticated("this call needs a host's client certificate")
+        if requested and requested != self.host.host_id:
+            raise PermissionDenied(
+                f"the request names host {requested!r}, but the client certificate is host "
+                f"{self.host.host_id!r}'s"
+            )
+        return self.host.host_id
+
+
+OPEN = Caller("open")
+PUBLIC_CALLER = Caller("public")
+CALLER: contextvars.ContextVar[Caller] = contextvars.ContextVar("fleet_caller", default=OPEN)
+
+
+def current() -> Caller:
+    return CALLER.get()
+
+
+@dataclass
+class _Cached:
+    at: float
+    value: Any
+
+
+@dataclass
+class Security:
+    """A server with TLS: its CA, where hosts call it, and how long it trusts what it read."""
+
+    ca: CertificateAuthority
+    host_listen: str = ""
+    """host:port of the mutual-TLS host endpoint ("": the API's host, port 50054 or 0)."""
+    san: list[str] = field(default_factory=list)
+    """Names the server's certificate carries besides its listen addresses."""
+    host_cert_ttl_s: float = 24 * 3600.0
+    cache_s: float = 1.0
+
+
+class Authenticator:
+    """Checks callers against the ledger's keys and hosts, with a short cache."""
+
+    def __init__(
+        self,
+        db: Callable[..., Awaitable[Any]],
+        key_row: Callable[[str], tuple[ApiKey, str] | None],
+        host_row: Callable[[str], HostIdentity | None],
+        key_used: Callable[[str, float], None],
+        *,
+        host_port: Callable[[], int],
+        cache_s: float = 1.0,
+    ) -> None:
+        self._db = db
+        self._key_row = key_row
+        self._host_row = host_row
+        self._key_used = key_used
+        self._host_port = host_port
+        self.cache_s = cache_s
+        self._keys: dict[str, _Cached] = {}
+        self._hosts: dict[str, _Cached] = {}
+        self._touched: dict[str, float] = {}
+        self.refusals = 0
+
+    def forget(self) -> None:
+        self._keys.clear()
+        self._hosts.clear()
+
+    async def _cached(self, table: dict[str, _Cached], key: str, load: Callable[[str], Any]) -> Any:
+        now = time.monotonic()
+        hit = table.get(key)
+        if hit is not None and now - hit.at < self.cache_s:
+            return hit.value
+        value = await self._db(load, key)
+        if len(table) > 100_000:
+            table.clear()
+        table[key] = _Cached(now, value)
+        return value
+
+    async def caller(self, method: str, context: grpc.aio.ServicerContext) -> Caller:
+        if method.startswith(PUBLIC):
+            return PUBLIC_CALLER
+        if method.startswith(HOSTS):
+            return await self._host(context)
+        if method.startswith(FLEET):
+            return await self._tenant(method, context)
+        raise PermissionDenied(f"{method} is not served to anyone")
+
+    async def _host(self, context: grpc.aio.ServicerContext) -> Caller:
+        auth = context.auth_context()
+        uris = [v.decode(errors="replace") for v in auth.get("x509_subject_alternative_name", [])]
+        host_ids = [h for h in (host_id_from_uri(u) for u in uris) if h]
+        if not auth.get("x509_pem_cert"):
+            raise Unauthenticated(
+                "HostService needs this host's client certificate: call the server's host "
+                f"endpoint (port {self._host_port()}) with the certificate from enrollment "
+                "(fleet agent --join TOKEN)"
+            )
+        if len(host_ids) != 1:
+            raise Unauthenticated("the client certificate names no fleet host")
+        host: HostIdentity | None = await self._cached(self._hosts, host_ids[0], self._host_row)
+        if host is None:
+            raise Unauthenticated(f"host {host_ids[0]!r} is not enrolled in this fleet")
+        if host.revoked_at is not None:
+            raise Unauthenticated(f"host {host.host_id!r} was revoked (fleet host revoke)")
+        return Caller("host", host=host)
+
+    async def _tenant(self, method: str, context: grpc.aio.ServicerContext) -> Caller:
+        metadata = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
+        presented = bearer(metadata)
+        found = await self._cached(self._keys, presented.id, self._key_row)
+        if found is None:
+            raise Unauthenticated(
+                f"unknown API key {presented.id}", details={"key-id": presented.id}
+            )
+        key, stored = found
+        if not matches(presented.secret, stored):
+            raise Unauthenticated(f"API key {key.id}: wrong secret", details={"key-id": key.id})
+        now = time.time()
+        if key.revoked_at is not None:
+            raise Unauthenticated(f"API key {key.id} was revoked", details={"key-id": key.id})
+        if key.expires_at is not None and key.expires_at <= now:
+            raise Unauthenticated(f"API key {key.id} has expired", details={"key-id": key.id})
+        need = SCOPE_OF.get(method.removeprefix(FLEET))
+        if need is None or (need not in key.scopes and Scope.ADMIN not in key.scopes):
+            raise PermissionDenied(
+                f"API key {key.id} lacks the scope {need or 'admin'!s} that "
+                f"{method.removeprefix(FLEET)} needs (it has: "
+                f"{', '.join(sorted(key.scopes)) or 'none'})",
+                details={"key-id": key.id},
+            )
+        if now - self._touched.get(key.id, 0.0) > KEY_TOUCH_S:
+            self._touched[key.id] = now
+            try:
+                await self._db(self._key_used, key.id, now)
+            except Exception:
+                log.exception("key_touch_failed", key_id=key.id)
+        return Caller("tenant", tenant=key.tenant, scopes=key.scopes, key_id=key.id)
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Authenticates each call and makes its `Caller` current for the servicer."""
+
+    def __init__(self, auth: Authenticator) -> None:
+        self.auth = auth
+
+    async def _check(self, method: str, context: grpc.aio.ServicerContext) -> None:
+        try:
+            CALLER.set(await self.auth.caller(method, context))
+        except FleetError as exc:
+            self.auth.refusals += 1
+            log.info(
+                "auth_refused", rpc=method, code=str(exc.code), reason=exc.message,
+                key_id=exc.details.get("key-id", ""), peer=context.peer(),
+            )  # fmt: skip
+            await context.abort(STATUS_FOR[exc.code], exc.message)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None:
+            return handler
+        method: str = details.method
+        check = self._check
+        if handler.unary_unary is not None:
+            inner_uu = handler.unary_unary
+
+            async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                await check(method, context)
+                return await inner_uu(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary_unary, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )  # fmt: skip
+        if handler.unary_stream is not None:
+            inner_us = handler.unary_stream
+
+            async def unary_stream(
+                request: Any, context: grpc.aio.ServicerContext
+            ) -> AsyncIterator[Any]:
+                await check(method, context)
+                async for item in inner_us(request, context):
+                    yield item
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )  # fmt: skip
+        if handler.stream_stream is not None:
+            inner_ss = handler.stream_stream
+
+            async def stream_stream(
+                requests: Any, context: grpc.aio.ServicerContext
+            ) -> AsyncIterator[Any]:
+                await check(method, context)
+                async for item in inner_ss(requests, context):
+                    yield item
+
+            return grpc.stream_stream_rpc_method_handler(
+                stream_stream, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )  # fmt: skip
+        raise PermissionDenied(f"{method}: client-streaming calls are not served")
