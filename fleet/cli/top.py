@@ -53,6 +53,13 @@ def render(server: dict[str, float] | str, gateway: dict[str, float] | str) -> s
             f"cpu-s/trajectory {server.get('fleet_cpu_seconds_per_trajectory', 0):.3f}   "
             f"backpressure {'HOLDING' if server.get('fleet_backpressure_holding') else 'off'}",
         ]
+        if server.get("fleet_server_insecure"):
+            lines.append("security        WITHOUT TLS OR AUTHENTICATION (loopback or --insecure)")
+        elif "fleet_server_insecure" in server:
+            lines.append(
+                f"security        TLS, keys; {server.get('fleet_auth_refusals_total', 0):g} "
+                "calls refused"
+            )
     if isinstance(gateway, str):
         lines.append(f"gateway  {gateway}")
     else:

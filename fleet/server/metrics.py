@@ -36,6 +36,11 @@ def render(core: Core, figures: dict[str, float]) -> str:
         f"fleet_gateway_queue_depth {core.gateway_queue_depth}",
         "# TYPE fleet_backpressure_holding gauge",
         f"fleet_backpressure_holding {int(core.hold_inference)}",
+        "# HELP fleet_server_insecure 1 when the server runs without TLS or authentication",
+        "# TYPE fleet_server_insecure gauge",
+        f"fleet_server_insecure {int(core.security is None)}",
+        "# TYPE fleet_auth_refusals_total counter",
+        f"fleet_auth_refusals_total {core.auth.refusals if core.auth is not None else 0}",
     ]
     return "\n".join(lines) + "\n"
 

@@ -311,6 +311,7 @@ def test_server_and_gateway_metrics_and_fleet_top(tmp_path: Path, images: ImageS
     assert server["fleet_trajectories_completed_total"] == 1
     assert server["fleet_cpu_seconds_per_trajectory"] > 0.05  # the step's own CPU time
     assert server["fleet_backpressure_holding"] == 0
+    assert server["fleet_server_insecure"] == 1 and "WITHOUT TLS" in top
     assert gateway["fleet_gateway_served_total"] == 1
     assert gateway['fleet_gateway_requests_total{via="grpc"}'] == 1
     assert gateway["fleet_gateway_streams_open"] == 0
