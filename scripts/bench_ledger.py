@@ -202,6 +202,121 @@ def where_time_goes(target: str, n: int) -> dict[str, float]:
     return {"total_us": total * per, "driver_us": driver * per, "commit_us": commit * per}
 
 
+API_CONCURRENCY = 32
+API_POLLERS = 4
+
+
+async def api_round(tmp: str, secure: bool, n: int) -> tuple[float, float]:
+    """Submit and claim+complete through a real gRPC server (SQLite ledger): plaintext with no
+    identity, or TLS with an API key for the submitter and a client certificate for the host.
+    Returns (submits/s, jobs/s)."""
+    import asyncio
+    import uuid
+
+    import grpc
+
+    from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, host_pb2, host_pb2_grpc, types_pb2
+    from fleet.cli.client import ClientAuth
+    from fleet.config import Paths
+    from fleet.core.credentials import Scope, format_api_key
+    from fleet.identity.ca import CertificateAuthority
+    from fleet.identity.local import local_host_identity
+    from fleet.image.store import ImageStore
+    from fleet.server import convert
+    from fleet.server.app import FleetServer, ServerConfig
+    from fleet.server.auth import Security
+
+    paths = Paths.from_env()
+    where = Path(tempfile.mkdtemp(dir=tmp))
+    ledger = Ledger.sqlite(where / "api.sqlite3")
+    ca = CertificateAuthority.init(where / "ca") if secure else None
+    security = Security(ca, host_listen="127.0.0.1:0") if ca is not None else None
+    server = FleetServer(ledger, ImageStore(paths.images, paths.recipes), "127.0.0.1:0",
+                         ServerConfig(lease_ttl_s=60.0), security)  # fmt: skip
+    await server.start()
+    key = ""
+    if ca is not None:
+        _, presented = ledger.identities.create_key(
+            "bench", frozenset({Scope.ROLLOUTS_READ, Scope.ROLLOUTS_WRITE}), None, time.time()
+        )
+        key = format_api_key(presented)
+    caps = HostCapabilities(
+        host_id="bench-host", host_class=HostClass.CPU, runtime=RuntimeKind.NAMESPACE,
+        isolation=Isolation.NAMESPACE, cpus=1, memory_mib=1, cuda_devices=0,
+    )  # fmt: skip
+    if ca is not None:
+        identity = local_host_identity(ca, ledger, caps, server.address, server.core.host_port)
+        host_channel = grpc.aio.secure_channel(identity.host_address,
+                                               identity.channel_credentials())  # fmt: skip
+    else:
+        host_channel = grpc.aio.insecure_channel(server.address)
+    client_channel = ClientAuth(ca.pem if ca else None, key).channel(server.address)
+    run = uuid.uuid4().hex[:8]
+    requests = [
+        fleet_pb2.SubmitRolloutRequest(
+            request_id=f"{run}-{i}", idempotency_key=f"{run}-{i}",
+            smolfile='image = "minimal"\n', steps=[types_pb2.Step(argv=["true"])],
+        )
+        for i in range(n)
+    ]  # fmt: skip
+    try:
+        async with client_channel, host_channel:
+            fleet = fleet_pb2_grpc.FleetServiceStub(client_channel)
+            hosts = host_pb2_grpc.HostServiceStub(host_channel)
+            await hosts.RegisterHost(host_pb2.RegisterHostRequest(
+                host_id="bench-host", host_class=types_pb2.HOST_CLASS_CPU,
+                capabilities=convert.capabilities_to_pb(caps)))  # fmt: skip
+            gate = asyncio.Semaphore(API_CONCURRENCY)
+
+            async def submit(req: fleet_pb2.SubmitRolloutRequest) -> None:
+                async with gate:
+                    await fleet.SubmitRollout(req, timeout=60)
+
+            t = time.perf_counter()
+            await asyncio.gather(*(submit(r) for r in requests))
+            submits = n / (time.perf_counter() - t)
+
+            async def poller() -> int:
+                done = 0
+                while True:
+                    reply = await hosts.ClaimWork(host_pb2.ClaimWorkRequest(
+                        host_id="bench-host", max_items=CLAIM_BATCH, wait_s=0), timeout=60)  # fmt: skip
+                    if not reply.items:
+                        return done
+                    await asyncio.gather(*(
+                        hosts.CompleteWork(host_pb2.CompleteWorkRequest(
+                            host_id="bench-host", work_id=item.work_id,
+                            fencing_token=item.fencing_token,
+                            outcome=types_pb2.OUTCOME_SUCCEEDED,
+                            results=[types_pb2.StepResult(index=0, exit_code=0)]), timeout=60)
+                        for item in reply.items
+                    ))  # fmt: skip
+                    done += len(reply.items)
+
+            t = time.perf_counter()
+            finished = sum(await asyncio.gather(*(poller() for _ in range(API_POLLERS))))
+            jobs = finished / (time.perf_counter() - t)
+            assert finished == n, (finished, n)
+    finally:
+        await server.stop()
+        ledger.engine.dispose()
+    return submits, jobs
+
+
+def api_rates(tmp: str, n: int) -> dict[str, float]:
+    """Plaintext and TLS rounds in turns (A B B A), each mode's rates the mean of its two."""
+    import asyncio
+
+    rounds: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+    for secure in (False, True, True, False):
+        rounds[secure].append(asyncio.run(api_round(tmp, secure, n)))
+    out = {}
+    for secure, name in ((False, "plain"), (True, "tls")):
+        out[f"api_submit_{name}_s"] = sum(r[0] for r in rounds[secure]) / 2
+        out[f"api_jobs_{name}_s"] = sum(r[1] for r in rounds[secure]) / 2
+    return out
+
+
 def baseline(url: str, n: int) -> tuple[float, float, float]:
     env = {**os.environ, "PYTHONPATH": str(REPO / ".bench-deps")}
     out = subprocess.run(
@@ -233,6 +348,7 @@ def main() -> int:
         lite_prof = where_time_goes(str(Path(tmp) / "prof.sqlite3"), prof_n)
         pg_prof = where_time_goes(create_database(server), prof_n)
         fsyncs = fsync_rate(tmp)
+        results.update(api_rates(tmp, 400 if args.quick else 2000))
         results["baseline_jobs_s"] = b_jobs
     rows = [
         ("claim+complete jobs/s, 4 workers, durable", results["sqlite_jobs_s"], results["postgres_jobs_s"], b_jobs),
@@ -257,6 +373,16 @@ def main() -> int:
           f"{2e6 / pg_prof['total_us']:>12.0f}")  # fmt: skip
     print(f"bare write+fsync on this disk: {fsyncs:.0f}/s (the ceiling for durable one-by-one "
           "commits from one client)")
+    print()
+    print("through the gRPC API (a real server, SQLite, client and server in one process; "
+          "rounds A B B A):")  # fmt: skip
+    print(f"{'':<44}{'plaintext':>14}{'TLS+keys':>12}{'TLS/plain':>11}")
+    for key, name in (("submit", f"submit rollouts/s, {API_CONCURRENCY} in flight"),
+                      ("jobs", f"claim+complete jobs/s, {API_POLLERS} pollers")):  # fmt: skip
+        plain, tls = results[f"api_{key}_plain_s"], results[f"api_{key}_tls_s"]
+        print(f"{name:<44}{plain:>14.0f}{tls:>12.0f}{tls / plain:>10.2f}x")
+    print("(TLS+keys: the submitter sends an API key checked on every call, the host calls "
+          "with its client certificate over mutual TLS)")
     if args.json:
         print(json.dumps({k: round(v, 1) for k, v in results.items()}))
     return 0

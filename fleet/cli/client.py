@@ -132,29 +132,40 @@ async def list_all(stub: Any, labels: dict[str, str]) -> list[types_pb2.Rollout]
 # -- credentials -------------------------------------------------------------------------------
 
 
-class _Bearer:
-    """Adds `authorization: Bearer <API key>` to every call."""
+class _WithKey:
+    """A method of a stub whose every call carries the API key."""
 
-    def __init__(self, key: str) -> None:
+    def __init__(self, call: Any, pair: tuple[str, str]) -> None:
+        self._call = call
+        self._pair = pair
+
+    def __call__(self, request: Any, *, metadata: Any = None, **kwargs: Any) -> Any:
+        return self._call(request, metadata=(*(metadata or ()), self._pair), **kwargs)
+
+
+class _KeyedChannel:
+    """A channel whose calls carry `authorization: Bearer <API key>`. (A client interceptor
+    does the same at about 120 us of Python per call; this costs one function call.)"""
+
+    def __init__(self, channel: grpc.aio.Channel, key: str) -> None:
+        self._channel = channel
         self._pair = ("authorization", f"Bearer {key}")
 
-    def _details(self, details: Any) -> Any:
-        metadata = [*(details.metadata or ()), self._pair]
-        return grpc.aio.ClientCallDetails(
-            details.method, details.timeout, metadata, details.credentials,
-            details.wait_for_ready,
-        )  # fmt: skip
+    def unary_unary(self, *args: Any, **kwargs: Any) -> _WithKey:
+        return _WithKey(self._channel.unary_unary(*args, **kwargs), self._pair)
 
+    def unary_stream(self, *args: Any, **kwargs: Any) -> _WithKey:
+        return _WithKey(self._channel.unary_stream(*args, **kwargs), self._pair)
 
-# A channel files an interceptor under one kind only, so each kind has its own class.
-class _BearerUnary(_Bearer, grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
-    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(self._details(details), request)
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._channel, name)
 
+    async def __aenter__(self) -> _KeyedChannel:
+        await self._channel.__aenter__()
+        return self
 
-class _BearerStream(_Bearer, grpc.aio.UnaryStreamClientInterceptor):  # type: ignore[misc]
-    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(self._details(details), request)
+    async def __aexit__(self, *exc: Any) -> None:
+        await self._channel.__aexit__(*exc)
 
 
 @dataclass(frozen=True)
@@ -188,8 +199,9 @@ class ClientAuth:
         return cls(ca_pem, key)
 
     def channel(self, address: str) -> grpc.aio.Channel:
-        interceptors = [_BearerUnary(self.key), _BearerStream(self.key)] if self.key else []
         if self.ca_pem is None:
-            return grpc.aio.insecure_channel(address, interceptors=interceptors)
-        credentials = grpc.ssl_channel_credentials(root_certificates=self.ca_pem)
-        return grpc.aio.secure_channel(address, credentials, interceptors=interceptors)
+            channel = grpc.aio.insecure_channel(address)
+        else:
+            credentials = grpc.ssl_channel_credentials(root_certificates=self.ca_pem)
+            channel = grpc.aio.secure_channel(address, credentials)
+        return _KeyedChannel(channel, self.key) if self.key else channel
