@@ -20,6 +20,7 @@ from fleet._proto.fleet.v1 import host_pb2, host_pb2_grpc
 from fleet.agent import journal
 from fleet.agent.capabilities import RuntimeChoice, capabilities, make_runtime
 from fleet.agent.checkpoints import RELAY_ADDRESS, RETRYABLE, CheckpointRelay, CheckpointSender
+from fleet.agent.images import ImageCache
 from fleet.agent.journal import AttemptJournal
 from fleet.agent.link import Link
 from fleet.agent.passage import CHECKPOINTS_SOCKET, GATEWAY_SOCKET, GatewaySplice, child_address
@@ -78,6 +79,8 @@ class AgentConfig:
     """This host's certificate and the CA, for a server with TLS (None: a server without)."""
     identity_files: HostFiles | None = None
     """Where the identity lives, rewritten at renewal."""
+    image_cache_gib: float | None = None
+    """Bound on the images fetched from the server kept here (None: no bound)."""
 
 
 @dataclass
@@ -92,6 +95,8 @@ class _Running:
     """A warm child's way to the gateway (other machines reach it over their own link)."""
     adopt: Leftover | None = None
     """The machine an earlier run of this agent left running this attempt (after a restart)."""
+    image: str = ""
+    """The image digest this attempt holds in the image cache ("": none yet)."""
 
 
 class Agent:
@@ -114,6 +119,9 @@ class Agent:
         self._parents: dict[str, NamespaceParent] = {}
         self._parents_lock = asyncio.Lock()
         self._heartbeat_s = 3.0
+        cap = config.image_cache_gib
+        self.images = ImageCache(config.images, None if cap is None else int(cap * (1 << 30)))
+        self.images.busy = self._parent_images
         self.refused = ""
         """Why the server stopped accepting this host ("": it has not)."""
         self.journal_dir = config.machines_dir.parent / "journal" / config.host_id
@@ -433,6 +441,16 @@ class Agent:
 
     async def _execute(self, running: _Running, log_: structlog.BoundLogger) -> Completion:
         """Runs the attempt, then collects what its machine was refused and deletes it."""
+        try:
+            return await self._execute_attempt(running, log_)
+        finally:
+            if running.image:
+                self.images.release(running.image)
+
+    def _parent_images(self) -> set[str]:
+        return {p.machine.spec.image_digest for p in self._parents.values()}
+
+    async def _execute_attempt(self, running: _Running, log_: structlog.BoundLogger) -> Completion:
         completion = await self._attempt(running, log_)
         if running.relay is not None:
             await running.relay.stop()
@@ -505,6 +523,8 @@ class Agent:
         try:
             parsed = a.manifest.parsed_smolfile()
             egress = effective_egress(parsed.spec, runtime_name)
+            await self.images.acquire(self._stub, a.manifest.image_digest)
+            running.image = a.manifest.image_digest
             rootfs = await asyncio.to_thread(self.config.images.rootfs, a.manifest.image_digest)
             rootfs_ready = True
             spec = MachineSpec(

@@ -234,6 +234,7 @@ async def cmd_agent(args: argparse.Namespace) -> int:
             slots=args.slots,
             net=net_config(args.egress_uplink, args.egress_dns),
             gateway=gateway,
+            image_cache_gib=args.image_cache_gib,
         )
     )
     print(f"fleet agent: {host_class}-class, runtime {choice.kind} ({choice.reason})", flush=True)
@@ -753,6 +754,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--class", dest="host_class", choices=["gpu", "cpu"], required=True)
     sp.add_argument("--runtime", choices=["auto", "smol", "namespace"], default="auto")
     sp.add_argument("--slots", type=int, default=2, help="work items run at once")
+    sp.add_argument(
+        "--image-cache-gib", type=float, default=20.0,
+        help="images fetched from the server kept here, at most (least recently used removed "
+        "first, never one in use; default 20)",
+    )  # fmt: skip
     sp.add_argument("--host-id", default="")
     sp.add_argument("--machines-dir", default="", help="default $FLEET_HOME/machines")
     sp.add_argument(

@@ -207,6 +207,13 @@ class ImageStore:
             )
         return digest
 
+    def mark_verified(self, digest: str) -> None:
+        """The archive was hashed as it was written (a fetched image): no need to again."""
+        self._verified.add(digest)
+
+    def forget_verified(self, digest: str) -> None:
+        self._verified.discard(digest)
+
     def verify(self, digest: str) -> Path:
         """Checks the archive against its digest (once per process) and returns its path."""
         blob = self.blob_path(digest)

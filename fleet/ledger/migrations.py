@@ -60,6 +60,16 @@ def _identity(conn: Connection) -> None:
         table.__table__.create(conn, checkfirst=True)  # type: ignore[union-attr]
 
 
+def _avoid_host(conn: Connection) -> None:
+    if "avoid_host" not in {c["name"] for c in inspect(conn).get_columns("work_items")}:
+        conn.execute(
+            text("ALTER TABLE work_items ADD COLUMN avoid_host VARCHAR NOT NULL DEFAULT ''")
+        )
+    if conn.dialect.name == "postgresql":  # SQLite's integers are 64-bit already
+        for table in ("work_items", "attempts"):
+            conn.execute(text(f"ALTER TABLE {table} ALTER COLUMN fencing_token TYPE BIGINT"))
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (
         1,
@@ -74,6 +84,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     ),
     (4, "a budget of checkpoint bytes per rollout", _checkpoint_budget),
     (5, "identity: join tokens, tenants' API keys, enrolled and revoked hosts", _identity),
+    (6, "a retry goes first to another host; fencing tokens are 64-bit", _avoid_host),
 ]
 LATEST = MIGRATIONS[-1][0]
 assert LATEST == tables.SCHEMA_VERSION

@@ -124,6 +124,8 @@ def _marks(n: int) -> str:
 
 
 MAX_CHECKPOINT_BYTES = 1 << 20
+AVOID_HOST_S = 5.0
+"""How long after its backoff a retry waits for other hosts before the one that failed it."""
 FENCING_STEP = 1 << 31
 """A claim adds 1 plus a random number below this to the fencing token."""
 MAX_CHECKPOINT_BYTES_PER_ROLLOUT = 256 << 20
@@ -775,6 +777,15 @@ class Ledger:
                     return [self._assignment(db, _Item(*row)) for row in again]
             where = "state = ? AND host_class = ? AND not_before <= ? AND deadline > ?"
             params: list[Any] = [QUEUED, host.host_class.value, now, now]
+            # The host that failed an attempt (a host error, a lost lease) gets its retry only
+            # once others had AVOID_HOST_S to take it, unless no other live host of its class
+            # could (one that beat within the last AVOID_HOST_S): a lone host runs it at once.
+            where += (
+                " AND (avoid_host <> ? OR not_before <= ? OR NOT EXISTS (SELECT 1 FROM hosts "
+                "WHERE hosts.host_class = work_items.host_class AND hosts.id <> ? "
+                "AND hosts.last_heartbeat_at > ?))"
+            )
+            params += [host_id, now - AVOID_HOST_S, host_id, now - AVOID_HOST_S]
             if host.isolation != Isolation.VM:
                 where += " AND needs_vm = ?"
                 params.append(False)
@@ -1256,6 +1267,7 @@ class Ledger:
                         "" if requeue else item.lease_owner,
                         not_before if not_before is not None else item.not_before,
                         fingerprint,
+                        host_id if requeue else "",
                         item.id,
                     )
                 )
@@ -1289,7 +1301,7 @@ class Ledger:
             )
             db.many(
                 "UPDATE work_items SET state = ?, lease_owner = ?, lease_expires_at = NULL, "
-                "not_before = ?, result_fingerprint = ? WHERE id = ?",
+                "not_before = ?, result_fingerprint = ?, avoid_host = ? WHERE id = ?",
                 item_rows,
             )
             db.many(
@@ -1376,6 +1388,7 @@ class Ledger:
                 attempt.error = f"lease held by {item.lease_owner} expired"
                 s.add(attempt)
                 owner, item.lease_owner, item.lease_expires_at = item.lease_owner, "", None
+                item.avoid_host = owner
                 if item.cancel_requested:
                     item.state = DONE
                     self._move(

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from sqlalchemy import BigInteger
 from sqlmodel import Field, SQLModel
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 
 class SchemaInfo(SQLModel, table=True):
@@ -78,12 +79,16 @@ class WorkItemRow(SQLModel, table=True):
     not_before: float = 0.0
     deadline: float
     lease_owner: str = ""
-    fencing_token: int = 0
+    fencing_token: int = Field(default=0, sa_type=BigInteger)
+    """Grows by a random step at every claim (64-bit, schema version 6)."""
     lease_expires_at: float | None = None
     cancel_requested: bool = False
     result_fingerprint: str = ""
     claim_request_id: str = ""
     """The ClaimWork request that took the current lease: a repeat of it gets the same lease."""
+    avoid_host: str = Field(default="", sa_column_kwargs={"server_default": ""})
+    """The host whose attempt failed as a host error or lost its lease: others get the retry
+    first (schema version 6)."""
 
 
 class AttemptRow(SQLModel, table=True):
@@ -93,7 +98,7 @@ class AttemptRow(SQLModel, table=True):
     work_id: str = Field(index=True)
     attempt: int
     host_id: str
-    fencing_token: int
+    fencing_token: int = Field(sa_type=BigInteger)
     started_at: float
     ended_at: float | None = None
     outcome: str = ""

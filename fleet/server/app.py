@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import os
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -600,6 +602,17 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
             released_work_ids=released,
         )
 
+    async def GetBlob(
+        self, request: host_pb2.GetBlobRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[host_pb2.BlobChunk]:
+        try:
+            host_id = self._host_id("")
+        except FleetError as exc:
+            await context.abort(STATUS_FOR[exc.code], exc.message)
+        log.info("blob_served", digest=request.digest, offset=request.offset, host_id=host_id)
+        async for chunk in stream_blob(self.core, request, context):
+            yield chunk
+
     @mapped
     async def CompleteWork(
         self, request: host_pb2.CompleteWorkRequest, context: grpc.aio.ServicerContext
@@ -642,6 +655,46 @@ def check_within(claimed: HostCapabilities, enrolled: HostCapabilities) -> None:
             + "; ".join(problems)
             + ". Enroll it again under a new host id to change them"
         )
+
+
+BLOB_CHUNK_BYTES = 1 << 20
+DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+
+
+async def stream_blob(
+    core: Core, request: host_pb2.GetBlobRequest, context: grpc.aio.ServicerContext
+) -> AsyncIterator[host_pb2.BlobChunk]:
+    """An image archive of the server's store, from `offset`, in 1 MiB chunks."""
+    if not DIGEST_RE.match(request.digest):
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"digest {request.digest[:80]!r} is not sha256:<64 hex digits>",
+        )
+    path = core.images.blob_path(request.digest)
+    try:
+        handle = await asyncio.to_thread(path.open, "rb")
+    except OSError:
+        await context.abort(
+            grpc.StatusCode.NOT_FOUND, f"image {request.digest} is not in this server's store"
+        )
+        return
+    with handle:
+        size = os.fstat(handle.fileno()).st_size
+        offset = request.offset
+        if offset > size:
+            await context.abort(
+                grpc.StatusCode.OUT_OF_RANGE,
+                f"offset {offset} is past the blob's end ({size} bytes)",
+            )
+        handle.seek(offset)
+        while offset < size or size == 0:
+            data = await asyncio.to_thread(handle.read, BLOB_CHUNK_BYTES)
+            if not data and size:
+                break
+            yield host_pb2.BlobChunk(offset=offset, data=data, total_size=size)
+            offset += len(data)
+            if size == 0:
+                break
 
 
 async def _sweeper(core: Core) -> None:

@@ -1,5 +1,6 @@
-"""A second host joins for real: its own network namespace and `$FLEET_HOME`, reaching the server
-only through a veth address, enrolled with a join token; tenants with their own keys.
+"""A second host joins for real: its own network namespace and an empty `$FLEET_HOME`, reaching
+the server only through a veth address, enrolled with a join token, fetching the image from the
+server by digest; tenants with their own keys.
 
 Everything runs as a user would run it: `fleet ca init`, `fleet serve`, `fleet host token
 create`, `fleet agent --join` (under `ip netns exec`), `fleet key create`, `fleet submit`,
@@ -136,8 +137,10 @@ def test_a_cloud_host_joins_and_tenants_are_kept_apart(tmp_path: Path, procs: Pr
     port, host_port = free_port(), free_port()
     api = f"{SERVER_IP}:{port}"
     server_home = home_with_images(tmp_path, "server-home")
-    remote_home = home_with_images(tmp_path, "remote-home")
-    local_home = home_with_images(tmp_path, "local-home")
+    # The hosts start with empty homes: they fetch the image from the server by digest.
+    remote_home, local_home = tmp_path / "remote-home", tmp_path / "local-home"
+    remote_home.mkdir()
+    local_home.mkdir()
     ca_crt = server_home / "ca" / "ca.crt"
     db = str(tmp_path / "ledger.sqlite3")
     with remote_netns() as ns:
@@ -248,6 +251,7 @@ def test_a_cloud_host_joins_and_tenants_are_kept_apart(tmp_path: Path, procs: Pr
         assert "1 leases" in revoked.stdout
         assert remote.popen.wait(timeout=30) != 0
         assert "revoked" in remote.log.read_text()
+        assert remote.log.read_text().count("image_fetched") == 1  # once for both rollouts
         local_token = run(server_home, "host", "token", "create", "--class", "cpu",
                           "--db", db).stdout.splitlines()[-1]  # fmt: skip
         local = spawn(procs, local_home, "local-agent", "agent", "--class", "cpu", "--runtime",

@@ -80,7 +80,10 @@ class Harness:
         slots: int = 2,
         net: NetConfig | None = None,
         gateway: tuple[str, int] | None = None,
+        images: ImageStore | None = None,
+        image_cache_gib: float | None = None,
     ) -> Agent:
+        """An agent on the server's image store, or on `images` (a host of its own)."""
         identity = None
         if self.ca is not None:
             identity = self.identity(host_id, host_class, gateway=gateway is not None)
@@ -92,11 +95,12 @@ class Harness:
                 host_class=host_class,
                 runtime=NAMESPACE,
                 machines_dir=self.tmp / "machines",
-                images=self.images,
+                images=images or self.images,
                 slots=slots,
                 claim_wait_s=1.0,
                 net=net,
                 gateway=gateway,
+                image_cache_gib=image_cache_gib,
             )
         )
         stop = asyncio.Event()

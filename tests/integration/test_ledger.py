@@ -424,7 +424,7 @@ def test_a_version_2_ledger_is_migrated_in_place(ledger_target: str) -> None:
         conn.execute(text("UPDATE schema_info SET version = 2 WHERE id = 1"))
     ledger.engine.dispose()
     reopened = Ledger.open(ledger_target)
-    assert reopened.schema_version == SCHEMA_VERSION == 5
+    assert reopened.schema_version == SCHEMA_VERSION == 6
     register(reopened)
     [a] = reopened.claim("cpu-1", 1, T0, TTL, hold_inference=True)
     assert a.rollout_id == rollout.id
@@ -555,3 +555,25 @@ def test_checkpoints_are_written_together_and_refused_one_by_one(ledger: Ledger)
     assert ledger.checkpoints(second.id) == []
     with pytest.raises(Aborted, match="stale lease"):
         ledger.put_checkpoint("cpu-2", a.work_id, a.fencing_token, 3, b"a3", T0 + 2)
+
+
+def test_a_retry_goes_first_to_another_host(ledger: Ledger) -> None:
+    """After a host error on cpu-1 the retry waits for other live hosts of its class for a
+    while; a lone host gets it back at once."""
+    from fleet.ledger.store import AVOID_HOST_S
+
+    register(ledger, "cpu-1")
+    register(ledger, "cpu-2")
+    submit(ledger, retry=RetryPolicy(max_attempts=3, initial_backoff_s=0.1, max_backoff_s=0.1))
+    [a] = ledger.claim("cpu-1", 1, T0, TTL)
+    ledger.complete("cpu-1", done(a.work_id, a.fencing_token, Outcome.TRANSIENT_ERROR), T0 + 1)
+    assert ledger.claim("cpu-1", 1, T0 + 1.5, TTL) == []  # cpu-2 is alive: it goes first
+    [b] = ledger.claim("cpu-2", 1, T0 + 1.5, TTL)
+    assert b.attempt == 2
+    # cpu-2 loses the lease; cpu-1 has not beaten since T0, so cpu-2 is the lone live host.
+    ledger.heartbeat("cpu-2", [(b.work_id, b.fencing_token)], T0 + 2, TTL)
+    ledger.sweep(T0 + 2 + TTL + 1)
+    later = T0 + 2 + TTL + 2
+    assert later - T0 > AVOID_HOST_S
+    [c] = ledger.claim("cpu-2", 1, later, TTL)  # nobody else alive: no waiting
+    assert c.attempt == 3

@@ -10,6 +10,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class GetBlobRequest(_message.Message):
+    __slots__ = ("digest", "offset")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    digest: str
+    offset: int
+    def __init__(self, digest: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class BlobChunk(_message.Message):
+    __slots__ = ("offset", "data", "total_size")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    total_size: int
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., total_size: _Optional[int] = ...) -> None: ...
+
 class ReclaimWorkRequest(_message.Message):
     __slots__ = ("request_id", "host_id", "leases")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -84,6 +84,11 @@ class HostServiceStub:
                 request_serializer=fleet_dot_v1_dot_host__pb2.ReclaimWorkRequest.SerializeToString,
                 response_deserializer=fleet_dot_v1_dot_host__pb2.ReclaimWorkResponse.FromString,
                 _registered_method=True)
+        self.GetBlob = channel.unary_stream(
+                '/fleet.v1.HostService/GetBlob',
+                request_serializer=fleet_dot_v1_dot_host__pb2.GetBlobRequest.SerializeToString,
+                response_deserializer=fleet_dot_v1_dot_host__pb2.BlobChunk.FromString,
+                _registered_method=True)
 
 
 class HostServiceServicer:
@@ -162,6 +167,14 @@ class HostServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetBlob(self, request, context):
+        """An image archive from the server's own store, by digest, in chunks from `offset` (an
+        interrupted download resumes where it stopped). The host verifies the digest before use.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_HostServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -209,6 +222,11 @@ def add_HostServiceServicer_to_server(servicer, server):
                     servicer.ReclaimWork,
                     request_deserializer=fleet_dot_v1_dot_host__pb2.ReclaimWorkRequest.FromString,
                     response_serializer=fleet_dot_v1_dot_host__pb2.ReclaimWorkResponse.SerializeToString,
+            ),
+            'GetBlob': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetBlob,
+                    request_deserializer=fleet_dot_v1_dot_host__pb2.GetBlobRequest.FromString,
+                    response_serializer=fleet_dot_v1_dot_host__pb2.BlobChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -459,6 +477,33 @@ class HostService:
             '/fleet.v1.HostService/ReclaimWork',
             fleet_dot_v1_dot_host__pb2.ReclaimWorkRequest.SerializeToString,
             fleet_dot_v1_dot_host__pb2.ReclaimWorkResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetBlob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/fleet.v1.HostService/GetBlob',
+            fleet_dot_v1_dot_host__pb2.GetBlobRequest.SerializeToString,
+            fleet_dot_v1_dot_host__pb2.BlobChunk.FromString,
             options,
             channel_credentials,
             insecure,
