@@ -20,6 +20,13 @@ from fleet._proto.fleet.v1 import host_pb2, host_pb2_grpc
 from fleet.agent import journal
 from fleet.agent.capabilities import RuntimeChoice, capabilities, make_runtime
 from fleet.agent.checkpoints import RELAY_ADDRESS, RETRYABLE, CheckpointRelay, CheckpointSender
+from fleet.agent.files import (
+    InputPlacementFailed,
+    collect_outputs,
+    place_inputs,
+    remove_staged,
+    stage_inputs,
+)
 from fleet.agent.images import ImageCache
 from fleet.agent.journal import AttemptJournal
 from fleet.agent.link import Link
@@ -446,12 +453,28 @@ class Agent:
         finally:
             if running.image:
                 self.images.release(running.image)
+            if running.assignment.manifest.inputs:
+                await asyncio.to_thread(remove_staged, self._inputs_dir(running.assignment))
 
     def _parent_images(self) -> set[str]:
         return {p.machine.spec.image_digest for p in self._parents.values()}
 
     async def _execute_attempt(self, running: _Running, log_: structlog.BoundLogger) -> Completion:
         completion = await self._attempt(running, log_)
+        a = running.assignment
+        collect = completion.outcome in (Outcome.SUCCEEDED, Outcome.STEP_FAILED)
+        if a.manifest.outputs and running.machine is not None and collect:
+            try:
+                outputs = await collect_outputs(
+                    running.machine, self._stub, a, self.config.machines_dir.parent / "spool"
+                )
+                completion = completion.model_copy(update={"outputs": outputs})
+            except Exception:
+                log_.exception("outputs_not_collected")
+                completion = completion.model_copy(update={
+                    "outcome": Outcome.TRANSIENT_ERROR,
+                    "error": "the agent could not collect the outputs; see its log",
+                })  # fmt: skip
         if running.relay is not None:
             await running.relay.stop()
         if running.splice is not None:
@@ -480,6 +503,16 @@ class Agent:
         except Exception:
             log_.exception("machine_delete_failed", machine=machine.name)
         return completion
+
+    def _inputs_dir(self, a: Assignment) -> Path:
+        return self.config.machines_dir.parent / "inputs" / a.work_id
+
+    async def _stage_inputs(self, a: Assignment) -> tuple[tuple[str, str], ...]:
+        """Inputs fetched to this host to be mounted read-only, where the runtime can mount
+        (the namespace runtime); elsewhere they are copied in after the machine starts."""
+        if not a.manifest.inputs or not isinstance(self.runtime, NamespaceRuntime):
+            return ()
+        return await stage_inputs(self._stub, a, self._inputs_dir(a))
 
     def _cannot_honour(self, a: Assignment) -> str:
         """Why this host's own runtime cannot give the rollout what it requires ("": it can)."""
@@ -543,6 +576,7 @@ class Agent:
                 },
                 secrets=resolve_secrets(parsed.spec),
                 gateway=self._gateway_for(a),
+                read_only=await self._stage_inputs(a),
             )
             if spec.gateway is not None:  # recorded for review: what else this machine reached
                 where = f"{spec.gateway[0]}:{spec.gateway[1]}"
@@ -605,6 +639,11 @@ class Agent:
                 relay = await self._checkpoint_relay(machine, a)
                 if relay is not None:
                     running.relay, extra_env["FLEET_CHECKPOINTS"] = relay
+            if a.manifest.inputs and not spec.read_only and running.adopt is None:
+                try:
+                    await place_inputs(machine, self._stub, a)
+                except InputPlacementFailed as exc:
+                    return report(Outcome.STEP_FAILED, str(exc))
             init_commands = [] if warm is not None or record.init_done else parsed.spec.init
             for command in init_commands:
                 init = await machine.exec(

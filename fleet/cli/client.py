@@ -78,6 +78,8 @@ def submit_request(
     inference: bool = False,
     versions: dict[str, str] | None = None,
     tenant: str = "",
+    inputs: list[types_pb2.InputFile] | None = None,
+    outputs: list[str] | None = None,
 ) -> fleet_pb2.SubmitRolloutRequest:
     parsed = load_smolfile(smolfile_path)  # fail fast, locally, with file and line
     if not steps and (parsed.spec.entrypoint or parsed.spec.cmd):
@@ -97,6 +99,8 @@ def submit_request(
             inference=inference,
         ),
         versions=types_pb2.Versions(**(versions or {})),
+        inputs=inputs or [],
+        outputs=outputs or [],
     )
     if deadline_s is not None:
         request.deadline.FromDatetime(datetime.now(UTC) + timedelta(seconds=deadline_s))
@@ -157,6 +161,12 @@ class _KeyedChannel:
     def unary_stream(self, *args: Any, **kwargs: Any) -> _WithKey:
         return _WithKey(self._channel.unary_stream(*args, **kwargs), self._pair)
 
+    def stream_unary(self, *args: Any, **kwargs: Any) -> _WithKey:
+        return _WithKey(self._channel.stream_unary(*args, **kwargs), self._pair)
+
+    def stream_stream(self, *args: Any, **kwargs: Any) -> _WithKey:
+        return _WithKey(self._channel.stream_stream(*args, **kwargs), self._pair)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._channel, name)
 
@@ -205,3 +215,95 @@ class ClientAuth:
             credentials = grpc.ssl_channel_credentials(root_certificates=self.ca_pem)
             channel = grpc.aio.secure_channel(address, credentials)
         return _KeyedChannel(channel, self.key) if self.key else channel
+
+
+# -- files -------------------------------------------------------------------------------------
+
+UPLOAD_CHUNK = 1 << 20
+
+
+def parse_input(spec: str) -> tuple[Path, str, bool]:
+    """`SRC:/path/in/machine` -> (SRC, path, SRC is a directory); SRC may itself hold ':'
+    (split at the last)."""
+    src, sep, dest = spec.rpartition(":")
+    if not sep or not src or not dest.startswith("/"):
+        raise InvalidArgument(f"--input {spec!r}: expected SRC:/absolute/path/in/machine")
+    path = Path(src)
+    if not path.exists():
+        raise InvalidArgument(f"--input {spec!r}: {src} does not exist")
+    return path, dest, path.is_dir()
+
+
+def tar_directory(src: Path, out: Any) -> None:
+    """A directory as a tar whose bytes depend on its content only (sorted entries, owner 0),
+    so the same tree uploaded twice is stored once."""
+    import tarfile
+
+    def reset(info: tarfile.TarInfo) -> tarfile.TarInfo:
+        info.uid = info.gid = 0
+        info.uname = info.gname = ""
+        return info
+
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for path in sorted(src.rglob("*")):
+            tar.add(path, arcname=str(path.relative_to(src)), recursive=False, filter=reset)
+
+
+async def upload(stub: Any, src: Path, dest: str, directory: bool) -> types_pb2.InputFile:
+    """Uploads a file, or a directory as one tar, with PutBlob; returns the manifest entry."""
+    import asyncio
+    import tempfile
+
+    with tempfile.TemporaryFile() as spool:
+        if directory:
+            await asyncio.to_thread(tar_directory, src, spool)
+            spool.seek(0)
+            handle: Any = spool
+        else:
+            handle = src.open("rb")
+
+        async def parts() -> Any:
+            while data := await asyncio.to_thread(handle.read, UPLOAD_CHUNK):
+                yield fleet_pb2.BlobPart(data=data)
+
+        try:
+            reply = await stub.PutBlob(parts(), timeout=3600)
+        finally:
+            if handle is not spool:
+                handle.close()
+    return types_pb2.InputFile(path=dest, digest=reply.digest, size=reply.size,
+                               directory=directory)  # fmt: skip
+
+
+async def download(stub: Any, rollout: types_pb2.Rollout, into: Path) -> list[str]:
+    """Writes each stored output of `rollout` under `into` (a directory's tar unpacked into a
+    folder of its name); returns what it wrote."""
+    import asyncio
+    import tarfile
+    import tempfile
+
+    written = []
+    os.makedirs(into, exist_ok=True)
+    for output in rollout.outputs:
+        if not output.digest:
+            continue
+        name = Path(output.path).name
+        with tempfile.TemporaryFile() as spool:
+            call = stub.GetArtifact(
+                fleet_pb2.GetArtifactRequest(rollout_id=rollout.id, digest=output.digest)
+            )
+            async for chunk in call:
+                await asyncio.to_thread(spool.write, chunk.data)
+            spool.seek(0)
+            if output.directory:
+                target = into / name
+                target.mkdir(parents=True, exist_ok=True)
+                with tarfile.open(fileobj=spool, mode="r") as tar:
+                    tar.extractall(target, filter="data")
+            else:
+                target = into / name
+                with target.open("wb") as out:
+                    while data := spool.read(UPLOAD_CHUNK):
+                        out.write(data)
+        written.append(str(target))
+    return written

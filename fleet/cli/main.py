@@ -66,6 +66,9 @@ async def cmd_serve(args: argparse.Namespace) -> int:
             gateway_address=args.gateway,
             backpressure_queue_depth=args.backpressure_depth,
             metrics_listen=args.metrics_listen,
+            artifacts_dir=args.artifacts_dir,
+            max_input_mib=args.max_input_mib,
+            max_output_mib=args.max_output_mib,
         ),
     )
     await server.start()
@@ -294,6 +297,12 @@ def _print_rollout(r: types_pb2.Rollout, as_json: bool) -> None:
             f"attempt {a.attempt} on {a.host_id}: {a.started_at.ToDatetime():%H:%M:%S} -> {ended} "
             f"{a.outcome} {a.error}".rstrip()
         )
+    for o in r.outputs:
+        what = "directory (tar)" if o.directory else "file"
+        if o.digest:
+            print(f"output    {o.path}: {what}, {o.size} bytes, {o.digest}")
+        else:
+            print(f"output    {o.path}: not stored: {o.error}")
     for s in r.results:
         flag = " (timed out)" if s.timed_out else ""
         print(f"-- step {s.index} {s.name}: exit {s.exit_code}{flag}, {s.duration_s:.3f}s")
@@ -305,6 +314,12 @@ def _print_rollout(r: types_pb2.Rollout, as_json: bool) -> None:
 
 async def cmd_submit(args: argparse.Namespace) -> int:
     steps = client.load_plan(args.plan) if args.plan else client.steps_from_flags(args.step)
+    sources = [client.parse_input(spec) for spec in args.input]
+    channel, stub = _stub(args)
+    inputs = []
+    async with channel:
+        for src, dest, directory in sources:
+            inputs.append(await client.upload(stub, src, dest, directory))
     request = client.submit_request(
         args.smolfile,
         steps,
@@ -316,6 +331,8 @@ async def cmd_submit(args: argparse.Namespace) -> int:
         require_cuda_device=args.require_cuda_device,
         inference=args.inference,
         tenant=args.tenant,
+        inputs=inputs,
+        outputs=args.output,
     )
     channel, stub = _stub(args)
     async with channel:
@@ -369,7 +386,11 @@ async def cmd_watch(args: argparse.Namespace) -> int:
 async def cmd_get(args: argparse.Namespace) -> int:
     channel, stub = _stub(args)
     async with channel:
-        _print_rollout(await stub.GetRollout(fleet_pb2.GetRolloutRequest(id=args.id)), args.json)
+        rollout = await stub.GetRollout(fleet_pb2.GetRolloutRequest(id=args.id))
+        _print_rollout(rollout, args.json)
+        if args.download:
+            written = await client.download(stub, rollout, Path(args.download))
+            print(f"downloaded {len(written)} outputs to {args.download}", file=sys.stderr)
     return 0
 
 
@@ -721,6 +742,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--backpressure-depth", type=int, default=256,
         help="gateway queue depth at which rollouts that use it stop being started",
     )  # fmt: skip
+    sp.add_argument("--artifacts-dir", default="",
+                    help="where inputs and outputs are kept (default: beside a SQLite ledger, "
+                    "else $FLEET_HOME/artifacts)")  # fmt: skip
+    sp.add_argument("--max-input-mib", type=float, default=1024.0,
+                    help="a rollout's inputs together, at most (default 1024)")  # fmt: skip
+    sp.add_argument("--max-output-mib", type=float, default=1024.0,
+                    help="a rollout's outputs together, at most (default 1024)")  # fmt: skip
     sp.add_argument("--tls", action="store_true",
                     help="TLS and authentication on a loopback address too (always on "
                     "beyond loopback unless --insecure)")  # fmt: skip
@@ -844,6 +872,16 @@ def build_parser() -> argparse.ArgumentParser:
         "FLEET_GATEWAY and a token for this rollout in FLEET_INFERENCE_TOKEN",
     )  # fmt: skip
     sp.add_argument("--tenant", default="")
+    sp.add_argument(
+        "--input", action="append", default=[], metavar="SRC:/PATH",
+        help="a file or directory uploaded and placed read-only at PATH in the machine before "
+        "the first step (repeatable)",
+    )  # fmt: skip
+    sp.add_argument(
+        "--output", action="append", default=[], metavar="/PATH",
+        help="a file or directory in the machine collected after the last step (repeatable; "
+        "fleet get --download writes them out)",
+    )  # fmt: skip
     sp.add_argument("--wait", action="store_true", help="watch until it ends, then print it")
     sp.add_argument("-q", "--quiet", action="store_true", help="print only the rollout id")
 
@@ -856,6 +894,8 @@ def build_parser() -> argparse.ArgumentParser:
     server_flag(sp)
     sp.add_argument("id")
     sp.add_argument("--json", action="store_true")
+    sp.add_argument("--download", default="", metavar="DIR",
+                    help="write the rollout's outputs into DIR")  # fmt: skip
 
     sp = add("list", cmd_list, "list rollouts, newest first")
     server_flag(sp)

@@ -35,6 +35,57 @@ class Step(BaseModel):
     name: str = ""
 
 
+MAX_FILES = 64
+"""Inputs, and outputs, one rollout may name."""
+DIGEST_CHARS = frozenset("0123456789abcdef")
+
+
+class InputFile(BaseModel):
+    """A file, or a directory as one tar, uploaded by digest and placed at `path` read-only."""
+
+    model_config = ConfigDict(frozen=True)
+
+    path: str
+    digest: str
+    size: int
+    directory: bool = False
+
+
+class OutputArtifact(BaseModel):
+    """What an attempt collected at one output path (`digest` empty: see `error`)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    path: str
+    digest: str = ""
+    size: int = 0
+    directory: bool = False
+    error: str = ""
+
+
+def is_digest(text: str) -> bool:
+    return text.startswith("sha256:") and len(text) == 71 and set(text[7:]) <= DIGEST_CHARS
+
+
+def check_machine_path(path: str, where: str) -> str:
+    """An absolute, normalised path in the machine (no `..`, no NUL, not `/`)."""
+    parts = path.split("/")
+    if (
+        not path.startswith("/")
+        or path == "/"
+        or "\0" in path
+        or len(path) > 1024
+        or any(p in ("..", ".") for p in parts)
+        or "//" in path
+        or path.endswith("/")
+    ):
+        raise InvalidArgument(
+            f"{where}: {path[:200]!r} must be an absolute, normalised path in the machine "
+            "(no '..', '.', '//', trailing '/' or NUL; not '/')"
+        )
+    return path
+
+
 class Versions(BaseModel):
     """The versions the submitter names: a retry reuses them, a change is a new rollout."""
 
@@ -61,6 +112,8 @@ class Manifest(BaseModel):
     versions: Versions
     requirements: Requirements
     host_class: HostClass
+    inputs: tuple[InputFile, ...] = ()
+    outputs: tuple[str, ...] = ()
 
     def model_copy(
         self, *, update: Mapping[str, Any] | None = None, deep: bool = False
@@ -72,7 +125,10 @@ class Manifest(BaseModel):
     @cached_property
     def digest(self) -> str:
         """Content digest (computed once: the model is frozen)."""
-        body = self.model_dump_json(exclude={"smolfile_name"})
+        # Inputs and outputs came later: left out when there are none, so the digests of
+        # manifests stored before them do not change.
+        added = {name for name in ("inputs", "outputs") if not getattr(self, name)}
+        body = self.model_dump_json(exclude={"smolfile_name", *added})
         return "sha256:" + hashlib.sha256(body.encode()).hexdigest()
 
     def parsed_smolfile(self) -> ParsedSmolfile:
@@ -95,6 +151,8 @@ class SubmitRequest(BaseModel):
     tenant: str = "default"
     requirements: Requirements = Requirements()
     priority: int = 0
+    inputs: tuple[InputFile, ...] = ()
+    outputs: tuple[str, ...] = ()
 
     def model_copy(
         self, *, update: Mapping[str, Any] | None = None, deep: bool = False
@@ -115,6 +173,9 @@ class SubmitRequest(BaseModel):
             # an idempotent retry across an upgrade) does not change.
             if not body["requirements"][added]:
                 del body["requirements"][added]
+        for added in ("inputs", "outputs"):
+            if not body[added]:
+                del body[added]
         blob = json.dumps(body, sort_keys=True, separators=(",", ":"))
         return "sha256:" + hashlib.sha256(blob.encode()).hexdigest()
 
@@ -158,9 +219,37 @@ def validate_request(request: SubmitRequest, now: datetime) -> ParsedSmolfile:
                 f"deadline {request.deadline.isoformat()} is in the past "
                 f"(server time {now.isoformat()})"
             )
+    check_files(request, parsed)
     if len(request.labels) > MAX_LABELS:
         raise InvalidArgument(f"{len(request.labels)} labels, over the limit of {MAX_LABELS}")
     return parsed
+
+
+def check_files(request: SubmitRequest, parsed: ParsedSmolfile) -> None:
+    """Inputs and outputs: absolute paths, digests, no two at one path, not too many."""
+    for name, items in (("inputs", request.inputs), ("outputs", request.outputs)):
+        if len(items) > MAX_FILES:
+            raise InvalidArgument(f"{name}: at most {MAX_FILES}, got {len(items)}")
+    seen: set[str] = set()
+    for index, item in enumerate(request.inputs):
+        where = f"inputs[{index}]"
+        check_machine_path(item.path, f"{where}.path")
+        if not is_digest(item.digest):
+            raise InvalidArgument(f"{where}.digest {item.digest[:80]!r} is not sha256:<64 hex>")
+        if item.size < 0:
+            raise InvalidArgument(f"{where}.size is negative")
+        if item.path in seen:
+            raise InvalidArgument(f"{where}.path {item.path!r} is named twice")
+        seen.add(item.path)
+    for index, path in enumerate(request.outputs):
+        check_machine_path(path, f"outputs[{index}]")
+    if len(set(request.outputs)) != len(request.outputs):
+        raise InvalidArgument("outputs: a path is named twice")
+    if request.inputs and parsed.spec.branch is not None and parsed.spec.branch.enabled:
+        raise InvalidArgument(
+            "inputs are not placed in a warm parent's children yet: submit without "
+            "[branch] enabled, or bake the data into the warm-up"
+        )
 
 
 def build_manifest(
@@ -179,5 +268,7 @@ def build_manifest(
         retry=request.retry,
         versions=request.versions,
         requirements=request.requirements,
+        inputs=request.inputs,
+        outputs=request.outputs,
         host_class=host_class_for(parsed.spec, request.requirements),
     )

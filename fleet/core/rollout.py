@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fleet.core.egress import EgressEvent
 from fleet.core.lifecycle import Outcome, RolloutState
-from fleet.core.manifest import Manifest
+from fleet.core.manifest import Manifest, OutputArtifact
 from fleet.core.placement import HostClass
 from fleet.core.policy import EffectiveEgress
 
@@ -73,6 +73,7 @@ class Rollout(BaseModel):
     priority: int = 0
     attempt_history: tuple[AttemptRecord, ...] = ()
     egress: EffectiveEgress | None = None
+    outputs: tuple[OutputArtifact, ...] = ()
 
     @property
     def host_class(self) -> HostClass:
@@ -126,6 +127,8 @@ class Completion(BaseModel):
     egress_events: tuple[EgressEvent, ...] = ()
     cpu_seconds: float = 0.0
     """CPU time the attempt's machine used (0 where the runtime cannot tell)."""
+    outputs: tuple[OutputArtifact, ...] = ()
+    """What the attempt collected at the manifest's output paths (stored already)."""
 
     def fingerprint(self) -> str:
         """Identifies the reported result, so a resent completion is recognised."""

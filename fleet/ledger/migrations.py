@@ -70,6 +70,13 @@ def _avoid_host(conn: Connection) -> None:
             conn.execute(text(f"ALTER TABLE {table} ALTER COLUMN fencing_token TYPE BIGINT"))
 
 
+def _outputs(conn: Connection) -> None:
+    if "outputs_json" not in {c["name"] for c in inspect(conn).get_columns("rollouts")}:
+        conn.execute(
+            text("ALTER TABLE rollouts ADD COLUMN outputs_json VARCHAR NOT NULL DEFAULT '[]'")
+        )
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (
         1,
@@ -85,6 +92,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (4, "a budget of checkpoint bytes per rollout", _checkpoint_budget),
     (5, "identity: join tokens, tenants' API keys, enrolled and revoked hosts", _identity),
     (6, "a retry goes first to another host; fencing tokens are 64-bit", _avoid_host),
+    (7, "rollouts list the output files their final attempt stored", _outputs),
 ]
 LATEST = MIGRATIONS[-1][0]
 assert LATEST == tables.SCHEMA_VERSION

@@ -40,7 +40,7 @@ from fleet.core.errors import (
     Unauthenticated,
 )
 from fleet.core.lifecycle import Outcome, RolloutState, check_transition
-from fleet.core.manifest import Manifest, SubmitRequest
+from fleet.core.manifest import Manifest, OutputArtifact, SubmitRequest
 from fleet.core.placement import HostCapabilities, Isolation
 from fleet.core.policy import EffectiveEgress
 from fleet.core.rollout import (
@@ -425,6 +425,7 @@ class Ledger:
             created_at=_ts(row.created_at) or datetime.now(UTC),
             started_at=_ts(row.started_at),
             finished_at=_ts(row.finished_at),
+            outputs=tuple(OutputArtifact.model_validate(o) for o in json.loads(row.outputs_json)),
         )
 
     def submit(
@@ -1271,12 +1272,14 @@ class Ledger:
                         item.id,
                     )
                 )
+                outputs_json = json.dumps([o.model_dump() for o in report.outputs])
                 rollout_rows.append(
                     (
                         target.value, error, host_id, report.runtime, report.device,
                         results_json,
                         report.egress.model_dump_json() if report.egress else "",
-                        now, now if target.final else None, report.cpu_seconds, rid,
+                        now, now if target.final else None, report.cpu_seconds, outputs_json,
+                        rid,
                     )
                 )  # fmt: skip
                 event_rows.append(
@@ -1307,7 +1310,7 @@ class Ledger:
             db.many(
                 "UPDATE rollouts SET state = ?, error = ?, host_id = ?, runtime = ?, device = ?, "
                 "results_json = ?, egress_json = ?, updated_at = ?, finished_at = ?, "
-                "cpu_s = cpu_s + ? WHERE id = ?",
+                "cpu_s = cpu_s + ?, outputs_json = ? WHERE id = ?",
                 rollout_rows,
             )
             db.many(_INSERT_EVENT, event_rows)
@@ -1487,6 +1490,20 @@ class Ledger:
             inference_trajectories=float(inference),
         )
         return out
+
+    def work_lease(self, work_id: str) -> tuple[str, int, Manifest] | None:
+        """(lease owner, fencing token, manifest) of a leased work item; None otherwise."""
+        with self._begin() as conn:
+            db = _Raw(conn, self._pg)
+            rows = db.all(
+                "SELECT w.lease_owner, w.fencing_token, r.manifest_digest FROM work_items w "
+                "JOIN rollouts r ON r.id = w.rollout_id WHERE w.id = ? AND w.state = ?",
+                (work_id, LEASED),
+            )
+            if not rows:
+                return None
+            owner, token, digest = rows[0]
+            return str(owner), int(token), self._manifest_raw(db, digest)
 
     def leased_to(self, host_id: str) -> int:
         """How many work items are leased to a host right now."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy import BigInteger
 from sqlmodel import Field, SQLModel
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 
 class SchemaInfo(SQLModel, table=True):
@@ -46,6 +46,8 @@ class RolloutRow(SQLModel, table=True):
     egress_json: str = ""
     cpu_s: float = 0.0
     """CPU time of every attempt's machine, summed (schema version 3)."""
+    outputs_json: str = Field(default="[]", sa_column_kwargs={"server_default": "[]"})
+    """The final attempt's outputs (OutputArtifact list as JSON; schema version 7)."""
     """The effective egress of the final attempt's machine (EffectiveEgress as JSON)."""
     created_at: float
     updated_at: float

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import grpc
@@ -28,17 +29,21 @@ from fleet._proto.fleet.v1 import (
     inference_pb2_grpc,
     types_pb2,
 )
+from fleet.artifacts.store import BlobStore
 from fleet.core import tokens
 from fleet.core.credentials import parse_join_token
 from fleet.core.errors import (
+    Aborted,
     FailedPrecondition,
     FleetError,
     Internal,
     InvalidArgument,
+    NotFound,
     PermissionDenied,
+    ResourceExhausted,
 )
 from fleet.core.lifecycle import RolloutState
-from fleet.core.manifest import build_manifest, validate_request
+from fleet.core.manifest import SubmitRequest, build_manifest, validate_request
 from fleet.core.placement import HostCapabilities, HostClass, Requirements, unservable_reason
 from fleet.core.rollout import Assignment, Completion
 from fleet.identity.ca import Issued
@@ -85,6 +90,25 @@ class ServerConfig:
     """How often the gateway's queue is read."""
     metrics_listen: str = ""
     """host:port for GET /metrics (Prometheus text); "": no metrics endpoint."""
+    artifacts_dir: str = ""
+    """Where uploaded inputs and collected outputs are kept ("": beside a SQLite ledger, else
+    $FLEET_HOME/artifacts)."""
+    max_input_mib: float = 1024.0
+    """A rollout's inputs together, at most."""
+    max_output_mib: float = 1024.0
+    """A rollout's outputs together, at most (per attempt)."""
+
+
+MIB = 1 << 20
+
+
+def artifacts_root(ledger: Ledger, images: ImageStore, config: ServerConfig) -> Path:
+    if config.artifacts_dir:
+        return Path(config.artifacts_dir)
+    database = ledger.engine.url.database if ledger.backend == "sqlite" else None
+    if database:
+        return Path(database).parent / "artifacts"
+    return images.root.parent / "artifacts"
 
 
 class Pulse:
@@ -113,6 +137,7 @@ class Core:
         self.images = images
         self.config = config
         self.security = security
+        self.blobs = BlobStore(artifacts_root(ledger, images, config))
         self.host_port = 0
         """The mutual-TLS host endpoint's port (0: none, the server has no TLS)."""
         self.auth: Authenticator | None = None
@@ -261,6 +286,7 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
         request.tenant = self.core.caller().tenant_for(request.tenant)
         submit = convert.submit_from_pb(request)
         parsed = validate_request(submit, now)
+        await self._check_inputs(submit)
         image_digest = await self.core.db(self.core.images.resolve, parsed.spec.image)
         manifest = build_manifest(submit, parsed, image_digest, now)
         reason = await self.core.unservable_reason(manifest.host_class, manifest.requirements)
@@ -287,6 +313,61 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
         return fleet_pb2.SubmitRolloutResponse(
             rollout=convert.rollout_to_pb(rollout), created=created
         )
+
+    async def _check_inputs(self, submit: SubmitRequest) -> None:
+        """Every input was uploaded, with the size the request states, within the limit."""
+        total = 0
+        for index, item in enumerate(submit.inputs):
+            try:
+                size = await asyncio.to_thread(self.core.blobs.size, item.digest)
+            except NotFound:
+                raise FailedPrecondition(
+                    f"inputs[{index}] ({item.path}): blob {item.digest} was not uploaded "
+                    "(PutBlob it first)"
+                ) from None
+            if size != item.size:
+                raise InvalidArgument(
+                    f"inputs[{index}] ({item.path}): size {item.size} but the blob holds {size}"
+                )
+            total += size
+        limit = self.core.config.max_input_mib * MIB
+        if total > limit:
+            raise ResourceExhausted(
+                f"inputs: {total / MIB:.1f} MiB together, over the limit of "
+                f"{self.core.config.max_input_mib:g} MiB (fleet serve --max-input-mib)"
+            )
+
+    @mapped
+    async def PutBlob(
+        self, requests: AsyncIterator[fleet_pb2.BlobPart], context: grpc.aio.ServicerContext
+    ) -> fleet_pb2.PutBlobResponse:
+        self.core.caller()
+
+        async def parts() -> AsyncIterator[bytes]:
+            async for part in requests:
+                yield part.data
+
+        limit = int(self.core.config.max_input_mib * MIB)
+        digest, size = await self.core.blobs.put(
+            parts(), limit, "an input (fleet serve --max-input-mib)"
+        )
+        log.info("blob_stored", digest=digest, size=size, key_id=self.core.caller().key_id)
+        return fleet_pb2.PutBlobResponse(digest=digest, size=size)
+
+    async def GetArtifact(
+        self, request: fleet_pb2.GetArtifactRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[fleet_pb2.ArtifactChunk]:
+        try:
+            rollout = await self.core.db(self.core.ledger.get, request.rollout_id)
+            self.core.caller().check_owner(request.rollout_id, rollout.tenant)
+            known = {i.digest for i in rollout.manifest.inputs}
+            known |= {o.digest for o in rollout.outputs if o.digest}
+            if request.digest not in known:
+                raise NotFound(f"rollout {request.rollout_id} has no artifact {request.digest}")
+            async for offset, data, total in self.core.blobs.chunks(request.digest, request.offset):
+                yield fleet_pb2.ArtifactChunk(offset=offset, data=data, total_size=total)
+        except FleetError as exc:
+            await context.abort(STATUS_FOR[exc.code], exc.message)
 
     @mapped
     async def GetRollout(
@@ -609,9 +690,66 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
             host_id = self._host_id("")
         except FleetError as exc:
             await context.abort(STATUS_FOR[exc.code], exc.message)
-        log.info("blob_served", digest=request.digest, offset=request.offset, host_id=host_id)
-        async for chunk in stream_blob(self.core, request, context):
-            yield chunk
+        log.info("blob_served", digest=request.digest, offset=request.offset, host_id=host_id,
+                 work_id=request.work_id)  # fmt: skip
+        if not request.work_id:
+            async for chunk in stream_blob(self.core, request, context):
+                yield chunk
+            return
+        try:  # a rollout's input: only to the host that holds its lease
+            lease = await self.core.db(self.core.ledger.work_lease, request.work_id)
+            if lease is None or lease[0] != host_id:
+                raise Aborted(f"work item {request.work_id} is not leased to host {host_id}")
+            if request.digest not in {i.digest for i in lease[2].inputs}:
+                raise NotFound(f"work item {request.work_id} has no input {request.digest}")
+            async for offset, data, total in self.core.blobs.chunks(request.digest, request.offset):
+                yield host_pb2.BlobChunk(offset=offset, data=data, total_size=total)
+        except FleetError as exc:
+            await context.abort(STATUS_FOR[exc.code], exc.message)
+
+    @mapped
+    async def PutArtifact(
+        self, requests: AsyncIterator[host_pb2.ArtifactPart], context: grpc.aio.ServicerContext
+    ) -> host_pb2.PutArtifactResponse:
+        host_id = self._host_id("")
+        iterator = requests.__aiter__()
+        try:
+            first = await iterator.__anext__()
+        except StopAsyncIteration:
+            raise InvalidArgument("PutArtifact: no parts") from None
+        lease = await self.core.db(self.core.ledger.work_lease, first.work_id)
+        if lease is None or lease[0] != host_id or lease[1] != first.fencing_token:
+            raise Aborted(
+                f"work item {first.work_id!r} is not leased to host {host_id} under token "
+                f"{first.fencing_token}: this attempt may not store outputs"
+            )
+
+        async def parts() -> AsyncIterator[bytes]:
+            yield first.data
+            async for part in iterator:
+                yield part.data
+
+        limit = int(self.core.config.max_output_mib * MIB)
+        digest, size = await self.core.blobs.put(
+            parts(), limit, "an output (fleet serve --max-output-mib)"
+        )
+        log.info("artifact_stored", work_id=first.work_id, digest=digest, size=size)
+        return host_pb2.PutArtifactResponse(digest=digest, size=size)
+
+    async def _check_outputs(self, report: Completion) -> None:
+        total = 0
+        for output in report.outputs:
+            if output.digest:
+                size = await asyncio.to_thread(self.core.blobs.size, output.digest)
+                if size != output.size:
+                    raise InvalidArgument(f"outputs: {output.path} is {size} bytes stored, "
+                                          f"{output.size} reported")  # fmt: skip
+                total += size
+        if total > self.core.config.max_output_mib * MIB:
+            raise ResourceExhausted(
+                f"outputs: {total / MIB:.1f} MiB together, over the limit of "
+                f"{self.core.config.max_output_mib:g} MiB"
+            )
 
     @mapped
     async def CompleteWork(
@@ -619,6 +757,7 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
     ) -> host_pb2.CompleteWorkResponse:
         host_id = self._host_id(request.host_id)
         report = convert.completion_from_pb(request)
+        await self._check_outputs(report)
         state = await self.batcher.complete(host_id, report)
         log.info(
             "work_completed",

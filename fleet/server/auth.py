@@ -47,6 +47,8 @@ SCOPE_OF = {
     "ListRollouts": Scope.ROLLOUTS_READ,
     "WatchRollout": Scope.ROLLOUTS_READ,
     "ListEgressEvents": Scope.ROLLOUTS_READ,
+    "PutBlob": Scope.ROLLOUTS_WRITE,
+    "GetArtifact": Scope.ROLLOUTS_READ,
 }
 KEY_TOUCH_S = 60.0
 """A key's last use is written at most this often."""
@@ -328,4 +330,15 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 stream_stream, request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )  # fmt: skip
-        raise PermissionDenied(f"{method}: client-streaming calls are not served")
+        if handler.stream_unary is not None:
+            inner_su = handler.stream_unary
+
+            async def stream_unary(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+                await check(method, context)
+                return await inner_su(requests, context)
+
+            return grpc.stream_unary_rpc_method_handler(
+                stream_unary, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )  # fmt: skip
+        raise PermissionDenied(f"{method}: this kind of call is not served")

@@ -10,7 +10,16 @@ from fleet._proto.fleet.v1 import fleet_pb2, host_pb2, types_pb2
 from fleet.core.egress import EgressEvent
 from fleet.core.errors import InvalidArgument
 from fleet.core.lifecycle import Outcome, RolloutState
-from fleet.core.manifest import Manifest, Step, SubmitRequest, Versions
+from fleet.core.manifest import (
+    MAX_FILES,
+    InputFile,
+    Manifest,
+    OutputArtifact,
+    Step,
+    SubmitRequest,
+    Versions,
+    is_digest,
+)
 from fleet.core.placement import HostCapabilities, HostClass, Isolation, Requirements, RuntimeKind
 from fleet.core.policy import EffectiveEgress, EgressMode
 from fleet.core.retry import RetryPolicy
@@ -124,7 +133,30 @@ def submit_from_pb(req: fleet_pb2.SubmitRolloutRequest) -> SubmitRequest:
             near_gateway=req.requirements.near_gateway,
         ),
         priority=req.priority,
+        inputs=tuple(input_from_pb(i) for i in req.inputs),
+        outputs=tuple(req.outputs),
     )
+
+
+def input_to_pb(i: InputFile) -> types_pb2.InputFile:
+    return types_pb2.InputFile(path=i.path, digest=i.digest, size=i.size, directory=i.directory)
+
+
+def input_from_pb(i: types_pb2.InputFile) -> InputFile:
+    return InputFile(path=i.path, digest=i.digest, size=i.size, directory=i.directory)
+
+
+def output_to_pb(o: OutputArtifact) -> types_pb2.OutputArtifact:
+    return types_pb2.OutputArtifact(
+        path=o.path, digest=o.digest, size=o.size, directory=o.directory, error=o.error
+    )
+
+
+def output_from_pb(o: types_pb2.OutputArtifact) -> OutputArtifact:
+    if o.digest and not is_digest(o.digest):
+        raise InvalidArgument(f"outputs: digest {o.digest[:80]!r} is not sha256:<64 hex>")
+    return OutputArtifact(path=o.path[:1024], digest=o.digest, size=o.size,
+                          directory=o.directory, error=o.error[:1024])  # fmt: skip
 
 
 def manifest_to_pb(m: Manifest) -> types_pb2.Manifest:
@@ -154,6 +186,8 @@ def manifest_to_pb(m: Manifest) -> types_pb2.Manifest:
             near_gateway=m.requirements.near_gateway,
         ),
         host_class=HOST_CLASS_TO_PB[m.host_class],
+        inputs=[input_to_pb(i) for i in m.inputs],
+        outputs=list(m.outputs),
     )
 
 
@@ -179,6 +213,8 @@ def manifest_from_pb(m: types_pb2.Manifest) -> Manifest:
             near_gateway=m.requirements.near_gateway,
         ),
         host_class=HOST_CLASS_FROM_PB[m.host_class],
+        inputs=tuple(input_from_pb(i) for i in m.inputs),
+        outputs=tuple(m.outputs),
     )
 
 
@@ -236,6 +272,7 @@ def rollout_to_pb(r: Rollout) -> types_pb2.Rollout:
         finished_at=ts(r.finished_at),
         priority=r.priority,
         egress=egress_to_pb(r.egress),
+        outputs=[output_to_pb(o) for o in r.outputs],
         attempt_history=[
             types_pb2.Attempt(
                 attempt=a.attempt,
@@ -390,6 +427,7 @@ def completion_from_pb(req: host_pb2.CompleteWorkRequest) -> Completion:
         egress=egress_from_pb(req.egress) if req.HasField("egress") else None,
         egress_events=tuple(egress_event_from_pb(e) for e in req.egress_events),
         cpu_seconds=max(0.0, req.cpu_seconds),
+        outputs=tuple(output_from_pb(o) for o in req.outputs[:MAX_FILES]),
     )
 
 
@@ -430,4 +468,5 @@ def completion_to_pb(host_id: str, c: Completion, request_id: str) -> host_pb2.C
         egress=egress_to_pb(c.egress),
         egress_events=[egress_event_to_pb(e) for e in c.egress_events[:MAX_EGRESS_EVENTS]],
         cpu_seconds=c.cpu_seconds,
+        outputs=[output_to_pb(o) for o in c.outputs],
     )

@@ -215,9 +215,16 @@ def test_a_cloud_host_joins_and_tenants_are_kept_apart(tmp_path: Path, procs: Pr
         client = tmp_path / "client-home"
         client.mkdir()
         common = ["--server", api, "--ca", str(ca_crt)]
+        # A directory in, a file out: through the CLI, to the cloud host and back.
+        task = tmp_path / "task"
+        (task / "src").mkdir(parents=True)
+        (task / "src" / "main.py").write_text("print('hello from the cloud host')\n")
+        (task / "README").write_text("a task\n")
         sub = run(client, "submit", *common, "--key", key_a, "-s",
-                  str(REPO / "smolfiles" / "minimal.smolfile"), "--step",
-                  "sh -c 'echo hello from the cloud host'", "-q")  # fmt: skip
+                  str(REPO / "smolfiles" / "minimal.smolfile"), "--input", f"{task}:/task",
+                  "--output", "/results/out.txt", "--step",
+                  "sh -c 'mkdir -p /results && python3 /task/src/main.py | tee /results/out.txt "
+                  "&& ls /task >> /results/out.txt'", "-q")  # fmt: skip
         rid = sub.stdout.strip()
         done = wait_state(client, api, key_a, ca_crt, rid, {"SUCCEEDED", "FAILED"})
         assert done["state"] == "ROLLOUT_STATE_SUCCEEDED", done
@@ -225,6 +232,15 @@ def test_a_cloud_host_joins_and_tenants_are_kept_apart(tmp_path: Path, procs: Pr
         import base64
 
         assert base64.b64decode(done["results"][0]["stdout"]) == b"hello from the cloud host\n"
+        got = run(client, "get", *common, "--key", key_a, rid, "--download",
+                  str(tmp_path / "downloaded"))  # fmt: skip
+        assert "output    /results/out.txt: file" in got.stdout
+        assert (tmp_path / "downloaded" / "out.txt").read_bytes() == (
+            b"hello from the cloud host\nREADME\nsrc\n"
+        )
+        theirs = run(client, "get", *common, "--key", key_b, rid, "--download",
+                     str(tmp_path / "stolen"), check=False)  # fmt: skip
+        assert theirs.returncode != 0 and not (tmp_path / "stolen").exists()
         # Tenant B sees nothing of it; a read-only key cannot submit.
         for cmd in (["get", rid], ["watch", rid], ["cancel", rid], ["egress-events", rid]):
             other = run(client, cmd[0], *common, "--key", key_b, *cmd[1:], check=False)

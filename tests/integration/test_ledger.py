@@ -424,7 +424,7 @@ def test_a_version_2_ledger_is_migrated_in_place(ledger_target: str) -> None:
         conn.execute(text("UPDATE schema_info SET version = 2 WHERE id = 1"))
     ledger.engine.dispose()
     reopened = Ledger.open(ledger_target)
-    assert reopened.schema_version == SCHEMA_VERSION == 6
+    assert reopened.schema_version == SCHEMA_VERSION == 7
     register(reopened)
     [a] = reopened.claim("cpu-1", 1, T0, TTL, hold_inference=True)
     assert a.rollout_id == rollout.id

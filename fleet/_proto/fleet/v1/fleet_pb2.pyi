@@ -23,7 +23,7 @@ class ListEgressEventsResponse(_message.Message):
     def __init__(self, events: _Optional[_Iterable[_Union[_types_pb2.EgressEvent, _Mapping]]] = ...) -> None: ...
 
 class SubmitRolloutRequest(_message.Message):
-    __slots__ = ("request_id", "idempotency_key", "smolfile", "smolfile_name", "steps", "deadline", "retry", "versions", "labels", "tenant", "requirements", "priority")
+    __slots__ = ("request_id", "idempotency_key", "smolfile", "smolfile_name", "steps", "deadline", "retry", "versions", "labels", "tenant", "requirements", "priority", "inputs", "outputs")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,8 @@ class SubmitRolloutRequest(_message.Message):
     TENANT_FIELD_NUMBER: _ClassVar[int]
     REQUIREMENTS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     idempotency_key: str
     smolfile: str
@@ -55,7 +57,9 @@ class SubmitRolloutRequest(_message.Message):
     tenant: str
     requirements: _types_pb2.Requirements
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., smolfile: _Optional[str] = ..., smolfile_name: _Optional[str] = ..., steps: _Optional[_Iterable[_Union[_types_pb2.Step, _Mapping]]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., retry: _Optional[_Union[_types_pb2.RetryPolicy, _Mapping]] = ..., versions: _Optional[_Union[_types_pb2.Versions, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., tenant: _Optional[str] = ..., requirements: _Optional[_Union[_types_pb2.Requirements, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
+    inputs: _containers.RepeatedCompositeFieldContainer[_types_pb2.InputFile]
+    outputs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., smolfile: _Optional[str] = ..., smolfile_name: _Optional[str] = ..., steps: _Optional[_Iterable[_Union[_types_pb2.Step, _Mapping]]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., retry: _Optional[_Union[_types_pb2.RetryPolicy, _Mapping]] = ..., versions: _Optional[_Union[_types_pb2.Versions, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., tenant: _Optional[str] = ..., requirements: _Optional[_Union[_types_pb2.Requirements, _Mapping]] = ..., priority: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[_types_pb2.InputFile, _Mapping]]] = ..., outputs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SubmitRolloutResponse(_message.Message):
     __slots__ = ("rollout", "created")
@@ -115,3 +119,37 @@ class CancelRolloutRequest(_message.Message):
     id: str
     reason: str
     def __init__(self, request_id: _Optional[str] = ..., id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class BlobPart(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class PutBlobResponse(_message.Message):
+    __slots__ = ("digest", "size")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    digest: str
+    size: int
+    def __init__(self, digest: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
+class GetArtifactRequest(_message.Message):
+    __slots__ = ("rollout_id", "digest", "offset")
+    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    rollout_id: str
+    digest: str
+    offset: int
+    def __init__(self, rollout_id: _Optional[str] = ..., digest: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class ArtifactChunk(_message.Message):
+    __slots__ = ("offset", "data", "total_size")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    total_size: int
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., total_size: _Optional[int] = ...) -> None: ...

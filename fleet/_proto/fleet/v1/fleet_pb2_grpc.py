@@ -36,6 +36,16 @@ class FleetServiceStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.PutBlob = channel.stream_unary(
+                '/fleet.v1.FleetService/PutBlob',
+                request_serializer=fleet_dot_v1_dot_fleet__pb2.BlobPart.SerializeToString,
+                response_deserializer=fleet_dot_v1_dot_fleet__pb2.PutBlobResponse.FromString,
+                _registered_method=True)
+        self.GetArtifact = channel.unary_stream(
+                '/fleet.v1.FleetService/GetArtifact',
+                request_serializer=fleet_dot_v1_dot_fleet__pb2.GetArtifactRequest.SerializeToString,
+                response_deserializer=fleet_dot_v1_dot_fleet__pb2.ArtifactChunk.FromString,
+                _registered_method=True)
         self.SubmitRollout = channel.unary_unary(
                 '/fleet.v1.FleetService/SubmitRollout',
                 request_serializer=fleet_dot_v1_dot_fleet__pb2.SubmitRolloutRequest.SerializeToString,
@@ -71,6 +81,21 @@ class FleetServiceStub:
 class FleetServiceServicer:
     """The submitter's API: rollouts in, events and results out.
     """
+
+    def PutBlob(self, request_iterator, context):
+        """Uploads a blob (an input file, or a directory as a tar) for later submissions; answers its
+        content digest. The same content uploaded twice is stored once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetArtifact(self, request, context):
+        """An input or output of a rollout the caller may see, by digest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def SubmitRollout(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -114,6 +139,16 @@ class FleetServiceServicer:
 
 def add_FleetServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'PutBlob': grpc.stream_unary_rpc_method_handler(
+                    servicer.PutBlob,
+                    request_deserializer=fleet_dot_v1_dot_fleet__pb2.BlobPart.FromString,
+                    response_serializer=fleet_dot_v1_dot_fleet__pb2.PutBlobResponse.SerializeToString,
+            ),
+            'GetArtifact': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetArtifact,
+                    request_deserializer=fleet_dot_v1_dot_fleet__pb2.GetArtifactRequest.FromString,
+                    response_serializer=fleet_dot_v1_dot_fleet__pb2.ArtifactChunk.SerializeToString,
+            ),
             'SubmitRollout': grpc.unary_unary_rpc_method_handler(
                     servicer.SubmitRollout,
                     request_deserializer=fleet_dot_v1_dot_fleet__pb2.SubmitRolloutRequest.FromString,
@@ -155,6 +190,60 @@ def add_FleetServiceServicer_to_server(servicer, server):
 class FleetService:
     """The submitter's API: rollouts in, events and results out.
     """
+
+    @staticmethod
+    def PutBlob(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/fleet.v1.FleetService/PutBlob',
+            fleet_dot_v1_dot_fleet__pb2.BlobPart.SerializeToString,
+            fleet_dot_v1_dot_fleet__pb2.PutBlobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetArtifact(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/fleet.v1.FleetService/GetArtifact',
+            fleet_dot_v1_dot_fleet__pb2.GetArtifactRequest.SerializeToString,
+            fleet_dot_v1_dot_fleet__pb2.ArtifactChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def SubmitRollout(request,

@@ -26,61 +26,65 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from fleet._proto.fleet.v1 import types_pb2 as fleet_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x66leet/v1/host.proto\x12\x08\x66leet.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x14\x66leet/v1/types.proto\"0\n\x0eGetBlobRequest\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"=\n\tBlobChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x12\n\ntotal_size\x18\x03 \x01(\x04\"]\n\x12ReclaimWorkRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\"\n\x06leases\x18\x03 \x03(\x0b\x32\x12.fleet.v1.LeaseRef\"Y\n\x13ReclaimWorkResponse\x12\'\n\x05items\x18\x01 \x03(\x0b\x32\x18.fleet.v1.WorkAssignment\x12\x19\n\x11released_work_ids\x18\x02 \x03(\t\"o\n\x14PutCheckpointRequest\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x0f\n\x07work_id\x18\x02 \x01(\t\x12\x15\n\rfencing_token\x18\x03 \x01(\x03\x12\x10\n\x08sequence\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"\x17\n\x15PutCheckpointResponse\"L\n\x15PutCheckpointsRequest\x12\x33\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x1e.fleet.v1.PutCheckpointRequest\"G\n\x16PutCheckpointsResponse\x12-\n\x08outcomes\x18\x01 \x03(\x0b\x32\x1b.fleet.v1.CheckpointOutcome\"2\n\x11\x43heckpointOutcome\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xde\x01\n\x0c\x43\x61pabilities\x12&\n\x07runtime\x18\x01 \x01(\x0e\x32\x15.fleet.v1.RuntimeKind\x12&\n\tisolation\x18\x02 \x01(\x0e\x32\x13.fleet.v1.Isolation\x12\x0c\n\x04\x63pus\x18\x03 \x01(\r\x12\x12\n\nmemory_mib\x18\x04 \x01(\x04\x12\x14\n\x0c\x63uda_devices\x18\x05 \x01(\r\x12\r\n\x05slots\x18\x06 \x01(\r\x12\x16\n\x0eruntime_reason\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x0f\n\x07gateway\x18\t \x01(\x08\"\x91\x01\n\x13RegisterHostRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\'\n\nhost_class\x18\x03 \x01(\x0e\x32\x13.fleet.v1.HostClass\x12,\n\x0c\x63\x61pabilities\x18\x04 \x01(\x0b\x32\x16.fleet.v1.Capabilities\"Z\n\x14RegisterHostResponse\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x13\n\x0blease_ttl_s\x18\x02 \x01(\x01\x12\x1c\n\x14heartbeat_interval_s\x18\x03 \x01(\x01\"2\n\x08LeaseRef\x12\x0f\n\x07work_id\x18\x01 \x01(\t\x12\x15\n\rfencing_token\x18\x02 \x01(\x03\"[\n\x10HeartbeatRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\"\n\x06leases\x18\x03 \x03(\x0b\x32\x12.fleet.v1.LeaseRef\"\x85\x01\n\x11HeartbeatResponse\x12#\n\x07renewed\x18\x01 \x03(\x0b\x32\x12.fleet.v1.LeaseRef\x12\x15\n\rstop_work_ids\x18\x02 \x03(\t\x12\x34\n\x10lease_expires_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"Z\n\x10\x43laimWorkRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\x11\n\tmax_items\x18\x03 \x01(\r\x12\x0e\n\x06wait_s\x18\x04 \x01(\x01\"\x93\x02\n\x0eWorkAssignment\x12\x0f\n\x07work_id\x18\x01 \x01(\t\x12\x12\n\nrollout_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\r\x12\x15\n\rfencing_token\x18\x04 \x01(\x03\x12\x34\n\x10lease_expires_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12$\n\x08manifest\x18\x06 \x01(\x0b\x32\x12.fleet.v1.Manifest\x12\x17\n\x0finference_token\x18\x07 \x01(\t\x12\x1b\n\x13\x63heckpoint_sequence\x18\x08 \x01(\x04\x12\x12\n\ncheckpoint\x18\t \x01(\x0c\x12\x0e\n\x06tenant\x18\n \x01(\t\"<\n\x11\x43laimWorkResponse\x12\'\n\x05items\x18\x01 \x03(\x0b\x32\x18.fleet.v1.WorkAssignment\"\xdf\x02\n\x13\x43ompleteWorkRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\x0f\n\x07work_id\x18\x03 \x01(\t\x12\x15\n\rfencing_token\x18\x04 \x01(\x03\x12\"\n\x07outcome\x18\x05 \x01(\x0e\x32\x11.fleet.v1.Outcome\x12%\n\x07results\x18\x06 \x03(\x0b\x32\x14.fleet.v1.StepResult\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12&\n\x07runtime\x18\x08 \x01(\x0e\x32\x15.fleet.v1.RuntimeKind\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12&\n\x06\x65gress\x18\n \x01(\x0b\x32\x16.fleet.v1.EgressPolicy\x12,\n\regress_events\x18\x0b \x03(\x0b\x32\x15.fleet.v1.EgressEvent\x12\x13\n\x0b\x63pu_seconds\x18\x0c \x01(\x01\"=\n\x14\x43ompleteWorkResponse\x12%\n\x05state\x18\x01 \x01(\x0e\x32\x16.fleet.v1.RolloutState\"w\n\x11\x45nrollHostRequest\x12\x12\n\njoin_token\x18\x01 \x01(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\x0f\n\x07\x63sr_pem\x18\x03 \x01(\x0c\x12,\n\x0c\x63\x61pabilities\x18\x04 \x01(\x0b\x32\x16.fleet.v1.Capabilities\"\xba\x01\n\x12\x45nrollHostResponse\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\'\n\nhost_class\x18\x02 \x01(\x0e\x32\x13.fleet.v1.HostClass\x12\x17\n\x0f\x63\x65rtificate_pem\x18\x03 \x01(\x0c\x12\x0e\n\x06\x63\x61_pem\x18\x04 \x01(\x0c\x12\x11\n\thost_port\x18\x05 \x01(\r\x12.\n\nexpires_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"*\n\x17RenewCertificateRequest\x12\x0f\n\x07\x63sr_pem\x18\x01 \x01(\x0c\"c\n\x18RenewCertificateResponse\x12\x17\n\x0f\x63\x65rtificate_pem\x18\x01 \x01(\x0c\x12.\n\nexpires_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp2\x8a\x06\n\x0bHostService\x12G\n\nEnrollHost\x12\x1b.fleet.v1.EnrollHostRequest\x1a\x1c.fleet.v1.EnrollHostResponse\x12Y\n\x10RenewCertificate\x12!.fleet.v1.RenewCertificateRequest\x1a\".fleet.v1.RenewCertificateResponse\x12M\n\x0cRegisterHost\x12\x1d.fleet.v1.RegisterHostRequest\x1a\x1e.fleet.v1.RegisterHostResponse\x12\x44\n\tHeartbeat\x12\x1a.fleet.v1.HeartbeatRequest\x1a\x1b.fleet.v1.HeartbeatResponse\x12\x44\n\tClaimWork\x12\x1a.fleet.v1.ClaimWorkRequest\x1a\x1b.fleet.v1.ClaimWorkResponse\x12M\n\x0c\x43ompleteWork\x12\x1d.fleet.v1.CompleteWorkRequest\x1a\x1e.fleet.v1.CompleteWorkResponse\x12P\n\rPutCheckpoint\x12\x1e.fleet.v1.PutCheckpointRequest\x1a\x1f.fleet.v1.PutCheckpointResponse\x12S\n\x0ePutCheckpoints\x12\x1f.fleet.v1.PutCheckpointsRequest\x1a .fleet.v1.PutCheckpointsResponse\x12J\n\x0bReclaimWork\x12\x1c.fleet.v1.ReclaimWorkRequest\x1a\x1d.fleet.v1.ReclaimWorkResponse\x12:\n\x07GetBlob\x12\x18.fleet.v1.GetBlobRequest\x1a\x13.fleet.v1.BlobChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x66leet/v1/host.proto\x12\x08\x66leet.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x14\x66leet/v1/types.proto\"D\n\x0c\x41rtifactPart\x12\x0f\n\x07work_id\x18\x01 \x01(\t\x12\x15\n\rfencing_token\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"3\n\x13PutArtifactResponse\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\"A\n\x0eGetBlobRequest\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0f\n\x07work_id\x18\x03 \x01(\t\"=\n\tBlobChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x12\n\ntotal_size\x18\x03 \x01(\x04\"]\n\x12ReclaimWorkRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\"\n\x06leases\x18\x03 \x03(\x0b\x32\x12.fleet.v1.LeaseRef\"Y\n\x13ReclaimWorkResponse\x12\'\n\x05items\x18\x01 \x03(\x0b\x32\x18.fleet.v1.WorkAssignment\x12\x19\n\x11released_work_ids\x18\x02 \x03(\t\"o\n\x14PutCheckpointRequest\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x0f\n\x07work_id\x18\x02 \x01(\t\x12\x15\n\rfencing_token\x18\x03 \x01(\x03\x12\x10\n\x08sequence\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"\x17\n\x15PutCheckpointResponse\"L\n\x15PutCheckpointsRequest\x12\x33\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x1e.fleet.v1.PutCheckpointRequest\"G\n\x16PutCheckpointsResponse\x12-\n\x08outcomes\x18\x01 \x03(\x0b\x32\x1b.fleet.v1.CheckpointOutcome\"2\n\x11\x43heckpointOutcome\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xde\x01\n\x0c\x43\x61pabilities\x12&\n\x07runtime\x18\x01 \x01(\x0e\x32\x15.fleet.v1.RuntimeKind\x12&\n\tisolation\x18\x02 \x01(\x0e\x32\x13.fleet.v1.Isolation\x12\x0c\n\x04\x63pus\x18\x03 \x01(\r\x12\x12\n\nmemory_mib\x18\x04 \x01(\x04\x12\x14\n\x0c\x63uda_devices\x18\x05 \x01(\r\x12\r\n\x05slots\x18\x06 \x01(\r\x12\x16\n\x0eruntime_reason\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x0f\n\x07gateway\x18\t \x01(\x08\"\x91\x01\n\x13RegisterHostRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\'\n\nhost_class\x18\x03 \x01(\x0e\x32\x13.fleet.v1.HostClass\x12,\n\x0c\x63\x61pabilities\x18\x04 \x01(\x0b\x32\x16.fleet.v1.Capabilities\"Z\n\x14RegisterHostResponse\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x13\n\x0blease_ttl_s\x18\x02 \x01(\x01\x12\x1c\n\x14heartbeat_interval_s\x18\x03 \x01(\x01\"2\n\x08LeaseRef\x12\x0f\n\x07work_id\x18\x01 \x01(\t\x12\x15\n\rfencing_token\x18\x02 \x01(\x03\"[\n\x10HeartbeatRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\"\n\x06leases\x18\x03 \x03(\x0b\x32\x12.fleet.v1.LeaseRef\"\x85\x01\n\x11HeartbeatResponse\x12#\n\x07renewed\x18\x01 \x03(\x0b\x32\x12.fleet.v1.LeaseRef\x12\x15\n\rstop_work_ids\x18\x02 \x03(\t\x12\x34\n\x10lease_expires_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"Z\n\x10\x43laimWorkRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\x11\n\tmax_items\x18\x03 \x01(\r\x12\x0e\n\x06wait_s\x18\x04 \x01(\x01\"\x93\x02\n\x0eWorkAssignment\x12\x0f\n\x07work_id\x18\x01 \x01(\t\x12\x12\n\nrollout_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\r\x12\x15\n\rfencing_token\x18\x04 \x01(\x03\x12\x34\n\x10lease_expires_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12$\n\x08manifest\x18\x06 \x01(\x0b\x32\x12.fleet.v1.Manifest\x12\x17\n\x0finference_token\x18\x07 \x01(\t\x12\x1b\n\x13\x63heckpoint_sequence\x18\x08 \x01(\x04\x12\x12\n\ncheckpoint\x18\t \x01(\x0c\x12\x0e\n\x06tenant\x18\n \x01(\t\"<\n\x11\x43laimWorkResponse\x12\'\n\x05items\x18\x01 \x03(\x0b\x32\x18.fleet.v1.WorkAssignment\"\x8a\x03\n\x13\x43ompleteWorkRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\x0f\n\x07work_id\x18\x03 \x01(\t\x12\x15\n\rfencing_token\x18\x04 \x01(\x03\x12\"\n\x07outcome\x18\x05 \x01(\x0e\x32\x11.fleet.v1.Outcome\x12%\n\x07results\x18\x06 \x03(\x0b\x32\x14.fleet.v1.StepResult\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12&\n\x07runtime\x18\x08 \x01(\x0e\x32\x15.fleet.v1.RuntimeKind\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12&\n\x06\x65gress\x18\n \x01(\x0b\x32\x16.fleet.v1.EgressPolicy\x12,\n\regress_events\x18\x0b \x03(\x0b\x32\x15.fleet.v1.EgressEvent\x12\x13\n\x0b\x63pu_seconds\x18\x0c \x01(\x01\x12)\n\x07outputs\x18\r \x03(\x0b\x32\x18.fleet.v1.OutputArtifact\"=\n\x14\x43ompleteWorkResponse\x12%\n\x05state\x18\x01 \x01(\x0e\x32\x16.fleet.v1.RolloutState\"w\n\x11\x45nrollHostRequest\x12\x12\n\njoin_token\x18\x01 \x01(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\x0f\n\x07\x63sr_pem\x18\x03 \x01(\x0c\x12,\n\x0c\x63\x61pabilities\x18\x04 \x01(\x0b\x32\x16.fleet.v1.Capabilities\"\xba\x01\n\x12\x45nrollHostResponse\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\'\n\nhost_class\x18\x02 \x01(\x0e\x32\x13.fleet.v1.HostClass\x12\x17\n\x0f\x63\x65rtificate_pem\x18\x03 \x01(\x0c\x12\x0e\n\x06\x63\x61_pem\x18\x04 \x01(\x0c\x12\x11\n\thost_port\x18\x05 \x01(\r\x12.\n\nexpires_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"*\n\x17RenewCertificateRequest\x12\x0f\n\x07\x63sr_pem\x18\x01 \x01(\x0c\"c\n\x18RenewCertificateResponse\x12\x17\n\x0f\x63\x65rtificate_pem\x18\x01 \x01(\x0c\x12.\n\nexpires_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp2\xd2\x06\n\x0bHostService\x12G\n\nEnrollHost\x12\x1b.fleet.v1.EnrollHostRequest\x1a\x1c.fleet.v1.EnrollHostResponse\x12Y\n\x10RenewCertificate\x12!.fleet.v1.RenewCertificateRequest\x1a\".fleet.v1.RenewCertificateResponse\x12M\n\x0cRegisterHost\x12\x1d.fleet.v1.RegisterHostRequest\x1a\x1e.fleet.v1.RegisterHostResponse\x12\x44\n\tHeartbeat\x12\x1a.fleet.v1.HeartbeatRequest\x1a\x1b.fleet.v1.HeartbeatResponse\x12\x44\n\tClaimWork\x12\x1a.fleet.v1.ClaimWorkRequest\x1a\x1b.fleet.v1.ClaimWorkResponse\x12M\n\x0c\x43ompleteWork\x12\x1d.fleet.v1.CompleteWorkRequest\x1a\x1e.fleet.v1.CompleteWorkResponse\x12P\n\rPutCheckpoint\x12\x1e.fleet.v1.PutCheckpointRequest\x1a\x1f.fleet.v1.PutCheckpointResponse\x12S\n\x0ePutCheckpoints\x12\x1f.fleet.v1.PutCheckpointsRequest\x1a .fleet.v1.PutCheckpointsResponse\x12J\n\x0bReclaimWork\x12\x1c.fleet.v1.ReclaimWorkRequest\x1a\x1d.fleet.v1.ReclaimWorkResponse\x12:\n\x07GetBlob\x12\x18.fleet.v1.GetBlobRequest\x1a\x13.fleet.v1.BlobChunk0\x01\x12\x46\n\x0bPutArtifact\x12\x16.fleet.v1.ArtifactPart\x1a\x1d.fleet.v1.PutArtifactResponse(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fleet.v1.host_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GETBLOBREQUEST']._serialized_start=88
-  _globals['_GETBLOBREQUEST']._serialized_end=136
-  _globals['_BLOBCHUNK']._serialized_start=138
-  _globals['_BLOBCHUNK']._serialized_end=199
-  _globals['_RECLAIMWORKREQUEST']._serialized_start=201
-  _globals['_RECLAIMWORKREQUEST']._serialized_end=294
-  _globals['_RECLAIMWORKRESPONSE']._serialized_start=296
-  _globals['_RECLAIMWORKRESPONSE']._serialized_end=385
-  _globals['_PUTCHECKPOINTREQUEST']._serialized_start=387
-  _globals['_PUTCHECKPOINTREQUEST']._serialized_end=498
-  _globals['_PUTCHECKPOINTRESPONSE']._serialized_start=500
-  _globals['_PUTCHECKPOINTRESPONSE']._serialized_end=523
-  _globals['_PUTCHECKPOINTSREQUEST']._serialized_start=525
-  _globals['_PUTCHECKPOINTSREQUEST']._serialized_end=601
-  _globals['_PUTCHECKPOINTSRESPONSE']._serialized_start=603
-  _globals['_PUTCHECKPOINTSRESPONSE']._serialized_end=674
-  _globals['_CHECKPOINTOUTCOME']._serialized_start=676
-  _globals['_CHECKPOINTOUTCOME']._serialized_end=726
-  _globals['_CAPABILITIES']._serialized_start=729
-  _globals['_CAPABILITIES']._serialized_end=951
-  _globals['_REGISTERHOSTREQUEST']._serialized_start=954
-  _globals['_REGISTERHOSTREQUEST']._serialized_end=1099
-  _globals['_REGISTERHOSTRESPONSE']._serialized_start=1101
-  _globals['_REGISTERHOSTRESPONSE']._serialized_end=1191
-  _globals['_LEASEREF']._serialized_start=1193
-  _globals['_LEASEREF']._serialized_end=1243
-  _globals['_HEARTBEATREQUEST']._serialized_start=1245
-  _globals['_HEARTBEATREQUEST']._serialized_end=1336
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1339
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1472
-  _globals['_CLAIMWORKREQUEST']._serialized_start=1474
-  _globals['_CLAIMWORKREQUEST']._serialized_end=1564
-  _globals['_WORKASSIGNMENT']._serialized_start=1567
-  _globals['_WORKASSIGNMENT']._serialized_end=1842
-  _globals['_CLAIMWORKRESPONSE']._serialized_start=1844
-  _globals['_CLAIMWORKRESPONSE']._serialized_end=1904
-  _globals['_COMPLETEWORKREQUEST']._serialized_start=1907
-  _globals['_COMPLETEWORKREQUEST']._serialized_end=2258
-  _globals['_COMPLETEWORKRESPONSE']._serialized_start=2260
-  _globals['_COMPLETEWORKRESPONSE']._serialized_end=2321
-  _globals['_ENROLLHOSTREQUEST']._serialized_start=2323
-  _globals['_ENROLLHOSTREQUEST']._serialized_end=2442
-  _globals['_ENROLLHOSTRESPONSE']._serialized_start=2445
-  _globals['_ENROLLHOSTRESPONSE']._serialized_end=2631
-  _globals['_RENEWCERTIFICATEREQUEST']._serialized_start=2633
-  _globals['_RENEWCERTIFICATEREQUEST']._serialized_end=2675
-  _globals['_RENEWCERTIFICATERESPONSE']._serialized_start=2677
-  _globals['_RENEWCERTIFICATERESPONSE']._serialized_end=2776
-  _globals['_HOSTSERVICE']._serialized_start=2779
-  _globals['_HOSTSERVICE']._serialized_end=3557
+  _globals['_ARTIFACTPART']._serialized_start=88
+  _globals['_ARTIFACTPART']._serialized_end=156
+  _globals['_PUTARTIFACTRESPONSE']._serialized_start=158
+  _globals['_PUTARTIFACTRESPONSE']._serialized_end=209
+  _globals['_GETBLOBREQUEST']._serialized_start=211
+  _globals['_GETBLOBREQUEST']._serialized_end=276
+  _globals['_BLOBCHUNK']._serialized_start=278
+  _globals['_BLOBCHUNK']._serialized_end=339
+  _globals['_RECLAIMWORKREQUEST']._serialized_start=341
+  _globals['_RECLAIMWORKREQUEST']._serialized_end=434
+  _globals['_RECLAIMWORKRESPONSE']._serialized_start=436
+  _globals['_RECLAIMWORKRESPONSE']._serialized_end=525
+  _globals['_PUTCHECKPOINTREQUEST']._serialized_start=527
+  _globals['_PUTCHECKPOINTREQUEST']._serialized_end=638
+  _globals['_PUTCHECKPOINTRESPONSE']._serialized_start=640
+  _globals['_PUTCHECKPOINTRESPONSE']._serialized_end=663
+  _globals['_PUTCHECKPOINTSREQUEST']._serialized_start=665
+  _globals['_PUTCHECKPOINTSREQUEST']._serialized_end=741
+  _globals['_PUTCHECKPOINTSRESPONSE']._serialized_start=743
+  _globals['_PUTCHECKPOINTSRESPONSE']._serialized_end=814
+  _globals['_CHECKPOINTOUTCOME']._serialized_start=816
+  _globals['_CHECKPOINTOUTCOME']._serialized_end=866
+  _globals['_CAPABILITIES']._serialized_start=869
+  _globals['_CAPABILITIES']._serialized_end=1091
+  _globals['_REGISTERHOSTREQUEST']._serialized_start=1094
+  _globals['_REGISTERHOSTREQUEST']._serialized_end=1239
+  _globals['_REGISTERHOSTRESPONSE']._serialized_start=1241
+  _globals['_REGISTERHOSTRESPONSE']._serialized_end=1331
+  _globals['_LEASEREF']._serialized_start=1333
+  _globals['_LEASEREF']._serialized_end=1383
+  _globals['_HEARTBEATREQUEST']._serialized_start=1385
+  _globals['_HEARTBEATREQUEST']._serialized_end=1476
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1479
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1612
+  _globals['_CLAIMWORKREQUEST']._serialized_start=1614
+  _globals['_CLAIMWORKREQUEST']._serialized_end=1704
+  _globals['_WORKASSIGNMENT']._serialized_start=1707
+  _globals['_WORKASSIGNMENT']._serialized_end=1982
+  _globals['_CLAIMWORKRESPONSE']._serialized_start=1984
+  _globals['_CLAIMWORKRESPONSE']._serialized_end=2044
+  _globals['_COMPLETEWORKREQUEST']._serialized_start=2047
+  _globals['_COMPLETEWORKREQUEST']._serialized_end=2441
+  _globals['_COMPLETEWORKRESPONSE']._serialized_start=2443
+  _globals['_COMPLETEWORKRESPONSE']._serialized_end=2504
+  _globals['_ENROLLHOSTREQUEST']._serialized_start=2506
+  _globals['_ENROLLHOSTREQUEST']._serialized_end=2625
+  _globals['_ENROLLHOSTRESPONSE']._serialized_start=2628
+  _globals['_ENROLLHOSTRESPONSE']._serialized_end=2814
+  _globals['_RENEWCERTIFICATEREQUEST']._serialized_start=2816
+  _globals['_RENEWCERTIFICATEREQUEST']._serialized_end=2858
+  _globals['_RENEWCERTIFICATERESPONSE']._serialized_start=2860
+  _globals['_RENEWCERTIFICATERESPONSE']._serialized_end=2959
+  _globals['_HOSTSERVICE']._serialized_start=2962
+  _globals['_HOSTSERVICE']._serialized_end=3812
 # @@protoc_insertion_point(module_scope)

@@ -10,13 +10,33 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ArtifactPart(_message.Message):
+    __slots__ = ("work_id", "fencing_token", "data")
+    WORK_ID_FIELD_NUMBER: _ClassVar[int]
+    FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    work_id: str
+    fencing_token: int
+    data: bytes
+    def __init__(self, work_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PutArtifactResponse(_message.Message):
+    __slots__ = ("digest", "size")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    digest: str
+    size: int
+    def __init__(self, digest: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
 class GetBlobRequest(_message.Message):
-    __slots__ = ("digest", "offset")
+    __slots__ = ("digest", "offset", "work_id")
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    WORK_ID_FIELD_NUMBER: _ClassVar[int]
     digest: str
     offset: int
-    def __init__(self, digest: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+    work_id: str
+    def __init__(self, digest: _Optional[str] = ..., offset: _Optional[int] = ..., work_id: _Optional[str] = ...) -> None: ...
 
 class BlobChunk(_message.Message):
     __slots__ = ("offset", "data", "total_size")
@@ -199,7 +219,7 @@ class ClaimWorkResponse(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[WorkAssignment, _Mapping]]] = ...) -> None: ...
 
 class CompleteWorkRequest(_message.Message):
-    __slots__ = ("request_id", "host_id", "work_id", "fencing_token", "outcome", "results", "error", "runtime", "device", "egress", "egress_events", "cpu_seconds")
+    __slots__ = ("request_id", "host_id", "work_id", "fencing_token", "outcome", "results", "error", "runtime", "device", "egress", "egress_events", "cpu_seconds", "outputs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     WORK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +232,7 @@ class CompleteWorkRequest(_message.Message):
     EGRESS_FIELD_NUMBER: _ClassVar[int]
     EGRESS_EVENTS_FIELD_NUMBER: _ClassVar[int]
     CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     host_id: str
     work_id: str
@@ -224,7 +245,8 @@ class CompleteWorkRequest(_message.Message):
     egress: _types_pb2.EgressPolicy
     egress_events: _containers.RepeatedCompositeFieldContainer[_types_pb2.EgressEvent]
     cpu_seconds: float
-    def __init__(self, request_id: _Optional[str] = ..., host_id: _Optional[str] = ..., work_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., outcome: _Optional[_Union[_types_pb2.Outcome, str]] = ..., results: _Optional[_Iterable[_Union[_types_pb2.StepResult, _Mapping]]] = ..., error: _Optional[str] = ..., runtime: _Optional[_Union[_types_pb2.RuntimeKind, str]] = ..., device: _Optional[str] = ..., egress: _Optional[_Union[_types_pb2.EgressPolicy, _Mapping]] = ..., egress_events: _Optional[_Iterable[_Union[_types_pb2.EgressEvent, _Mapping]]] = ..., cpu_seconds: _Optional[float] = ...) -> None: ...
+    outputs: _containers.RepeatedCompositeFieldContainer[_types_pb2.OutputArtifact]
+    def __init__(self, request_id: _Optional[str] = ..., host_id: _Optional[str] = ..., work_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., outcome: _Optional[_Union[_types_pb2.Outcome, str]] = ..., results: _Optional[_Iterable[_Union[_types_pb2.StepResult, _Mapping]]] = ..., error: _Optional[str] = ..., runtime: _Optional[_Union[_types_pb2.RuntimeKind, str]] = ..., device: _Optional[str] = ..., egress: _Optional[_Union[_types_pb2.EgressPolicy, _Mapping]] = ..., egress_events: _Optional[_Iterable[_Union[_types_pb2.EgressEvent, _Mapping]]] = ..., cpu_seconds: _Optional[float] = ..., outputs: _Optional[_Iterable[_Union[_types_pb2.OutputArtifact, _Mapping]]] = ...) -> None: ...
 
 class CompleteWorkResponse(_message.Message):
     __slots__ = ("state",)

@@ -89,6 +89,11 @@ class HostServiceStub:
                 request_serializer=fleet_dot_v1_dot_host__pb2.GetBlobRequest.SerializeToString,
                 response_deserializer=fleet_dot_v1_dot_host__pb2.BlobChunk.FromString,
                 _registered_method=True)
+        self.PutArtifact = channel.stream_unary(
+                '/fleet.v1.HostService/PutArtifact',
+                request_serializer=fleet_dot_v1_dot_host__pb2.ArtifactPart.SerializeToString,
+                response_deserializer=fleet_dot_v1_dot_host__pb2.PutArtifactResponse.FromString,
+                _registered_method=True)
 
 
 class HostServiceServicer:
@@ -175,6 +180,13 @@ class HostServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutArtifact(self, request_iterator, context):
+        """Stores one output of an attempt this host holds (the first part names it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_HostServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -227,6 +239,11 @@ def add_HostServiceServicer_to_server(servicer, server):
                     servicer.GetBlob,
                     request_deserializer=fleet_dot_v1_dot_host__pb2.GetBlobRequest.FromString,
                     response_serializer=fleet_dot_v1_dot_host__pb2.BlobChunk.SerializeToString,
+            ),
+            'PutArtifact': grpc.stream_unary_rpc_method_handler(
+                    servicer.PutArtifact,
+                    request_deserializer=fleet_dot_v1_dot_host__pb2.ArtifactPart.FromString,
+                    response_serializer=fleet_dot_v1_dot_host__pb2.PutArtifactResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -504,6 +521,33 @@ class HostService:
             '/fleet.v1.HostService/GetBlob',
             fleet_dot_v1_dot_host__pb2.GetBlobRequest.SerializeToString,
             fleet_dot_v1_dot_host__pb2.BlobChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutArtifact(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/fleet.v1.HostService/PutArtifact',
+            fleet_dot_v1_dot_host__pb2.ArtifactPart.SerializeToString,
+            fleet_dot_v1_dot_host__pb2.PutArtifactResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -125,7 +125,7 @@ class Requirements(_message.Message):
     def __init__(self, isolation: _Optional[_Union[Isolation, str]] = ..., cuda_device: _Optional[bool] = ..., inference: _Optional[bool] = ..., near_gateway: _Optional[bool] = ...) -> None: ...
 
 class Manifest(_message.Message):
-    __slots__ = ("digest", "smolfile", "smolfile_name", "smolfile_digest", "image_ref", "image_digest", "steps", "deadline", "retry", "versions", "requirements", "host_class")
+    __slots__ = ("digest", "smolfile", "smolfile_name", "smolfile_digest", "image_ref", "image_digest", "steps", "deadline", "retry", "versions", "requirements", "host_class", "inputs", "outputs")
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     SMOLFILE_FIELD_NUMBER: _ClassVar[int]
     SMOLFILE_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,8 @@ class Manifest(_message.Message):
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     REQUIREMENTS_FIELD_NUMBER: _ClassVar[int]
     HOST_CLASS_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     digest: str
     smolfile: str
     smolfile_name: str
@@ -150,7 +152,35 @@ class Manifest(_message.Message):
     versions: Versions
     requirements: Requirements
     host_class: HostClass
-    def __init__(self, digest: _Optional[str] = ..., smolfile: _Optional[str] = ..., smolfile_name: _Optional[str] = ..., smolfile_digest: _Optional[str] = ..., image_ref: _Optional[str] = ..., image_digest: _Optional[str] = ..., steps: _Optional[_Iterable[_Union[Step, _Mapping]]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., retry: _Optional[_Union[RetryPolicy, _Mapping]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., requirements: _Optional[_Union[Requirements, _Mapping]] = ..., host_class: _Optional[_Union[HostClass, str]] = ...) -> None: ...
+    inputs: _containers.RepeatedCompositeFieldContainer[InputFile]
+    outputs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, digest: _Optional[str] = ..., smolfile: _Optional[str] = ..., smolfile_name: _Optional[str] = ..., smolfile_digest: _Optional[str] = ..., image_ref: _Optional[str] = ..., image_digest: _Optional[str] = ..., steps: _Optional[_Iterable[_Union[Step, _Mapping]]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., retry: _Optional[_Union[RetryPolicy, _Mapping]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., requirements: _Optional[_Union[Requirements, _Mapping]] = ..., host_class: _Optional[_Union[HostClass, str]] = ..., inputs: _Optional[_Iterable[_Union[InputFile, _Mapping]]] = ..., outputs: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class InputFile(_message.Message):
+    __slots__ = ("path", "digest", "size", "directory")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    digest: str
+    size: int
+    directory: bool
+    def __init__(self, path: _Optional[str] = ..., digest: _Optional[str] = ..., size: _Optional[int] = ..., directory: _Optional[bool] = ...) -> None: ...
+
+class OutputArtifact(_message.Message):
+    __slots__ = ("path", "digest", "size", "directory", "error")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    digest: str
+    size: int
+    directory: bool
+    error: str
+    def __init__(self, path: _Optional[str] = ..., digest: _Optional[str] = ..., size: _Optional[int] = ..., directory: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("index", "name", "exit_code", "timed_out", "duration_s", "stdout", "stderr", "stdout_truncated", "stderr_truncated", "stdout_digest", "stderr_digest")
@@ -217,7 +247,7 @@ class Attempt(_message.Message):
     def __init__(self, attempt: _Optional[int] = ..., host_id: _Optional[str] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ended_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., outcome: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class Rollout(_message.Message):
-    __slots__ = ("id", "state", "tenant", "idempotency_key", "labels", "manifest", "host_class", "attempts", "results", "error", "host_id", "runtime", "device", "created_at", "started_at", "finished_at", "attempt_history", "priority", "egress")
+    __slots__ = ("id", "state", "tenant", "idempotency_key", "labels", "manifest", "host_class", "attempts", "results", "error", "host_id", "runtime", "device", "created_at", "started_at", "finished_at", "attempt_history", "priority", "egress", "outputs")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -244,6 +274,7 @@ class Rollout(_message.Message):
     ATTEMPT_HISTORY_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     EGRESS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     id: str
     state: RolloutState
     tenant: str
@@ -263,7 +294,8 @@ class Rollout(_message.Message):
     attempt_history: _containers.RepeatedCompositeFieldContainer[Attempt]
     priority: int
     egress: EgressPolicy
-    def __init__(self, id: _Optional[str] = ..., state: _Optional[_Union[RolloutState, str]] = ..., tenant: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., host_class: _Optional[_Union[HostClass, str]] = ..., attempts: _Optional[int] = ..., results: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., error: _Optional[str] = ..., host_id: _Optional[str] = ..., runtime: _Optional[_Union[RuntimeKind, str]] = ..., device: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., attempt_history: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ..., priority: _Optional[int] = ..., egress: _Optional[_Union[EgressPolicy, _Mapping]] = ...) -> None: ...
+    outputs: _containers.RepeatedCompositeFieldContainer[OutputArtifact]
+    def __init__(self, id: _Optional[str] = ..., state: _Optional[_Union[RolloutState, str]] = ..., tenant: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., host_class: _Optional[_Union[HostClass, str]] = ..., attempts: _Optional[int] = ..., results: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., error: _Optional[str] = ..., host_id: _Optional[str] = ..., runtime: _Optional[_Union[RuntimeKind, str]] = ..., device: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., attempt_history: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ..., priority: _Optional[int] = ..., egress: _Optional[_Union[EgressPolicy, _Mapping]] = ..., outputs: _Optional[_Iterable[_Union[OutputArtifact, _Mapping]]] = ...) -> None: ...
 
 class RolloutEvent(_message.Message):
     __slots__ = ("sequence", "rollout_id", "kind", "from_state", "to_state", "actor", "at", "message", "attempt")

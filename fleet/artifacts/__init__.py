@@ -1,0 +1,1 @@
+"""Content-addressed blobs: rollouts' input files and the outputs their attempts collect."""
