@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import resource
+import ssl
 from typing import Any
 
 import structlog
@@ -111,16 +112,17 @@ async def serve_http(
     port: int = 0,
     sock: Any = None,
     max_connections: int = 0,
+    tls: ssl.SSLContext | None = None,
 ) -> tuple[asyncio.Server, int]:
     """Serves the endpoint on host:port, or on an already bound socket (another netns), with
-    at most `max_connections` open at once (0: `connection_limit()`)."""
+    at most `max_connections` open at once (0: `connection_limit()`); over TLS with `tls`."""
     handle = connection_handler(
         HttpEndpoint(gateway)._route, MAX_BODY_BYTES, max_connections or connection_limit()
     )  # fmt: skip
     if sock is not None:
-        server = await asyncio.start_server(handle, sock=sock)
+        server = await asyncio.start_server(handle, sock=sock, ssl=tls)
     else:
-        server = await asyncio.start_server(handle, host or None, port)
+        server = await asyncio.start_server(handle, host or None, port, ssl=tls)
     bound = server.sockets[0].getsockname()[1]
-    log.info("gateway_http_listening", port=bound)
+    log.info("gateway_http_listening", port=bound, tls=tls is not None)
     return server, int(bound)

@@ -335,8 +335,11 @@ def _refusal(request_id: str, exc: FleetError) -> inference_pb2.InferStreamRespo
     )  # fmt: skip
 
 
-async def serve(gateway: Gateway, listen: str) -> tuple[grpc.aio.Server, int]:
-    """Starts the batcher and a gRPC server on `listen` (port 0 picks one); returns both."""
+async def serve(
+    gateway: Gateway, listen: str, credentials: grpc.ServerCredentials | None = None
+) -> tuple[grpc.aio.Server, int]:
+    """Starts the batcher and a gRPC server on `listen` (port 0 picks one), over TLS with
+    `credentials`; returns both."""
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
@@ -344,7 +347,10 @@ async def serve(gateway: Gateway, listen: str) -> tuple[grpc.aio.Server, int]:
         ]
     )
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(gateway), server)
-    port = server.add_insecure_port(listen)
+    if credentials is None:
+        port = server.add_insecure_port(listen)
+    else:
+        port = server.add_secure_port(listen, credentials)
     gateway.batcher.start()
     await server.start()
     log.info("gateway_listening", address=listen.rsplit(":", 1)[0] + f":{port}")

@@ -45,7 +45,7 @@ from fleet.core.placement import HostCapabilities, HostClass, Isolation
 from fleet.core.policy import EffectiveEgress, effective_egress
 from fleet.core.rollout import Assignment, Completion, StepResult
 from fleet.core.smolfile import Smolfile
-from fleet.identity.tls import HostFiles, HostIdentityMaterial
+from fleet.identity.tls import HostFiles, HostIdentityMaterial, client_ssl_context
 from fleet.image.store import ImageStore
 from fleet.runtime.base import Leftover, Machine, MachineSpec, Runtime, resolve_secrets
 from fleet.runtime.namespace import NamespaceRuntime
@@ -86,6 +86,9 @@ class AgentConfig:
     """This host's certificate and the CA, for a server with TLS (None: a server without)."""
     identity_files: HostFiles | None = None
     """Where the identity lives, rewritten at renewal."""
+    gateway_ca: bytes = b""
+    """The fleet CA, when the gateway's HTTP endpoint serves TLS ("https://" given): machines
+    and the warm children's splice verify it against this."""
     image_cache_gib: float | None = None
     """Bound on the images fetched from the server kept here (None: no bound)."""
 
@@ -386,8 +389,9 @@ class Agent:
         """The gateway for a warm child, on a socket the agent joins to the gateway's endpoint
         (`host`: this host, reached from the uplink's namespace as the machines' links are)."""
         where = ("127.0.0.1" if gateway[0] == "host" else gateway[0], gateway[1])
+        tls = client_ssl_context(self.config.gateway_ca) if self.config.gateway_ca else None
         splice = GatewaySplice(
-            child.sockets, where, self.config.net.uplink_path if self.config.net else None
+            child.sockets, where, self.config.net.uplink_path if self.config.net else None, tls
         )
         await splice.start()
         return splice
@@ -576,6 +580,7 @@ class Agent:
                 },
                 secrets=resolve_secrets(parsed.spec),
                 gateway=self._gateway_for(a),
+                gateway_tls=bool(self.config.gateway_ca),
                 read_only=await self._stage_inputs(a),
             )
             if spec.gateway is not None:  # recorded for review: what else this machine reached
@@ -636,6 +641,8 @@ class Agent:
                 if isinstance(machine, WarmChild):
                     running.splice = await self._gateway_splice(machine, spec.gateway)
                     extra_env["FLEET_GATEWAY"] = child_address(GATEWAY_SOCKET)
+                elif self.config.gateway_ca:
+                    extra_env["FLEET_GATEWAY_CA"] = self.config.gateway_ca.decode()
                 relay = await self._checkpoint_relay(machine, a)
                 if relay is not None:
                     running.relay, extra_env["FLEET_CHECKPOINTS"] = relay

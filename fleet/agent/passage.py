@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import os
 import socket
+import ssl
 from pathlib import Path
 
 import structlog
@@ -74,10 +75,16 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
 class GatewaySplice:
     """`gateway.sock` in a warm child's directory, joined to the gateway's TCP endpoint."""
 
-    def __init__(self, directory: Path, gateway: tuple[str, int], uplink_path: str | None) -> None:
+    def __init__(
+        self, directory: Path, gateway: tuple[str, int], uplink_path: str | None,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:  # fmt: skip
         self.directory = directory
         self.gateway = gateway
         self.uplink_path = uplink_path
+        self.tls = tls
+        """The gateway serves TLS: the agent speaks it upstream (the child speaks plain HTTP to
+        its own socket)."""
         self._server: asyncio.Server | None = None
         self._links: set[asyncio.Task[None]] = set()
 
@@ -107,7 +114,10 @@ class GatewaySplice:
         try:
             try:
                 sock = await asyncio.to_thread(self._connect)
-                up_reader, upstream = await asyncio.open_connection(sock=sock)
+                up_reader, upstream = await asyncio.open_connection(
+                    sock=sock, ssl=self.tls,
+                    server_hostname=self.gateway[0] if self.tls is not None else None,
+                )  # fmt: skip
             except OSError as exc:
                 where = f"{self.gateway[0]}:{self.gateway[1]}"
                 log.warning("gateway_unreachable", gateway=where, error=str(exc))

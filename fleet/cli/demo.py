@@ -134,7 +134,7 @@ async def _run(
         )  # fmt: skip
         async with embedded_fleet(
             paths, Path(tmp) / "ledger.sqlite3", config=config,
-            gateway=("host", gateway.http_port),
+            gateway=("host", gateway.http_port), gateway_tls=True,
         ) as fleet:  # fmt: skip
             print(
                 f"fleet demo {run_id}: embedded fleet on {fleet.address}, SQLite ledger, "

@@ -62,7 +62,9 @@ async def embedded_fleet(
     slots: int = 2,
     config: ServerConfig | None = None,
     gateway: tuple[str, int] | None = None,
+    gateway_tls: bool = False,
 ) -> AsyncIterator[Fleet]:
+    """`gateway_tls`: the gateway's HTTP endpoint serves TLS from this fleet's CA."""
     images = ImageStore(paths.images, paths.recipes)
     choice = await asyncio.to_thread(choose_runtime, runtime, paths.home, images)
     config = config or ServerConfig()
@@ -99,6 +101,7 @@ async def embedded_fleet(
                         images=images,
                         slots=host_slots,
                         gateway=gateway,
+                        gateway_ca=ca.pem if gateway_tls else b"",
                         identity=identity,
                     )
                 )

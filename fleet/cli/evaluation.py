@@ -50,6 +50,8 @@ class GatewayHandle:
 
 async def start_gateway(paths: Paths, log_level: str = "info") -> GatewayHandle:
     """The gateway with the shipped policy: gRPC on loopback, HTTP where machines reach it."""
+    from fleet.identity.ca import CertificateAuthority
+    from fleet.identity.tls import ServerTls, server_names, server_ssl_context
     from gateway.http import serve_http
     from gateway.service import Gateway, GatewayConfig, serve
 
@@ -59,8 +61,11 @@ async def start_gateway(paths: Paths, log_level: str = "info") -> GatewayHandle:
     gw = await asyncio.to_thread(Gateway.build, config)
     server, port = await serve(gw, "127.0.0.1:0")
     # Machines reach this host at their link's host address; only their firewall rule (for
-    # rollouts that use inference) and a rollout token get a request through.
-    http, http_port = await serve_http(gw, "0.0.0.0", 0)
+    # rollouts that use inference) and a rollout token get a request through. Beyond loopback,
+    # so over TLS from the fleet's CA, as `fleet gateway` serves it.
+    ca = await asyncio.to_thread(CertificateAuthority.load_or_init, paths.ca)
+    tls = await asyncio.to_thread(ServerTls.issue, ca, server_names("0.0.0.0:0", []))
+    http, http_port = await serve_http(gw, "0.0.0.0", 0, tls=server_ssl_context(tls))
     return GatewayHandle(gw, server, port, http, http_port)
 
 

@@ -151,14 +151,20 @@ async def cmd_gateway(args: argparse.Namespace) -> int:
             answers_kept=args.answers_kept, answers_kept_mib=args.answers_kept_mib,
         ),
     )  # fmt: skip
+    grpc_tls, http_tls, ca = gateway_tls(args, paths)
     gw = Gateway.build(config)
-    server, port = await serve(gw, args.listen)
+    server, port = await serve(gw, args.listen, grpc_tls)
     host, _, http_port = args.http_listen.rpartition(":")
-    http, bound = await serve_http(gw, host, int(http_port))
+    http, bound = await serve_http(gw, host, int(http_port), tls=http_tls)
+    scheme = "https" if http_tls is not None else "http"
     print(
         f"fleet gateway: {gw.spec.name} {gw.spec.revision} on {gw.batcher.primary.device} "
-        f"in {gw.spec.dtype} (CPU replica in float32 behind a breaker); gRPC on port {port}, "
-        f"HTTP on port {bound}",
+        f"in {gw.spec.dtype} (CPU replica in float32 behind a breaker); gRPC on port {port}"
+        f"{' (TLS)' if grpc_tls is not None else ''}, HTTP on port {bound} ({scheme}"
+        + (f", CA {ca}" if ca else "")
+        + "; agents: --gateway "
+        + ("https://" if http_tls is not None else "")
+        + f"ADDRESS:{bound})",
         flush=True,
     )
     await _until_signalled(asyncio.Event())
@@ -168,13 +174,46 @@ async def cmd_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
+def gateway_tls(args: argparse.Namespace, paths: Paths) -> tuple[Any, Any, str]:
+    """TLS for each of the gateway's endpoints that is not on loopback (unless --insecure),
+    with a certificate from the fleet CA: (gRPC credentials, HTTP context, CA fingerprint)."""
+    from fleet.identity.ca import CertificateAuthority
+    from fleet.identity.tls import (
+        ServerTls,
+        is_loopback,
+        server_names,
+        server_ssl_context,
+        split_address,
+    )
+
+    hosts = {name: split_address(address)[0] for name, address in
+             (("--listen", args.listen), ("--http-listen", args.http_listen))}  # fmt: skip
+    wide = [name for name, host in hosts.items() if not is_loopback(host)]
+    if args.insecure or not wide:
+        if args.insecure and wide:
+            print(f"fleet gateway: {', '.join(wide)} beyond loopback WITHOUT TLS (--insecure)",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        return None, None, ""
+    if not CertificateAuthority.exists(paths.ca):
+        raise SystemExit(
+            f"fleet gateway: {', '.join(wide)} beyond loopback needs TLS from the fleet CA in "
+            f"{paths.ca} (fleet ca init, on the server's host), or --insecure"
+        )
+    ca = CertificateAuthority.load(paths.ca)
+    names = server_names(args.http_listen, [*args.san, hosts["--listen"]])
+    tls = ServerTls.issue(ca, names)
+    grpc_tls = tls.credentials(require_client_cert=False) if "--listen" in wide else None
+    http_tls = server_ssl_context(tls) if "--http-listen" in wide else None
+    return grpc_tls, http_tls, ca.fingerprint
+
+
 def gateway_endpoint(text: str) -> tuple[str, int] | None:
     """--gateway ADDRESS:PORT ("host" for this host as machines see it); empty: none."""
     import ipaddress
 
     if not text:
         return None
-    host, _, port = text.rpartition(":")
+    host, _, port = text.removeprefix("https://").rpartition(":")
     try:
         if host != "host":
             host = str(ipaddress.IPv4Address(host))
@@ -216,7 +255,18 @@ async def cmd_agent(args: argparse.Namespace) -> int:
         if args.join:
             print(f"fleet agent: enrolled already as {host_id}; the join token was not used",
                   flush=True)  # fmt: skip
-    elif args.join:
+    gateway_ca = b""
+    if args.gateway.startswith("https://"):
+        if args.ca:
+            gateway_ca = await asyncio.to_thread(Path(args.ca).read_bytes)
+        elif files.exists():
+            gateway_ca = await asyncio.to_thread(files.ca.read_bytes)
+        elif not args.join:
+            raise SystemExit(
+                "fleet agent: --gateway https://… needs the fleet CA to verify it: --ca FILE, "
+                "or enroll (--join)"
+            )
+    if args.join and not files.exists():
         caps = capabilities(host_id, host_class, choice, args.slots).model_copy(
             update={"gateway": gateway is not None}
         )
@@ -224,6 +274,7 @@ async def cmd_agent(args: argparse.Namespace) -> int:
         identity = await enroll(args.server, args.join, host_id, caps, files,
                                 ca_fingerprint=args.ca_fingerprint, ca_pem=ca_pem)  # fmt: skip
         print(f"fleet agent: enrolled as {host_id}; identity in {files.directory}", flush=True)
+        gateway_ca = gateway_ca or (identity.ca_pem if args.gateway.startswith("https://") else b"")
     agent = Agent(
         AgentConfig(
             server=args.server,
@@ -237,6 +288,7 @@ async def cmd_agent(args: argparse.Namespace) -> int:
             slots=args.slots,
             net=net_config(args.egress_uplink, args.egress_dns),
             gateway=gateway,
+            gateway_ca=gateway_ca,
             image_cache_gib=args.image_cache_gib,
         )
     )
@@ -803,7 +855,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "--gateway", default="",
         help="the inference gateway's HTTP endpoint as machines reach it: ADDRESS:PORT, or "
-        "host:PORT for a gateway on this host (rollouts that use inference need it)",
+        "host:PORT for a gateway on this host (rollouts that use inference need it); "
+        "https://… when it serves TLS (verified against the fleet CA)",
     )  # fmt: skip
 
     sp = add("gateway", cmd_gateway, "run the inference gateway (GPU host)", "info")
@@ -813,6 +866,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="HTTP address machines call (they reach only it, and only with a rollout token)",
     )  # fmt: skip
     sp.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
+    sp.add_argument(
+        "--insecure", action="store_true",
+        help="no TLS on endpoints beyond loopback (by default they use a certificate from the "
+        "fleet CA in $FLEET_HOME/ca)",
+    )  # fmt: skip
+    sp.add_argument("--san", action="append", default=[],
+                    help="another name its certificate carries (repeatable)")  # fmt: skip
     sp.add_argument(
         "--dtype", default="", choices=["", "float32", "bfloat16"],
         help="the primary's precision (default: the model manifest's, float32 if it names none)",

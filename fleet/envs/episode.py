@@ -18,6 +18,7 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 MODEL = "gridworld-policy"
 """The model asked for, unless the step's environment names another (`FLEET_MODEL`)."""
@@ -60,7 +61,8 @@ def _read_reply(stream) -> tuple[int, dict, bytes]:  # type: ignore[no-untyped-d
 
 
 def _connect(where: str, timeout: float) -> socket.socket:
-    """`host:port`, or `unix:PATH` (how a warm parent's child reaches the agent's sockets)."""
+    """`host:port`, `https://host:port`, or `unix:PATH` (how a warm parent's child reaches the
+    agent's sockets)."""
     if where.startswith("unix:"):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -70,10 +72,32 @@ def _connect(where: str, timeout: float) -> socket.socket:
             sock.close()
             raise
         return sock
-    host, _, port = where.rpartition(":")
+    tls = where.startswith("https://")
+    host, _, port = where.removeprefix("https://").rpartition(":")
     sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if tls:  # the gateway beyond loopback: its certificate must chain to the fleet's CA
+        try:
+            sock = _tls_context().wrap_socket(sock, server_hostname=host.strip("[]"))
+        except OSError:
+            sock.close()
+            raise
     return sock
+
+
+_TLS: list = []  # type: ignore[type-arg]
+
+
+def _tls_context() -> Any:
+    """Verifies the chain to the fleet CA (`FLEET_GATEWAY_CA`) and the server purpose, not the
+    name: a machine reaches the gateway at an address its certificate cannot list."""
+    if not _TLS:
+        import ssl
+
+        context = ssl.create_default_context(cadata=os.environ["FLEET_GATEWAY_CA"])
+        context.check_hostname = False
+        _TLS.append(context)
+    return _TLS[0]
 
 
 def call(where: str, method: str, path: str, body: bytes | None = None, timeout: float = 30):  # type: ignore[no-untyped-def]
@@ -84,7 +108,7 @@ def call(where: str, method: str, path: str, body: bytes | None = None, timeout:
     new one.
     """
     data = body or b""
-    host = "localhost" if where.startswith("unix:") else where
+    host = "localhost" if where.startswith("unix:") else where.removeprefix("https://")
     request = (
         f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(data)}\r\n\r\n"

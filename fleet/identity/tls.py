@@ -100,6 +100,31 @@ class ServerTls:
         )
 
 
+def server_ssl_context(tls: ServerTls) -> ssl.SSLContext:
+    """The same certificate for a plain TLS listener (the gateway's HTTP endpoint)."""
+    import os
+    import tempfile
+
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    with tempfile.TemporaryDirectory() as tmp:
+        cert, key = os.path.join(tmp, "cert.pem"), os.path.join(tmp, "key.pem")
+        with open(cert, "wb") as handle:
+            handle.write(tls.cert_pem + tls.ca.pem)
+        fd = os.open(key, os.O_WRONLY | os.O_CREAT, 0o600)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(tls.key_pem)
+        context.load_cert_chain(cert, key)
+    return context
+
+
+def client_ssl_context(ca_pem: bytes) -> ssl.SSLContext:
+    """Verifies a fleet server's certificate (chain to the fleet CA, server purpose), not its
+    name: machines reach the gateway at addresses its certificate cannot know in advance."""
+    context = ssl.create_default_context(cadata=ca_pem.decode())
+    context.check_hostname = False
+    return context
+
+
 def discover_ca(address: str, pinned: str, timeout_s: float = 10.0) -> bytes:
     """The fleet CA's certificate, read from the chain the server presents at `address` and
     accepted only if its fingerprint is `pinned` (`sha256:<hex>`, as `fleet host token create`

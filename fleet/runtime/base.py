@@ -36,6 +36,8 @@ class MachineSpec(BaseModel):
     secrets: dict[str, str] = Field(default_factory=dict, repr=False)
     gateway: tuple[str, int] | None = None
     """The inference gateway (address, port): reachable only when the rollout uses it."""
+    gateway_tls: bool = False
+    """The gateway serves TLS: machines get `https://…` in FLEET_GATEWAY."""
     read_only: tuple[tuple[str, str], ...] = ()
     """(host path, path in the machine): mounted read-only in the machine (a rollout's inputs).
     Runtimes that cannot mount say so in `mounts_read_only`."""

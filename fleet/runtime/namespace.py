@@ -219,7 +219,8 @@ class NamespaceMachine:
         try:
             environment = machine_env(self.spec, env)
             if self.gateway is not None:
-                environment["FLEET_GATEWAY"] = f"{self.gateway[0]}:{self.gateway[1]}"
+                scheme = "https://" if self.spec.gateway_tls else ""
+                environment["FLEET_GATEWAY"] = f"{scheme}{self.gateway[0]}:{self.gateway[1]}"
             full = self._argv(argv, environment, cwd, filt)
             proc = await asyncio.create_subprocess_exec(
                 *full,

@@ -47,7 +47,7 @@ from fleet.core.manifest import SubmitRequest, build_manifest, validate_request
 from fleet.core.placement import HostCapabilities, HostClass, Requirements, unservable_reason
 from fleet.core.rollout import Assignment, Completion
 from fleet.identity.ca import Issued
-from fleet.identity.tls import ServerTls, server_names, split_address
+from fleet.identity.tls import ServerTls, is_loopback, server_names, split_address
 from fleet.image.store import ImageStore
 from fleet.ledger.store import Ledger
 from fleet.server import convert
@@ -853,7 +853,14 @@ async def _watch_gateway(core: Core) -> None:
     once the queue is down to `backpressure_resume_depth`. An unreachable gateway holds them too.
     """
     config = core.config
-    async with grpc.aio.insecure_channel(config.gateway_address) as channel:
+    host, _ = split_address(config.gateway_address)
+    if core.security is not None and not is_loopback(host):
+        # Beyond loopback the gateway serves TLS with a certificate from the same CA.
+        credentials = grpc.ssl_channel_credentials(root_certificates=core.security.ca.pem)
+        channel = grpc.aio.secure_channel(config.gateway_address, credentials)
+    else:
+        channel = grpc.aio.insecure_channel(config.gateway_address)
+    async with channel:
         stub = inference_pb2_grpc.InferenceServiceStub(channel)
         while True:
             before = core.hold_inference

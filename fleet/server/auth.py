@@ -316,20 +316,6 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 unary_stream, request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )  # fmt: skip
-        if handler.stream_stream is not None:
-            inner_ss = handler.stream_stream
-
-            async def stream_stream(
-                requests: Any, context: grpc.aio.ServicerContext
-            ) -> AsyncIterator[Any]:
-                await check(method, context)
-                async for item in inner_ss(requests, context):
-                    yield item
-
-            return grpc.stream_stream_rpc_method_handler(
-                stream_stream, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )  # fmt: skip
         if handler.stream_unary is not None:
             inner_su = handler.stream_unary
 

@@ -82,6 +82,7 @@ class Harness:
         gateway: tuple[str, int] | None = None,
         images: ImageStore | None = None,
         image_cache_gib: float | None = None,
+        gateway_ca: bytes = b"",
     ) -> Agent:
         """An agent on the server's image store, or on `images` (a host of its own)."""
         identity = None
@@ -100,6 +101,7 @@ class Harness:
                 claim_wait_s=1.0,
                 net=net,
                 gateway=gateway,
+                gateway_ca=gateway_ca,
                 image_cache_gib=image_cache_gib,
             )
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -43,9 +44,11 @@ def local_episode(seed: int) -> list[int]:
 
 
 @asynccontextmanager
-async def gateway_on_uplink(world: NetWorld) -> AsyncIterator[int]:
-    """The shipped policy's gateway, its HTTP endpoint on the uplink's own address; yields
-    the port machines reach it on."""
+async def gateway_on_uplink(
+    world: NetWorld, tls: ssl.SSLContext | None = None
+) -> AsyncIterator[int]:
+    """The shipped policy's gateway, its HTTP endpoint on the uplink's own address (over TLS
+    with `tls`); yields the port machines reach it on."""
     gateway = Gateway.build(GatewayConfig(secret=SECRET, device="cpu"))
     gateway.batcher.start()
 
@@ -55,7 +58,7 @@ async def gateway_on_uplink(world: NetWorld) -> AsyncIterator[int]:
         return sock
 
     sock = await asyncio.to_thread(in_netns, f"/run/netns/{world.uplink}", bind)
-    http, port = await serve_http(gateway, sock=sock)
+    http, port = await serve_http(gateway, sock=sock, tls=tls)
     try:
         yield port
     finally:
@@ -320,3 +323,64 @@ def test_server_and_gateway_metrics_and_fleet_top(tmp_path: Path, images: ImageS
     assert "model           gridworld-policy v1 on cpu in float32" in top
     assert gateway["fleet_gateway_engine_restarts_total"] == 0 and "engine restarts 0" in top
     assert "grpc 1   grpc_stream 0   http 0   streams open 0" in top
+
+
+def test_the_gateway_over_tls_serves_machines_and_warm_children(
+    tmp_path: Path, images: ImageStore
+) -> None:
+    """The gateway's endpoint beyond loopback speaks TLS with a certificate from the fleet's
+    CA: a machine verifies it (FLEET_GATEWAY is https://…), a warm child's socket is joined to
+    it over TLS by the agent, and a client that does not trust the CA gets nothing."""
+    from fleet.identity.ca import CertificateAuthority
+    from fleet.identity.tls import ServerTls, server_ssl_context
+
+    ca = CertificateAuthority.init(tmp_path / "ca")
+    tls = server_ssl_context(ServerTls.issue(ca, [GATEWAY[0]]))
+    warm = 'image = "minimal"\n[branch]\nenabled = true\n'
+    untrusted = (
+        "import os, socket, ssl, sys\n"
+        "host, port = os.environ['FLEET_GATEWAY'].removeprefix('https://').rsplit(':', 1)\n"
+        "s = socket.create_connection((host, int(port)), timeout=5)\n"
+        "try:\n"
+        "    ssl.create_default_context().wrap_socket(s, server_hostname=host)\n"
+        "    print('trusted a stranger')\n"
+        "except ssl.SSLError as exc:\n"
+        "    print('refused:', exc.reason)\n"
+    )
+
+    async def body() -> tuple[Any, Any]:
+        with networld() as world:
+            async with gateway_on_uplink(world, tls) as port, harness(tmp_path, images) as h:
+                net = NetConfig(uplink_netns=world.uplink, dns_upstream=world.dns)
+                await h.start_agent("cpu-a", HostClass.CPU, net=net,
+                                    gateway=(GATEWAY[0], port), gateway_ca=ca.pem)  # fmt: skip
+                inference = types_pb2.Requirements(inference=True)
+                plain = await h.fleet.SubmitRollout(
+                    request(
+                        'image = "minimal"\n',
+                        program(7),
+                        ["python3", "-c", untrusted],
+                        requirements=inference,
+                    )
+                )
+                child = await h.fleet.SubmitRollout(
+                    fleet_pb2.SubmitRolloutRequest(
+                        request_id="warm-tls", idempotency_key="warm-tls", smolfile=warm,
+                        smolfile_name="test.smolfile", requirements=inference,
+                        steps=[
+                            types_pb2.Step(name="warm-up", argv=["python3", "-c", source()],
+                                           timeout_s=60),
+                            types_pb2.Step(name="episode", argv=warm_step(7), timeout_s=60),
+                        ],
+                    )
+                )  # fmt: skip
+                return (await h.wait_final(plain.rollout.id),
+                        await h.wait_final(child.rollout.id))  # fmt: skip
+
+    plain, child = asyncio.run(body())
+    for done in (plain, child):
+        assert done.state == types_pb2.ROLLOUT_STATE_SUCCEEDED, [
+            r.stderr[-800:] for r in done.results
+        ]
+        assert json.loads(done.results[0].stdout)["actions"] == local_episode(7)
+    assert plain.results[1].stdout.startswith(b"refused: CERTIFICATE_VERIFY_FAILED")
