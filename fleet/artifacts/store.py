@@ -100,3 +100,21 @@ class BlobStore:
                     return
                 yield offset, data, total
                 offset += len(data)
+
+    def collect_garbage(self, keep: set[str], older_than: float) -> int:
+        """Removes blobs not in `keep` written before `older_than` (epoch seconds): inputs no
+        remaining rollout names, outputs of deleted rollouts, uploads never submitted.
+        Returns how many."""
+        removed = 0
+        base = self.root / "sha256"
+        if not base.exists():
+            return 0
+        for path in base.glob("*/*"):
+            digest = "sha256:" + path.name
+            try:
+                if digest not in keep and path.stat().st_mtime < older_than:
+                    path.unlink()
+                    removed += 1
+            except FileNotFoundError:
+                continue
+        return removed

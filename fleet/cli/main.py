@@ -69,6 +69,7 @@ async def cmd_serve(args: argparse.Namespace) -> int:
             artifacts_dir=args.artifacts_dir,
             max_input_mib=args.max_input_mib,
             max_output_mib=args.max_output_mib,
+            retain_days=args.retain_days,
         ),
     )
     await server.start()
@@ -365,7 +366,15 @@ def _print_rollout(r: types_pb2.Rollout, as_json: bool) -> None:
 
 
 async def cmd_submit(args: argparse.Namespace) -> int:
+    from fleet.core.smolfile import load_smolfile
+
     steps = client.load_plan(args.plan) if args.plan else client.steps_from_flags(args.step)
+    if load_smolfile(args.smolfile).spec.dev is not None:
+        print(
+            f"fleet submit: {args.smolfile}'s [dev] section is for local runs (fleet run) and "
+            "is ignored here; send data with --input SRC:/path",
+            file=sys.stderr,
+        )
     sources = [client.parse_input(spec) for spec in args.input]
     channel, stub = _stub(args)
     inputs = []
@@ -523,6 +532,7 @@ async def cmd_egress_events(args: argparse.Namespace) -> int:
 async def cmd_run(args: argparse.Namespace) -> int:
     """One machine from a Smolfile, the command's output streamed to this terminal."""
     from fleet.agent.capabilities import choose_runtime, make_runtime
+    from fleet.core.manifest import image_of
     from fleet.core.smolfile import load_smolfile
     from fleet.image.store import ImageStore
     from fleet.runtime.base import MachineSpec, resolve_secrets
@@ -536,14 +546,11 @@ async def cmd_run(args: argparse.Namespace) -> int:
             "fleet run: no command given and the Smolfile has no entrypoint or cmd", file=sys.stderr
         )
         return 2
-    if not parsed.spec.image:
-        print(f"fleet run: {args.smolfile} names no image", file=sys.stderr)
-        return 2
     paths = Paths.from_env()
     images = ImageStore(paths.images, paths.recipes)
     choice = choose_runtime(args.runtime, paths.home, images)
     print(f"fleet run: runtime {choice.kind} ({choice.reason})", file=sys.stderr, flush=True)
-    digest = images.resolve(parsed.spec.image)
+    digest = images.resolve(image_of(parsed))
     runtime = make_runtime(choice, paths.machines)
     spec = MachineSpec(
         name="fleet-run-" + os.urandom(4).hex(),
@@ -801,6 +808,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a rollout's inputs together, at most (default 1024)")  # fmt: skip
     sp.add_argument("--max-output-mib", type=float, default=1024.0,
                     help="a rollout's outputs together, at most (default 1024)")  # fmt: skip
+    sp.add_argument("--retain-days", type=float, default=30.0,
+                    help="finished rollouts are deleted with their inputs and outputs this many "
+                    "days after they end (default 30; 0 keeps them)")  # fmt: skip
     sp.add_argument("--tls", action="store_true",
                     help="TLS and authentication on a loopback address too (always on "
                     "beyond loopback unless --insecure)")  # fmt: skip

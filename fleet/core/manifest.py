@@ -35,6 +35,8 @@ class Step(BaseModel):
     name: str = ""
 
 
+DEFAULT_IMAGE = "minimal"
+"""What a Smolfile that names no image runs on (smolvm, too, runs one without)."""
 MAX_FILES = 64
 """Inputs, and outputs, one rollout may name."""
 DIGEST_CHARS = frozenset("0123456789abcdef")
@@ -187,8 +189,6 @@ def validate_request(request: SubmitRequest, now: datetime) -> ParsedSmolfile:
     if len(request.idempotency_key) > 256:
         raise InvalidArgument("idempotency_key is longer than 256 characters")
     parsed = parse_smolfile(request.smolfile, request.smolfile_name)
-    if not parsed.spec.image:
-        raise InvalidArgument(f"{request.smolfile_name}: the Smolfile names no image")
     if not request.steps:
         raise InvalidArgument("the plan has no steps")
     if len(request.steps) > MAX_STEPS:
@@ -223,6 +223,11 @@ def validate_request(request: SubmitRequest, now: datetime) -> ParsedSmolfile:
     if len(request.labels) > MAX_LABELS:
         raise InvalidArgument(f"{len(request.labels)} labels, over the limit of {MAX_LABELS}")
     return parsed
+
+
+def image_of(parsed: ParsedSmolfile) -> str:
+    """The Smolfile's image, or fleet's default image when it names none."""
+    return parsed.spec.image or DEFAULT_IMAGE
 
 
 def check_files(request: SubmitRequest, parsed: ParsedSmolfile) -> None:
@@ -261,7 +266,7 @@ def build_manifest(
         smolfile=parsed.text,
         smolfile_name=parsed.name,
         smolfile_digest=parsed.digest,
-        image_ref=parsed.spec.image or "",
+        image_ref=image_of(parsed),
         image_digest=image_digest,
         steps=request.steps,
         deadline=deadline.astimezone(UTC),

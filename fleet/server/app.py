@@ -43,12 +43,13 @@ from fleet.core.errors import (
     ResourceExhausted,
 )
 from fleet.core.lifecycle import RolloutState
-from fleet.core.manifest import SubmitRequest, build_manifest, validate_request
+from fleet.core.manifest import SubmitRequest, build_manifest, image_of, validate_request
 from fleet.core.placement import HostCapabilities, HostClass, Requirements, unservable_reason
 from fleet.core.rollout import Assignment, Completion
 from fleet.identity.ca import Issued
 from fleet.identity.tls import ServerTls, is_loopback, server_names, split_address
 from fleet.image.store import ImageStore
+from fleet.ledger.retention import purge_finished, referenced_blobs
 from fleet.ledger.store import Ledger
 from fleet.server import convert
 from fleet.server.auth import Authenticator, AuthInterceptor, Caller, Security, current
@@ -97,6 +98,10 @@ class ServerConfig:
     """A rollout's inputs together, at most."""
     max_output_mib: float = 1024.0
     """A rollout's outputs together, at most (per attempt)."""
+    retain_days: float = 30.0
+    """Finished rollouts are deleted with their files this long after they end (0: kept)."""
+    retention_interval_s: float = 3600.0
+    """How often retention runs (and once at start)."""
 
 
 MIB = 1 << 20
@@ -287,7 +292,7 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
         submit = convert.submit_from_pb(request)
         parsed = validate_request(submit, now)
         await self._check_inputs(submit)
-        image_digest = await self.core.db(self.core.images.resolve, parsed.spec.image)
+        image_digest = await self.core.db(self.core.images.resolve, image_of(parsed))
         manifest = build_manifest(submit, parsed, image_digest, now)
         reason = await self.core.unservable_reason(manifest.host_class, manifest.requirements)
         if reason:
@@ -846,6 +851,22 @@ async def _sweeper(core: Core) -> None:
         await asyncio.sleep(core.config.sweep_interval_s)
 
 
+async def _retention(core: Core) -> None:
+    """Deletes rollouts (and their files) that ended more than `retain_days` ago."""
+    while True:
+        try:
+            cutoff = time.time() - core.config.retain_days * 86400
+            removed = await core.db(purge_finished, core.ledger, cutoff)
+            keep = await core.db(referenced_blobs, core.ledger)
+            blobs = await asyncio.to_thread(core.blobs.collect_garbage, keep, cutoff)
+            if removed or blobs:
+                log.info("retention", rollouts_removed=removed, blobs_removed=blobs,
+                         retain_days=core.config.retain_days)  # fmt: skip
+        except Exception:
+            log.exception("retention_failed")
+        await asyncio.sleep(core.config.retention_interval_s)
+
+
 async def _watch_gateway(core: Core) -> None:
     """Backpressure: holds rollouts that call the gateway while its queue is too deep.
 
@@ -905,6 +926,7 @@ class FleetServer:
         self._server: grpc.aio.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._watcher: asyncio.Task[None] | None = None
+        self._retention: asyncio.Task[None] | None = None
         self._metrics: asyncio.Server | None = None
         self.metrics_port = 0
 
@@ -978,6 +1000,8 @@ class FleetServer:
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._server = server
         self._sweeper = asyncio.create_task(_sweeper(self.core))
+        if self.config.retain_days > 0:
+            self._retention = asyncio.create_task(_retention(self.core))
         if self.config.gateway_address:
             self._watcher = asyncio.create_task(_watch_gateway(self.core))
         if self.config.metrics_listen:
@@ -989,7 +1013,7 @@ class FleetServer:
                  host_address=self.host_address)  # fmt: skip
 
     async def stop(self, grace_s: float = 1.0) -> None:
-        for task in (self._sweeper, self._watcher):
+        for task in (self._sweeper, self._watcher, self._retention):
             if task is not None:
                 task.cancel()
         if self._metrics is not None:

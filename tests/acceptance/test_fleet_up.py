@@ -102,6 +102,14 @@ def test_submit_with_a_bad_smolfile_fails_locally_with_file_and_line(tmp_path: P
     assert f"{bad}:2: key 'cpus'" in out.stderr
 
 
+def test_submit_says_a_dev_section_is_ignored(tmp_path: Path) -> None:
+    """A Smolfile's [dev] section is for local runs: `fleet submit` says so in one line."""
+    dev = tmp_path / "dev.smolfile"
+    dev.write_text('image = "minimal"\n[dev]\nvolumes = ["./src:/src"]\n')
+    out = cli("submit", "--server", "127.0.0.1:1", "--plaintext", "-s", str(dev), "--step", "true")
+    assert "[dev] section is for local runs" in out.stderr and "--input" in out.stderr
+
+
 def test_fleet_run_streams_output_and_returns_the_exit_code() -> None:
     """`fleet run` runs one machine from a Smolfile and passes the exit code through."""
     out = cli(

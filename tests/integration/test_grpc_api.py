@@ -171,7 +171,6 @@ BAD_INPUTS = [
         grpc.StatusCode.FAILED_PRECONDITION,
         "image 'no-such-image' is not in the image store",
     ),
-    ("no image", request("cpus = 1\n"), grpc.StatusCode.INVALID_ARGUMENT, "names no image"),
     (
         "empty argv",
         request('image = "minimal"\n', []),

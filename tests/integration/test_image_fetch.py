@@ -175,3 +175,19 @@ def test_the_cache_evicts_least_recently_used_never_one_in_use(tmp_path: Path) -
     assert removed == [digests[1], digests[2]]
     assert store.blob_path(digests[0]).exists() and store.blob_path(digests[3]).exists()
     assert ImageCache(store, None).evict() == []
+
+
+def test_a_smolfile_without_an_image_runs_on_the_default_one(
+    tmp_path: Path, images: ImageStore
+) -> None:
+    async def body() -> types_pb2.Rollout:
+        async with harness(tmp_path, images, secure=True) as h:
+            await h.start_agent("cpu-a", HostClass.CPU)
+            rid = (await h.fleet.SubmitRollout(request("cpus = 1\n", ["true"]))).rollout.id
+            return await h.wait_final(rid)
+
+    r = go(body())
+    record = images.record("minimal")
+    assert record is not None
+    assert r.state == types_pb2.ROLLOUT_STATE_SUCCEEDED, r.error
+    assert r.manifest.image_ref == "minimal" and r.manifest.image_digest == record.digest

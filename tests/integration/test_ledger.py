@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 from sqlmodel import Session
@@ -577,3 +579,50 @@ def test_a_retry_goes_first_to_another_host(ledger: Ledger) -> None:
     assert later - T0 > AVOID_HOST_S
     [c] = ledger.claim("cpu-2", 1, later, TTL)  # nobody else alive: no waiting
     assert c.attempt == 3
+
+
+def test_retention_deletes_old_finished_rollouts_with_everything_of_theirs(
+    ledger: Ledger, tmp_path: Path
+) -> None:
+    """A rollout that ended before the cutoff goes, with its rows; a recent one and a running
+    one stay; blobs only deleted ones named are collected, others are kept."""
+    from fleet.artifacts.store import BlobStore
+    from fleet.core.manifest import InputFile, OutputArtifact
+    from fleet.ledger.retention import purge_finished, referenced_blobs
+
+    register(ledger)
+    old, _ = submit(ledger, "old", inputs=(InputFile(path="/in", digest="sha256:" + "a" * 64,
+                                                     size=1),))  # fmt: skip
+    [a] = ledger.claim("cpu-1", 1, T0, TTL)
+    report = done(a.work_id, a.fencing_token).model_copy(update={"outputs": (
+        OutputArtifact(path="/out", digest="sha256:" + "b" * 64, size=1),)})  # fmt: skip
+    ledger.complete("cpu-1", report, T0 + 1)
+    recent, _ = submit(ledger, "recent", inputs=(InputFile(
+        path="/in", digest="sha256:" + "c" * 64, size=1),))  # fmt: skip
+    [b] = ledger.claim("cpu-1", 1, T0 + 100, TTL)
+    ledger.complete("cpu-1", done(b.work_id, b.fencing_token), T0 + 101)
+    running, _ = submit(ledger, "running")
+    ledger.claim("cpu-1", 1, T0 + 102, TTL)
+    assert {"sha256:" + c * 64 for c in "abc"} <= referenced_blobs(ledger)
+    assert purge_finished(ledger, T0 + 50) == 1
+    with pytest.raises(NotFound):
+        ledger.get(old.id)
+    assert ledger.get(recent.id).state == RolloutState.SUCCEEDED
+    assert ledger.get(running.id).state == RolloutState.RUNNING
+    assert referenced_blobs(ledger) == {"sha256:" + "c" * 64}
+    with ledger.engine.connect() as conn:
+        from sqlalchemy import text
+
+        for table in ("events", "work_items", "rollout_labels", "egress_events"):
+            ids = {r[0] for r in conn.execute(text(f"SELECT rollout_id FROM {table}"))}
+            assert old.id not in ids, table
+        assert conn.execute(text("SELECT count(*) FROM manifests")).scalar_one() == 2
+    blobs = BlobStore(tmp_path / "blobs")
+    for c in "abcd":
+        path = blobs.path("sha256:" + c * 64)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"x")
+        os.utime(path, (T0, T0))
+    removed = blobs.collect_garbage(referenced_blobs(ledger), T0 + 1)
+    assert removed == 3
+    assert [p.name for p in (tmp_path / "blobs" / "sha256").rglob("*") if p.is_file()] == ["c" * 64]

@@ -72,7 +72,6 @@ def host(
         ({"steps": (Step(argv=("x",), workdir="rel"),)}, InvalidArgument, "not an absolute path"),
         ({"deadline": NOW - timedelta(seconds=1)}, InvalidArgument, "is in the past"),
         ({"idempotency_key": " "}, InvalidArgument, "idempotency_key is empty"),
-        ({"smolfile": "cpus = 1\n"}, InvalidArgument, "names no image"),
         ({"smolfile": "cpu = 1\n"}, InvalidArgument, "unknown key 'cpu'"),
         (
             {"steps": tuple(Step(argv=("x",)) for _ in range(MAX_STEPS + 1))},
