@@ -70,7 +70,7 @@ async def first_vs_cached(tmp: Path, images: ImageStore, repeats: int) -> dict[s
 
 
 async def fetch_rate(tmp: Path, images: ImageStore, digest: str) -> float:
-    async with harness(tmp / "fetch", images, secure=True) as h:
+    async with harness(tmp / f"fetch-{uuid.uuid4().hex[:6]}", images, secure=True) as h:
         identity = h.identity("fetcher")
         store = ImageStore(tmp / f"fetch-{uuid.uuid4().hex[:6]}", images.recipes)
         cache = ImageCache(store, None)
@@ -176,7 +176,8 @@ def main() -> int:
     print(f"{'(2) fetch MiB/s, gRPC+TLS vs curl over plain HTTP':<{w}}"
           f"{r['fetch_mib_s']:>12.0f}{r['curl_mib_s']:>12.0f}"
           f"{r['fetch_mib_s'] / r['curl_mib_s']:>8.2f}x")  # fmt: skip
-    for key in sorted(k for k in r if k.startswith("round_trip_")):
+    trips = [k for k in r if k.startswith("round_trip_")]
+    for key in sorted(trips, key=lambda k: int(k.removeprefix("round_trip_").removesuffix("mib_s"))):
         mib = int(key.removeprefix("round_trip_").removesuffix("mib_s"))
         print(f"{f'(3) {mib} MiB directory in, copied, out, downloaded (s)':<{w}}{r[key]:>12.2f}"
               f"{'':>12}{mib / r[key]:>7.1f} MiB/s")  # fmt: skip

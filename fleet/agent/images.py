@@ -95,8 +95,9 @@ class ImageCache:
                         if chunk.offset != offset:
                             raise Unavailable(f"image {digest}: the server sent offset "
                                               f"{chunk.offset}, expected {offset}")  # fmt: skip
-                        await asyncio.to_thread(out.write, chunk.data)
-                        hasher.update(chunk.data)
+                        # One hop for both: hashing and writing release the GIL, so the
+                        # next chunk arrives meanwhile.
+                        await asyncio.to_thread(_write_hashed, out, hasher, chunk.data)
                         offset += len(chunk.data)
                     await asyncio.to_thread(out.flush)
                     await asyncio.to_thread(os.fsync, out.fileno())
@@ -161,6 +162,11 @@ class ImageCache:
             removed.append(digest)
             log.info("image_evicted", digest=digest, bytes=size)
         return removed
+
+
+def _write_hashed(out: Any, hasher: Any, data: bytes) -> None:
+    hasher.update(data)
+    out.write(data)
 
 
 def _hash_into(path: Path, hasher: Any) -> int:
