@@ -89,6 +89,8 @@ class AgentConfig:
     gateway_ca: bytes = b""
     """The fleet CA, when the gateway's HTTP endpoint serves TLS ("https://" given): machines
     and the warm children's splice verify it against this."""
+    registry_ca: bytes = b""
+    """A CA the image registry's certificate chains to, besides the system's and the fleet's."""
     image_cache_gib: float | None = None
     """Bound on the images fetched from the server kept here (None: no bound)."""
 
@@ -177,6 +179,10 @@ class Agent:
         )
         reply = await self._until_reachable(stub.RegisterHost, request, stop, 10)
         self._heartbeat_s = reply.heartbeat_interval_s or 3.0
+        cas = [self.config.registry_ca]
+        if self.config.identity is not None:
+            cas.append(self.config.identity.ca_pem)
+        self.images.use_registry(reply.registry, b"".join(cas) or None)
         self.log.info(
             "agent_registered",
             runtime=self.caps.runtime,

@@ -25,6 +25,7 @@ import structlog
 
 from fleet._proto.fleet.v1 import host_pb2
 from fleet.core.errors import FailedPrecondition, Unavailable
+from fleet.image import oci
 from fleet.image.store import ImageStore
 
 log = structlog.get_logger(__name__)
@@ -49,6 +50,17 @@ class ImageCache:
         """Downloads completed by this process (tests and benchmarks read it)."""
         self.busy: Callable[[], set[str]] = set
         """Digests in use besides attempts' (the warm parents' images)."""
+        self.registry = ""
+        """An OCI registry repository to fetch from ("": the server's GetBlob)."""
+        self.sources: list[str] = []
+        """Where each completed download came from ("server" or the registry)."""
+        self._registry_ca: bytes | None = None
+
+    def use_registry(self, registry: str, ca_pem: bytes | None) -> None:
+        """Where the server says images come from (`fleet serve --registry`)."""
+        if registry:
+            oci.Reference.parse(registry)  # a malformed one is refused at once
+        self.registry, self._registry_ca = registry, ca_pem
 
     def _used_marker(self, digest: str) -> Path:
         return self.images.root / "fetched" / _name(digest)
@@ -78,6 +90,11 @@ class ImageCache:
             del self._in_use[digest]
 
     async def _fetch(self, stub: Any, digest: str) -> None:
+        if self.registry:
+            started = time.monotonic()
+            size = await asyncio.to_thread(self._pull, digest)
+            await self._fetched(digest, size, started, source=self.registry)
+            return
         tmp = self.images.root / "tmp"
         tmp.mkdir(parents=True, exist_ok=True)
         partial = tmp / f"{_name(digest)}.partial"
@@ -118,17 +135,30 @@ class ImageCache:
                 f"image {digest} fetched from the server does not verify: its content hashes "
                 f"to {actual}; it was discarded"
             )
-        marker = self._used_marker(digest)
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(digest)
         blob = self.images.blob_path(digest)
         blob.parent.mkdir(parents=True, exist_ok=True)
         os.replace(partial, blob)
+        await self._fetched(digest, offset, started, source="server")
+
+    def _pull(self, digest: str) -> int:
+        """The image's one layer from the registry, by digest, verified (resumable)."""
+        ref = oci.Reference.parse(self.registry)
+        target = self.images.blob_path(digest)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with oci.Registry(ref, oci.Credentials.from_env(), self._registry_ca) as registry:
+            return registry.download_blob(digest, target)
+
+    async def _fetched(self, digest: str, size: int, started: float, source: str) -> None:
+        marker = self._used_marker(digest)
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(digest)
         self.images.mark_verified(digest)
         self.fetches += 1
+        self.sources.append(source)
         seconds = time.monotonic() - started
-        log.info("image_fetched", digest=digest, bytes=offset, seconds=round(seconds, 3),
-                 mib_per_s=round(offset / (1 << 20) / max(seconds, 1e-6), 1))  # fmt: skip
+        log.info("image_fetched", digest=digest, bytes=size, seconds=round(seconds, 3),
+                 mib_per_s=round(size / (1 << 20) / max(seconds, 1e-6), 1),
+                 source=source)  # fmt: skip
         await asyncio.to_thread(self.evict)
 
     def evict(self) -> list[str]:

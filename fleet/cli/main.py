@@ -70,6 +70,7 @@ async def cmd_serve(args: argparse.Namespace) -> int:
             max_input_mib=args.max_input_mib,
             max_output_mib=args.max_output_mib,
             retain_days=args.retain_days,
+            registry=args.registry,
         ),
     )
     await server.start()
@@ -256,6 +257,9 @@ async def cmd_agent(args: argparse.Namespace) -> int:
         if args.join:
             print(f"fleet agent: enrolled already as {host_id}; the join token was not used",
                   flush=True)  # fmt: skip
+    registry_ca = (
+        await asyncio.to_thread(Path(args.registry_ca).read_bytes) if args.registry_ca else b""
+    )
     gateway_ca = b""
     if args.gateway.startswith("https://"):
         if args.ca:
@@ -291,6 +295,7 @@ async def cmd_agent(args: argparse.Namespace) -> int:
             gateway=gateway,
             gateway_ca=gateway_ca,
             image_cache_gib=args.image_cache_gib,
+            registry_ca=registry_ca,
         )
     )
     print(f"fleet agent: {host_class}-class, runtime {choice.kind} ({choice.reason})", flush=True)
@@ -613,6 +618,35 @@ async def cmd_image(args: argparse.Namespace) -> int:
             print(f"kept the unpacked tree: machines exist under {paths.machines}")
     elif args.image_cmd == "pack":
         return await pack_image(store, paths, args.name, args.out)
+    elif args.image_cmd in ("push", "pull"):
+        return await asyncio.to_thread(push_or_pull, store, args)
+    return 0
+
+
+def push_or_pull(store: Any, args: argparse.Namespace) -> int:
+    """`fleet image push NAME|DIGEST --registry URL/REPO` / `fleet image pull REF`."""
+    from fleet.image import oci
+
+    ca = Path(args.ca).read_bytes() if args.ca else None
+    credentials = oci.Credentials.from_env()
+    if args.image_cmd == "push":
+        digest = store.resolve(args.name)
+        blob = store.verify(digest)
+        repo = oci.Reference.parse(args.registry)
+        tag = args.tag or (args.name if not args.name.startswith("sha256:") else digest[7:19])
+        with oci.Registry(repo, credentials, ca) as registry:
+            manifest = oci.push(registry, blob, digest, tag)
+        print(f"pushed {args.name} ({digest}) as {repo.with_tag(tag)} (manifest {manifest})")
+        return 0
+    ref = oci.Reference.parse(args.ref)
+    with oci.Registry(ref, credentials, ca) as registry:
+        layer, digest = oci.layer_of(registry, ref.digest or ref.tag or "latest")
+        if not store.blob_path(digest).exists():
+            oci.pull_layer(registry, layer, digest, store.blob_path(digest))
+    store.mark_verified(digest)
+    name = args.name or (ref.tag if ref.tag else ref.repository.rsplit("/", 1)[-1])
+    record = store.add_pulled(name, digest, str(ref))
+    print(f"pulled {ref} as {record.name} ({digest}, {record.size_bytes / 1e6:.1f} MB)")
     return 0
 
 
@@ -808,6 +842,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a rollout's inputs together, at most (default 1024)")  # fmt: skip
     sp.add_argument("--max-output-mib", type=float, default=1024.0,
                     help="a rollout's outputs together, at most (default 1024)")  # fmt: skip
+    sp.add_argument("--registry", default="",
+                    help="[https://]HOST[:PORT]/REPO: hosts fetch images they lack from this OCI "
+                    "registry, by digest (credentials: their $FLEET_REGISTRY_AUTH); default: "
+                    "from this server")  # fmt: skip
     sp.add_argument("--retain-days", type=float, default=30.0,
                     help="finished rollouts are deleted with their inputs and outputs this many "
                     "days after they end (default 30; 0 keeps them)")  # fmt: skip
@@ -844,6 +882,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--class", dest="host_class", choices=["gpu", "cpu"], required=True)
     sp.add_argument("--runtime", choices=["auto", "smol", "namespace"], default="auto")
     sp.add_argument("--slots", type=int, default=2, help="work items run at once")
+    sp.add_argument("--registry-ca", default="",
+                    help="a CA the image registry's certificate chains to (besides the system's "
+                    "and the fleet's)")  # fmt: skip
     sp.add_argument(
         "--image-cache-gib", type=float, default=20.0,
         help="images fetched from the server kept here, at most (least recently used removed "
@@ -1014,6 +1055,15 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("name")
     r = isub.add_parser("rm", help="remove an image (its archive too if nothing else names it)")
     r.add_argument("name")
+    u = isub.add_parser("push", help="push an image to an OCI registry ($FLEET_REGISTRY_AUTH)")
+    u.add_argument("name", help="a stored image's name or sha256:… digest")
+    u.add_argument("--registry", required=True, help="[https://]HOST[:PORT]/REPO")
+    u.add_argument("--tag", default="", help="default: the image's name")
+    u.add_argument("--ca", default="", help="a CA to trust besides the system's (fleet's own)")
+    u = isub.add_parser("pull", help="pull an image from an OCI registry ($FLEET_REGISTRY_AUTH)")
+    u.add_argument("ref", help="[https://]HOST[:PORT]/REPO[:TAG|@sha256:…]")
+    u.add_argument("--name", default="", help="store name (default: the tag)")
+    u.add_argument("--ca", default="", help="a CA to trust besides the system's (fleet's own)")
     k = isub.add_parser("pack", help="pack an image into a .smolmachine (microVM hosts)")
     k.add_argument("name")
     k.add_argument("--out", default="", help="default: NAME-DIGEST.smolmachine here")

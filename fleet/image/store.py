@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -21,6 +22,7 @@ from fleet.core.errors import FailedPrecondition, InvalidArgument, NotFound, Una
 log = structlog.get_logger(__name__)
 
 _CHUNK = 1 << 20
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 class Recipe(BaseModel):
@@ -206,6 +208,22 @@ class ImageStore:
                 f"image {ref!r} ({digest}): archive {blob} is missing or unreadable"
             )
         return digest
+
+    def add_pulled(self, name: str, digest: str, source: str) -> ImageRecord:
+        """Names an archive already stored under `digest` (pulled from `source`)."""
+        if not _NAME_RE.match(name):
+            raise InvalidArgument(f"image name {name[:80]!r}: letters, digits, '.', '_', '-'")
+        blob = self.blob_path(digest)
+        record = ImageRecord(
+            name=name, digest=digest, size_bytes=blob.stat().st_size, recipe=source,
+            recipe_digest="", created_at=time.time(),
+        )  # fmt: skip
+        self._dirs()
+        ref = self.root / "refs" / f"{name}.json"
+        tmp_ref = ref.with_suffix(".tmp")
+        tmp_ref.write_text(record.model_dump_json(indent=2))
+        os.replace(tmp_ref, ref)
+        return record
 
     def mark_verified(self, digest: str) -> None:
         """The archive was hashed as it was written (a fetched image): no need to again."""

@@ -98,6 +98,8 @@ class ServerConfig:
     """A rollout's inputs together, at most."""
     max_output_mib: float = 1024.0
     """A rollout's outputs together, at most (per attempt)."""
+    registry: str = ""
+    """An OCI registry repository hosts fetch images from by digest ("": from this server)."""
     retain_days: float = 30.0
     """Finished rollouts are deleted with their files this long after they end (0: kept)."""
     retention_interval_s: float = 3600.0
@@ -564,6 +566,7 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
             host_id=caps.host_id,
             lease_ttl_s=self.core.config.lease_ttl_s,
             heartbeat_interval_s=self.core.config.heartbeat_interval_s,
+            registry=self.core.config.registry,
         )
 
     @mapped

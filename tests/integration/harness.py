@@ -83,6 +83,7 @@ class Harness:
         images: ImageStore | None = None,
         image_cache_gib: float | None = None,
         gateway_ca: bytes = b"",
+        registry_ca: bytes = b"",
     ) -> Agent:
         """An agent on the server's image store, or on `images` (a host of its own)."""
         identity = None
@@ -102,6 +103,7 @@ class Harness:
                 net=net,
                 gateway=gateway,
                 gateway_ca=gateway_ca,
+                registry_ca=registry_ca,
                 image_cache_gib=image_cache_gib,
             )
         )

@@ -139,14 +139,16 @@ class RegisterHostRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., host_id: _Optional[str] = ..., host_class: _Optional[_Union[_types_pb2.HostClass, str]] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ...) -> None: ...
 
 class RegisterHostResponse(_message.Message):
-    __slots__ = ("host_id", "lease_ttl_s", "heartbeat_interval_s")
+    __slots__ = ("host_id", "lease_ttl_s", "heartbeat_interval_s", "registry")
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    REGISTRY_FIELD_NUMBER: _ClassVar[int]
     host_id: str
     lease_ttl_s: float
     heartbeat_interval_s: float
-    def __init__(self, host_id: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+    registry: str
+    def __init__(self, host_id: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., registry: _Optional[str] = ...) -> None: ...
 
 class LeaseRef(_message.Message):
     __slots__ = ("work_id", "fencing_token")

@@ -1,0 +1,119 @@
+"""Images through a real OCI registry (Debian's docker-registry, TLS and htpasswd): pushed and
+pulled by the CLI, fetched by hosts by digest when the server points them at it, and a copy
+corrupted in the registry refused by digest while another host runs the rollout."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from fleet._proto.fleet.v1 import fleet_pb2, types_pb2
+from fleet.core.placement import HostClass
+from fleet.identity.ca import CertificateAuthority
+from fleet.image.store import ImageStore
+from fleet.server.app import ServerConfig
+from tests.conftest import REPO
+from tests.integration.harness import SECRET, harness, request
+from tests.registry import PASSWORD, USER, registry
+
+FLEET = [str(REPO / ".venv" / "bin" / "python"), "-m", "fleet.cli.main"]
+
+
+def fleet_cli(
+    home: Path, *args: str, auth: str = f"{USER}:{PASSWORD}"
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "FLEET_HOME": str(home), "FLEET_REGISTRY_AUTH": auth}
+    return subprocess.run([*FLEET, *args], capture_output=True, text=True, timeout=300,
+                          env=env, cwd=REPO)  # fmt: skip
+
+
+def test_push_and_pull_through_a_registry(tmp_path: Path, images: ImageStore) -> None:
+    record = images.record("minimal")
+    assert record is not None
+    ca = CertificateAuthority.init(tmp_path / "ca")
+    ca_file = str(tmp_path / "ca" / "ca.crt")
+    with registry(tmp_path / "registry", ca) as reg:
+        pushed = fleet_cli(images.root.parent, "image", "push", "minimal", "--registry",
+                           reg.repo(), "--ca", ca_file)  # fmt: skip
+        assert pushed.returncode == 0, pushed.stderr
+        assert record.digest in pushed.stdout
+        again = fleet_cli(images.root.parent, "image", "push", "minimal", "--registry",
+                          reg.repo(), "--ca", ca_file)  # fmt: skip
+        assert again.returncode == 0, again.stderr  # the blobs are there already: skipped
+        home = tmp_path / "other-host"
+        pulled = fleet_cli(home, "image", "pull", f"{reg.repo()}:minimal", "--ca", ca_file)
+        assert pulled.returncode == 0, pulled.stderr
+        store = ImageStore(home / "images", images.recipes)
+        assert store.verify(record.digest) and store.record("minimal") is not None
+        refused = fleet_cli(tmp_path / "h2", "image", "pull", f"{reg.repo()}:minimal", "--ca",
+                            ca_file, auth=f"{USER}:wrong")  # fmt: skip
+        assert refused.returncode != 0 and "refused the credentials" in refused.stderr
+        missing = fleet_cli(tmp_path / "h3", "image", "pull", f"{reg.repo()}:nope", "--ca",
+                            ca_file)  # fmt: skip
+        assert missing.returncode != 0 and "not in" in missing.stderr
+        untrusted = fleet_cli(tmp_path / "h4", "image", "pull", f"{reg.repo()}:minimal")
+        assert untrusted.returncode != 0 and "CERTIFICATE_VERIFY_FAILED" in untrusted.stderr
+
+
+def test_hosts_fetch_from_the_registry_and_refuse_a_corrupt_copy(
+    tmp_path: Path, images: ImageStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    record = images.record("minimal")
+    assert record is not None
+    ca = CertificateAuthority.init(tmp_path / "ca")
+    monkeypatch.setenv("FLEET_REGISTRY_AUTH", f"{USER}:{PASSWORD}")
+    ca_file = str(tmp_path / "ca" / "ca.crt")
+
+    async def good(reg_repo: str) -> tuple[list[types_pb2.Rollout], list[str]]:
+        config = ServerConfig(lease_ttl_s=5, heartbeat_interval_s=0.5, token_secret=SECRET,
+                              registry=reg_repo)  # fmt: skip
+        async with harness(tmp_path / "good", images, config, secure=True) as h:
+            assert h.ca is not None
+            store = ImageStore(tmp_path / "good-host", images.recipes)
+            # The registry's certificate is from `ca`, not the fleet's.
+            agent = await h.start_agent("cloud-1", HostClass.CPU, images=store,
+                                        registry_ca=ca.pem)  # fmt: skip
+            ids = [(await h.fleet.SubmitRollout(request())).rollout.id for _ in range(3)]
+            return [await h.wait_final(i) for i in ids], agent.images.sources
+
+    async def corrupt(reg_repo: str) -> types_pb2.Rollout:
+        config = ServerConfig(lease_ttl_s=5, heartbeat_interval_s=0.5, token_secret=SECRET,
+                              registry=reg_repo)  # fmt: skip
+        async with harness(tmp_path / "bad", images, config, secure=True) as h:
+            store = ImageStore(tmp_path / "bad-host", images.recipes)
+            await h.start_agent("cloud-2", HostClass.CPU, images=store, registry_ca=ca.pem)
+            req = request()
+            req.retry.max_attempts = 3
+            rid = (await h.fleet.SubmitRollout(req)).rollout.id
+            for _ in range(600):
+                r = await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=rid))
+                if r.attempt_history and r.attempt_history[0].outcome:
+                    break
+                await asyncio.sleep(0.05)
+            # A host that holds a good copy (the server's own store) joins.
+            await h.start_agent("local-1", HostClass.CPU)
+            return await h.wait_final(rid)
+
+    with registry(tmp_path / "registry", ca) as reg:
+        pushed = fleet_cli(images.root.parent, "image", "push", "minimal", "--registry",
+                           reg.repo(), "--ca", ca_file)  # fmt: skip
+        assert pushed.returncode == 0, pushed.stderr
+        final, sources = asyncio.run(good(reg.repo()))
+        assert all(r.state == types_pb2.ROLLOUT_STATE_SUCCEEDED for r in final), final[0].error
+        assert sources == [reg.repo()]
+        blob = reg.blob_file(record.digest)
+        with blob.open("r+b") as handle:
+            handle.seek(blob.stat().st_size // 2)
+            byte = handle.read(1)
+            handle.seek(-1, os.SEEK_CUR)
+            handle.write(bytes([byte[0] ^ 0xFF]))
+        r = asyncio.run(corrupt(reg.repo()))
+    assert r.state == types_pb2.ROLLOUT_STATE_SUCCEEDED, r.error
+    assert r.host_id == "local-1"
+    assert r.attempt_history[0].host_id == "cloud-2"
+    assert "does not verify" in r.attempt_history[0].error
+    assert not ImageStore(tmp_path / "bad-host", images.recipes).blob_path(record.digest).exists()
