@@ -113,6 +113,39 @@ def curl_rate(blob: Path, tmp: Path) -> float:
     return size / MIB / seconds
 
 
+def registry_rates(tmp: Path, images: ImageStore, digest: str, repeats: int) -> tuple[float, float]:
+    """Pull throughput from a real registry (TLS, htpasswd) vs curl of the same blob from it."""
+    from fleet.identity.ca import CertificateAuthority
+    from fleet.image import oci
+    from tests.registry import PASSWORD, USER, registry
+
+    ca = CertificateAuthority.init(tmp / "registry-ca")
+    blob = images.blob_path(digest)
+    size = blob.stat().st_size
+    ours, curls = [], []
+    with registry(tmp / "registry", ca) as reg:
+        ref = oci.Reference.parse(reg.repo())
+        credentials = oci.Credentials(USER, PASSWORD)
+        with oci.Registry(ref, credentials, ca.pem) as client_:
+            oci.push(client_, blob, digest, "bench")
+        url = f"https://{reg.address}/v2/{ref.repository}/blobs/{digest}"
+        for i in range(repeats):
+            target = tmp / f"pulled-{i}.tar"
+            started = time.perf_counter()
+            with oci.Registry(ref, credentials, ca.pem) as client_:
+                client_.download_blob(digest, target)
+            ours.append(size / MIB / (time.perf_counter() - started))
+            target.unlink()
+            out = tmp / f"curl-{i}.tar"
+            started = time.perf_counter()
+            subprocess.run(["curl", "-sfL", "-u", f"{USER}:{PASSWORD}", "--cacert",
+                            str(tmp / "registry-ca" / "ca.crt"), "-o", str(out), url],
+                           check=True, timeout=600)  # fmt: skip
+            curls.append(size / MIB / (time.perf_counter() - started))
+            out.unlink()
+    return statistics.median(ours), statistics.median(curls)
+
+
 async def round_trip(tmp: Path, images: ImageStore, mib: int) -> float:
     """Seconds to upload a directory of `mib` MiB, run a step that copies it to an output,
     and download that output, checked byte for byte."""
@@ -156,6 +189,8 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
         out["fetch_mib_s"] = statistics.median(rates)
         out["curl_mib_s"] = statistics.median(curls)
         out["image_mib"] = images.blob_path(record.digest).stat().st_size / MIB
+        pull, curl = registry_rates(tmp, images, record.digest, 1 if args.quick else 3)
+        out["registry_pull_mib_s"], out["registry_curl_mib_s"] = pull, curl
         for mib in (1, 16 if args.quick else 256):
             out[f"round_trip_{mib}mib_s"] = await round_trip(tmp, images, mib)
     return out
@@ -176,6 +211,9 @@ def main() -> int:
     print(f"{'(2) fetch MiB/s, gRPC+TLS vs curl over plain HTTP':<{w}}"
           f"{r['fetch_mib_s']:>12.0f}{r['curl_mib_s']:>12.0f}"
           f"{r['fetch_mib_s'] / r['curl_mib_s']:>8.2f}x")  # fmt: skip
+    print(f"{'(2) pull MiB/s from a registry (TLS, htpasswd) vs curl':<{w}}"
+          f"{r['registry_pull_mib_s']:>12.0f}{r['registry_curl_mib_s']:>12.0f}"
+          f"{r['registry_pull_mib_s'] / r['registry_curl_mib_s']:>8.2f}x")  # fmt: skip
     trips = [k for k in r if k.startswith("round_trip_")]
     for key in sorted(trips, key=lambda k: int(k.removeprefix("round_trip_").removesuffix("mib_s"))):
         mib = int(key.removeprefix("round_trip_").removesuffix("mib_s"))

@@ -46,6 +46,7 @@ from fleet.core.policy import EffectiveEgress, effective_egress
 from fleet.core.rollout import Assignment, Completion, StepResult
 from fleet.core.smolfile import Smolfile
 from fleet.identity.tls import HostFiles, HostIdentityMaterial, client_ssl_context
+from fleet.image import oci
 from fleet.image.store import ImageStore
 from fleet.runtime.base import Leftover, Machine, MachineSpec, Runtime, resolve_secrets
 from fleet.runtime.namespace import NamespaceRuntime
@@ -566,7 +567,10 @@ class Agent:
         try:
             parsed = a.manifest.parsed_smolfile()
             egress = effective_egress(parsed.spec, runtime_name)
-            await self.images.acquire(self._stub, a.manifest.image_digest)
+            reference = (
+                a.manifest.image_ref if oci.looks_like_reference(a.manifest.image_ref) else ""
+            )
+            await self.images.acquire(self._stub, a.manifest.image_digest, reference)
             running.image = a.manifest.image_digest
             rootfs = await asyncio.to_thread(self.config.images.rootfs, a.manifest.image_digest)
             rootfs_ready = True

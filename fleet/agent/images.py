@@ -65,15 +65,15 @@ class ImageCache:
     def _used_marker(self, digest: str) -> Path:
         return self.images.root / "fetched" / _name(digest)
 
-    async def acquire(self, stub: Any, digest: str) -> None:
-        """Makes sure the archive is here (fetching it if not) and marks it in use until
-        `release(digest)`."""
+    async def acquire(self, stub: Any, digest: str, reference: str = "") -> None:
+        """Makes sure the archive is here (fetching it if not: from `reference`, a registry
+        image pinned by digest, where given) and marks it in use until `release(digest)`."""
         self._in_use[digest] += 1
         try:
             if not self.images.blob_path(digest).exists():
                 task = self._inflight.get(digest)
                 if task is None:
-                    task = asyncio.create_task(self._fetch(stub, digest))
+                    task = asyncio.create_task(self._fetch(stub, digest, reference))
                     self._inflight[digest] = task
                     task.add_done_callback(lambda _t: self._inflight.pop(digest, None))
                 await asyncio.shield(task)
@@ -89,7 +89,14 @@ class ImageCache:
         if self._in_use[digest] <= 0:
             del self._in_use[digest]
 
-    async def _fetch(self, stub: Any, digest: str) -> None:
+    async def _fetch(self, stub: Any, digest: str, reference: str = "") -> None:
+        if reference:
+            started = time.monotonic()
+            target = self.images.blob_path(digest)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            size = await asyncio.to_thread(oci.fetch, reference, digest, target, self._registry_ca)
+            await self._fetched(digest, size, started, source=reference)
+            return
         if self.registry:
             started = time.monotonic()
             size = await asyncio.to_thread(self._pull, digest)

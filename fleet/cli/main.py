@@ -53,6 +53,9 @@ async def cmd_serve(args: argparse.Namespace) -> int:
 
     paths = Paths.from_env()
     security = serve_security(args, paths)
+    registry_ca = (
+        await asyncio.to_thread(Path(args.registry_ca).read_bytes) if args.registry_ca else b""
+    )
     ledger = Ledger.open(args.db or str(_default_db(paths)))
     server = FleetServer(
         ledger,
@@ -71,6 +74,7 @@ async def cmd_serve(args: argparse.Namespace) -> int:
             max_output_mib=args.max_output_mib,
             retain_days=args.retain_days,
             registry=args.registry,
+            registry_ca=registry_ca,
         ),
     )
     await server.start()
@@ -846,6 +850,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="[https://]HOST[:PORT]/REPO: hosts fetch images they lack from this OCI "
                     "registry, by digest (credentials: their $FLEET_REGISTRY_AUTH); default: "
                     "from this server")  # fmt: skip
+    sp.add_argument("--registry-ca", default="",
+                    help="a CA registries' certificates chain to (besides the system's and the "
+                    "fleet's)")  # fmt: skip
     sp.add_argument("--retain-days", type=float, default=30.0,
                     help="finished rollouts are deleted with their inputs and outputs this many "
                     "days after they end (default 30; 0 keeps them)")  # fmt: skip

@@ -258,15 +258,17 @@ def check_files(request: SubmitRequest, parsed: ParsedSmolfile) -> None:
 
 
 def build_manifest(
-    request: SubmitRequest, parsed: ParsedSmolfile, image_digest: str, now: datetime
-) -> Manifest:
-    """The manifest a validated request runs, with its image pinned by digest."""
+    request: SubmitRequest, parsed: ParsedSmolfile, image_digest: str, now: datetime,
+    image_ref: str = "",
+) -> Manifest:  # fmt: skip
+    """The manifest a validated request runs, with its image pinned by digest (and a registry
+    reference pinned to its manifest's digest in `image_ref`)."""
     deadline = request.deadline or (now + DEFAULT_DEADLINE)
     return Manifest(
         smolfile=parsed.text,
         smolfile_name=parsed.name,
         smolfile_digest=parsed.digest,
-        image_ref=image_of(parsed),
+        image_ref=image_ref or image_of(parsed),
         image_digest=image_digest,
         steps=request.steps,
         deadline=deadline.astimezone(UTC),

@@ -350,3 +350,34 @@ def pull_layer(registry: Registry, layer: dict[str, Any], digest: str, target: P
         size = unpacked.stat().st_size
         os.replace(unpacked, target)
     return size
+
+
+def resolve(text: str, ca_pem: bytes | None = None) -> tuple[str, str]:
+    """A registry reference -> (the image's digest, the reference pinned to its manifest's
+    digest), for a submission to pin."""
+    ref = Reference.parse(text)
+    with Registry(ref, Credentials.from_env(), ca_pem) as registry:
+        reference = ref.digest or ref.tag or "latest"
+        manifest = registry.get_manifest(reference)
+        response = registry.http.head(
+            registry._url("manifests", reference),
+            headers={"accept": ", ".join((OCI_MANIFEST, DOCKER_MANIFEST, OCI_INDEX))},
+        )
+        manifest_digest = ref.digest or str(response.headers.get("docker-content-digest", ""))
+        if not is_digest(manifest_digest):
+            body = json.dumps(manifest).encode()
+            raise FailedPrecondition(f"{ref}: the registry named no manifest digest "
+                                     f"({len(body)} bytes of manifest)")  # fmt: skip
+        _, digest = layer_of(registry, manifest_digest)
+    pinned = Reference(ref.base, ref.repository, "", manifest_digest)
+    return digest, str(pinned)
+
+
+def fetch(text: str, digest: str, target: Path, ca_pem: bytes | None = None) -> int:
+    """The archive of `digest` from the pinned reference `text`, verified; returns its size."""
+    ref = Reference.parse(text)
+    with Registry(ref, Credentials.from_env(), ca_pem) as registry:
+        layer, found = layer_of(registry, ref.digest or ref.tag or "latest")
+        if found != digest:
+            raise FailedPrecondition(f"{ref} holds {found}, not the pinned {digest}")
+        return pull_layer(registry, layer, digest, target)

@@ -48,6 +48,7 @@ from fleet.core.placement import HostCapabilities, HostClass, Requirements, unse
 from fleet.core.rollout import Assignment, Completion
 from fleet.identity.ca import Issued
 from fleet.identity.tls import ServerTls, is_loopback, server_names, split_address
+from fleet.image import oci
 from fleet.image.store import ImageStore
 from fleet.ledger.retention import purge_finished, referenced_blobs
 from fleet.ledger.store import Ledger
@@ -100,6 +101,8 @@ class ServerConfig:
     """A rollout's outputs together, at most (per attempt)."""
     registry: str = ""
     """An OCI registry repository hosts fetch images from by digest ("": from this server)."""
+    registry_ca: bytes = b""
+    """A CA registries' certificates chain to, besides the system's and the fleet's."""
     retain_days: float = 30.0
     """Finished rollouts are deleted with their files this long after they end (0: kept)."""
     retention_interval_s: float = 3600.0
@@ -294,8 +297,18 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
         submit = convert.submit_from_pb(request)
         parsed = validate_request(submit, now)
         await self._check_inputs(submit)
-        image_digest = await self.core.db(self.core.images.resolve, image_of(parsed))
-        manifest = build_manifest(submit, parsed, image_digest, now)
+        image = image_of(parsed)
+        pinned = ""
+        if oci.looks_like_reference(image):  # a registry's image: pinned by its digests
+            cas = [self.core.config.registry_ca]
+            if self.core.security is not None:
+                cas.append(self.core.security.ca.pem)
+            image_digest, pinned = await asyncio.to_thread(
+                oci.resolve, image, b"".join(cas) or None
+            )
+        else:
+            image_digest = await self.core.db(self.core.images.resolve, image)
+        manifest = build_manifest(submit, parsed, image_digest, now, pinned)
         reason = await self.core.unservable_reason(manifest.host_class, manifest.requirements)
         if reason:
             raise FailedPrecondition(reason)

@@ -117,3 +117,36 @@ def test_hosts_fetch_from_the_registry_and_refuse_a_corrupt_copy(
     assert r.attempt_history[0].host_id == "cloud-2"
     assert "does not verify" in r.attempt_history[0].error
     assert not ImageStore(tmp_path / "bad-host", images.recipes).blob_path(record.digest).exists()
+
+
+def test_a_smolfile_may_name_a_registry_image(
+    tmp_path: Path, images: ImageStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`image = "host:port/repo:tag"` is resolved at submit and pinned by digest (the manifest's
+    and the image's); a host without it pulls exactly that."""
+    record = images.record("minimal")
+    assert record is not None
+    ca = CertificateAuthority.init(tmp_path / "ca")
+    monkeypatch.setenv("FLEET_REGISTRY_AUTH", f"{USER}:{PASSWORD}")
+
+    async def body(ref: str) -> tuple[types_pb2.Rollout, list[str]]:
+        config = ServerConfig(lease_ttl_s=5, heartbeat_interval_s=0.5, token_secret=SECRET,
+                              registry_ca=ca.pem)  # fmt: skip
+        async with harness(tmp_path / "fleet", images, config, secure=True) as h:
+            store = ImageStore(tmp_path / "host-images", images.recipes)
+            agent = await h.start_agent("cloud-1", HostClass.CPU, images=store,
+                                        registry_ca=ca.pem)  # fmt: skip
+            req = request(f'image = "{ref}"\n', ["cat", "/etc/debian_version"])
+            rid = (await h.fleet.SubmitRollout(req)).rollout.id
+            return await h.wait_final(rid), agent.images.sources
+
+    with registry(tmp_path / "registry", ca) as reg:
+        pushed = fleet_cli(images.root.parent, "image", "push", "minimal", "--registry",
+                           reg.repo("team/env"), "--tag", "v1", "--ca",
+                           str(tmp_path / "ca" / "ca.crt"))  # fmt: skip
+        assert pushed.returncode == 0, pushed.stderr
+        r, sources = asyncio.run(body(f"{reg.repo('team/env')}:v1"))
+    assert r.state == types_pb2.ROLLOUT_STATE_SUCCEEDED, r.error
+    assert r.manifest.image_digest == record.digest
+    assert r.manifest.image_ref.startswith(f"https://{reg.repo('team/env')}@sha256:")
+    assert sources == [r.manifest.image_ref]
