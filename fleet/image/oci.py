@@ -15,11 +15,17 @@ downloads verified by digest as they stream, and no extra process or binary on t
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import hashlib
+import http.client
 import json
 import os
+import queue
 import ssl
 import tempfile
+import threading
+import urllib.parse
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -125,8 +131,13 @@ class Registry:
     ) -> None:  # fmt: skip
         self.ref = ref
         auth = None
+        self._basic = ""
         if credentials is not None and credentials.username:
             auth = httpx.BasicAuth(credentials.username, credentials.password)
+            token = f"{credentials.username}:{credentials.password}".encode()
+            self._basic = "Basic " + base64.b64encode(token).decode()
+        self._tls = tls_context(ca_pem)
+        self._timeout = timeout_s
         self.http = httpx.Client(
             base_url=ref.base, auth=auth, verify=tls_context(ca_pem), timeout=timeout_s,
             follow_redirects=True,
@@ -164,6 +175,42 @@ class Registry:
             raise Unavailable(
                 f"{what}: cannot reach the registry at {self.ref.base}: {exc}"
             ) from None
+
+    @contextlib.contextmanager
+    def _raw_get(self, path: str, headers: dict[str, str], what: str) -> Iterator[Any]:
+        """A GET whose body is read with `readinto` (blobs): the standard library's client
+        reads large bodies at several times httpx's rate. Follows up to 5 redirects (storage
+        back ends), sending credentials to the registry's own host only."""
+        url = f"{self.ref.base}{path}"
+        for _ in range(6):
+            parts = urllib.parse.urlsplit(url)
+            own = f"{parts.scheme}://{parts.netloc}" == self.ref.base
+            send = dict(headers)
+            if own and self._basic:
+                send["authorization"] = self._basic
+            if parts.scheme == "https":
+                conn: http.client.HTTPConnection = http.client.HTTPSConnection(
+                    parts.hostname or "", parts.port, context=self._tls, timeout=self._timeout
+                )
+            else:
+                conn = http.client.HTTPConnection(parts.hostname or "", parts.port,
+                                                  timeout=self._timeout)  # fmt: skip
+            try:
+                target = parts.path + (f"?{parts.query}" if parts.query else "")
+                conn.request("GET", target, headers=send)
+                response = conn.getresponse()
+                if response.status in (301, 302, 303, 307, 308):
+                    url = urllib.parse.urljoin(url, response.getheader("location", ""))
+                    response.read()
+                    continue
+                if response.status >= 400:
+                    raise _response_error(response.status, response.read(300), what,
+                                          self.ref.base)  # fmt: skip
+                yield response
+                return
+            finally:
+                conn.close()
+        raise Unavailable(f"{what}: too many redirects")
 
     # -- push ------------------------------------------------------------------------------
 
@@ -239,32 +286,24 @@ class Registry:
         """The blob into `target`, resuming a partial `target.partial` with range requests,
         kept only if it hashes to `digest`. Returns its size."""
         partial = target.with_name(target.name + ".partial")
-        hasher = hashlib.sha256()
-        offset = 0
-        if partial.exists():
-            with partial.open("rb") as handle:
-                while chunk := handle.read(CHUNK):
-                    hasher.update(chunk)
-                    offset += len(chunk)
+        offset, hasher = _hashed(partial)
         failures = 0
         while True:
             headers = {"range": f"bytes={offset}-"} if offset else {}
             try:
-                with self.http.stream("GET", self._url("blobs", digest), headers=headers) as r:
-                    self._check(r, f"blob {digest}")
-                    if offset and r.status_code != 206:  # no ranges here: from the start
+                with self._raw_get(self._url("blobs", digest), headers, f"blob {digest}") as r:
+                    if offset and r.status != 206:  # no ranges here: from the start
                         offset, hasher = 0, hashlib.sha256()
                         partial.unlink(missing_ok=True)
                     with partial.open("ab") as out:
-                        for chunk in r.iter_bytes(CHUNK):
-                            hasher.update(chunk)
-                            out.write(chunk)
-                            offset += len(chunk)
+                        offset += _pipelined(r, out, hasher)
                 break
-            except (httpx.HTTPError, OSError) as exc:
+            except (httpx.HTTPError, http.client.HTTPException, OSError) as exc:
                 failures += 1
                 if failures > RETRIES:
                     raise Unavailable(f"blob {digest} from {self.ref}: {exc}") from None
+                # Resume from what reached the disk (and the hash) before the break.
+                offset, hasher = _hashed(partial)
                 log.info("blob_download_resumed", digest=digest, offset=offset, error=str(exc))
         actual = "sha256:" + hasher.hexdigest()
         if actual != digest:
@@ -275,6 +314,62 @@ class Registry:
             )
         os.replace(partial, target)
         return offset
+
+
+def _hashed(path: Path) -> tuple[int, Any]:
+    """The size and running hash of what a partial download holds (0 and empty: none)."""
+    hasher = hashlib.sha256()
+    size = 0
+    if path.exists():
+        with path.open("rb") as handle:
+            while chunk := handle.read(CHUNK):
+                hasher.update(chunk)
+                size += len(chunk)
+    return size, hasher
+
+
+def _pipelined(response: Any, out: Any, hasher: Any) -> int:
+    """Reads the body here while another thread hashes and writes what was read (both release
+    the GIL): network, hashing and disk overlap. Returns the bytes read."""
+    pending: queue.Queue[memoryview | None] = queue.Queue(maxsize=8)
+    failed: list[BaseException] = []
+
+    def drain() -> None:
+        try:
+            while (chunk := pending.get()) is not None:
+                hasher.update(chunk)
+                out.write(chunk)
+        except BaseException as exc:  # handed to the reader, which raises it
+            failed.append(exc)
+            while pending.get() is not None:
+                pass
+
+    worker = threading.Thread(target=drain, name="blob-writer")
+    worker.start()
+    total = 0
+    try:
+        while not failed:
+            buffer = bytearray(CHUNK)
+            n = response.readinto(buffer)
+            if not n:
+                break
+            pending.put(memoryview(buffer)[:n])
+            total += n
+    finally:
+        pending.put(None)
+        worker.join()
+    if failed:
+        raise failed[0]
+    return total
+
+
+def _response_error(status: int, body: bytes, what: str, base: str) -> Exception:
+    if status in (401, 403):
+        return Unavailable(f"{what}: the registry at {base} refused the credentials ({status}; "
+                           "set $FLEET_REGISTRY_AUTH=user:password)")  # fmt: skip
+    if status == 404:
+        return NotFound(f"{what}: not in the registry at {base}")
+    return Unavailable(f"{what}: the registry answered {status}: {body[:300]!r}")
 
 
 def image_manifest(layer_digest: str, layer_size: int, name: str) -> tuple[bytes, bytes, str]:

@@ -150,3 +150,28 @@ def test_a_smolfile_may_name_a_registry_image(
     assert r.manifest.image_digest == record.digest
     assert r.manifest.image_ref.startswith(f"https://{reg.repo('team/env')}@sha256:")
     assert sources == [r.manifest.image_ref]
+
+
+def test_a_registry_download_resumes_and_verifies(tmp_path: Path, images: ImageStore) -> None:
+    """A partial download is continued with a range request; a wrong prefix is caught by the
+    digest and discarded."""
+    from fleet.image import oci
+
+    record = images.record("minimal")
+    assert record is not None
+    blob = images.blob_path(record.digest).read_bytes()
+    ca = CertificateAuthority.init(tmp_path / "ca")
+    with registry(tmp_path / "registry", ca) as reg:
+        ref = oci.Reference.parse(reg.repo())
+        credentials = oci.Credentials(USER, PASSWORD)
+        with oci.Registry(ref, credentials, ca.pem) as client:
+            oci.push(client, images.blob_path(record.digest), record.digest, "minimal")
+            good = tmp_path / "good.tar"
+            (tmp_path / "good.tar.partial").write_bytes(blob[: len(blob) // 2])
+            assert client.download_blob(record.digest, good) == len(blob)
+            assert good.read_bytes() == blob
+            bad = tmp_path / "bad.tar"
+            (tmp_path / "bad.tar.partial").write_bytes(bytes(len(blob) // 2))
+            with pytest.raises(Exception, match="does not verify"):
+                client.download_blob(record.digest, bad)
+            assert not bad.exists() and not (tmp_path / "bad.tar.partial").exists()
