@@ -22,6 +22,7 @@ from fleet.agent.capabilities import RuntimeChoice, capabilities, make_runtime
 from fleet.agent.checkpoints import RELAY_ADDRESS, RETRYABLE, CheckpointRelay, CheckpointSender
 from fleet.agent.files import (
     InputPlacementFailed,
+    StepLog,
     collect_outputs,
     place_inputs,
     remove_staged,
@@ -40,7 +41,7 @@ from fleet.core.errors import (
     Unavailable,
 )
 from fleet.core.lifecycle import Outcome
-from fleet.core.manifest import Step
+from fleet.core.manifest import OutputArtifact, Step
 from fleet.core.placement import HostCapabilities, HostClass, Isolation
 from fleet.core.policy import EffectiveEgress, effective_egress
 from fleet.core.rollout import Assignment, Completion, StepResult
@@ -110,6 +111,8 @@ class _Running:
     """The machine an earlier run of this agent left running this attempt (after a restart)."""
     image: str = ""
     """The image digest this attempt holds in the image cache ("": none yet)."""
+    logs: list[OutputArtifact] = field(default_factory=list)
+    """Steps' whole stdout/stderr where it passed the inline limit (stored already)."""
 
 
 class Agent:
@@ -473,13 +476,15 @@ class Agent:
     async def _execute_attempt(self, running: _Running, log_: structlog.BoundLogger) -> Completion:
         completion = await self._attempt(running, log_)
         a = running.assignment
+        if running.logs:
+            completion = completion.model_copy(update={"outputs": tuple(running.logs)})
         collect = completion.outcome in (Outcome.SUCCEEDED, Outcome.STEP_FAILED)
         if a.manifest.outputs and running.machine is not None and collect:
             try:
                 outputs = await collect_outputs(
                     running.machine, self._stub, a, self.config.machines_dir.parent / "spool"
                 )
-                completion = completion.model_copy(update={"outputs": outputs})
+                completion = completion.model_copy(update={"outputs": (*outputs, *running.logs)})
             except Exception:
                 log_.exception("outputs_not_collected")
                 completion = completion.model_copy(update={
@@ -679,12 +684,16 @@ class Agent:
                 if left <= 0:
                     return report(Outcome.CANCELLED, "the rollout's deadline passed")
                 timeout = min(step.timeout_s, left)
-                result = await machine.exec(
-                    list(step.argv),
-                    env={**extra_env, **step.env},
-                    workdir=step.workdir,
-                    timeout_s=timeout,
-                )
+                with StepLog(self.config.machines_dir.parent / "spool", index) as step_log:
+                    result = await machine.exec(
+                        list(step.argv),
+                        env={**extra_env, **step.env},
+                        workdir=step.workdir,
+                        timeout_s=timeout,
+                        on_output=step_log.sink,
+                    )
+                    # Output past the inline limit is kept whole, as an artifact.
+                    running.logs += await step_log.keep(self._stub, a, result)
                 step_result = StepResult(
                     index=index,
                     name=step.name,

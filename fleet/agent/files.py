@@ -191,3 +191,48 @@ async def _upload(
         raise Unavailable(f"storing it failed: {exc.code().name}: {exc.details()}") from None
     log.info("output_stored", path=path, digest=reply.digest, bytes=reply.size)
     return OutputArtifact(path=path, digest=reply.digest, size=reply.size, directory=directory)
+
+
+class StepLog:
+    """A step's stdout and stderr as they arrive, spooled to this host's disk: where the step
+    printed more than the inline limit keeps, the whole of it is stored as an output named
+    `step-N.stdout` / `step-N.stderr`. (A warm parent's child returns its output whole, up to
+    the inline limit: it is not spooled.)"""
+
+    def __init__(self, spool: Path, index: int) -> None:
+        self.spool = spool
+        self.index = index
+        self._files: dict[str, Any] = {}
+
+    def __enter__(self) -> StepLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._files.values():
+            handle.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(handle.name)
+
+    def sink(self, stream: str, chunk: bytes) -> None:
+        handle = self._files.get(stream)
+        if handle is None:
+            os.makedirs(self.spool, exist_ok=True)
+            handle = self._files[stream] = tempfile.NamedTemporaryFile(  # noqa: SIM115
+                dir=self.spool, prefix=f"step-{self.index}-{stream}-", delete=False
+            )
+        handle.write(chunk)
+
+    async def keep(self, stub: Any, a: Assignment, result: Any) -> list[OutputArtifact]:
+        kept = []
+        for stream, truncated in (("stdout", result.stdout_truncated),
+                                  ("stderr", result.stderr_truncated)):  # fmt: skip
+            handle = self._files.get(stream)
+            if not truncated or handle is None:
+                continue
+            handle.flush()
+            name = f"step-{self.index}.{stream}"
+            try:
+                kept.append(await _upload(stub, a, name, False, Path(handle.name)))
+            except Unavailable as exc:
+                kept.append(OutputArtifact(path=name, error=f"not stored: {exc}"))
+        return kept

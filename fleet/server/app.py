@@ -757,8 +757,12 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
         log.info("artifact_stored", work_id=first.work_id, digest=digest, size=size)
         return host_pb2.PutArtifactResponse(digest=digest, size=size)
 
-    async def _check_outputs(self, report: Completion) -> None:
+    async def _check_outputs(self, report: Completion) -> Completion:
+        """Each stored output exists with the size reported; past the per-rollout limit the
+        rest are listed as not stored (the completion itself is never refused for it)."""
+        limit = self.core.config.max_output_mib * MIB
         total = 0
+        kept = []
         for output in report.outputs:
             if output.digest:
                 size = await asyncio.to_thread(self.core.blobs.size, output.digest)
@@ -766,11 +770,14 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
                     raise InvalidArgument(f"outputs: {output.path} is {size} bytes stored, "
                                           f"{output.size} reported")  # fmt: skip
                 total += size
-        if total > self.core.config.max_output_mib * MIB:
-            raise ResourceExhausted(
-                f"outputs: {total / MIB:.1f} MiB together, over the limit of "
-                f"{self.core.config.max_output_mib:g} MiB"
-            )
+                if total > limit:
+                    output = output.model_copy(update={
+                        "digest": "", "size": 0,
+                        "error": f"over the rollout's output limit of "
+                                 f"{self.core.config.max_output_mib:g} MiB",
+                    })  # fmt: skip
+            kept.append(output)
+        return report.model_copy(update={"outputs": tuple(kept)})
 
     @mapped
     async def CompleteWork(
@@ -778,7 +785,7 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
     ) -> host_pb2.CompleteWorkResponse:
         host_id = self._host_id(request.host_id)
         report = convert.completion_from_pb(request)
-        await self._check_outputs(report)
+        report = await self._check_outputs(report)
         state = await self.batcher.complete(host_id, report)
         log.info(
             "work_completed",

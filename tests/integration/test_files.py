@@ -154,3 +154,28 @@ def test_limits_bad_input_and_outputs_after_a_failed_step(
     by_path = {o.path: o for o in final.outputs}
     assert by_path["/out/copy.txt"].size == 6 and by_path["/out/copy.txt"].digest
     assert by_path["/out/huge.bin"].digest == "" and "1 MiB" in by_path["/out/huge.bin"].error
+
+
+def test_output_past_the_inline_limit_is_kept_whole(tmp_path: Path, images: ImageStore) -> None:
+    """A step that prints 200 KiB: the result keeps the head inline and the whole of it as an
+    output, `step-0.stdout`, byte for byte."""
+    code = "import sys; sys.stdout.write(''.join(f'{i:07d}\\n' for i in range(25600)))"
+
+    async def body() -> tuple[types_pb2.Rollout, bytes]:
+        async with harness(tmp_path, images, secure=True) as h:
+            await h.start_agent("cpu-a", HostClass.CPU)
+            async with h.connect(h.key("team-a")) as channel:
+                stub = fleet_pb2_grpc.FleetServiceStub(channel)
+                req = request('image = "minimal"\n', ["python3", "-c", code])
+                rid = (await stub.SubmitRollout(req)).rollout.id
+                final = await h.wait_final(rid)
+                await client.download(stub, final, tmp_path / "got")
+                return final, (tmp_path / "got" / "step-0.stdout").read_bytes()
+
+    final, whole = go(body())
+    expected = "".join(f"{i:07d}\n" for i in range(25600)).encode()
+    assert final.state == types_pb2.ROLLOUT_STATE_SUCCEEDED, final.error
+    assert final.results[0].stdout_truncated and expected.startswith(final.results[0].stdout)
+    [log] = [o for o in final.outputs if o.path == "step-0.stdout"]
+    assert log.size == len(expected) and whole == expected
+    assert not any(o.path == "step-0.stderr" for o in final.outputs)
