@@ -41,10 +41,13 @@ def _free_port() -> int:
 
 
 @contextmanager
-def registry(tmp: Path, ca: CertificateAuthority) -> Iterator[TestRegistry]:
+def registry(
+    tmp: Path, ca: CertificateAuthority, host: str = "127.0.0.1"
+) -> Iterator[TestRegistry]:
+    """Listening on `host` (loopback, or a test address of the caller's own veth)."""
     tmp.mkdir(parents=True, exist_ok=True)
     port = _free_port()
-    key, issued = ca.issue_server(["127.0.0.1", "localhost"])
+    key, issued = ca.issue_server([host, "127.0.0.1", "localhost"])
     (tmp / "cert.pem").write_bytes(issued.pem + ca.pem)
     write_private(tmp / "key.pem", key)
     hashed = subprocess.run(["htpasswd", "-Bbn", USER, PASSWORD], check=True,
@@ -55,7 +58,7 @@ def registry(tmp: Path, ca: CertificateAuthority) -> Iterator[TestRegistry]:
         "version: 0.1\n"
         "log:\n  level: error\n"
         f"storage:\n  filesystem:\n    rootdirectory: {data}\n  delete:\n    enabled: true\n"
-        f"http:\n  addr: 127.0.0.1:{port}\n"
+        f"http:\n  addr: {host}:{port}\n"
         f"  tls:\n    certificate: {tmp / 'cert.pem'}\n    key: {tmp / 'key.pem'}\n"
         f"auth:\n  htpasswd:\n    realm: fleet-test\n    path: {tmp / 'htpasswd'}\n"
     )
@@ -68,14 +71,14 @@ def registry(tmp: Path, ca: CertificateAuthority) -> Iterator[TestRegistry]:
         deadline = time.monotonic() + 20
         while True:
             with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
+                if s.connect_ex((host, port)) == 0:
                     break
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(
                     f"the registry did not start: {(tmp / 'registry.log').read_text()}"
                 )
             time.sleep(0.05)
-        yield TestRegistry(f"127.0.0.1:{port}", data)
+        yield TestRegistry(f"{host}:{port}", data)
     finally:
         with suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)

@@ -538,6 +538,23 @@ async def cmd_egress_events(args: argparse.Namespace) -> int:
 # -- local -------------------------------------------------------------------------------------
 
 
+def dev_volumes(
+    smolfile: str, volumes: list[str]
+) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """[dev] volumes `SOURCE:TARGET[:ro]` (SOURCE relative to the Smolfile) -> (read-only,
+    writable) pairs of (host path, path in the machine); a missing SOURCE is refused."""
+    base = Path(smolfile).resolve().parent
+    read_only: list[tuple[str, str]] = []
+    writable: list[tuple[str, str]] = []
+    for volume in volumes:
+        source, target, *mode = volume.split(":")
+        host = (base / source).resolve()
+        if not host.exists():
+            raise SystemExit(f"fleet run: [dev] volume {volume!r}: {host} does not exist")
+        (read_only if mode == ["ro"] else writable).append((str(host), target))
+    return read_only, writable
+
+
 async def cmd_run(args: argparse.Namespace) -> int:
     """One machine from a Smolfile, the command's output streamed to this terminal."""
     from fleet.agent.capabilities import choose_runtime, make_runtime
@@ -559,6 +576,20 @@ async def cmd_run(args: argparse.Namespace) -> int:
     images = ImageStore(paths.images, paths.recipes)
     choice = choose_runtime(args.runtime, paths.home, images)
     print(f"fleet run: runtime {choice.kind} ({choice.reason})", file=sys.stderr, flush=True)
+    dev = parsed.spec.dev
+    read_only: list[tuple[str, str]] = []
+    writable: list[tuple[str, str]] = []
+    if dev is not None:
+        # [dev] is for this path: applied here, refused where it cannot be, never dropped.
+        unsupported = [k for k, v in (("user", dev.user), ("ports", dev.ports)) if v]
+        if dev.volumes and choice.kind != "namespace":
+            unsupported.append("volumes")
+        if unsupported:
+            what = ", ".join(unsupported)
+            print(f"fleet run: {args.smolfile}: [dev] {what} is not supported by the "
+                  f"{choice.kind} runtime; remove it to run here", file=sys.stderr)  # fmt: skip
+            return 2
+        read_only, writable = await asyncio.to_thread(dev_volumes, args.smolfile, dev.volumes)
     digest = images.resolve(image_of(parsed))
     runtime = make_runtime(choice, paths.machines)
     spec = MachineSpec(
@@ -568,8 +599,13 @@ async def cmd_run(args: argparse.Namespace) -> int:
         rootfs=await asyncio.to_thread(images.rootfs, digest),
         labels={"fleet": "run"},
         secrets=resolve_secrets(parsed.spec),
+        read_only=tuple(read_only),
+        writable=tuple(writable),
     )
     machine = await runtime.create(spec)
+    dev_env = dict(item.split("=", 1) for item in dev.env) if dev is not None else {}
+    workdir = dev.workdir if dev is not None else None
+    inits = [*parsed.spec.init, *(dev.init if dev is not None else [])]
 
     def show(stream: str, chunk: bytes) -> None:
         out = sys.stdout.buffer if stream == "stdout" else sys.stderr.buffer
@@ -577,14 +613,15 @@ async def cmd_run(args: argparse.Namespace) -> int:
         out.flush()
 
     try:
-        for init in parsed.spec.init:
+        for init in inits:
             res = await machine.exec(
-                ["/bin/sh", "-c", init], timeout_s=args.timeout_s, on_output=show
+                ["/bin/sh", "-c", init], env=dev_env, timeout_s=args.timeout_s, on_output=show
             )
             if res.exit_code != 0:
                 print(f"fleet run: init {init!r} exited {res.exit_code}", file=sys.stderr)
                 return res.exit_code
-        result = await machine.exec(command, timeout_s=args.timeout_s, on_output=show)
+        result = await machine.exec(command, env=dev_env, workdir=workdir,
+                                    timeout_s=args.timeout_s, on_output=show)  # fmt: skip
     finally:
         await machine.delete()
     if result.timed_out:

@@ -35,6 +35,9 @@ class Recipe(BaseModel):
     include: list[str] = []
     pip: list[str] = []
     """Pinned Python packages (name==version) installed into the image's /usr/local."""
+    base: str = ""
+    """A `docker save` archive or an OCI image layout tar (relative to the recipe's folder),
+    flattened into the image instead of a Debian bootstrap."""
 
 
 class ImageRecord(BaseModel):
@@ -106,6 +109,21 @@ class ImageStore:
         Returns the record and whether a build ran.
         """
         recipe, recipe_digest = self.load_recipe(name)
+        base: Path | None = None
+        if recipe.base:
+            if recipe.include or recipe.pip:
+                raise InvalidArgument(
+                    f"image {name!r}: a recipe with `base` takes no `include` or `pip` (yet): "
+                    "put them in the archive"
+                )
+            base = (self.recipes / name / recipe.base).resolve()
+            if not base.is_file():
+                raise NotFound(f"image {name!r}: base archive {base} does not exist")
+            # The archive's content is part of what the recipe says.
+            recipe_digest = (
+                "sha256:"
+                + hashlib.sha256((recipe_digest + _sha256_file(base)).encode()).hexdigest()
+            )
         current = self.record(name)
         if (
             not force
@@ -114,12 +132,18 @@ class ImageStore:
             and self.blob_path(current.digest).exists()
         ):
             return current, False
-        if shutil.which("mmdebstrap") is None:
+        if base is None and shutil.which("mmdebstrap") is None:
             raise Unavailable("mmdebstrap is not installed (scripts/setup installs it)")
         self._dirs()
         started = time.monotonic()
         with tempfile.TemporaryDirectory(dir=self.root / "tmp") as tmp:
             out = Path(tmp) / "rootfs.tar"
+            if base is not None:
+                from fleet.image.archive import flatten
+
+                log.info("image_build_started", image=name, base=str(base))
+                flatten(base, out)
+                return self._store(name, recipe_digest, out, started)
             argv = ["mmdebstrap", "--quiet", f"--variant={recipe.variant}"]
             if recipe.include:
                 argv.append("--include=" + ",".join(recipe.include))
@@ -141,9 +165,15 @@ class ImageStore:
             proc = subprocess.run(argv, capture_output=True, text=True, check=False)
             if proc.returncode != 0:
                 raise Unavailable(f"building image {name!r} failed: {proc.stderr.strip()[-2000:]}")
-            digest = _sha256_file(out)
-            size = out.stat().st_size
-            os.replace(out, self.blob_path(digest))
+            return self._store(name, recipe_digest, out, started)
+
+    def _store(
+        self, name: str, recipe_digest: str, out: Path, started: float
+    ) -> tuple[ImageRecord, bool]:
+        """Stores a built archive under its digest and names it."""
+        digest = _sha256_file(out)
+        size = out.stat().st_size
+        os.replace(out, self.blob_path(digest))
         record = ImageRecord(
             name=name,
             digest=digest,

@@ -38,6 +38,8 @@ class MachineSpec(BaseModel):
     """The inference gateway (address, port): reachable only when the rollout uses it."""
     gateway_tls: bool = False
     """The gateway serves TLS: machines get `https://…` in FLEET_GATEWAY."""
+    writable: tuple[tuple[str, str], ...] = ()
+    """(host path, path in the machine): mounted writable (`fleet run`'s [dev] volumes)."""
     read_only: tuple[tuple[str, str], ...] = ()
     """(host path, path in the machine): mounted read-only in the machine (a rollout's inputs).
     Runtimes that cannot mount say so in `mounts_read_only`."""

@@ -167,6 +167,7 @@ class NamespaceMachine:
             "--tmpfs",
             "/tmp",
             *network,
+            *[arg for host, target in self.spec.writable for arg in ("--bind", host, target)],
             *[arg for host, target in self.spec.read_only for arg in ("--ro-bind", host, target)],
             *(extra or []),
             "--chdir",

@@ -110,6 +110,32 @@ def test_submit_says_a_dev_section_is_ignored(tmp_path: Path) -> None:
     assert "[dev] section is for local runs" in out.stderr and "--input" in out.stderr
 
 
+def test_fleet_run_applies_the_dev_section(tmp_path: Path) -> None:
+    """`fleet run` mounts [dev] volumes (read-only where marked), sets its env and workdir,
+    and runs its init; a key it cannot honour is refused, not dropped."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "code.txt").write_text("source\n")
+    (tmp_path / "out").mkdir()
+    smolfile = tmp_path / "dev.smolfile"
+    smolfile.write_text(
+        'image = "minimal"\n[dev]\nvolumes = ["./src:/src:ro", "./out:/out"]\n'
+        'env = ["MODE=dev"]\nworkdir = "/src"\ninit = ["echo init ran > /out/init.txt"]\n'
+    )
+    script = (
+        'cat code.txt; echo "$MODE"; echo made > /out/made.txt; '
+        "if touch /src/x 2>/dev/null; then echo WRITABLE; else echo read-only; fi"
+    )
+    out = cli("run", "-s", str(smolfile), "--", "sh", "-c", script)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["source", "dev", "read-only"]
+    assert (tmp_path / "out" / "made.txt").read_text() == "made\n"
+    assert (tmp_path / "out" / "init.txt").read_text() == "init ran\n"
+    user = tmp_path / "user.smolfile"
+    user.write_text('image = "minimal"\n[dev]\nuser = "nobody"\n')
+    refused = cli("run", "-s", str(user), "--", "true")
+    assert refused.returncode == 2 and "[dev] user is not supported" in refused.stderr
+
+
 def test_fleet_run_streams_output_and_returns_the_exit_code() -> None:
     """`fleet run` runs one machine from a Smolfile and passes the exit code through."""
     out = cli(

@@ -68,14 +68,15 @@ def home_with_images(root: Path, name: str) -> Path:
     return home
 
 
-def run(home: Path, *args: str, netns: str = "", check: bool = True,
-        timeout: float = 60) -> subprocess.CompletedProcess[str]:  # fmt: skip
+def run(home: Path, *args: str, netns: str = "", check: bool = True, timeout: float = 60,
+        extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:  # fmt: skip
     argv = [*FLEET, *args]
     if netns:
         # nsenter changes the network namespace only (`ip netns exec` also remounts /sys,
         # hiding the cgroup hierarchy the namespace runtime needs).
         argv = ["nsenter", f"--net=/run/netns/{netns}", *argv]
-    env = {**os.environ, "FLEET_HOME": str(home), "FLEET_SERVER": "", "FLEET_KEY": ""}
+    env = {**os.environ, "FLEET_HOME": str(home), "FLEET_SERVER": "", "FLEET_KEY": "",
+           **(extra_env or {})}  # fmt: skip
     done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout,
                           env=env)  # fmt: skip
     if check and done.returncode != 0:
@@ -83,14 +84,15 @@ def run(home: Path, *args: str, netns: str = "", check: bool = True,
     return done
 
 
-def spawn(procs: Procs, home: Path, name: str, *args: str, netns: str = "") -> Proc:
+def spawn(procs: Procs, home: Path, name: str, *args: str, netns: str = "",
+          extra_env: dict[str, str] | None = None) -> Proc:  # fmt: skip
     log = procs.root / f"{name}.log"
     argv = [*FLEET, "--log-level", "info", *args]
     if netns:
         # nsenter changes the network namespace only (`ip netns exec` also remounts /sys,
         # hiding the cgroup hierarchy the namespace runtime needs).
         argv = ["nsenter", f"--net=/run/netns/{netns}", *argv]
-    env = {**os.environ, "FLEET_HOME": str(home), "FLEET_SERVER": ""}
+    env = {**os.environ, "FLEET_HOME": str(home), "FLEET_SERVER": "", **(extra_env or {})}
     popen = subprocess.Popen(argv, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT,
                              text=True, env=env)  # fmt: skip
     proc = Proc(name, popen, log)
@@ -288,3 +290,54 @@ def test_a_cloud_host_joins_and_tenants_are_kept_apart(tmp_path: Path, procs: Pr
         hosts = run(server_home, "host", "list", "--db", db).stdout
         print(f"\nacceptance: {rid} on cloud-1, {lid} moved cloud-1 -> local-1 after revoke")
         print(hosts)
+
+
+def test_a_cloud_host_pulls_the_image_from_a_registry(tmp_path: Path, procs: Procs) -> None:
+    """The image pushed to a registry (TLS from the fleet CA, htpasswd), the server pointing
+    hosts at it: a host with an empty `$FLEET_HOME`, in its own network namespace, pulls it
+    once for five rollouts."""
+    from fleet.identity.ca import CertificateAuthority
+    from tests.registry import PASSWORD, USER, registry
+
+    port, host_port = free_port(), free_port()
+    api = f"{SERVER_IP}:{port}"
+    server_home = home_with_images(tmp_path, "server-home")
+    remote_home = tmp_path / "remote-home"
+    remote_home.mkdir()
+    db = str(tmp_path / "ledger.sqlite3")
+    auth = f"{USER}:{PASSWORD}"
+    with remote_netns() as ns:
+        fingerprint = run(server_home, "ca", "init").stdout.split("fingerprint: ")[1].strip()
+        ca = CertificateAuthority.load(server_home / "ca")
+        with registry(tmp_path / "registry", ca, host=SERVER_IP) as reg:
+            env_auth = {"FLEET_REGISTRY_AUTH": auth}
+            ca_crt = server_home / "ca" / "ca.crt"
+            pushed = run(server_home, "image", "push", "minimal", "--registry", reg.repo(),
+                         "--ca", str(ca_crt), extra_env=env_auth)  # fmt: skip
+            assert "pushed minimal" in pushed.stdout
+            server = spawn(procs, server_home, "server", "serve", "--listen", api,
+                           "--host-listen", f"{SERVER_IP}:{host_port}", "--db", db,
+                           "--registry", reg.repo())  # fmt: skip
+            wait_for(server, "listening on")
+            token = run(server_home, "host", "token", "create", "--class", "cpu", "--db",
+                        db).stdout.splitlines()[-1]  # fmt: skip
+            remote = spawn(procs, remote_home, "remote-agent", "agent", "--class", "cpu",
+                           "--runtime", "namespace", "--server", api, "--host-id", "cloud-1",
+                           "--join", token, "--ca-fingerprint", fingerprint, netns=ns,
+                           extra_env=env_auth)  # fmt: skip
+            wait_for(remote, "agent_registered")
+            key = run(server_home, "key", "create", "--tenant", "team-a", "--db",
+                      db).stdout.splitlines()[-1]  # fmt: skip
+            client = tmp_path / "client-home"
+            client.mkdir()
+            ids = [
+                run(client, "submit", "--server", api, "--ca", str(ca_crt), "--key", key, "-s",
+                    str(REPO / "smolfiles" / "minimal.smolfile"), "--step", f"echo {i}",
+                    "-q").stdout.strip()
+                for i in range(5)
+            ]  # fmt: skip
+            for rid in ids:
+                done = wait_state(client, api, key, ca_crt, rid, {"SUCCEEDED", "FAILED"})
+                assert done["state"] == "ROLLOUT_STATE_SUCCEEDED", done
+            log = remote.log.read_text()
+            assert log.count("image_fetched") == 1 and f"source={reg.repo()}" in log
