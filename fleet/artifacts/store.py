@@ -12,9 +12,10 @@ import contextlib
 import hashlib
 import os
 import tempfile
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from fleet.core.errors import InvalidArgument, NotFound, ResourceExhausted
 from fleet.core.manifest import is_digest
@@ -118,4 +119,100 @@ class BlobStore:
                     removed += 1
             except FileNotFoundError:
                 continue
+        return removed
+
+
+EMPTY_CONFIG = b"{}"
+EMPTY_MEDIA_TYPE = "application/vnd.oci.empty.v1+json"
+ARTIFACT_MEDIA_TYPE = "application/vnd.fleet.artifact.v1"
+
+
+class RegistryBlobStore(BlobStore):
+    """Blobs kept in an OCI registry repository, for server replicas that share a ledger:
+    each blob is pushed with a manifest of its own, tagged `sha256-<hex>` (so the registry's
+    garbage collection keeps it until retention deletes the tag), and read through a local
+    cache (`root`), which the disk store's methods serve."""
+
+    def __init__(self, root: Path, repository: str, ca_pem: bytes | None = None) -> None:
+        super().__init__(root)
+        from fleet.image import oci
+
+        self.repository = repository
+        self.reference = oci.Reference.parse(repository)
+        self._ca = ca_pem
+
+    def _registry(self) -> Any:
+        from fleet.image import oci
+
+        return oci.Registry(self.reference, oci.Credentials.from_env(), self._ca)
+
+    @staticmethod
+    def _tag(digest: str) -> str:
+        return digest.replace(":", "-")
+
+    def _push(self, digest: str, path: Path) -> None:
+        import json as _json
+
+        from fleet.image import oci
+
+        empty = "sha256:" + hashlib.sha256(EMPTY_CONFIG).hexdigest()
+        manifest = _json.dumps({
+            "schemaVersion": 2, "mediaType": oci.OCI_MANIFEST,
+            "artifactType": ARTIFACT_MEDIA_TYPE,
+            "config": {"mediaType": EMPTY_MEDIA_TYPE, "digest": empty,
+                       "size": len(EMPTY_CONFIG)},
+            "layers": [{"mediaType": "application/octet-stream", "digest": digest,
+                        "size": path.stat().st_size}],
+            "annotations": {"org.opencontainers.image.created": str(time.time())},
+        }, sort_keys=True).encode()  # fmt: skip
+        with self._registry() as registry:
+            registry.put_blob(digest, path=path)
+            registry.put_blob(empty, data=EMPTY_CONFIG)
+            registry.put_manifest(self._tag(digest), manifest)
+
+    def _fetch(self, digest: str) -> None:
+        target = self.path(digest)
+        if target.exists():
+            return
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with self._registry() as registry:
+            registry.download_blob(digest, target)
+
+    async def put(
+        self, chunks: AsyncIterator[bytes], limit_bytes: int, what: str
+    ) -> tuple[str, int]:
+        digest, size = await super().put(chunks, limit_bytes, what)
+        await asyncio.to_thread(self._push, digest, self.path(digest))
+        return digest, size
+
+    def size(self, digest: str) -> int:
+        self._fetch(digest)
+        return super().size(digest)
+
+    def open(self, digest: str) -> BinaryIO:
+        self._fetch(digest)
+        return super().open(digest)
+
+    def exists(self, digest: str) -> bool:
+        try:
+            self._fetch(digest)
+        except NotFound:
+            return False
+        return True
+
+    def collect_garbage(self, keep: set[str], older_than: float) -> int:
+        """Removes unkept blobs from the local cache, and their tags from the registry (its
+        own garbage collection then frees them)."""
+        removed = super().collect_garbage(keep, older_than)
+        with self._registry() as registry:
+            for tag in registry.tags():
+                digest = tag.replace("-", ":", 1)
+                if not tag.startswith("sha256-") or digest in keep:
+                    continue
+                manifest_digest, manifest = registry.manifest_digest(tag)
+                created = float(manifest.get("annotations", {}).get(
+                    "org.opencontainers.image.created", "0"))  # fmt: skip
+                if created < older_than:
+                    registry.delete_manifest(manifest_digest)
+                    removed += 1
         return removed

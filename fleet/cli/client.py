@@ -307,3 +307,30 @@ async def download(stub: Any, rollout: types_pb2.Rollout, into: Path) -> list[st
                         out.write(data)
         written.append(str(target))
     return written
+
+
+def archive_path(smolfile: str, image: str) -> Path:
+    """An `image` archive path as the Smolfile means it: relative to the Smolfile."""
+    return Path(smolfile).resolve().parent / image
+
+
+async def upload_image_archive(stub: Any, smolfile: str) -> str:
+    """When the Smolfile's `image` is an archive path (relative to the Smolfile): the image
+    flattened here and uploaded; its digest ("" for any other `image`)."""
+    import asyncio
+    import tempfile
+
+    from fleet.core.manifest import image_of
+    from fleet.core.smolfile import load_smolfile
+    from fleet.image.archive import flatten
+    from fleet.image.oci import looks_like_archive
+
+    image = image_of(load_smolfile(smolfile))
+    if not looks_like_archive(image):
+        return ""
+    archive = archive_path(smolfile, image)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rootfs.tar"
+        await asyncio.to_thread(flatten, archive, out)
+        entry = await upload(stub, out, "/", False)
+    return str(entry.digest)

@@ -74,6 +74,7 @@ async def cmd_serve(args: argparse.Namespace) -> int:
             max_output_mib=args.max_output_mib,
             retain_days=args.retain_days,
             registry=args.registry,
+            artifacts_registry=args.artifacts_registry,
             registry_ca=registry_ca,
         ),
     )
@@ -387,9 +388,11 @@ async def cmd_submit(args: argparse.Namespace) -> int:
     sources = [client.parse_input(spec) for spec in args.input]
     channel, stub = _stub(args)
     inputs = []
+    image_upload = ""
     async with channel:
         for src, dest, directory in sources:
             inputs.append(await client.upload(stub, src, dest, directory))
+        image_upload = await client.upload_image_archive(stub, args.smolfile)
     request = client.submit_request(
         args.smolfile,
         steps,
@@ -404,6 +407,7 @@ async def cmd_submit(args: argparse.Namespace) -> int:
         inputs=inputs,
         outputs=args.output,
     )
+    request.image_upload = image_upload
     channel, stub = _stub(args)
     async with channel:
         reply = await stub.SubmitRollout(request, timeout=30)
@@ -560,6 +564,7 @@ async def cmd_run(args: argparse.Namespace) -> int:
     from fleet.agent.capabilities import choose_runtime, make_runtime
     from fleet.core.manifest import image_of
     from fleet.core.smolfile import load_smolfile
+    from fleet.image.oci import looks_like_archive
     from fleet.image.store import ImageStore
     from fleet.runtime.base import MachineSpec, resolve_secrets
 
@@ -590,7 +595,12 @@ async def cmd_run(args: argparse.Namespace) -> int:
                   f"{choice.kind} runtime; remove it to run here", file=sys.stderr)  # fmt: skip
             return 2
         read_only, writable = await asyncio.to_thread(dev_volumes, args.smolfile, dev.volumes)
-    digest = images.resolve(image_of(parsed))
+    image = image_of(parsed)
+    if looks_like_archive(image):
+        archive = client.archive_path(args.smolfile, image)
+        digest = (await asyncio.to_thread(images.import_archive, archive)).digest
+    else:
+        digest = images.resolve(image)
     runtime = make_runtime(choice, paths.machines)
     spec = MachineSpec(
         name="fleet-run-" + os.urandom(4).hex(),
@@ -887,6 +897,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="[https://]HOST[:PORT]/REPO: hosts fetch images they lack from this OCI "
                     "registry, by digest (credentials: their $FLEET_REGISTRY_AUTH); default: "
                     "from this server")  # fmt: skip
+    sp.add_argument("--artifacts-registry", default="",
+                    help="[https://]HOST[:PORT]/REPO: keep inputs and outputs in this OCI "
+                    "registry (replicas sharing a PostgreSQL ledger share it)")  # fmt: skip
     sp.add_argument("--registry-ca", default="",
                     help="a CA registries' certificates chain to (besides the system's and the "
                     "fleet's)")  # fmt: skip

@@ -90,9 +90,19 @@ class Reference:
         return f"{self.base}/{self.repository}{suffix}"
 
 
+ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+
+
+def looks_like_archive(text: str) -> bool:
+    """A Smolfile `image` that is an archive path (a docker-save archive or an OCI layout)."""
+    return text.startswith(("/", "./", "../")) or text.endswith(ARCHIVE_SUFFIXES)
+
+
 def looks_like_reference(text: str) -> bool:
     """A Smolfile `image` that names a registry: it has a host part (a dot, a port or
     localhost) before its first slash."""
+    if looks_like_archive(text):
+        return False
     head = text.removeprefix("https://").removeprefix("http://").split("/", 1)
     if len(head) < 2:
         return False
@@ -254,6 +264,28 @@ class Registry:
             headers={"content-type": media_type},
         )  # fmt: skip
         return str(response.headers.get("docker-content-digest", ""))
+
+    def tags(self) -> list[str]:
+        found: list[str] = []
+        url = f"/v2/{self.ref.repository}/tags/list?n=1000"
+        while url:
+            try:
+                response = self._call("GET", url, "tags")
+            except NotFound:  # a repository nothing was pushed to yet
+                return found
+            found += response.json().get("tags") or []
+            link = response.headers.get("link", "")
+            url = link[link.find("<") + 1 : link.find(">")] if 'rel="next"' in link else ""
+        return found
+
+    def manifest_digest(self, reference: str) -> tuple[str, dict[str, Any]]:
+        response = self._call("GET", self._url("manifests", reference), f"manifest {reference}",
+                              headers={"accept": OCI_MANIFEST})  # fmt: skip
+        digest = str(response.headers.get("docker-content-digest", ""))
+        return digest or "sha256:" + hashlib.sha256(response.content).hexdigest(), response.json()
+
+    def delete_manifest(self, digest: str) -> None:
+        self._call("DELETE", self._url("manifests", digest), f"manifest {digest}")
 
     # -- pull ------------------------------------------------------------------------------
 

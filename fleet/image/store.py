@@ -239,6 +239,40 @@ class ImageStore:
             )
         return digest
 
+    def import_archive(self, archive: Path) -> ImageRecord:
+        """A docker-save archive or OCI layout tar as an image, named `archive-<its digest>`
+        (flattened once per archive content)."""
+        from fleet.image.archive import flatten
+
+        try:
+            source_digest = _sha256_file(archive)
+        except OSError as exc:
+            raise InvalidArgument(f"image archive {archive}: cannot read: {exc}") from None
+        name = f"archive-{source_digest[7:19]}"
+        found = self.record(name)
+        if found is not None and self.blob_path(found.digest).exists():
+            return found
+        self._dirs()
+        started = time.monotonic()
+        with tempfile.TemporaryDirectory(dir=self.root / "tmp") as tmp:
+            out = Path(tmp) / "rootfs.tar"
+            flatten(archive, out)
+            record, _ = self._store(name, source_digest, out, started)
+        return record
+
+    def add_blob(self, digest: str, source: Path) -> None:
+        """Stores an archive another store holds under its digest (checked before use)."""
+        self._dirs()
+        target = self.blob_path(digest)
+        if target.exists():
+            return
+        tmp = target.with_suffix(f".{os.getpid()}.tmp")
+        try:
+            os.link(source, tmp)
+        except OSError:
+            shutil.copyfile(source, tmp)
+        os.replace(tmp, target)
+
     def add_pulled(self, name: str, digest: str, source: str) -> ImageRecord:
         """Names an archive already stored under `digest` (pulled from `source`)."""
         if not _NAME_RE.match(name):

@@ -29,7 +29,7 @@ from fleet._proto.fleet.v1 import (
     inference_pb2_grpc,
     types_pb2,
 )
-from fleet.artifacts.store import BlobStore
+from fleet.artifacts.store import BlobStore, RegistryBlobStore
 from fleet.core import tokens
 from fleet.core.credentials import parse_join_token
 from fleet.core.errors import (
@@ -101,6 +101,9 @@ class ServerConfig:
     """A rollout's outputs together, at most (per attempt)."""
     registry: str = ""
     """An OCI registry repository hosts fetch images from by digest ("": from this server)."""
+    artifacts_registry: str = ""
+    """Keep inputs and outputs in this OCI registry repository (replicas sharing a ledger
+    share it; `artifacts_dir` is then a local cache)."""
     registry_ca: bytes = b""
     """A CA registries' certificates chain to, besides the system's and the fleet's."""
     retain_days: float = 30.0
@@ -147,7 +150,12 @@ class Core:
         self.images = images
         self.config = config
         self.security = security
-        self.blobs = BlobStore(artifacts_root(ledger, images, config))
+        root = artifacts_root(ledger, images, config)
+        self.blobs = (
+            RegistryBlobStore(root, config.artifacts_registry, config.registry_ca or None)
+            if config.artifacts_registry
+            else BlobStore(root)
+        )
         self.host_port = 0
         """The mutual-TLS host endpoint's port (0: none, the server has no TLS)."""
         self.auth: Authenticator | None = None
@@ -299,7 +307,10 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
         await self._check_inputs(submit)
         image = image_of(parsed)
         pinned = ""
-        if oci.looks_like_reference(image):  # a registry's image: pinned by its digests
+        if oci.looks_like_archive(image):  # on the submitter's disk: uploaded flattened
+            image_digest = await self._import_upload(request.image_upload, image,
+                                                     submit.smolfile_name)  # fmt: skip
+        elif oci.looks_like_reference(image):  # a registry's image: pinned by its digests
             cas = [self.core.config.registry_ca]
             if self.core.security is not None:
                 cas.append(self.core.security.ca.pem)
@@ -333,6 +344,22 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
         return fleet_pb2.SubmitRolloutResponse(
             rollout=convert.rollout_to_pb(rollout), created=created
         )
+
+    async def _import_upload(self, digest: str, image: str, where: str) -> str:
+        """The image a submitter flattened from an archive and uploaded (PutBlob), stored in
+        the image store under its digest."""
+        if not digest:
+            raise InvalidArgument(
+                f"{where}: image {image!r} is an archive on the submitter's disk: submit with "
+                "the fleet CLI (it uploads the archive), or push the image to a registry"
+            )
+        try:
+            await asyncio.to_thread(self.core.blobs.size, digest)  # (fetched, where remote)
+            blob = await asyncio.to_thread(self.core.blobs.path, digest)
+        except NotFound:
+            raise FailedPrecondition(f"image_upload {digest} was not uploaded (PutBlob)") from None
+        await asyncio.to_thread(self.core.images.add_blob, digest, blob)
+        return digest
 
     async def _check_inputs(self, submit: SubmitRequest) -> None:
         """Every input was uploaded, with the size the request states, within the limit."""
@@ -719,7 +746,8 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
             return
         try:  # a rollout's input: only to the host that holds its lease
             lease = await self.core.db(self.core.ledger.work_lease, request.work_id)
-            if lease is None or lease[0] != host_id:
+            open_server = self.core.caller().kind == "open"  # no identity: no host to check
+            if lease is None or (lease[0] != host_id and not open_server):
                 raise Aborted(f"work item {request.work_id} is not leased to host {host_id}")
             if request.digest not in {i.digest for i in lease[2].inputs}:
                 raise NotFound(f"work item {request.work_id} has no input {request.digest}")
@@ -739,7 +767,12 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
         except StopAsyncIteration:
             raise InvalidArgument("PutArtifact: no parts") from None
         lease = await self.core.db(self.core.ledger.work_lease, first.work_id)
-        if lease is None or lease[0] != host_id or lease[1] != first.fencing_token:
+        open_server = self.core.caller().kind == "open"  # no identity: the token alone
+        if (
+            lease is None
+            or (lease[0] != host_id and not open_server)
+            or lease[1] != first.fencing_token
+        ):
             raise Aborted(
                 f"work item {first.work_id!r} is not leased to host {host_id} under token "
                 f"{first.fencing_token}: this attempt may not store outputs"

@@ -243,6 +243,15 @@ def test_a_cloud_host_joins_and_tenants_are_kept_apart(tmp_path: Path, procs: Pr
         theirs = run(client, "get", *common, "--key", key_b, rid, "--download",
                      str(tmp_path / "stolen"), check=False)  # fmt: skip
         assert theirs.returncode != 0 and not (tmp_path / "stolen").exists()
+        # Three more on the cloud host (five with the one above and the one revoked below).
+        more = [
+            run(client, "submit", *common, "--key", key_a, "-s",
+                str(REPO / "smolfiles" / "minimal.smolfile"), "--step", "true", "-q").stdout.strip()
+            for _ in range(3)
+        ]  # fmt: skip
+        for other_id in more:
+            again_done = wait_state(client, api, key_a, ca_crt, other_id, {"SUCCEEDED", "FAILED"})
+            assert again_done["host_id"] == "cloud-1"
         # Tenant B sees nothing of it; a read-only key cannot submit.
         for cmd in (["get", rid], ["watch", rid], ["cancel", rid], ["egress-events", rid]):
             other = run(client, cmd[0], *common, "--key", key_b, *cmd[1:], check=False)
@@ -269,7 +278,7 @@ def test_a_cloud_host_joins_and_tenants_are_kept_apart(tmp_path: Path, procs: Pr
         assert "1 leases" in revoked.stdout
         assert remote.popen.wait(timeout=30) != 0
         assert "revoked" in remote.log.read_text()
-        assert remote.log.read_text().count("image_fetched") == 1  # once for both rollouts
+        assert remote.log.read_text().count("image_fetched") == 1  # once for five rollouts
         local_token = run(server_home, "host", "token", "create", "--class", "cpu",
                           "--db", db).stdout.splitlines()[-1]  # fmt: skip
         local = spawn(procs, local_home, "local-agent", "agent", "--class", "cpu", "--runtime",

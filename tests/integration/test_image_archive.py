@@ -97,3 +97,48 @@ def test_a_bad_base_archive_is_refused(tmp_path: Path) -> None:
     )
     with pytest.raises(InvalidArgument, match="takes no `include` or `pip`"):
         store.build("bad")
+
+
+def test_a_smolfile_may_name_an_archive(tmp_path: Path, images: ImageStore) -> None:
+    """`image = "./env.tar"`: `fleet run` flattens it locally; `fleet submit` flattens and
+    uploads it, and the server stores and pins it for the hosts."""
+    import os
+    import subprocess
+
+    from tests.acceptance.procs import FLEET
+    from tests.conftest import REPO
+
+    record = images.record("minimal")
+    assert record is not None
+    docker_save(tmp_path / "env.tar", [
+        images.blob_path(record.digest).read_bytes(),
+        _layer({"opt/": None, "opt/hello.txt": b"hello from the archive\n"}),
+    ])  # fmt: skip
+    smolfile = tmp_path / "task.smolfile"
+    smolfile.write_text('image = "./env.tar"\n')
+    home = tmp_path / "home"
+    env = {**os.environ, "FLEET_HOME": str(home), "FLEET_SERVER": "", "FLEET_KEY": ""}
+    argv = [*FLEET, "run", "-s", str(smolfile), "--", "cat", "/opt/hello.txt"]
+    ran = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout == "hello from the archive\n"
+
+    async def body() -> types_pb2.Rollout:
+        async with harness(tmp_path / "fleet", images, secure=True) as h:
+            await h.start_agent("cpu-a", HostClass.CPU)
+            assert h.ca is not None
+            submit = await asyncio.create_subprocess_exec(
+                *FLEET, "submit", "--server", h.server.address, "--ca",
+                str(tmp_path / "fleet" / "ca" / "ca.crt"), "--key", h.key("team-a"), "-s",
+                str(smolfile), "--step", "cat /opt/hello.txt", "-q", env=env, cwd=REPO,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            )  # fmt: skip
+            out, err = await submit.communicate()
+            assert submit.returncode == 0, err.decode()
+            rid = out.decode().strip()
+            return await h.wait_final(rid, timeout_s=120)
+
+    r = asyncio.run(body())
+    assert r.state == types_pb2.ROLLOUT_STATE_SUCCEEDED, r.error
+    assert r.results[0].stdout == b"hello from the archive\n"
+    assert r.manifest.image_ref == "./env.tar" and r.manifest.image_digest.startswith("sha256:")

@@ -175,3 +175,83 @@ def test_a_registry_download_resumes_and_verifies(tmp_path: Path, images: ImageS
             with pytest.raises(Exception, match="does not verify"):
                 client.download_blob(record.digest, bad)
             assert not bad.exists() and not (tmp_path / "bad.tar.partial").exists()
+
+
+def test_replicas_share_inputs_and_outputs_through_a_registry(
+    tmp_path: Path, images: ImageStore, postgres: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two servers on one PostgreSQL ledger, their blobs in one registry: an input uploaded to
+    one is run through the other, and the output is downloaded from the first."""
+    from fleet._proto.fleet.v1 import fleet_pb2_grpc
+    from fleet.agent.agent import Agent, AgentConfig
+    from fleet.cli import client
+    from fleet.ledger.store import Ledger
+    from fleet.server.app import FleetServer
+    from tests.integration.harness import NAMESPACE
+    from tests.pgserver import create_database
+
+    monkeypatch.setenv("FLEET_REGISTRY_AUTH", f"{USER}:{PASSWORD}")
+    ca = CertificateAuthority.init(tmp_path / "ca")
+    url = create_database(postgres)
+    data = tmp_path / "input.txt"
+    data.write_bytes(b"shared through the registry\n")
+
+    async def body(repo: str) -> bytes:
+        servers = []
+        for name in ("a", "b"):
+            config = ServerConfig(lease_ttl_s=5, heartbeat_interval_s=0.5, token_secret=SECRET,
+                                  artifacts_registry=repo, registry_ca=ca.pem,
+                                  artifacts_dir=str(tmp_path / f"cache-{name}"))  # fmt: skip
+            server = FleetServer(Ledger.open(url), images, "127.0.0.1:0", config)
+            await server.start()
+            servers.append(server)
+        a, b = servers
+        stop = asyncio.Event()
+        agent = Agent(AgentConfig(server=b.address, host_id="cpu-b", host_class=HostClass.CPU,
+                                  runtime=NAMESPACE, machines_dir=tmp_path / "machines",
+                                  images=images, claim_wait_s=1.0))  # fmt: skip
+        task = asyncio.create_task(agent.run(stop))
+        try:
+            async with grpc_channel(a.address) as ca_, grpc_channel(b.address) as cb:
+                sa, sb = fleet_pb2_grpc.FleetServiceStub(ca_), fleet_pb2_grpc.FleetServiceStub(cb)
+                entry = await client.upload(sa, data, "/in/input.txt", False)
+                req = request(
+                    'image = "minimal"\n',
+                    ["sh", "-c", "mkdir -p /out && (cat /in/input.txt; echo done) > /out/o.txt"],
+                )
+                req.inputs.append(entry)
+                req.outputs.append("/out/o.txt")
+                rid = (await sb.SubmitRollout(req)).rollout.id
+                for _ in range(1200):
+                    r = await sa.GetRollout(fleet_pb2.GetRolloutRequest(id=rid))
+                    if r.state == types_pb2.ROLLOUT_STATE_SUCCEEDED:
+                        break
+                    assert r.state in (types_pb2.ROLLOUT_STATE_QUEUED,
+                                       types_pb2.ROLLOUT_STATE_RUNNING), r.error  # fmt: skip
+                    await asyncio.sleep(0.05)
+                await client.download(sa, r, tmp_path / "got")
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 30)
+            for server in servers:
+                await server.stop()
+        return (tmp_path / "got" / "o.txt").read_bytes()
+
+    with registry(tmp_path / "registry", ca) as reg:
+        got = asyncio.run(body(reg.repo("fleet/artifacts")))
+        tags = fleet_tags(reg.repo("fleet/artifacts"), ca.pem)
+    assert got == data.read_bytes() + b"done\n"
+    assert len([t for t in tags if t.startswith("sha256-")]) == 2  # the input and the output
+
+
+def grpc_channel(address: str):  # type: ignore[no-untyped-def]
+    import grpc
+
+    return grpc.aio.insecure_channel(address)
+
+
+def fleet_tags(repo: str, ca_pem: bytes) -> list[str]:
+    from fleet.image import oci
+
+    with oci.Registry(oci.Reference.parse(repo), oci.Credentials(USER, PASSWORD), ca_pem) as r:
+        return r.tags()

@@ -26,7 +26,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from fleet._proto.fleet.v1 import types_pb2 as fleet_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x66leet/v1/fleet.proto\x12\x08\x66leet.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x14\x66leet/v1/types.proto\"-\n\x17ListEgressEventsRequest\x12\x12\n\nrollout_id\x18\x01 \x01(\t\"A\n\x18ListEgressEventsResponse\x12%\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x15.fleet.v1.EgressEvent\"\xf6\x03\n\x14SubmitRolloutRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0fidempotency_key\x18\x02 \x01(\t\x12\x10\n\x08smolfile\x18\x03 \x01(\t\x12\x15\n\rsmolfile_name\x18\x04 \x01(\t\x12\x1d\n\x05steps\x18\x05 \x03(\x0b\x32\x0e.fleet.v1.Step\x12,\n\x08\x64\x65\x61\x64line\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12$\n\x05retry\x18\x07 \x01(\x0b\x32\x15.fleet.v1.RetryPolicy\x12$\n\x08versions\x18\x08 \x01(\x0b\x32\x12.fleet.v1.Versions\x12:\n\x06labels\x18\t \x03(\x0b\x32*.fleet.v1.SubmitRolloutRequest.LabelsEntry\x12\x0e\n\x06tenant\x18\n \x01(\t\x12,\n\x0crequirements\x18\x0b \x01(\x0b\x32\x16.fleet.v1.Requirements\x12\x10\n\x08priority\x18\x0c \x01(\x05\x12#\n\x06inputs\x18\r \x03(\x0b\x32\x13.fleet.v1.InputFile\x12\x0f\n\x07outputs\x18\x0e \x03(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"L\n\x15SubmitRolloutResponse\x12\"\n\x07rollout\x18\x01 \x01(\x0b\x32\x11.fleet.v1.Rollout\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"\x1f\n\x11GetRolloutRequest\x12\n\n\x02id\x18\x01 \x01(\t\"\xbb\x01\n\x13ListRolloutsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\x39\n\x06labels\x18\x03 \x03(\x0b\x32).fleet.v1.ListRolloutsRequest.LabelsEntry\x12\x13\n\x0b\x63ould_reach\x18\x04 \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"T\n\x14ListRolloutsResponse\x12#\n\x08rollouts\x18\x01 \x03(\x0b\x32\x11.fleet.v1.Rollout\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"9\n\x13WatchRolloutRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x16\n\x0e\x61\x66ter_sequence\x18\x02 \x01(\x03\"F\n\x14\x43\x61ncelRolloutRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x18\n\x08\x42lobPart\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"/\n\x0fPutBlobResponse\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\"H\n\x12GetArtifactRequest\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\"A\n\rArtifactChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x12\n\ntotal_size\x18\x03 \x01(\x04\x32\xd9\x04\n\x0c\x46leetService\x12:\n\x07PutBlob\x12\x12.fleet.v1.BlobPart\x1a\x19.fleet.v1.PutBlobResponse(\x01\x12\x46\n\x0bGetArtifact\x12\x1c.fleet.v1.GetArtifactRequest\x1a\x17.fleet.v1.ArtifactChunk0\x01\x12P\n\rSubmitRollout\x12\x1e.fleet.v1.SubmitRolloutRequest\x1a\x1f.fleet.v1.SubmitRolloutResponse\x12<\n\nGetRollout\x12\x1b.fleet.v1.GetRolloutRequest\x1a\x11.fleet.v1.Rollout\x12M\n\x0cListRollouts\x12\x1d.fleet.v1.ListRolloutsRequest\x1a\x1e.fleet.v1.ListRolloutsResponse\x12G\n\x0cWatchRollout\x12\x1d.fleet.v1.WatchRolloutRequest\x1a\x16.fleet.v1.RolloutEvent0\x01\x12\x42\n\rCancelRollout\x12\x1e.fleet.v1.CancelRolloutRequest\x1a\x11.fleet.v1.Rollout\x12Y\n\x10ListEgressEvents\x12!.fleet.v1.ListEgressEventsRequest\x1a\".fleet.v1.ListEgressEventsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x66leet/v1/fleet.proto\x12\x08\x66leet.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x14\x66leet/v1/types.proto\"-\n\x17ListEgressEventsRequest\x12\x12\n\nrollout_id\x18\x01 \x01(\t\"A\n\x18ListEgressEventsResponse\x12%\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x15.fleet.v1.EgressEvent\"\x8c\x04\n\x14SubmitRolloutRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0fidempotency_key\x18\x02 \x01(\t\x12\x10\n\x08smolfile\x18\x03 \x01(\t\x12\x15\n\rsmolfile_name\x18\x04 \x01(\t\x12\x1d\n\x05steps\x18\x05 \x03(\x0b\x32\x0e.fleet.v1.Step\x12,\n\x08\x64\x65\x61\x64line\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12$\n\x05retry\x18\x07 \x01(\x0b\x32\x15.fleet.v1.RetryPolicy\x12$\n\x08versions\x18\x08 \x01(\x0b\x32\x12.fleet.v1.Versions\x12:\n\x06labels\x18\t \x03(\x0b\x32*.fleet.v1.SubmitRolloutRequest.LabelsEntry\x12\x0e\n\x06tenant\x18\n \x01(\t\x12,\n\x0crequirements\x18\x0b \x01(\x0b\x32\x16.fleet.v1.Requirements\x12\x10\n\x08priority\x18\x0c \x01(\x05\x12#\n\x06inputs\x18\r \x03(\x0b\x32\x13.fleet.v1.InputFile\x12\x0f\n\x07outputs\x18\x0e \x03(\t\x12\x14\n\x0cimage_upload\x18\x0f \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"L\n\x15SubmitRolloutResponse\x12\"\n\x07rollout\x18\x01 \x01(\x0b\x32\x11.fleet.v1.Rollout\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"\x1f\n\x11GetRolloutRequest\x12\n\n\x02id\x18\x01 \x01(\t\"\xbb\x01\n\x13ListRolloutsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\x39\n\x06labels\x18\x03 \x03(\x0b\x32).fleet.v1.ListRolloutsRequest.LabelsEntry\x12\x13\n\x0b\x63ould_reach\x18\x04 \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"T\n\x14ListRolloutsResponse\x12#\n\x08rollouts\x18\x01 \x03(\x0b\x32\x11.fleet.v1.Rollout\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"9\n\x13WatchRolloutRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x16\n\x0e\x61\x66ter_sequence\x18\x02 \x01(\x03\"F\n\x14\x43\x61ncelRolloutRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x18\n\x08\x42lobPart\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"/\n\x0fPutBlobResponse\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\"H\n\x12GetArtifactRequest\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\"A\n\rArtifactChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x12\n\ntotal_size\x18\x03 \x01(\x04\x32\xd9\x04\n\x0c\x46leetService\x12:\n\x07PutBlob\x12\x12.fleet.v1.BlobPart\x1a\x19.fleet.v1.PutBlobResponse(\x01\x12\x46\n\x0bGetArtifact\x12\x1c.fleet.v1.GetArtifactRequest\x1a\x17.fleet.v1.ArtifactChunk0\x01\x12P\n\rSubmitRollout\x12\x1e.fleet.v1.SubmitRolloutRequest\x1a\x1f.fleet.v1.SubmitRolloutResponse\x12<\n\nGetRollout\x12\x1b.fleet.v1.GetRolloutRequest\x1a\x11.fleet.v1.Rollout\x12M\n\x0cListRollouts\x12\x1d.fleet.v1.ListRolloutsRequest\x1a\x1e.fleet.v1.ListRolloutsResponse\x12G\n\x0cWatchRollout\x12\x1d.fleet.v1.WatchRolloutRequest\x1a\x16.fleet.v1.RolloutEvent0\x01\x12\x42\n\rCancelRollout\x12\x1e.fleet.v1.CancelRolloutRequest\x1a\x11.fleet.v1.Rollout\x12Y\n\x10ListEgressEvents\x12!.fleet.v1.ListEgressEventsRequest\x1a\".fleet.v1.ListEgressEventsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,31 +42,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTEGRESSEVENTSRESPONSE']._serialized_start=136
   _globals['_LISTEGRESSEVENTSRESPONSE']._serialized_end=201
   _globals['_SUBMITROLLOUTREQUEST']._serialized_start=204
-  _globals['_SUBMITROLLOUTREQUEST']._serialized_end=706
-  _globals['_SUBMITROLLOUTREQUEST_LABELSENTRY']._serialized_start=661
-  _globals['_SUBMITROLLOUTREQUEST_LABELSENTRY']._serialized_end=706
-  _globals['_SUBMITROLLOUTRESPONSE']._serialized_start=708
-  _globals['_SUBMITROLLOUTRESPONSE']._serialized_end=784
-  _globals['_GETROLLOUTREQUEST']._serialized_start=786
-  _globals['_GETROLLOUTREQUEST']._serialized_end=817
-  _globals['_LISTROLLOUTSREQUEST']._serialized_start=820
-  _globals['_LISTROLLOUTSREQUEST']._serialized_end=1007
-  _globals['_LISTROLLOUTSREQUEST_LABELSENTRY']._serialized_start=661
-  _globals['_LISTROLLOUTSREQUEST_LABELSENTRY']._serialized_end=706
-  _globals['_LISTROLLOUTSRESPONSE']._serialized_start=1009
-  _globals['_LISTROLLOUTSRESPONSE']._serialized_end=1093
-  _globals['_WATCHROLLOUTREQUEST']._serialized_start=1095
-  _globals['_WATCHROLLOUTREQUEST']._serialized_end=1152
-  _globals['_CANCELROLLOUTREQUEST']._serialized_start=1154
-  _globals['_CANCELROLLOUTREQUEST']._serialized_end=1224
-  _globals['_BLOBPART']._serialized_start=1226
-  _globals['_BLOBPART']._serialized_end=1250
-  _globals['_PUTBLOBRESPONSE']._serialized_start=1252
-  _globals['_PUTBLOBRESPONSE']._serialized_end=1299
-  _globals['_GETARTIFACTREQUEST']._serialized_start=1301
-  _globals['_GETARTIFACTREQUEST']._serialized_end=1373
-  _globals['_ARTIFACTCHUNK']._serialized_start=1375
-  _globals['_ARTIFACTCHUNK']._serialized_end=1440
-  _globals['_FLEETSERVICE']._serialized_start=1443
-  _globals['_FLEETSERVICE']._serialized_end=2044
+  _globals['_SUBMITROLLOUTREQUEST']._serialized_end=728
+  _globals['_SUBMITROLLOUTREQUEST_LABELSENTRY']._serialized_start=683
+  _globals['_SUBMITROLLOUTREQUEST_LABELSENTRY']._serialized_end=728
+  _globals['_SUBMITROLLOUTRESPONSE']._serialized_start=730
+  _globals['_SUBMITROLLOUTRESPONSE']._serialized_end=806
+  _globals['_GETROLLOUTREQUEST']._serialized_start=808
+  _globals['_GETROLLOUTREQUEST']._serialized_end=839
+  _globals['_LISTROLLOUTSREQUEST']._serialized_start=842
+  _globals['_LISTROLLOUTSREQUEST']._serialized_end=1029
+  _globals['_LISTROLLOUTSREQUEST_LABELSENTRY']._serialized_start=683
+  _globals['_LISTROLLOUTSREQUEST_LABELSENTRY']._serialized_end=728
+  _globals['_LISTROLLOUTSRESPONSE']._serialized_start=1031
+  _globals['_LISTROLLOUTSRESPONSE']._serialized_end=1115
+  _globals['_WATCHROLLOUTREQUEST']._serialized_start=1117
+  _globals['_WATCHROLLOUTREQUEST']._serialized_end=1174
+  _globals['_CANCELROLLOUTREQUEST']._serialized_start=1176
+  _globals['_CANCELROLLOUTREQUEST']._serialized_end=1246
+  _globals['_BLOBPART']._serialized_start=1248
+  _globals['_BLOBPART']._serialized_end=1272
+  _globals['_PUTBLOBRESPONSE']._serialized_start=1274
+  _globals['_PUTBLOBRESPONSE']._serialized_end=1321
+  _globals['_GETARTIFACTREQUEST']._serialized_start=1323
+  _globals['_GETARTIFACTREQUEST']._serialized_end=1395
+  _globals['_ARTIFACTCHUNK']._serialized_start=1397
+  _globals['_ARTIFACTCHUNK']._serialized_end=1462
+  _globals['_FLEETSERVICE']._serialized_start=1465
+  _globals['_FLEETSERVICE']._serialized_end=2066
 # @@protoc_insertion_point(module_scope)

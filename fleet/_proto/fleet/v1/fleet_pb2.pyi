@@ -23,7 +23,7 @@ class ListEgressEventsResponse(_message.Message):
     def __init__(self, events: _Optional[_Iterable[_Union[_types_pb2.EgressEvent, _Mapping]]] = ...) -> None: ...
 
 class SubmitRolloutRequest(_message.Message):
-    __slots__ = ("request_id", "idempotency_key", "smolfile", "smolfile_name", "steps", "deadline", "retry", "versions", "labels", "tenant", "requirements", "priority", "inputs", "outputs")
+    __slots__ = ("request_id", "idempotency_key", "smolfile", "smolfile_name", "steps", "deadline", "retry", "versions", "labels", "tenant", "requirements", "priority", "inputs", "outputs", "image_upload")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class SubmitRolloutRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_UPLOAD_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     idempotency_key: str
     smolfile: str
@@ -59,7 +60,8 @@ class SubmitRolloutRequest(_message.Message):
     priority: int
     inputs: _containers.RepeatedCompositeFieldContainer[_types_pb2.InputFile]
     outputs: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., smolfile: _Optional[str] = ..., smolfile_name: _Optional[str] = ..., steps: _Optional[_Iterable[_Union[_types_pb2.Step, _Mapping]]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., retry: _Optional[_Union[_types_pb2.RetryPolicy, _Mapping]] = ..., versions: _Optional[_Union[_types_pb2.Versions, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., tenant: _Optional[str] = ..., requirements: _Optional[_Union[_types_pb2.Requirements, _Mapping]] = ..., priority: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[_types_pb2.InputFile, _Mapping]]] = ..., outputs: _Optional[_Iterable[str]] = ...) -> None: ...
+    image_upload: str
+    def __init__(self, request_id: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., smolfile: _Optional[str] = ..., smolfile_name: _Optional[str] = ..., steps: _Optional[_Iterable[_Union[_types_pb2.Step, _Mapping]]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., retry: _Optional[_Union[_types_pb2.RetryPolicy, _Mapping]] = ..., versions: _Optional[_Union[_types_pb2.Versions, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., tenant: _Optional[str] = ..., requirements: _Optional[_Union[_types_pb2.Requirements, _Mapping]] = ..., priority: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[_types_pb2.InputFile, _Mapping]]] = ..., outputs: _Optional[_Iterable[str]] = ..., image_upload: _Optional[str] = ...) -> None: ...
 
 class SubmitRolloutResponse(_message.Message):
     __slots__ = ("rollout", "created")
