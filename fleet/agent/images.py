@@ -109,7 +109,7 @@ class ImageCache:
         hasher = hashlib.sha256()
         offset = 0
         if partial.exists():  # an earlier run's interrupted download: hash what it has
-            offset = await asyncio.to_thread(_hash_into, partial, hasher)
+            offset, hasher = await asyncio.to_thread(oci.hashed_file, partial)
         failures = 0
         while True:
             try:
@@ -204,12 +204,3 @@ class ImageCache:
 def _write_hashed(out: Any, hasher: Any, data: bytes) -> None:
     hasher.update(data)
     out.write(data)
-
-
-def _hash_into(path: Path, hasher: Any) -> int:
-    size = 0
-    with path.open("rb") as handle:
-        while chunk := handle.read(1 << 20):
-            hasher.update(chunk)
-            size += len(chunk)
-    return size

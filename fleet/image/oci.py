@@ -318,7 +318,7 @@ class Registry:
         """The blob into `target`, resuming a partial `target.partial` with range requests,
         kept only if it hashes to `digest`. Returns its size."""
         partial = target.with_name(target.name + ".partial")
-        offset, hasher = _hashed(partial)
+        offset, hasher = hashed_file(partial)
         failures = 0
         while True:
             headers = {"range": f"bytes={offset}-"} if offset else {}
@@ -335,7 +335,7 @@ class Registry:
                 if failures > RETRIES:
                     raise Unavailable(f"blob {digest} from {self.ref}: {exc}") from None
                 # Resume from what reached the disk (and the hash) before the break.
-                offset, hasher = _hashed(partial)
+                offset, hasher = hashed_file(partial)
                 log.info("blob_download_resumed", digest=digest, offset=offset, error=str(exc))
         actual = "sha256:" + hasher.hexdigest()
         if actual != digest:
@@ -348,7 +348,7 @@ class Registry:
         return offset
 
 
-def _hashed(path: Path) -> tuple[int, Any]:
+def hashed_file(path: Path) -> tuple[int, Any]:  # also the agent's resumed fetches
     """The size and running hash of what a partial download holds (0 and empty: none)."""
     hasher = hashlib.sha256()
     size = 0
