@@ -56,6 +56,11 @@ _MOUNT_THEN_EXEC = (
     'shift 5; exec "$@"'
 )
 REQUIRED_TOOLS = ("bwrap", "unshare", "mount", "nsenter", "ip", "nft")
+LAUNCH_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+"""The whole environment a machine's launch chain (nsenter, unshare, sh, bwrap) starts with:
+bwrap is the machine's pid 1, and its /proc/1/environ is readable inside, so nothing of the
+agent's (keys, tokens, registry credentials) may be in it. The step's own environment is set
+with bwrap's --clearenv and --setenv."""
 PROC_READ_ONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs")
 """Under a machine's /proc, read-only: a machine's root is the host's root user (in a user
 namespace, without capabilities outside it), and the kernel checks host-wide settings under
@@ -230,6 +235,8 @@ class NamespaceMachine:
                 stderr=asyncio.subprocess.PIPE,
                 start_new_session=True,
                 pass_fds=(filt,),
+                env=LAUNCH_ENV,
+                cwd="/",  # the shell in the chain exports PWD: no host path in it
             )
         finally:
             os.close(filt)

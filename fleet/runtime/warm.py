@@ -34,7 +34,12 @@ from fleet.core.errors import Internal, InvalidArgument, NotFound, Unavailable
 from fleet.core.rollout import MAX_OUTPUT_BYTES
 from fleet.runtime import cgroups, seccomp
 from fleet.runtime.base import ExecResult, machine_env
-from fleet.runtime.namespace import SOCKET_LINKS, NamespaceMachine, NamespaceRuntime
+from fleet.runtime.namespace import (
+    LAUNCH_ENV,
+    SOCKET_LINKS,
+    NamespaceMachine,
+    NamespaceRuntime,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -355,7 +360,7 @@ class NamespaceParent:
             )  # fmt: skip
             self._proc = await asyncio.create_subprocess_exec(
                 *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                start_new_session=True, pass_fds=(filt,),
+                start_new_session=True, pass_fds=(filt,), env=LAUNCH_ENV, cwd="/",
             )  # fmt: skip
         finally:
             os.close(filt)

@@ -75,6 +75,34 @@ def test_runs_python_in_the_image_with_env_and_workdir(rootfs: Path, tmp_path: P
     assert result.stdout.split() == [b"3", b"/tmp", b"smol", b"step"]
 
 
+def test_a_step_cannot_read_the_agents_environment(
+    rootfs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No process a step can see holds the agent's environment: /proc/1/environ (bwrap, the
+    machine's pid 1) carries none of it, nor does any other process there."""
+    monkeypatch.setenv("FLEET_REGISTRY_AUTH", "user:agent-only-secret")
+    monkeypatch.setenv("FLEET_TOKEN_SECRET", "00" * 32)
+    script = (
+        "import glob\nfound = []\n"
+        "for path in glob.glob('/proc/[0-9]*/environ'):\n"
+        "    try:\n        data = open(path, 'rb').read()\n"
+        "    except OSError:\n        continue\n"
+        "    if b'agent-only-secret' in data or b'FLEET_TOKEN_SECRET' in data:\n"
+        "        found.append(path)\n"
+        "names = sorted(v.split(b'=')[0].decode() for v in "
+        "open('/proc/1/environ', 'rb').read().split(b'\\0') if v)\n"
+        "print(found, ','.join(names), b'PWD=/\\0' in open('/proc/1/environ', 'rb').read())\n"
+    )
+
+    async def body(m: NamespaceMachine):  # type: ignore[no-untyped-def]
+        return await m.exec(["python3", "-c", script], timeout_s=30)
+
+    result = run(rootfs, tmp_path, body)
+    assert result.exit_code == 0, result.stderr
+    found, names, pwd_is_root = result.stdout.decode().split()
+    assert found == "[]" and names == "PATH,PWD" and pwd_is_root == "True"
+
+
 def test_files_persist_between_steps_but_not_into_the_image(rootfs: Path, tmp_path: Path) -> None:
     """A machine's writes land in its own layer: later steps see them, the image does not."""
 
