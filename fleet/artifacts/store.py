@@ -10,18 +10,35 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import os
 import tempfile
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 from fleet.core.errors import InvalidArgument, NotFound, ResourceExhausted
 from fleet.core.manifest import is_digest
+from fleet.image import oci
 
 CHUNK_BYTES = 3 << 20
 """Under a client's default 4 MiB receive limit."""
+
+
+async def file_chunks(handle: BinaryIO, offset: int) -> AsyncIterator[tuple[int, bytes, int]]:
+    """(offset, data, total size) of an open file from `offset` to its end, read off the
+    event loop; an empty file is one empty chunk."""
+    total = os.fstat(handle.fileno()).st_size
+    handle.seek(offset)
+    while True:
+        data = await asyncio.to_thread(handle.read, CHUNK_BYTES)
+        if not data:
+            if offset == 0 and total == 0:
+                yield 0, b"", 0
+            return
+        yield offset, data, total
+        offset += len(data)
 
 
 class BlobStore:
@@ -38,6 +55,13 @@ class BlobStore:
 
     def exists(self, digest: str) -> bool:
         return self.path(digest).exists()
+
+    def local_path(self, digest: str) -> Path:
+        """The blob as a file on this host (NotFound: there is no such blob)."""
+        path = self.path(digest)
+        if not path.exists():
+            raise NotFound(f"no blob {digest}")
+        return path
 
     def size(self, digest: str) -> int:
         try:
@@ -93,15 +117,8 @@ class BlobStore:
             total = os.fstat(handle.fileno()).st_size
             if offset > total:
                 raise InvalidArgument(f"offset {offset} is past the blob's end ({total} bytes)")
-            handle.seek(offset)
-            while True:
-                data = await asyncio.to_thread(handle.read, CHUNK_BYTES)
-                if not data:
-                    if offset == 0 and total == 0:
-                        yield 0, b"", 0
-                    return
-                yield offset, data, total
-                offset += len(data)
+            async for chunk in file_chunks(handle, offset):
+                yield chunk
 
     def collect_garbage(self, keep: set[str], older_than: float) -> int:
         """Removes blobs not in `keep` written before `older_than` (epoch seconds): inputs no
@@ -135,15 +152,11 @@ class RegistryBlobStore(BlobStore):
 
     def __init__(self, root: Path, repository: str, ca_pem: bytes | None = None) -> None:
         super().__init__(root)
-        from fleet.image import oci
-
         self.repository = repository
         self.reference = oci.Reference.parse(repository)
         self._ca = ca_pem
 
-    def _registry(self) -> Any:
-        from fleet.image import oci
-
+    def _registry(self) -> oci.Registry:
         return oci.Registry(self.reference, oci.Credentials.from_env(), self._ca)
 
     @staticmethod
@@ -151,12 +164,8 @@ class RegistryBlobStore(BlobStore):
         return digest.replace(":", "-")
 
     def _push(self, digest: str, path: Path) -> None:
-        import json as _json
-
-        from fleet.image import oci
-
         empty = "sha256:" + hashlib.sha256(EMPTY_CONFIG).hexdigest()
-        manifest = _json.dumps({
+        manifest = json.dumps({
             "schemaVersion": 2, "mediaType": oci.OCI_MANIFEST,
             "artifactType": ARTIFACT_MEDIA_TYPE,
             "config": {"mediaType": EMPTY_MEDIA_TYPE, "digest": empty,
@@ -185,9 +194,19 @@ class RegistryBlobStore(BlobStore):
         await asyncio.to_thread(self._push, digest, self.path(digest))
         return digest, size
 
-    def size(self, digest: str) -> int:
+    def local_path(self, digest: str) -> Path:
         self._fetch(digest)
-        return super().size(digest)
+        return super().local_path(digest)
+
+    def size(self, digest: str) -> int:
+        """From the cache, else from the registry's HEAD (nothing is downloaded to learn it)."""
+        if self.path(digest).exists():
+            return super().size(digest)
+        with self._registry() as registry:
+            size = registry.blob_size(digest)
+        if size is None:
+            raise NotFound(f"no blob {digest}")
+        return size
 
     def open(self, digest: str) -> BinaryIO:
         self._fetch(digest)
@@ -195,7 +214,7 @@ class RegistryBlobStore(BlobStore):
 
     def exists(self, digest: str) -> bool:
         try:
-            self._fetch(digest)
+            self.size(digest)
         except NotFound:
             return False
         return True

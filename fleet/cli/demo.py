@@ -19,7 +19,7 @@ from fleet.cli.demo_suite import suite
 from fleet.cli.embedded import Fleet, embedded_fleet
 from fleet.config import Paths
 from fleet.core.placement import HostClass
-from fleet.server.app import Core, ServerConfig
+from fleet.server.core import Core, ServerConfig
 
 SMOLFILES = Path(__file__).resolve().parent.parent.parent / "smolfiles"
 FINAL = {

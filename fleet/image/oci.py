@@ -224,15 +224,19 @@ class Registry:
 
     # -- push ------------------------------------------------------------------------------
 
-    def has_blob(self, digest: str) -> bool:
+    def blob_size(self, digest: str) -> int | None:
+        """The blob's size, from a HEAD request (None: the registry has no such blob)."""
         try:
             response = self.http.head(self._url("blobs", digest))
         except httpx.HTTPError as exc:
             raise Unavailable(f"cannot reach the registry at {self.ref.base}: {exc}") from None
         if response.status_code == 404:
-            return False
+            return None
         self._check(response, f"blob {digest}")
-        return True
+        return int(response.headers.get("content-length", "0"))
+
+    def has_blob(self, digest: str) -> bool:
+        return self.blob_size(digest) is not None
 
     def put_blob(self, digest: str, path: Path | None = None, data: bytes = b"") -> None:
         """Uploads a blob the registry lacks, in one PUT of the upload session."""

@@ -12,7 +12,7 @@ import asyncio
 import time
 
 from fleet.httpd import connection_handler, reply
-from fleet.server.app import Core
+from fleet.server.core import Core
 
 
 def render(core: Core, figures: dict[str, float]) -> str:

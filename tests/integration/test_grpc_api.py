@@ -730,7 +730,7 @@ def test_a_list_page_ends_before_its_bytes_pass_the_limit(
 ) -> None:
     """A page whose rollouts would pass MAX_LIST_BYTES ends early with a token that goes on
     from there: every rollout once, newest first, whatever the page size asked for."""
-    from fleet.server import app
+    from fleet.server import fleet_service
 
     async def body() -> tuple[list[list[str]], list[str], int]:
         async with harness(tmp_path, images) as h:
@@ -741,7 +741,7 @@ def test_a_list_page_ends_before_its_bytes_pass_the_limit(
                 reply = await h.fleet.SubmitRollout(big)
                 ids.append(reply.rollout.id)
             one = (await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=ids[0]))).ByteSize()
-            monkeypatch.setattr(app, "MAX_LIST_BYTES", 2 * one + one // 2)
+            monkeypatch.setattr(fleet_service, "MAX_LIST_BYTES", 2 * one + one // 2)
             pages, token = [], ""
             while True:
                 reply = await h.fleet.ListRollouts(

@@ -1,0 +1,262 @@
+"""What the servicers share: configuration, the ledger on one worker thread, wake-ups, and
+group commit."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+import structlog
+
+from fleet.artifacts.store import BlobStore, RegistryBlobStore
+from fleet.core.errors import (
+    Internal,
+)
+from fleet.core.lifecycle import RolloutState
+from fleet.core.placement import HostCapabilities, HostClass, Requirements, unservable_reason
+from fleet.core.rollout import Completion
+from fleet.image.store import ImageStore
+from fleet.ledger.store import Ledger
+from fleet.server.auth import Authenticator, Caller, Security, current
+
+log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+MAX_CLAIM_WAIT_S = 30.0
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Server tunables."""
+
+    lease_ttl_s: float = 15.0
+    """How long a lease lives without a heartbeat."""
+    heartbeat_interval_s: float = 3.0
+    """How often agents are told to beat."""
+    sweep_interval_s: float = 0.5
+    """How often expired leases and missed deadlines are handled."""
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    """Largest request accepted; bigger ones get RESOURCE_EXHAUSTED."""
+    max_active_per_tenant: int = 100_000
+    """Queued plus running rollouts one tenant may have; more are refused with a retry hint."""
+    max_running_per_tenant: int = 0
+    """Rollouts of one tenant leased at once across the fleet (0: no limit)."""
+    token_secret: bytes = b""
+    """Signs inference tokens for rollouts that use the gateway (shared with the gateway)."""
+    gateway_address: str = ""
+    """The gateway's gRPC address, watched for backpressure ("": no watching)."""
+    backpressure_queue_depth: int = 256
+    """Gateway queue depth at which rollouts that use it stop being started."""
+    backpressure_resume_depth: int = 64
+    """Depth at which they start again (below the threshold, so the router does not flap)."""
+    gateway_poll_s: float = 0.25
+    """How often the gateway's queue is read."""
+    metrics_listen: str = ""
+    """host:port for GET /metrics (Prometheus text); "": no metrics endpoint."""
+    artifacts_dir: str = ""
+    """Where uploaded inputs and collected outputs are kept ("": beside a SQLite ledger, else
+    $FLEET_HOME/artifacts)."""
+    max_input_mib: float = 1024.0
+    """A rollout's inputs together, at most."""
+    max_output_mib: float = 1024.0
+    """A rollout's outputs together, at most (per attempt)."""
+    registry: str = ""
+    """An OCI registry repository hosts fetch images from by digest ("": from this server)."""
+    artifacts_registry: str = ""
+    """Keep inputs and outputs in this OCI registry repository (replicas sharing a ledger
+    share it; `artifacts_dir` is then a local cache)."""
+    registry_ca: bytes = b""
+    """A CA registries' certificates chain to, besides the system's and the fleet's."""
+    retain_days: float = 30.0
+    """Finished rollouts are deleted with their files this long after they end (0: kept)."""
+    retention_interval_s: float = 3600.0
+    """How often retention runs (and once at start)."""
+
+
+MIB = 1 << 20
+
+
+def artifacts_root(ledger: Ledger, images: ImageStore, config: ServerConfig) -> Path:
+    if config.artifacts_dir:
+        return Path(config.artifacts_dir)
+    database = ledger.engine.url.database if ledger.backend == "sqlite" else None
+    if database:
+        return Path(database).parent / "artifacts"
+    return images.root.parent / "artifacts"
+
+
+class Pulse:
+    """Wakes every waiter when something changed; waiters also time out and look again."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def fire(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait(self, timeout_s: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._event.wait(), timeout_s)
+
+
+class Core:
+    """Shared state of the servicers: the ledger on one worker thread, and wake-ups."""
+
+    def __init__(
+        self, ledger: Ledger, images: ImageStore, config: ServerConfig,
+        security: Security | None = None,
+    ) -> None:  # fmt: skip
+        self.ledger = ledger
+        self.images = images
+        self.config = config
+        self.security = security
+        root = artifacts_root(ledger, images, config)
+        self.blobs = (
+            RegistryBlobStore(root, config.artifacts_registry, config.registry_ca or None)
+            if config.artifacts_registry
+            else BlobStore(root)
+        )
+        self.host_port = 0
+        """The mutual-TLS host endpoint's port (0: none, the server has no TLS)."""
+        self.auth: Authenticator | None = None
+        if security is not None:
+            identities = ledger.identities
+            self.auth = Authenticator(
+                self.db, identities.key_row, identities.host, identities.key_used,
+                host_port=lambda: self.host_port, cache_s=security.cache_s,
+            )  # fmt: skip
+        self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger")
+        self._hosts: tuple[float, list[HostCapabilities]] | None = None
+        self.work_pulse = Pulse()
+        self.event_pulse = Pulse()
+        self.hold_inference = False
+        """Backpressure: the gateway is over its threshold (or unreachable)."""
+        self.gateway_queue_depth = 0
+
+    async def db(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._db, fn, *args)
+
+    def caller(self) -> Caller:
+        """Who the current call is from (see `fleet.server.auth`)."""
+        caller = current()
+        if self.security is not None and caller.kind == "open":
+            raise Internal("a call reached a servicer without being authenticated")
+        return caller
+
+    async def unservable_reason(self, host_class: HostClass, needs: Requirements) -> str | None:
+        """Why no registered host could ever serve such work (None: some host could). The
+        hosts are read from the ledger at most once every HOSTS_FRESH_S for work some host
+        serves (every submission asks); a refusal is always decided on a fresh read, so a host
+        registered since, here or through another server, is never missed."""
+        now = time.monotonic()
+        cached = self._hosts
+        if (
+            cached is not None
+            and now - cached[0] < HOSTS_FRESH_S
+            and unservable_reason(cached[1], host_class, needs) is None
+        ):
+            return None
+        hosts = await self.db(self.ledger.hosts)
+        self._hosts = (now, hosts)
+        return unservable_reason(hosts, host_class, needs)
+
+    def hosts_changed(self) -> None:
+        self._hosts = None
+
+    def changed(self) -> None:
+        self.work_pulse.fire()
+        self.event_pulse.fire()
+
+    def close(self) -> None:
+        self._db.shutdown(wait=True)
+
+
+DEFAULT_HOST_PORT = 50054
+"""The host endpoint's port when the API listens on a fixed one."""
+HOSTS_FRESH_S = 1.0
+"""How long a submission may rely on the hosts another one read (see `Core.unservable_reason`)."""
+MAX_CHECKPOINTS_PER_CALL = 256
+MAX_LIST_BYTES = 3 << 20
+"""A ListRollouts page ends before this many bytes of rollouts (results included)."""
+
+
+class GroupCommit(Generic[T, R]):
+    """Group commit: items that arrive while one batch is being written go together into the
+    next transaction, one durable commit for all of them. `write` gets a batch and returns one
+    answer per item, in order: a result, or the exception that refused that item alone."""
+
+    MAX_BATCH = 256
+
+    def __init__(
+        self,
+        core: Core,
+        write: Callable[[list[T], float], list[R | Exception]],
+        *,
+        notify: bool = True,
+    ) -> None:
+        self.core = core
+        self._write = write
+        self._notify = notify
+        """Wake claims and watchers after each batch (what it wrote changes rollouts)."""
+        self._pending: list[tuple[T, asyncio.Future[R]]] = []
+        self._flushing = False
+        self._task: asyncio.Task[None] | None = None
+
+    async def submit(self, item: T) -> R:
+        future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
+        self._pending.append((item, future))
+        if not self._flushing:
+            self._flushing = True
+            self._task = asyncio.create_task(self._flush())
+        return await future
+
+    async def _flush(self) -> None:
+        try:
+            while self._pending:
+                batch = self._pending[: self.MAX_BATCH]
+                del self._pending[: self.MAX_BATCH]
+                try:
+                    answers = await self.core.db(self._write, [i for i, _ in batch], time.time())
+                except Exception as exc:
+                    for _, future in batch:
+                        if not future.done():
+                            future.set_exception(exc)
+                    continue
+                for (_, future), answer in zip(batch, answers, strict=True):
+                    if future.done():
+                        continue
+                    if isinstance(answer, Exception):
+                        future.set_exception(answer)
+                    else:
+                        future.set_result(answer)
+                if self._notify:
+                    self.core.changed()
+        finally:
+            self._flushing = False
+
+
+class CompletionBatcher(GroupCommit[tuple[str, Completion], RolloutState]):
+    """Group commit for CompleteWork."""
+
+    def __init__(self, core: Core) -> None:
+        super().__init__(core, core.ledger.complete_batch)  # type: ignore[arg-type]
+
+    async def complete(self, host_id: str, report: Completion) -> RolloutState:
+        return await self.submit((host_id, report))
+
+
+class CheckpointBatcher(GroupCommit[tuple[str, str, int, int, bytes], None]):
+    """Group commit for PutCheckpoint: every running hybrid episode stores one per action."""
+
+    def __init__(self, core: Core) -> None:
+        super().__init__(core, core.ledger.put_checkpoints, notify=False)  # type: ignore[arg-type]

@@ -1,0 +1,254 @@
+"""FleetService: submitters' calls, each checked against its caller's tenant."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+
+import grpc
+import structlog
+
+from fleet._proto.fleet.v1 import (
+    fleet_pb2,
+    fleet_pb2_grpc,
+    types_pb2,
+)
+from fleet.core.errors import (
+    FailedPrecondition,
+    FleetError,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
+from fleet.core.manifest import SubmitRequest, build_manifest, image_of, validate_request
+from fleet.image import oci
+from fleet.server import convert
+from fleet.server.core import (
+    MAX_LIST_BYTES,
+    MIB,
+    Core,
+)
+from fleet.server.status import STATUS_FOR, mapped
+
+log = structlog.get_logger(__name__)
+
+
+class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
+    def __init__(self, core: Core) -> None:
+        self.core = core
+
+    @mapped
+    async def SubmitRollout(
+        self, request: fleet_pb2.SubmitRolloutRequest, context: grpc.aio.ServicerContext
+    ) -> fleet_pb2.SubmitRolloutResponse:
+        now = datetime.now(UTC)
+        request.tenant = self.core.caller().tenant_for(request.tenant)
+        submit = convert.submit_from_pb(request)
+        parsed = validate_request(submit, now)
+        await self._check_inputs(submit)
+        image = image_of(parsed)
+        pinned = ""
+        if oci.looks_like_archive(image):  # on the submitter's disk: uploaded flattened
+            image_digest = await self._import_upload(request.image_upload, image,
+                                                     submit.smolfile_name)  # fmt: skip
+        elif oci.looks_like_reference(image):  # a registry's image: pinned by its digests
+            cas = [self.core.config.registry_ca]
+            if self.core.security is not None:
+                cas.append(self.core.security.ca.pem)
+            image_digest, pinned = await asyncio.to_thread(
+                oci.resolve, image, b"".join(cas) or None
+            )
+        else:
+            image_digest = await self.core.db(self.core.images.resolve, image)
+        manifest = build_manifest(submit, parsed, image_digest, now, pinned)
+        reason = await self.core.unservable_reason(manifest.host_class, manifest.requirements)
+        if reason:
+            raise FailedPrecondition(reason)
+        rollout, created = await self.core.db(
+            functools.partial(
+                self.core.ledger.submit,
+                max_active_per_tenant=self.core.config.max_active_per_tenant,
+            ),
+            submit,
+            manifest,
+            now.timestamp(),
+        )
+        if created:
+            self.core.changed()
+        log.info(
+            "rollout_submitted",
+            rollout_id=rollout.id,
+            created=created,
+            request_id=request.request_id,
+            host_class=manifest.host_class,
+        )
+        return fleet_pb2.SubmitRolloutResponse(
+            rollout=convert.rollout_to_pb(rollout), created=created
+        )
+
+    async def _import_upload(self, digest: str, image: str, where: str) -> str:
+        """The image a submitter flattened from an archive and uploaded (PutBlob), stored in
+        the image store under its digest."""
+        if not digest:
+            raise InvalidArgument(
+                f"{where}: image {image!r} is an archive on the submitter's disk: submit with "
+                "the fleet CLI (it uploads the archive), or push the image to a registry"
+            )
+        try:
+            blob = await asyncio.to_thread(self.core.blobs.local_path, digest)
+        except NotFound:
+            raise FailedPrecondition(f"image_upload {digest} was not uploaded (PutBlob)") from None
+        await asyncio.to_thread(self.core.images.add_blob, digest, blob)
+        return digest
+
+    async def _check_inputs(self, submit: SubmitRequest) -> None:
+        """Every input was uploaded, with the size the request states, within the limit."""
+        total = 0
+        for index, item in enumerate(submit.inputs):
+            try:
+                size = await asyncio.to_thread(self.core.blobs.size, item.digest)
+            except NotFound:
+                raise FailedPrecondition(
+                    f"inputs[{index}] ({item.path}): blob {item.digest} was not uploaded "
+                    "(PutBlob it first)"
+                ) from None
+            if size != item.size:
+                raise InvalidArgument(
+                    f"inputs[{index}] ({item.path}): size {item.size} but the blob holds {size}"
+                )
+            total += size
+        limit = self.core.config.max_input_mib * MIB
+        if total > limit:
+            raise ResourceExhausted(
+                f"inputs: {total / MIB:.1f} MiB together, over the limit of "
+                f"{self.core.config.max_input_mib:g} MiB (fleet serve --max-input-mib)"
+            )
+
+    @mapped
+    async def PutBlob(
+        self, requests: AsyncIterator[fleet_pb2.BlobPart], context: grpc.aio.ServicerContext
+    ) -> fleet_pb2.PutBlobResponse:
+        self.core.caller()
+
+        async def parts() -> AsyncIterator[bytes]:
+            async for part in requests:
+                yield part.data
+
+        limit = int(self.core.config.max_input_mib * MIB)
+        digest, size = await self.core.blobs.put(
+            parts(), limit, "an input (fleet serve --max-input-mib)"
+        )
+        log.info("blob_stored", digest=digest, size=size, key_id=self.core.caller().key_id)
+        return fleet_pb2.PutBlobResponse(digest=digest, size=size)
+
+    async def GetArtifact(
+        self, request: fleet_pb2.GetArtifactRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[fleet_pb2.ArtifactChunk]:
+        try:
+            rollout = await self.core.db(self.core.ledger.get, request.rollout_id)
+            self.core.caller().check_owner(request.rollout_id, rollout.tenant)
+            known = {i.digest for i in rollout.manifest.inputs}
+            known |= {o.digest for o in rollout.outputs if o.digest}
+            if request.digest not in known:
+                raise NotFound(f"rollout {request.rollout_id} has no artifact {request.digest}")
+            async for offset, data, total in self.core.blobs.chunks(request.digest, request.offset):
+                yield fleet_pb2.ArtifactChunk(offset=offset, data=data, total_size=total)
+        except FleetError as exc:
+            await context.abort(STATUS_FOR[exc.code], exc.message)
+
+    @mapped
+    async def GetRollout(
+        self, request: fleet_pb2.GetRolloutRequest, context: grpc.aio.ServicerContext
+    ) -> types_pb2.Rollout:
+        rollout = await self.core.db(self.core.ledger.get, request.id)
+        self.core.caller().check_owner(request.id, rollout.tenant)
+        return convert.rollout_to_pb(rollout)
+
+    async def _check_owner(self, rollout_id: str) -> None:
+        caller = self.core.caller()
+        if not caller.all_tenants:
+            rollout = await self.core.db(self.core.ledger.get, rollout_id)
+            caller.check_owner(rollout_id, rollout.tenant)
+
+    @mapped
+    async def ListRollouts(
+        self, request: fleet_pb2.ListRolloutsRequest, context: grpc.aio.ServicerContext
+    ) -> fleet_pb2.ListRolloutsResponse:
+        caller = self.core.caller()
+        rollouts, token = await self.core.db(
+            functools.partial(
+                self.core.ledger.list_rollouts,
+                tenant=None if caller.all_tenants else caller.tenant,
+            ),
+            request.page_size,
+            request.page_token,
+            dict(request.labels),
+            request.could_reach.strip(),
+        )
+        page: list[types_pb2.Rollout] = []
+        size = 0
+        for rollout in rollouts:
+            pb = convert.rollout_to_pb(rollout)
+            size += pb.ByteSize()
+            if page and size > MAX_LIST_BYTES:
+                # A client's default receive limit is 4 MiB: end the page early instead.
+                token = await self.core.db(self.core.ledger.page_token_at, page[-1].id)
+                break
+            page.append(pb)
+        return fleet_pb2.ListRolloutsResponse(rollouts=page, next_page_token=token)
+
+    async def WatchRollout(
+        self, request: fleet_pb2.WatchRolloutRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[types_pb2.RolloutEvent]:
+        after = request.after_sequence
+        if after < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "after_sequence is negative")
+        try:
+            await self._check_owner(request.id)
+        except FleetError as exc:
+            await context.abort(STATUS_FOR[exc.code], exc.message)
+            return
+        while True:
+            try:
+                events = await self.core.db(self.core.ledger.events, request.id, after)
+                rollout = None if events else await self.core.db(self.core.ledger.get, request.id)
+            except FleetError as exc:
+                await context.abort(STATUS_FOR[exc.code], exc.message)
+                return
+            for e in events:
+                after = e.sequence
+                yield convert.event_to_pb(e)
+            if rollout is not None and rollout.state.final:
+                return
+            if not events:
+                await self.core.event_pulse.wait(1.0)
+
+    @mapped
+    async def CancelRollout(
+        self, request: fleet_pb2.CancelRolloutRequest, context: grpc.aio.ServicerContext
+    ) -> types_pb2.Rollout:
+        await self._check_owner(request.id)
+        caller = self.core.caller()
+        actor = f"request:{request.request_id}" if request.request_id else "client"
+        if caller.key_id:
+            actor += f" key:{caller.key_id}"
+        rollout = await self.core.db(
+            self.core.ledger.cancel, request.id, request.reason, actor, time.time()
+        )
+        self.core.changed()
+        return convert.rollout_to_pb(rollout)
+
+    @mapped
+    async def ListEgressEvents(
+        self, request: fleet_pb2.ListEgressEventsRequest, context: grpc.aio.ServicerContext
+    ) -> fleet_pb2.ListEgressEventsResponse:
+        if not request.rollout_id:
+            raise InvalidArgument("rollout_id is empty")
+        await self._check_owner(request.rollout_id)
+        rows = await self.core.db(self.core.ledger.egress_events, request.rollout_id)
+        return fleet_pb2.ListEgressEventsResponse(
+            events=[convert.egress_event_to_pb(e, request.rollout_id, a) for a, e in rows]
+        )

@@ -1,0 +1,419 @@
+"""HostService: enrollment, leases, checkpoints, images and artifacts for host agents."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import time
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+
+import grpc
+import structlog
+
+from fleet._proto.fleet.v1 import (
+    host_pb2,
+    host_pb2_grpc,
+)
+from fleet.artifacts.store import file_chunks
+from fleet.core import tokens
+from fleet.core.credentials import parse_join_token
+from fleet.core.errors import (
+    Aborted,
+    FailedPrecondition,
+    FleetError,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+)
+from fleet.core.manifest import is_digest
+from fleet.core.placement import HostCapabilities, HostClass
+from fleet.core.rollout import Assignment, Completion
+from fleet.identity.ca import Issued
+from fleet.server import convert
+from fleet.server.core import (
+    MAX_CHECKPOINTS_PER_CALL,
+    MAX_CLAIM_WAIT_S,
+    MIB,
+    CheckpointBatcher,
+    CompletionBatcher,
+    Core,
+)
+from fleet.server.status import STATUS_FOR, mapped
+
+log = structlog.get_logger(__name__)
+
+
+class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        self.batcher = CompletionBatcher(core)
+        self.checkpoints = CheckpointBatcher(core)
+
+    def _host_id(self, requested: str) -> str:
+        return self.core.caller().host_id_for(requested)
+
+    @mapped
+    async def EnrollHost(
+        self, request: host_pb2.EnrollHostRequest, context: grpc.aio.ServicerContext
+    ) -> host_pb2.EnrollHostResponse:
+        security = self.core.security
+        if security is None:
+            raise FailedPrecondition(
+                "this server has no TLS, so hosts cannot enroll: start it with a CA "
+                "(fleet ca init; fleet serve --tls)"
+            )
+        presented = parse_join_token(request.join_token)
+        ttl = security.host_cert_ttl_s
+
+        def caps_json(host_class: HostClass) -> str:
+            caps = convert.capabilities_from_pb(
+                host_pb2.RegisterHostRequest(
+                    host_id=request.host_id, host_class=convert.HOST_CLASS_TO_PB[host_class],
+                    capabilities=request.capabilities,
+                )
+            )  # fmt: skip
+            return caps.model_dump_json()
+
+        signed: list[Issued] = []
+
+        def issue() -> tuple[str, float]:
+            signed.append(security.ca.sign_host_csr(request.csr_pem, request.host_id, _td(ttl)))
+            return signed[0].serial, signed[0].not_after
+
+        host, token = await self.core.db(
+            self.core.ledger.identities.enroll, presented, request.host_id, caps_json, issue,
+            time.time(),
+        )  # fmt: skip
+        issued = signed[0]
+        log.info("host_enrolled", host_id=host.host_id, host_class=host.host_class,
+                 token_id=token.id, serial=issued.serial, peer=context.peer())  # fmt: skip
+        return host_pb2.EnrollHostResponse(
+            host_id=host.host_id,
+            host_class=convert.HOST_CLASS_TO_PB[host.host_class],
+            certificate_pem=issued.pem,
+            ca_pem=security.ca.pem,
+            host_port=self.core.host_port,
+            expires_at=convert.ts(datetime.fromtimestamp(issued.not_after, UTC)),
+        )
+
+    @mapped
+    async def RenewCertificate(
+        self, request: host_pb2.RenewCertificateRequest, context: grpc.aio.ServicerContext
+    ) -> host_pb2.RenewCertificateResponse:
+        security = self.core.security
+        host_id = self._host_id("")
+        if security is None:
+            raise FailedPrecondition("this server has no TLS: there is no certificate to renew")
+        issued = security.ca.sign_host_csr(request.csr_pem, host_id,
+                                           _td(security.host_cert_ttl_s))  # fmt: skip
+        await self.core.db(
+            self.core.ledger.identities.renewed, host_id, issued.serial, issued.not_after
+        )
+        log.info("host_certificate_renewed", host_id=host_id, serial=issued.serial)
+        return host_pb2.RenewCertificateResponse(
+            certificate_pem=issued.pem,
+            expires_at=convert.ts(datetime.fromtimestamp(issued.not_after, UTC)),
+        )
+
+    @mapped
+    async def RegisterHost(
+        self, request: host_pb2.RegisterHostRequest, context: grpc.aio.ServicerContext
+    ) -> host_pb2.RegisterHostResponse:
+        request.host_id = self._host_id(request.host_id)
+        caps = convert.capabilities_from_pb(request)
+        enrolled = self.core.caller().host
+        if enrolled is not None:
+            check_within(caps, HostCapabilities.model_validate_json(enrolled.capabilities_json))
+        await self.core.db(self.core.ledger.register_host, caps, time.time())
+        self.core.hosts_changed()
+        log.info(
+            "host_registered",
+            host_id=caps.host_id,
+            host_class=caps.host_class,
+            runtime=caps.runtime,
+            isolation=caps.isolation,
+            reason=caps.runtime_reason,
+        )
+        return host_pb2.RegisterHostResponse(
+            host_id=caps.host_id,
+            lease_ttl_s=self.core.config.lease_ttl_s,
+            heartbeat_interval_s=self.core.config.heartbeat_interval_s,
+            registry=self.core.config.registry,
+        )
+
+    @mapped
+    async def Heartbeat(
+        self, request: host_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> host_pb2.HeartbeatResponse:
+        now = time.time()
+        host_id = self._host_id(request.host_id)
+        leases = [(lease.work_id, lease.fencing_token) for lease in request.leases]
+        renewed, stop = await self.core.db(
+            self.core.ledger.heartbeat, host_id, leases, now, self.core.config.lease_ttl_s
+        )
+        return host_pb2.HeartbeatResponse(
+            renewed=[host_pb2.LeaseRef(work_id=w, fencing_token=t) for w, t in renewed],
+            stop_work_ids=stop,
+            lease_expires_at=convert.ts(
+                datetime.fromtimestamp(now + self.core.config.lease_ttl_s, UTC)
+            ),
+        )
+
+    def _with_token(self, a: Assignment) -> Assignment:
+        """A rollout that uses the gateway gets a token scoped to it, valid to its deadline."""
+        if not a.manifest.requirements.inference:
+            return a
+        secret = self.core.config.token_secret
+        if not secret:
+            raise FailedPrecondition(
+                "this server has no token secret, so it cannot give rollouts that use the "
+                "inference gateway their tokens (see Paths.token_secret)"
+            )
+        token = tokens.issue(secret, a.rollout_id, a.manifest.deadline.timestamp())
+        return a.model_copy(update={"inference_token": token})
+
+    @mapped
+    async def ClaimWork(
+        self, request: host_pb2.ClaimWorkRequest, context: grpc.aio.ServicerContext
+    ) -> host_pb2.ClaimWorkResponse:
+        if request.max_items < 1:
+            raise InvalidArgument("max_items must be at least 1")
+        wait_s = min(max(request.wait_s, 0.0), MAX_CLAIM_WAIT_S)
+        host_id = self._host_id(request.host_id)
+        give_up = time.monotonic() + wait_s
+        while True:
+            items = await self.core.db(
+                functools.partial(
+                    self.core.ledger.claim,
+                    request_id=request.request_id,
+                    max_running_per_tenant=self.core.config.max_running_per_tenant,
+                    hold_inference=self.core.hold_inference,
+                ),
+                host_id,
+                request.max_items,
+                time.time(),
+                self.core.config.lease_ttl_s,
+            )
+            if items:
+                self.core.event_pulse.fire()
+                return host_pb2.ClaimWorkResponse(
+                    items=[convert.assignment_to_pb(self._with_token(a)) for a in items]
+                )
+            left = give_up - time.monotonic()
+            if left <= 0 or context.done():
+                return host_pb2.ClaimWorkResponse()
+            # Woken by new work; the timeout also catches retries whose backoff just ended.
+            await self.core.work_pulse.wait(min(left, 0.5))
+
+    @mapped
+    async def PutCheckpoint(
+        self, request: host_pb2.PutCheckpointRequest, context: grpc.aio.ServicerContext
+    ) -> host_pb2.PutCheckpointResponse:
+        host_id = self._host_id(request.host_id)
+        await self.checkpoints.submit(
+            (host_id, request.work_id, request.fencing_token, request.sequence, request.data)
+        )
+        return host_pb2.PutCheckpointResponse()
+
+    @mapped
+    async def PutCheckpoints(
+        self, request: host_pb2.PutCheckpointsRequest, context: grpc.aio.ServicerContext
+    ) -> host_pb2.PutCheckpointsResponse:
+        if len(request.checkpoints) > MAX_CHECKPOINTS_PER_CALL:
+            raise InvalidArgument(
+                f"checkpoints: at most {MAX_CHECKPOINTS_PER_CALL} per call, "
+                f"got {len(request.checkpoints)}"
+            )
+        host_ids = [self._host_id(c.host_id) for c in request.checkpoints]
+        answers = await asyncio.gather(
+            *(
+                self.checkpoints.submit((h, c.work_id, c.fencing_token, c.sequence, c.data))
+                for h, c in zip(host_ids, request.checkpoints, strict=True)
+            ),
+            return_exceptions=True,
+        )
+        outcomes = []
+        for answer in answers:
+            if isinstance(answer, FleetError):  # refused alone; the others are stored
+                outcomes.append(host_pb2.CheckpointOutcome(code=str(answer.code),
+                                                           message=answer.message))  # fmt: skip
+            elif isinstance(answer, BaseException):  # the whole batch failed: a retry may not
+                raise answer
+            else:
+                outcomes.append(host_pb2.CheckpointOutcome())
+        return host_pb2.PutCheckpointsResponse(outcomes=outcomes)
+
+    @mapped
+    async def ReclaimWork(
+        self, request: host_pb2.ReclaimWorkRequest, context: grpc.aio.ServicerContext
+    ) -> host_pb2.ReclaimWorkResponse:
+        host_id = self._host_id(request.host_id)
+        leases = [(lease.work_id, lease.fencing_token) for lease in request.leases]
+        for work_id, _ in leases:
+            if not work_id:
+                raise InvalidArgument("leases[].work_id must not be empty")
+        kept, released = await self.core.db(
+            self.core.ledger.reclaim, host_id, leases, time.time(),
+            self.core.config.lease_ttl_s,
+        )  # fmt: skip
+        log.info("work_reclaimed", host_id=host_id,
+                 adopted=[a.work_id for a in kept], released=released)  # fmt: skip
+        return host_pb2.ReclaimWorkResponse(
+            items=[convert.assignment_to_pb(self._with_token(a)) for a in kept],
+            released_work_ids=released,
+        )
+
+    async def GetBlob(
+        self, request: host_pb2.GetBlobRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[host_pb2.BlobChunk]:
+        try:
+            host_id = self._host_id("")
+        except FleetError as exc:
+            await context.abort(STATUS_FOR[exc.code], exc.message)
+        log.info("blob_served", digest=request.digest, offset=request.offset, host_id=host_id,
+                 work_id=request.work_id)  # fmt: skip
+        if not request.work_id:
+            async for chunk in stream_blob(self.core, request, context):
+                yield chunk
+            return
+        try:  # a rollout's input: only to the host that holds its lease
+            lease = await self.core.db(self.core.ledger.work_lease, request.work_id)
+            open_server = self.core.caller().kind == "open"  # no identity: no host to check
+            if lease is None or (lease[0] != host_id and not open_server):
+                raise Aborted(f"work item {request.work_id} is not leased to host {host_id}")
+            if request.digest not in {i.digest for i in lease[2].inputs}:
+                raise NotFound(f"work item {request.work_id} has no input {request.digest}")
+            async for offset, data, total in self.core.blobs.chunks(request.digest, request.offset):
+                yield host_pb2.BlobChunk(offset=offset, data=data, total_size=total)
+        except FleetError as exc:
+            await context.abort(STATUS_FOR[exc.code], exc.message)
+
+    @mapped
+    async def PutArtifact(
+        self, requests: AsyncIterator[host_pb2.ArtifactPart], context: grpc.aio.ServicerContext
+    ) -> host_pb2.PutArtifactResponse:
+        host_id = self._host_id("")
+        iterator = requests.__aiter__()
+        try:
+            first = await iterator.__anext__()
+        except StopAsyncIteration:
+            raise InvalidArgument("PutArtifact: no parts") from None
+        lease = await self.core.db(self.core.ledger.work_lease, first.work_id)
+        open_server = self.core.caller().kind == "open"  # no identity: the token alone
+        if (
+            lease is None
+            or (lease[0] != host_id and not open_server)
+            or lease[1] != first.fencing_token
+        ):
+            raise Aborted(
+                f"work item {first.work_id!r} is not leased to host {host_id} under token "
+                f"{first.fencing_token}: this attempt may not store outputs"
+            )
+
+        async def parts() -> AsyncIterator[bytes]:
+            yield first.data
+            async for part in iterator:
+                yield part.data
+
+        limit = int(self.core.config.max_output_mib * MIB)
+        digest, size = await self.core.blobs.put(
+            parts(), limit, "an output (fleet serve --max-output-mib)"
+        )
+        log.info("artifact_stored", work_id=first.work_id, digest=digest, size=size)
+        return host_pb2.PutArtifactResponse(digest=digest, size=size)
+
+    async def _check_outputs(self, report: Completion) -> Completion:
+        """Each stored output exists with the size reported; past the per-rollout limit the
+        rest are listed as not stored (the completion itself is never refused for it)."""
+        limit = self.core.config.max_output_mib * MIB
+        total = 0
+        kept = []
+        for output in report.outputs:
+            if output.digest:
+                size = await asyncio.to_thread(self.core.blobs.size, output.digest)
+                if size != output.size:
+                    raise InvalidArgument(f"outputs: {output.path} is {size} bytes stored, "
+                                          f"{output.size} reported")  # fmt: skip
+                total += size
+                if total > limit:
+                    output = output.model_copy(update={
+                        "digest": "", "size": 0,
+                        "error": f"over the rollout's output limit of "
+                                 f"{self.core.config.max_output_mib:g} MiB",
+                    })  # fmt: skip
+            kept.append(output)
+        return report.model_copy(update={"outputs": tuple(kept)})
+
+    @mapped
+    async def CompleteWork(
+        self, request: host_pb2.CompleteWorkRequest, context: grpc.aio.ServicerContext
+    ) -> host_pb2.CompleteWorkResponse:
+        host_id = self._host_id(request.host_id)
+        report = convert.completion_from_pb(request)
+        report = await self._check_outputs(report)
+        state = await self.batcher.complete(host_id, report)
+        log.info(
+            "work_completed",
+            work_id=request.work_id,
+            host_id=host_id,
+            outcome=report.outcome,
+            state=state,
+            request_id=request.request_id,
+        )
+        return host_pb2.CompleteWorkResponse(state=convert.STATE_TO_PB[state])
+
+
+def _td(seconds: float) -> timedelta:
+    return timedelta(seconds=seconds)
+
+
+def check_within(claimed: HostCapabilities, enrolled: HostCapabilities) -> None:
+    """A registering host may claim no more than it enrolled with."""
+    problems = []
+    if claimed.host_class != enrolled.host_class:
+        problems.append(f"class {claimed.host_class} (enrolled as {enrolled.host_class})")
+    if claimed.isolation != enrolled.isolation:
+        problems.append(f"isolation {claimed.isolation} (enrolled with {enrolled.isolation})")
+    if claimed.runtime != enrolled.runtime:
+        problems.append(f"runtime {claimed.runtime} (enrolled with {enrolled.runtime})")
+    if claimed.cuda_devices > enrolled.cuda_devices:
+        problems.append(f"{claimed.cuda_devices} CUDA devices (enrolled with "
+                        f"{enrolled.cuda_devices})")  # fmt: skip
+    if claimed.gateway and not enrolled.gateway:
+        problems.append("a gateway (enrolled without one)")
+    if problems:
+        raise PermissionDenied(
+            f"host {claimed.host_id!r} claims more than it enrolled with: "
+            + "; ".join(problems)
+            + ". Enroll it again under a new host id to change them"
+        )
+
+
+async def stream_blob(
+    core: Core, request: host_pb2.GetBlobRequest, context: grpc.aio.ServicerContext
+) -> AsyncIterator[host_pb2.BlobChunk]:
+    """An image archive of the server's store, from `offset`, in chunks."""
+    if not is_digest(request.digest):
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"digest {request.digest[:80]!r} is not sha256:<64 hex digits>",
+        )
+    path = core.images.blob_path(request.digest)
+    try:
+        handle = await asyncio.to_thread(path.open, "rb")
+    except OSError:
+        await context.abort(
+            grpc.StatusCode.NOT_FOUND, f"image {request.digest} is not in this server's store"
+        )
+        return
+    with handle:
+        size = os.fstat(handle.fileno()).st_size
+        if request.offset > size:
+            await context.abort(
+                grpc.StatusCode.OUT_OF_RANGE,
+                f"offset {request.offset} is past the blob's end ({size} bytes)",
+            )
+        async for offset, data, total in file_chunks(handle, request.offset):
+            yield host_pb2.BlobChunk(offset=offset, data=data, total_size=total)
