@@ -13,6 +13,7 @@ from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
 from typing import Any
 
+from fleet.cli.client import parse_labels
 from fleet.config import Paths
 from fleet.core.credentials import format_api_key, format_join_token, parse_scopes
 from fleet.core.errors import InvalidArgument
@@ -46,12 +47,6 @@ def _ledger(args: argparse.Namespace) -> Any:
     return Ledger.open(args.db or str(paths.home / "ledger.sqlite3"))
 
 
-def _labels(items: list[str]) -> dict[str, str]:
-    from fleet.cli.client import parse_labels
-
-    return parse_labels(items)
-
-
 async def cmd_ca(args: argparse.Namespace) -> int:
     paths = Paths.from_env()
     if args.ca_cmd == "init":
@@ -72,7 +67,7 @@ async def cmd_host(args: argparse.Namespace) -> int:
         if args.token_cmd == "create":
             ca = CertificateAuthority.load(Paths.from_env().ca)
             token, presented = ids.create_join_token(
-                HostClass(args.host_class), _labels(args.label), duration_s(args.ttl),
+                HostClass(args.host_class), parse_labels(args.label), duration_s(args.ttl),
                 args.uses, now,
             )  # fmt: skip
             uses = "once" if token.uses_left == 1 else f"{token.uses_left} times"

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shlex
+import tarfile
+import tempfile
 import tomllib
 import uuid
 from dataclasses import dataclass
@@ -16,7 +19,10 @@ import grpc
 from fleet._proto.fleet.v1 import fleet_pb2, types_pb2
 from fleet.config import Paths
 from fleet.core.errors import InvalidArgument
+from fleet.core.manifest import image_of
 from fleet.core.smolfile import load_smolfile
+from fleet.image.archive import flatten
+from fleet.image.oci import looks_like_archive
 
 PLAN_KEYS = {"argv", "env", "workdir", "timeout_s", "name"}
 
@@ -192,6 +198,7 @@ class ClientAuth:
         """--ca, else $FLEET_CA, else `$FLEET_HOME/ca/ca.crt` when it exists (no TLS without
         one, or with --plaintext); --key, else $FLEET_KEY, else `$FLEET_HOME/admin.key` when it
         exists (written by `fleet up` and by `fleet serve` on first start)."""
+        paths = Paths(home, home)
         ca_pem: bytes | None = None
         if not plaintext:
             path = ca or os.environ.get("FLEET_CA", "")
@@ -200,10 +207,10 @@ class ClientAuth:
                     ca_pem = Path(path).read_bytes()
                 except OSError as exc:
                     raise InvalidArgument(f"--ca {path}: cannot read: {exc}") from None
-            elif (Paths(home, home).ca / "ca.crt").exists():
-                ca_pem = (Paths(home, home).ca / "ca.crt").read_bytes()
+            elif (paths.ca / "ca.crt").exists():
+                ca_pem = (paths.ca / "ca.crt").read_bytes()
         key = key or os.environ.get("FLEET_KEY", "")
-        admin = Paths(home, home).admin_key
+        admin = paths.admin_key
         if not key and admin.exists():
             key = admin.read_text().strip()
         return cls(ca_pem, key)
@@ -237,7 +244,6 @@ def parse_input(spec: str) -> tuple[Path, str, bool]:
 def tar_directory(src: Path, out: Any) -> None:
     """A directory as a tar whose bytes depend on its content only (sorted entries, owner 0),
     so the same tree uploaded twice is stored once."""
-    import tarfile
 
     def reset(info: tarfile.TarInfo) -> tarfile.TarInfo:
         info.uid = info.gid = 0
@@ -251,8 +257,6 @@ def tar_directory(src: Path, out: Any) -> None:
 
 async def upload(stub: Any, src: Path, dest: str, directory: bool) -> types_pb2.InputFile:
     """Uploads a file, or a directory as one tar, with PutBlob; returns the manifest entry."""
-    import asyncio
-    import tempfile
 
     with tempfile.TemporaryFile() as spool:
         if directory:
@@ -278,9 +282,6 @@ async def upload(stub: Any, src: Path, dest: str, directory: bool) -> types_pb2.
 async def download(stub: Any, rollout: types_pb2.Rollout, into: Path) -> list[str]:
     """Writes each stored output of `rollout` under `into` (a directory's tar unpacked into a
     folder of its name); returns what it wrote."""
-    import asyncio
-    import tarfile
-    import tempfile
 
     written = []
     os.makedirs(into, exist_ok=True)
@@ -317,13 +318,6 @@ def archive_path(smolfile: str, image: str) -> Path:
 async def upload_image_archive(stub: Any, smolfile: str) -> str:
     """When the Smolfile's `image` is an archive path (relative to the Smolfile): the image
     flattened here and uploaded; its digest ("" for any other `image`)."""
-    import asyncio
-    import tempfile
-
-    from fleet.core.manifest import image_of
-    from fleet.core.smolfile import load_smolfile
-    from fleet.image.archive import flatten
-    from fleet.image.oci import looks_like_archive
 
     image = image_of(load_smolfile(smolfile))
     if not looks_like_archive(image):

@@ -28,6 +28,8 @@ from fleet.cli.client import list_all
 from fleet.cli.demo import FINAL, print_table
 from fleet.config import Paths
 from fleet.envs.episode import source, warm_step
+from fleet.identity.ca import CertificateAuthority
+from fleet.identity.tls import ServerTls, server_names, server_ssl_context
 
 NEAR_GATEWAY = 8
 """Episodes that ask to run on the GPU host, next to the gateway, for the latency comparison."""
@@ -50,8 +52,6 @@ class GatewayHandle:
 
 async def start_gateway(paths: Paths, log_level: str = "info") -> GatewayHandle:
     """The gateway with the shipped policy: gRPC on loopback, HTTP where machines reach it."""
-    from fleet.identity.ca import CertificateAuthority
-    from fleet.identity.tls import ServerTls, server_names, server_ssl_context
     from gateway.http import serve_http
     from gateway.service import Gateway, GatewayConfig, serve
 

@@ -1,0 +1,307 @@
+"""`fleet serve`, `fleet agent`, `fleet gateway`, `fleet up`: the long-running processes."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from fleet.cli.admin import duration_s
+from fleet.config import Paths
+from fleet.identity.local import ensure_admin_key
+from fleet.runtime.netns import NetConfig
+from fleet.server.auth import Security
+
+
+def default_db(paths: Paths) -> Path:
+    return paths.home / "ledger.sqlite3"
+
+
+async def _until_signalled(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+async def cmd_serve(args: argparse.Namespace) -> int:
+    from fleet.image.store import ImageStore
+    from fleet.ledger.store import Ledger
+    from fleet.server.app import FleetServer, ServerConfig
+
+    paths = Paths.from_env()
+    security = serve_security(args, paths)
+    registry_ca = (
+        await asyncio.to_thread(Path(args.registry_ca).read_bytes) if args.registry_ca else b""
+    )
+    ledger = Ledger.open(args.db or str(default_db(paths)))
+    server = FleetServer(
+        ledger,
+        ImageStore(paths.images, paths.recipes),
+        args.listen,
+        security=security,
+        config=ServerConfig(
+            lease_ttl_s=args.lease_ttl_s,
+            heartbeat_interval_s=args.heartbeat_s,
+            token_secret=Paths.from_env().token_secret(),
+            gateway_address=args.gateway,
+            backpressure_queue_depth=args.backpressure_depth,
+            metrics_listen=args.metrics_listen,
+            artifacts_dir=args.artifacts_dir,
+            max_input_mib=args.max_input_mib,
+            max_output_mib=args.max_output_mib,
+            retain_days=args.retain_days,
+            registry=args.registry,
+            artifacts_registry=args.artifacts_registry,
+            registry_ca=registry_ca,
+        ),
+    )
+    await server.start()
+    if security is None:
+        print(
+            f"fleet server listening on {server.address} WITHOUT TLS OR AUTHENTICATION: any "
+            "caller that reaches it may act as any tenant or host",
+            flush=True,
+        )
+    else:
+        wrote = await asyncio.to_thread(ensure_admin_key, paths, ledger)
+        print(
+            f"fleet server listening on {server.address} (TLS, API keys); hosts call "
+            f"{server.host_address} (mutual TLS); CA {security.ca.fingerprint}"
+            + (f"; an admin key for this user is in {paths.admin_key}" if wrote else ""),
+            flush=True,
+        )
+    await _until_signalled(asyncio.Event())
+    await server.stop()
+    return 0
+
+
+def serve_security(args: argparse.Namespace, paths: Paths) -> Security | None:
+    """TLS and authentication with --tls, and always beyond loopback; none on loopback without
+    --tls, or anywhere with --insecure (said loudly)."""
+    from fleet.identity.ca import CertificateAuthority
+    from fleet.identity.tls import is_loopback, split_address
+
+    host, _ = split_address(args.listen)
+    if args.insecure:
+        if args.tls:
+            raise SystemExit("fleet serve: --tls and --insecure contradict each other")
+        return None
+    if not args.tls and is_loopback(host):
+        return None
+    if not CertificateAuthority.exists(paths.ca):
+        why = "--tls" if args.tls else f"listening on {args.listen}, beyond loopback,"
+        raise SystemExit(
+            f"fleet serve: {why} needs the fleet CA: run `fleet ca init` first "
+            "(or --insecure to serve without TLS or authentication)"
+        )
+    return Security(
+        CertificateAuthority.load(paths.ca), host_listen=args.host_listen, san=args.san,
+        host_cert_ttl_s=duration_s(args.host_cert_ttl),
+    )  # fmt: skip
+
+
+def net_config(uplink: str, dns: str) -> NetConfig:
+    """The agent's egress settings from its flags; a malformed resolver address is refused."""
+    import ipaddress
+
+    from fleet.runtime.netns import default_upstream
+
+    upstream = default_upstream()
+    if dns:
+        host, _, port = dns.partition(":")
+        try:
+            upstream = (str(ipaddress.IPv4Address(host)), int(port or 53))
+        except ValueError:
+            raise SystemExit(f"--egress-dns {dns!r}: expected an IPv4 ADDRESS[:PORT]") from None
+    if uplink and not Path(f"/run/netns/{uplink}").exists():
+        raise SystemExit(f"--egress-uplink {uplink!r}: no network namespace /run/netns/{uplink}")
+    return NetConfig(uplink_netns=uplink or None, dns_upstream=upstream)
+
+
+async def cmd_gateway(args: argparse.Namespace) -> int:
+    """The inference gateway: gRPC InferenceService plus the HTTP endpoint machines call."""
+    from gateway.batcher import BatchConfig
+    from gateway.http import serve_http
+    from gateway.service import Gateway, GatewayConfig, serve
+
+    paths = Paths.from_env()
+    config = GatewayConfig(
+        secret=paths.token_secret(), device=args.device, capacity_mib=args.capacity_mib,
+        dtype=args.dtype, engine=args.engine, log_level=args.log_level or args.default_log_level,
+        stream_outstanding=args.stream_outstanding, reserve_device_memory=not args.no_reserve,
+        batch=BatchConfig(
+            max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
+            max_inflight_per_rollout=args.max_inflight_per_rollout,
+            answers_kept=args.answers_kept, answers_kept_mib=args.answers_kept_mib,
+        ),
+    )  # fmt: skip
+    grpc_tls, http_tls, ca = gateway_tls(args, paths)
+    gw = Gateway.build(config)
+    server, port = await serve(gw, args.listen, grpc_tls)
+    host, _, http_port = args.http_listen.rpartition(":")
+    http, bound = await serve_http(gw, host, int(http_port), tls=http_tls)
+    scheme = "https" if http_tls is not None else "http"
+    print(
+        f"fleet gateway: {gw.spec.name} {gw.spec.revision} on {gw.batcher.primary.device} "
+        f"in {gw.spec.dtype} (CPU replica in float32 behind a breaker); gRPC on port {port}"
+        f"{' (TLS)' if grpc_tls is not None else ''}, HTTP on port {bound} ({scheme}"
+        + (f", CA {ca}" if ca else "")
+        + "; agents: --gateway "
+        + ("https://" if http_tls is not None else "")
+        + f"ADDRESS:{bound})",
+        flush=True,
+    )
+    await _until_signalled(asyncio.Event())
+    http.close()
+    await gw.batcher.stop()
+    await server.stop(5)
+    return 0
+
+
+def gateway_tls(args: argparse.Namespace, paths: Paths) -> tuple[Any, Any, str]:
+    """TLS for each of the gateway's endpoints that is not on loopback (unless --insecure),
+    with a certificate from the fleet CA: (gRPC credentials, HTTP context, CA fingerprint)."""
+    from fleet.identity.ca import CertificateAuthority
+    from fleet.identity.tls import (
+        ServerTls,
+        is_loopback,
+        server_names,
+        server_ssl_context,
+        split_address,
+    )
+
+    hosts = {name: split_address(address)[0] for name, address in
+             (("--listen", args.listen), ("--http-listen", args.http_listen))}  # fmt: skip
+    wide = [name for name, host in hosts.items() if not is_loopback(host)]
+    if args.insecure or not wide:
+        if args.insecure and wide:
+            print(f"fleet gateway: {', '.join(wide)} beyond loopback WITHOUT TLS (--insecure)",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        return None, None, ""
+    if not CertificateAuthority.exists(paths.ca):
+        raise SystemExit(
+            f"fleet gateway: {', '.join(wide)} beyond loopback needs TLS from the fleet CA in "
+            f"{paths.ca} (fleet ca init, on the server's host), or --insecure"
+        )
+    ca = CertificateAuthority.load(paths.ca)
+    names = server_names(args.http_listen, [*args.san, hosts["--listen"]])
+    tls = ServerTls.issue(ca, names)
+    grpc_tls = tls.credentials(require_client_cert=False) if "--listen" in wide else None
+    http_tls = server_ssl_context(tls) if "--http-listen" in wide else None
+    return grpc_tls, http_tls, ca.fingerprint
+
+
+def gateway_endpoint(text: str) -> tuple[str, int] | None:
+    """--gateway ADDRESS:PORT ("host" for this host as machines see it); empty: none."""
+    import ipaddress
+
+    if not text:
+        return None
+    host, _, port = text.removeprefix("https://").rpartition(":")
+    try:
+        if host != "host":
+            host = str(ipaddress.IPv4Address(host))
+        return host, int(port)
+    except ValueError:
+        raise SystemExit(f"--gateway {text!r}: expected ADDRESS:PORT or host:PORT") from None
+
+
+async def cmd_agent(args: argparse.Namespace) -> int:
+    from fleet.agent.agent import Agent, AgentConfig, default_host_id
+    from fleet.agent.capabilities import capabilities, choose_runtime
+    from fleet.agent.link import enroll
+    from fleet.core.placement import HostClass
+    from fleet.identity.tls import HostFiles
+    from fleet.image.store import ImageStore
+
+    paths = Paths.from_env()
+    images = ImageStore(paths.images, paths.recipes)
+    choice = choose_runtime(args.runtime, paths.home, images)
+    host_class = HostClass(args.host_class)
+    host_id = args.host_id or default_host_id(host_class)
+    gateway = gateway_endpoint(args.gateway)
+    files = HostFiles(Path(args.identity_dir) if args.identity_dir else paths.host_identity)
+    identity = None
+    if files.exists():
+        identity = files.load()
+        if not identity.valid():
+            raise SystemExit(
+                f"fleet agent: this host's certificate ({files.cert}) expired at "
+                f"{identity.not_after:.0f}; enroll again with a new --join token after "
+                f"removing {files.directory}"
+            )
+        if args.host_id and args.host_id != identity.host_id:
+            raise SystemExit(
+                f"fleet agent: {files.directory} holds host {identity.host_id!r}'s identity, "
+                f"not {args.host_id!r}'s: drop --host-id, or use another --identity-dir"
+            )
+        host_id = identity.host_id
+        if args.join:
+            print(f"fleet agent: enrolled already as {host_id}; the join token was not used",
+                  flush=True)  # fmt: skip
+    registry_ca = (
+        await asyncio.to_thread(Path(args.registry_ca).read_bytes) if args.registry_ca else b""
+    )
+    gateway_ca = b""
+    if args.gateway.startswith("https://"):
+        if args.ca:
+            gateway_ca = await asyncio.to_thread(Path(args.ca).read_bytes)
+        elif files.exists():
+            gateway_ca = await asyncio.to_thread(files.ca.read_bytes)
+        elif not args.join:
+            raise SystemExit(
+                "fleet agent: --gateway https://… needs the fleet CA to verify it: --ca FILE, "
+                "or enroll (--join)"
+            )
+    if args.join and not files.exists():
+        caps = capabilities(host_id, host_class, choice, args.slots).model_copy(
+            update={"gateway": gateway is not None}
+        )
+        ca_pem = await asyncio.to_thread(Path(args.ca).read_bytes) if args.ca else b""
+        identity = await enroll(args.server, args.join, host_id, caps, files,
+                                ca_fingerprint=args.ca_fingerprint, ca_pem=ca_pem)  # fmt: skip
+        print(f"fleet agent: enrolled as {host_id}; identity in {files.directory}", flush=True)
+        gateway_ca = gateway_ca or (identity.ca_pem if args.gateway.startswith("https://") else b"")
+    agent = Agent(
+        AgentConfig(
+            server=args.server,
+            identity=identity,
+            identity_files=files if identity is not None else None,
+            host_id=host_id,
+            host_class=host_class,
+            runtime=choice,
+            machines_dir=Path(args.machines_dir) if args.machines_dir else paths.machines,
+            images=images,
+            slots=args.slots,
+            net=net_config(args.egress_uplink, args.egress_dns),
+            gateway=gateway,
+            gateway_ca=gateway_ca,
+            image_cache_gib=args.image_cache_gib,
+            registry_ca=registry_ca,
+        )
+    )
+    print(f"fleet agent: {host_class}-class, runtime {choice.kind} ({choice.reason})", flush=True)
+    stop = asyncio.Event()
+    waiter = asyncio.create_task(_until_signalled(stop))
+    await agent.run(stop)
+    waiter.cancel()
+    return 0
+
+
+async def cmd_up(args: argparse.Namespace) -> int:
+    from fleet.cli.embedded import embedded_fleet
+
+    paths = Paths.from_env()
+    db = Path(args.db) if args.db else default_db(paths)
+    async with embedded_fleet(paths, db, listen=args.listen, slots=args.slots) as fleet:
+        print(
+            f"fleet up: server on {fleet.address}, ledger {db}, 1 gpu-class + 2 cpu-class agents, "
+            f"runtime {fleet.runtime.kind} ({fleet.runtime.reason})",
+            flush=True,
+        )
+        await _until_signalled(asyncio.Event())
+    return 0
