@@ -526,7 +526,7 @@ class Agent:
     async def _stage_inputs(self, a: Assignment) -> tuple[tuple[str, str], ...]:
         """Inputs fetched to this host to be mounted read-only, where the runtime can mount
         (the namespace runtime); elsewhere they are copied in after the machine starts."""
-        if not a.manifest.inputs or not isinstance(self.runtime, NamespaceRuntime):
+        if not a.manifest.inputs or not self.runtime.mounts_read_only:
             return ()
         return await stage_inputs(self._stub, a, self._inputs_dir(a))
 

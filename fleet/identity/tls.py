@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import socket
 import ssl
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,8 +104,6 @@ class ServerTls:
 
 def server_ssl_context(tls: ServerTls) -> ssl.SSLContext:
     """The same certificate for a plain TLS listener (the gateway's HTTP endpoint)."""
-    import os
-    import tempfile
 
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     with tempfile.TemporaryDirectory() as tmp:

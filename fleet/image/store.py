@@ -18,6 +18,7 @@ import structlog
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from fleet.core.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from fleet.image.archive import flatten
 
 log = structlog.get_logger(__name__)
 
@@ -139,8 +140,6 @@ class ImageStore:
         with tempfile.TemporaryDirectory(dir=self.root / "tmp") as tmp:
             out = Path(tmp) / "rootfs.tar"
             if base is not None:
-                from fleet.image.archive import flatten
-
                 log.info("image_build_started", image=name, base=str(base))
                 flatten(base, out)
                 return self._store(name, recipe_digest, out, started)
@@ -242,7 +241,6 @@ class ImageStore:
     def import_archive(self, archive: Path) -> ImageRecord:
         """A docker-save archive or OCI layout tar as an image, named `archive-<its digest>`
         (flattened once per archive content)."""
-        from fleet.image.archive import flatten
 
         try:
             source_digest = _sha256_file(archive)

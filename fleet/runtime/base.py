@@ -41,8 +41,8 @@ class MachineSpec(BaseModel):
     writable: tuple[tuple[str, str], ...] = ()
     """(host path, path in the machine): mounted writable (`fleet run`'s [dev] volumes)."""
     read_only: tuple[tuple[str, str], ...] = ()
-    """(host path, path in the machine): mounted read-only in the machine (a rollout's inputs).
-    Runtimes that cannot mount say so in `mounts_read_only`."""
+    """(host path, path in the machine): mounted read-only in the machine (a rollout's inputs),
+    where the runtime `mounts_read_only`."""
 
 
 class ExecResult(BaseModel):
@@ -120,6 +120,8 @@ class Runtime(Protocol):
 
     kind: RuntimeKind
     isolation: Isolation
+    mounts_read_only: bool
+    """Whether `MachineSpec.read_only` (and `writable`) host paths are mounted in machines."""
 
     async def create(self, spec: MachineSpec) -> Machine: ...
 

@@ -368,6 +368,7 @@ class NamespaceRuntime:
 
     kind = RuntimeKind.NAMESPACE
     isolation = Isolation.NAMESPACE
+    mounts_read_only = True
 
     def __init__(self, machines_dir: Path, net: NetConfig | None = None) -> None:
         self.machines_dir = machines_dir

@@ -303,6 +303,7 @@ class SmolParent:
 class SmolRuntime:
     kind = RuntimeKind.SMOL
     isolation = Isolation.VM
+    mounts_read_only = False
 
     async def create(self, spec: MachineSpec) -> SmolMachine:
         from smol import AsyncMachine, ConnectOptions, SmolError
