@@ -41,7 +41,7 @@ from fleet.core.errors import (
     Unavailable,
 )
 from fleet.core.lifecycle import Outcome
-from fleet.core.manifest import OutputArtifact, Step
+from fleet.core.manifest import OutputArtifact, Step, check_steps
 from fleet.core.placement import HostCapabilities, HostClass, Isolation
 from fleet.core.policy import EffectiveEgress, effective_egress
 from fleet.core.rollout import Assignment, Completion, StepResult
@@ -49,8 +49,10 @@ from fleet.core.smolfile import Smolfile
 from fleet.identity.tls import HostFiles, HostIdentityMaterial, client_ssl_context
 from fleet.image import oci
 from fleet.image.store import ImageStore
+from fleet.runtime import disk
 from fleet.runtime.base import Leftover, Machine, MachineSpec, Runtime, resolve_secrets
-from fleet.runtime.namespace import NamespaceRuntime
+from fleet.runtime.cgroups import DEFAULT_PIDS_MAX
+from fleet.runtime.namespace import DEFAULT_DISK_GIB, NamespaceRuntime
 from fleet.runtime.netns import NetConfig
 from fleet.runtime.warm import NamespaceParent, WarmChild
 from fleet.server import convert
@@ -95,6 +97,8 @@ class AgentConfig:
     """A CA the image registry's certificate chains to, besides the system's and the fleet's."""
     image_cache_gib: float | None = None
     """Bound on the images fetched from the server kept here (None: no bound)."""
+    default_disk_gib: int | None = DEFAULT_DISK_GIB
+    """A namespace machine's writable layer where its Smolfile bounds none (None: unbounded)."""
 
 
 @dataclass
@@ -123,7 +127,9 @@ class Agent:
                 f"({config.identity.host_id!r})"
             )
         self.config = config
-        self.runtime: Runtime = make_runtime(config.runtime, config.machines_dir, config.net)
+        self.runtime: Runtime = make_runtime(
+            config.runtime, config.machines_dir, config.net, config.default_disk_gib
+        )
         self.caps: HostCapabilities = capabilities(
             config.host_id, config.host_class, config.runtime, config.slots
         ).model_copy(update={"gateway": config.gateway is not None})
@@ -571,6 +577,7 @@ class Agent:
             return report(Outcome.TRANSIENT_ERROR, f"host {self.caps.host_id}: {unmet}")
         try:
             parsed = a.manifest.parsed_smolfile()
+            check_steps(a.manifest.steps)  # a plan no host can run is malformed, not retried
             egress = effective_egress(parsed.spec, runtime_name)
             reference = (
                 a.manifest.image_ref if oci.looks_like_reference(a.manifest.image_ref) else ""
@@ -596,7 +603,7 @@ class Agent:
                 secrets=resolve_secrets(parsed.spec),
                 gateway=self._gateway_for(a),
                 gateway_tls=bool(self.config.gateway_ca),
-                read_only=await self._stage_inputs(a),
+                inputs=await self._stage_inputs(a),
             )
             if spec.gateway is not None:  # recorded for review: what else this machine reached
                 where = f"{spec.gateway[0]}:{spec.gateway[1]}"
@@ -661,7 +668,7 @@ class Agent:
                 relay = await self._checkpoint_relay(machine, a)
                 if relay is not None:
                     running.relay, extra_env["FLEET_CHECKPOINTS"] = relay
-            if a.manifest.inputs and not spec.read_only and running.adopt is None:
+            if a.manifest.inputs and not spec.inputs and running.adopt is None:
                 try:
                     await place_inputs(machine, self._stub, a)
                 except InputPlacementFailed as exc:
@@ -714,12 +721,27 @@ class Agent:
                     timed_out=result.timed_out,
                     seconds=round(result.duration_s, 3),
                 )
+                if result.pids_exhausted and (result.exit_code != 0 or result.oom_killed):
+                    return report(
+                        Outcome.STEP_FAILED,
+                        f"step {index} ({step.name}) hit the machine's process limit "
+                        f"({DEFAULT_PIDS_MAX} processes)"
+                        + (", then ran out of memory" if result.oom_killed else ""),
+                    )
                 if result.oom_killed:
                     limit = parsed.spec.memory_mib_effective
                     return report(
                         Outcome.STEP_FAILED,
                         f"step {index} ({step.name}) was killed: out of memory "
                         f"(the Smolfile's limit is {limit} MiB)",
+                    )
+                if result.disk_full and result.exit_code != 0 and not result.timed_out:
+                    bound = disk.bound_gib(parsed.spec)
+                    whose = "the Smolfile's" if bound is not None else "the host's default"
+                    return report(
+                        Outcome.STEP_FAILED,
+                        f"step {index} ({step.name}) exited {result.exit_code} with the "
+                        f"machine's disk full ({whose} bound)",
                     )
                 if result.timed_out:
                     why = "deadline" if timeout < step.timeout_s else f"{step.timeout_s:g}s timeout"

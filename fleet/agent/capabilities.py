@@ -12,7 +12,7 @@ from fleet.core.errors import FailedPrecondition, InvalidArgument
 from fleet.core.placement import HostCapabilities, HostClass, Isolation, RuntimeKind
 from fleet.image.store import ImageStore
 from fleet.runtime import smol as smol_runtime
-from fleet.runtime.namespace import NamespaceRuntime, missing_tools
+from fleet.runtime.namespace import DEFAULT_DISK_GIB, NamespaceRuntime, missing_tools
 from fleet.runtime.netns import NetConfig
 
 log = structlog.get_logger(__name__)
@@ -75,11 +75,14 @@ def choose_runtime(requested: str, cache_dir: Path, images: ImageStore) -> Runti
 
 
 def make_runtime(
-    choice: RuntimeChoice, machines_dir: Path, net: NetConfig | None = None
+    choice: RuntimeChoice,
+    machines_dir: Path,
+    net: NetConfig | None = None,
+    default_disk_gib: int | None = DEFAULT_DISK_GIB,
 ) -> NamespaceRuntime | smol_runtime.SmolRuntime:
     if choice.kind == RuntimeKind.SMOL:
         return smol_runtime.SmolRuntime()
-    return NamespaceRuntime(machines_dir, net)
+    return NamespaceRuntime(machines_dir, net, default_disk_gib)
 
 
 def capabilities(

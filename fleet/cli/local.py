@@ -58,7 +58,7 @@ async def cmd_run(args: argparse.Namespace) -> int:
     writable: list[tuple[str, str]] = []
     if dev is not None:
         # [dev] is for this path: applied here, refused where it cannot be, never dropped.
-        unsupported = [k for k, v in (("user", dev.user), ("ports", dev.ports)) if v]
+        unsupported = ["ports"] if dev.ports else []
         if dev.volumes and not runtime.mounts_read_only:
             unsupported.append("volumes")
         if unsupported:
@@ -73,9 +73,12 @@ async def cmd_run(args: argparse.Namespace) -> int:
         digest = (await asyncio.to_thread(images.import_archive, archive)).digest
     else:
         digest = images.resolve(image)
+    smolfile = parsed.spec
+    if dev is not None and dev.user:  # [dev] user stands for the Smolfile's own
+        smolfile = smolfile.model_copy(update={"user": dev.user})
     spec = MachineSpec(
         name="fleet-run-" + os.urandom(4).hex(),
-        smolfile=parsed.spec,
+        smolfile=smolfile,
         image_digest=digest,
         rootfs=await asyncio.to_thread(images.rootfs, digest),
         labels={"fleet": "run"},

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from functools import cached_property
@@ -19,8 +20,15 @@ from fleet.core.smolfile import ParsedSmolfile, parse_smolfile
 MAX_STEPS = 256
 MAX_PLAN_BYTES = 256 * 1024
 MAX_LABELS = 64
+MAX_LABEL_KEY = 128
+MAX_LABEL_VALUE = 256
+MAX_NAME = 256
+"""Characters in a tenant, a version string, a step's name or a Smolfile's name."""
 DEFAULT_STEP_TIMEOUT_S = 300.0
+MAX_STEP_TIMEOUT_S = 7 * 24 * 3600.0
 DEFAULT_DEADLINE = timedelta(hours=1)
+MAX_DEADLINE = timedelta(days=7)
+"""How far ahead a deadline may be, by default (`fleet serve --max-deadline`)."""
 
 
 class Step(BaseModel):
@@ -182,35 +190,74 @@ class SubmitRequest(BaseModel):
         return "sha256:" + hashlib.sha256(blob.encode()).hexdigest()
 
 
-def validate_request(request: SubmitRequest, now: datetime) -> ParsedSmolfile:
-    """Checks everything about a submission that needs no I/O; returns the parsed Smolfile."""
-    if not request.idempotency_key.strip():
-        raise InvalidArgument("idempotency_key is empty: every submission needs one")
-    if len(request.idempotency_key) > 256:
-        raise InvalidArgument("idempotency_key is longer than 256 characters")
-    parsed = parse_smolfile(request.smolfile, request.smolfile_name)
-    if not request.steps:
+def check_text(value: str, where: str, limit: int = MAX_NAME) -> None:
+    """A short identifier-like string: at most `limit` characters, no NUL."""
+    if len(value) > limit:
+        raise InvalidArgument(f"{where} is {len(value)} characters, over the limit of {limit}")
+    if "\0" in value:
+        raise InvalidArgument(f"{where} holds a NUL character")
+
+
+def check_steps(steps: tuple[Step, ...]) -> None:
+    """Every step runnable as written: argv, env, workdir and timeout (also checked by agents,
+    so that a plan that slipped past a server is refused as malformed, not retried)."""
+    if not steps:
         raise InvalidArgument("the plan has no steps")
-    if len(request.steps) > MAX_STEPS:
-        raise ResourceExhausted(f"the plan has {len(request.steps)} steps, over the {MAX_STEPS}")
-    size = sum(len(a.encode()) for s in request.steps for a in s.argv) + sum(
-        len(k) + len(v) for s in request.steps for k, v in s.env.items()
+    if len(steps) > MAX_STEPS:
+        raise ResourceExhausted(f"the plan has {len(steps)} steps, over the {MAX_STEPS}")
+    size = sum(len(a.encode()) for s in steps for a in s.argv) + sum(
+        len(k) + len(v) for s in steps for k, v in s.env.items()
     )
     if size > MAX_PLAN_BYTES:
         raise ResourceExhausted(f"the plan is {size} bytes, over the {MAX_PLAN_BYTES} limit")
-    for index, step in enumerate(request.steps):
-        where = f"step {index} ({step.name})" if step.name else f"step {index}"
+    for index, step in enumerate(steps):
+        where = f"step {index} ({step.name[:64]})" if step.name else f"step {index}"
+        check_text(step.name, f"step {index}: name")
         if not step.argv:
             raise InvalidArgument(f"{where}: argv is empty")
         if not step.argv[0]:
             raise InvalidArgument(f"{where}: argv[0] (the program) is empty")
-        if step.timeout_s <= 0:
+        for i, arg in enumerate(step.argv):
+            if "\0" in arg:
+                raise InvalidArgument(f"{where}: argv[{i}] holds a NUL character")
+        if not math.isfinite(step.timeout_s) or step.timeout_s <= 0:
             raise InvalidArgument(f"{where}: timeout_s must be positive, got {step.timeout_s}")
-        if step.workdir is not None and not step.workdir.startswith("/"):
-            raise InvalidArgument(f"{where}: workdir {step.workdir!r} is not an absolute path")
-        for key in step.env:
+        if step.timeout_s > MAX_STEP_TIMEOUT_S:
+            raise InvalidArgument(
+                f"{where}: timeout_s {step.timeout_s:g} is over the limit of "
+                f"{MAX_STEP_TIMEOUT_S:g} (7 days)"
+            )
+        if step.workdir is not None:
+            if not step.workdir.startswith("/"):
+                raise InvalidArgument(
+                    f"{where}: workdir {step.workdir[:200]!r} is not an absolute path"
+                )
+            check_text(step.workdir, f"{where}: workdir", 4096)
+        for key, value in step.env.items():
             if not key or "=" in key or "\0" in key:
-                raise InvalidArgument(f"{where}: env key {key!r} is not a variable name")
+                raise InvalidArgument(f"{where}: env key {key[:100]!r} is not a variable name")
+            if "\0" in value:
+                raise InvalidArgument(f"{where}: env {key[:100]}'s value holds a NUL character")
+
+
+def validate_request(
+    request: SubmitRequest, now: datetime, max_deadline: timedelta = MAX_DEADLINE
+) -> ParsedSmolfile:
+    """Checks everything about a submission that needs no I/O; returns the parsed Smolfile."""
+    if not request.idempotency_key.strip():
+        raise InvalidArgument("idempotency_key is empty: every submission needs one")
+    check_text(request.idempotency_key, "idempotency_key")
+    check_text(request.tenant, "tenant", 128)
+    check_text(request.smolfile_name, "smolfile_name")
+    for name in ("policy", "environment", "evaluator"):
+        check_text(getattr(request.versions, name), f"versions.{name}")
+    if len(request.labels) > MAX_LABELS:
+        raise InvalidArgument(f"{len(request.labels)} labels, over the limit of {MAX_LABELS}")
+    for key, value in request.labels.items():
+        check_text(key, f"labels key {key[:64]!r}", MAX_LABEL_KEY)
+        check_text(value, f"labels[{key[:64]!r}]", MAX_LABEL_VALUE)
+    check_steps(request.steps)  # counts and sizes before the Smolfile's parse
+    parsed = parse_smolfile(request.smolfile, request.smolfile_name)
     if request.deadline is not None:
         if request.deadline.tzinfo is None:
             raise InvalidArgument("deadline has no time zone")
@@ -219,9 +266,12 @@ def validate_request(request: SubmitRequest, now: datetime) -> ParsedSmolfile:
                 f"deadline {request.deadline.isoformat()} is in the past "
                 f"(server time {now.isoformat()})"
             )
+        if request.deadline > now + max_deadline:
+            raise InvalidArgument(
+                f"deadline {request.deadline.isoformat()} is more than {max_deadline} ahead "
+                f"(server time {now.isoformat()}); the server's limit is --max-deadline"
+            )
     check_files(request, parsed)
-    if len(request.labels) > MAX_LABELS:
-        raise InvalidArgument(f"{len(request.labels)} labels, over the limit of {MAX_LABELS}")
     return parsed
 
 

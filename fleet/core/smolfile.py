@@ -18,6 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from fleet.core.errors import InvalidArgument
 
 MAX_SMOLFILE_BYTES = 64 * 1024
+MAX_DISK_GIB = 4096
+"""`overlay` and `storage` above this many GiB are refused as mistakes."""
+MAX_IMAGE_CHARS = 512
 DEFAULT_CPUS = 4
 DEFAULT_MEMORY_MIB = 8192
 
@@ -54,6 +57,31 @@ def _check_volumes(items: list[str]) -> list[str]:
         if not parts[1].startswith("/"):
             raise ValueError(f"volume target {parts[1]!r} must be an absolute path")
     return items
+
+
+_IMAGE = re.compile(r"^[A-Za-z0-9./_][A-Za-z0-9._:/@+-]*$")
+_STORE_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
+
+
+def check_image_field(value: str) -> str:
+    """A Smolfile `image`: a store name, a registry reference, an archive path or a digest, in
+    the characters those use (no spaces, no control characters, no NUL)."""
+    if not value or len(value) > MAX_IMAGE_CHARS or not _IMAGE.match(value):
+        raise ValueError(
+            f"{value[:100]!r} is not an image name, reference, archive path or digest "
+            f"(letters, digits and ._:/@+- only, at most {MAX_IMAGE_CHARS} characters)"
+        )
+    return value
+
+
+def check_store_name(name: str) -> str:
+    """An image store name: lower-case letters, digits and ._- (it names files in the store)."""
+    if not _STORE_NAME.match(name) or ".." in name:
+        raise InvalidArgument(
+            f"{name[:100]!r} is not an image name (lower-case letters, digits and ._-, "
+            "at most 128 characters, not starting with . or -)"
+        )
+    return name
 
 
 def check_host_name(name: str) -> str:
@@ -183,11 +211,11 @@ class Smolfile(_Section):
     user: str | None = None
     cpus: Annotated[int, Field(ge=1, le=255)] | None = None
     memory: Annotated[int, Field(ge=64, le=2**32 - 1)] | None = None
-    storage: Annotated[int, Field(ge=1)] | None = None
-    overlay: Annotated[int, Field(ge=1)] | None = None
+    storage: Annotated[int, Field(ge=1, le=MAX_DISK_GIB)] | None = None
+    overlay: Annotated[int, Field(ge=1, le=MAX_DISK_GIB)] | None = None
     net: bool | None = None
     gpu: bool | None = None
-    gpu_vram: Annotated[int, Field(ge=1)] | None = None
+    gpu_vram: Annotated[int, Field(ge=1, le=1 << 24)] | None = None
     cuda: bool | None = None
     init: list[str] = Field(default_factory=list)
     network: Network | None = None
@@ -199,6 +227,11 @@ class Smolfile(_Section):
     branch: Branch | None = None
 
     _env = field_validator("env")(classmethod(lambda cls, v: _check_env(v)))
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, value: str | None) -> str | None:
+        return None if value is None else check_image_field(value)
 
     @field_validator("workdir")
     @classmethod
@@ -288,6 +321,24 @@ def _line_for(loc: tuple[str | int, ...], lines: dict[tuple[str, ...], int]) -> 
     return None
 
 
+def _nul_key(data: Any) -> tuple[str | int, ...] | None:
+    """The path of the first key or string value holding a NUL (None: none does)."""
+    stack: list[tuple[tuple[str | int, ...], Any]] = [((), data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if "\0" in value:
+                return path
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if "\0" in key:
+                    return (*path, key)
+                stack.append(((*path, key), item))
+        elif isinstance(value, list):
+            stack.extend(((*path, i), item) for i, item in enumerate(value))
+    return None
+
+
 def parse_smolfile(text: str, name: str = "<smolfile>") -> ParsedSmolfile:
     """Parses and validates Smolfile text; raises InvalidArgument naming file, line and key."""
     if len(text.encode()) > MAX_SMOLFILE_BYTES:
@@ -298,8 +349,18 @@ def parse_smolfile(text: str, name: str = "<smolfile>") -> ParsedSmolfile:
         data: dict[str, Any] = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise InvalidArgument(f"{name}: malformed TOML: {exc}") from exc
+    except RecursionError:
+        raise InvalidArgument(f"{name}: malformed TOML: nested too deeply") from None
+    nul = _nul_key(data)
+    if nul is not None:
+        line = _line_for(nul, key_lines(text))
+        where = f"{name}:{line}" if line is not None else name
+        key = ".".join(str(p) for p in nul)
+        raise InvalidArgument(f"{where}: key {key!r}: a NUL character is not allowed")
     try:
         spec = Smolfile.model_validate(data)
+    except RecursionError:
+        raise InvalidArgument(f"{name}: nested too deeply") from None
     except ValidationError as exc:
         lines = key_lines(text)
         problems = []

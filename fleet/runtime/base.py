@@ -41,8 +41,12 @@ class MachineSpec(BaseModel):
     writable: tuple[tuple[str, str], ...] = ()
     """(host path, path in the machine): mounted writable (`fleet run`'s [dev] volumes)."""
     read_only: tuple[tuple[str, str], ...] = ()
-    """(host path, path in the machine): mounted read-only in the machine (a rollout's inputs),
-    where the runtime `mounts_read_only`."""
+    """(host path, path in the machine): mounted read-only in the machine (`fleet run`'s
+    read-only [dev] volumes), where the runtime `mounts_read_only`."""
+    inputs: tuple[tuple[str, str], ...] = ()
+    """(host file or directory, path in the machine): a rollout's inputs, staged on this host,
+    copied onto the machine's own disk and mounted read-only, where the runtime
+    `mounts_read_only`."""
 
 
 class ExecResult(BaseModel):
@@ -57,6 +61,10 @@ class ExecResult(BaseModel):
     stderr_truncated: bool = False
     timed_out: bool = False
     oom_killed: bool = False
+    pids_exhausted: bool = False
+    """The machine's process limit refused a fork while the command ran."""
+    disk_full: bool = False
+    """The command failed with the machine's bounded disk full."""
     duration_s: float = 0.0
 
 
@@ -121,7 +129,8 @@ class Runtime(Protocol):
     kind: RuntimeKind
     isolation: Isolation
     mounts_read_only: bool
-    """Whether `MachineSpec.read_only` (and `writable`) host paths are mounted in machines."""
+    """Whether `MachineSpec.read_only`, `inputs` (and `writable`) host paths are mounted in
+    machines."""
 
     async def create(self, spec: MachineSpec) -> Machine: ...
 

@@ -160,6 +160,18 @@ class MachineCgroup:
             pass
         return 0
 
+    def pids_limit_hits(self) -> int:
+        """How many forks the process limit refused (pids.events, v1 and v2 alike)."""
+        directory = self.dirs.get("all") or self.dirs.get("pids")
+        try:
+            for line in (directory / "pids.events").read_text().splitlines():  # type: ignore[operator]
+                key, _, value = line.partition(" ")
+                if key == "max":
+                    return int(value)
+        except (OSError, TypeError, ValueError):
+            pass
+        return 0
+
     def cpu_seconds(self) -> float | None:
         """CPU time the machine's processes used so far (None where it cannot be read)."""
         try:

@@ -10,8 +10,9 @@ that much (a parent serves one tenant only; a per-child disk would cost each chi
 below). Made in about 10 ms (an ext4 with no journal, its inode tables set up lazily): the
 machine's layer is thrown away with it, and nothing in it outlives the host.
 
-Without either key the layer is the machine's directory itself, bounded by nothing but the
-host's disk.
+Without either key the machine gets the runtime's default bound (`DEFAULT_DISK_GIB` in
+`namespace.py`, 10 GiB; `fleet agent --default-disk-gib`); an agent started with 0 there keeps
+such layers in the machine's directory, bounded by nothing but the host's disk.
 """
 
 from __future__ import annotations
@@ -66,6 +67,14 @@ def make(root: Path, gib: int) -> Path:
         raise
     os.chmod(point, 0o700)
     return point
+
+
+def size_gib(root: Path) -> int | None:
+    """The size of `root`'s bounded disk in GiB (None: it has none)."""
+    try:
+        return (root / IMAGE).stat().st_size >> 30
+    except OSError:
+        return None
 
 
 def attach(root: Path) -> Path | None:

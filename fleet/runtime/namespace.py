@@ -32,7 +32,7 @@ from fleet.core.errors import InvalidArgument, NotFound, ResourceExhausted, Unav
 from fleet.core.placement import Isolation, RuntimeKind
 from fleet.core.policy import effective_egress
 from fleet.core.rollout import MAX_OUTPUT_BYTES
-from fleet.runtime import cgroups, disk, seccomp
+from fleet.runtime import cgroups, disk, seccomp, users
 from fleet.runtime.base import ExecResult, Leftover, MachineSpec, machine_env
 from fleet.runtime.cgroups import MachineCgroup
 from fleet.runtime.dnsfwd import DnsForwarder
@@ -45,47 +45,92 @@ from fleet.runtime.netns import (
     release_leases,
 )
 from fleet.runtime.output import OutputSink, read_bounded
+from fleet.runtime.users import StepUser
 
 log = structlog.get_logger(__name__)
 
 # Mounts the overlay in a private mount namespace, then becomes bwrap: nothing to unmount later,
-# and no mount survives the command even if the agent is killed.
+# and no mount survives the command even if the agent is killed. The overlay's directories are
+# given relative to the machine's directory (its `lower` link is the image), so that the
+# machine's /proc/self/mountinfo names no host path (and `cd` is in a subshell, so that no
+# OLDPWD names one either); the umask is that of an ordinary box.
 _MOUNT_THEN_EXEC = (
-    'IFS=:; for f in $5; do echo $$ > "$f" || exit 125; done; unset IFS; '
-    'mount -t overlay overlay -o "lowerdir=$1,upperdir=$2,workdir=$3" "$4" || exit 125; '
-    'shift 5; exec "$@"'
+    'umask 022; IFS=:; for f in $3; do echo $$ > "$f" || exit 125; done; unset IFS; '
+    '(cd "$1" && exec mount -t overlay overlay '
+    '-o "lowerdir=lower,upperdir=$2/upper,workdir=$2/work" merged) || exit 125; '
+    'shift 3; exec "$@"'
 )
 REQUIRED_TOOLS = ("bwrap", "unshare", "mount", "nsenter", "ip", "nft")
 LAUNCH_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
 """The whole environment a machine's launch chain (nsenter, unshare, sh, bwrap) starts with:
 bwrap is the machine's pid 1, and its /proc/1/environ is readable inside, so nothing of the
 agent's (keys, tokens, registry credentials) may be in it. The step's own environment is set
-with bwrap's --clearenv and --setenv."""
+with bwrap's --clearenv and --setenv; bwrap's own arguments (host paths among them) reach it
+through a descriptor (--args), so /proc/1/cmdline names none."""
+CAPABILITIES = (
+    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD", "CAP_NET_RAW",
+    "CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE",
+)  # fmt: skip
+"""What a machine's root may do (in its own user namespace): the set container runtimes grant
+by default, and no more (no CAP_SYS_ADMIN, CAP_NET_ADMIN, CAP_SYS_PTRACE ...)."""
+DEFAULT_DISK_GIB = 10
+"""A machine's writable layer where its Smolfile sets neither `overlay` nor `storage`."""
 PROC_READ_ONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs")
 """Under a machine's /proc, read-only: a machine's root is the host's root user (in a user
 namespace, without capabilities outside it), and the kernel checks host-wide settings under
 /proc/sys by that user: writable, `kernel.core_pattern` would run a program of the machine's
 choosing as the host's root. bwrap covers only some of these, and not /proc/sys."""
 PROC_MASKED = ("kcore", "keys", "timer_list", "sched_debug")
-"""Under a machine's /proc, an empty file in their place: the kernel's memory, the keys and the
+"""Under a machine's /proc, /dev/null in their place: the kernel's memory, the keys and the
 host's timers and scheduler, nothing a workload needs."""
+SYS_MASKED = ("firmware", "devices/virtual/powercap")
+"""Under a machine's /sys, an empty directory in their place: firmware tables and energy
+counters (a side channel), as container runtimes mask them."""
 
 
-def proc_cover(empty: Path) -> list[str]:
+def proc_cover() -> list[str]:
     """bwrap arguments, after `--proc /proc`, for PROC_READ_ONLY and PROC_MASKED (those this
-    kernel has: a bind needs its target); `empty` is an empty file to mask with."""
+    kernel has: a bind needs its target)."""
     args: list[str] = []
     for name in PROC_READ_ONLY:
         args += ["--ro-bind-try", f"/proc/{name}", f"/proc/{name}"]
-    for name in _masked_here():
-        args += ["--ro-bind", str(empty), f"/proc/{name}"]
+    for name in _here("/proc", PROC_MASKED):
+        args += ["--dev-bind", "/dev/null", f"/proc/{name}"]  # (--ro-bind makes it nodev)
+    return args
+
+
+def sys_cover(cgroup: MachineCgroup) -> list[str]:
+    """bwrap arguments for /sys: the host's, read-only, with SYS_MASKED hidden and only the
+    machine's own cgroup (its limits, as programs read them) under /sys/fs/cgroup."""
+    args = ["--ro-bind", "/sys", "/sys"]
+    for name in _here("/sys", SYS_MASKED):
+        args += ["--tmpfs", f"/sys/{name}", "--remount-ro", f"/sys/{name}"]
+    args += ["--tmpfs", "/sys/fs/cgroup"]
+    for controller, directory in cgroup.dirs.items():
+        target = "/sys/fs/cgroup" if controller == "all" else f"/sys/fs/cgroup/{controller}"
+        args += ["--ro-bind-try", str(directory), target]
+    args += ["--remount-ro", "/sys/fs/cgroup"]
     return args
 
 
 @functools.cache
-def _masked_here() -> tuple[str, ...]:
-    """PROC_MASKED as this kernel has them (it does not change while the agent runs)."""
-    return tuple(name for name in PROC_MASKED if os.path.exists(f"/proc/{name}"))
+def _here(base: str, names: tuple[str, ...]) -> tuple[str, ...]:
+    """Those of `names` this kernel has under `base` (they do not change while the agent runs)."""
+    return tuple(name for name in names if os.path.exists(f"{base}/{name}"))
+
+
+def etc_files(hostname: str, nameserver: str | None) -> dict[str, str]:
+    """/etc/hosts, /etc/hostname and /etc/resolv.conf of a machine: `localhost` and its own name
+    resolve; the resolver is its DNS forwarder, or none for a machine without a network."""
+    hosts = (
+        f"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\t{hostname}\n"
+    )
+    if nameserver is not None:
+        resolv = f"nameserver {nameserver}\noptions ndots:1\n"
+    else:
+        resolv = "# This machine has no network (its Smolfile asks for no egress).\n"
+    return {"hosts": hosts, "hostname": hostname + "\n", "resolv.conf": resolv}
 
 
 def missing_tools() -> list[str]:
@@ -103,6 +148,8 @@ async def _feed_then_wait(proc: asyncio.subprocess.Process, data: bytes | None) 
 
 MAX_FILE_BYTES = 64 * 1024 * 1024
 DNS_EVENTS = "dns-events.jsonl"
+DISK_FULL_BYTES = 4 << 20
+"""A bounded disk with less than this left is full, as a failed step's cause."""
 
 
 class NamespaceMachine:
@@ -116,6 +163,10 @@ class NamespaceMachine:
         net: MachineNet | None = None,
         dns: DnsForwarder | None = None,
         layer: Path | None = None,
+        userns: int | None = None,
+        user: StepUser = users.ROOT,
+        helper: Path | None = None,
+        disk_gib: int | None = None,
     ) -> None:
         self.spec = spec
         self.root = root
@@ -126,6 +177,12 @@ class NamespaceMachine:
         self.dns = dns
         self.gateway: tuple[str, int] | None = None
         """The inference gateway as this machine reaches it (rollouts that use it only)."""
+        self.userns = userns
+        """The machine's user namespace (a descriptor), in which its ids are the host's."""
+        self.user = user
+        """Whom `exec` runs commands as (the Smolfile's `user`)."""
+        self.disk_gib = disk_gib
+        self._helper = helper
         self._dns_read = 0  # how far DNS_EVENTS was reported
         self._name = spec.name
         self._deleted = False
@@ -135,74 +192,106 @@ class NamespaceMachine:
     def name(self) -> str:
         return self._name
 
-    def _empty(self) -> Path:
-        """An empty, read-only file of this machine's, for masking (made on first use)."""
-        empty = self.root / "empty"
-        if not empty.exists():
-            empty.touch(mode=0o444)
-        return empty
-
-    def _argv(
+    def _bwrap(
         self,
-        argv: list[str],
         env: Mapping[str, str],
         workdir: str,
         seccomp_fd: int,
         extra: list[str] | None = None,
     ) -> list[str]:
-        network: list[str] = []
-        if self.net is not None:  # its own namespace, entered by nsenter; resolver: the forwarder
-            resolv = str(self.root / "resolv.conf")
-            network = ["--share-net", "--ro-bind", resolv, "/etc/resolv.conf"]
+        """bwrap's options for a command run on this machine (they reach it through --args; the
+        command follows them on its command line)."""
+        namespaces = ["--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try"]
+        if self.net is None:  # loopback only; else its own namespace, entered by nsenter
+            namespaces.append("--unshare-net")
+        caps = [arg for cap in CAPABILITIES for arg in ("--cap-add", cap)]
+        inputs = self.layer / "inputs"
         bwrap = [
-            "bwrap",
-            "--unshare-all",
+            *namespaces,
             "--die-with-parent",
             "--new-session",
-            "--hostname",
-            self._name[:63],
-            "--bind",
-            str(self.root / "merged"),
-            "/",
-            "--proc",
-            "/proc",
-            *proc_cover(self._empty()),
-            "--dev",
-            "/dev",
-            "--tmpfs",
-            "/tmp",
-            *network,
+            "--hostname", self._name[:63],
+            "--cap-drop", "ALL", *caps,
+            "--bind", str(self.root / "merged"), "/",
+            "--proc", "/proc",
+            *proc_cover(),
+            "--dev", "/dev",
+            "--perms", "1777", "--tmpfs", "/dev/shm",
+            "--perms", "1777", "--tmpfs", "/tmp",
+            *sys_cover(self.cgroup),
             *[arg for host, target in self.spec.writable for arg in ("--bind", host, target)],
             *[arg for host, target in self.spec.read_only for arg in ("--ro-bind", host, target)],
+            *[arg for i, (_, target) in enumerate(self.spec.inputs)
+              for arg in ("--ro-bind", str(inputs / str(i)), target)],
             *(extra or []),
-            "--chdir",
-            workdir,
+            "--chdir", workdir,
             "--clearenv",
-            "--seccomp",
-            str(seccomp_fd),
-        ]
+            "--seccomp", str(seccomp_fd),
+        ]  # fmt: skip
         for key, value in env.items():
             bwrap += ["--setenv", key, value]
-        bwrap += ["--", *argv]
-        enter = ["nsenter", f"--net={self.net.path}", "--"] if self.net is not None else []
-        return [
-            *enter,
-            "unshare",
-            "--mount",
-            "--propagation",
-            "private",
-            "--",
-            "/bin/sh",
-            "-c",
-            _MOUNT_THEN_EXEC,
-            "fleet-mount",
-            str(self.spec.rootfs),
-            str(self.layer / "upper"),
-            str(self.layer / "work"),
-            str(self.root / "merged"),
-            ":".join(str(f) for f in self.cgroup.procs_files),
-            *bwrap,
-        ]
+        return bwrap
+
+    async def spawn(
+        self,
+        argv: list[str],
+        env: Mapping[str, str],
+        workdir: str,
+        filter_path: Path,
+        *,
+        extra: list[str] | None = None,
+        as_user: bool = False,
+        stdin: int | None = asyncio.subprocess.DEVNULL,
+    ) -> asyncio.subprocess.Process:
+        """Starts `argv` on this machine (its own process group; stdout and stderr piped)."""
+        # bwrap reads the filter and its arguments from inherited descriptors: ours close once
+        # it is spawned.
+        fds: list[int] = []
+        try:
+            fds.append(os.open(filter_path, os.O_RDONLY))
+            if as_user and not self.user.is_root:
+                if self._helper is None:
+                    raise Unavailable(f"machine {self._name} has no user-switching helper")
+                fds.append(os.open(self._helper, os.O_RDONLY))
+                argv = [*self.user.argv(fds[-1]), *argv]
+            args = os.memfd_create("bwrap-args", 0)
+            fds.append(args)
+            words = self._bwrap(env, workdir, fds[0], extra)
+            if any("\0" in word for word in [*words, *argv]):  # each would split into bwrap options
+                raise InvalidArgument(
+                    f"machine {self._name}: a command, environment value or directory holds a "
+                    "NUL byte"
+                )
+            data = "\0".join(words) + "\0"
+            os.write(args, data.encode())
+            os.lseek(args, 0, os.SEEK_SET)
+            if self.userns is None:
+                raise Unavailable(f"machine {self._name} has no user namespace")
+            enter = ["nsenter", f"--net={self.net.path}", "--"] if self.net is not None else []
+            layer = str(self.layer.relative_to(self.root))
+            full = [
+                *enter,
+                "unshare", "--mount", "--propagation", "private", "--",
+                "/bin/sh", "-c", _MOUNT_THEN_EXEC, "fleet-mount",
+                str(self.root), layer, ":".join(str(f) for f in self.cgroup.procs_files),
+                # bwrap runs as root in the machine's user namespace, entered through this
+                # process's descriptor (passed down, it would stay open in every command).
+                "nsenter", f"--user=/proc/{os.getpid()}/fd/{self.userns}", "--",
+                "bwrap", "--args", str(args), "--", *argv,
+            ]  # fmt: skip
+            return await asyncio.create_subprocess_exec(
+                *full,
+                stdin=stdin,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,
+                pass_fds=tuple(fds),
+                env=LAUNCH_ENV,
+                cwd="/",  # the shell in the chain exports PWD: no host path in it
+            )
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     async def exec(
         self,
@@ -215,31 +304,39 @@ class NamespaceMachine:
         on_output: OutputSink | None = None,
         stdin: bytes | None = None,
     ) -> ExecResult:
+        return await self._run(
+            argv, env=env, workdir=workdir, timeout_s=timeout_s,
+            max_output_bytes=max_output_bytes, on_output=on_output, stdin=stdin, as_user=True,
+        )  # fmt: skip
+
+    async def _run(
+        self,
+        argv: list[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        workdir: str | None = None,
+        timeout_s: float,
+        max_output_bytes: int = MAX_OUTPUT_BYTES,
+        on_output: OutputSink | None = None,
+        stdin: bytes | None = None,
+        as_user: bool = False,
+    ) -> ExecResult:
         if self._deleted:
             raise Unavailable(f"machine {self._name} was deleted")
         cwd = workdir or self.spec.smolfile.workdir or "/"
         started = time.monotonic()
         oom_before = self.cgroup.oom_kills()
-        # bwrap reads the filter from an inherited descriptor; ours closes once it is spawned.
-        filt = os.open(self.root / "seccomp.bpf", os.O_RDONLY)
-        try:
-            environment = machine_env(self.spec, env)
-            if self.gateway is not None:
-                scheme = "https://" if self.spec.gateway_tls else ""
-                environment["FLEET_GATEWAY"] = f"{scheme}{self.gateway[0]}:{self.gateway[1]}"
-            full = self._argv(argv, environment, cwd, filt)
-            proc = await asyncio.create_subprocess_exec(
-                *full,
-                stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                start_new_session=True,
-                pass_fds=(filt,),
-                env=LAUNCH_ENV,
-                cwd="/",  # the shell in the chain exports PWD: no host path in it
-            )
-        finally:
-            os.close(filt)
+        pids_before = self.cgroup.pids_limit_hits()
+        environment = machine_env(self.spec, env)
+        if as_user and "HOME" not in (env or {}) and "HOME" not in self.spec.smolfile.env_map:
+            environment["HOME"] = self.user.home  # the user's, as a login would set it
+        if self.gateway is not None:
+            scheme = "https://" if self.spec.gateway_tls else ""
+            environment["FLEET_GATEWAY"] = f"{scheme}{self.gateway[0]}:{self.gateway[1]}"
+        proc = await self.spawn(
+            argv, environment, cwd, self.root / "seccomp.bpf", as_user=as_user,
+            stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE,
+        )  # fmt: skip
         self._running.add(proc)
         timed_out = False
         try:
@@ -266,6 +363,8 @@ class NamespaceMachine:
             )
         return ExecResult(
             oom_killed=self.cgroup.oom_kills() > oom_before,
+            pids_exhausted=self.cgroup.pids_limit_hits() > pids_before,
+            disk_full=code != 0 and await asyncio.to_thread(self._disk_full),
             exit_code=-int(signal.SIGKILL) if timed_out else code,
             stdout=out,
             stderr=err,
@@ -275,8 +374,18 @@ class NamespaceMachine:
             duration_s=time.monotonic() - started,
         )
 
+    def _disk_full(self) -> bool:
+        """Whether the machine's bounded disk has (next to) nothing left."""
+        if self.disk_gib is None:
+            return False
+        try:
+            fs = os.statvfs(self.layer)
+        except OSError:
+            return False
+        return fs.f_bavail * fs.f_frsize < DISK_FULL_BYTES
+
     async def read_file(self, path: str) -> bytes:
-        result = await self.exec(["cat", "--", path], timeout_s=60, max_output_bytes=MAX_FILE_BYTES)
+        result = await self._run(["cat", "--", path], timeout_s=60, max_output_bytes=MAX_FILE_BYTES)
         if result.exit_code != 0:
             raise NotFound(f"{self._name}:{path}: {result.stderr.decode(errors='replace').strip()}")
         if result.stdout_truncated:
@@ -285,7 +394,7 @@ class NamespaceMachine:
 
     async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
         script = 'cat > "$1" && chmod "$2" "$1"'
-        result = await self.exec(
+        result = await self._run(
             ["/bin/sh", "-c", script, "write", path, f"{mode:o}"], timeout_s=60, stdin=data
         )
         if result.exit_code != 0:
@@ -338,6 +447,9 @@ class NamespaceMachine:
             await self.dns.stop()
         if self.net is not None:
             await self.net.destroy()
+        if self.userns is not None:
+            os.close(self.userns)
+            self.userns = None
         await asyncio.to_thread(self.cgroup.remove)
         await asyncio.to_thread(disk.remove, self.root)
         await asyncio.to_thread(shutil.rmtree, self.root, True)
@@ -346,6 +458,31 @@ class NamespaceMachine:
 
 SOCKET_LINKS = Path("/run/fleet-zygotes")
 """Short links to warm parents' control directories (a Unix socket path has 108 bytes)."""
+
+
+def _lay_out(root: Path, layer: Path, spec: MachineSpec, files: Mapping[str, str]) -> None:
+    """A new machine's directories: its `lower` link to the image, its layer with the files
+    that make it an ordinary box (/etc/hosts ...), and its inputs on its own disk (so that its
+    mount table names no host path)."""
+    (root / "lower").symlink_to(spec.rootfs)
+    (root / "merged").mkdir()
+    for sub in ("upper", "work"):
+        (layer / sub).mkdir(exist_ok=True)
+    etc = layer / "upper" / "etc"
+    etc.mkdir(exist_ok=True)
+    if (spec.rootfs / "etc").is_dir():
+        shutil.copystat(spec.rootfs / "etc", etc)
+    for name, text in files.items():
+        target = etc / name
+        target.unlink(missing_ok=True)  # (a link in the image is replaced, not followed)
+        target.write_text(text)
+        target.chmod(0o644)
+    for i, (host, _) in enumerate(spec.inputs):
+        (layer / "inputs").mkdir(mode=0o755, exist_ok=True)
+        if os.path.isdir(host):
+            shutil.copytree(host, layer / "inputs" / str(i), symlinks=True)
+        else:
+            shutil.copy2(host, layer / "inputs" / str(i))
 
 
 def _netns_alive(entry: Path) -> bool:
@@ -370,9 +507,16 @@ class NamespaceRuntime:
     isolation = Isolation.NAMESPACE
     mounts_read_only = True
 
-    def __init__(self, machines_dir: Path, net: NetConfig | None = None) -> None:
+    def __init__(
+        self,
+        machines_dir: Path,
+        net: NetConfig | None = None,
+        default_disk_gib: int | None = DEFAULT_DISK_GIB,
+    ) -> None:
         self.machines_dir = machines_dir
         self.net = net or NetConfig()
+        self.default_disk_gib = default_disk_gib
+        """The writable layer's bound where a Smolfile sets none (None: the host's disk)."""
         missing = missing_tools()
         if missing:
             raise Unavailable(
@@ -388,7 +532,15 @@ class NamespaceRuntime:
         self.cgroup_version = version
         self._seccomp = seccomp.program()
 
+    async def _user(self, spec: MachineSpec) -> tuple[StepUser, Path | None]:
+        """Whom the machine's commands run as, and the helper that switches to them."""
+        user = await asyncio.to_thread(users.resolve, spec.smolfile.user, spec.rootfs)
+        if user.is_root:
+            return user, None
+        return user, await asyncio.to_thread(users.helper, self.machines_dir / ".tools")
+
     async def create(self, spec: MachineSpec) -> NamespaceMachine:
+        user, helper = await self._user(spec)  # refused before anything is made
         # Grouped by host, so a reaper finds even a machine whose creation a kill interrupted.
         host = spec.labels.get("host", "local")
         root = self.machines_dir / host / f"{spec.name}-{uuid.uuid4().hex[:8]}"
@@ -397,31 +549,36 @@ class NamespaceRuntime:
         # setuid in its layer is a setuid-root file on the host, for any user who reaches it.
         root.chmod(0o700)
         (root / "labels.json").write_text(json.dumps(spec.labels, sort_keys=True))
-        layer = root
-        gib = disk.bound_gib(spec.smolfile)
-        try:
-            if gib is not None:
-                layer = await asyncio.to_thread(disk.make, root, gib)
-            for sub in ("upper", "work"):
-                (layer / sub).mkdir(exist_ok=True)
-        except Exception:
-            await asyncio.to_thread(disk.remove, root)
-            shutil.rmtree(root, ignore_errors=True)
-            raise
-        (root / "merged").mkdir(exist_ok=True)
-        (root / "seccomp.bpf").write_bytes(self._seccomp)
+        gib = disk.bound_gib(spec.smolfile) or self.default_disk_gib
+        networked = spec.smolfile.egress_requested or spec.gateway is not None
         cgroup = cgroups.MachineCgroup(root.name, self.cgroup_version)
         limits = cgroups.Limits(
             memory_mib=spec.smolfile.memory_mib_effective, cpus=spec.smolfile.cpus_effective
         )
+        userns: int | None = None
         try:
+            layer = root if gib is None else await asyncio.to_thread(disk.make, root, gib)
+            await asyncio.to_thread(
+                _lay_out,
+                root,
+                layer,
+                spec,
+                etc_files(spec.name[:63], DNS_ADDRESS if networked else None),
+            )
+            (root / "seccomp.bpf").write_bytes(self._seccomp)
             await asyncio.to_thread(cgroup.create, limits)
-        except Exception:
+            userns = await users.user_namespace()
+        except BaseException:
+            if userns is not None:
+                os.close(userns)
+            await asyncio.to_thread(cgroup.remove)
             await asyncio.to_thread(disk.remove, root)
             shutil.rmtree(root, ignore_errors=True)
             raise
-        machine = NamespaceMachine(spec, root, cgroup, layer=layer)
-        if spec.smolfile.egress_requested or spec.gateway is not None:
+        machine = NamespaceMachine(
+            spec, root, cgroup, layer=layer, userns=userns, user=user, helper=helper, disk_gib=gib
+        )
+        if networked:
             try:
                 await self._network(machine)
             except BaseException:
@@ -430,7 +587,7 @@ class NamespaceRuntime:
         log.info(
             "machine_created", machine=spec.name, runtime="namespace",
             memory_mib=limits.memory_mib, cpus=limits.cpus, pids_max=limits.pids_max,
-            disk_gib=gib,
+            disk_gib=gib, uid=user.uid,
             **spec.labels,
         )  # fmt: skip
         return machine
@@ -448,7 +605,6 @@ class NamespaceRuntime:
             name = f"fleet-{uuid.uuid4().hex[:12]}"
             # Written before the namespace exists, so a reaper after kill -9 knows what to remove.
             (machine.root / "net.json").write_text(json.dumps({"netns": name}))
-            (machine.root / "resolv.conf").write_text(f"nameserver {DNS_ADDRESS}\n")
             net = MachineNet(self.net, self.machines_dir, spec.name, name)
         else:
             name = existing
@@ -505,8 +661,14 @@ class NamespaceRuntime:
         layer = await asyncio.to_thread(disk.attach, root) or root
         if not (layer / "upper").is_dir():
             raise NotFound(f"machine {leftover.name} has no layer at {layer}")
+        if not (root / "lower").is_symlink():
+            raise NotFound(f"machine {leftover.name} has no link to its image")
+        user, helper = await self._user(spec)
         cgroup = cgroups.MachineCgroup(root.name, self.cgroup_version)
-        machine = NamespaceMachine(spec, root, cgroup, layer=layer)
+        machine = NamespaceMachine(
+            spec, root, cgroup, layer=layer, user=user, helper=helper,
+            disk_gib=None if layer == root else disk.size_gib(root),
+        )  # fmt: skip
         netns = None
         if (root / "net.json").exists():
             netns = json.loads((root / "net.json").read_text())["netns"]
@@ -518,6 +680,7 @@ class NamespaceRuntime:
             await asyncio.to_thread(cgroup.create, limits)
             if not (root / "seccomp.bpf").exists():
                 (root / "seccomp.bpf").write_bytes(self._seccomp)
+            machine.userns = await users.user_namespace()
             if netns is not None:
                 await self._network(machine, existing=netns)
         except BaseException:  # not adoptable after all: not kept either

@@ -1,48 +1,44 @@
-"""The namespace runtime's system-call filter: a seccomp BPF program bwrap loads (--seccomp FD).
+"""The namespace runtime's system-call filter, built with libseccomp and loaded by bwrap
+(`--seccomp FD`) or by a warm parent's fork server.
 
 A deny list, like container runtimes use: everything a sandboxed workload has no business doing
 (mounting, tracing other processes, loading kernel modules, keyrings, BPF, namespaces, the clock,
-rebooting) fails with EPERM; every other call is allowed. Calls from another ABI (32-bit or x32)
-are refused outright, since their numbers differ and would slip past the list.
+rebooting, io_uring, whose requests bypass this filter) fails with EPERM; every other call is
+allowed. The filter is argument-aware where a call is dangerous only with some arguments:
+`clone` is refused when it asks for a new namespace, and `clone3`, whose flags live in memory a
+filter cannot read, fails with ENOSYS, so C libraries fall back to `clone` (as Docker's profile
+does). libseccomp knows every architecture's numbers; calls of another ABI than the host's (32-bit
+or x32 on a 64-bit host) are refused outright, since their numbers would slip past the list.
 """
 
 from __future__ import annotations
 
+import errno
+import os
 import platform
-import struct
+from collections.abc import Iterable
+from typing import Any
 
 from fleet.core.errors import Unavailable
 
-AUDIT_ARCH_X86_64 = 0xC000003E
-X32_SYSCALL_BIT = 0x40000000
-EPERM = 1
+DENIED: tuple[str, ...] = (
+    "ptrace", "syslog", "uselib", "pivot_root", "adjtimex", "acct", "settimeofday", "mount",
+    "umount2", "swapon", "swapoff", "reboot", "iopl", "ioperm", "create_module", "init_module",
+    "delete_module", "get_kernel_syms", "query_module", "quotactl", "nfsservctl",
+    "lookup_dcookie", "clock_settime", "kexec_load", "add_key", "request_key", "keyctl",
+    "unshare", "perf_event_open", "name_to_handle_at", "open_by_handle_at", "clock_adjtime",
+    "setns", "process_vm_readv", "process_vm_writev", "finit_module", "kexec_file_load", "bpf",
+    "userfaultfd", "open_tree", "move_mount", "fsopen", "fsconfig", "fsmount", "fspick",
+    "mount_setattr", "io_uring_setup", "io_uring_enter", "io_uring_register",
+)  # fmt: skip
+"""Refused with EPERM whatever their arguments."""
 
-_LD_W_ABS = 0x20
-_JEQ_K = 0x15
-_JGE_K = 0x35
-_RET_K = 0x06
-_RET_ALLOW = 0x7FFF0000
-_RET_ERRNO = 0x00050000
-
-# x86_64 numbers, checked against <asm/unistd_64.h> by a test where the header is installed.
-DENIED_X86_64: dict[str, int] = {
-    "ptrace": 101, "syslog": 103, "uselib": 134, "pivot_root": 155, "adjtimex": 159,
-    "acct": 163, "settimeofday": 164, "mount": 165, "umount2": 166, "swapon": 167,
-    "swapoff": 168, "reboot": 169, "iopl": 172, "ioperm": 173, "create_module": 174,
-    "init_module": 175, "delete_module": 176, "get_kernel_syms": 177, "query_module": 178,
-    "quotactl": 179, "nfsservctl": 180, "lookup_dcookie": 212, "clock_settime": 227,
-    "kexec_load": 246, "add_key": 248, "request_key": 249, "keyctl": 250, "unshare": 272,
-    "perf_event_open": 298, "name_to_handle_at": 303, "open_by_handle_at": 304,
-    "clock_adjtime": 305, "setns": 308, "process_vm_readv": 310, "process_vm_writev": 311,
-    "finit_module": 313, "kexec_file_load": 320, "bpf": 321, "userfaultfd": 323,
-    "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432,
-    "fspick": 433, "mount_setattr": 442,
+NAMESPACE_FLAGS: dict[str, int] = {
+    "CLONE_NEWTIME": 0x00000080, "CLONE_NEWNS": 0x00020000, "CLONE_NEWCGROUP": 0x02000000,
+    "CLONE_NEWUTS": 0x04000000, "CLONE_NEWIPC": 0x08000000, "CLONE_NEWUSER": 0x10000000,
+    "CLONE_NEWPID": 0x20000000, "CLONE_NEWNET": 0x40000000,
 }  # fmt: skip
-
-
-def _insn(code: int, jt: int, jf: int, k: int) -> bytes:
-    return struct.pack("=HBBI", code, jt, jf, k)
-
+"""`clone` with any of these fails with EPERM: a step makes no namespaces (as `unshare`)."""
 
 ZYGOTE_ALLOWS = frozenset({"unshare", "mount", "umount2", "pivot_root"})
 """What a warm parent's fork server may still call, to put each child into its own namespaces
@@ -50,25 +46,48 @@ and make its overlay the root; every child installs the full filter on top befor
 runs."""
 
 
-def program(machine: str | None = None, allow: frozenset[str] = frozenset()) -> bytes:
-    """The filter as raw `struct sock_filter` instructions for this host's architecture."""
-    arch = machine or platform.machine()
-    if arch != "x86_64":
+def _clone_flags_arg() -> int:
+    """Which argument of `clone` holds its flags (the second on s390, the first elsewhere)."""
+    return 1 if platform.machine().startswith("s390") else 0
+
+
+def _filter(allow: Iterable[str]) -> Any:
+    allowed = frozenset(allow)
+    try:
+        import pyseccomp as sc  # loads libseccomp.so.2
+
+        f = sc.SyscallFilter(sc.ALLOW)
+    except (ImportError, OSError, AttributeError) as exc:  # libseccomp missing or too old
         raise Unavailable(
-            f"the namespace runtime's seccomp filter has no system-call table for {arch}; "
-            "it refuses to run sandboxes without one"
-        )
-    numbers = sorted({nr for name, nr in DENIED_X86_64.items() if name not in allow})
-    deny = 4 + len(numbers) + 1  # index of the deny instruction
-    out = [
-        _insn(_LD_W_ABS, 0, 0, 4),  # seccomp_data.arch
-        _insn(_JEQ_K, 0, deny - 2, AUDIT_ARCH_X86_64),
-        _insn(_LD_W_ABS, 0, 0, 0),  # seccomp_data.nr
-        _insn(_JGE_K, deny - 4, 0, X32_SYSCALL_BIT),
-    ]
-    for i, nr in enumerate(numbers):
-        index = 4 + i
-        out.append(_insn(_JEQ_K, deny - (index + 1), 0, nr))
-    out.append(_insn(_RET_K, 0, 0, _RET_ALLOW))
-    out.append(_insn(_RET_K, 0, 0, _RET_ERRNO | EPERM))
-    return b"".join(out)
+            f"the namespace runtime's system-call filter needs libseccomp (libseccomp2): {exc}"
+        ) from exc
+    f.set_attr(sc.Attr.ACT_BADARCH, sc.ERRNO(errno.EPERM))
+    for name in DENIED:
+        if name in allowed:
+            continue
+        try:
+            f.add_rule(sc.ERRNO(errno.EPERM), name)
+        except (OSError, ValueError):  # a call this architecture does not have: nothing to deny
+            continue
+    flags = _clone_flags_arg()
+    for bit in NAMESPACE_FLAGS.values():
+        f.add_rule(sc.ERRNO(errno.EPERM), "clone", sc.Arg(flags, sc.MASKED_EQ, bit, bit))
+    f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+    return f
+
+
+def program(allow: Iterable[str] = ()) -> bytes:
+    """The filter as raw `struct sock_filter` instructions for this host's architecture, with
+    the calls in `allow` left out of the deny list."""
+    f = _filter(allow)
+    fd = os.memfd_create("fleet-seccomp", os.MFD_CLOEXEC)
+    try:
+        with os.fdopen(os.dup(fd), "rb+", buffering=0) as out:
+            f.export_bpf(out)
+        os.lseek(fd, 0, os.SEEK_SET)
+        chunks = []
+        while chunk := os.read(fd, 1 << 16):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)

@@ -35,7 +35,6 @@ from fleet.core.rollout import MAX_OUTPUT_BYTES
 from fleet.runtime import cgroups, seccomp
 from fleet.runtime.base import ExecResult, machine_env
 from fleet.runtime.namespace import (
-    LAUNCH_ENV,
     SOCKET_LINKS,
     NamespaceMachine,
     NamespaceRuntime,
@@ -336,6 +335,12 @@ class NamespaceParent:
         timeout_s: float = 300.0, pool_size: int = 0,
     ) -> NamespaceParent:  # fmt: skip
         """Starts the parent; `pool_size` children are kept forked ahead of need."""
+        if not machine.user.is_root:
+            await machine.delete()
+            raise InvalidArgument(
+                f"user = {machine.spec.smolfile.user!r}: a warm parent ([branch]) runs its "
+                "children as root on the namespace runtime; remove `user` or `[branch]`"
+            )
         parent = cls(runtime, machine)
         parent.pool_size = pool_size
         try:
@@ -349,26 +354,27 @@ class NamespaceParent:
     async def _start(self, warmup: str, timeout_s: float) -> None:
         ctl, root = self.ctl, self.machine.root
         await asyncio.to_thread(self._prepare, warmup)
-        filt = os.open(root / "zygote.bpf", os.O_RDONLY)
-        try:
-            argv = self.machine._argv(
-                ["python3", "-u", "/run/fleet/zygote.py"],
-                machine_env(self.machine.spec, None), "/", filt,
-                extra=["--bind", str(ctl), "/run/fleet",
-                       "--ro-bind", str(self.machine.spec.rootfs), "/run/fleet/lower",
-                       "--ro-bind", str(self.machine.layer / "upper"), "/run/fleet/parent-upper"],
-            )  # fmt: skip
-            self._proc = await asyncio.create_subprocess_exec(
-                *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                start_new_session=True, pass_fds=(filt,), env=LAUNCH_ENV, cwd="/",
-            )  # fmt: skip
-        finally:
-            os.close(filt)
+        self._proc = await self.machine.spawn(
+            ["python3", "-u", "/run/fleet/zygote.py"],
+            machine_env(self.machine.spec, None), "/", root / "zygote.bpf",
+            extra=["--bind", str(ctl), "/run/fleet",
+                   "--ro-bind", str(self.machine.spec.rootfs), "/run/fleet/lower",
+                   "--ro-bind", str(self.machine.layer / "upper"), "/run/fleet/parent-upper"],
+        )  # fmt: skip
         assert self._proc.stdout is not None and self._proc.stderr is not None
         try:
             line = await asyncio.wait_for(self._proc.stdout.readline(), timeout_s)
         except TimeoutError:
             line = b""
+        if line.strip() == b"warm-up-failed":  # it prints the traceback, then exits
+            try:
+                err = await asyncio.wait_for(self._proc.stderr.read(), 30)
+            finally:
+                self._kill()
+            raise InvalidArgument(
+                f"warm parent {self.machine.name}: its warm-up raised: "
+                f"{err.decode(errors='replace')[-800:]}"
+            )
         if line.strip() != b"ready":
             err = b""
             if self._proc.returncode is not None or not line:

@@ -380,8 +380,15 @@ def main() -> None:
     with open(CTL + "/child.bpf", "rb") as f:
         program = f.read()
     lock_mounts()
-    with open(CTL + "/warmup.py") as f:
-        exec(compile(f.read(), "<warm-up>", "exec"), WARM)
+    try:
+        with open(CTL + "/warmup.py") as f:
+            exec(compile(f.read(), "<warm-up>", "exec"), WARM)
+    except BaseException:  # the rollout's code failed, not this host: said as such
+        sys.stdout.write("warm-up-failed\n")
+        sys.stdout.flush()
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(3)
     # Everything the warm-up made is left alone by the collector from now on: a collection
     # writes to every object it visits, and each page this process writes after a fork is a
     # copy, while the children go on holding the original, charged to the parent's cgroup.

@@ -119,7 +119,7 @@ def test_restarted_agent_adopts_leased_work_and_deletes_the_rest(
 
     def marker() -> bool:
         d = machine_dir(machines, kept)
-        return d is not None and (d / "upper" / "root" / "marker").exists()
+        return d is not None and (d / "disk" / "upper" / "root" / "marker").exists()
 
     wait_for("step 1 of the adopted rollout to start", marker)
     wait_for("the other rollout's machine", lambda: machine_dir(machines, dropped) is not None)

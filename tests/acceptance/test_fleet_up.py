@@ -112,7 +112,7 @@ def test_submit_says_a_dev_section_is_ignored(tmp_path: Path) -> None:
 
 def test_fleet_run_applies_the_dev_section(tmp_path: Path) -> None:
     """`fleet run` mounts [dev] volumes (read-only where marked), sets its env and workdir,
-    and runs its init; a key it cannot honour is refused, not dropped."""
+    and runs its init, as its user; a key it cannot honour is refused, not dropped."""
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "code.txt").write_text("source\n")
     (tmp_path / "out").mkdir()
@@ -132,8 +132,12 @@ def test_fleet_run_applies_the_dev_section(tmp_path: Path) -> None:
     assert (tmp_path / "out" / "init.txt").read_text() == "init ran\n"
     user = tmp_path / "user.smolfile"
     user.write_text('image = "minimal"\n[dev]\nuser = "nobody"\n')
-    refused = cli("run", "-s", str(user), "--", "true")
-    assert refused.returncode == 2 and "[dev] user is not supported" in refused.stderr
+    who = cli("run", "-s", str(user), "--", "id", "-un")
+    assert who.returncode == 0 and who.stdout == "nobody\n", who.stderr
+    ports = tmp_path / "ports.smolfile"
+    ports.write_text('image = "minimal"\n[dev]\nports = ["8080:80"]\n')
+    refused = cli("run", "-s", str(ports), "--", "true")
+    assert refused.returncode == 2 and "[dev] ports is not supported" in refused.stderr
 
 
 def test_fleet_run_streams_output_and_returns_the_exit_code() -> None:

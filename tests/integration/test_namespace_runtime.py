@@ -428,7 +428,7 @@ def test_a_machines_files_are_the_hosts_root_users_alone(rootfs: Path, tmp_path:
 
     async def body(m: NamespaceMachine):  # type: ignore[no-untyped-def]
         result = await m.exec(["python3", "-c", SETUID], timeout_s=30)
-        planted = m.root / "upper" / "planted"
+        planted = m.layer / "upper" / "planted"
         return result, planted.stat().st_mode, stat.S_IMODE(m.root.stat().st_mode)
 
     result, planted, mode = run(rootfs, tmp_path, body)
@@ -448,6 +448,19 @@ except OSError as exc:
     print(f"refused: {exc.strerror}")
     sys.exit(3)
 print("written")
+"""
+
+
+WRITE_UNTIL_FULL = """
+import sys
+chunk = b"x" * (1 << 20)
+try:
+    with open("/root/big", "wb") as f:
+        for _ in range(4096):
+            f.write(chunk)
+except OSError as exc:
+    print(f"refused: {exc.strerror}")
+    sys.exit(3)
 """
 
 
@@ -479,13 +492,55 @@ def test_a_smolfiles_overlay_bounds_what_a_machine_can_write(rootfs: Path, tmp_p
     assert mounted and not _mounted(root / "disk") and not root.exists()
 
 
-def test_without_overlay_or_storage_a_machine_has_no_disk_of_its_own(
+def test_without_overlay_or_storage_a_machine_gets_the_default_bound(
     rootfs: Path, tmp_path: Path
 ) -> None:
-    async def body(m: NamespaceMachine):  # type: ignore[no-untyped-def]
-        return m.layer == m.root, (m.root / "disk").exists(), (m.root / "upper").is_dir()
+    """No Smolfile bound: the runtime's default (10 GiB) holds, and a write past it fails with
+    ENOSPC inside the machine and is reported as the disk being full."""
 
-    assert run(rootfs, tmp_path, body) == (True, False, True)
+    async def body(m: NamespaceMachine):  # type: ignore[no-untyped-def]
+        size = await m.exec(
+            ["python3", "-c", "import os; s = os.statvfs('/'); print(s.f_blocks * s.f_frsize)"],
+            timeout_s=30,
+        )
+        return m.layer == m.root / "disk", _mounted(m.root / "disk"), int(size.stdout)
+
+    layered, mounted, size = run(rootfs, tmp_path, body)
+    assert layered and mounted
+    assert 0.9 * 10 * 2**30 < size <= 10 * 2**30
+
+    async def fill() -> tuple[object, object]:
+        runtime, spec = make(rootfs, tmp_path)
+        runtime.default_disk_gib = 1
+        machine = await runtime.create(spec)
+        try:
+            big = await machine.exec(["python3", "-c", WRITE_UNTIL_FULL], timeout_s=120)
+            ok = await machine.exec(["true"], timeout_s=30)
+            return big, ok
+        finally:
+            await machine.delete()
+
+    big, ok = asyncio.run(fill())
+    assert big.exit_code == 3 and b"No space left" in big.stdout, big  # type: ignore[attr-defined]
+    assert big.disk_full  # type: ignore[attr-defined]
+    assert not ok.disk_full  # type: ignore[attr-defined]
+
+
+def test_an_agent_without_a_default_bound_keeps_layers_in_the_machine_directory(
+    rootfs: Path, tmp_path: Path
+) -> None:
+    async def go() -> tuple[bool, bool, bool]:
+        runtime, spec = make(rootfs, tmp_path)
+        runtime.default_disk_gib = None
+        m = await runtime.create(spec)
+        try:
+            await m.exec(["/bin/sh", "-c", "echo x > /root/f"], timeout_s=30)
+            made = (m.root / "upper/root/f").is_file()
+            return m.layer == m.root, (m.root / "disk").exists(), made
+        finally:
+            await m.delete()
+
+    assert asyncio.run(go()) == (True, False, True)
 
 
 def test_the_reaper_unmounts_a_bounded_disk_a_killed_agent_left(

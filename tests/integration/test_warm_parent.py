@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
+import pytest
 from structlog.testing import capture_logs
 
 from fleet.core.smolfile import parse_smolfile
@@ -88,7 +89,7 @@ def test_each_child_has_its_own_namespaces_disk_and_cgroup(rootfs: Path, tmp_pat
         await a.exec(["python3", "-c", write], timeout_s=30)
         again = await a.exec(["python3", "-c", "print(open('/root/mine').read())"], timeout_s=30)
         other = await b.exec(["python3", "-c", look], timeout_s=30)
-        parent_view = (parent.machine.root / "upper" / "root" / "mine").exists()
+        parent_view = (parent.machine.layer / "upper" / "root" / "mine").exists()
         # While a child runs, its host pid sits in its own cgroup, not the parent's.
         pid = await b.start(["python3", "-c", "import time; time.sleep(5)"])
         in_own = pid in b.cgroup.pids() and pid not in parent.machine.cgroup.pids()
@@ -726,3 +727,30 @@ def test_a_parent_and_its_children_share_its_bounded_disk(rootfs: Path, tmp_path
         (0, b"written\n"), (3, refused), (0, b"written\n"), (3, refused),
         (1, b""), (0, b"written\n"),
     ]  # fmt: skip
+
+
+def test_a_warm_up_that_raises_is_the_rollouts_fault_not_the_hosts(
+    rootfs: Path, tmp_path: Path
+) -> None:
+    """The warm-up's exception is InvalidArgument (the attempt is malformed input, quarantined
+    and not retried elsewhere), with its traceback; nothing of the parent is left."""
+    from fleet.core.errors import InvalidArgument
+
+    async def body(parent: NamespaceParent) -> None:
+        raise AssertionError("the parent started")
+
+    with pytest.raises(InvalidArgument, match="its warm-up raised") as info:
+        with_parent(rootfs, tmp_path, body, warmup="import json\nraise KeyError('weights')\n")
+    assert "KeyError: 'weights'" in info.value.message
+    assert not any((tmp_path / "machines" / "warm-test").iterdir())
+
+
+def test_a_warm_parent_refuses_a_user_it_cannot_honour(rootfs: Path, tmp_path: Path) -> None:
+    from fleet.core.errors import InvalidArgument
+
+    async def body(parent: NamespaceParent) -> None:
+        raise AssertionError("the parent started")
+
+    with pytest.raises(InvalidArgument, match="remove `user` or `\\[branch\\]`"):
+        with_parent(rootfs, tmp_path, body, smolfile='image = "minimal"\nuser = "nobody"\n')
+    assert not any((tmp_path / "machines" / "warm-test").iterdir())
