@@ -7,30 +7,47 @@ Machines run the image's python3 without gRPC, so a step calls the gateway with 
       200 {"output", "model", "revision", "device", "batch_size", "queue_ms", "degraded",
            "replayed"}
       4xx/5xx {"code", "message"}; 429 and 503 carry Retry-After (seconds, fractional)
-    GET /metrics     Prometheus text
+    GET /metrics     Prometheus text (to this host's loopback only: machines get a 404)
     GET /healthz     "ok"
 
-HTTP/1.1 with keep-alive; bodies over 1 MiB are refused; past `connection_limit()` open
-connections a new one gets a 503 to retry. Errors map from fleet's codes.
+HTTP/1.1 with keep-alive, parsed strictly (`fleet.httpd`); bodies over 1 MiB are refused;
+headers must arrive within 10 s and a next request within 60 s. Past `connection_limit()` open
+connections a new one gets a 503 to retry, and so does one past `MAX_PER_ROLLOUT` connections of
+one rollout (by its token), so that one machine cannot hold them all. Only loopback and the
+machines' address pool are answered unless told otherwise (`fleet gateway --http-allow`); other
+peers are closed unanswered. Errors map from fleet's codes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import resource
 import ssl
+import time
+from collections.abc import Sequence
 from typing import Any
 
 import structlog
 
 from fleet.core.errors import ErrorCode, FleetError
-from fleet.httpd import connection_handler, reply
+from fleet.core.tokens import verify
+from fleet.httpd import IPNetwork, connection_handler, is_loopback, reply
+from fleet.runtime.netns import NetConfig
 from gateway.service import Gateway
 
 log = structlog.get_logger(__name__)
 
 MAX_BODY_BYTES = 1 << 20
+MAX_PER_ROLLOUT = 32
+"""Connections one rollout's machines may hold open at once."""
+DEFAULT_ALLOW: tuple[IPNetwork, ...] = (
+    ipaddress.ip_network("127.0.0.0/8"),
+    ipaddress.ip_network("::1/128"),
+    ipaddress.ip_network(NetConfig().address_pool),
+)
+"""Who the endpoint answers by default: this host, and machines on their links."""
 HTTP_STATUS = {
     ErrorCode.INVALID_ARGUMENT: 400,
     ErrorCode.UNAUTHENTICATED: 401,
@@ -58,7 +75,7 @@ class HttpEndpoint:
     async def _route(self, method: str, path: str, _h: dict[str, str], body: bytes) -> bytes:
         if path == "/healthz":
             return reply(200, b"ok")
-        if path == "/metrics" and method == "GET":
+        if path == "/metrics" and method == "GET" and is_loopback(_h.get(":peer", "")):
             text = self.gateway.metrics_text().encode()
             return reply(200, text, "text/plain; version=0.0.4")
         if path != "/v1/infer":
@@ -113,11 +130,23 @@ async def serve_http(
     sock: Any = None,
     max_connections: int = 0,
     tls: ssl.SSLContext | None = None,
+    allow: Sequence[IPNetwork] | None = DEFAULT_ALLOW,
+    max_per_rollout: int = MAX_PER_ROLLOUT,
 ) -> tuple[asyncio.Server, int]:
     """Serves the endpoint on host:port, or on an already bound socket (another netns), with
-    at most `max_connections` open at once (0: `connection_limit()`); over TLS with `tls`."""
+    at most `max_connections` open at once (0: `connection_limit()`); over TLS with `tls`;
+    answering only peers in `allow` (None: any)."""
+
+    def rollout_of(_headers: dict[str, str], body: bytes) -> str | None:
+        try:
+            token = json.loads(body).get("token", "")
+            return verify(gateway.config.secret, str(token), time.time()).rollout_id
+        except (FleetError, ValueError, TypeError, AttributeError):
+            return None  # refused by the endpoint itself, and the connection closed
+
     handle = connection_handler(
-        HttpEndpoint(gateway)._route, MAX_BODY_BYTES, max_connections or connection_limit()
+        HttpEndpoint(gateway)._route, MAX_BODY_BYTES, max_connections or connection_limit(),
+        allow=allow, key_of=rollout_of, max_per_key=max_per_rollout,
     )  # fmt: skip
     if sock is not None:
         server = await asyncio.start_server(handle, sock=sock, ssl=tls)

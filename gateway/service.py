@@ -19,8 +19,14 @@ import grpc
 import structlog
 
 from fleet._proto.fleet.v1 import inference_pb2, inference_pb2_grpc
-from fleet.core.errors import FailedPrecondition, FleetError, InvalidArgument, NotFound
-from fleet.core.tokens import verify
+from fleet.core.errors import (
+    FailedPrecondition,
+    FleetError,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+)
+from fleet.core.tokens import check_running, verify
 from fleet.server.status import as_refusal, mapped
 from gateway.batcher import Answer, BatchConfig, Batcher
 from gateway.breaker import CircuitBreaker
@@ -111,6 +117,12 @@ def _check_limits(config: GatewayConfig) -> None:
             raise InvalidArgument(f"gateway {name} is {value}: it must be at least {floor}")
 
 
+RUNNING_STALE_S = 10.0
+"""A list of running rollouts older than this is not acted on (the server stopped polling)."""
+RUNNING_GRACE_S = 1.0
+"""A token issued this close before the list was read may belong to an attempt it missed."""
+
+
 @dataclass
 class Gateway:
     """One model on a primary device with a CPU replica behind a breaker."""
@@ -122,6 +134,41 @@ class Gateway:
     """Inference requests received, by how they came (`VIA`)."""
     streams_open: int = 0
     """InferStream calls open now."""
+    running: frozenset[str] = frozenset()
+    """The rollouts the fleet server last said are running (`note_running`)."""
+    running_as_of: float = 0.0
+    """When the server read them (0: it never said; tokens are then checked alone)."""
+    running_received: float = 0.0
+    """When they arrived here (monotonic)."""
+
+    def note_running(self, ids: list[str], as_of: float, signature: str) -> None:
+        """The server's list of running rollouts, signed with the token secret."""
+        check_running(self.config.secret, ids, as_of, signature)
+        if as_of >= self.running_as_of:  # (an older poll arriving late changes nothing)
+            self.running, self.running_as_of = frozenset(ids), as_of
+            self.running_received = time.monotonic()
+
+    def check_running(self, rollout_id: str, issued_at: float) -> None:
+        """PermissionDenied for a rollout the server no longer runs, when the server's list
+        is fresh and the token is older than it (a token issued since the list was read
+        belongs to an attempt the list could not yet hold)."""
+        if not self.running_as_of:
+            return
+        if time.monotonic() - self.running_received > RUNNING_STALE_S:
+            if not self._stale_said:
+                log.warning(
+                    "running_rollouts_stale", seconds=RUNNING_STALE_S,
+                    effect="tokens are checked alone until the server polls again",
+                )  # fmt: skip
+                self._stale_said = True
+            return
+        self._stale_said = False
+        if rollout_id not in self.running and issued_at < self.running_as_of - RUNNING_GRACE_S:
+            raise PermissionDenied(
+                f"rollout {rollout_id} is not running: its inference token ended with it"
+            )
+
+    _stale_said: bool = False
 
     @classmethod
     def build(cls, config: GatewayConfig, fault_primary: object | None = None) -> Gateway:
@@ -183,7 +230,8 @@ class Gateway:
         `via`: how it came (one of `VIA`), for the metrics."""
         self.requests[via] += 1
         now = time.time()
-        verify(self.config.secret, token, now, rollout_id)
+        claims = verify(self.config.secret, token, now, rollout_id)
+        self.check_running(claims.rollout_id, claims.issued_at)
         if not rollout_id:
             raise InvalidArgument("rollout_id is empty")
         if model != self.spec.name:
@@ -312,6 +360,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
     ) -> inference_pb2.GatewayStatus:
         gw = self.gateway
         b = gw.batcher
+        if request.HasField("running"):
+            r = request.running
+            gw.note_running(list(r.rollout_ids), r.as_of, r.signature)
         return inference_pb2.GatewayStatus(
             models=[
                 inference_pb2.ModelInfo(

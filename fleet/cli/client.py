@@ -30,34 +30,61 @@ PLAN_KEYS = {"argv", "env", "workdir", "timeout_s", "name"}
 def load_plan(path: str) -> list[types_pb2.Step]:
     """A plan file: TOML with [[steps]] tables (argv, env, workdir, timeout_s, name)."""
     try:
-        data = tomllib.loads(Path(path).read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
         raise InvalidArgument(f"{path}: cannot read plan: {exc}") from exc
+    return parse_plan(text, path)
+
+
+def parse_plan(text: str, path: str = "<plan>") -> list[types_pb2.Step]:
+    """A plan's text as steps; anything else is refused with InvalidArgument saying where."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise InvalidArgument(f"{path}: cannot read plan: {exc}") from exc
+    except RecursionError:
+        raise InvalidArgument(f"{path}: cannot read plan: nested too deeply") from None
     steps = data.get("steps")
     unknown = set(data) - {"steps"}
     if unknown:
-        raise InvalidArgument(f"{path}: unknown plan keys {sorted(unknown)}")
+        raise InvalidArgument(f"{path}: unknown plan keys {sorted(unknown)[:10]}")
     if not isinstance(steps, list) or not steps:
         raise InvalidArgument(f"{path}: a plan needs at least one [[steps]] table")
     out = []
     for index, step in enumerate(steps):
+        where = f"{path}: steps[{index}]"
+        if not isinstance(step, dict):
+            raise InvalidArgument(f"{where} must be a table")
         bad = set(step) - PLAN_KEYS
         if bad:
-            raise InvalidArgument(f"{path}: steps[{index}]: unknown keys {sorted(bad)}")
+            raise InvalidArgument(f"{where}: unknown keys {sorted(bad)[:10]}")
         argv = step.get("argv")
         if isinstance(argv, str):
-            argv = shlex.split(argv)
+            try:
+                argv = shlex.split(argv)
+            except ValueError as exc:
+                raise InvalidArgument(f"{where}.argv: {exc}") from None
         if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
-            raise InvalidArgument(f"{path}: steps[{index}].argv must be a list of strings")
-        out.append(
-            types_pb2.Step(
-                argv=argv,
-                env={str(k): str(v) for k, v in step.get("env", {}).items()},
-                workdir=step.get("workdir", ""),
-                timeout_s=float(step.get("timeout_s", 0)),
-                name=step.get("name", ""),
-            )
-        )
+            raise InvalidArgument(f"{where}.argv must be a list of strings")
+        env = step.get("env", {})
+        if not isinstance(env, dict) or not all(
+            isinstance(v, str | int | float | bool) for v in env.values()
+        ):
+            raise InvalidArgument(f"{where}.env must be a table of strings")
+        workdir, name = step.get("workdir", ""), step.get("name", "")
+        if not isinstance(workdir, str) or not isinstance(name, str):
+            raise InvalidArgument(f"{where}: workdir and name must be strings")
+        timeout = step.get("timeout_s", 0)
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+            raise InvalidArgument(f"{where}.timeout_s must be a number of seconds")
+        try:
+            pb = types_pb2.Step(
+                argv=argv, env={str(k): str(v) for k, v in env.items()}, workdir=workdir,
+                timeout_s=float(timeout), name=name,
+            )  # fmt: skip
+        except (ValueError, OverflowError) as exc:  # (a string protobuf cannot hold)
+            raise InvalidArgument(f"{where}: {exc}") from None
+        out.append(pb)
     return out
 
 

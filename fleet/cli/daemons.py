@@ -52,6 +52,7 @@ async def cmd_serve(args: argparse.Namespace) -> int:
             metrics_listen=args.metrics_listen,
             artifacts_dir=args.artifacts_dir,
             max_input_mib=args.max_input_mib,
+            max_deadline_s=args.max_deadline_h * 3600,
             max_output_mib=args.max_output_mib,
             retain_days=args.retain_days,
             registry=args.registry,
@@ -143,7 +144,9 @@ async def cmd_gateway(args: argparse.Namespace) -> int:
     gw = Gateway.build(config)
     server, port = await serve(gw, args.listen, grpc_tls)
     host, _, http_port = args.http_listen.rpartition(":")
-    http, bound = await serve_http(gw, host, int(http_port), tls=http_tls)
+    http, bound = await serve_http(
+        gw, host, int(http_port), tls=http_tls, allow=http_allow(args.http_allow)
+    )
     scheme = "https" if http_tls is not None else "http"
     print(
         f"fleet gateway: {gw.spec.name} {gw.spec.revision} on {gw.batcher.primary.device} "
@@ -160,6 +163,24 @@ async def cmd_gateway(args: argparse.Namespace) -> int:
     await gw.batcher.stop()
     await server.stop(5)
     return 0
+
+
+def http_allow(text: str) -> Any:
+    """--http-allow: the default peers (loopback, the machines' pool) and these CIDRs; 'any':
+    everyone (None)."""
+    import ipaddress
+
+    from gateway.http import DEFAULT_ALLOW
+
+    if text.strip() == "any":
+        return None
+    extra = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        try:
+            extra.append(ipaddress.ip_network(item, strict=False))
+        except ValueError:
+            raise SystemExit(f"--http-allow {item!r}: not a CIDR range") from None
+    return (*DEFAULT_ALLOW, *extra)
 
 
 def gateway_tls(args: argparse.Namespace, paths: Paths) -> tuple[Any, Any, str]:
@@ -281,6 +302,7 @@ async def cmd_agent(args: argparse.Namespace) -> int:
             gateway=gateway,
             gateway_ca=gateway_ca,
             image_cache_gib=args.image_cache_gib,
+            default_disk_gib=args.default_disk_gib or None,
             registry_ca=registry_ca,
         )
     )

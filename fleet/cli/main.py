@@ -405,6 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--artifacts-dir", default="",
                     help="where inputs and outputs are kept (default: beside a SQLite ledger, "
                     "else $FLEET_HOME/artifacts)")  # fmt: skip
+    sp.add_argument("--max-deadline-h", type=float, default=168.0,
+                    help="how far ahead a rollout's deadline may be, in hours (its inference "
+                    "token lives no longer; default 168: 7 days)")  # fmt: skip
     sp.add_argument("--max-input-mib", type=float, default=1024.0,
                     help="a rollout's inputs together, at most (default 1024)")  # fmt: skip
     sp.add_argument("--max-output-mib", type=float, default=1024.0,
@@ -463,6 +466,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="images fetched from the server kept here, at most (least recently used removed "
         "first, never one in use; default 20)",
     )  # fmt: skip
+    sp.add_argument(
+        "--default-disk-gib", type=int, default=10,
+        help="a namespace machine's writable layer where its Smolfile sets neither overlay nor "
+        "storage, in GiB (a sparse file; 0: bounded by the host's disk only; default 10)",
+    )  # fmt: skip
     sp.add_argument("--host-id", default="")
     sp.add_argument("--machines-dir", default="", help="default $FLEET_HOME/machines")
     sp.add_argument(
@@ -488,6 +496,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "--http-listen", default="0.0.0.0:50053",
         help="HTTP address machines call (they reach only it, and only with a rollout token)",
+    )  # fmt: skip
+    sp.add_argument(
+        "--http-allow", default="",
+        help="comma-separated CIDRs whose connections the HTTP endpoint answers, besides "
+        "loopback and the machines' address pool (cloud hosts' addresses, say); others are "
+        "closed unanswered; 'any' answers everyone",
     )  # fmt: skip
     sp.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
     sp.add_argument(

@@ -30,7 +30,7 @@ class Severity(enum.IntEnum):
 
 
 # What no allowlist lifts: cloud metadata, link-local, loopback, and the host itself.
-FLOOR = (
+_FLOOR_BASE = (
     ("169.254.169.254/32", "cloud metadata service (IPv4)"),
     ("fd00:ec2::254/128", "cloud metadata service (IPv6)"),
     ("169.254.0.0/16", "IPv4 link-local"),
@@ -38,6 +38,26 @@ FLOOR = (
     ("127.0.0.0/8", "IPv4 loopback (the machine itself)"),
     ("::1/128", "IPv6 loopback"),
 )
+
+
+def ipv6_forms(cidr: str, what: str) -> list[tuple[str, str]]:
+    """The IPv6 spellings of an IPv4 range: IPv4-mapped (::ffff:a.b.c.d), NAT64
+    (64:ff9b::a.b.c.d) and 6to4 (2002:AABB:CCDD::), each of which reaches the IPv4 address
+    where the path translates it."""
+    net = ipaddress.ip_network(cidr)
+    if net.version != 4:
+        return []
+    v4, plen = int(net.network_address), net.prefixlen
+    return [
+        (str(ipaddress.IPv6Network(((0xFFFF << 32) | v4, 96 + plen))), f"{what}, IPv4-mapped"),
+        (str(ipaddress.IPv6Network(((0x64FF9B << 96) | v4, 96 + plen))), f"{what}, NAT64"),
+        (str(ipaddress.IPv6Network(((0x2002 << 112) | (v4 << 80), 16 + plen))), f"{what}, 6to4"),
+    ]
+
+
+FLOOR = (*_FLOOR_BASE, *[form for c, w in _FLOOR_BASE for form in ipv6_forms(c, w)])
+"""Never reachable, whatever a Smolfile allows: in every spelling, IPv6 forms of the IPv4
+ranges included."""
 PRIVATE = (
     ("10.0.0.0/8", "private range"),
     ("172.16.0.0/12", "private range"),
@@ -149,6 +169,10 @@ class OrgPolicy(BaseModel):
     max_cidr_prefix_v4: int = 16
     """A CIDR wider than this (a smaller prefix length) is flagged."""
     max_cidr_prefix_v6: int = 48
+    max_cidr_total_prefix_v4: int = 12
+    """All of a Smolfile's IPv4 CIDRs together may span at most as much as one CIDR of this
+    prefix length (a /12: 1,048,576 addresses), however they are split into entries."""
+    max_cidr_total_prefix_v6: int = 44
     allow_open_egress: bool = False
     """Whether net = true without an allowlist is acceptable at all."""
     shared: list[str] = Field(default_factory=lambda: ["smolfiles/*", "*/smolfiles/*"])
@@ -171,17 +195,6 @@ def _covers(host: str, pattern: str) -> bool:
     """Whether allowing `pattern` allows `host` (a name and its subdomains)."""
     host, pattern = host.lower().rstrip("."), pattern.lower().removeprefix("*.").rstrip(".")
     return host == pattern or host.endswith("." + pattern)
-
-
-def _within(
-    net: ipaddress.IPv4Network | ipaddress.IPv6Network,
-    other: ipaddress.IPv4Network | ipaddress.IPv6Network,
-) -> bool:
-    if isinstance(net, ipaddress.IPv4Network) and isinstance(other, ipaddress.IPv4Network):
-        return net.subnet_of(other)
-    if isinstance(net, ipaddress.IPv6Network) and isinstance(other, ipaddress.IPv6Network):
-        return net.subnet_of(other)
-    return False
 
 
 def _is_ip(value: str) -> bool:
@@ -327,19 +340,26 @@ def audit_text(text: str, name: str, org: OrgPolicy | None = None) -> list[Findi
                 add("FLEET012", hpath, f"{required!r} is required by the organisation's policy")
 
     nets: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
+    listed: set[ipaddress.IPv4Network | ipaddress.IPv6Network] = set()
     for cidr in cidrs:
         try:
             net = ipaddress.ip_network(cidr, strict=False)
         except ValueError:
-            add("FLEET014", cpath, f"{cidr!r} is not a CIDR range")
+            add("FLEET014", cpath, f"{cidr[:100]!r} is not a CIDR range")
             continue
-        if net in nets:
+        if net in listed:
             add("FLEET009", cpath, f"{cidr!r} is listed twice")
             continue
-        inside = next((o for o in nets if _within(net, o)), None)
+        # (by its supernets: linear in the entries, so a long list is judged quickly)
+        inside = next(
+            (up for q in range(net.prefixlen - 1, -1, -1)
+             if (up := net.supernet(new_prefix=q)) in listed),
+            None,
+        )  # fmt: skip
         if inside:
             add("FLEET009", cpath, f"{cidr!r} is inside {inside} already listed")
         nets.append(net)
+        listed.add(net)
         limit = org.max_cidr_prefix_v4 if net.version == 4 else org.max_cidr_prefix_v6
         if net.prefixlen < limit:
             add("FLEET004", cpath, f"{cidr!r} spans /{net.prefixlen}, wider than /{limit}")
@@ -361,6 +381,19 @@ def audit_text(text: str, name: str, org: OrgPolicy | None = None) -> list[Findi
                     f"{cidr!r} covers {private} ({what}): internal services become reachable",
                 )
                 break
+
+    for version, limit in ((4, org.max_cidr_total_prefix_v4), (6, org.max_cidr_total_prefix_v6)):
+        mine = [n for n in nets if n.version == version]
+        bits = 32 if version == 4 else 128
+        total = sum(n.num_addresses for n in ipaddress.collapse_addresses(mine))  # type: ignore[type-var, misc]
+        if len(mine) > 1 and total > 2 ** (bits - limit):
+            share = total / 2**bits * 100
+            add(
+                "FLEET004",
+                cpath,
+                f"{len(mine)} allow_cidrs entries together span {total:,} IPv{version} addresses "
+                f"({share:.3g}% of IPv{version}), more than one /{limit}",
+            )
 
     for index, cred in enumerate(
         network.get("credentials", []) if isinstance(network.get("credentials"), list) else []

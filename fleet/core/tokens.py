@@ -5,7 +5,12 @@ server and the gateway share. The gateway refuses a token that is malformed, sig
 another key, expired, or scoped to a different rollout than the request claims.
 
 Format: `v1.<payload>.<signature>`, both parts unpadded base64url; the payload is compact JSON
-`{"rid": rollout id, "exp": unix seconds}`.
+`{"rid": rollout id, "exp": unix seconds, "iat": unix seconds}` (`iat`, when the attempt that
+carries it was leased, may be absent in tokens of older servers).
+
+A token is good only while its rollout runs: the server tells the gateway which rollouts are
+running (`RunningRollouts`, signed with the same secret, every poll), and the gateway refuses a
+token whose rollout is not among them unless it was issued after that list was read.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import functools
 import hashlib
 import hmac
 import json
+import math
 
 from pydantic import BaseModel, ConfigDict
 
@@ -28,6 +34,7 @@ class TokenClaims(BaseModel):
 
     rollout_id: str
     expires_at: float
+    issued_at: float = 0.0
 
 
 def _b64(data: bytes) -> str:
@@ -43,10 +50,14 @@ def _check_secret(secret: bytes) -> None:
         raise ValueError(f"token secret must be at least {MIN_SECRET_BYTES} bytes")
 
 
-def issue(secret: bytes, rollout_id: str, expires_at: float) -> str:
-    """A token for `rollout_id`, valid until `expires_at` (the rollout's deadline)."""
+def issue(secret: bytes, rollout_id: str, expires_at: float, issued_at: float = 0.0) -> str:
+    """A token for `rollout_id`, valid until `expires_at` (the rollout's deadline) and while
+    the rollout runs; `issued_at`: when its attempt was leased."""
     _check_secret(secret)
-    payload = json.dumps({"rid": rollout_id, "exp": round(expires_at, 3)}, separators=(",", ":"))
+    claims: dict[str, object] = {"rid": rollout_id, "exp": round(expires_at, 3)}
+    if issued_at:
+        claims["iat"] = round(issued_at, 3)
+    payload = json.dumps(claims, separators=(",", ":"))
     body = _b64(payload.encode())
     signature = hmac.new(secret, f"v1.{body}".encode(), hashlib.sha256).digest()
     return f"v1.{body}.{_b64(signature)}"
@@ -60,17 +71,17 @@ def verify(secret: bytes, token: str, now: float, rollout_id: str = "") -> Token
     _check_secret(secret)
     if not token:
         raise Unauthenticated("no inference token: requests need the rollout's token")
-    rid, exp = _signed_claims(secret, token)
+    rid, exp, iat = _signed_claims(secret, token)
     if now >= exp:
         raise PermissionDenied(f"inference token for rollout {rid} expired at its deadline")
     if rollout_id and rollout_id != rid:
         raise PermissionDenied(f"inference token is scoped to rollout {rid}, not to {rollout_id}")
-    return TokenClaims(rollout_id=rid, expires_at=exp)
+    return TokenClaims(rollout_id=rid, expires_at=exp, issued_at=iat)
 
 
 @functools.lru_cache(maxsize=8192)
-def _signed_claims(secret: bytes, token: str) -> tuple[str, float]:
-    """(rollout id, expiry) of a token whose signature verifies under `secret`.
+def _signed_claims(secret: bytes, token: str) -> tuple[str, float, float]:
+    """(rollout id, expiry, issue time) of a token whose signature verifies under `secret`.
 
     Remembered per token: a rollout's machine sends the same token with every action, and the
     answer cannot change (only a valid signature is remembered; expiry is checked on each use).
@@ -82,9 +93,29 @@ def _signed_claims(secret: bytes, token: str) -> tuple[str, float]:
         signature = _unb64(parts[2])
         claims = json.loads(_unb64(parts[1]))
         rid, exp = str(claims["rid"]), float(claims["exp"])
-    except (ValueError, KeyError, TypeError):
+        iat = float(claims.get("iat", 0.0))
+        if not (math.isfinite(exp) and math.isfinite(iat)):
+            raise ValueError("not finite")
+    except (ValueError, KeyError, TypeError, AttributeError):
         raise Unauthenticated("malformed inference token (unreadable payload)") from None
     expected = hmac.new(secret, f"v1.{parts[1]}".encode(), hashlib.sha256).digest()
     if not hmac.compare_digest(signature, expected):
         raise Unauthenticated("inference token signature does not verify (another key?)")
-    return rid, exp
+    return rid, exp, iat
+
+
+RUNNING_TAG = "running.v1"
+
+
+def sign_running(secret: bytes, rollout_ids: list[str], as_of: float) -> str:
+    """The server's signature over the rollouts it says are running at `as_of`."""
+    _check_secret(secret)
+    text = "\n".join([RUNNING_TAG, repr(round(as_of, 6)), *sorted(rollout_ids)])
+    return _b64(hmac.new(secret, text.encode(), hashlib.sha256).digest())
+
+
+def check_running(secret: bytes, rollout_ids: list[str], as_of: float, signature: str) -> None:
+    """Unauthenticated unless `signature` is the server's over exactly these rollouts."""
+    expected = sign_running(secret, rollout_ids, as_of)
+    if not hmac.compare_digest(expected.encode(), signature.encode()):
+        raise Unauthenticated("running rollouts: signature does not verify (another key?)")

@@ -18,6 +18,7 @@ import structlog
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from fleet.core.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from fleet.core.smolfile import check_store_name
 from fleet.image.archive import flatten
 
 log = structlog.get_logger(__name__)
@@ -80,7 +81,7 @@ class ImageStore:
         return self.root / "blobs" / f"{_blob_name(digest)}.tar"
 
     def load_recipe(self, name: str) -> tuple[Recipe, str]:
-        path = self.recipes / name / "recipe.toml"
+        path = self.recipes / check_store_name(name) / "recipe.toml"
         try:
             text = path.read_text()
         except OSError as exc:
@@ -93,7 +94,7 @@ class ImageStore:
         return recipe, "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
     def record(self, name: str) -> ImageRecord | None:
-        path = self.root / "refs" / f"{name}.json"
+        path = self.root / "refs" / f"{check_store_name(name)}.json"
         try:
             return ImageRecord.model_validate_json(path.read_text())
         except (OSError, ValidationError):

@@ -14,7 +14,7 @@ import secrets
 import sqlite3
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from functools import lru_cache
@@ -608,10 +608,12 @@ class Ledger:
             query = query.where(RolloutRow.tenant == tenant)
         if page_token:
             try:
+                if len(page_token) > 19 or not page_token.isdigit():
+                    raise ValueError(page_token)
                 before = int(page_token)
             except ValueError:
                 raise InvalidArgument(
-                    f"page_token {page_token!r} is not one this server issued"
+                    f"page_token {page_token[:40]!r} is not one this server issued"
                 ) from None
             query = query.where(col(RolloutRow.seq) < before)
         for key, value in labels.items():
@@ -740,6 +742,25 @@ class Ledger:
                 select(HostRow).where(col(HostRow.id).not_in(revoked)).order_by(col(HostRow.id))
             )
             return [HostCapabilities.model_validate_json(r.capabilities_json) for r in rows]
+
+    def running_rollouts(self, known: Mapping[str, bool]) -> dict[str, bool]:
+        """Every running rollout -> whether it calls the inference gateway; `known` holds
+        answers already read (manifests never change), so only new rollouts' are parsed."""
+        with self._tx() as s:
+            rows = s.exec(
+                select(RolloutRow.id, RolloutRow.manifest_digest).where(
+                    RolloutRow.state == RolloutState.RUNNING.value
+                )
+            ).all()
+            out: dict[str, bool] = {}
+            for rollout_id, digest in rows:
+                if rollout_id in known:
+                    out[rollout_id] = known[rollout_id]
+                    continue
+                body = s.get(ManifestRow, digest)
+                manifest = Manifest.model_validate_json(body.body) if body is not None else None
+                out[rollout_id] = bool(manifest and manifest.requirements.inference)
+            return out
 
     def _host(self, s: Session, host_id: str) -> HostCapabilities:
         row = s.get(HostRow, host_id)

@@ -18,6 +18,7 @@ from fleet._proto.fleet.v1 import (
     inference_pb2,
     inference_pb2_grpc,
 )
+from fleet.core import tokens
 from fleet.core.errors import (
     FailedPrecondition,
 )
@@ -66,6 +67,23 @@ async def _retention(core: Core) -> None:
         await asyncio.sleep(core.config.retention_interval_s)
 
 
+async def _status_request(core: Core) -> inference_pb2.GatewayStatusRequest:
+    """A status poll that tells the gateway which rollouts that call it are running (signed
+    with the token secret): their tokens are good, the others' are not."""
+    secret = core.config.token_secret
+    if not secret:
+        return inference_pb2.GatewayStatusRequest()
+    as_of = time.time()  # before the read: whatever was leased by then is in it
+    running = await core.db(core.ledger.running_rollouts, core.inference_running)
+    core.inference_running = running
+    ids = sorted(rollout for rollout, uses in running.items() if uses)
+    return inference_pb2.GatewayStatusRequest(
+        running=inference_pb2.RunningRollouts(
+            rollout_ids=ids, as_of=as_of, signature=tokens.sign_running(secret, ids, as_of)
+        )
+    )
+
+
 async def _watch_gateway(core: Core) -> None:
     """Backpressure: holds rollouts that call the gateway while its queue is too deep.
 
@@ -86,7 +104,7 @@ async def _watch_gateway(core: Core) -> None:
             before = core.hold_inference
             try:
                 status = await stub.Status(
-                    inference_pb2.GatewayStatusRequest(), timeout=max(1.0, config.gateway_poll_s)
+                    await _status_request(core), timeout=max(1.0, config.gateway_poll_s)
                 )
                 depth = int(status.queue_depth)
                 core.gateway_queue_depth = depth

@@ -91,7 +91,20 @@ def step_from_pb(step: types_pb2.Step, index: int) -> Step:
     if step.timeout_s:
         kwargs["timeout_s"] = step.timeout_s
     kwargs["name"] = step.name or f"step-{index}"
-    return Step.model_validate(kwargs)
+    try:
+        return Step.model_validate(kwargs)
+    except ValueError as exc:
+        raise InvalidArgument(f"steps[{index}]: {exc}") from None
+
+
+def deadline_from_pb(value: Timestamp) -> datetime:
+    """A request's deadline; one outside what a timestamp can hold is refused."""
+    try:
+        return from_ts(value)
+    except (ValueError, OverflowError, OSError) as exc:
+        raise InvalidArgument(
+            f"deadline: {value.seconds}s {value.nanos}ns is not a valid time ({exc})"
+        ) from None
 
 
 def retry_from_pb(retry: types_pb2.RetryPolicy) -> RetryPolicy:
@@ -117,7 +130,7 @@ def submit_from_pb(req: fleet_pb2.SubmitRolloutRequest) -> SubmitRequest:
         smolfile=req.smolfile,
         smolfile_name=req.smolfile_name or "<smolfile>",
         steps=tuple(step_from_pb(s, i) for i, s in enumerate(req.steps)),
-        deadline=from_ts(req.deadline) if req.HasField("deadline") else None,
+        deadline=deadline_from_pb(req.deadline) if req.HasField("deadline") else None,
         retry=retry_from_pb(req.retry),
         versions=Versions(
             policy=req.versions.policy,

@@ -19,6 +19,7 @@ from fleet.core.errors import (
     Internal,
 )
 from fleet.core.lifecycle import RolloutState
+from fleet.core.manifest import MAX_DEADLINE
 from fleet.core.placement import HostCapabilities, HostClass, Requirements, unservable_reason
 from fleet.core.rollout import Completion
 from fleet.image.store import ImageStore
@@ -48,6 +49,9 @@ class ServerConfig:
     """Largest request accepted; bigger ones get RESOURCE_EXHAUSTED."""
     max_active_per_tenant: int = 100_000
     """Queued plus running rollouts one tenant may have; more are refused with a retry hint."""
+    max_deadline_s: float = MAX_DEADLINE.total_seconds()
+    """How far ahead a submission's deadline may be (and so how long its inference token may
+    live)."""
     max_running_per_tenant: int = 0
     """Rollouts of one tenant leased at once across the fleet (0: no limit)."""
     token_secret: bytes = b""
@@ -142,6 +146,8 @@ class Core:
         self.hold_inference = False
         """Backpressure: the gateway is over its threshold (or unreachable)."""
         self.gateway_queue_depth = 0
+        self.inference_running: dict[str, bool] = {}
+        """Running rollouts -> whether they call the gateway, as last told to it."""
 
     async def db(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._db, fn, *args)

@@ -6,7 +6,7 @@ import asyncio
 import functools
 import time
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import grpc
 import structlog
@@ -23,7 +23,13 @@ from fleet.core.errors import (
     NotFound,
     ResourceExhausted,
 )
-from fleet.core.manifest import SubmitRequest, build_manifest, image_of, validate_request
+from fleet.core.manifest import (
+    MAX_STEPS,
+    SubmitRequest,
+    build_manifest,
+    image_of,
+    validate_request,
+)
 from fleet.image import oci
 from fleet.server import convert
 from fleet.server.core import (
@@ -45,9 +51,17 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
         self, request: fleet_pb2.SubmitRolloutRequest, context: grpc.aio.ServicerContext
     ) -> fleet_pb2.SubmitRolloutResponse:
         now = datetime.now(UTC)
+        # Counted before any per-item work; the conversion and checks (pydantic, TOML) then
+        # run off the event loop, so a large request delays no other call.
+        if len(request.steps) > MAX_STEPS:
+            raise ResourceExhausted(
+                f"the plan has {len(request.steps)} steps, over the {MAX_STEPS}"
+            )
         request.tenant = self.core.caller().tenant_for(request.tenant)
-        submit = convert.submit_from_pb(request)
-        parsed = validate_request(submit, now)
+        submit = await asyncio.to_thread(convert.submit_from_pb, request)
+        parsed = await asyncio.to_thread(
+            validate_request, submit, now, timedelta(seconds=self.core.config.max_deadline_s)
+        )
         await self._check_inputs(submit)
         image = image_of(parsed)
         pinned = ""

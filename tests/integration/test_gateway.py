@@ -726,3 +726,120 @@ def test_an_unknown_dtype_is_refused_saying_where(tmp_path: Path) -> None:
         model_specs(tmp_path / "models.toml")
     with pytest.raises(InvalidArgument, match="gateway dtype: dtype 'fp8'"):
         Gateway.build(GatewayConfig(secret=SECRET, device="cpu", dtype="fp8"))
+
+
+def test_one_rollout_cannot_hold_every_connection_and_metrics_stay_on_loopback() -> None:
+    """Past MAX_PER_ROLLOUT connections of one rollout (by its token) a new one of that
+    rollout gets a 503, while another rollout's is served; a connection that fails to
+    authenticate is answered and closed; /metrics answers loopback only."""
+    from gateway.http import MAX_PER_ROLLOUT
+
+    sample = observations(1)[0]
+
+    def infer_request(rollout: str, key: str, token: str | None = None) -> bytes:
+        body = (
+            f'{{"token": "{token or issue(SECRET, rollout, time.time() + 60)}", '
+            f'"rollout_id": "{rollout}", "idempotency_key": "{key}", "model": "{MODEL}", '
+            f'"input": [{", ".join(map(str, sample))}]}}'
+        ).encode()
+        head = f"POST /v1/infer HTTP/1.1\r\nHost: g\r\nContent-Length: {len(body)}\r\n\r\n"
+        return head.encode() + body
+
+    async def status_of(reader: asyncio.StreamReader) -> int:
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        await reader.readexactly(length)
+        return int(head.split()[1])
+
+    async def body() -> tuple[list[int], int, int, bytes, bytes]:
+        async with gateway() as c:
+            http, port = await serve_http(c.gateway, "127.0.0.1", 0)
+            held = []
+            try:
+                statuses = []
+                for i in range(MAX_PER_ROLLOUT + 1):
+                    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                    held.append(writer)
+                    writer.write(infer_request("r-greedy", f"k{i}"))
+                    statuses.append(await status_of(reader))
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                held.append(writer)
+                writer.write(infer_request("r-other", "k"))
+                other = await status_of(reader)
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(infer_request("r-x", "k", token="v1.forged.token"))
+                forged = await status_of(reader)
+                closed = await asyncio.wait_for(reader.read(), 10)  # EOF: not held open
+                writer.close()
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(b"GET /metrics HTTP/1.1\r\nHost: g\r\nConnection: close\r\n\r\n")
+                metrics = await asyncio.wait_for(reader.read(), 10)
+                writer.close()
+                return statuses, other, forged, closed, metrics
+            finally:
+                for w in held:
+                    w.close()
+                http.close()
+
+    statuses, other, forged, closed, metrics = go(body())
+    assert statuses == [200] * MAX_PER_ROLLOUT + [503]
+    assert other == 200 and forged == 401 and closed == b""
+    assert metrics.startswith(b"HTTP/1.1 200") and b"fleet_gateway" in metrics
+
+
+def test_a_token_is_good_only_while_its_rollout_runs() -> None:
+    """The server's signed list of running rollouts: a token of a rollout not on it is
+    refused (unless issued after the list was read: an attempt it could not hold yet), one on
+    it is served; a list signed with another key is refused; a stale list is not acted on."""
+    from fleet.core.tokens import sign_running
+    from gateway import service
+
+    sample = observations(1)[0]
+
+    def request(rollout: str, issued_at: float) -> inference_pb2.InferRequest:
+        return inference_pb2.InferRequest(
+            token=issue(SECRET, rollout, time.time() + 600, issued_at), rollout_id=rollout,
+            idempotency_key=f"{rollout}-{issued_at}", model=MODEL,
+            input=inference_pb2.Tensor(shape=[len(sample)], values=sample),
+        )  # fmt: skip
+
+    async def body() -> tuple[list[str], str, str]:
+        async with gateway() as c:
+            before = time.time() - 30
+            as_of = time.time()
+            running = inference_pb2.RunningRollouts(
+                rollout_ids=["r-live"], as_of=as_of,
+                signature=sign_running(SECRET, ["r-live"], as_of),
+            )  # fmt: skip
+            await c.stub.Status(inference_pb2.GatewayStatusRequest(running=running))
+            outcomes = []
+            for rollout, issued in (("r-live", before), ("r-ended", before),
+                                    ("r-new", as_of + 0.5)):  # fmt: skip
+                try:
+                    await c.stub.Infer(request(rollout, issued))
+                    outcomes.append("served")
+                except grpc.aio.AioRpcError as exc:
+                    outcomes.append(f"{exc.code().name}: {exc.details()}")
+            forged = inference_pb2.RunningRollouts(
+                rollout_ids=[], as_of=as_of + 1, signature=sign_running(b"k" * 32, [], as_of + 1)
+            )
+            try:
+                await c.stub.Status(inference_pb2.GatewayStatusRequest(running=forged))
+                refused = "accepted"
+            except grpc.aio.AioRpcError as exc:
+                refused = exc.code().name
+            c.gateway.running_received -= service.RUNNING_STALE_S + 1  # the server went quiet
+            try:
+                await c.stub.Infer(request("r-ended", before))
+                stale = "served"
+            except grpc.aio.AioRpcError as exc:
+                stale = exc.code().name
+            return outcomes, refused, stale
+
+    outcomes, refused, stale = go(body())
+    assert outcomes[0] == "served" and outcomes[2] == "served"
+    assert outcomes[1] == (
+        "PERMISSION_DENIED: rollout r-ended is not running: its inference token ended with it"
+    )
+    assert refused == "UNAUTHENTICATED"
+    assert stale == "served"

@@ -221,7 +221,9 @@ def test_a_deep_gateway_queue_holds_inference_rollouts_while_cpu_work_goes_on(
                 load = [
                     stub.Infer(
                         inference_pb2.InferRequest(
-                            token=issue(SECRET, f"load-{i}", time.time() + 60),
+                            # (issued now: the server's list of running rollouts,
+                            # read before, could not hold these yet)
+                            token=issue(SECRET, f"load-{i}", time.time() + 60, time.time()),
                             rollout_id=f"load-{i}", idempotency_key="k", model="gridworld-policy",
                             input=inference_pb2.Tensor(shape=[147], values=sample),
                         )
@@ -384,3 +386,79 @@ def test_the_gateway_over_tls_serves_machines_and_warm_children(
         ]
         assert json.loads(done.results[0].stdout)["actions"] == local_episode(7)
     assert plain.results[1].stdout.startswith(b"refused: CERTIFICATE_VERIFY_FAILED")
+
+
+def test_a_finished_rollouts_token_is_refused_by_the_gateway(
+    tmp_path: Path, images: ImageStore
+) -> None:
+    """The server tells the gateway which rollouts run (every poll, signed): a rollout's token
+    is served while it runs and refused once it has finished, although its deadline is far."""
+    import time
+
+    import grpc
+
+    from fleet._proto.fleet.v1 import host_pb2, inference_pb2, inference_pb2_grpc
+    from fleet.server.app import ServerConfig
+    from gateway.service import serve
+
+    async def body() -> tuple[list[str], str]:
+        gateway = Gateway.build(GatewayConfig(secret=SECRET, device="cpu"))
+        grpc_server, port = await serve(gateway, "127.0.0.1:0")
+        config = ServerConfig(
+            lease_ttl_s=30, heartbeat_interval_s=0.5, token_secret=SECRET,
+            gateway_address=f"127.0.0.1:{port}", gateway_poll_s=0.05,
+        )  # fmt: skip
+        try:
+            async with (
+                harness(tmp_path, images, config) as h,
+                grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel,
+            ):
+                stub = inference_pb2_grpc.InferenceServiceStub(channel)
+                sample = GridWorld(0).observation()
+                await h.register_host("h1", gateway=True)
+                submitted = await h.fleet.SubmitRollout(
+                    request(requirements=types_pb2.Requirements(inference=True))
+                )
+                claim = await h.hosts.ClaimWork(
+                    host_pb2.ClaimWorkRequest(request_id="c", host_id="h1", max_items=1, wait_s=5)
+                )
+                item = claim.items[0]
+                claimed = time.time()
+
+                async def ask(key: str) -> str:
+                    try:
+                        await stub.Infer(
+                            inference_pb2.InferRequest(
+                                token=item.inference_token, rollout_id=item.rollout_id,
+                                idempotency_key=key, model="gridworld-policy",
+                                input=inference_pb2.Tensor(shape=[147], values=sample),
+                            )
+                        )  # fmt: skip
+                        return "served"
+                    except grpc.aio.AioRpcError as exc:
+                        return f"{exc.code().name}: {exc.details()}"
+
+                # Past the grace of a new token: from here only the list decides.
+                await asyncio.sleep(max(0.0, claimed + 1.5 - time.time()))
+                running = [await ask("while-running")]
+                await h.hosts.CompleteWork(
+                    host_pb2.CompleteWorkRequest(
+                        request_id="done", host_id="h1", work_id=item.work_id,
+                        fencing_token=item.fencing_token, outcome=types_pb2.OUTCOME_SUCCEEDED,
+                    )
+                )  # fmt: skip
+                finished = time.time()
+                for _ in range(100):  # until a poll read after the rollout ended
+                    if gateway.running_as_of > finished:
+                        break
+                    await asyncio.sleep(0.02)
+                after = await ask("after-the-end")
+                assert submitted.rollout.id == item.rollout_id
+                return running, after
+        finally:
+            await gateway.batcher.stop()
+            await grpc_server.stop(None)
+
+    running, after = asyncio.run(body())
+    assert running == ["served"]
+    assert after.startswith("PERMISSION_DENIED: rollout r-") and "is not running" in after

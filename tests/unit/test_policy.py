@@ -22,6 +22,11 @@ CASES = [
     ('[network]\nallow_cidrs = ["169.254.169.254/32"]\n', "FLEET005", 2),
     ('[network]\nallow_cidrs = ["127.0.0.0/8"]\n', "FLEET005", 2),
     ('[network]\nallow_cidrs = ["192.168.1.0/24"]\n', "FLEET006", 2),
+    # The floor in its IPv6 spellings: IPv4-mapped, NAT64 and 6to4.
+    ('[network]\nallow_cidrs = ["::ffff:169.254.169.254/128"]\n', "FLEET005", 2),
+    ('[network]\nallow_cidrs = ["64:ff9b::a9fe:a9fe/128"]\n', "FLEET005", 2),
+    ('[network]\nallow_cidrs = ["2002:a9fe:a9fe::/48"]\n', "FLEET005", 2),
+    ('[network]\nallow_cidrs = ["::ffff:127.0.0.1/128"]\n', "FLEET005", 2),
     (
         '[network]\nallow_hosts = ["pypi.org"]\n[[network.credentials]]\nname = "T"\n'
         'environment_variable = "T"\nallowed_hosts = ["api.evil.example"]\n',
@@ -47,6 +52,21 @@ def test_each_rule_fires_with_its_line(text: str, rule: str, line: int | None) -
     assert hits[0].file == "x.smolfile"
     if line is not None:
         assert hits[0].line == line + 1
+
+
+def test_a_wide_allowlist_split_into_many_entries_is_judged_as_a_whole() -> None:
+    """3,500 /16 entries (5.3% of IPv4): each within the per-entry limit, together far over
+    it; the finding names the total span."""
+    cidrs = ", ".join(f'"{a}.{b}.0.0/16"' for a in range(11, 25) for b in range(250))
+    findings = audit_text(f'image = "minimal"\n[network]\nallow_cidrs = [{cidrs}]\n', "w")
+    wide = [f for f in findings if f.rule == "FLEET004"]
+    assert len(wide) == 1, findings
+    assert "3500 allow_cidrs entries together span 229,376,000 IPv4 addresses" in wide[0].message
+    assert "5.34% of IPv4" in wide[0].message
+    two = audit_text(
+        'image = "minimal"\n[network]\nallow_cidrs = ["8.8.0.0/16", "9.9.0.0/16"]\n', "ok"
+    )
+    assert [f.rule for f in two] == []  # two /16s stay under the total's default (one /12)
 
 
 def test_a_narrow_public_allowlist_is_clean() -> None:

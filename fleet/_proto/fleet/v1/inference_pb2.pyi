@@ -78,8 +78,20 @@ class InferStreamResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., answer: _Optional[_Union[InferResponse, _Mapping]] = ..., error: _Optional[_Union[InferError, _Mapping]] = ...) -> None: ...
 
 class GatewayStatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("running",)
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    running: RunningRollouts
+    def __init__(self, running: _Optional[_Union[RunningRollouts, _Mapping]] = ...) -> None: ...
+
+class RunningRollouts(_message.Message):
+    __slots__ = ("rollout_ids", "as_of", "signature")
+    ROLLOUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    AS_OF_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    rollout_ids: _containers.RepeatedScalarFieldContainer[str]
+    as_of: float
+    signature: str
+    def __init__(self, rollout_ids: _Optional[_Iterable[str]] = ..., as_of: _Optional[float] = ..., signature: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("name", "revision", "sha256", "primary_device", "dtype")
