@@ -32,6 +32,7 @@ from fleet.agent.images import ImageCache
 from fleet.agent.journal import AttemptJournal
 from fleet.agent.link import Link
 from fleet.agent.passage import CHECKPOINTS_SOCKET, GATEWAY_SOCKET, GatewaySplice, child_address
+from fleet.agent.sessions import SessionHost
 from fleet.core.errors import (
     ErrorCode,
     FailedPrecondition,
@@ -147,6 +148,7 @@ class Agent:
         self.refused = ""
         """Why the server stopped accepting this host ("": it has not)."""
         self.journal_dir = config.machines_dir.parent / "journal" / config.host_id
+        self.sessions = SessionHost(config.host_id)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serves until `stop` is set; running work is finished first."""
@@ -162,14 +164,19 @@ class Agent:
                 self.log.info("orphans_reaped", machines=reaped)
             renewals = asyncio.create_task(link.renewals(stop))
             beat = asyncio.create_task(self._heartbeats(stub, stop))
+            sessions = asyncio.create_task(self.sessions.serve(stub, stop))
             try:
                 await self._claim_loop(stub, stop)
+                self.sessions.close_all("the agent is stopping")
                 tasks = [r.task for r in self._running.values() if r.task]
                 if tasks:
                     await asyncio.gather(*tasks, return_exceptions=True)
             finally:
                 beat.cancel()
                 renewals.cancel()
+                sessions.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sessions
                 with contextlib.suppress(asyncio.CancelledError):
                     await beat
                 with contextlib.suppress(asyncio.CancelledError):
@@ -577,7 +584,8 @@ class Agent:
             return report(Outcome.TRANSIENT_ERROR, f"host {self.caps.host_id}: {unmet}")
         try:
             parsed = a.manifest.parsed_smolfile()
-            check_steps(a.manifest.steps)  # a plan no host can run is malformed, not retried
+            if a.manifest.session is None:  # a plan no host can run is malformed, not retried
+                check_steps(a.manifest.steps)
             egress = effective_egress(parsed.spec, runtime_name)
             reference = (
                 a.manifest.image_ref if oci.looks_like_reference(a.manifest.image_ref) else ""
@@ -686,6 +694,10 @@ class Agent:
                     )
             if init_commands:  # journalled only when there was something not to run again
                 await asyncio.to_thread(record.mark_init_done)
+            if a.manifest.session is not None:  # held for the caller's calls, not a plan
+                why = await self.sessions.hold(a, machine, extra_env, a.manifest.session)
+                log_.info("session_closed", reason=why)
+                return report(Outcome.SUCCEEDED, why)
             for index, step in steps:
                 left = a.manifest.deadline.timestamp() - time.time()
                 if left <= 0:

@@ -18,6 +18,7 @@ from fleet.cli import client, logs
 from fleet.cli.admin import add_commands as add_admin_commands
 from fleet.cli.daemons import cmd_agent, cmd_gateway, cmd_serve, cmd_up
 from fleet.cli.local import cmd_image, cmd_run
+from fleet.cli.sessions import add_session_command
 from fleet.config import Paths
 from fleet.core.errors import FleetError, InvalidArgument
 
@@ -674,6 +675,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("new")
 
     add_admin_commands(add)
+    add_session_command(sub, server_flag)
 
     sp = add("demo", cmd_demo, "evaluate the shipped suite on an embedded fleet", "error")
     sp.add_argument("--timeout-s", type=float, default=600.0)

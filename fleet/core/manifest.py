@@ -96,6 +96,19 @@ def check_machine_path(path: str, where: str) -> str:
     return path
 
 
+class SessionSpec(BaseModel):
+    """An interactive session's terms: its machine is held for the caller's calls until it is
+    closed, idle for `idle_timeout_s`, or past the manifest's deadline."""
+
+    model_config = ConfigDict(frozen=True)
+
+    idle_timeout_s: float = 600.0
+
+
+DEFAULT_SESSION_LIFETIME = timedelta(hours=1)
+MAX_SESSION_IDLE_S = 24 * 3600.0
+
+
 class Versions(BaseModel):
     """The versions the submitter names: a retry reuses them, a change is a new rollout."""
 
@@ -124,6 +137,8 @@ class Manifest(BaseModel):
     host_class: HostClass
     inputs: tuple[InputFile, ...] = ()
     outputs: tuple[str, ...] = ()
+    session: SessionSpec | None = None
+    """Set for an interactive session (no steps)."""
 
     def model_copy(
         self, *, update: Mapping[str, Any] | None = None, deep: bool = False
@@ -137,7 +152,7 @@ class Manifest(BaseModel):
         """Content digest (computed once: the model is frozen)."""
         # Inputs and outputs came later: left out when there are none, so the digests of
         # manifests stored before them do not change.
-        added = {name for name in ("inputs", "outputs") if not getattr(self, name)}
+        added = {name for name in ("inputs", "outputs", "session") if not getattr(self, name)}
         body = self.model_dump_json(exclude={"smolfile_name", *added})
         return "sha256:" + hashlib.sha256(body.encode()).hexdigest()
 
@@ -163,6 +178,7 @@ class SubmitRequest(BaseModel):
     priority: int = 0
     inputs: tuple[InputFile, ...] = ()
     outputs: tuple[str, ...] = ()
+    session: SessionSpec | None = None
 
     def model_copy(
         self, *, update: Mapping[str, Any] | None = None, deep: bool = False
@@ -183,7 +199,7 @@ class SubmitRequest(BaseModel):
             # an idempotent retry across an upgrade) does not change.
             if not body["requirements"][added]:
                 del body["requirements"][added]
-        for added in ("inputs", "outputs"):
+        for added in ("inputs", "outputs", "session"):
             if not body[added]:
                 del body[added]
         blob = json.dumps(body, sort_keys=True, separators=(",", ":"))
@@ -256,7 +272,16 @@ def validate_request(
     for key, value in request.labels.items():
         check_text(key, f"labels key {key[:64]!r}", MAX_LABEL_KEY)
         check_text(value, f"labels[{key[:64]!r}]", MAX_LABEL_VALUE)
-    check_steps(request.steps)  # counts and sizes before the Smolfile's parse
+    if request.session is None:
+        check_steps(request.steps)  # counts and sizes before the Smolfile's parse
+    else:
+        idle = request.session.idle_timeout_s
+        if request.steps:
+            raise InvalidArgument("a session has no steps: its commands come as calls")
+        if not math.isfinite(idle) or not 0 < idle <= MAX_SESSION_IDLE_S:
+            raise InvalidArgument(
+                f"idle_timeout_s must be in (0, {MAX_SESSION_IDLE_S:g}], got {idle}"
+            )
     parsed = parse_smolfile(request.smolfile, request.smolfile_name)
     if request.deadline is not None:
         if request.deadline.tzinfo is None:
@@ -327,5 +352,6 @@ def build_manifest(
         requirements=request.requirements,
         inputs=request.inputs,
         outputs=request.outputs,
+        session=request.session,
         host_class=host_class_for(parsed.spec, request.requirements),
     )

@@ -1370,8 +1370,9 @@ class Ledger:
         outcome = report.outcome
         if item.cancel_requested:
             return RolloutState.CANCELLED, "cancelled", report.error or "cancelled", None
-        if outcome == Outcome.SUCCEEDED:
-            return RolloutState.SUCCEEDED, "succeeded", "", None
+        if outcome == Outcome.SUCCEEDED:  # (a session's report says why it closed)
+            why = report.error[:500] if manifest.session is not None else ""
+            return RolloutState.SUCCEEDED, "succeeded", why, None
         if outcome == Outcome.STEP_FAILED:
             return RolloutState.FAILED, "failed", report.error or "a step failed", None
         if outcome == Outcome.CANCELLED:
@@ -1525,6 +1526,16 @@ class Ledger:
                 return None
             owner, token, digest = rows[0]
             return str(owner), int(token), self._manifest_raw(db, digest)
+
+    def rollout_lease(self, rollout_id: str) -> tuple[str, str] | None:
+        """(work id, lease owner) of a rollout's leased work item; None when none is leased."""
+        with self._begin() as conn:
+            db = _Raw(conn, self._pg)
+            rows = db.all(
+                "SELECT id, lease_owner FROM work_items WHERE rollout_id = ? AND state = ?",
+                (rollout_id, LEASED),
+            )
+            return (str(rows[0][0]), str(rows[0][1])) if rows else None
 
     def leased_to(self, host_id: str) -> int:
         """How many work items are leased to a host right now."""

@@ -35,6 +35,7 @@ from fleet.server.core import (
 from fleet.server.fleet_service import FleetServicer
 from fleet.server.host_service import HostServicer
 from fleet.server.metrics import serve_metrics
+from fleet.server.sessions import SessionServicer
 
 log = structlog.get_logger(__name__)
 
@@ -181,6 +182,9 @@ class FleetServer:
         )
         fleet_pb2_grpc.add_FleetServiceServicer_to_server(FleetServicer(self.core), server)
         host_pb2_grpc.add_HostServiceServicer_to_server(HostServicer(self.core), server)
+        fleet_pb2_grpc.add_SessionServiceServicer_to_server(
+            SessionServicer(self.core, self.core.sessions), server
+        )
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         names = [

@@ -33,6 +33,7 @@ from fleet.server.status import STATUS_FOR
 log = structlog.get_logger(__name__)
 
 FLEET = "/fleet.v1.FleetService/"
+SESSIONS = "/fleet.v1.SessionService/"
 HOSTS = "/fleet.v1.HostService/"
 PUBLIC = (
     "/grpc.health.v1.Health/",
@@ -49,6 +50,13 @@ SCOPE_OF = {
     "ListEgressEvents": Scope.ROLLOUTS_READ,
     "PutBlob": Scope.ROLLOUTS_WRITE,
     "GetArtifact": Scope.ROLLOUTS_READ,
+    # A session's calls run code in its machine: each needs the write scope.
+    "OpenSession": Scope.ROLLOUTS_WRITE,
+    "Exec": Scope.ROLLOUTS_WRITE,
+    "WriteFile": Scope.ROLLOUTS_WRITE,
+    "ReadFile": Scope.ROLLOUTS_WRITE,
+    "CloseSession": Scope.ROLLOUTS_WRITE,
+    "ListSessions": Scope.ROLLOUTS_READ,
 }
 KEY_TOUCH_S = 60.0
 """A key's last use is written at most this often."""
@@ -180,7 +188,7 @@ class Authenticator:
             return PUBLIC_CALLER
         if method.startswith(HOSTS):
             return await self._host(context)
-        if method.startswith(FLEET):
+        if method.startswith((FLEET, SESSIONS)):
             return await self._tenant(method, context)
         raise PermissionDenied(f"{method} is not served to anyone")
 
@@ -210,7 +218,7 @@ class Authenticator:
             if k == "authorization" and isinstance(v, str):
                 header = v
                 break
-        need = SCOPE_OF.get(method.removeprefix(FLEET))
+        need = SCOPE_OF.get(method.removeprefix(FLEET).removeprefix(SESSIONS))
         # A header checked within the cache time is not hashed and looked up again.
         hit = self._verified.get(header)
         if hit is not None and time.monotonic() - hit.at < self.cache_s:
@@ -325,6 +333,20 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
             return grpc.stream_unary_rpc_method_handler(
                 stream_unary, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )  # fmt: skip
+        if handler.stream_stream is not None:
+            inner_ss = handler.stream_stream
+
+            async def stream_stream(
+                requests: Any, context: grpc.aio.ServicerContext
+            ) -> AsyncIterator[Any]:
+                await check(method, context)
+                async for item in inner_ss(requests, context):
+                    yield item
+
+            return grpc.stream_stream_rpc_method_handler(
+                stream_stream, request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )  # fmt: skip
         raise PermissionDenied(f"{method}: this kind of call is not served")

@@ -15,6 +15,7 @@ from fleet.core.manifest import (
     InputFile,
     Manifest,
     OutputArtifact,
+    SessionSpec,
     Step,
     SubmitRequest,
     Versions,
@@ -121,6 +122,16 @@ def retry_from_pb(retry: types_pb2.RetryPolicy) -> RetryPolicy:
         raise InvalidArgument(f"retry: {exc}") from None
 
 
+def requirements_from_pb(r: types_pb2.Requirements) -> Requirements:
+    isolation = ISOLATION_FROM_PB.get(r.isolation)
+    if isolation is None:
+        raise InvalidArgument(f"requirements.isolation: unknown value {r.isolation}")
+    return Requirements(
+        isolation=isolation, cuda_device=r.cuda_device, inference=r.inference,
+        near_gateway=r.near_gateway,
+    )  # fmt: skip
+
+
 def submit_from_pb(req: fleet_pb2.SubmitRolloutRequest) -> SubmitRequest:
     isolation = ISOLATION_FROM_PB.get(req.requirements.isolation)
     if isolation is None:
@@ -201,6 +212,11 @@ def manifest_to_pb(m: Manifest) -> types_pb2.Manifest:
         host_class=HOST_CLASS_TO_PB[m.host_class],
         inputs=[input_to_pb(i) for i in m.inputs],
         outputs=list(m.outputs),
+        session=(
+            types_pb2.SessionSpec(idle_timeout_s=m.session.idle_timeout_s)
+            if m.session is not None
+            else None
+        ),
     )
 
 
@@ -228,6 +244,9 @@ def manifest_from_pb(m: types_pb2.Manifest) -> Manifest:
         host_class=HOST_CLASS_FROM_PB[m.host_class],
         inputs=tuple(input_from_pb(i) for i in m.inputs),
         outputs=tuple(m.outputs),
+        session=(
+            SessionSpec(idle_timeout_s=m.session.idle_timeout_s) if m.HasField("session") else None
+        ),
     )
 
 

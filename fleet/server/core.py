@@ -25,6 +25,7 @@ from fleet.core.rollout import Completion
 from fleet.image.store import ImageStore
 from fleet.ledger.store import Ledger
 from fleet.server.auth import Authenticator, Caller, Security, current
+from fleet.server.hub import SessionHub
 
 log = structlog.get_logger(__name__)
 
@@ -146,6 +147,8 @@ class Core:
         self.hold_inference = False
         """Backpressure: the gateway is over its threshold (or unreachable)."""
         self.gateway_queue_depth = 0
+        self.sessions = SessionHub()
+        """Hosts' session streams, and the calls waiting on them."""
         self.inference_running: dict[str, bool] = {}
         """Running rollouts -> whether they call the gateway, as last told to it."""
 

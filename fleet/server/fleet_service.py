@@ -30,6 +30,8 @@ from fleet.core.manifest import (
     image_of,
     validate_request,
 )
+from fleet.core.rollout import Rollout
+from fleet.core.smolfile import ParsedSmolfile
 from fleet.image import oci
 from fleet.server import convert
 from fleet.server.core import (
@@ -62,11 +64,24 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
         parsed = await asyncio.to_thread(
             validate_request, submit, now, timedelta(seconds=self.core.config.max_deadline_s)
         )
+        rollout, created = await self.admit(
+            submit, parsed, now, request.image_upload, request.request_id
+        )
+        return fleet_pb2.SubmitRolloutResponse(
+            rollout=convert.rollout_to_pb(rollout), created=created
+        )
+
+    async def admit(
+        self, submit: SubmitRequest, parsed: ParsedSmolfile, now: datetime, image_upload: str = "",
+        request_id: str = "",
+    ) -> tuple[Rollout, bool]:  # fmt: skip
+        """A validated submission into the ledger: its inputs checked, its image pinned, its
+        host class servable; (the rollout, whether this call created it)."""
         await self._check_inputs(submit)
         image = image_of(parsed)
         pinned = ""
         if oci.looks_like_archive(image):  # on the submitter's disk: uploaded flattened
-            image_digest = await self._import_upload(request.image_upload, image,
+            image_digest = await self._import_upload(image_upload, image,
                                                      submit.smolfile_name)  # fmt: skip
         elif oci.looks_like_reference(image):  # a registry's image: pinned by its digests
             cas = [self.core.config.registry_ca]
@@ -96,12 +111,10 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
             "rollout_submitted",
             rollout_id=rollout.id,
             created=created,
-            request_id=request.request_id,
+            request_id=request_id,
             host_class=manifest.host_class,
         )
-        return fleet_pb2.SubmitRolloutResponse(
-            rollout=convert.rollout_to_pb(rollout), created=created
-        )
+        return rollout, created
 
     async def _import_upload(self, digest: str, image: str, where: str) -> str:
         """The image a submitter flattened from an archive and uploaded (PutBlob), stored in

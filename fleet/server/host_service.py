@@ -265,6 +265,43 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
             released_work_ids=released,
         )
 
+    async def SessionCommands(
+        self, replies: AsyncIterator[host_pb2.SessionReply], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[host_pb2.SessionCommand]:
+        """A host's session stream: its first message names it; then commands go down and
+        output comes up until either side ends (the host's calls then fail UNAVAILABLE)."""
+        iterator = replies.__aiter__()
+        try:
+            first = await iterator.__anext__()
+            if first.WhichOneof("kind") != "host_id":
+                raise InvalidArgument("the session stream's first message names the host")
+            host_id = self._host_id(first.host_id)
+        except FleetError as exc:
+            await context.abort(STATUS_FOR[exc.code], exc.message)
+        except StopAsyncIteration:
+            return
+        hub = self.core.sessions
+        link = hub.attach(host_id)
+        log.info("session_stream_open", host_id=host_id)
+
+        async def pump() -> None:
+            async for reply in iterator:
+                hub.deliver(link, reply)
+
+        reader = asyncio.create_task(pump())
+        try:
+            while True:
+                command = asyncio.create_task(link.commands.get())
+                done, _ = await asyncio.wait({command, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if command not in done:
+                    command.cancel()
+                    break
+                yield command.result()
+        finally:
+            reader.cancel()
+            hub.detach(link)
+            log.info("session_stream_closed", host_id=host_id)
+
     async def GetBlob(
         self, request: host_pb2.GetBlobRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[host_pb2.BlobChunk]:

@@ -406,3 +406,301 @@ class FleetService:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class SessionServiceStub:
+    """Interactive sessions: a machine leased to a caller instead of to a plan, placed like a
+    rollout (class, isolation, tenant limits) and recorded as one (its id is a rollout id).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.OpenSession = channel.unary_unary(
+                '/fleet.v1.SessionService/OpenSession',
+                request_serializer=fleet_dot_v1_dot_fleet__pb2.OpenSessionRequest.SerializeToString,
+                response_deserializer=fleet_dot_v1_dot_fleet__pb2.Session.FromString,
+                _registered_method=True)
+        self.Exec = channel.unary_stream(
+                '/fleet.v1.SessionService/Exec',
+                request_serializer=fleet_dot_v1_dot_fleet__pb2.ExecRequest.SerializeToString,
+                response_deserializer=fleet_dot_v1_dot_fleet__pb2.ExecOutput.FromString,
+                _registered_method=True)
+        self.WriteFile = channel.stream_unary(
+                '/fleet.v1.SessionService/WriteFile',
+                request_serializer=fleet_dot_v1_dot_fleet__pb2.WriteFileChunk.SerializeToString,
+                response_deserializer=fleet_dot_v1_dot_fleet__pb2.WriteFileResponse.FromString,
+                _registered_method=True)
+        self.ReadFile = channel.unary_stream(
+                '/fleet.v1.SessionService/ReadFile',
+                request_serializer=fleet_dot_v1_dot_fleet__pb2.ReadFileRequest.SerializeToString,
+                response_deserializer=fleet_dot_v1_dot_fleet__pb2.FileChunk.FromString,
+                _registered_method=True)
+        self.CloseSession = channel.unary_unary(
+                '/fleet.v1.SessionService/CloseSession',
+                request_serializer=fleet_dot_v1_dot_fleet__pb2.CloseSessionRequest.SerializeToString,
+                response_deserializer=fleet_dot_v1_dot_fleet__pb2.Session.FromString,
+                _registered_method=True)
+        self.ListSessions = channel.unary_unary(
+                '/fleet.v1.SessionService/ListSessions',
+                request_serializer=fleet_dot_v1_dot_fleet__pb2.ListSessionsRequest.SerializeToString,
+                response_deserializer=fleet_dot_v1_dot_fleet__pb2.ListSessionsResponse.FromString,
+                _registered_method=True)
+
+
+class SessionServiceServicer:
+    """Interactive sessions: a machine leased to a caller instead of to a plan, placed like a
+    rollout (class, isolation, tenant limits) and recorded as one (its id is a rollout id).
+    """
+
+    def OpenSession(self, request, context):
+        """Places the session and returns once its machine is ready (or its attempt failed).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Exec(self, request, context):
+        """Runs one command: stdout and stderr chunks in the order the machine wrote them, then the
+        exit. A session that is closed, not the caller's, or whose host is gone: a clear status
+        (UNAVAILABLE naming the lost host).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WriteFile(self, request_iterator, context):
+        """The first chunk names the session, path and mode; the rest carry data.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadFile(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSessions(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_SessionServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'OpenSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenSession,
+                    request_deserializer=fleet_dot_v1_dot_fleet__pb2.OpenSessionRequest.FromString,
+                    response_serializer=fleet_dot_v1_dot_fleet__pb2.Session.SerializeToString,
+            ),
+            'Exec': grpc.unary_stream_rpc_method_handler(
+                    servicer.Exec,
+                    request_deserializer=fleet_dot_v1_dot_fleet__pb2.ExecRequest.FromString,
+                    response_serializer=fleet_dot_v1_dot_fleet__pb2.ExecOutput.SerializeToString,
+            ),
+            'WriteFile': grpc.stream_unary_rpc_method_handler(
+                    servicer.WriteFile,
+                    request_deserializer=fleet_dot_v1_dot_fleet__pb2.WriteFileChunk.FromString,
+                    response_serializer=fleet_dot_v1_dot_fleet__pb2.WriteFileResponse.SerializeToString,
+            ),
+            'ReadFile': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadFile,
+                    request_deserializer=fleet_dot_v1_dot_fleet__pb2.ReadFileRequest.FromString,
+                    response_serializer=fleet_dot_v1_dot_fleet__pb2.FileChunk.SerializeToString,
+            ),
+            'CloseSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseSession,
+                    request_deserializer=fleet_dot_v1_dot_fleet__pb2.CloseSessionRequest.FromString,
+                    response_serializer=fleet_dot_v1_dot_fleet__pb2.Session.SerializeToString,
+            ),
+            'ListSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSessions,
+                    request_deserializer=fleet_dot_v1_dot_fleet__pb2.ListSessionsRequest.FromString,
+                    response_serializer=fleet_dot_v1_dot_fleet__pb2.ListSessionsResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'fleet.v1.SessionService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('fleet.v1.SessionService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class SessionService:
+    """Interactive sessions: a machine leased to a caller instead of to a plan, placed like a
+    rollout (class, isolation, tenant limits) and recorded as one (its id is a rollout id).
+    """
+
+    @staticmethod
+    def OpenSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fleet.v1.SessionService/OpenSession',
+            fleet_dot_v1_dot_fleet__pb2.OpenSessionRequest.SerializeToString,
+            fleet_dot_v1_dot_fleet__pb2.Session.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Exec(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/fleet.v1.SessionService/Exec',
+            fleet_dot_v1_dot_fleet__pb2.ExecRequest.SerializeToString,
+            fleet_dot_v1_dot_fleet__pb2.ExecOutput.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WriteFile(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/fleet.v1.SessionService/WriteFile',
+            fleet_dot_v1_dot_fleet__pb2.WriteFileChunk.SerializeToString,
+            fleet_dot_v1_dot_fleet__pb2.WriteFileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadFile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/fleet.v1.SessionService/ReadFile',
+            fleet_dot_v1_dot_fleet__pb2.ReadFileRequest.SerializeToString,
+            fleet_dot_v1_dot_fleet__pb2.FileChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fleet.v1.SessionService/CloseSession',
+            fleet_dot_v1_dot_fleet__pb2.CloseSessionRequest.SerializeToString,
+            fleet_dot_v1_dot_fleet__pb2.Session.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fleet.v1.SessionService/ListSessions',
+            fleet_dot_v1_dot_fleet__pb2.ListSessionsRequest.SerializeToString,
+            fleet_dot_v1_dot_fleet__pb2.ListSessionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -10,6 +10,79 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class SessionCommand(_message.Message):
+    __slots__ = ("call_id", "work_id", "exec", "close", "stdin")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    WORK_ID_FIELD_NUMBER: _ClassVar[int]
+    EXEC_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    STDIN_FIELD_NUMBER: _ClassVar[int]
+    call_id: str
+    work_id: str
+    exec: SessionExec
+    close: SessionClose
+    stdin: SessionStdin
+    def __init__(self, call_id: _Optional[str] = ..., work_id: _Optional[str] = ..., exec: _Optional[_Union[SessionExec, _Mapping]] = ..., close: _Optional[_Union[SessionClose, _Mapping]] = ..., stdin: _Optional[_Union[SessionStdin, _Mapping]] = ...) -> None: ...
+
+class SessionStdin(_message.Message):
+    __slots__ = ("data", "eof")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    EOF_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    eof: bool
+    def __init__(self, data: _Optional[bytes] = ..., eof: _Optional[bool] = ...) -> None: ...
+
+class SessionExec(_message.Message):
+    __slots__ = ("argv", "env", "cwd", "stdin", "timeout_s", "max_output_bytes", "stdin_follows")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ARGV_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    CWD_FIELD_NUMBER: _ClassVar[int]
+    STDIN_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_OUTPUT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STDIN_FOLLOWS_FIELD_NUMBER: _ClassVar[int]
+    argv: _containers.RepeatedScalarFieldContainer[str]
+    env: _containers.ScalarMap[str, str]
+    cwd: str
+    stdin: bytes
+    timeout_s: float
+    max_output_bytes: int
+    stdin_follows: bool
+    def __init__(self, argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., cwd: _Optional[str] = ..., stdin: _Optional[bytes] = ..., timeout_s: _Optional[float] = ..., max_output_bytes: _Optional[int] = ..., stdin_follows: _Optional[bool] = ...) -> None: ...
+
+class SessionClose(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class SessionReply(_message.Message):
+    __slots__ = ("call_id", "work_id", "stdout", "stderr", "exit", "error", "ready", "host_id")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    WORK_ID_FIELD_NUMBER: _ClassVar[int]
+    STDOUT_FIELD_NUMBER: _ClassVar[int]
+    STDERR_FIELD_NUMBER: _ClassVar[int]
+    EXIT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    call_id: str
+    work_id: str
+    stdout: bytes
+    stderr: bytes
+    exit: _types_pb2.ExecExit
+    error: str
+    ready: bool
+    host_id: str
+    def __init__(self, call_id: _Optional[str] = ..., work_id: _Optional[str] = ..., stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., exit: _Optional[_Union[_types_pb2.ExecExit, _Mapping]] = ..., error: _Optional[str] = ..., ready: _Optional[bool] = ..., host_id: _Optional[str] = ...) -> None: ...
+
 class ArtifactPart(_message.Message):
     __slots__ = ("work_id", "fencing_token", "data")
     WORK_ID_FIELD_NUMBER: _ClassVar[int]

@@ -39,6 +39,11 @@ class HostServiceStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.SessionCommands = channel.stream_stream(
+                '/fleet.v1.HostService/SessionCommands',
+                request_serializer=fleet_dot_v1_dot_host__pb2.SessionReply.SerializeToString,
+                response_deserializer=fleet_dot_v1_dot_host__pb2.SessionCommand.FromString,
+                _registered_method=True)
         self.EnrollHost = channel.unary_unary(
                 '/fleet.v1.HostService/EnrollHost',
                 request_serializer=fleet_dot_v1_dot_host__pb2.EnrollHostRequest.SerializeToString,
@@ -103,6 +108,14 @@ class HostServiceServicer:
     EnrollHost or RenewCertificate) and is made on the server's host endpoint; the host id is
     the certificate's, and a request naming another host is refused with PERMISSION_DENIED.
     """
+
+    def SessionCommands(self, request_iterator, context):
+        """The server's calls into the host's sessions: the host opens it once and keeps it open;
+        commands come down, output and exits go up, tagged by call id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def EnrollHost(self, request, context):
         """A new host joins: a join token (`fleet host token create`) and a certificate signing
@@ -190,6 +203,11 @@ class HostServiceServicer:
 
 def add_HostServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'SessionCommands': grpc.stream_stream_rpc_method_handler(
+                    servicer.SessionCommands,
+                    request_deserializer=fleet_dot_v1_dot_host__pb2.SessionReply.FromString,
+                    response_serializer=fleet_dot_v1_dot_host__pb2.SessionCommand.SerializeToString,
+            ),
             'EnrollHost': grpc.unary_unary_rpc_method_handler(
                     servicer.EnrollHost,
                     request_deserializer=fleet_dot_v1_dot_host__pb2.EnrollHostRequest.FromString,
@@ -260,6 +278,33 @@ class HostService:
     EnrollHost or RenewCertificate) and is made on the server's host endpoint; the host id is
     the certificate's, and a request naming another host is refused with PERMISSION_DENIED.
     """
+
+    @staticmethod
+    def SessionCommands(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/fleet.v1.HostService/SessionCommands',
+            fleet_dot_v1_dot_host__pb2.SessionReply.SerializeToString,
+            fleet_dot_v1_dot_host__pb2.SessionCommand.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def EnrollHost(request,

@@ -125,7 +125,7 @@ class Requirements(_message.Message):
     def __init__(self, isolation: _Optional[_Union[Isolation, str]] = ..., cuda_device: _Optional[bool] = ..., inference: _Optional[bool] = ..., near_gateway: _Optional[bool] = ...) -> None: ...
 
 class Manifest(_message.Message):
-    __slots__ = ("digest", "smolfile", "smolfile_name", "smolfile_digest", "image_ref", "image_digest", "steps", "deadline", "retry", "versions", "requirements", "host_class", "inputs", "outputs")
+    __slots__ = ("digest", "smolfile", "smolfile_name", "smolfile_digest", "image_ref", "image_digest", "steps", "deadline", "retry", "versions", "requirements", "host_class", "inputs", "outputs", "session")
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     SMOLFILE_FIELD_NUMBER: _ClassVar[int]
     SMOLFILE_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +140,7 @@ class Manifest(_message.Message):
     HOST_CLASS_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     digest: str
     smolfile: str
     smolfile_name: str
@@ -154,7 +155,30 @@ class Manifest(_message.Message):
     host_class: HostClass
     inputs: _containers.RepeatedCompositeFieldContainer[InputFile]
     outputs: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, digest: _Optional[str] = ..., smolfile: _Optional[str] = ..., smolfile_name: _Optional[str] = ..., smolfile_digest: _Optional[str] = ..., image_ref: _Optional[str] = ..., image_digest: _Optional[str] = ..., steps: _Optional[_Iterable[_Union[Step, _Mapping]]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., retry: _Optional[_Union[RetryPolicy, _Mapping]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., requirements: _Optional[_Union[Requirements, _Mapping]] = ..., host_class: _Optional[_Union[HostClass, str]] = ..., inputs: _Optional[_Iterable[_Union[InputFile, _Mapping]]] = ..., outputs: _Optional[_Iterable[str]] = ...) -> None: ...
+    session: SessionSpec
+    def __init__(self, digest: _Optional[str] = ..., smolfile: _Optional[str] = ..., smolfile_name: _Optional[str] = ..., smolfile_digest: _Optional[str] = ..., image_ref: _Optional[str] = ..., image_digest: _Optional[str] = ..., steps: _Optional[_Iterable[_Union[Step, _Mapping]]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., retry: _Optional[_Union[RetryPolicy, _Mapping]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., requirements: _Optional[_Union[Requirements, _Mapping]] = ..., host_class: _Optional[_Union[HostClass, str]] = ..., inputs: _Optional[_Iterable[_Union[InputFile, _Mapping]]] = ..., outputs: _Optional[_Iterable[str]] = ..., session: _Optional[_Union[SessionSpec, _Mapping]] = ...) -> None: ...
+
+class SessionSpec(_message.Message):
+    __slots__ = ("idle_timeout_s",)
+    IDLE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    idle_timeout_s: float
+    def __init__(self, idle_timeout_s: _Optional[float] = ...) -> None: ...
+
+class ExecExit(_message.Message):
+    __slots__ = ("exit_code", "timed_out", "oom_killed", "duration_s", "stdout_truncated", "stderr_truncated")
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    TIMED_OUT_FIELD_NUMBER: _ClassVar[int]
+    OOM_KILLED_FIELD_NUMBER: _ClassVar[int]
+    DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    STDOUT_TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    STDERR_TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    exit_code: int
+    timed_out: bool
+    oom_killed: bool
+    duration_s: float
+    stdout_truncated: bool
+    stderr_truncated: bool
+    def __init__(self, exit_code: _Optional[int] = ..., timed_out: _Optional[bool] = ..., oom_killed: _Optional[bool] = ..., duration_s: _Optional[float] = ..., stdout_truncated: _Optional[bool] = ..., stderr_truncated: _Optional[bool] = ...) -> None: ...
 
 class InputFile(_message.Message):
     __slots__ = ("path", "digest", "size", "directory")

@@ -1,0 +1,172 @@
+"""An agent's interactive sessions: machines held for a caller's calls instead of a plan.
+
+A session's attempt creates its machine as any rollout's does, then, instead of running steps,
+holds it (`SessionHost.hold`) until the caller closes it, it has been idle for its
+`idle_timeout_s`, or its lease ends (deadline, cancel, lost lease). The server's calls come
+down one stream the agent keeps open (`HostService.SessionCommands`): each command names the
+session's lease (work id) and a call id; output chunks and the exit go back up tagged with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import structlog
+
+from fleet._proto.fleet.v1 import host_pb2, types_pb2
+from fleet.core.manifest import SessionSpec
+from fleet.core.rollout import Assignment
+from fleet.runtime.base import Machine
+
+log = structlog.get_logger(__name__)
+
+MAX_SESSION_OUTPUT_BYTES = 256 << 20
+"""A call's stdout (a file read) or stderr, at most."""
+RECONNECT_S = 1.0
+
+
+@dataclass
+class _Held:
+    machine: Machine
+    spec: SessionSpec
+    env: dict[str, str]
+    last_used: float = field(default_factory=time.monotonic)
+    busy: int = 0
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
+    reason: str = ""
+
+
+class SessionHost:
+    """This host's end of the session stream, and the sessions it holds."""
+
+    def __init__(self, host_id: str) -> None:
+        self.host_id = host_id
+        self._held: dict[str, _Held] = {}
+        self._replies: asyncio.Queue[host_pb2.SessionReply] = asyncio.Queue()
+        self._calls: set[asyncio.Task[None]] = set()
+        self._stdin: dict[str, tuple[host_pb2.SessionCommand, bytearray]] = {}
+        """Calls whose stdin is still arriving, by call id."""
+        self.log = log.bind(host_id=host_id)
+
+    async def hold(
+        self, a: Assignment, machine: Machine, env: Mapping[str, str], spec: SessionSpec
+    ) -> str:
+        """Holds the session's machine until it is closed or idle; returns why it ended."""
+        held = _Held(machine, spec, dict(env))
+        self._held[a.work_id] = held
+        self._replies.put_nowait(host_pb2.SessionReply(work_id=a.work_id, ready=True))
+        self.log.info("session_ready", work_id=a.work_id, rollout_id=a.rollout_id)
+        try:
+            while not held.closed.is_set():
+                idle = time.monotonic() - held.last_used
+                if held.busy == 0 and idle >= spec.idle_timeout_s:
+                    held.reason = f"closed after {spec.idle_timeout_s:g} s without a call"
+                    break
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(
+                        held.closed.wait(), max(0.05, min(1.0, spec.idle_timeout_s - idle))
+                    )
+            return held.reason or "closed"
+        finally:
+            self._held.pop(a.work_id, None)
+
+    async def serve(self, stub: Any, stop: asyncio.Event) -> None:
+        """Keeps the session stream open (reconnecting) until `stop`."""
+        while not stop.is_set():
+            try:
+                call = stub.SessionCommands(self._outgoing())
+                async for command in call:
+                    self._start(command)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.CANCELLED:
+                    self.log.warning("session_stream_lost", code=exc.code().name,
+                                     error=exc.details())  # fmt: skip
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), RECONNECT_S)
+
+    async def _outgoing(self) -> AsyncIterator[host_pb2.SessionReply]:
+        yield host_pb2.SessionReply(host_id=self.host_id)
+        for work_id in list(self._held):  # (again, after a reconnect)
+            yield host_pb2.SessionReply(work_id=work_id, ready=True)
+        while True:
+            yield await self._replies.get()
+
+    def _start(self, command: host_pb2.SessionCommand) -> None:
+        op = command.WhichOneof("op")
+        if op == "exec" and command.exec.stdin_follows:
+            self._stdin[command.call_id] = (command, bytearray(command.exec.stdin))
+            return
+        if op == "stdin":
+            pending = self._stdin.get(command.call_id)
+            if pending is None:
+                self._reply(command, error="stdin for a call that is not waiting for it")
+                return
+            pending[1].extend(command.stdin.data)
+            if len(pending[1]) > MAX_SESSION_OUTPUT_BYTES:
+                del self._stdin[command.call_id]
+                self._reply(command, error=f"stdin over {MAX_SESSION_OUTPUT_BYTES >> 20} MiB")
+                return
+            if not command.stdin.eof:
+                return
+            del self._stdin[command.call_id]
+            command = pending[0]
+            command.exec.stdin = bytes(pending[1])
+        task = asyncio.create_task(self._run(command))
+        self._calls.add(task)
+        task.add_done_callback(self._calls.discard)
+
+    def _reply(self, command: host_pb2.SessionCommand, **kind: Any) -> None:
+        self._replies.put_nowait(
+            host_pb2.SessionReply(call_id=command.call_id, work_id=command.work_id, **kind)
+        )
+
+    async def _run(self, command: host_pb2.SessionCommand) -> None:
+        held = self._held.get(command.work_id)
+        if held is None or held.closed.is_set():
+            self._reply(command, error=f"no open session under lease {command.work_id} here")
+            return
+        if command.WhichOneof("op") == "close":
+            held.reason = command.close.reason or "closed by its caller"
+            held.closed.set()
+            self._reply(command, exit=types_pb2.ExecExit(exit_code=0))
+            return
+        ex = command.exec
+        held.busy += 1
+        held.last_used = time.monotonic()
+        try:
+            result = await held.machine.exec(
+                list(ex.argv),
+                env={**held.env, **dict(ex.env)},
+                workdir=ex.cwd or None,
+                timeout_s=ex.timeout_s or 600.0,
+                max_output_bytes=min(ex.max_output_bytes or MAX_SESSION_OUTPUT_BYTES,
+                                     MAX_SESSION_OUTPUT_BYTES),
+                on_output=lambda stream, chunk: self._reply(command, **{stream: chunk}),
+                stdin=ex.stdin if ex.stdin else None,
+            )  # fmt: skip
+        except Exception as exc:  # the machine is gone, or the call was malformed
+            self._reply(command, error=f"{type(exc).__name__}: {exc}")
+            return
+        finally:
+            held.busy -= 1
+            held.last_used = time.monotonic()
+        self._reply(
+            command,
+            exit=types_pb2.ExecExit(
+                exit_code=result.exit_code, timed_out=result.timed_out,
+                oom_killed=result.oom_killed, duration_s=result.duration_s,
+                stdout_truncated=result.stdout_truncated,
+                stderr_truncated=result.stderr_truncated,
+            ),
+        )  # fmt: skip
+
+    def close_all(self, reason: str) -> None:
+        for held in self._held.values():
+            held.reason = reason
+            held.closed.set()

@@ -1,0 +1,100 @@
+"""`fleet session ...`: interactive sessions from the shell, through `fleet.client`.
+
+fleet session open -s SMOLFILE            prints the session id
+fleet session exec ID -- CMD [ARG...]     runs it; its output streams; exits with its code
+fleet session cp SRC ID:PATH | ID:PATH DST
+fleet session close ID
+fleet session list
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+from fleet.client import Fleet, Session
+from fleet.core.errors import InvalidArgument
+
+
+def _fleet(args: argparse.Namespace) -> Fleet:
+    return Fleet(args.server, key=args.key or None, ca=args.ca or None, plaintext=args.plaintext)
+
+
+async def cmd_session(args: argparse.Namespace) -> int:
+    return await asyncio.to_thread(_session, args)
+
+
+def _session(args: argparse.Namespace) -> int:
+    with _fleet(args) as fleet:
+        if args.action == "open":
+            box = fleet.session(
+                args.smolfile, idle_timeout_s=args.idle_timeout_s,
+                max_lifetime_s=args.max_lifetime_s, require_vm=args.require_vm,
+            )  # fmt: skip
+            print(box.id)
+            return 0
+        if args.action == "list":
+            for session_id, state, host in fleet.sessions():
+                print(f"{session_id}  {state:<7} {host}")
+            return 0
+        if args.action == "close":
+            print(f"{args.id} {Session(fleet, args.id).close()}")
+            return 0
+        if args.action == "exec":
+            command = args.command[1:] if args.command[:1] == ["--"] else args.command
+            if not command:
+                raise InvalidArgument("fleet session exec ID -- COMMAND [ARG...]")
+
+            def show(stream: str, chunk: bytes) -> None:
+                out = sys.stdout.buffer if stream == "stdout" else sys.stderr.buffer
+                out.write(chunk)
+                out.flush()
+
+            result = Session(fleet, args.id).exec(
+                command, timeout_s=args.timeout_s, on_output=show,
+                stdin=sys.stdin.buffer.read() if args.stdin else b"",
+            )  # fmt: skip
+            if result.timed_out:
+                print(f"fleet session exec: timed out after {args.timeout_s:g} s", file=sys.stderr)
+            return result.exit_code if 0 <= result.exit_code < 256 else 124
+        # cp
+        src, dst = args.src, args.dst
+        if ":/" in dst and ":/" not in src:
+            session_id, _, path = dst.partition(":")
+            size = Session(fleet, session_id).write_file(path, Path(src).read_bytes())
+            print(f"{size} bytes -> {session_id}:{path}", file=sys.stderr)
+            return 0
+        if ":/" in src and ":/" not in dst:
+            session_id, _, path = src.partition(":")
+            data = Session(fleet, session_id).read_file(path)
+            Path(dst).write_bytes(data)
+            print(f"{session_id}:{path} -> {dst} ({len(data)} bytes)", file=sys.stderr)
+            return 0
+        raise InvalidArgument("fleet session cp: one side is a local file, the other ID:/PATH")
+
+
+def add_session_command(sub: argparse._SubParsersAction, server_flag: object) -> None:  # type: ignore[type-arg]
+    sp = sub.add_parser("session", help="interactive sessions: open, exec, cp, close, list")
+    sp.set_defaults(fn=cmd_session, default_log_level="warning")
+    ssub = sp.add_subparsers(dest="action", required=True)
+    o = ssub.add_parser("open", help="open a session and print its id")
+    o.add_argument("-s", "--smolfile", required=True)
+    o.add_argument("--idle-timeout-s", type=float, default=600.0)
+    o.add_argument("--max-lifetime-s", type=float, default=3600.0)
+    o.add_argument("--require-vm", action="store_true")
+    e = ssub.add_parser("exec", help="run a command in a session (exit code passed through)")
+    e.add_argument("id")
+    e.add_argument("--timeout-s", type=float, default=600.0)
+    e.add_argument("--stdin", action="store_true", help="send this process's stdin")
+    e.add_argument("command", nargs=argparse.REMAINDER)
+    c = ssub.add_parser("cp", help="copy SRC ID:/PATH into a session, or ID:/PATH DST out")
+    c.add_argument("src")
+    c.add_argument("dst")
+    x = ssub.add_parser("close", help="close a session")
+    x.add_argument("id")
+    ssub.add_parser("list", help="sessions the key may see")
+    for parser in (o, e, c, x, *ssub.choices.values()):
+        if "--server" not in parser._option_string_actions:
+            server_flag(parser)  # type: ignore[operator]

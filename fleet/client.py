@@ -1,0 +1,403 @@
+"""fleet's Python client: rollouts and interactive sessions over gRPC, as typed values.
+
+    from fleet.client import Fleet
+
+    fleet = Fleet()                      # $FLEET_SERVER / $FLEET_KEY, or `fleet up`'s files
+    with fleet.session("smolfiles/minimal.smolfile") as box:
+        box.write_file("/root/task.py", b"print(6 * 7)")
+        result = box.exec(["python3", "/root/task.py"])
+        print(result.stdout)             # b"42\\n"
+    rollout = fleet.submit("smolfiles/minimal.smolfile", [["echo", "hi"]])
+    print(fleet.wait(rollout.id).state)  # "SUCCEEDED"
+
+Refusals raise fleet's own errors (`fleet.core.errors`: InvalidArgument, NotFound,
+ResourceExhausted with `retry_after_s` ...), never raw gRPC ones.
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from types import TracebackType
+from typing import TypeVar
+
+import grpc
+
+from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
+from fleet.config import Paths
+from fleet.core.errors import FleetError, Unavailable, error_for
+from fleet.core.smolfile import load_smolfile
+
+DEFAULT_SERVER = "127.0.0.1:50051"
+CHUNK = 1 << 20
+T = TypeVar("T")
+FINAL = {"SUCCEEDED", "FAILED", "CANCELLED", "QUARANTINED"}
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One step of a rollout, as it ended."""
+
+    index: int
+    name: str
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    timed_out: bool
+    duration_s: float
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """A rollout as the server last described it."""
+
+    id: str
+    state: str
+    """QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED or QUARANTINED."""
+    tenant: str
+    attempts: int
+    error: str
+    labels: dict[str, str]
+    results: list[StepResult] = field(default_factory=list)
+
+    @property
+    def final(self) -> bool:
+        return self.state in FINAL
+
+
+@dataclass(frozen=True)
+class Event:
+    """One entry of a rollout's history (`Fleet.watch`)."""
+
+    sequence: int
+    kind: str
+    state: str
+    """The state it moved the rollout to."""
+    message: str
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """How one command in a session ended, with its whole output."""
+
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    timed_out: bool = False
+    oom_killed: bool = False
+    duration_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+
+def _state(value: int) -> str:
+    return str(types_pb2.RolloutState.Name(value)).removeprefix("ROLLOUT_STATE_")
+
+
+def _rollout(pb: types_pb2.Rollout) -> Rollout:
+    return Rollout(
+        id=pb.id, state=_state(pb.state), tenant=pb.tenant, attempts=pb.attempts, error=pb.error,
+        labels=dict(pb.labels),
+        results=[
+            StepResult(r.index, r.name, r.exit_code, r.stdout, r.stderr, r.timed_out, r.duration_s)
+            for r in pb.results
+        ],
+    )  # fmt: skip
+
+
+def _refusal(exc: grpc.RpcError) -> FleetError:
+    """fleet's error for a gRPC status (its retry hint kept)."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    hint = None
+    for key, value in (exc.trailing_metadata() or ()) if hasattr(exc, "trailing_metadata") else ():
+        if key == "retry-after-s":
+            hint = float(value)
+    name = code.name if code is not None else "UNKNOWN"
+    return error_for(name, exc.details() or name, hint)
+
+
+def _call(fn: Callable[[], T]) -> T:
+    try:
+        return fn()
+    except grpc.RpcError as exc:
+        raise _refusal(exc) from None
+
+
+class Fleet:
+    """A connection to a fleet server.
+
+    `server` defaults to $FLEET_SERVER, else 127.0.0.1:50051; `key` to $FLEET_KEY, else the
+    admin key `fleet up` writes ($FLEET_HOME/admin.key); `ca` (a PEM path or bytes) to
+    $FLEET_CA, else $FLEET_HOME/ca/ca.crt when it exists (TLS), else no TLS."""
+
+    def __init__(
+        self,
+        server: str | None = None,
+        *,
+        key: str | None = None,
+        ca: str | bytes | None = None,
+        plaintext: bool = False,
+    ) -> None:
+        self.server = server or os.environ.get("FLEET_SERVER", DEFAULT_SERVER)
+        home = Paths.from_env()
+        self.key = key if key is not None else os.environ.get("FLEET_KEY", "")
+        if not self.key and home.admin_key.exists():
+            self.key = home.admin_key.read_text().strip()
+        pem: bytes | None = None
+        if isinstance(ca, bytes):
+            pem = ca
+        elif not plaintext:
+            path = ca or os.environ.get("FLEET_CA", "")
+            if path:
+                pem = Path(path).read_bytes()
+            elif (home.ca / "ca.crt").exists():
+                pem = (home.ca / "ca.crt").read_bytes()
+        if pem is None:
+            self._channel = grpc.insecure_channel(self.server)
+        else:
+            credentials = grpc.ssl_channel_credentials(root_certificates=pem)
+            self._channel = grpc.secure_channel(self.server, credentials)
+        self._md: tuple[tuple[str, str], ...] = (
+            (("authorization", f"Bearer {self.key}"),) if self.key else ()
+        )
+        self._rollouts = fleet_pb2_grpc.FleetServiceStub(self._channel)
+        self._sessions = fleet_pb2_grpc.SessionServiceStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- rollouts ----------------------------------------------------------------------------
+
+    def submit(
+        self,
+        smolfile: str | Path,
+        steps: Sequence[Sequence[str] | str],
+        *,
+        idempotency_key: str | None = None,
+        labels: Mapping[str, str] | None = None,
+        deadline_s: float | None = None,
+        timeout_s: float = 0.0,
+        inference: bool = False,
+        require_vm: bool = False,
+    ) -> Rollout:
+        """Submits a plan: each step an argv list, or a shell string. The same
+        `idempotency_key` submitted again returns the same rollout."""
+        parsed = load_smolfile(str(smolfile))
+        pb_steps = [
+            types_pb2.Step(
+                argv=["/bin/sh", "-c", s] if isinstance(s, str) else list(s), timeout_s=timeout_s
+            )
+            for s in steps
+        ]
+        request = fleet_pb2.SubmitRolloutRequest(
+            request_id=uuid.uuid4().hex, idempotency_key=idempotency_key or uuid.uuid4().hex,
+            smolfile=parsed.text, smolfile_name=str(smolfile), steps=pb_steps,
+            labels=dict(labels or {}),
+            requirements=types_pb2.Requirements(
+                isolation=types_pb2.ISOLATION_VM if require_vm else types_pb2.ISOLATION_UNSPECIFIED,
+                inference=inference,
+            ),
+        )  # fmt: skip
+        if deadline_s is not None:
+            request.deadline.FromDatetime(datetime.now(UTC) + timedelta(seconds=deadline_s))
+        reply = _call(lambda: self._rollouts.SubmitRollout(request, metadata=self._md))
+        return _rollout(reply.rollout)
+
+    def get(self, rollout_id: str) -> Rollout:
+        request = fleet_pb2.GetRolloutRequest(id=rollout_id)
+        return _rollout(_call(lambda: self._rollouts.GetRollout(request, metadata=self._md)))
+
+    def list(self, labels: Mapping[str, str] | None = None) -> list[Rollout]:
+        """Every rollout the key may see (with these labels), newest first."""
+        out: list[Rollout] = []
+        token = ""
+        while True:
+            request = fleet_pb2.ListRolloutsRequest(
+                page_size=500, page_token=token, labels=dict(labels or {})
+            )
+            reply = _call(
+                lambda r=request: self._rollouts.ListRollouts(r, metadata=self._md)  # type: ignore[misc]
+            )
+            out += [_rollout(r) for r in reply.rollouts]
+            token = reply.next_page_token
+            if not token:
+                return out
+
+    def watch(self, rollout_id: str, after_sequence: int = 0) -> Iterator[Event]:
+        """The rollout's events in order until it is final; a dropped connection is resumed
+        from the last event seen."""
+        seen = after_sequence
+        while True:
+            request = fleet_pb2.WatchRolloutRequest(id=rollout_id, after_sequence=seen)
+            try:
+                for pb in self._rollouts.WatchRollout(request, metadata=self._md):
+                    seen = pb.sequence
+                    yield Event(pb.sequence, pb.kind, _state(pb.to_state), pb.message)
+                return
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise _refusal(exc) from None
+                time.sleep(0.5)
+
+    def wait(self, rollout_id: str, timeout_s: float = 3600.0) -> Rollout:
+        """The rollout once it is final."""
+        give_up = time.monotonic() + timeout_s
+        while True:
+            rollout = self.get(rollout_id)
+            if rollout.final:
+                return rollout
+            if time.monotonic() > give_up:
+                raise Unavailable(
+                    f"rollout {rollout_id} is still {rollout.state} after {timeout_s} s"
+                )
+            time.sleep(0.2)
+
+    def cancel(self, rollout_id: str, reason: str = "") -> Rollout:
+        request = fleet_pb2.CancelRolloutRequest(
+            id=rollout_id, reason=reason, request_id=uuid.uuid4().hex
+        )
+        return _rollout(_call(lambda: self._rollouts.CancelRollout(request, metadata=self._md)))
+
+    def download(self, rollout_id: str, digest: str) -> bytes:
+        """An input or output of the rollout, by digest."""
+        request = fleet_pb2.GetArtifactRequest(rollout_id=rollout_id, digest=digest)
+        data = bytearray()
+        try:
+            for chunk in self._rollouts.GetArtifact(request, metadata=self._md):
+                data += chunk.data
+        except grpc.RpcError as exc:
+            raise _refusal(exc) from None
+        return bytes(data)
+
+    # -- sessions ----------------------------------------------------------------------------
+
+    def session(
+        self,
+        smolfile: str | Path,
+        *,
+        idle_timeout_s: float = 600.0,
+        max_lifetime_s: float = 3600.0,
+        labels: Mapping[str, str] | None = None,
+        require_vm: bool = False,
+        idempotency_key: str | None = None,
+    ) -> Session:
+        """Opens a session (a machine held for your calls) and returns once it is ready; use it
+        as a context manager to close it at the end."""
+        parsed = load_smolfile(str(smolfile))
+        request = fleet_pb2.OpenSessionRequest(
+            request_id=uuid.uuid4().hex, idempotency_key=idempotency_key or uuid.uuid4().hex,
+            smolfile=parsed.text, smolfile_name=str(smolfile), labels=dict(labels or {}),
+            idle_timeout_s=idle_timeout_s, max_lifetime_s=max_lifetime_s,
+            requirements=types_pb2.Requirements(
+                isolation=types_pb2.ISOLATION_VM if require_vm else types_pb2.ISOLATION_UNSPECIFIED
+            ),
+        )  # fmt: skip
+        reply = _call(lambda: self._sessions.OpenSession(request, metadata=self._md))
+        return Session(self, reply.id, reply.host_id)
+
+    def sessions(self) -> builtins.list[tuple[str, str, str]]:
+        """(id, state, host) of the sessions the key may see."""
+        request = fleet_pb2.ListSessionsRequest()
+        reply = _call(lambda: self._sessions.ListSessions(request, metadata=self._md))
+        return [(s.id, s.state, s.host_id) for s in reply.sessions]
+
+
+class Session:
+    """An open session: run commands and move files in its machine; `close()` ends it."""
+
+    def __init__(self, fleet: Fleet, session_id: str, host_id: str = "") -> None:
+        self.fleet = fleet
+        self.id = session_id
+        self.host_id = host_id
+
+    def exec(
+        self,
+        command: Sequence[str] | str,
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str = "",
+        stdin: bytes = b"",
+        timeout_s: float = 600.0,
+        on_output: Callable[[str, bytes], None] | None = None,
+    ) -> ExecResult:
+        """Runs a command (an argv list, or a shell string); `on_output(stream, chunk)` sees
+        output as it arrives."""
+        request = fleet_pb2.ExecRequest(
+            session_id=self.id, env=dict(env or {}), cwd=cwd, stdin=stdin, timeout_s=timeout_s
+        )
+        if isinstance(command, str):
+            request.shell = command
+        else:
+            request.argv.extend(command)
+        out, err = bytearray(), bytearray()
+        done = types_pb2.ExecExit()
+        try:
+            for part in self.fleet._sessions.Exec(request, metadata=self.fleet._md):
+                kind = part.WhichOneof("kind")
+                if kind == "exit":
+                    done = part.exit
+                    continue
+                chunk = getattr(part, kind)
+                (out if kind == "stdout" else err).extend(chunk)
+                if on_output is not None:
+                    on_output(kind, chunk)
+        except grpc.RpcError as exc:
+            raise _refusal(exc) from None
+        return ExecResult(done.exit_code, bytes(out), bytes(err), done.timed_out,
+                          done.oom_killed, done.duration_s)  # fmt: skip
+
+    def write_file(self, path: str, data: bytes, mode: int = 0o644) -> int:
+        """Writes `data` at `path` (directories made as needed); returns its size."""
+
+        def chunks() -> Iterator[fleet_pb2.WriteFileChunk]:
+            yield fleet_pb2.WriteFileChunk(session_id=self.id, path=path, mode=mode)
+            for offset in range(0, len(data), CHUNK):
+                yield fleet_pb2.WriteFileChunk(data=data[offset : offset + CHUNK])
+
+        reply = _call(lambda: self.fleet._sessions.WriteFile(chunks(), metadata=self.fleet._md))
+        return int(reply.size)
+
+    def read_file(self, path: str) -> bytes:
+        request = fleet_pb2.ReadFileRequest(session_id=self.id, path=path)
+        data = bytearray()
+        try:
+            for chunk in self.fleet._sessions.ReadFile(request, metadata=self.fleet._md):
+                data += chunk.data
+        except grpc.RpcError as exc:
+            raise _refusal(exc) from None
+        return bytes(data)
+
+    def close(self) -> str:
+        """Closes the session (its machine is deleted); returns its final state."""
+        request = fleet_pb2.CloseSessionRequest(session_id=self.id)
+        reply = _call(lambda: self.fleet._sessions.CloseSession(request, metadata=self.fleet._md))
+        return str(reply.state)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            self.close()
+        except FleetError:
+            if kind is None:
+                raise
+
+
+__all__ = ["Event", "ExecResult", "Fleet", "Rollout", "Session", "StepResult"]

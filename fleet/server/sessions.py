@@ -1,0 +1,319 @@
+"""Interactive sessions on the server: `SessionService` for callers, and the hub that routes
+each call to the host holding the session's machine over that host's session stream.
+
+A session is a rollout whose manifest has a `session` and no steps: placed, leased, recorded,
+audited and limited like any rollout (label `fleet.session=1`). Its attempt is held by one
+host; calls go to that host and nowhere else. A host whose stream is gone fails the calls
+waiting on it, and later ones, with UNAVAILABLE naming it: a session is never re-created
+elsewhere behind its caller's back (its retry policy allows one attempt).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import uuid
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+
+import grpc
+import structlog
+
+from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, host_pb2, types_pb2
+from fleet.core.errors import (
+    FailedPrecondition,
+    FleetError,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from fleet.core.lifecycle import RolloutState
+from fleet.core.manifest import (
+    DEFAULT_SESSION_LIFETIME,
+    SessionSpec,
+    SubmitRequest,
+    check_machine_path,
+    validate_request,
+)
+from fleet.core.retry import RetryPolicy
+from fleet.core.rollout import Rollout
+from fleet.server import convert
+from fleet.server.core import Core
+from fleet.server.fleet_service import FleetServicer
+from fleet.server.hub import SessionHub
+from fleet.server.status import STATUS_FOR, mapped
+
+log = structlog.get_logger(__name__)
+
+SESSION_LABEL = "fleet.session"
+DEFAULT_IDLE_S = 600.0
+DEFAULT_READY_S = 300.0
+MAX_FILE_BYTES = 256 << 20
+"""A file written or read through a session, at most."""
+CHUNK = 1 << 20
+
+
+def session_state(rollout: Rollout) -> str:
+    if rollout.state in (RolloutState.QUEUED, RolloutState.RUNNING):
+        return "OPEN"
+    return (
+        "CLOSED"
+        if rollout.state in (RolloutState.SUCCEEDED, RolloutState.CANCELLED)
+        else ("FAILED")
+    )
+
+
+def session_pb(rollout: Rollout, host_id: str = "") -> fleet_pb2.Session:
+    out = fleet_pb2.Session(
+        id=rollout.id, state=session_state(rollout), host_id=host_id, tenant=rollout.tenant,
+        error=rollout.error,
+    )  # fmt: skip
+    out.opened_at.FromDatetime(rollout.created_at.astimezone(UTC))
+    return out
+
+
+class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[misc]
+    def __init__(self, core: Core, hub: SessionHub) -> None:
+        self.core = core
+        self.hub = hub
+        self.fleet = FleetServicer(core)
+
+    async def _session(self, session_id: str) -> Rollout:
+        """The caller's session (NOT_FOUND for another tenant's, as for an unknown id)."""
+        rollout = await self.core.db(self.core.ledger.get, session_id)
+        self.core.caller().check_owner(session_id, rollout.tenant)
+        if rollout.manifest.session is None:
+            raise NotFound(f"{session_id} is a rollout, not a session")
+        return rollout
+
+    async def _holder(self, session_id: str) -> tuple[str, str]:
+        """(work id, host id) of an open session's machine."""
+        rollout = await self._session(session_id)
+        if rollout.state.final:
+            raise FailedPrecondition(
+                f"session {session_id} is {session_state(rollout).lower()}"
+                + (f": {rollout.error}" if rollout.error else "")
+            )
+        lease = await self.core.db(self.core.ledger.rollout_lease, session_id)
+        if lease is not None and lease[1] not in self.hub.links:
+            raise Unavailable(
+                f"session {session_id}: host {lease[1]}, which holds its machine, is not "
+                "connected (lost or restarting); the session is not moved elsewhere"
+            )
+        if lease is None or not self.hub.is_ready(lease[1], lease[0]):
+            raise Unavailable(f"session {session_id} is not ready yet (its machine is starting)")
+        return lease
+
+    @mapped
+    async def OpenSession(
+        self, request: fleet_pb2.OpenSessionRequest, context: grpc.aio.ServicerContext
+    ) -> fleet_pb2.Session:
+        now = datetime.now(UTC)
+        lifetime = request.max_lifetime_s or DEFAULT_SESSION_LIFETIME.total_seconds()
+        if not 0 < lifetime <= self.core.config.max_deadline_s:
+            raise InvalidArgument(
+                f"max_lifetime_s must be in (0, {self.core.config.max_deadline_s:g}], "
+                f"got {lifetime}"
+            )
+        tenant = self.core.caller().tenant_for(request.tenant)
+        submit = SubmitRequest(
+            idempotency_key=request.idempotency_key or uuid.uuid4().hex,
+            smolfile=request.smolfile, smolfile_name=request.smolfile_name or "<smolfile>",
+            steps=(), deadline=now + timedelta(seconds=lifetime),
+            retry=RetryPolicy(max_attempts=1),
+            labels={**request.labels, SESSION_LABEL: "1"}, tenant=tenant,
+            requirements=convert.requirements_from_pb(request.requirements),
+            session=SessionSpec(idle_timeout_s=request.idle_timeout_s or DEFAULT_IDLE_S),
+        )  # fmt: skip
+        parsed = await asyncio.to_thread(
+            validate_request, submit, now, timedelta(seconds=self.core.config.max_deadline_s)
+        )
+        rollout, _ = await self.fleet.admit(submit, parsed, now, request_id=request.request_id)
+        wait = request.ready_timeout_s or DEFAULT_READY_S
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + wait
+        while True:
+            changed = self.hub.changed
+            rollout = await self.core.db(self.core.ledger.get, rollout.id)
+            if rollout.state.final:
+                raise FailedPrecondition(f"session {rollout.id} did not open: {rollout.error}")
+            lease = await self.core.db(self.core.ledger.rollout_lease, rollout.id)
+            if lease is not None and self.hub.is_ready(lease[1], lease[0]):
+                log.info("session_opened", session_id=rollout.id, host_id=lease[1])
+                return session_pb(rollout, lease[1])
+            left = give_up - loop.time()
+            if left <= 0:
+                raise Unavailable(
+                    f"session {rollout.id} is not ready after {wait:g} s (still "
+                    f"{rollout.state.value.lower()}); it stays open: call OpenSession again "
+                    "with the same idempotency_key to wait more"
+                )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), min(left, 0.5))
+
+    async def Exec(
+        self, request: fleet_pb2.ExecRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[fleet_pb2.ExecOutput]:
+        try:
+            argv = list(request.argv) or (["/bin/sh", "-c", request.shell] if request.shell else [])
+            if not argv or not argv[0]:
+                raise InvalidArgument("exec: give argv or shell")
+            if any("\0" in a for a in argv) or any(
+                "\0" in k or "\0" in v or "=" in k for k, v in request.env.items()
+            ):
+                raise InvalidArgument("exec: a NUL in argv or env, or '=' in an env name")
+            work_id, host_id = await self._holder(request.session_id)
+            stdin = request.stdin
+            command = host_pb2.SessionCommand(
+                work_id=work_id,
+                exec=host_pb2.SessionExec(
+                    argv=argv, env=dict(request.env), cwd=request.cwd, stdin=stdin[:CHUNK],
+                    timeout_s=request.timeout_s, stdin_follows=len(stdin) > CHUNK,
+                ),
+            )  # fmt: skip
+            more = [
+                host_pb2.SessionCommand(
+                    stdin=host_pb2.SessionStdin(
+                        data=stdin[offset : offset + CHUNK], eof=offset + CHUNK >= len(stdin)
+                    )
+                )
+                for offset in range(CHUNK, len(stdin), CHUNK)
+            ]
+            async for reply in self.hub.call(host_id, request.session_id, command, more):
+                kind = reply.WhichOneof("kind")
+                if kind == "stdout":
+                    yield fleet_pb2.ExecOutput(stdout=reply.stdout)
+                elif kind == "stderr":
+                    yield fleet_pb2.ExecOutput(stderr=reply.stderr)
+                elif kind == "exit":
+                    yield fleet_pb2.ExecOutput(exit=reply.exit)
+        except FleetError as exc:
+            await context.abort(STATUS_FOR[exc.code], exc.message)
+
+    async def _run(
+        self, session_id: str, argv: list[str], stdin: bytes = b""
+    ) -> tuple[bytes, bytes, types_pb2.ExecExit]:
+        work_id, host_id = await self._holder(session_id)
+        command = host_pb2.SessionCommand(
+            work_id=work_id,
+            exec=host_pb2.SessionExec(argv=argv, stdin=stdin[:CHUNK], timeout_s=600,
+                                      max_output_bytes=MAX_FILE_BYTES,
+                                      stdin_follows=len(stdin) > CHUNK),
+        )  # fmt: skip
+        more = [
+            host_pb2.SessionCommand(
+                stdin=host_pb2.SessionStdin(
+                    data=stdin[offset : offset + CHUNK], eof=offset + CHUNK >= len(stdin)
+                )
+            )
+            for offset in range(CHUNK, len(stdin), CHUNK)
+        ]
+        out, err = bytearray(), bytearray()
+        done = types_pb2.ExecExit()
+        async for reply in self.hub.call(host_id, session_id, command, more):
+            kind = reply.WhichOneof("kind")
+            if kind == "stdout":
+                out += reply.stdout
+            elif kind == "stderr":
+                err += reply.stderr
+            elif kind == "exit":
+                done = reply.exit
+        return bytes(out), bytes(err), done
+
+    @mapped
+    async def WriteFile(
+        self, requests: AsyncIterator[fleet_pb2.WriteFileChunk], context: grpc.aio.ServicerContext
+    ) -> fleet_pb2.WriteFileResponse:
+        session_id = path = ""
+        mode = 0o644
+        data = bytearray()
+        async for chunk in requests:
+            if not session_id:
+                session_id, path, mode = chunk.session_id, chunk.path, chunk.mode or 0o644
+                check_machine_path(path, "path")
+                await self._session(session_id)  # refused before any data is taken
+            data += chunk.data
+            if len(data) > MAX_FILE_BYTES:
+                raise ResourceExhausted(f"{path}: over {MAX_FILE_BYTES >> 20} MiB")
+        if not session_id:
+            raise InvalidArgument("WriteFile: no chunk named a session and a path")
+        script = 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1" && chmod "$2" "$1"'
+        _, err, done = await self._run(
+            session_id, ["/bin/sh", "-c", script, "write", path, f"{mode & 0o7777:o}"], bytes(data)
+        )
+        if done.exit_code != 0:
+            raise FailedPrecondition(f"{path}: cannot write: {err.decode(errors='replace')[-500:]}")
+        return fleet_pb2.WriteFileResponse(size=len(data))
+
+    async def ReadFile(
+        self, request: fleet_pb2.ReadFileRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[fleet_pb2.FileChunk]:
+        try:
+            check_machine_path(request.path, "path")
+            out, err, done = await self._run(request.session_id, ["cat", "--", request.path])
+            if done.exit_code != 0:
+                raise NotFound(f"{request.path}: {err.decode(errors='replace').strip()[-500:]}")
+            if done.stdout_truncated:
+                raise ResourceExhausted(f"{request.path}: over {MAX_FILE_BYTES >> 20} MiB")
+            for offset in range(0, max(len(out), 1), CHUNK):
+                yield fleet_pb2.FileChunk(data=out[offset : offset + CHUNK])
+        except FleetError as exc:
+            await context.abort(STATUS_FOR[exc.code], exc.message)
+
+    @mapped
+    async def CloseSession(
+        self, request: fleet_pb2.CloseSessionRequest, context: grpc.aio.ServicerContext
+    ) -> fleet_pb2.Session:
+        caller = self.core.caller()
+        rollout = await self._session(request.session_id)
+        if not rollout.state.final:
+            lease = await self.core.db(self.core.ledger.rollout_lease, request.session_id)
+            link = self.hub.links.get(lease[1]) if lease is not None else None
+            if lease is not None and link is not None:
+                command = host_pb2.SessionCommand(
+                    work_id=lease[0], close=host_pb2.SessionClose(reason="closed by its caller")
+                )
+                with contextlib.suppress(FleetError):
+                    async for _ in self.hub.call(lease[1], request.session_id, command):
+                        pass
+                rollout = await self._until_final(request.session_id)
+            if not rollout.state.final:  # not reachable on a host: ended in the ledger
+                actor = "client" + (f" key:{caller.key_id}" if caller.key_id else "")
+                rollout = await self.core.db(
+                    self.core.ledger.cancel, request.session_id, "closed by its caller",
+                    actor, datetime.now(UTC).timestamp(),
+                )  # fmt: skip
+                self.core.changed()
+        log.info("session_closed", session_id=request.session_id, state=rollout.state.value)
+        return session_pb(rollout)
+
+    async def _until_final(self, session_id: str, wait_s: float = 10.0) -> Rollout:
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + wait_s
+        while True:
+            rollout = await self.core.db(self.core.ledger.get, session_id)
+            if rollout.state.final or loop.time() >= give_up:
+                return rollout
+            await self.core.event_pulse.wait(0.2)
+
+    @mapped
+    async def ListSessions(
+        self, request: fleet_pb2.ListSessionsRequest, context: grpc.aio.ServicerContext
+    ) -> fleet_pb2.ListSessionsResponse:
+        caller = self.core.caller()
+        rollouts, _ = await self.core.db(
+            functools.partial(
+                self.core.ledger.list_rollouts,
+                tenant=None if caller.all_tenants else caller.tenant,
+            ),
+            500, "", {SESSION_LABEL: "1"}, "",
+        )  # fmt: skip
+        out = []
+        for rollout in rollouts:
+            lease = None
+            if not rollout.state.final:
+                lease = await self.core.db(self.core.ledger.rollout_lease, rollout.id)
+            out.append(session_pb(rollout, lease[1] if lease else ""))
+        return fleet_pb2.ListSessionsResponse(sessions=out)

@@ -1,0 +1,273 @@
+"""Interactive sessions through the real server and a real agent on the namespace runtime:
+open, exec (streamed output, stdin, timeouts), files both ways, idle timeout, close, another
+tenant refused, a lost host's session failing with UNAVAILABLE."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
+from fleet.core.placement import HostClass
+from fleet.image.store import ImageStore
+from tests.integration.harness import Harness, harness
+
+SMOLFILE = 'image = "minimal"\n'
+
+
+async def open_session(stub: fleet_pb2_grpc.SessionServiceStub, **kw: object) -> fleet_pb2.Session:
+    return await stub.OpenSession(
+        fleet_pb2.OpenSessionRequest(smolfile=SMOLFILE, smolfile_name="s.smolfile", **kw)  # type: ignore[arg-type]
+    )
+
+
+async def run(
+    stub: fleet_pb2_grpc.SessionServiceStub, session: str, **kw: object
+) -> tuple[list[tuple[str, bytes]], types_pb2.ExecExit]:
+    chunks: list[tuple[str, bytes]] = []
+    exit_ = types_pb2.ExecExit()
+    async for out in stub.Exec(fleet_pb2.ExecRequest(session_id=session, **kw)):  # type: ignore[arg-type]
+        kind = out.WhichOneof("kind")
+        if kind == "exit":
+            exit_ = out.exit
+        else:
+            chunks.append((kind, getattr(out, kind)))
+    return chunks, exit_
+
+
+async def write(
+    stub: fleet_pb2_grpc.SessionServiceStub, session: str, path: str, data: bytes
+) -> int:
+    async def chunks():  # type: ignore[no-untyped-def]
+        yield fleet_pb2.WriteFileChunk(session_id=session, path=path, mode=0o600)
+        for offset in range(0, len(data), 1 << 20):
+            yield fleet_pb2.WriteFileChunk(data=data[offset : offset + (1 << 20)])
+
+    reply = await stub.WriteFile(chunks())
+    return int(reply.size)
+
+
+async def read(stub: fleet_pb2_grpc.SessionServiceStub, session: str, path: str) -> bytes:
+    out = bytearray()
+    async for chunk in stub.ReadFile(fleet_pb2.ReadFileRequest(session_id=session, path=path)):
+        out += chunk.data
+    return bytes(out)
+
+
+def sessions(h: Harness) -> fleet_pb2_grpc.SessionServiceStub:
+    return fleet_pb2_grpc.SessionServiceStub(h.channel)
+
+
+def test_a_session_runs_commands_and_moves_files_until_it_is_closed(
+    tmp_path: Path, images: ImageStore
+) -> None:
+    big = os.urandom(5 << 20)
+    script = "for i in 1 2 3; do echo out$i; echo err$i >&2; done; read line; echo got:$line"
+
+    async def body() -> dict[str, object]:
+        async with harness(tmp_path, images) as h:
+            await h.start_agent("cpu-a", HostClass.CPU)
+            stub = sessions(h)
+            s = await open_session(stub)
+            chunks, done = await run(stub, s.id, shell=script, stdin=b"hello\n")
+            _, state = await run(stub, s.id, shell="echo kept > /root/state")
+            state_again, _ = await run(stub, s.id, argv=["cat", "/root/state"])
+            _, slow = await run(stub, s.id, argv=["sleep", "30"], timeout_s=0.5)
+            size = await write(stub, s.id, "/root/dir/big.bin", big)
+            back = await read(stub, s.id, "/root/dir/big.bin")
+            mode, _ = await run(stub, s.id, argv=["stat", "-c", "%a", "/root/dir/big.bin"])
+            with pytest.raises(grpc.aio.AioRpcError) as missing:
+                await read(stub, s.id, "/root/none")
+            listed = await stub.ListSessions(fleet_pb2.ListSessionsRequest())
+            closed = await stub.CloseSession(fleet_pb2.CloseSessionRequest(session_id=s.id))
+            with pytest.raises(grpc.aio.AioRpcError) as after:
+                await run(stub, s.id, argv=["true"])
+            rollout = await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=s.id))
+            return {
+                "opened": (s.state, s.host_id), "chunks": chunks, "exit": done.exit_code,
+                "state": (state.exit_code, state_again), "slow": (slow.timed_out, slow.exit_code),
+                "size": size, "back": back, "mode": mode, "missing": missing.value.code(),
+                "listed": [(x.id, x.state) for x in listed.sessions],
+                "closed": closed.state, "after": (after.value.code(), after.value.details()),
+                "rollout": (rollout.state, rollout.attempts),
+                "machines": list((tmp_path / "machines").glob("cpu-a/*")),
+            }  # fmt: skip
+
+    out = asyncio.run(body())
+    assert out["opened"] == ("OPEN", "cpu-a")
+    # In the order the machine wrote them, each stream whole.
+    chunks = out["chunks"]
+    assert b"".join(c for k, c in chunks if k == "stdout") == b"out1\nout2\nout3\ngot:hello\n"  # type: ignore[attr-defined]
+    assert b"".join(c for k, c in chunks if k == "stderr") == b"err1\nerr2\nerr3\n"  # type: ignore[attr-defined]
+    assert out["exit"] == 0
+    assert out["state"] == (0, [("stdout", b"kept\n")])  # files persist between calls
+    assert out["slow"] == (True, -9)
+    assert out["size"] == len(big) and out["back"] == big
+    assert out["mode"] == [("stdout", b"600\n")]
+    assert out["missing"] == grpc.StatusCode.NOT_FOUND
+    assert out["listed"] and out["listed"][0][1] == "OPEN"  # type: ignore[index]
+    assert out["closed"] == "CLOSED"
+    code, details = out["after"]  # type: ignore[misc]
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "is closed" in details
+    assert out["rollout"] == (types_pb2.ROLLOUT_STATE_SUCCEEDED, 1)
+    assert out["machines"] == []  # nothing left on the host
+
+
+def test_an_idle_session_is_closed(tmp_path: Path, images: ImageStore) -> None:
+    async def body() -> tuple[str, str]:
+        async with harness(tmp_path, images) as h:
+            await h.start_agent("cpu-a", HostClass.CPU)
+            stub = sessions(h)
+            s = await open_session(stub, idle_timeout_s=1.0)
+            await run(stub, s.id, argv=["true"])
+            rollout = await h.wait_final(s.id, timeout_s=30)
+            listed = await stub.ListSessions(fleet_pb2.ListSessionsRequest())
+            return rollout.error, listed.sessions[0].state
+
+    error, state = asyncio.run(body())
+    assert "closed after 1 s without a call" in error and state == "CLOSED"
+
+
+def test_another_tenants_session_is_not_there(tmp_path: Path, images: ImageStore) -> None:
+    async def body() -> list[grpc.StatusCode]:
+        async with harness(tmp_path, images, secure=True) as h:
+            await h.start_agent("cpu-a", HostClass.CPU)
+            mine = fleet_pb2_grpc.SessionServiceStub(h.connect(h.key("team-a")))
+            theirs = fleet_pb2_grpc.SessionServiceStub(h.connect(h.key("team-b")))
+            s = await open_session(mine, ready_timeout_s=15)
+            codes = []
+            for call in (
+                run(theirs, s.id, argv=["true"]),
+                read(theirs, s.id, "/etc/hostname"),
+                theirs.CloseSession(fleet_pb2.CloseSessionRequest(session_id=s.id)),
+            ):
+                try:
+                    await call
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.aio.AioRpcError as exc:
+                    codes.append(exc.code())
+            listed = await theirs.ListSessions(fleet_pb2.ListSessionsRequest())
+            codes.append(grpc.StatusCode.OK if not listed.sessions else grpc.StatusCode.UNKNOWN)
+            _, still = await run(mine, s.id, argv=["true"])
+            codes.append(grpc.StatusCode.OK if still.exit_code == 0 else grpc.StatusCode.UNKNOWN)
+            await mine.CloseSession(fleet_pb2.CloseSessionRequest(session_id=s.id))
+            return codes
+
+    assert asyncio.run(body()) == [grpc.StatusCode.NOT_FOUND] * 3 + [grpc.StatusCode.OK] * 2
+
+
+def test_a_lost_host_fails_the_sessions_next_call_with_unavailable(
+    tmp_path: Path, images: ImageStore
+) -> None:
+    async def body() -> tuple[grpc.StatusCode, str]:
+        async with harness(tmp_path, images) as h:
+            await h.start_agent("cpu-a", HostClass.CPU)
+            stub = sessions(h)
+            s = await open_session(stub)
+            _, task = h.agents.pop("cpu-a")
+            task.cancel()  # the agent dies: its stream ends with it
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await run(stub, s.id, argv=["true"])
+            return info.value.code(), info.value.details() or ""
+
+    code, details = asyncio.run(body())
+    assert code == grpc.StatusCode.UNAVAILABLE and "host cpu-a" in details
+
+
+@pytest.fixture(scope="module")
+def live_fleet(tmp_path_factory: pytest.TempPathFactory, images: ImageStore) -> Iterator[str]:
+    """A server and one cpu agent on a thread of their own; the server's address."""
+    tmp = tmp_path_factory.mktemp("live-sessions")
+    ready, box = threading.Event(), {}
+
+    def serve() -> None:
+        async def main() -> None:
+            stop = asyncio.Event()
+            box["stop"] = (asyncio.get_running_loop(), stop)
+            async with harness(tmp, images) as h:
+                await h.start_agent("cpu-a", HostClass.CPU)
+                box["address"] = h.server.address
+                ready.set()
+                await stop.wait()
+
+        asyncio.run(main())
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    assert ready.wait(120), "the fleet did not start"
+    try:
+        yield str(box["address"])
+    finally:
+        loop, stop = box["stop"]  # type: ignore[misc]
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(60)
+
+
+def test_the_typed_client_drives_rollouts_and_sessions(live_fleet: str) -> None:
+    from fleet.client import Fleet
+    from fleet.core.errors import FailedPrecondition, NotFound
+    from tests.conftest import SMOLFILES
+
+    smolfile = SMOLFILES / "minimal.smolfile"
+    with Fleet(live_fleet, plaintext=True) as fleet:
+        rollout = fleet.submit(smolfile, [["echo", "hi"], "echo $((6 * 7))"], labels={"t": "c"})
+        done = fleet.wait(rollout.id, timeout_s=120)
+        assert done.state == "SUCCEEDED" and [r.stdout for r in done.results] == [b"hi\n", b"42\n"]
+        assert [e.state for e in fleet.watch(rollout.id)][-1] == "SUCCEEDED"
+        assert rollout.id in [r.id for r in fleet.list(labels={"t": "c"})]
+        with pytest.raises(NotFound):
+            fleet.get("r-0000000000000000")
+        seen: list[tuple[str, bytes]] = []
+        with fleet.session(smolfile, idle_timeout_s=60) as box:
+            assert box.write_file("/root/task.py", b"print(6 * 7)") == 12
+            result = box.exec(
+                ["python3", "/root/task.py"], on_output=lambda s, c: seen.append((s, c))
+            )
+            assert result.ok and result.stdout == b"42\n" and seen == [("stdout", b"42\n")]
+            assert box.exec("exit 3").exit_code == 3
+            assert box.read_file("/root/task.py") == b"print(6 * 7)"
+            session_id = box.id
+        assert (session_id, "CLOSED", "") in fleet.sessions()
+        with pytest.raises(FailedPrecondition, match="is closed"):
+            box.exec(["true"])
+
+
+def test_the_session_cli(live_fleet: str, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from tests.conftest import SMOLFILES
+
+    def cli(*argv: str, stdin: bytes = b"") -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run(
+            [sys.executable, "-m", "fleet.cli.main", "session", *argv[:1], "--server",
+             live_fleet, "--plaintext", *argv[1:]],
+            input=stdin, capture_output=True, timeout=120,
+        )  # fmt: skip
+
+    opened = cli("open", "-s", str(SMOLFILES / "minimal.smolfile"))
+    assert opened.returncode == 0, opened.stderr
+    session_id = opened.stdout.decode().strip()
+    (tmp_path / "in.txt").write_bytes(b"payload\n")
+    assert cli("cp", str(tmp_path / "in.txt"), f"{session_id}:/root/in.txt").returncode == 0
+    ran = cli("exec", session_id, "--", "sh", "-c", "tr a-z A-Z < /root/in.txt; exit 5")
+    assert ran.returncode == 5 and ran.stdout == b"PAYLOAD\n"
+    piped = cli("exec", "--stdin", session_id, "--", "wc", "-c", stdin=b"12345")
+    assert piped.returncode == 0 and piped.stdout.strip() == b"5"
+    assert cli("cp", f"{session_id}:/root/in.txt", str(tmp_path / "out.txt")).returncode == 0
+    assert (tmp_path / "out.txt").read_bytes() == b"payload\n"
+    listed = cli("list")
+    assert session_id in listed.stdout.decode() and "OPEN" in listed.stdout.decode()
+    closed = cli("close", session_id)
+    assert closed.returncode == 0 and b"CLOSED" in closed.stdout
+    refused = cli("exec", session_id, "--", "true")
+    assert refused.returncode == 2 and b"is closed" in refused.stderr
