@@ -271,3 +271,75 @@ def test_the_session_cli(live_fleet: str, tmp_path: Path) -> None:
     assert closed.returncode == 0 and b"CLOSED" in closed.stdout
     refused = cli("exec", session_id, "--", "true")
     assert refused.returncode == 2 and b"is closed" in refused.stderr
+
+
+def test_a_real_inspect_ai_evaluation_runs_its_tool_calls_in_fleet_sessions(
+    live_fleet: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """inspect_ai.eval with its mock model and `sandbox="fleet"`: each sample's bash tool call
+    runs in a fleet session of its own, the scorer reads back the file it wrote, and the
+    ledger holds one closed session per sample."""
+    from inspect_ai import Task, eval
+    from inspect_ai.dataset import Sample
+    from inspect_ai.model import ModelOutput, ModelUsage, get_model
+    from inspect_ai.scorer import CORRECT, INCORRECT, Score, Target, accuracy, scorer
+    from inspect_ai.solver import TaskState, generate, use_tools
+    from inspect_ai.tool import bash
+    from inspect_ai.util import sandbox
+
+    from fleet.client import Fleet
+    from tests.conftest import SMOLFILES
+
+    monkeypatch.setenv("FLEET_SERVER", live_fleet)
+    monkeypatch.setenv("FLEET_KEY", "")
+    monkeypatch.setenv("FLEET_HOME", str(tmp_path / "home"))  # no CA there: plain gRPC
+
+    def agent(messages, tools, tool_choice, config):  # type: ignore[no-untyped-def]
+        if messages[-1].role == "tool":
+            output = ModelOutput.from_content(model="mockllm", content="done")
+        else:
+            word = str(messages[-1].text).split()[-1]
+            command = f"echo {word} > answer.txt && hostname > where.txt"
+            output = ModelOutput.for_tool_call("mockllm", "bash", {"command": command})
+        # (usage given: the mock model would otherwise count tokens with an encoding it
+        # downloads, and nothing is downloaded here)
+        output.usage = ModelUsage(input_tokens=1, output_tokens=1, total_tokens=2)
+        return output
+
+    @scorer(metrics=[accuracy()])
+    def wrote_the_answer():  # type: ignore[no-untyped-def]
+        async def score(state: TaskState, target: Target) -> Score:
+            written = (await sandbox().read_file("answer.txt")).strip()
+            where = (await sandbox().read_file("/root/where.txt")).strip()
+            ok = written == target.text
+            return Score(value=CORRECT if ok else INCORRECT, answer=written, explanation=where)
+
+        return score
+
+    words = ["apple", "banana", "cherry"]
+    task = Task(
+        dataset=[Sample(input=f"write {w}", target=w) for w in words],
+        solver=[use_tools([bash(timeout=60)]), generate()],
+        scorer=wrote_the_answer(),
+        sandbox=("fleet", str(SMOLFILES / "minimal.smolfile")),
+    )
+    logs = eval(
+        task, model=get_model("mockllm/model", custom_outputs=agent),
+        log_dir=str(tmp_path / "logs"), display="none",
+    )  # fmt: skip
+    log = logs[0]
+    assert log.status == "success", (
+        log.error,
+        [[repr(m)[:600] for m in sample.messages] for sample in (log.samples or [])],
+    )
+    assert log.results is not None
+    assert log.results.scores[0].metrics["accuracy"].value == 1.0
+    assert log.samples is not None
+    hosts = {s.scores["wrote_the_answer"].explanation for s in log.samples}  # type: ignore[index]
+    with Fleet(live_fleet, plaintext=True) as fleet:
+        sessions = [s for s in fleet.sessions()]
+        labelled = [r for r in fleet.list(labels={"fleet.session": "1"})
+                    if r.labels.get("inspect.task")]  # fmt: skip
+    # One session per sample, each its own machine (its hostname), all closed at the end.
+    assert len(labelled) == 3 and len(hosts) == 3
+    assert all(state == "CLOSED" for sid, state, _ in sessions if sid in {r.id for r in labelled})

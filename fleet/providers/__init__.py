@@ -1,0 +1,2 @@
+"""Providers that let evaluation harnesses run their sandboxes in fleet machines (optional
+extras: `pip install fleet[inspect]`)."""

@@ -1,0 +1,128 @@
+"""inspect_ai's sandbox environment `fleet`: every sample gets a fleet session.
+
+    eval(task, sandbox=("fleet", "smolfiles/minimal.smolfile"))
+
+Registered through inspect_ai's entry point (`[project.entry-points.inspect_ai]`), so
+`sandbox="fleet"` works once fleet is installed with the `inspect` extra. The sandbox config is
+a Smolfile's path (none: fleet's default image). The server and key come from $FLEET_SERVER,
+$FLEET_KEY and $FLEET_CA, else from the files `fleet up` writes (see `fleet.client.Fleet`).
+`sample_init` opens one session per sample, `exec`/`read_file`/`write_file` are its calls,
+`sample_cleanup` closes it. Relative paths resolve in /root, the sample's working directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import posixpath
+import tempfile
+from pathlib import Path
+from typing import Literal, overload
+
+from inspect_ai.util import ExecResult, SandboxEnvironment, sandboxenv
+from inspect_ai.util._sandbox.environment import (
+    SandboxEnvironmentConfigType,
+    SandboxUserUnsupportedError,
+)
+
+from fleet.client import Fleet, Session
+from fleet.core.errors import FleetError, NotFound, PermissionDenied, Unauthenticated
+
+WORKDIR = "/root"
+DEFAULT_SMOLFILE = 'image = "minimal"\n'
+
+
+def _absolute(path: str) -> str:
+    return posixpath.normpath(posixpath.join(WORKDIR, path))
+
+
+def _smolfile(config: SandboxEnvironmentConfigType | None) -> str:
+    """The Smolfile's path: the config, or a default one written for the purpose."""
+    if isinstance(config, str) and config:
+        return config
+    default = Path(tempfile.gettempdir()) / "fleet-inspect-default.smolfile"
+    if not default.exists():
+        default.write_text(DEFAULT_SMOLFILE)
+    return str(default)
+
+
+@sandboxenv(name="fleet")
+class FleetSandboxEnvironment(SandboxEnvironment):
+    """One sample's fleet session."""
+
+    def __init__(self, session: Session) -> None:
+        super().__init__()
+        self.session = session
+
+    @classmethod
+    async def sample_init(
+        cls, task_name: str, config: SandboxEnvironmentConfigType | None, metadata: dict[str, str]
+    ) -> dict[str, SandboxEnvironment]:
+        fleet = await asyncio.to_thread(Fleet)
+        labels = {"inspect.task": task_name[:200]}
+        session = await asyncio.to_thread(fleet.session, _smolfile(config), labels=labels)
+        return {"default": cls(session)}
+
+    @classmethod
+    async def sample_cleanup(
+        cls,
+        task_name: str,
+        config: SandboxEnvironmentConfigType | None,
+        environments: dict[str, SandboxEnvironment],
+        interrupted: bool,
+    ) -> None:
+        for environment in environments.values():
+            if isinstance(environment, FleetSandboxEnvironment):
+                try:
+                    await asyncio.to_thread(environment.session.close)
+                except FleetError:
+                    pass  # already closed (idle) or its host is gone: nothing left to free
+                finally:
+                    environment.session.fleet.close()
+
+    async def exec(
+        self,
+        cmd: list[str],
+        input: str | bytes | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        user: str | None = None,
+        timeout: int | None = None,  # noqa: ASYNC109 (inspect_ai's signature)
+        timeout_retry: bool = True,
+        concurrency: bool = True,
+    ) -> ExecResult[str]:
+        if user is not None and user not in ("root", "0"):
+            raise SandboxUserUnsupportedError(
+                f"fleet sessions run commands as the Smolfile's user, not {user!r}"
+            )
+        stdin = input.encode() if isinstance(input, str) else (input or b"")
+        result = await asyncio.to_thread(
+            self.session.exec, cmd, env=env or {}, cwd=_absolute(cwd or "."), stdin=stdin,
+            timeout_s=float(timeout) if timeout else 600.0,
+        )  # fmt: skip
+        if result.timed_out:
+            raise TimeoutError(f"{cmd[0]} timed out after {timeout} s in a fleet session")
+        return ExecResult(
+            success=result.exit_code == 0, returncode=result.exit_code,
+            stdout=result.stdout.decode(errors="replace"),
+            stderr=result.stderr.decode(errors="replace"),
+        )  # fmt: skip
+
+    async def write_file(self, file: str, contents: str | bytes) -> None:
+        data = contents.encode() if isinstance(contents, str) else contents
+        try:
+            await asyncio.to_thread(self.session.write_file, _absolute(file), data)
+        except (PermissionDenied, Unauthenticated) as exc:
+            raise PermissionError(exc.message) from exc
+
+    @overload
+    async def read_file(self, file: str, text: Literal[True] = True) -> str: ...
+
+    @overload
+    async def read_file(self, file: str, text: Literal[False]) -> bytes: ...
+
+    async def read_file(self, file: str, text: bool = True) -> str | bytes:
+        try:
+            data = await asyncio.to_thread(self.session.read_file, _absolute(file))
+        except NotFound as exc:
+            raise FileNotFoundError(exc.message) from exc
+        return data.decode() if text else data
