@@ -55,6 +55,24 @@ MAX_FILE_BYTES = 256 << 20
 CHUNK = 1 << 20
 
 
+def exec_commands(
+    work_id: str, ex: host_pb2.SessionExec, stdin: bytes
+) -> tuple[host_pb2.SessionCommand, list[host_pb2.SessionCommand]]:
+    """An exec for the host, with its stdin in 1 MiB pieces: the first in the command, the rest
+    in stdin commands after it (one gRPC message holds 4 MiB at most)."""
+    ex.stdin = stdin[:CHUNK]
+    ex.stdin_follows = len(stdin) > CHUNK
+    more = [
+        host_pb2.SessionCommand(
+            stdin=host_pb2.SessionStdin(
+                data=stdin[offset : offset + CHUNK], eof=offset + CHUNK >= len(stdin)
+            )
+        )
+        for offset in range(CHUNK, len(stdin), CHUNK)
+    ]
+    return host_pb2.SessionCommand(work_id=work_id, exec=ex), more
+
+
 def session_state(rollout: Rollout) -> str:
     if rollout.state in (RolloutState.QUEUED, RolloutState.RUNNING):
         return "OPEN"
@@ -165,22 +183,14 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
             ):
                 raise InvalidArgument("exec: a NUL in argv or env, or '=' in an env name")
             work_id, host_id = await self._holder(request.session_id)
-            stdin = request.stdin
-            command = host_pb2.SessionCommand(
-                work_id=work_id,
-                exec=host_pb2.SessionExec(
-                    argv=argv, env=dict(request.env), cwd=request.cwd, stdin=stdin[:CHUNK],
-                    timeout_s=request.timeout_s, stdin_follows=len(stdin) > CHUNK,
+            command, more = exec_commands(
+                work_id,
+                host_pb2.SessionExec(
+                    argv=argv, env=dict(request.env), cwd=request.cwd,
+                    timeout_s=request.timeout_s,
                 ),
+                request.stdin,
             )  # fmt: skip
-            more = [
-                host_pb2.SessionCommand(
-                    stdin=host_pb2.SessionStdin(
-                        data=stdin[offset : offset + CHUNK], eof=offset + CHUNK >= len(stdin)
-                    )
-                )
-                for offset in range(CHUNK, len(stdin), CHUNK)
-            ]
             async for reply in self.hub.call(host_id, request.session_id, command, more):
                 kind = reply.WhichOneof("kind")
                 if kind == "stdout":
@@ -196,20 +206,11 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
         self, session_id: str, argv: list[str], stdin: bytes = b""
     ) -> tuple[bytes, bytes, types_pb2.ExecExit]:
         work_id, host_id = await self._holder(session_id)
-        command = host_pb2.SessionCommand(
-            work_id=work_id,
-            exec=host_pb2.SessionExec(argv=argv, stdin=stdin[:CHUNK], timeout_s=600,
-                                      max_output_bytes=MAX_FILE_BYTES,
-                                      stdin_follows=len(stdin) > CHUNK),
-        )  # fmt: skip
-        more = [
-            host_pb2.SessionCommand(
-                stdin=host_pb2.SessionStdin(
-                    data=stdin[offset : offset + CHUNK], eof=offset + CHUNK >= len(stdin)
-                )
-            )
-            for offset in range(CHUNK, len(stdin), CHUNK)
-        ]
+        command, more = exec_commands(
+            work_id,
+            host_pb2.SessionExec(argv=argv, timeout_s=600, max_output_bytes=MAX_FILE_BYTES),
+            stdin,
+        )
         out, err = bytearray(), bytearray()
         done = types_pb2.ExecExit()
         async for reply in self.hub.call(host_id, session_id, command, more):

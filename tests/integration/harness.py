@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -209,3 +210,34 @@ async def harness(
             await h.stop_agent(host_id)
         await channel.close()
         await server.stop()
+
+
+@contextlib.contextmanager
+def threaded_harness(
+    tmp: Path, images: ImageStore, prepare: Callable[[Harness], Awaitable[None]]
+) -> Iterator[str]:
+    """A harness on a thread (and event loop) of its own, for tests that call it
+    synchronously: `prepare` runs first (start agents, register hosts); yields the address."""
+    ready, box = threading.Event(), {}
+
+    def run() -> None:
+        async def main() -> None:
+            stop = asyncio.Event()
+            box["stop"] = (asyncio.get_running_loop(), stop)
+            async with harness(tmp, images) as h:
+                await prepare(h)
+                box["address"] = h.server.address
+                ready.set()
+                await stop.wait()
+
+        asyncio.run(main())
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert ready.wait(120), "the harness did not start"
+    try:
+        yield str(box["address"])
+    finally:
+        loop, stop = box["stop"]  # type: ignore[misc]
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(60)

@@ -5,7 +5,6 @@ an agent anyway is quarantined, not retried as a host failure."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -22,7 +21,7 @@ from fleet.core.placement import HostClass
 from fleet.core.smolfile import parse_smolfile
 from fleet.image.store import ImageStore
 from fleet.server import convert
-from tests.integration.harness import harness, request
+from tests.integration.harness import Harness, harness, request, threaded_harness
 from tests.unit.test_properties import submit_requests
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -170,32 +169,13 @@ def test_a_malformed_plan_that_reaches_an_agent_is_quarantined_not_retried(
 
 @pytest.fixture(scope="module")
 def live_server(tmp_path_factory: pytest.TempPathFactory, images: ImageStore) -> Iterator[str]:
-    """A real server on its own thread (its own event loop), with a cpu host registered, for
-    tests that call it synchronously; its address."""
-    tmp = tmp_path_factory.mktemp("live")
-    ready, box = threading.Event(), {}
+    """A real server with a cpu host registered (no agent), on a thread of its own."""
 
-    def run() -> None:
-        async def main() -> None:
-            stop = asyncio.Event()
-            box["stop"] = (asyncio.get_running_loop(), stop)
-            async with harness(tmp, images) as h:
-                await h.register_host("cpu-a")
-                box["address"] = h.server.address
-                ready.set()
-                await stop.wait()
+    async def prepare(h: Harness) -> None:
+        await h.register_host("cpu-a")
 
-        asyncio.run(main())
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert ready.wait(60), "the server did not start"
-    try:
-        yield str(box["address"])
-    finally:
-        loop, stop = box["stop"]  # type: ignore[misc]
-        loop.call_soon_threadsafe(stop.set)
-        thread.join(60)
+    with threaded_harness(tmp_path_factory.mktemp("live"), images, prepare) as address:
+        yield address
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))

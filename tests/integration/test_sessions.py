@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pytest
 from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
 from fleet.core.placement import HostClass
 from fleet.image.store import ImageStore
-from tests.integration.harness import Harness, harness
+from tests.integration.harness import Harness, harness, threaded_harness
 
 SMOLFILE = 'image = "minimal"\n'
 
@@ -186,30 +185,12 @@ def test_a_lost_host_fails_the_sessions_next_call_with_unavailable(
 @pytest.fixture(scope="module")
 def live_fleet(tmp_path_factory: pytest.TempPathFactory, images: ImageStore) -> Iterator[str]:
     """A server and one cpu agent on a thread of their own; the server's address."""
-    tmp = tmp_path_factory.mktemp("live-sessions")
-    ready, box = threading.Event(), {}
 
-    def serve() -> None:
-        async def main() -> None:
-            stop = asyncio.Event()
-            box["stop"] = (asyncio.get_running_loop(), stop)
-            async with harness(tmp, images) as h:
-                await h.start_agent("cpu-a", HostClass.CPU)
-                box["address"] = h.server.address
-                ready.set()
-                await stop.wait()
+    async def prepare(h: Harness) -> None:
+        await h.start_agent("cpu-a", HostClass.CPU)
 
-        asyncio.run(main())
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    assert ready.wait(120), "the fleet did not start"
-    try:
-        yield str(box["address"])
-    finally:
-        loop, stop = box["stop"]  # type: ignore[misc]
-        loop.call_soon_threadsafe(stop.set)
-        thread.join(60)
+    with threaded_harness(tmp_path_factory.mktemp("live-sessions"), images, prepare) as address:
+        yield address
 
 
 def test_the_typed_client_drives_rollouts_and_sessions(live_fleet: str) -> None:
