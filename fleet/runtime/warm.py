@@ -35,6 +35,7 @@ from fleet.core.rollout import MAX_OUTPUT_BYTES
 from fleet.runtime import cgroups, seccomp
 from fleet.runtime.base import ExecResult, machine_env
 from fleet.runtime.namespace import (
+    LAUNCH_ENV,
     SOCKET_LINKS,
     NamespaceMachine,
     NamespaceRuntime,
@@ -46,6 +47,23 @@ CHILD_ALLOWANCE_MIB = 4
 """What a warm parent's memory limit grows by for each live child (see `fit_limit`)."""
 
 ZYGOTE = Path(__file__).with_name("zygote.py")
+
+
+def _descendant_running(pid: int, program: bytes, marker: bytes) -> int | None:
+    """The first process under `pid` (itself included) running `program` (its argv[0]) with
+    `marker` among its arguments."""
+    todo = [pid]
+    while todo:
+        current = todo.pop(0)
+        try:
+            argv = Path(f"/proc/{current}/cmdline").read_bytes().split(b"\0")
+            if argv[0].endswith(program) and marker in argv[1:]:
+                return current
+            for task in Path(f"/proc/{current}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return None
 
 
 def ns_pids(pid: int) -> list[int]:
@@ -360,10 +378,14 @@ class NamespaceParent:
             extra=["--bind", str(ctl), "/run/fleet",
                    "--ro-bind", str(self.machine.spec.rootfs), "/run/fleet/lower",
                    "--ro-bind", str(self.machine.layer / "upper"), "/run/fleet/parent-upper"],
+            stdin=asyncio.subprocess.PIPE,
         )  # fmt: skip
         assert self._proc.stdout is not None and self._proc.stderr is not None
         try:
             line = await asyncio.wait_for(self._proc.stdout.readline(), timeout_s)
+            if line.strip() == b"map-ids":  # its own user namespace: every id mapped, by us
+                await self._map_fork_server_ids()
+                line = await asyncio.wait_for(self._proc.stdout.readline(), timeout_s)
         except TimeoutError:
             line = b""
         if line.strip() == b"warm-up-failed":  # it prints the traceback, then exits
@@ -395,6 +417,34 @@ class NamespaceParent:
         if code != 0:
             raise Unavailable(f"warm parent {self.machine.name}: a probe child exited {code}")
         log.info("warm_parent_ready", machine=self.machine.name)
+
+    async def _map_fork_server_ids(self) -> None:
+        """Maps every id in the user namespace the fork server just made (its mounts locked
+        there), written from the machine's own namespace (the only place allowed to), then
+        lets it go on."""
+        assert self._proc is not None and self._proc.stdin is not None
+        pid = await asyncio.to_thread(
+            _descendant_running, self._proc.pid, b"python3", b"/run/fleet/zygote.py"
+        )
+        if pid is None or self.machine.userns is None:
+            raise Unavailable(f"warm parent {self.machine.name}: its fork server is gone")
+        script = (
+            'for m in uid_map gid_map; do echo "0 0 4294967295" > "/proc/$1/$m" || exit 1; done'
+        )
+        mapper = await asyncio.create_subprocess_exec(
+            "nsenter", f"--user=/proc/{os.getpid()}/fd/{self.machine.userns}", "--",
+            "/bin/sh", "-c", script, "map", str(pid),
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+            env=LAUNCH_ENV, cwd="/",
+        )  # fmt: skip
+        _, err = await mapper.communicate()
+        if mapper.returncode != 0:
+            raise Unavailable(
+                f"warm parent {self.machine.name}: cannot map its fork server's ids: "
+                f"{err.decode(errors='replace').strip()[-300:]}"
+            )
+        self._proc.stdin.write(b"\n")
+        await self._proc.stdin.drain()
 
     async def _fork_server_depth(self) -> int:
         """The fork server's pid namespace depth, from the process listening on its socket

@@ -38,6 +38,7 @@ exec'd.
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import gc
 import json
@@ -46,6 +47,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 import traceback
 from typing import Any
 
@@ -74,7 +76,8 @@ DEV_LINKS = (
 
 libc = ctypes.CDLL(None, use_errno=True)
 WARM: dict[str, Any] = {"__name__": "__warm__"}
-# id -> [pid, go pipe's write end, status or None, Event, step, report pipe's read end or None]
+# id -> [pid, go pipe's write end, status or None, Event, step, report pipe's read end or None,
+#        its ids mapped]
 children: dict[str, list[Any]] = {}
 STEP_KEYS = ("argv", "env", "workdir", "hostname")
 lock = threading.Lock()
@@ -97,15 +100,36 @@ def install_filter(program: bytes) -> None:
     check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0), "seccomp")
 
 
-def map_ids(inside: int, uid: int, gid: int) -> None:
-    """Just after unshare(NEWUSER): this process's user and group `inside` are `uid` and `gid`
-    outside (the only ids it has; no supplementary groups)."""
-    with open("/proc/self/setgroups", "w") as f:
-        f.write("deny")
-    with open("/proc/self/uid_map", "w") as f:
-        f.write(f"{inside} {uid} 1")
-    with open("/proc/self/gid_map", "w") as f:
-        f.write(f"{inside} {gid} 1")
+ALL_IDS = "0 0 4294967295\n"
+"""Every user and group id is the parent namespace's same id (a machine's root owns its files
+and can give them to any id, as in a container)."""
+MAP_WAIT_S = 10.0
+
+
+def await_ids() -> None:
+    """Just after unshare(NEWUSER): waits until this namespace's ids are mapped from outside
+    (a process can map no more than its own id from inside)."""
+    give_up = time.monotonic() + MAP_WAIT_S
+    while True:
+        with open("/proc/self/uid_map") as f:
+            if f.read().strip():
+                return
+        if time.monotonic() > give_up:
+            raise OSError(errno.ETIMEDOUT, "this machine's user ids were never mapped")
+        time.sleep(0.0002)
+
+
+def map_child(pid: int) -> None:
+    """Maps every id for a child that has unshared its user namespace (or is about to)."""
+    own = os.readlink("/proc/self/ns/user")
+    give_up = time.monotonic() + MAP_WAIT_S
+    while os.readlink(f"/proc/{pid}/ns/user") == own:
+        if time.monotonic() > give_up:
+            raise OSError(errno.ETIMEDOUT, f"child {pid} did not enter its user namespace")
+        time.sleep(0.0002)
+    for name in ("uid_map", "gid_map"):
+        with open(f"/proc/{pid}/{name}", "w") as f:
+            f.write(ALL_IDS)
 
 
 def become_machine(cid: str, report: int) -> None:
@@ -119,9 +143,8 @@ def become_machine(cid: str, report: int) -> None:
     paths the kernel locks; there, other processes' environments stay unreadable, and their
     numbers name nothing in the step's namespace.)
     """
-    uid, gid = os.getuid(), os.getgid()
     check(libc.unshare(NEWUSER | NEWNS | NEWUTS | NEWIPC | NEWNET | NEWPID), "unshare")
-    map_ids(0, uid, gid)
+    await_ids()  # the fork server maps every id for this namespace (map_child)
     # Nothing mounted from here on propagates anywhere, nor anything from elsewhere here.
     check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "private")
     base = f"{CTL}/children/{cid}"
@@ -210,6 +233,7 @@ def run_child(cid: str, request: dict[str, Any], go_read: int, report: int, prog
     request = json.loads(line)
     name = (request.get("hostname") or cid).encode()[:63]
     check(libc.sethostname(name, len(name)), "hostname")
+    own_name(name.decode(errors="replace"))
     os.chdir(request.get("workdir") or "/")
     os.environ.clear()
     os.environ.update(request.get("env") or {})
@@ -222,6 +246,18 @@ def run_child(cid: str, request: dict[str, Any], go_read: int, report: int, prog
         return 0
     os.execvpe(argv[0], argv, os.environ)
     return 127
+
+
+def own_name(name: str) -> None:
+    """The child's own name in its /etc/hosts and /etc/hostname (its layer's copies), so that
+    it resolves as a cold machine's does."""
+    hosts = f"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\t{name}\n"
+    for path, text in (("/etc/hosts", hosts), ("/etc/hostname", name + "\n")):
+        try:
+            with open(path, "w") as f:
+                f.write(text)
+        except OSError:
+            pass  # (an image without /etc: nothing resolves there anyway)
 
 
 def open_fds() -> set[int]:
@@ -339,20 +375,26 @@ def handle(request: dict[str, Any], program: bytes) -> dict[str, Any]:
             os.close(go_read)
             os.close(report_write)
             step = {k: request[k] for k in STEP_KEYS if k in request}
-            children[cid] = [pid, go_write, None, threading.Event(), step, report_read]
+            children[cid] = [pid, go_write, None, threading.Event(), step, report_read, False]
         spawned.release()
         return {"id": cid, "pid": pid}
     if op == "settle":
+        entry = children[cid]
         try:
-            os.write(children[cid][1], b'{"settle": true}\n')
-        except BrokenPipeError:
+            os.write(entry[1], b'{"settle": true}\n')
+            map_child(entry[0])
+            entry[6] = True
+        except (BrokenPipeError, FileNotFoundError, ProcessLookupError):
             return {"error": f"child {cid} is gone"}
         return {"ok": True}
     if op == "go":  # the step: from this request (a pool child) or from its spawn
         entry = children[cid]
         try:
             os.write(entry[1], (json.dumps(request.get("step") or entry[4]) + "\n").encode())
-        except BrokenPipeError:
+            if not entry[6]:
+                map_child(entry[0])
+                entry[6] = True
+        except (BrokenPipeError, FileNotFoundError, ProcessLookupError):
             return {"error": f"child {cid} is gone"}
         finally:
             os.close(entry[1])
@@ -371,9 +413,12 @@ def lock_mounts() -> None:
     copied in locked: this process's filter allows mount and umount (its children need them)
     and the warm-up runs here, yet nothing the sandbox covers (/proc/sys, read-only) can be
     unmounted or made writable again. Children are made from here as before, one level down."""
-    uid, gid = os.getuid(), os.getgid()
     check(libc.unshare(NEWUSER | NEWNS), "lock mounts")
-    map_ids(uid, uid, gid)
+    sys.stdout.write("map-ids\n")  # the agent maps every id, from the machine's namespace
+    sys.stdout.flush()
+    if not sys.stdin.buffer.read(1):
+        raise OSError(errno.EPIPE, "the agent went away before mapping this process's ids")
+    await_ids()
 
 
 def main() -> None:

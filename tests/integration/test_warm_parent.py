@@ -754,3 +754,25 @@ def test_a_warm_parent_refuses_a_user_it_cannot_honour(rootfs: Path, tmp_path: P
     with pytest.raises(InvalidArgument, match="remove `user` or `\\[branch\\]`"):
         with_parent(rootfs, tmp_path, body, smolfile='image = "minimal"\nuser = "nobody"\n')
     assert not any((tmp_path / "machines" / "warm-test").iterdir())
+
+
+def test_a_warm_childs_root_owns_its_files_and_gives_them_to_any_id(
+    rootfs: Path, tmp_path: Path
+) -> None:
+    """Every id is mapped in the fork server's namespace and in each child's, as in a cold
+    machine: chown to any id and setgroups work in a child, and its own name resolves."""
+    code = (
+        "import os; os.chown('/root', 1000, 1000); a = os.stat('/root').st_uid; "
+        "os.chown('/root', 2**31, 2**31); b = os.stat('/root').st_uid; "
+        "os.setgroups([0, 4, 27]); import socket; "
+        "me = socket.gethostbyname(socket.gethostname()); "
+        "print(a, b, sorted(os.getgroups()), me)"
+    )
+
+    async def body(parent: NamespaceParent) -> bytes:
+        child = await parent.branch("ids")
+        result = await child.exec(["python3", "-c", code], timeout_s=30)
+        assert result.exit_code == 0, result.stderr
+        return result.stdout
+
+    assert with_parent(rootfs, tmp_path, body) == f"1000 {2**31} [0, 4, 27] 127.0.1.1\n".encode()
