@@ -24,7 +24,7 @@ from inspect_ai.util._sandbox.environment import (
     SandboxUserUnsupportedError,
 )
 
-from fleet.client import Fleet, Session
+from fleet.client import AsyncFleet, AsyncSession
 from fleet.core.errors import FleetError, NotFound, PermissionDenied, Unauthenticated
 
 WORKDIR = "/root"
@@ -49,7 +49,7 @@ def _smolfile(config: SandboxEnvironmentConfigType | None) -> str:
 class FleetSandboxEnvironment(SandboxEnvironment):
     """One sample's fleet session."""
 
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: AsyncSession) -> None:
         super().__init__()
         self.session = session
 
@@ -57,9 +57,9 @@ class FleetSandboxEnvironment(SandboxEnvironment):
     async def sample_init(
         cls, task_name: str, config: SandboxEnvironmentConfigType | None, metadata: dict[str, str]
     ) -> dict[str, SandboxEnvironment]:
-        fleet = await asyncio.to_thread(Fleet)
+        fleet = await asyncio.to_thread(AsyncFleet)
         labels = {"inspect.task": task_name[:200]}
-        session = await asyncio.to_thread(fleet.session, _smolfile(config), labels=labels)
+        session = await fleet.session(_smolfile(config), labels=labels)
         return {"default": cls(session)}
 
     @classmethod
@@ -73,11 +73,11 @@ class FleetSandboxEnvironment(SandboxEnvironment):
         for environment in environments.values():
             if isinstance(environment, FleetSandboxEnvironment):
                 try:
-                    await asyncio.to_thread(environment.session.close)
+                    await environment.session.close()
                 except FleetError:
                     pass  # already closed (idle) or its host is gone: nothing left to free
                 finally:
-                    environment.session.fleet.close()
+                    await asyncio.to_thread(environment.session.sync.fleet.close)
 
     async def exec(
         self,
@@ -95,8 +95,8 @@ class FleetSandboxEnvironment(SandboxEnvironment):
                 f"fleet sessions run commands as the Smolfile's user, not {user!r}"
             )
         stdin = input.encode() if isinstance(input, str) else (input or b"")
-        result = await asyncio.to_thread(
-            self.session.exec, cmd, env=env or {}, cwd=_absolute(cwd or "."), stdin=stdin,
+        result = await self.session.exec(
+            cmd, env=env or {}, cwd=_absolute(cwd or "."), stdin=stdin,
             timeout_s=float(timeout) if timeout else 600.0,
         )  # fmt: skip
         if result.timed_out:
@@ -110,7 +110,7 @@ class FleetSandboxEnvironment(SandboxEnvironment):
     async def write_file(self, file: str, contents: str | bytes) -> None:
         data = contents.encode() if isinstance(contents, str) else contents
         try:
-            await asyncio.to_thread(self.session.write_file, _absolute(file), data)
+            await self.session.write_file(_absolute(file), data)
         except (PermissionDenied, Unauthenticated) as exc:
             raise PermissionError(exc.message) from exc
 
@@ -122,7 +122,7 @@ class FleetSandboxEnvironment(SandboxEnvironment):
 
     async def read_file(self, file: str, text: bool = True) -> str | bytes:
         try:
-            data = await asyncio.to_thread(self.session.read_file, _absolute(file))
+            data = await self.session.read_file(_absolute(file))
         except NotFound as exc:
             raise FileNotFoundError(exc.message) from exc
         return data.decode() if text else data

@@ -222,6 +222,30 @@ def test_the_typed_client_drives_rollouts_and_sessions(live_fleet: str) -> None:
             box.exec(["true"])
 
 
+def test_the_async_client_works_the_same_from_an_event_loop(live_fleet: str) -> None:
+    from fleet.client import AsyncFleet
+    from tests.conftest import SMOLFILES
+
+    async def body() -> tuple[bytes, list[str], str, str]:
+        async with AsyncFleet(live_fleet, plaintext=True) as fleet:
+            async with await fleet.session(SMOLFILES / "minimal.smolfile") as box:
+                await box.write_file("/root/a.txt", b"async\n")
+                out = (await box.exec(["cat", "/root/a.txt"])).stdout
+            rollout = await fleet.submit(SMOLFILES / "minimal.smolfile", ["true"])
+            states = [e.state async for e in fleet.watch(rollout.id)]
+            return (
+                out,
+                states,
+                (await fleet.wait(rollout.id)).state,
+                (await fleet.get(box.id)).state,
+            )
+
+    out, states, final, session_state = asyncio.run(body())
+    assert out == b"async\n"
+    assert states[-1] == "SUCCEEDED" and final == "SUCCEEDED"
+    assert session_state == "SUCCEEDED"  # (a closed session's rollout)
+
+
 def test_the_session_cli(live_fleet: str, tmp_path: Path) -> None:
     import subprocess
     import sys
