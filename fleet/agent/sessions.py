@@ -75,6 +75,7 @@ class SessionHost:
             return held.reason or "closed"
         finally:
             self._held.pop(a.work_id, None)
+            self._replies.put_nowait(host_pb2.SessionReply(work_id=a.work_id, ready=False))
 
     async def serve(self, stub: Any, stop: asyncio.Event) -> None:
         """Keeps the session stream open (reconnecting) until `stop`."""

@@ -44,8 +44,11 @@ class SessionHub:
         self._wake()
 
     def deliver(self, link: HostLink, reply: host_pb2.SessionReply) -> None:
-        if reply.WhichOneof("kind") == "ready":
-            link.ready.add(reply.work_id)
+        if reply.WhichOneof("kind") == "ready":  # (False: the session's machine is gone)
+            if reply.ready:
+                link.ready.add(reply.work_id)
+            else:
+                link.ready.discard(reply.work_id)
             self._wake()
             return
         queue = link.calls.get(reply.call_id)

@@ -97,6 +97,8 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
         self.core = core
         self.hub = hub
         self.fleet = FleetServicer(core)
+        self._known: dict[str, tuple[str, str, str]] = {}
+        """Open sessions: id -> (tenant, work id, host id)."""
 
     async def _session(self, session_id: str) -> Rollout:
         """The caller's session (NOT_FOUND for another tenant's, as for an unknown id)."""
@@ -107,7 +109,15 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
         return rollout
 
     async def _holder(self, session_id: str) -> tuple[str, str]:
-        """(work id, host id) of an open session's machine."""
+        """(work id, host id) of an open session's machine. Remembered while the host says the
+        machine is ready, so that a call costs no ledger read (ownership checked each time)."""
+        known = self._known.get(session_id)
+        if known is not None:
+            tenant, work_id, host_id = known
+            self.core.caller().check_owner(session_id, tenant)
+            if self.hub.is_ready(host_id, work_id):
+                return work_id, host_id
+            del self._known[session_id]  # closed, or its host went away: the ledger says which
         rollout = await self._session(session_id)
         if rollout.state.final:
             raise FailedPrecondition(
@@ -121,7 +131,12 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
                 "connected (lost or restarting); the session is not moved elsewhere"
             )
         if lease is None or not self.hub.is_ready(lease[1], lease[0]):
-            raise Unavailable(f"session {session_id} is not ready yet (its machine is starting)")
+            raise Unavailable(
+                f"session {session_id} is not ready (its machine is starting or closing)"
+            )
+        if len(self._known) > 100_000:
+            self._known.clear()
+        self._known[session_id] = (rollout.tenant, *lease)
         return lease
 
     @mapped
@@ -269,6 +284,7 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
     ) -> fleet_pb2.Session:
         caller = self.core.caller()
         rollout = await self._session(request.session_id)
+        self._known.pop(request.session_id, None)
         if not rollout.state.final:
             lease = await self.core.db(self.core.ledger.rollout_lease, request.session_id)
             link = self.hub.links.get(lease[1]) if lease is not None else None
