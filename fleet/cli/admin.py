@@ -90,10 +90,23 @@ async def cmd_host(args: argparse.Namespace) -> int:
             ids.revoke_join_token(args.id, now)
             print(f"join token {args.id} revoked")
     elif args.host_cmd == "list":
-        print(f"{'host':<32} {'class':<5} {'enrolled':<20} {'certificate until':<20} revoked")
+        states = ledger.host_states()
+        print(f"{'host':<32} {'class':<5} {'state':<9} {'enrolled':<20} "
+              f"{'certificate until':<20} revoked")  # fmt: skip
+        enrolled = {h.host_id for h in ids.hosts()}
         for h in ids.hosts():
-            print(f"{h.host_id:<32} {h.host_class.value:<5} {_when(h.enrolled_at):<20} "
-                  f"{_when(h.cert_expires_at):<20} {_when(h.revoked_at)}")  # fmt: skip
+            print(f"{h.host_id:<32} {h.host_class.value:<5} {states.get(h.host_id, '-'):<9} "
+                  f"{_when(h.enrolled_at):<20} {_when(h.cert_expires_at):<20} "
+                  f"{_when(h.revoked_at)}")  # fmt: skip
+        for caps in ledger.hosts():  # registered without enrolment (a server without TLS)
+            if caps.host_id not in enrolled:
+                print(f"{caps.host_id:<32} {caps.host_class.value:<5} "
+                      f"{states.get(caps.host_id, '-'):<9} {'-':<20} {'-':<20} -")  # fmt: skip
+    elif args.host_cmd in ("cordon", "uncordon"):
+        ledger.set_host_state(args.id, "cordoned" if args.host_cmd == "cordon" else "ready")
+        what = ("takes no new work; what it holds runs on" if args.host_cmd == "cordon"
+                else "takes work again")  # fmt: skip
+        print(f"host {args.id} {args.host_cmd}ed: it {what}")
     elif args.host_cmd == "revoke":
         released = ids.revoke_host(args.id, now)
         print(f"host {args.id} revoked: its calls are refused from now on; "
@@ -151,7 +164,12 @@ def add_commands(
     r = tsub.add_parser("revoke", help="a token no host may use any more")
     r.add_argument("id")
     db_flag(r)
-    db_flag(hsub.add_parser("list", help="enrolled hosts"))
+    db_flag(hsub.add_parser("list", help="enrolled and registered hosts, with their state"))
+    for verb, help_ in (("cordon", "no new work for a host (what it holds runs on)"),
+                        ("uncordon", "a cordoned host takes work again")):  # fmt: skip
+        c = hsub.add_parser(verb, help=help_)
+        c.add_argument("id")
+        db_flag(c)
     r = hsub.add_parser("revoke", help="refuse a host from now on and release its leases")
     r.add_argument("id")
     db_flag(r)

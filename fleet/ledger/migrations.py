@@ -77,6 +77,11 @@ def _outputs(conn: Connection) -> None:
         )
 
 
+def _host_state(conn: Connection) -> None:
+    if "state" not in {c["name"] for c in inspect(conn).get_columns("hosts")}:
+        conn.execute(text("ALTER TABLE hosts ADD COLUMN state VARCHAR NOT NULL DEFAULT 'ready'"))
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (
         1,
@@ -93,6 +98,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (5, "identity: join tokens, tenants' API keys, enrolled and revoked hosts", _identity),
     (6, "a retry goes first to another host; fencing tokens are 64-bit", _avoid_host),
     (7, "rollouts list the output files their final attempt stored", _outputs),
+    (8, "hosts can be cordoned: they take no new work", _host_state),
 ]
 LATEST = MIGRATIONS[-1][0]
 assert LATEST == tables.SCHEMA_VERSION

@@ -75,6 +75,8 @@ _T = AttemptRow.__table__  # type: ignore[attr-defined]
 _E = EventRow.__table__  # type: ignore[attr-defined]
 _A = ArtifactRow.__table__  # type: ignore[attr-defined]
 _M = ManifestRow.__table__  # type: ignore[attr-defined]
+CORDONED = "cordoned"
+HOST_STATES = ("ready", CORDONED)
 
 QUEUED, LEASED, DONE = "QUEUED", "LEASED", "DONE"
 
@@ -733,6 +735,22 @@ class Ledger:
                 row.last_heartbeat_at = now
             s.add(row)
 
+    def set_host_state(self, host_id: str, state: str) -> None:
+        """Cordons (no new work; leases it holds run on) or readies a registered host."""
+        if state not in HOST_STATES:
+            raise InvalidArgument(f"host state {state!r} is not one of {', '.join(HOST_STATES)}")
+        with self._tx() as s:
+            row = s.get(HostRow, host_id)
+            if row is None:
+                raise NotFound(f"no registered host {host_id!r}")
+            row.state = state
+            s.add(row)
+
+    def host_states(self) -> dict[str, str]:
+        """Every registered host's state."""
+        with self._tx() as s:
+            return {r.id: r.state for r in s.exec(select(HostRow))}
+
     def hosts(self) -> list[HostCapabilities]:
         with self._tx() as s:
             revoked = select(HostIdentityRow.host_id).where(
@@ -797,6 +815,8 @@ class Ledger:
                 )
                 if again:
                     return [self._assignment(db, _Item(*row)) for row in again]
+            if db.all("SELECT state FROM hosts WHERE id = ?", (host_id,))[0][0] == CORDONED:
+                return []  # (checked in the claim's own transaction: no race with a cordon)
             where = "state = ? AND host_class = ? AND not_before <= ? AND deadline > ?"
             params: list[Any] = [QUEUED, host.host_class.value, now, now]
             # The host that failed an attempt (a host error, a lost lease) gets its retry only

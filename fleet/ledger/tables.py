@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy import BigInteger
 from sqlmodel import Field, SQLModel
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 
 class SchemaInfo(SQLModel, table=True):
@@ -115,6 +115,8 @@ class HostRow(SQLModel, table=True):
     capabilities_json: str
     registered_at: float
     last_heartbeat_at: float
+    state: str = Field(default="ready", sa_column_kwargs={"server_default": "ready"})
+    """ready, or cordoned (no new work; what it holds runs on). Schema version 8."""
 
 
 class EventRow(SQLModel, table=True):

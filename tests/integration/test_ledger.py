@@ -423,11 +423,13 @@ def test_a_version_2_ledger_is_migrated_in_place(ledger_target: str) -> None:
     rollout, _ = submit(ledger)
     with ledger.engine.begin() as conn:
         conn.execute(text("ALTER TABLE work_items DROP COLUMN needs_inference"))
+        conn.execute(text("ALTER TABLE hosts DROP COLUMN state"))
         conn.execute(text("UPDATE schema_info SET version = 2 WHERE id = 1"))
     ledger.engine.dispose()
     reopened = Ledger.open(ledger_target)
-    assert reopened.schema_version == SCHEMA_VERSION == 7
+    assert reopened.schema_version == SCHEMA_VERSION == 8
     register(reopened)
+    assert reopened.host_states() == {"cpu-1": "ready"}  # (the column came back, defaulted)
     [a] = reopened.claim("cpu-1", 1, T0, TTL, hold_inference=True)
     assert a.rollout_id == rollout.id
     reopened.engine.dispose()
