@@ -10,6 +10,7 @@ refused when the machine is made.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import shutil
@@ -167,8 +168,6 @@ async def user_namespace() -> int:
 
     Made by a short-lived `unshare --user` whose maps this process, root outside, writes: a
     process cannot map more than its own id from inside its namespace."""
-    import asyncio
-
     proc = await asyncio.create_subprocess_exec(
         "unshare", "--user", "--", "/bin/sh", "-c", "echo; read _",
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
