@@ -620,9 +620,14 @@ class Agent:
                             f"({where}), with a token for this rollout"}
                 )  # fmt: skip
             steps = list(enumerate(a.manifest.steps))
-            steps, warm, why = warm_plan(
-                parsed.spec, steps, isinstance(self.runtime, NamespaceRuntime), runtime_name
-            )
+            session = a.manifest.session
+            forks = isinstance(self.runtime, NamespaceRuntime)
+            if session is None:
+                steps, warm, why = warm_plan(parsed.spec, steps, forks, runtime_name)
+            elif session.fork_of:  # a copy of the source's machine, whatever it is
+                warm, why = None, ""
+            else:
+                warm, why = warm_session(parsed.spec, forks, runtime_name)
             if why:
                 log_.info("warm_parent_not_used", reason=why)
                 if egress is not None:
@@ -647,7 +652,17 @@ class Agent:
                     return report(Outcome.STEP_FAILED, f"step {failed.index} ({failed.name}) {why}")
             else:
                 record = AttemptJournal(self.journal_dir, a.work_id, a.fencing_token)
-                if warm is not None:
+                if session is not None and session.fork_of:
+                    source = self.sessions.machine_of(session.fork_of)
+                    if source is None:
+                        return report(
+                            Outcome.STEP_FAILED,
+                            f"session {session.fork_of} is not open on host "
+                            f"{self.caps.host_id}: there is nothing to fork",
+                        )
+                    machine = await source.fork(spec)
+                    log_.info("session_forked", source=session.fork_of, machine=machine.name)
+                elif warm is not None:
                     parent = await self._warm_parent(a, spec, warm)
                     machine = await parent.branch(spec.name)
                     steps = steps[1:]  # the warm-up ran once, in the parent
@@ -681,7 +696,10 @@ class Agent:
                     await place_inputs(machine, self._stub, a)
                 except InputPlacementFailed as exc:
                     return report(Outcome.STEP_FAILED, str(exc))
-            init_commands = [] if warm is not None or record.init_done else parsed.spec.init
+            forked = session is not None and bool(session.fork_of)  # (its source ran them)
+            init_commands = (
+                [] if warm is not None or forked or record.init_done else parsed.spec.init
+            )
             for command in init_commands:
                 init = await machine.exec(
                     ["/bin/sh", "-c", command], env=extra_env, timeout_s=INIT_TIMEOUT_S
@@ -830,6 +848,19 @@ def warm_plan(
     else:
         return steps, warm, ""
     return [(i, with_warm_up(step, warm)) for i, step in steps[1:]], None, why
+
+
+def warm_session(spec: Smolfile, forks_children: bool, runtime_name: str) -> tuple[str | None, str]:
+    """(the warm-up, "" for a session whose machine is a warm parent's child, or None; and why
+    not, where its Smolfile asked with `[branch] enabled = true`). A session's parent runs the
+    Smolfile's `init` once; each session is then a copy-on-write child of it."""
+    if not (spec.branch and spec.branch.enabled):
+        return None, ""
+    if spec.egress_requested:
+        return None, "a warm parent's children have no network beyond their loopback"
+    if not forks_children:
+        return None, f"this host's {runtime_name} runtime forks no warm children"
+    return "", ""
 
 
 def with_warm_up(step: Step, warm_up: str) -> Step:

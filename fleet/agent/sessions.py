@@ -33,6 +33,7 @@ RECONNECT_S = 1.0
 
 @dataclass
 class _Held:
+    rollout_id: str
     machine: Machine
     spec: SessionSpec
     env: dict[str, str]
@@ -58,7 +59,7 @@ class SessionHost:
         self, a: Assignment, machine: Machine, env: Mapping[str, str], spec: SessionSpec
     ) -> str:
         """Holds the session's machine until it is closed or idle; returns why it ended."""
-        held = _Held(machine, spec, dict(env))
+        held = _Held(a.rollout_id, machine, spec, dict(env))
         self._held[a.work_id] = held
         self._replies.put_nowait(host_pb2.SessionReply(work_id=a.work_id, ready=True))
         self.log.info("session_ready", work_id=a.work_id, rollout_id=a.rollout_id)
@@ -76,6 +77,13 @@ class SessionHost:
         finally:
             self._held.pop(a.work_id, None)
             self._replies.put_nowait(host_pb2.SessionReply(work_id=a.work_id, ready=False))
+
+    def machine_of(self, rollout_id: str) -> Machine | None:
+        """The machine of an open session held here (a fork's source), or None."""
+        for held in self._held.values():
+            if held.rollout_id == rollout_id and not held.closed.is_set():
+                return held.machine
+        return None
 
     async def serve(self, stub: Any, stop: asyncio.Event) -> None:
         """Keeps the session stream open (reconnecting) until `stop`."""

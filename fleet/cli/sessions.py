@@ -3,6 +3,7 @@
 fleet session open -s SMOLFILE            prints the session id
 fleet session exec ID -- CMD [ARG...]     runs it; its output streams; exits with its code
 fleet session cp SRC ID:PATH | ID:PATH DST
+fleet session fork ID [-n N]               prints the ids of N copies of it
 fleet session close ID
 fleet session list
 """
@@ -38,6 +39,10 @@ def _session(args: argparse.Namespace) -> int:
         if args.action == "list":
             for session_id, state, host in fleet.sessions():
                 print(f"{session_id}  {state:<7} {host}")
+            return 0
+        if args.action == "fork":
+            for fork in Session(fleet, args.id).fork(args.count):
+                print(fork.id)
             return 0
         if args.action == "close":
             print(f"{args.id} {Session(fleet, args.id).close()}")
@@ -76,7 +81,7 @@ def _session(args: argparse.Namespace) -> int:
 
 
 def add_session_command(sub: argparse._SubParsersAction, server_flag: object) -> None:  # type: ignore[type-arg]
-    sp = sub.add_parser("session", help="interactive sessions: open, exec, cp, close, list")
+    sp = sub.add_parser("session", help="interactive sessions: open, exec, cp, fork, close, list")
     sp.set_defaults(fn=cmd_session, default_log_level="warning")
     ssub = sp.add_subparsers(dest="action", required=True)
     o = ssub.add_parser("open", help="open a session and print its id")
@@ -92,9 +97,12 @@ def add_session_command(sub: argparse._SubParsersAction, server_flag: object) ->
     c = ssub.add_parser("cp", help="copy SRC ID:/PATH into a session, or ID:/PATH DST out")
     c.add_argument("src")
     c.add_argument("dst")
+    f = ssub.add_parser("fork", help="copies of a session's machine as it is now (new ids)")
+    f.add_argument("id")
+    f.add_argument("-n", "--count", type=int, default=1)
     x = ssub.add_parser("close", help="close a session")
     x.add_argument("id")
     ssub.add_parser("list", help="sessions the key may see")
-    for parser in (o, e, c, x, *ssub.choices.values()):
+    for parser in (o, e, c, f, x, *ssub.choices.values()):
         if "--server" not in parser._option_string_actions:
             server_flag(parser)  # type: ignore[operator]

@@ -103,6 +103,10 @@ class SessionSpec(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     idle_timeout_s: float = 600.0
+    fork_of: str = ""
+    """A fork: the session (rollout id) whose machine it starts as a copy of."""
+    host: str = ""
+    """A fork's host: the one holding its source's machine (it runs there or nowhere)."""
 
 
 DEFAULT_SESSION_LIFETIME = timedelta(hours=1)
@@ -202,6 +206,10 @@ class SubmitRequest(BaseModel):
         for added in ("inputs", "outputs", "session"):
             if not body[added]:
                 del body[added]
+        if self.session is not None:
+            # A session's deadline is the time of the call plus its lifetime: a repeat of the
+            # call (to wait longer for its machine) comes later with the same body otherwise.
+            del body["deadline"]
         blob = json.dumps(body, sort_keys=True, separators=(",", ":"))
         return "sha256:" + hashlib.sha256(blob.encode()).hexdigest()
 

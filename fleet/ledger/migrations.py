@@ -82,6 +82,11 @@ def _host_state(conn: Connection) -> None:
         conn.execute(text("ALTER TABLE hosts ADD COLUMN state VARCHAR NOT NULL DEFAULT 'ready'"))
 
 
+def _pin_host(conn: Connection) -> None:
+    if "pin_host" not in {c["name"] for c in inspect(conn).get_columns("work_items")}:
+        conn.execute(text("ALTER TABLE work_items ADD COLUMN pin_host VARCHAR NOT NULL DEFAULT ''"))
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (
         1,
@@ -99,6 +104,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (6, "a retry goes first to another host; fencing tokens are 64-bit", _avoid_host),
     (7, "rollouts list the output files their final attempt stored", _outputs),
     (8, "hosts can be cordoned: they take no new work", _host_state),
+    (9, "a work item may be pinned to one host (a session's fork)", _pin_host),
 ]
 LATEST = MIGRATIONS[-1][0]
 assert LATEST == tables.SCHEMA_VERSION

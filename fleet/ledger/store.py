@@ -555,7 +555,8 @@ class Ledger:
                  manifest.requirements.isolation == Isolation.VM,
                  manifest.requirements.cuda_device, manifest.requirements.inference,
                  request.priority,
-                 manifest.retry.max_attempts, now, manifest.deadline.timestamp())
+                 manifest.retry.max_attempts, now, manifest.deadline.timestamp(),
+                 manifest.session.host if manifest.session is not None else "")
             )  # fmt: skip
             events.append(
                 (rollout_id, "submitted", "", queued, f"tenant:{request.tenant}", now,
@@ -581,9 +582,9 @@ class Ledger:
                 "INSERT INTO work_items (id, rollout_id, tenant, state, host_class, needs_vm, "
                 "needs_cuda_device, needs_inference, priority, attempt, max_attempts, "
                 "not_before, deadline, lease_owner, fencing_token, cancel_requested, "
-                "result_fingerprint, claim_request_id) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?, '', 0, ?, '', '')",
-                [(*row, False) for row in items],
+                "result_fingerprint, claim_request_id, pin_host) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?, '', 0, ?, '', '', ?)",
+                [(*row[:-1], False, row[-1]) for row in items],
             )
             db.many(_INSERT_EVENT, events)
             self._manifests.update(manifests)
@@ -817,8 +818,11 @@ class Ledger:
                     return [self._assignment(db, _Item(*row)) for row in again]
             if db.all("SELECT state FROM hosts WHERE id = ?", (host_id,))[0][0] == CORDONED:
                 return []  # (checked in the claim's own transaction: no race with a cordon)
-            where = "state = ? AND host_class = ? AND not_before <= ? AND deadline > ?"
-            params: list[Any] = [QUEUED, host.host_class.value, now, now]
+            where = (
+                "state = ? AND host_class = ? AND not_before <= ? AND deadline > ? "
+                "AND pin_host IN ('', ?)"
+            )
+            params: list[Any] = [QUEUED, host.host_class.value, now, now, host_id]
             # The host that failed an attempt (a host error, a lost lease) gets its retry only
             # once others had AVOID_HOST_S to take it, unless no other live host of its class
             # could (one that beat within the last AVOID_HOST_S): a lone host runs it at once.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy import BigInteger
 from sqlmodel import Field, SQLModel
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 
 class SchemaInfo(SQLModel, table=True):
@@ -91,6 +91,9 @@ class WorkItemRow(SQLModel, table=True):
     avoid_host: str = Field(default="", sa_column_kwargs={"server_default": ""})
     """The host whose attempt failed as a host error or lost its lease: others get the retry
     first (schema version 6)."""
+    pin_host: str = Field(default="", sa_column_kwargs={"server_default": ""})
+    """The only host that may claim it (a session's fork: where its source's machine is;
+    schema version 9)."""
 
 
 class AttemptRow(SQLModel, table=True):

@@ -120,6 +120,13 @@ class Machine(Protocol):
         """Refused DNS queries and connections since the last call."""
         ...
 
+    async def fork(self, spec: MachineSpec) -> Machine:
+        """A new machine named and labelled by `spec` that starts as a copy of this one: its
+        disk as it is now (namespace runtime; a warm parent's child gets a copy-on-write
+        sibling), or a copy-on-write branch of RAM and disk (microVMs started branchable).
+        Refused with FailedPrecondition where the runtime cannot."""
+        ...
+
     async def delete(self) -> None: ...
 
 

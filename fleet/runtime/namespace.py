@@ -125,10 +125,18 @@ class NamespaceMachine:
         self._name = spec.name
         self._deleted = False
         self._running: set[asyncio.subprocess.Process] = set()
+        self.runtime: NamespaceRuntime | None = None
 
     @property
     def name(self) -> str:
         return self._name
+
+    async def fork(self, spec: MachineSpec) -> NamespaceMachine:
+        """A new machine made from `spec` whose layer starts as a copy of this one's (its files
+        as they are now; no process carries over)."""
+        if self._deleted or self.runtime is None:
+            raise Unavailable(f"machine {self._name} was deleted")
+        return await self.runtime.create(spec, copy_of=self.layer / "upper")
 
     def _bwrap(
         self,
@@ -452,7 +460,8 @@ class NamespaceRuntime:
             return user, None
         return user, await asyncio.to_thread(users.helper, self.machines_dir / ".tools")
 
-    async def create(self, spec: MachineSpec) -> NamespaceMachine:
+    async def create(self, spec: MachineSpec, copy_of: Path | None = None) -> NamespaceMachine:
+        """A new machine; its writable layer starts as a copy of `copy_of` (a fork) or empty."""
         user, helper = await self._user(spec)  # refused before anything is made
         # Grouped by host, so a reaper finds even a machine whose creation a kill interrupted.
         host = spec.labels.get("host", "local")
@@ -477,6 +486,7 @@ class NamespaceRuntime:
                 layer,
                 spec,
                 etc_files(spec.name[:63], DNS_ADDRESS if networked else None),
+                copy_of,
             )
             (root / "seccomp.bpf").write_bytes(self._seccomp)
             await asyncio.to_thread(cgroup.create, limits)
@@ -491,6 +501,7 @@ class NamespaceRuntime:
         machine = NamespaceMachine(
             spec, root, cgroup, layer=layer, userns=userns, user=user, helper=helper, disk_gib=gib
         )
+        machine.runtime = self
         if networked:
             try:
                 await self._network(machine)
@@ -582,6 +593,7 @@ class NamespaceRuntime:
             spec, root, cgroup, layer=layer, user=user, helper=helper,
             disk_gib=None if layer == root else disk.size_gib(root),
         )  # fmt: skip
+        machine.runtime = self
         netns = None
         if (root / "net.json").exists():
             netns = json.loads((root / "net.json").read_text())["netns"]

@@ -144,10 +144,37 @@ def machine_config(spec: MachineSpec) -> Any:
 
 
 class SmolMachine:
-    def __init__(self, machine: Any, spec: MachineSpec) -> None:
+    def __init__(self, machine: Any, spec: MachineSpec, source: SmolMachine | None = None) -> None:
         self._machine = machine
         self.spec = spec
         self._seen_events = 0
+        self._source = source
+        """The machine this one was branched from (a session's fork)."""
+        self._forks: set[SmolMachine] = set()
+        self._fork_lock = asyncio.Lock()
+        self._delete_pending = False
+        """Deleted while forks of it lived: the engine deletes it after the last of them."""
+
+    async def fork(self, spec: MachineSpec) -> SmolMachine:
+        """A copy-on-write branch of this machine (RAM and disk), named by `spec`. The engine
+        branches only a machine started branchable: one whose Smolfile sets `[branch]
+        enabled`."""
+        from smol import SmolError
+
+        sf = self.spec.smolfile
+        if not (sf.branch and sf.branch.enabled):
+            raise FailedPrecondition(
+                f"machine {self.name} cannot be forked on a microVM host: its Smolfile does not "
+                "set [branch] enabled = true, so it was not started branchable"
+            )
+        async with self._fork_lock:  # one RAM snapshot per source at a time
+            try:
+                child = await self._machine.branch(spec.name, branchable=True)
+            except SmolError as exc:
+                raise translate_error(exc) from exc
+        machine = SmolMachine(child, spec, source=self)
+        self._forks.add(machine)
+        return machine
 
     @property
     def name(self) -> str:
@@ -241,10 +268,19 @@ class SmolMachine:
     async def delete(self) -> None:
         from smol import SmolError
 
+        if self._forks:  # children go before their source
+            self._delete_pending = True
+            return
         try:
             await self._machine.delete()
         except SmolError as exc:
             raise translate_error(exc) from exc
+        source = self._source
+        if source is not None:
+            source._forks.discard(self)
+            if source._delete_pending and not source._forks:
+                source._delete_pending = False
+                await source.delete()
 
 
 class SmolParent:

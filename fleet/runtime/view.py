@@ -8,9 +8,11 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
+from fleet.core.errors import FailedPrecondition
 from fleet.runtime.base import MachineSpec
 from fleet.runtime.cgroups import MachineCgroup
 
@@ -78,14 +80,27 @@ def etc_files(hostname: str, nameserver: str | None) -> dict[str, str]:
     return {"hosts": hosts, "hostname": hostname + "\n", "resolv.conf": resolv}
 
 
-def lay_out(root: Path, layer: Path, spec: MachineSpec, files: Mapping[str, str]) -> None:
-    """A new machine's directories: its `lower` link to the image, its layer with the files
-    that make it an ordinary box (/etc/hosts ...), and its inputs on its own disk (so that its
-    mount table names no host path)."""
+def lay_out(
+    root: Path, layer: Path, spec: MachineSpec, files: Mapping[str, str],
+    copy_of: Path | None = None,
+) -> None:  # fmt: skip
+    """A new machine's directories: its `lower` link to the image, its layer (a copy of the
+    writable layer `copy_of`, for a fork) with the files that make it an ordinary box
+    (/etc/hosts ...), and its inputs on its own disk (so that its mount table names no host
+    path)."""
     (root / "lower").symlink_to(spec.rootfs)
     (root / "merged").mkdir()
     for sub in ("upper", "work"):
         (layer / sub).mkdir(exist_ok=True)
+    if copy_of is not None:  # owners, modes, times, links, whiteouts and xattrs as they are
+        done = subprocess.run(
+            ["cp", "-a", "--reflink=auto", "--", f"{copy_of}/.", str(layer / "upper")],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        if done.returncode != 0:
+            raise FailedPrecondition(
+                f"machine {spec.name}: cannot copy its source's layer: {done.stderr.strip()[-300:]}"
+            )
     etc = layer / "upper" / "etc"
     etc.mkdir(exist_ok=True)
     if (spec.rootfs / "etc").is_dir():

@@ -33,16 +33,19 @@ from fleet.core.egress import EgressEvent
 from fleet.core.errors import Internal, InvalidArgument, NotFound, Unavailable
 from fleet.core.rollout import MAX_OUTPUT_BYTES
 from fleet.runtime import cgroups, seccomp
-from fleet.runtime.base import ExecResult, machine_env
+from fleet.runtime.base import ExecResult, MachineSpec, machine_env
 from fleet.runtime.namespace import (
     LAUNCH_ENV,
     SOCKET_LINKS,
     NamespaceMachine,
     NamespaceRuntime,
 )
+from fleet.runtime.output import OutputSink
 
 log = structlog.get_logger(__name__)
 
+TAIL_S = 0.02
+"""How often a step's output files are read for a caller that shows output live."""
 CHILD_ALLOWANCE_MIB = 4
 """What a warm parent's memory limit grows by for each live child (see `fit_limit`)."""
 
@@ -152,13 +155,19 @@ class WarmChild:
         await self.parent.call({"op": "settle", "id": self.cid})  # (now in its own cgroup)
 
     async def start(
-        self, argv: list[str], env: Mapping[str, str] | None = None, workdir: str | None = None
+        self,
+        argv: list[str],
+        env: Mapping[str, str] | None = None,
+        workdir: str | None = None,
+        stdin: bool = False,
     ) -> int:
-        """Runs `argv` in a fresh fork of the parent (or the one prepared); returns its pid."""
+        """Runs `argv` in a fresh fork of the parent (or the one prepared); returns its pid.
+        With `stdin`, the step reads the file `put_stdin` left for it."""
         step = {
             "argv": argv, "hostname": self._name[:63],
             "env": machine_env(self.parent.machine.spec, env),
             "workdir": workdir or self.parent.machine.spec.smolfile.workdir or "/",
+            "stdin": stdin,
         }  # fmt: skip
         if self.prepared_pid is not None:
             host_pid, self.prepared_pid = self.prepared_pid, None
@@ -190,20 +199,33 @@ class WarmChild:
         workdir: str | None = None,
         timeout_s: float,
         max_output_bytes: int = MAX_OUTPUT_BYTES,
-        **_: Any,
+        on_output: OutputSink | None = None,
+        stdin: bytes | None = None,
     ) -> ExecResult:
         if self._deleted:
             raise Unavailable(f"machine {self._name} was deleted")
         started = time.monotonic()
         oom_before = self._oom_kills
-        await self.start(argv, env, workdir)
+        # (A pool child's fork opened its output files when it was prepared, empty.)
+        clear = ("stdout", "stderr") if self.prepared_pid is None else ()
+        await asyncio.to_thread(self._clear_outputs, stdin, clear)
+        await self.start(argv, env, workdir, stdin=stdin is not None)
         timed_out = False
+        waited = asyncio.ensure_future(self.wait())
+        tail = None
+        if on_output is not None:
+            tail = asyncio.ensure_future(self._tail(on_output, waited))
         try:
-            code = await asyncio.wait_for(self.wait(), timeout_s)
+            code = await asyncio.wait_for(asyncio.shield(waited), timeout_s)
         except TimeoutError:
             timed_out = True
             await asyncio.to_thread(self.cgroup.kill_all)
-            code = await self.wait()
+            code = await waited
+        finally:
+            if tail is not None:
+                await tail
+            if stdin is not None:
+                await asyncio.to_thread(self._clear_outputs, None, ())
         (out, out_cut), (err, err_cut) = await asyncio.to_thread(self._outputs, max_output_bytes)
         return ExecResult(
             exit_code=-int(signal.SIGKILL) if timed_out else code, stdout=out, stderr=err,
@@ -211,6 +233,78 @@ class WarmChild:
             timed_out=timed_out, duration_s=time.monotonic() - started,
             oom_killed=self._oom_kills > oom_before,
         )  # fmt: skip
+
+    def _clear_outputs(
+        self, stdin: bytes | None, outputs: tuple[str, ...] = ("stdout", "stderr")
+    ) -> None:
+        """The last step's output files gone (a live reader must not see them again), and this
+        step's stdin in its place, a regular file made anew (nothing the fork server left
+        there is followed)."""
+        fd = open_dir_beneath(self.parent.ctl, ("children", self.cid), make=True)
+        try:
+            for name in outputs:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=fd)
+        finally:
+            os.close(fd)
+        sockets = open_dir_beneath(self.parent.ctl, ("children", self.cid, "sockets"), make=True)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink("stdin", dir_fd=sockets)
+            if stdin is not None:
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                out = os.open("stdin", flags, 0o444, dir_fd=sockets)
+                with os.fdopen(out, "wb") as f:
+                    f.write(stdin)
+        finally:
+            os.close(sockets)
+
+    async def _tail(self, sink: OutputSink, done: asyncio.Future[int]) -> None:
+        """Hands `sink` what the step writes, as it writes it (read from its output files every
+        TAIL_S), until the step has ended and all it wrote is handed over."""
+        offsets = {"stdout": 0, "stderr": 0}
+        while True:
+            finished = done.done()
+            for stream in offsets:
+                while chunk := await asyncio.to_thread(self._read_from, stream, offsets[stream]):
+                    offsets[stream] += len(chunk)
+                    sink(stream, chunk)
+            if finished:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(done), TAIL_S)
+
+    def _read_from(self, stream: str, offset: int) -> bytes:
+        try:
+            fd = open_beneath(
+                self.parent.ctl, ("children", self.cid, stream), os.O_RDONLY | os.O_NONBLOCK
+            )
+        except FileNotFoundError:
+            return b""
+        except OSError as exc:
+            raise Internal(f"step output {stream} was replaced: {exc.strerror}") from exc
+        with os.fdopen(fd, "rb") as handle:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise Internal(f"step output {stream} was replaced: not a regular file")
+            handle.seek(offset)
+            return handle.read(1 << 20)
+
+    async def fork(self, spec: MachineSpec) -> WarmChild:
+        """A new child of the same parent whose layer starts as a copy of this child's (its
+        files as they are now; no process carries over: each exec is a fresh fork anyway)."""
+        if self._deleted:
+            raise Unavailable(f"machine {self._name} was deleted")
+        child = await self.parent._new_child(spec.name)
+        try:
+            reply = await self.parent.call(
+                {"op": "copy", "from": self.cid, "id": child.cid}, fresh=True
+            )
+            if "error" in reply:
+                raise Internal(f"{self._name}: cannot copy its layer: {reply['error']}")
+        except BaseException:
+            await child.delete()
+            raise
+        return child
 
     async def read_file(self, path: str) -> bytes:
         result = await self.exec(["cat", "--", path], timeout_s=60)

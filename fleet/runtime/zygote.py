@@ -14,6 +14,8 @@ should find already in memory. Then it serves JSON lines on
     {"op": "go", "id": ID, "step": {...}}  -> {"ok": true}   sets up if it has not, then runs
                                     the spawn's step, or this one
     {"op": "wait", "id": ID}        -> {"id": ID, "status": waitpid status}
+    {"op": "copy", "from": SRC, "id": ID}  -> {"ok": true}   child SRC's writable layer
+                                    copied to ID's, before ID first runs (a session's fork)
 
 Each child also finds `/run/fleet` in its root: its directory `children/ID/sockets`, bound
 read-only, where the agent puts the Unix sockets of what the child may reach beyond its
@@ -44,6 +46,7 @@ import gc
 import json
 import os
 import socket
+import stat
 import struct
 import sys
 import threading
@@ -79,7 +82,7 @@ WARM: dict[str, Any] = {"__name__": "__warm__"}
 # id -> [pid, go pipe's write end, status or None, Event, step, report pipe's read end or None,
 #        its ids mapped]
 children: dict[str, list[Any]] = {}
-STEP_KEYS = ("argv", "env", "workdir", "hostname")
+STEP_KEYS = ("argv", "env", "workdir", "hostname", "stdin")
 lock = threading.Lock()
 spawned = threading.Semaphore(0)
 WARM_FDS: set[int] = set()  # descriptors the warm-up left open (children keep them)
@@ -231,6 +234,10 @@ def run_child(cid: str, request: dict[str, Any], go_read: int, report: int, prog
             if not line:
                 return 0
     request = json.loads(line)
+    if request.get("stdin"):  # the agent's file, in the child's read-only /run/fleet
+        fd = os.open(f"{CTL}/stdin", os.O_RDONLY | os.O_NOFOLLOW)
+        os.dup2(fd, 0)
+        os.close(fd)
     name = (request.get("hostname") or cid).encode()[:63]
     check(libc.sethostname(name, len(name)), "hostname")
     own_name(name.decode(errors="replace"))
@@ -405,7 +412,60 @@ def handle(request: dict[str, Any], program: bytes) -> dict[str, Any]:
         with lock:
             children.pop(cid, None)
         return {"id": cid, "status": entry[2]}
+    if op == "copy":
+        source = str(request.get("from", ""))
+        if not source or "/" in source or "/" in cid or source in (".", "..") or not cid:
+            return {"error": "copy: give the ids of two children"}
+        for sub in ("upper", "work", "merged", "sockets"):
+            os.makedirs(f"{CTL}/children/{cid}/{sub}", exist_ok=True)
+        copy_layer(f"{CTL}/children/{source}/upper", f"{CTL}/children/{cid}/upper")
+        return {"ok": True}
     return {"error": f"unknown op {op!r}"}
+
+
+def copy_layer(src: str, dst: str) -> None:
+    """A child's writable layer copied into another's: files, links, whiteouts (device 0/0),
+    owners, modes, times and extended attributes (the overlay's own among them). Nothing is
+    followed: a link is copied as a link."""
+    dirs: list[tuple[str, os.stat_result, str]] = []
+
+    def attrs(path: str, st: os.stat_result, target: str) -> None:
+        os.chown(target, st.st_uid, st.st_gid, follow_symlinks=False)
+        if not stat.S_ISLNK(st.st_mode):
+            os.chmod(target, stat.S_IMODE(st.st_mode))
+            for name in os.listxattr(path, follow_symlinks=False):
+                try:
+                    value = os.getxattr(path, name, follow_symlinks=False)
+                    os.setxattr(target, name, value, follow_symlinks=False)
+                except OSError:
+                    if name.startswith("user.overlay."):
+                        raise  # (without it the copy is not the same tree)
+        os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+
+    def walk(path: str, target: str) -> None:
+        with os.scandir(path) as entries:
+            for entry in entries:
+                st = entry.stat(follow_symlinks=False)
+                into = os.path.join(target, entry.name)
+                if stat.S_ISDIR(st.st_mode):
+                    os.mkdir(into, 0o700)
+                    walk(entry.path, into)
+                    dirs.append((entry.path, st, into))
+                    continue
+                if stat.S_ISLNK(st.st_mode):
+                    os.symlink(os.readlink(entry.path), into)
+                elif stat.S_ISREG(st.st_mode):
+                    with open(entry.path, "rb") as f, open(into, "xb") as g:
+                        while chunk := f.read(1 << 20):
+                            g.write(chunk)
+                else:  # a whiteout, a fifo, a device node
+                    os.mknod(into, st.st_mode, st.st_rdev)
+                attrs(entry.path, st, into)
+
+    walk(src, dst)
+    for path, st, target in dirs:  # deepest first: setting a directory's time ends its writes
+        attrs(path, st, target)
+    attrs(src, os.stat(src, follow_symlinks=False), dst)
 
 
 def lock_mounts() -> None:

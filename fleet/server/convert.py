@@ -213,7 +213,11 @@ def manifest_to_pb(m: Manifest) -> types_pb2.Manifest:
         inputs=[input_to_pb(i) for i in m.inputs],
         outputs=list(m.outputs),
         session=(
-            types_pb2.SessionSpec(idle_timeout_s=m.session.idle_timeout_s)
+            types_pb2.SessionSpec(
+                idle_timeout_s=m.session.idle_timeout_s,
+                fork_of=m.session.fork_of,
+                host=m.session.host,
+            )
             if m.session is not None
             else None
         ),
@@ -245,7 +249,13 @@ def manifest_from_pb(m: types_pb2.Manifest) -> Manifest:
         inputs=tuple(input_from_pb(i) for i in m.inputs),
         outputs=tuple(m.outputs),
         session=(
-            SessionSpec(idle_timeout_s=m.session.idle_timeout_s) if m.HasField("session") else None
+            SessionSpec(
+                idle_timeout_s=m.session.idle_timeout_s,
+                fork_of=m.session.fork_of,
+                host=m.session.host,
+            )
+            if m.HasField("session")
+            else None
         ),
     )
 

@@ -48,6 +48,8 @@ from fleet.server.status import STATUS_FOR, mapped
 log = structlog.get_logger(__name__)
 
 SESSION_LABEL = "fleet.session"
+FORK_LABEL = "fleet.fork_of"
+MAX_FORKS = 64
 DEFAULT_IDLE_S = 600.0
 DEFAULT_READY_S = 300.0
 MAX_FILE_BYTES = 256 << 20
@@ -164,12 +166,18 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
             validate_request, submit, now, timedelta(seconds=self.core.config.max_deadline_s)
         )
         rollout, _ = await self.fleet.admit(submit, parsed, now, request_id=request.request_id)
-        wait = request.ready_timeout_s or DEFAULT_READY_S
+        return await self._until_ready(
+            rollout.id, request.ready_timeout_s or DEFAULT_READY_S, "OpenSession"
+        )
+
+    async def _until_ready(self, session_id: str, wait: float, call: str) -> fleet_pb2.Session:
+        """The session once its host says its machine is ready; FAILED_PRECONDITION if its
+        attempt ended first, UNAVAILABLE after `wait` seconds (it stays open)."""
         loop = asyncio.get_running_loop()
         give_up = loop.time() + wait
         while True:
             changed = self.hub.changed
-            rollout = await self.core.db(self.core.ledger.get, rollout.id)
+            rollout = await self.core.db(self.core.ledger.get, session_id)
             if rollout.state.final:
                 raise FailedPrecondition(f"session {rollout.id} did not open: {rollout.error}")
             lease = await self.core.db(self.core.ledger.rollout_lease, rollout.id)
@@ -180,11 +188,65 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
             if left <= 0:
                 raise Unavailable(
                     f"session {rollout.id} is not ready after {wait:g} s (still "
-                    f"{rollout.state.value.lower()}); it stays open: call OpenSession again "
+                    f"{rollout.state.value.lower()}); it stays open: call {call} again "
                     "with the same idempotency_key to wait more"
                 )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), min(left, 0.5))
+
+    @mapped
+    async def ForkSession(
+        self, request: fleet_pb2.ForkSessionRequest, context: grpc.aio.ServicerContext
+    ) -> fleet_pb2.ForkSessionResponse:
+        count = request.count or 1
+        if not 1 <= count <= MAX_FORKS:
+            raise InvalidArgument(f"count must be in [1, {MAX_FORKS}], got {request.count}")
+        now = datetime.now(UTC)
+        lifetime = request.max_lifetime_s or DEFAULT_SESSION_LIFETIME.total_seconds()
+        if not 0 < lifetime <= self.core.config.max_deadline_s:
+            raise InvalidArgument(
+                f"max_lifetime_s must be in (0, {self.core.config.max_deadline_s:g}], "
+                f"got {lifetime}"
+            )
+        source = await self._session(request.session_id)
+        _, host_id = await self._holder(request.session_id)  # open, and its host connected
+        assert source.manifest.session is not None
+        spec = SessionSpec(
+            idle_timeout_s=request.idle_timeout_s or source.manifest.session.idle_timeout_s,
+            fork_of=source.id, host=host_id,
+        )  # fmt: skip
+        labels = {**request.labels, SESSION_LABEL: "1", FORK_LABEL: source.id}
+        key = request.idempotency_key or uuid.uuid4().hex
+        deadline = now + timedelta(seconds=lifetime)
+        manifest = source.manifest.model_copy(update={"session": spec, "deadline": deadline})
+        ids = []
+        for i in range(count):
+            submit = SubmitRequest(
+                idempotency_key=f"{key}/fork-{i}", smolfile=manifest.smolfile,
+                smolfile_name=manifest.smolfile_name, steps=(), deadline=deadline,
+                retry=manifest.retry, labels=labels, tenant=source.tenant,
+                requirements=manifest.requirements, session=spec,
+            )  # fmt: skip
+            if i == 0:  # (the others differ only by their keys)
+                await asyncio.to_thread(
+                    validate_request, submit, now,
+                    timedelta(seconds=self.core.config.max_deadline_s),
+                )  # fmt: skip
+            rollout, created = await self.core.db(
+                functools.partial(
+                    self.core.ledger.submit,
+                    max_active_per_tenant=self.core.config.max_active_per_tenant,
+                ),
+                submit, manifest, now.timestamp(),
+            )  # fmt: skip
+            if created:
+                self.core.changed()
+            ids.append(rollout.id)
+        log.info("session_fork_submitted", session_id=source.id, forks=ids, host_id=host_id,
+                 request_id=request.request_id)  # fmt: skip
+        wait = request.ready_timeout_s or DEFAULT_READY_S
+        ready = await asyncio.gather(*(self._until_ready(i, wait, "ForkSession") for i in ids))
+        return fleet_pb2.ForkSessionResponse(sessions=ready)
 
     async def Exec(
         self, request: fleet_pb2.ExecRequest, context: grpc.aio.ServicerContext

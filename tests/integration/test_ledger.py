@@ -415,6 +415,21 @@ def test_backpressure_holds_only_rollouts_that_call_the_gateway(ledger: Ledger) 
     assert later[0].manifest.requirements.inference
 
 
+def test_a_pinned_item_is_claimed_by_its_host_only(ledger: Ledger) -> None:
+    """A session's fork runs where its source's machine is: no other host may take it."""
+    from fleet.core.manifest import SessionSpec
+
+    register(ledger)
+    register(ledger, "cpu-2")
+    fork, _ = submit(
+        ledger, key="fork", steps=(), session=SessionSpec(fork_of="r-source", host="cpu-2")
+    )
+    assert ledger.claim("cpu-1", 10, T0, TTL) == []
+    [a] = ledger.claim("cpu-2", 10, T0, TTL)
+    assert a.rollout_id == fork.id
+    assert a.manifest.session is not None and a.manifest.session.fork_of == "r-source"
+
+
 def test_a_version_2_ledger_is_migrated_in_place(ledger_target: str) -> None:
     """Opening an older database adds what the newer schema has and keeps its rows."""
     from sqlalchemy import text
@@ -424,10 +439,11 @@ def test_a_version_2_ledger_is_migrated_in_place(ledger_target: str) -> None:
     with ledger.engine.begin() as conn:
         conn.execute(text("ALTER TABLE work_items DROP COLUMN needs_inference"))
         conn.execute(text("ALTER TABLE hosts DROP COLUMN state"))
+        conn.execute(text("ALTER TABLE work_items DROP COLUMN pin_host"))
         conn.execute(text("UPDATE schema_info SET version = 2 WHERE id = 1"))
     ledger.engine.dispose()
     reopened = Ledger.open(ledger_target)
-    assert reopened.schema_version == SCHEMA_VERSION == 8
+    assert reopened.schema_version == SCHEMA_VERSION == 9
     register(reopened)
     assert reopened.host_states() == {"cpu-1": "ready"}  # (the column came back, defaulted)
     [a] = reopened.claim("cpu-1", 1, T0, TTL, hold_inference=True)

@@ -182,6 +182,138 @@ def test_a_lost_host_fails_the_sessions_next_call_with_unavailable(
     assert code == grpc.StatusCode.UNAVAILABLE and "host cpu-a" in details
 
 
+async def fork(
+    stub: fleet_pb2_grpc.SessionServiceStub, session: str, count: int
+) -> list[fleet_pb2.Session]:
+    reply = await stub.ForkSession(
+        fleet_pb2.ForkSessionRequest(session_id=session, count=count, ready_timeout_s=60)
+    )
+    return list(reply.sessions)
+
+
+async def out(stub: fleet_pb2_grpc.SessionServiceStub, session: str, shell: str) -> bytes:
+    chunks, done = await run(stub, session, shell=shell)
+    assert done.exit_code == 0, chunks
+    return b"".join(c for k, c in chunks if k == "stdout")
+
+
+def test_forks_start_from_the_sessions_files_and_go_their_own_ways(
+    tmp_path: Path, images: ImageStore
+) -> None:
+    """ForkSession: each copy sees the source's files as they were, is a session of its own
+    (its own machine, name and ledger entry on the same host), and changes in one are seen in
+    no other. A session that is closed cannot be forked."""
+
+    async def body() -> dict[str, object]:
+        async with harness(tmp_path, images) as h:
+            await h.start_agent("cpu-a", HostClass.CPU, slots=4)
+            stub = sessions(h)
+            s = await open_session(stub)
+            await run(
+                stub,
+                s.id,
+                shell="mkdir -p /srv/w && echo base > /srv/w/state && "
+                "ln -s state /srv/w/link && rm /etc/issue; chown 1234:5678 /srv/w/state",
+            )
+            a, b = await fork(stub, s.id, 2)
+            seen = {x.id: await out(stub, x.id, "cat /srv/w/link; stat -c %u:%g /srv/w/state; "
+                                    "test -e /etc/issue || echo gone; hostname")
+                    for x in (s, a, b)}  # fmt: skip
+            await run(stub, a.id, shell="echo changed-in-a > /srv/w/state")
+            after = {x.id: await out(stub, x.id, "cat /srv/w/state") for x in (s, a, b)}
+            listed = {x.id: x for x in (await stub.ListSessions(
+                fleet_pb2.ListSessionsRequest())).sessions}  # fmt: skip
+            rollout_a = await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=a.id))
+            await stub.CloseSession(fleet_pb2.CloseSessionRequest(session_id=s.id))
+            still = await out(stub, b.id, "cat /srv/w/state")  # a fork outlives its source
+            with pytest.raises(grpc.aio.AioRpcError) as closed:
+                await fork(stub, s.id, 1)
+            for x in (a, b):
+                await stub.CloseSession(fleet_pb2.CloseSessionRequest(session_id=x.id))
+            return {
+                "forks": [(x.state, x.host_id) for x in (a, b)], "ids": {s.id, a.id, b.id},
+                "seen": seen, "after": after, "listed": listed, "still": still,
+                "labels": dict(rollout_a.labels), "closed": closed.value.code(),
+                "machines": list((tmp_path / "machines").glob("cpu-a/*")),
+                "source": s.id, "a": a.id, "b": b.id,
+            }  # fmt: skip
+
+    r = asyncio.run(body())
+    assert r["forks"] == [("OPEN", "cpu-a")] * 2 and len(r["ids"]) == 3  # type: ignore[arg-type]
+    seen: dict[str, bytes] = r["seen"]  # type: ignore[assignment]
+    bodies = {v.rsplit(b"\n", 2)[0] for v in seen.values()}
+    assert bodies == {b"base\n1234:5678\ngone"}  # files, a link, owners, a deletion: copied
+    assert len({v.rsplit(b"\n", 2)[1] for v in seen.values()}) == 3  # each its own hostname
+    after: dict[str, bytes] = r["after"]  # type: ignore[assignment]
+    assert after[r["a"]] == b"changed-in-a\n"  # type: ignore[index]
+    assert after[r["source"]] == after[r["b"]] == b"base\n"  # type: ignore[index]
+    assert r["still"] == b"base\n"
+    assert r["labels"]["fleet.fork_of"] == r["source"]  # type: ignore[index]
+    assert {r["a"], r["b"]} <= set(r["listed"])  # type: ignore[arg-type]
+    assert r["closed"] == grpc.StatusCode.FAILED_PRECONDITION
+    assert r["machines"] == []
+
+
+WARM_SESSION = """image = "minimal"
+init = ["date +%s%N > /root/init-stamp"]
+
+[branch]
+enabled = true
+"""
+
+
+def test_warm_sessions_are_children_of_one_parent_and_fork_copy_on_write(
+    tmp_path: Path, images: ImageStore
+) -> None:
+    """A Smolfile with `[branch] enabled` gives sessions that are a warm parent's children: its
+    `init` ran once, in the parent (every session finds the same stamp), exec takes stdin and
+    streams output, files move both ways, and forks copy the child's own layer."""
+    big = os.urandom(3 << 20)
+
+    async def body() -> dict[str, object]:
+        async with harness(tmp_path, images) as h:
+            await h.start_agent("cpu-a", HostClass.CPU, slots=4)
+            stub = sessions(h)
+            opened = [
+                await stub.OpenSession(fleet_pb2.OpenSessionRequest(
+                    smolfile=WARM_SESSION, smolfile_name="warm.smolfile"))
+                for _ in range(2)
+            ]  # fmt: skip
+            stamps = [await out(stub, x.id, "cat /root/init-stamp") for x in opened]
+            one = opened[0].id
+            chunks, done = await run(
+                stub,
+                one,
+                stdin=b"from stdin\n",
+                shell=("for i in 1 2 3; do echo out$i; echo err$i >&2; sleep 0.1; done; cat"),
+            )
+            size = await write(stub, one, "/root/big.bin", big)
+            back = await read(stub, one, "/root/big.bin")
+            [child] = await fork(stub, one, 1)
+            forked = await read(stub, child.id, "/root/big.bin")
+            await run(stub, child.id, shell="echo fork > /root/mine")
+            mine = await run(stub, one, shell="test -e /root/mine")
+            rollout = await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=one))
+            for x in (*opened, child):
+                await stub.CloseSession(fleet_pb2.CloseSessionRequest(session_id=x.id))
+            return {
+                "stamps": stamps, "chunks": chunks, "exit": done.exit_code, "size": size,
+                "back": back == big, "forked": forked == big, "mine": mine[1].exit_code,
+                "enforced_by": rollout.egress.enforced_by,
+            }  # fmt: skip
+
+    r = asyncio.run(body())
+    stamps: list[bytes] = r["stamps"]  # type: ignore[assignment]
+    assert stamps[0] == stamps[1] != b""  # init ran once, in the parent
+    chunks: list[tuple[str, bytes]] = r["chunks"]  # type: ignore[assignment]
+    assert b"".join(c for k, c in chunks if k == "stdout") == b"out1\nout2\nout3\nfrom stdin\n"
+    assert b"".join(c for k, c in chunks if k == "stderr") == b"err1\nerr2\nerr3\n"
+    assert len(chunks) > 2  # streamed as written, not handed over whole at the end
+    assert r["exit"] == 0 and r["size"] == len(big) and r["back"] and r["forked"]
+    assert r["mine"] == 1  # the fork's change is its own
+    assert "not a warm parent's child" not in str(r["enforced_by"])
+
+
 @pytest.fixture(scope="module")
 def live_fleet(tmp_path_factory: pytest.TempPathFactory, images: ImageStore) -> Iterator[str]:
     """A server and one cpu agent on a thread of their own; the server's address."""
@@ -216,6 +348,9 @@ def test_the_typed_client_drives_rollouts_and_sessions(live_fleet: str) -> None:
             assert result.ok and result.stdout == b"42\n" and seen == [("stdout", b"42\n")]
             assert box.exec("exit 3").exit_code == 3
             assert box.read_file("/root/task.py") == b"print(6 * 7)"
+            [copy] = box.fork()
+            with copy:
+                assert copy.exec(["python3", "/root/task.py"]).stdout == b"42\n"
             session_id = box.id
         assert (session_id, "CLOSED", "") in fleet.sessions()
         with pytest.raises(FailedPrecondition, match="is closed"):
@@ -270,6 +405,13 @@ def test_the_session_cli(live_fleet: str, tmp_path: Path) -> None:
     assert piped.returncode == 0 and piped.stdout.strip() == b"5"
     assert cli("cp", f"{session_id}:/root/in.txt", str(tmp_path / "out.txt")).returncode == 0
     assert (tmp_path / "out.txt").read_bytes() == b"payload\n"
+    forked = cli("fork", session_id)
+    assert forked.returncode == 0, forked.stderr
+    copy_id = forked.stdout.decode().strip()
+    assert copy_id.startswith("r-") and copy_id != session_id
+    copied = cli("exec", copy_id, "--", "cat", "/root/in.txt")
+    assert copied.returncode == 0 and copied.stdout == b"payload\n"
+    assert cli("close", copy_id).returncode == 0
     listed = cli("list")
     assert session_id in listed.stdout.decode() and "OPEN" in listed.stdout.decode()
     closed = cli("close", session_id)

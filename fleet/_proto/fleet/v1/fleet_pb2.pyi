@@ -41,6 +41,39 @@ class OpenSessionRequest(_message.Message):
     ready_timeout_s: float
     def __init__(self, request_id: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., smolfile: _Optional[str] = ..., smolfile_name: _Optional[str] = ..., requirements: _Optional[_Union[_types_pb2.Requirements, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., tenant: _Optional[str] = ..., idle_timeout_s: _Optional[float] = ..., max_lifetime_s: _Optional[float] = ..., ready_timeout_s: _Optional[float] = ...) -> None: ...
 
+class ForkSessionRequest(_message.Message):
+    __slots__ = ("request_id", "session_id", "count", "idempotency_key", "labels", "idle_timeout_s", "max_lifetime_s", "ready_timeout_s")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_LIFETIME_S_FIELD_NUMBER: _ClassVar[int]
+    READY_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    session_id: str
+    count: int
+    idempotency_key: str
+    labels: _containers.ScalarMap[str, str]
+    idle_timeout_s: float
+    max_lifetime_s: float
+    ready_timeout_s: float
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., count: _Optional[int] = ..., idempotency_key: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., idle_timeout_s: _Optional[float] = ..., max_lifetime_s: _Optional[float] = ..., ready_timeout_s: _Optional[float] = ...) -> None: ...
+
+class ForkSessionResponse(_message.Message):
+    __slots__ = ("sessions",)
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[Session]
+    def __init__(self, sessions: _Optional[_Iterable[_Union[Session, _Mapping]]] = ...) -> None: ...
+
 class Session(_message.Message):
     __slots__ = ("id", "state", "host_id", "tenant", "error", "opened_at")
     ID_FIELD_NUMBER: _ClassVar[int]

@@ -444,6 +444,11 @@ class SessionServiceStub:
                 request_serializer=fleet_dot_v1_dot_fleet__pb2.CloseSessionRequest.SerializeToString,
                 response_deserializer=fleet_dot_v1_dot_fleet__pb2.Session.FromString,
                 _registered_method=True)
+        self.ForkSession = channel.unary_unary(
+                '/fleet.v1.SessionService/ForkSession',
+                request_serializer=fleet_dot_v1_dot_fleet__pb2.ForkSessionRequest.SerializeToString,
+                response_deserializer=fleet_dot_v1_dot_fleet__pb2.ForkSessionResponse.FromString,
+                _registered_method=True)
         self.ListSessions = channel.unary_unary(
                 '/fleet.v1.SessionService/ListSessions',
                 request_serializer=fleet_dot_v1_dot_fleet__pb2.ListSessionsRequest.SerializeToString,
@@ -491,6 +496,15 @@ class SessionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForkSession(self, request, context):
+        """Copies of a session's machine as it is now (its disk; no process carries over), each a
+        session of its own on the same host: copy-on-write children where the session is a warm
+        parent's child. Returns once every copy is ready.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListSessions(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -524,6 +538,11 @@ def add_SessionServiceServicer_to_server(servicer, server):
                     servicer.CloseSession,
                     request_deserializer=fleet_dot_v1_dot_fleet__pb2.CloseSessionRequest.FromString,
                     response_serializer=fleet_dot_v1_dot_fleet__pb2.Session.SerializeToString,
+            ),
+            'ForkSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForkSession,
+                    request_deserializer=fleet_dot_v1_dot_fleet__pb2.ForkSessionRequest.FromString,
+                    response_serializer=fleet_dot_v1_dot_fleet__pb2.ForkSessionResponse.SerializeToString,
             ),
             'ListSessions': grpc.unary_unary_rpc_method_handler(
                     servicer.ListSessions,
@@ -668,6 +687,33 @@ class SessionService:
             '/fleet.v1.SessionService/CloseSession',
             fleet_dot_v1_dot_fleet__pb2.CloseSessionRequest.SerializeToString,
             fleet_dot_v1_dot_fleet__pb2.Session.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForkSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fleet.v1.SessionService/ForkSession',
+            fleet_dot_v1_dot_fleet__pb2.ForkSessionRequest.SerializeToString,
+            fleet_dot_v1_dot_fleet__pb2.ForkSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
