@@ -154,7 +154,8 @@ def main() -> None:
 
                 def burst(b: object) -> None:
                     for _ in range(per):
-                        assert b.exec(["true"]).ok  # type: ignore[attr-defined]
+                        done = b.exec(["true"])  # type: ignore[attr-defined]
+                        assert done.ok, (kind, done)
 
                 started = time.perf_counter()
                 with ThreadPoolExecutor(sessions) as pool:

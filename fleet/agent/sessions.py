@@ -59,6 +59,7 @@ class SessionHost:
         self, a: Assignment, machine: Machine, env: Mapping[str, str], spec: SessionSpec
     ) -> str:
         """Holds the session's machine until it is closed or idle; returns why it ended."""
+        await machine.stay_resident()
         held = _Held(a.rollout_id, machine, spec, dict(env))
         self._held[a.work_id] = held
         self._replies.put_nowait(host_pb2.SessionReply(work_id=a.work_id, ready=True))

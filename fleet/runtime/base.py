@@ -127,6 +127,11 @@ class Machine(Protocol):
         Refused with FailedPrecondition where the runtime cannot."""
         ...
 
+    async def stay_resident(self) -> None:
+        """Prepares the machine for many short commands (a session's): where the runtime sets
+        a sandbox up per command, it keeps one running instead. A no-op elsewhere."""
+        ...
+
     async def delete(self) -> None: ...
 
 

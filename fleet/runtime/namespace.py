@@ -44,6 +44,7 @@ from fleet.runtime.netns import (
     release_leases,
 )
 from fleet.runtime.output import OutputSink, read_bounded
+from fleet.runtime.resident import Resident, TooLarge
 from fleet.runtime.users import StepUser
 from fleet.runtime.view import CAPABILITIES, etc_files, lay_out, proc_cover, sys_cover
 
@@ -126,10 +127,23 @@ class NamespaceMachine:
         self._deleted = False
         self._running: set[asyncio.subprocess.Process] = set()
         self.runtime: NamespaceRuntime | None = None
+        self.resident: Resident | None = None
+        """Its resident command server, once `stay_resident` started it (sessions)."""
 
     @property
     def name(self) -> str:
         return self._name
+
+    async def stay_resident(self) -> None:
+        """Keeps a command server running in the machine: later commands each cost a fork and
+        an exec in it instead of a sandbox set up again (see `fleet.runtime.resident`)."""
+        if self._deleted or self.runtime is None:
+            raise Unavailable(f"machine {self._name} was deleted")
+        if self.resident is None or not self.resident.alive:
+            if self.resident is not None:
+                log.warning("resident_restarting", machine=self._name, why=self.resident.gone)
+                await self.resident.close()
+            self.resident = await Resident.start(self, self.runtime.machines_dir / ".tools")
 
     async def fork(self, spec: MachineSpec) -> NamespaceMachine:
         """A new machine made from `spec` whose layer starts as a copy of this one's (its files
@@ -188,8 +202,10 @@ class NamespaceMachine:
         extra: list[str] | None = None,
         as_user: bool = False,
         stdin: int | None = asyncio.subprocess.DEVNULL,
+        keep_fds: tuple[int, ...] = (),
     ) -> asyncio.subprocess.Process:
-        """Starts `argv` on this machine (its own process group; stdout and stderr piped)."""
+        """Starts `argv` on this machine (its own process group; stdout and stderr piped), with
+        the caller's descriptors `keep_fds` open in it."""
         # bwrap reads the filter and its arguments from inherited descriptors: ours close once
         # it is spawned.
         fds: list[int] = []
@@ -231,7 +247,7 @@ class NamespaceMachine:
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
                 start_new_session=True,
-                pass_fds=tuple(fds),
+                pass_fds=(*fds, *keep_fds),
                 env=LAUNCH_ENV,
                 cwd="/",  # the shell in the chain exports PWD: no host path in it
             )
@@ -279,6 +295,22 @@ class NamespaceMachine:
         if self.gateway is not None:
             scheme = "https://" if self.spec.gateway_tls else ""
             environment["FLEET_GATEWAY"] = f"{scheme}{self.gateway[0]}:{self.gateway[1]}"
+        if self.resident is not None and as_user:
+            if not self.resident.alive:  # (a command killed it: `kill -9 -1` as root)
+                await self.stay_resident()
+            try:
+                code, out_c, err_c, timed_out = await self.resident.run(
+                    argv, environment, cwd, self.user, stdin=stdin, timeout_s=timeout_s,
+                    max_output_bytes=max_output_bytes, on_output=on_output,
+                )  # fmt: skip
+            except TooLarge:
+                pass  # (through bwrap, below)
+            else:
+                return await self._result(
+                    code, (bytes(out_c.kept), out_c.truncated),
+                    (bytes(err_c.kept), err_c.truncated), timed_out, started, oom_before,
+                    pids_before,
+                )  # fmt: skip
         proc = await self.spawn(
             argv, environment, cwd, self.root / "seccomp.bpf", as_user=as_user,
             stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE,
@@ -307,15 +339,24 @@ class NamespaceMachine:
             raise Unavailable(
                 f"machine {self._name}: cannot set up its disk or cgroup: {err.decode()[-500:]}"
             )
+        return await self._result(
+            -int(signal.SIGKILL) if timed_out else code, (out, out_cut), (err, err_cut),
+            timed_out, started, oom_before, pids_before,
+        )  # fmt: skip
+
+    async def _result(
+        self, code: int, out: tuple[bytes, bool], err: tuple[bytes, bool], timed_out: bool,
+        started: float, oom_before: int, pids_before: int,
+    ) -> ExecResult:  # fmt: skip
         return ExecResult(
             oom_killed=self.cgroup.oom_kills() > oom_before,
             pids_exhausted=self.cgroup.pids_limit_hits() > pids_before,
             disk_full=code != 0 and await asyncio.to_thread(self._disk_full),
-            exit_code=-int(signal.SIGKILL) if timed_out else code,
-            stdout=out,
-            stderr=err,
-            stdout_truncated=out_cut,
-            stderr_truncated=err_cut,
+            exit_code=code,
+            stdout=out[0],
+            stderr=err[0],
+            stdout_truncated=out[1],
+            stderr_truncated=err[1],
             timed_out=timed_out,
             duration_s=time.monotonic() - started,
         )
@@ -385,6 +426,8 @@ class NamespaceMachine:
         if self._deleted:
             return
         self._deleted = True
+        if self.resident is not None:
+            await self.resident.close()
         for proc in list(self._running):
             self._kill(proc)
             with contextlib.suppress(ProcessLookupError):

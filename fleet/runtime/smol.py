@@ -248,6 +248,9 @@ class SmolMachine:
             duration_s=time.monotonic() - started,
         )
 
+    async def stay_resident(self) -> None:
+        """Nothing to keep: the engine's machine runs its commands itself."""
+
     async def read_file(self, path: str) -> bytes:
         from smol import SmolError
 

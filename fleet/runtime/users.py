@@ -123,30 +123,36 @@ def resolve(value: str | None, rootfs: Path) -> StepUser:
 
 
 def helper(cache: Path) -> Path:
-    """The compiled helper in `cache` (built from `stepexec.c` on first use, with the host's C
-    compiler, statically linked so that it runs in any image)."""
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
-    binary = cache / f"stepexec-{digest}"
+    """The compiled user-switching helper in `cache` (see `tool`)."""
+    return tool(cache, SOURCE, "a Smolfile's `user` on the namespace runtime",
+                "user-switching helper")  # fmt: skip
+
+
+def tool(cache: Path, source: Path, needed_by: str, what: str) -> Path:
+    """The program built from `source` in `cache` (on first use, with the host's C compiler,
+    statically linked so that it runs in any image)."""
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+    binary = cache / f"{source.stem}-{digest}"
     if binary.exists():
         return binary
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise FailedPrecondition(
-            "a Smolfile's `user` on the namespace runtime needs a C compiler on the host "
-            "(apt-get install gcc libc6-dev) to build its user-switching helper"
+            f"{needed_by} needs a C compiler on the host (apt-get install gcc libc6-dev) to "
+            f"build its {what}"
         )
     cache.mkdir(parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(dir=cache, prefix=".stepexec-")
+    fd, temporary = tempfile.mkstemp(dir=cache, prefix=f".{source.stem}-")
     os.close(fd)
     try:
         done = subprocess.run(
-            [compiler, "-static", "-Os", "-o", temporary, str(SOURCE)],
+            [compiler, "-static", "-Os", "-o", temporary, str(source)],
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         if done.returncode != 0:
             raise FailedPrecondition(
-                "cannot build the namespace runtime's user-switching helper (a static C "
-                f"program; apt-get install libc6-dev): {done.stderr.strip()[-500:]}"
+                f"cannot build the namespace runtime's {what} (a static C program; apt-get "
+                f"install libc6-dev): {done.stderr.strip()[-500:]}"
             )
         os.chmod(temporary, 0o755)
         os.replace(temporary, binary)

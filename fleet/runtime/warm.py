@@ -32,7 +32,7 @@ import structlog
 from fleet.core.egress import EgressEvent
 from fleet.core.errors import Internal, InvalidArgument, NotFound, Unavailable
 from fleet.core.rollout import MAX_OUTPUT_BYTES
-from fleet.runtime import cgroups, seccomp
+from fleet.runtime import cgroups, resident, seccomp, users
 from fleet.runtime.base import ExecResult, MachineSpec, machine_env
 from fleet.runtime.namespace import (
     LAUNCH_ENV,
@@ -41,9 +41,14 @@ from fleet.runtime.namespace import (
     NamespaceRuntime,
 )
 from fleet.runtime.output import OutputSink
+from fleet.runtime.resident import Resident
 
 log = structlog.get_logger(__name__)
 
+CHILD_CTL = "/run/fleet"
+"""The child's own directory (its `sockets`, read-only), as the child sees it."""
+RESIDENT_SOCKET = "exec.sock"
+RESIDENT_START_S = 10.0
 TAIL_S = 0.02
 """How often a step's output files are read for a caller that shows output live."""
 CHILD_ALLOWANCE_MIB = 4
@@ -107,6 +112,8 @@ class WarmChild:
         self._sockets_fd: int | None = None
         self._oom_kills = 0
         """The cgroup's OOM kills as of the end of the last exec (a new group has none)."""
+        self.resident: Resident | None = None
+        """Its command server, once `stay_resident` started it (a session's child)."""
 
     @property
     def name(self) -> str:
@@ -206,6 +213,29 @@ class WarmChild:
             raise Unavailable(f"machine {self._name} was deleted")
         started = time.monotonic()
         oom_before = self._oom_kills
+        if self.resident is not None:
+            if not self.resident.alive:  # (a command killed it)
+                await self.stay_resident()
+            assert self.resident is not None
+            try:
+                code, got_out, got_err, timed_out = await self.resident.run(
+                    argv, machine_env(self.parent.machine.spec, env),
+                    workdir or self.parent.machine.spec.smolfile.workdir or "/", users.ROOT,
+                    stdin=stdin, timeout_s=timeout_s, max_output_bytes=max_output_bytes,
+                    on_output=on_output,
+                )  # fmt: skip
+            except resident.TooLarge:
+                raise InvalidArgument(
+                    f"{self._name}: the command and its environment take over "
+                    f"{resident.MAX_REQUEST} bytes; write a long script to a file and run that"
+                ) from None
+            self._oom_kills = await asyncio.to_thread(self.cgroup.oom_kills)
+            return ExecResult(
+                exit_code=code, stdout=bytes(got_out.kept), stderr=bytes(got_err.kept),
+                stdout_truncated=got_out.truncated, stderr_truncated=got_err.truncated,
+                timed_out=timed_out, duration_s=time.monotonic() - started,
+                oom_killed=self._oom_kills > oom_before,
+            )  # fmt: skip
         # (A pool child's fork opened its output files when it was prepared, empty.)
         clear = ("stdout", "stderr") if self.prepared_pid is None else ()
         await asyncio.to_thread(self._clear_outputs, stdin, clear)
@@ -306,6 +336,71 @@ class WarmChild:
             raise
         return child
 
+    async def stay_resident(self) -> None:
+        """Keeps a command server running as this child's one process (the first of its PID
+        namespace): later commands each cost a fork and an exec in it, instead of a fork of
+        the parent that sets the child up again. It connects to a socket the agent puts in
+        the child's /run/fleet."""
+        if self._deleted:
+            raise Unavailable(f"machine {self._name} was deleted")
+        if self.resident is not None:
+            if self.resident.alive:
+                return
+            await self.resident.close()  # (its process ended: the child may run one again)
+            self.resident = None
+        binary = await asyncio.to_thread(
+            users.tool, self.parent.runtime.machines_dir / ".tools", resident.SOURCE,
+            "a session on the namespace runtime", "resident command server",
+        )  # fmt: skip
+        await asyncio.to_thread(self._place, binary)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            listener.bind(f"{self.sockets}/{RESIDENT_SOCKET}")  # (through a held descriptor)
+            listener.listen(1)
+            listener.setblocking(False)
+            await self.start(
+                [f"{CHILD_CTL}/sessiond", "--connect", f"{CHILD_CTL}/{RESIDENT_SOCKET}"]
+            )
+            loop = asyncio.get_running_loop()
+            try:
+                conn, _ = await asyncio.wait_for(loop.sock_accept(listener), RESIDENT_START_S)
+            except TimeoutError:
+                await asyncio.to_thread(self.cgroup.kill_all)
+                code = await self.wait()
+                why = (await asyncio.to_thread(self._outputs, 2000))[1][0].decode(errors="replace")
+                raise Unavailable(
+                    f"machine {self._name}: its command server did not start (exit {code}): {why}"
+                ) from None
+        finally:
+            listener.close()
+        conn.setblocking(False)
+
+        async def stop() -> None:
+            try:
+                await asyncio.wait_for(self.wait(), 5.0)
+            except TimeoutError:
+                await asyncio.to_thread(self.cgroup.kill_all)
+                await self.wait()
+            except (OSError, Internal, Unavailable):
+                pass  # (the fork server or the child is gone already)
+
+        self.resident = Resident(self._name, conn, stop)
+        log.info("resident_started", machine=self._name)
+
+    def _place(self, binary: Path) -> None:
+        """The server's program in the child's /run/fleet (a regular file made anew: nothing
+        the fork server left there is followed), and no stale socket where it connects."""
+        sockets = open_dir_beneath(self.parent.ctl, ("children", self.cid, "sockets"), make=True)
+        try:
+            for name in ("sessiond", RESIDENT_SOCKET):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=sockets)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+            with os.fdopen(os.open("sessiond", flags, 0o555, dir_fd=sockets), "wb") as f:
+                f.write(binary.read_bytes())
+        finally:
+            os.close(sockets)
+
     async def read_file(self, path: str) -> bytes:
         result = await self.exec(["cat", "--", path], timeout_s=60)
         if result.exit_code != 0:
@@ -346,6 +441,8 @@ class WarmChild:
         if self._deleted:
             return
         self._deleted = True
+        if self.resident is not None:
+            await self.resident.close()
         if self._sockets_fd is not None:
             os.close(self._sockets_fd)
             self._sockets_fd = None

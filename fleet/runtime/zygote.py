@@ -154,7 +154,17 @@ def become_machine(cid: str, report: int) -> None:
     lower = CTL + "/parent-upper:" + CTL + "/lower"
     opts = f"lowerdir={lower},upperdir={base}/upper,workdir={base}/work,userxattr"
     merged = base + "/merged"
-    check(libc.mount(b"overlay", merged.encode(), b"overlay", 0, opts.encode()), "overlay")
+    # The child's last step may still be letting go of this layer (its namespace's mounts are
+    # torn down after its last process exited): the kernel refuses a second overlay on an
+    # upper directory in use until then.
+    for _ in range(400):
+        if libc.mount(b"overlay", merged.encode(), b"overlay", 0, opts.encode()) == 0:
+            break
+        if ctypes.get_errno() not in (errno.EACCES, errno.EBUSY):
+            check(-1, "overlay")
+        time.sleep(0.005)
+    else:
+        check(-1, "overlay (its layer stayed in use by its last step)")
     check(libc.mount(b"/proc", (merged + "/proc").encode(), None, MS_BIND | MS_REC, None), "proc")
     own_dev(merged + "/dev")
     check(libc.mount(b"tmpfs", (merged + "/tmp").encode(), b"tmpfs", 0, None), "tmp")

@@ -314,6 +314,37 @@ def test_warm_sessions_are_children_of_one_parent_and_fork_copy_on_write(
     assert "not a warm parent's child" not in str(r["enforced_by"])
 
 
+@pytest.mark.parametrize("smolfile", [SMOLFILE, WARM_SESSION], ids=["cold", "warm"])
+def test_a_sessions_calls_share_one_box(tmp_path: Path, images: ImageStore, smolfile: str) -> None:
+    """A session's commands run through one command server in its machine, as on an ordinary
+    box: /tmp keeps its files, a process left in the background keeps running (and does not
+    hold the call up), and a command that kills every process it can does not end the
+    session: the next call runs."""
+
+    async def body() -> list[int]:
+        async with harness(tmp_path, images) as h:
+            await h.start_agent("cpu-a", HostClass.CPU)
+            stub = sessions(h)
+            s = await stub.OpenSession(
+                fleet_pb2.OpenSessionRequest(smolfile=smolfile, smolfile_name="s.smolfile")
+            )
+            codes = []
+            for shell in (
+                "echo kept > /tmp/a && (sleep 300 > /dev/null 2>&1 & echo $! > /tmp/pid)",
+                'test "$(cat /tmp/a)" = kept && kill -0 "$(cat /tmp/pid)"',
+                "sleep 300 & echo started",  # (holds stdout: the call returns all the same)
+                "kill -9 -1; true",
+                "echo alive",
+            ):
+                _, done = await run(stub, s.id, shell=shell, timeout_s=30)
+                codes.append(done.exit_code)
+            await stub.CloseSession(fleet_pb2.CloseSessionRequest(session_id=s.id))
+            return codes
+
+    codes = asyncio.run(body())
+    assert codes[:3] == [0, 0, 0] and codes[4] == 0
+
+
 @pytest.fixture(scope="module")
 def live_fleet(tmp_path_factory: pytest.TempPathFactory, images: ImageStore) -> Iterator[str]:
     """A server and one cpu agent on a thread of their own; the server's address."""
