@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import io
 import os
+import tarfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
@@ -363,9 +365,11 @@ class Session:
 
     def write_file(self, path: str, data: bytes, mode: int = 0o644) -> int:
         """Writes `data` at `path` (directories made as needed); returns its size."""
+        return self._write(path, data, mode, tar=False)
 
+    def _write(self, path: str, data: bytes, mode: int, tar: bool) -> int:
         def chunks() -> Iterator[fleet_pb2.WriteFileChunk]:
-            yield fleet_pb2.WriteFileChunk(session_id=self.id, path=path, mode=mode)
+            yield fleet_pb2.WriteFileChunk(session_id=self.id, path=path, mode=mode, tar=tar)
             for offset in range(0, len(data), CHUNK):
                 yield fleet_pb2.WriteFileChunk(data=data[offset : offset + CHUNK])
 
@@ -373,7 +377,11 @@ class Session:
         return int(reply.size)
 
     def read_file(self, path: str) -> bytes:
-        request = fleet_pb2.ReadFileRequest(session_id=self.id, path=path)
+        """The file at `path` in the machine."""
+        return self._read(path, tar=False)
+
+    def _read(self, path: str, tar: bool) -> bytes:
+        request = fleet_pb2.ReadFileRequest(session_id=self.id, path=path, tar=tar)
         data = bytearray()
         try:
             for chunk in self.fleet._sessions.ReadFile(request, metadata=self.fleet._md):
@@ -381,6 +389,24 @@ class Session:
         except grpc.RpcError as exc:
             raise _refusal(exc) from None
         return bytes(data)
+
+    def upload_dir(self, local: str | Path, path: str) -> int:
+        """Copies the local directory `local` into `path` in the machine (made as needed), as
+        one tar archive; returns the archive's size."""
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w") as archive:
+            archive.add(str(local), arcname=".")
+        return self._write(path, buffer.getvalue(), 0, tar=True)
+
+    def download_dir(self, path: str, local: str | Path) -> list[str]:
+        """Copies the directory `path` from the machine into `local` (made as needed); returns
+        the names unpacked. Nothing is unpacked outside `local` (tarfile's `data` filter)."""
+        data = self._read(path, tar=True)
+        Path(local).mkdir(parents=True, exist_ok=True)
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r") as archive:
+            names = archive.getnames()
+            archive.extractall(str(local), filter="data")
+        return names
 
     def fork(
         self,
@@ -495,6 +521,12 @@ class AsyncSession:
 
     async def read_file(self, path: str) -> bytes:
         return await asyncio.to_thread(self.sync.read_file, path)
+
+    async def upload_dir(self, local: str | Path, path: str) -> int:
+        return await asyncio.to_thread(self.sync.upload_dir, local, path)
+
+    async def download_dir(self, path: str, local: str | Path) -> builtins.list[str]:
+        return await asyncio.to_thread(self.sync.download_dir, path, local)
 
     async def fork(self, count: int = 1, **kw: Any) -> builtins.list[AsyncSession]:
         """See `Session.fork`."""

@@ -2,7 +2,7 @@
 
 fleet session open -s SMOLFILE            prints the session id
 fleet session exec ID -- CMD [ARG...]     runs it; its output streams; exits with its code
-fleet session cp SRC ID:PATH | ID:PATH DST
+fleet session cp SRC ID:PATH | [-r] ID:PATH DST   (a local directory goes whole)
 fleet session fork ID [-n N]               prints the ids of N copies of it
 fleet session close ID
 fleet session list
@@ -68,11 +68,18 @@ def _session(args: argparse.Namespace) -> int:
         src, dst = args.src, args.dst
         if ":/" in dst and ":/" not in src:
             session_id, _, path = dst.partition(":")
-            size = Session(fleet, session_id).write_file(path, Path(src).read_bytes())
+            if Path(src).is_dir():  # (as one tar archive, unpacked into PATH)
+                size = Session(fleet, session_id).upload_dir(src, path)
+            else:
+                size = Session(fleet, session_id).write_file(path, Path(src).read_bytes())
             print(f"{size} bytes -> {session_id}:{path}", file=sys.stderr)
             return 0
         if ":/" in src and ":/" not in dst:
             session_id, _, path = src.partition(":")
+            if args.recursive:
+                names = Session(fleet, session_id).download_dir(path, dst)
+                print(f"{session_id}:{path} -> {dst} ({len(names)} entries)", file=sys.stderr)
+                return 0
             data = Session(fleet, session_id).read_file(path)
             Path(dst).write_bytes(data)
             print(f"{session_id}:{path} -> {dst} ({len(data)} bytes)", file=sys.stderr)
@@ -94,7 +101,10 @@ def add_session_command(sub: argparse._SubParsersAction, server_flag: object) ->
     e.add_argument("--timeout-s", type=float, default=600.0)
     e.add_argument("--stdin", action="store_true", help="send this process's stdin")
     e.add_argument("command", nargs=argparse.REMAINDER)
-    c = ssub.add_parser("cp", help="copy SRC ID:/PATH into a session, or ID:/PATH DST out")
+    c = ssub.add_parser(
+        "cp", help="copy SRC ID:/PATH into a session (a directory whole), or ID:/PATH DST out"
+    )
+    c.add_argument("-r", "--recursive", action="store_true", help="ID:/PATH is a directory")
     c.add_argument("src")
     c.add_argument("dst")
     f = ssub.add_parser("fork", help="copies of a session's machine as it is now (new ids)")

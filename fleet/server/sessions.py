@@ -306,10 +306,12 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
     ) -> fleet_pb2.WriteFileResponse:
         session_id = path = ""
         mode = 0o644
+        tar = False
         data = bytearray()
         async for chunk in requests:
             if not session_id:
                 session_id, path, mode = chunk.session_id, chunk.path, chunk.mode or 0o644
+                tar = chunk.tar
                 check_machine_path(path, "path")
                 await self._session(session_id)  # refused before any data is taken
             data += chunk.data
@@ -317,12 +319,18 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
                 raise ResourceExhausted(f"{path}: over {MAX_FILE_BYTES >> 20} MiB")
         if not session_id:
             raise InvalidArgument("WriteFile: no chunk named a session and a path")
-        script = 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1" && chmod "$2" "$1"'
-        _, err, done = await self._run(
-            session_id, ["/bin/sh", "-c", script, "write", path, f"{mode & 0o7777:o}"], bytes(data)
-        )
+        if tar:
+            script = 'mkdir -p -- "$1" && exec tar -x -f - -C "$1"'
+            argv = ["/bin/sh", "-c", script, "unpack", path]
+        else:
+            script = 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1" && chmod "$2" "$1"'
+            argv = ["/bin/sh", "-c", script, "write", path, f"{mode & 0o7777:o}"]
+        _, err, done = await self._run(session_id, argv, bytes(data))
         if done.exit_code != 0:
-            raise FailedPrecondition(f"{path}: cannot write: {err.decode(errors='replace')[-500:]}")
+            why = err.decode(errors="replace")[-500:]
+            if tar and done.exit_code == 127:
+                why = f"the machine's image has no tar ({why.strip()})"
+            raise FailedPrecondition(f"{path}: cannot {'unpack' if tar else 'write'}: {why}")
         return fleet_pb2.WriteFileResponse(size=len(data))
 
     async def ReadFile(
@@ -330,7 +338,10 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
     ) -> AsyncIterator[fleet_pb2.FileChunk]:
         try:
             check_machine_path(request.path, "path")
-            out, err, done = await self._run(request.session_id, ["cat", "--", request.path])
+            argv = ["cat", "--", request.path]
+            if request.tar:
+                argv = ["tar", "-c", "-f", "-", "-C", request.path, "."]
+            out, err, done = await self._run(request.session_id, argv)
             if done.exit_code != 0:
                 raise NotFound(f"{request.path}: {err.decode(errors='replace').strip()[-500:]}")
             if done.stdout_truncated:

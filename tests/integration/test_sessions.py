@@ -356,12 +356,13 @@ def live_fleet(tmp_path_factory: pytest.TempPathFactory, images: ImageStore) -> 
         yield address
 
 
-def test_the_typed_client_drives_rollouts_and_sessions(live_fleet: str) -> None:
+def test_the_typed_client_drives_rollouts_and_sessions(live_fleet: str, tmp_path: Path) -> None:
     from fleet.client import Fleet
     from fleet.core.errors import FailedPrecondition, NotFound
     from tests.conftest import SMOLFILES
 
     smolfile = SMOLFILES / "minimal.smolfile"
+    tmp = str(tmp_path)
     with Fleet(live_fleet, plaintext=True) as fleet:
         rollout = fleet.submit(smolfile, [["echo", "hi"], "echo $((6 * 7))"], labels={"t": "c"})
         done = fleet.wait(rollout.id, timeout_s=120)
@@ -379,6 +380,17 @@ def test_the_typed_client_drives_rollouts_and_sessions(live_fleet: str) -> None:
             assert result.ok and result.stdout == b"42\n" and seen == [("stdout", b"42\n")]
             assert box.exec("exit 3").exit_code == 3
             assert box.read_file("/root/task.py") == b"print(6 * 7)"
+            tree = Path(tmp) / "tree"
+            (tree / "sub").mkdir(parents=True)
+            (tree / "sub" / "a.txt").write_bytes(b"A")
+            (tree / "b.bin").write_bytes(bytes(range(256)) * 4096)
+            box.upload_dir(tree, "/srv/tree")
+            assert box.exec("cat /srv/tree/sub/a.txt").stdout == b"A"
+            back = box.download_dir("/srv/tree", Path(tmp) / "back")
+            assert "./sub/a.txt" in back
+            assert (Path(tmp) / "back" / "b.bin").read_bytes() == (tree / "b.bin").read_bytes()
+            with pytest.raises(NotFound):
+                box.download_dir("/srv/none", Path(tmp) / "none")
             [copy] = box.fork()
             with copy:
                 assert copy.exec(["python3", "/root/task.py"]).stdout == b"42\n"
@@ -436,6 +448,12 @@ def test_the_session_cli(live_fleet: str, tmp_path: Path) -> None:
     assert piped.returncode == 0 and piped.stdout.strip() == b"5"
     assert cli("cp", f"{session_id}:/root/in.txt", str(tmp_path / "out.txt")).returncode == 0
     assert (tmp_path / "out.txt").read_bytes() == b"payload\n"
+    (tmp_path / "dir" / "deep").mkdir(parents=True)
+    (tmp_path / "dir" / "deep" / "f").write_bytes(b"deep\n")
+    assert cli("cp", str(tmp_path / "dir"), f"{session_id}:/srv/dir").returncode == 0
+    got = cli("cp", "-r", f"{session_id}:/srv/dir", str(tmp_path / "dir-back"))
+    assert got.returncode == 0, got.stderr
+    assert (tmp_path / "dir-back" / "deep" / "f").read_bytes() == b"deep\n"
     forked = cli("fork", session_id)
     assert forked.returncode == 0, forked.stderr
     copy_id = forked.stdout.decode().strip()

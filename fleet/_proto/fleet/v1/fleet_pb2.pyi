@@ -126,16 +126,18 @@ class ExecOutput(_message.Message):
     def __init__(self, stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., exit: _Optional[_Union[_types_pb2.ExecExit, _Mapping]] = ...) -> None: ...
 
 class WriteFileChunk(_message.Message):
-    __slots__ = ("session_id", "path", "data", "mode")
+    __slots__ = ("session_id", "path", "data", "mode", "tar")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    TAR_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     path: str
     data: bytes
     mode: int
-    def __init__(self, session_id: _Optional[str] = ..., path: _Optional[str] = ..., data: _Optional[bytes] = ..., mode: _Optional[int] = ...) -> None: ...
+    tar: bool
+    def __init__(self, session_id: _Optional[str] = ..., path: _Optional[str] = ..., data: _Optional[bytes] = ..., mode: _Optional[int] = ..., tar: _Optional[bool] = ...) -> None: ...
 
 class WriteFileResponse(_message.Message):
     __slots__ = ("size",)
@@ -144,12 +146,14 @@ class WriteFileResponse(_message.Message):
     def __init__(self, size: _Optional[int] = ...) -> None: ...
 
 class ReadFileRequest(_message.Message):
-    __slots__ = ("session_id", "path")
+    __slots__ = ("session_id", "path", "tar")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    TAR_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     path: str
-    def __init__(self, session_id: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+    tar: bool
+    def __init__(self, session_id: _Optional[str] = ..., path: _Optional[str] = ..., tar: _Optional[bool] = ...) -> None: ...
 
 class FileChunk(_message.Message):
     __slots__ = ("data",)
