@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fleet
+
 import argparse
 import cProfile
 import json
@@ -265,7 +267,8 @@ async def api_round(tmp: str, secure: bool, n: int) -> tuple[float, float]:
             hosts = host_pb2_grpc.HostServiceStub(host_channel)
             await hosts.RegisterHost(host_pb2.RegisterHostRequest(
                 host_id="bench-host", host_class=types_pb2.HOST_CLASS_CPU,
-                capabilities=convert.capabilities_to_pb(caps)))  # fmt: skip
+                capabilities=convert.capabilities_to_pb(caps),
+                agent_version=fleet.__version__))  # fmt: skip
             gate = asyncio.Semaphore(API_CONCURRENCY)
 
             async def submit(req: fleet_pb2.SubmitRolloutRequest) -> None:

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import grpc
 import structlog
 
+import fleet
 from fleet._proto.fleet.v1 import host_pb2, host_pb2_grpc
 from fleet.agent import journal
 from fleet.agent.capabilities import RuntimeChoice, capabilities, make_runtime
@@ -193,6 +194,7 @@ class Agent:
             host_id=self.caps.host_id,
             host_class=convert.HOST_CLASS_TO_PB[self.caps.host_class],
             capabilities=convert.capabilities_to_pb(self.caps),
+            agent_version=fleet.__version__,
         )
         reply = await self._until_reachable(stub.RegisterHost, request, stop, 10)
         self._heartbeat_s = reply.heartbeat_interval_s or 3.0

@@ -90,18 +90,18 @@ async def cmd_host(args: argparse.Namespace) -> int:
             ids.revoke_join_token(args.id, now)
             print(f"join token {args.id} revoked")
     elif args.host_cmd == "list":
-        states = ledger.host_states()
-        print(f"{'host':<32} {'class':<5} {'state':<9} {'enrolled':<20} "
-              f"{'certificate until':<20} revoked")  # fmt: skip
-        enrolled = {h.host_id for h in ids.hosts()}
-        for h in ids.hosts():
-            print(f"{h.host_id:<32} {h.host_class.value:<5} {states.get(h.host_id, '-'):<9} "
-                  f"{_when(h.enrolled_at):<20} {_when(h.cert_expires_at):<20} "
-                  f"{_when(h.revoked_at)}")  # fmt: skip
-        for caps in ledger.hosts():  # registered without enrolment (a server without TLS)
-            if caps.host_id not in enrolled:
-                print(f"{caps.host_id:<32} {caps.host_class.value:<5} "
-                      f"{states.get(caps.host_id, '-'):<9} {'-':<20} {'-':<20} -")  # fmt: skip
+        enrolled = {h.host_id: h for h in ids.hosts()}
+        print(f"{'host':<24} {'class':<5} {'state':<21} {'version':<9} {'slots':>7}  "
+              f"{'last beat':>9}  {'certificate until':<20} labels")  # fmt: skip
+        for view in ledger.host_table(now, args.unresponsive_after_s):
+            caps = view.capabilities
+            identity = enrolled.get(caps.host_id)
+            until = _when(identity.cert_expires_at) if identity is not None else "-"
+            labels = ",".join(f"{k}={v}" for k, v in sorted(identity.labels.items())) if (
+                identity is not None) else ""  # fmt: skip
+            print(f"{caps.host_id:<24} {caps.host_class.value:<5} {view.state:<21} "
+                  f"{caps.agent_version or '-':<9} {f'{view.slots_used}/{caps.slots}':>7}  "
+                  f"{_ago(now - view.last_heartbeat_at):>9}  {until:<20} {labels}")  # fmt: skip
     elif args.host_cmd in ("cordon", "uncordon"):
         ledger.set_host_state(args.id, "cordoned" if args.host_cmd == "cordon" else "ready")
         what = ("takes no new work; what it holds runs on" if args.host_cmd == "cordon"
@@ -112,6 +112,14 @@ async def cmd_host(args: argparse.Namespace) -> int:
         print(f"host {args.id} revoked: its calls are refused from now on; "
               f"{released} leases it held were released for retry elsewhere")  # fmt: skip
     return 0
+
+
+def _ago(seconds: float) -> str:
+    """`12s ago`, `5m ago`, `3h ago`."""
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit} ago"
+    return f"{max(0, int(seconds))}s ago"
 
 
 async def cmd_key(args: argparse.Namespace) -> int:
@@ -164,7 +172,12 @@ def add_commands(
     r = tsub.add_parser("revoke", help="a token no host may use any more")
     r.add_argument("id")
     db_flag(r)
-    db_flag(hsub.add_parser("list", help="enrolled and registered hosts, with their state"))
+    ls = hsub.add_parser("list", help="registered hosts: state, version, slots, last beat")
+    ls.add_argument(
+        "--unresponsive-after-s", type=float, default=15.0,
+        help="a host that has not beaten for this long shows as unresponsive (default 15)",
+    )  # fmt: skip
+    db_flag(ls)
     for verb, help_ in (("cordon", "no new work for a host (what it holds runs on)"),
                         ("uncordon", "a cordoned host takes work again")):  # fmt: skip
         c = hsub.add_parser(verb, help=help_)

@@ -56,6 +56,8 @@ class HostCapabilities(BaseModel):
     runtime_reason: str = ""
     gateway: bool = False
     """The agent knows the inference gateway's address (it may run rollouts that use it)."""
+    agent_version: str = ""
+    """The fleet version its agent runs (as it registered)."""
 
 
 def host_class_for(spec: Smolfile, needs: Requirements | None = None) -> HostClass:

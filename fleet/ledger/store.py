@@ -16,6 +16,7 @@ import threading
 import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import lru_cache
 from pathlib import Path
@@ -76,6 +77,18 @@ _E = EventRow.__table__  # type: ignore[attr-defined]
 _A = ArtifactRow.__table__  # type: ignore[attr-defined]
 _M = ManifestRow.__table__  # type: ignore[attr-defined]
 CORDONED = "cordoned"
+
+
+@dataclass(frozen=True)
+class HostView:
+    """A registered host, for `fleet host list`."""
+
+    capabilities: HostCapabilities
+    state: str
+    slots_used: int
+    last_heartbeat_at: float
+
+
 HOST_STATES = ("ready", CORDONED)
 
 QUEUED, LEASED, DONE = "QUEUED", "LEASED", "DONE"
@@ -751,6 +764,41 @@ class Ledger:
         """Every registered host's state."""
         with self._tx() as s:
             return {r.id: r.state for r in s.exec(select(HostRow))}
+
+    def host_table(self, now: float, unresponsive_after_s: float) -> list[HostView]:
+        """Every registered host as an operator sees it: what it offers, its state (a ready or
+        cordoned host that has not beaten for `unresponsive_after_s` shows as unresponsive),
+        its agent's version, the slots its leases hold, and its last beat."""
+        with self._begin() as conn:
+            db = _Raw(conn, self._pg)
+            held = dict(
+                db.all(
+                    "SELECT lease_owner, count(*) FROM work_items WHERE state = ? "
+                    "GROUP BY lease_owner",
+                    (LEASED,),
+                )
+            )
+            revoked = {
+                row[0]
+                for row in db.all(
+                    "SELECT host_id FROM host_identities WHERE revoked_at IS NOT NULL", ()
+                )
+            }
+            out = []
+            for host_id, caps_json, state, beat in db.all(
+                "SELECT id, capabilities_json, state, last_heartbeat_at FROM hosts ORDER BY id", ()
+            ):
+                if host_id in revoked:
+                    state = "revoked"
+                elif now - float(beat) > unresponsive_after_s:
+                    state = "unresponsive" if state == "ready" else f"{state}+unresponsive"
+                view = HostView(
+                    capabilities=HostCapabilities.model_validate_json(caps_json),
+                    state=state, slots_used=int(held.get(host_id, 0)),
+                    last_heartbeat_at=float(beat),
+                )  # fmt: skip
+                out.append(view)
+            return out
 
     def hosts(self) -> list[HostCapabilities]:
         with self._tx() as s:

@@ -12,6 +12,7 @@ from datetime import UTC, datetime, timedelta
 import grpc
 import structlog
 
+import fleet
 from fleet._proto.fleet.v1 import (
     host_pb2,
     host_pb2_grpc,
@@ -30,6 +31,7 @@ from fleet.core.errors import (
 from fleet.core.manifest import is_digest
 from fleet.core.placement import HostCapabilities, HostClass
 from fleet.core.rollout import Assignment, Completion
+from fleet.core.versions import check_agent
 from fleet.identity.ca import Issued
 from fleet.server import convert
 from fleet.server.core import (
@@ -122,7 +124,10 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
         self, request: host_pb2.RegisterHostRequest, context: grpc.aio.ServicerContext
     ) -> host_pb2.RegisterHostResponse:
         request.host_id = self._host_id(request.host_id)
-        caps = convert.capabilities_from_pb(request)
+        check_agent(request.agent_version, fleet.__version__, request.host_id)
+        caps = convert.capabilities_from_pb(request).model_copy(
+            update={"agent_version": request.agent_version}
+        )
         enrolled = self.core.caller().host
         if enrolled is not None:
             check_within(caps, HostCapabilities.model_validate_json(enrolled.capabilities_json))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 
+import fleet
 from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, host_pb2, host_pb2_grpc, types_pb2
 from fleet.agent.agent import Agent, AgentConfig
 from fleet.agent.capabilities import RuntimeChoice, capabilities
@@ -131,6 +132,7 @@ class Harness:
             host_pb2.RegisterHostRequest(
                 request_id=uuid.uuid4().hex, host_id=host_id,
                 host_class=types_pb2.HOST_CLASS_CPU, capabilities=caps,
+                agent_version=fleet.__version__,
             )
         )  # fmt: skip
 

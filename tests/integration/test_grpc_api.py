@@ -12,6 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+import fleet
 from fleet._proto.fleet.v1 import fleet_pb2, host_pb2, types_pb2
 from fleet.core.placement import HostCapabilities, HostClass, Isolation, RuntimeKind
 from fleet.image.store import ImageStore
@@ -373,7 +374,9 @@ def test_bad_host_registration_is_refused(tmp_path: Path, images: ImageStore) ->
         async with harness(tmp_path, images) as h:
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await h.hosts.RegisterHost(
-                    host_pb2.RegisterHostRequest(request_id="r", host_id="h1")
+                    host_pb2.RegisterHostRequest(
+                        request_id="r", host_id="h1", agent_version=fleet.__version__
+                    )
                 )
             return info.value
 

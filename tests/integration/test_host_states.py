@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from fleet._proto.fleet.v1 import host_pb2
@@ -56,7 +57,7 @@ def test_fleet_host_cordon_and_list(tmp_path: Path, images: ImageStore) -> None:
             host_id="cpu-1", host_class=HostClass.CPU, runtime=RuntimeKind.NAMESPACE,
             isolation=Isolation.NAMESPACE, cpus=2, memory_mib=1024, slots=2, cuda_devices=0,
         )  # fmt: skip
-        ledger.register_host(caps, 0.0)
+        ledger.register_host(caps, time.time())
 
     asyncio.run(register())
 
@@ -78,3 +79,42 @@ def test_fleet_host_cordon_and_list(tmp_path: Path, images: ImageStore) -> None:
     )
     unknown = cli("cordon", "nope")
     assert unknown.returncode == 2 and "no registered host 'nope'" in unknown.stderr
+    silent = cli("list", "--unresponsive-after-s", "0")
+    assert any(line.split()[:3] == ["cpu-1", "cpu", "unresponsive"]
+               for line in silent.stdout.splitlines()), silent.stdout  # fmt: skip
+
+
+def test_agents_of_another_version_are_refused_saying_which_to_upgrade(
+    tmp_path: Path, images: ImageStore
+) -> None:
+    """A server serves agents of its own minor version and the one before: a newer agent, or
+    one that reports no version, is refused with FAILED_PRECONDITION; a real agent registers,
+    and `fleet host list` shows its version and the slots its leases hold."""
+    import grpc
+
+    import fleet
+    from fleet._proto.fleet.v1 import types_pb2
+    from fleet.core.placement import HostClass
+
+    async def body() -> tuple[list[tuple[grpc.StatusCode, str]], list[str]]:
+        async with harness(tmp_path, images) as h:
+            refused = []
+            for version in ("99.0.0", ""):
+                try:
+                    await h.hosts.RegisterHost(host_pb2.RegisterHostRequest(
+                        request_id="r", host_id="odd", host_class=types_pb2.HOST_CLASS_CPU,
+                        agent_version=version,
+                    ))  # fmt: skip
+                except grpc.aio.AioRpcError as exc:
+                    refused.append((exc.code(), exc.details() or ""))
+            await h.start_agent("cpu-a", HostClass.CPU, slots=3)
+            views = await asyncio.to_thread(h.server.core.ledger.host_table, time.time(), 60.0)
+            return refused, [f"{v.capabilities.host_id} {v.state} {v.capabilities.agent_version} "
+                             f"{v.slots_used}/{v.capabilities.slots}" for v in views]  # fmt: skip
+
+    refused, listed = asyncio.run(body())
+    assert refused[0][0] == grpc.StatusCode.FAILED_PRECONDITION
+    assert "upgrade the server" in refused[0][1] and "99.0.0" in refused[0][1]
+    assert refused[1][0] == grpc.StatusCode.FAILED_PRECONDITION
+    assert "upgrade the agent" in refused[1][1]
+    assert listed == [f"cpu-a ready {fleet.__version__} 0/3"]

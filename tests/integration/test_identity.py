@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+import fleet
 from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, host_pb2, host_pb2_grpc, types_pb2
 from fleet.agent.link import enroll
 from fleet.core.credentials import format_join_token
@@ -194,7 +195,8 @@ def test_host_calls_need_the_hosts_certificate(tmp_path: Path, images: ImageStor
             channel, stub = host_stub(h, mallory)
             async with channel:
                 await stub.RegisterHost(host_pb2.RegisterHostRequest(  # type: ignore[attr-defined]
-                    host_class=types_pb2.HOST_CLASS_CPU, capabilities=caps_pb()))  # fmt: skip
+                    host_class=types_pb2.HOST_CLASS_CPU, capabilities=caps_pb(),
+                    agent_version=fleet.__version__))  # fmt: skip
                 reclaim = host_pb2.ReclaimWorkRequest(host_id="cpu-a")
                 e = await refusal(stub.ReclaimWork(reclaim))  # type: ignore[attr-defined]
                 assert e.code() == grpc.StatusCode.PERMISSION_DENIED and "mallory" in e.details()
@@ -233,7 +235,9 @@ def test_a_host_may_not_claim_more_than_it_enrolled_with(
             channel, stub = host_stub(h, identity)
             async with channel:
                 ok = host_pb2.RegisterHostRequest(
-                    host_class=types_pb2.HOST_CLASS_CPU, capabilities=caps_pb()
+                    host_class=types_pb2.HOST_CLASS_CPU,
+                    capabilities=caps_pb(),
+                    agent_version=fleet.__version__,
                 )
                 assert (await stub.RegisterHost(ok)).host_id == "cpu-a"  # type: ignore[attr-defined]
                 for bad, word in [
@@ -242,11 +246,13 @@ def test_a_host_may_not_claim_more_than_it_enrolled_with(
                     (caps_pb(gateway=True), "gateway"),
                 ]:
                     lie = host_pb2.RegisterHostRequest(host_class=types_pb2.HOST_CLASS_CPU,
-                                                       capabilities=bad)  # fmt: skip
+                                                       capabilities=bad,
+                                                       agent_version=fleet.__version__)  # fmt: skip
                     e = await refusal(stub.RegisterHost(lie))  # type: ignore[attr-defined]
                     assert e.code() == grpc.StatusCode.PERMISSION_DENIED and word in e.details()
                 gpu = host_pb2.RegisterHostRequest(host_class=types_pb2.HOST_CLASS_GPU,
-                                                   capabilities=caps_pb())  # fmt: skip
+                                                   capabilities=caps_pb(),
+                                                   agent_version=fleet.__version__)  # fmt: skip
                 e = await refusal(stub.RegisterHost(gpu))  # type: ignore[attr-defined]
                 assert e.code() == grpc.StatusCode.PERMISSION_DENIED and "class" in e.details()
             hosts = h.server.core.ledger.hosts()
@@ -265,7 +271,8 @@ def test_fencing_tokens_cannot_be_guessed(tmp_path: Path, images: ImageStore) ->
             tokens = []
             async with channel:
                 await stub.RegisterHost(host_pb2.RegisterHostRequest(  # type: ignore[attr-defined]
-                    host_class=types_pb2.HOST_CLASS_CPU, capabilities=caps_pb()))  # fmt: skip
+                    host_class=types_pb2.HOST_CLASS_CPU, capabilities=caps_pb(),
+                    agent_version=fleet.__version__))  # fmt: skip
                 await h.fleet.SubmitRollout(request('image = "minimal"\n', ["true"]))
                 for _ in range(3):
                     reply = await stub.ClaimWork(  # type: ignore[attr-defined]

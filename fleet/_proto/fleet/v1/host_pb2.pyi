@@ -200,16 +200,18 @@ class Capabilities(_message.Message):
     def __init__(self, runtime: _Optional[_Union[_types_pb2.RuntimeKind, str]] = ..., isolation: _Optional[_Union[_types_pb2.Isolation, str]] = ..., cpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., cuda_devices: _Optional[int] = ..., slots: _Optional[int] = ..., runtime_reason: _Optional[str] = ..., device: _Optional[str] = ..., gateway: _Optional[bool] = ...) -> None: ...
 
 class RegisterHostRequest(_message.Message):
-    __slots__ = ("request_id", "host_id", "host_class", "capabilities")
+    __slots__ = ("request_id", "host_id", "host_class", "capabilities", "agent_version")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_CLASS_FIELD_NUMBER: _ClassVar[int]
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     host_id: str
     host_class: _types_pb2.HostClass
     capabilities: Capabilities
-    def __init__(self, request_id: _Optional[str] = ..., host_id: _Optional[str] = ..., host_class: _Optional[_Union[_types_pb2.HostClass, str]] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ...) -> None: ...
+    agent_version: str
+    def __init__(self, request_id: _Optional[str] = ..., host_id: _Optional[str] = ..., host_class: _Optional[_Union[_types_pb2.HostClass, str]] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., agent_version: _Optional[str] = ...) -> None: ...
 
 class RegisterHostResponse(_message.Message):
     __slots__ = ("host_id", "lease_ttl_s", "heartbeat_interval_s", "registry")
