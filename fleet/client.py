@@ -71,6 +71,7 @@ class Rollout:
 
     @property
     def final(self) -> bool:
+        """Whether the rollout has ended (succeeded, failed or cancelled)."""
         return self.state in FINAL
 
 
@@ -98,6 +99,7 @@ class ExecResult:
 
     @property
     def ok(self) -> bool:
+        """Whether the command exited 0 and did not time out."""
         return self.exit_code == 0 and not self.timed_out
 
 
@@ -175,6 +177,7 @@ class Fleet:
         self._sessions = fleet_pb2_grpc.SessionServiceStub(self._channel)
 
     def close(self) -> None:
+        """Closes the connection to the server."""
         self._channel.close()
 
     def __enter__(self) -> Fleet:
@@ -221,6 +224,7 @@ class Fleet:
         return _rollout(reply.rollout)
 
     def get(self, rollout_id: str) -> Rollout:
+        """The rollout with this id (NotFound for an unknown one or another tenant's)."""
         request = fleet_pb2.GetRolloutRequest(id=rollout_id)
         return _rollout(_call(lambda: self._rollouts.GetRollout(request, metadata=self._md)))
 
@@ -270,6 +274,7 @@ class Fleet:
             time.sleep(0.2)
 
     def cancel(self, rollout_id: str, reason: str = "") -> Rollout:
+        """Cancels the rollout (its running attempt is stopped); returns it as it is then."""
         request = fleet_pb2.CancelRolloutRequest(
             id=rollout_id, reason=reason, request_id=uuid.uuid4().hex
         )
@@ -466,18 +471,23 @@ class AsyncFleet:
         return await asyncio.to_thread(self.sync.submit, smolfile, steps, **kw)
 
     async def get(self, rollout_id: str) -> Rollout:
+        """See `Fleet.get`."""
         return await asyncio.to_thread(self.sync.get, rollout_id)
 
     async def list(self, labels: Mapping[str, str] | None = None) -> builtins.list[Rollout]:
+        """See `Fleet.list`."""
         return await asyncio.to_thread(self.sync.list, labels)
 
     async def wait(self, rollout_id: str, timeout_s: float = 3600.0) -> Rollout:
+        """See `Fleet.wait`."""
         return await asyncio.to_thread(self.sync.wait, rollout_id, timeout_s)
 
     async def cancel(self, rollout_id: str, reason: str = "") -> Rollout:
+        """See `Fleet.cancel`."""
         return await asyncio.to_thread(self.sync.cancel, rollout_id, reason)
 
     async def download(self, rollout_id: str, digest: str) -> bytes:
+        """See `Fleet.download`."""
         return await asyncio.to_thread(self.sync.download, rollout_id, digest)
 
     async def watch(self, rollout_id: str, after_sequence: int = 0) -> AsyncIterator[Event]:
@@ -495,6 +505,7 @@ class AsyncFleet:
         return AsyncSession(await asyncio.to_thread(self.sync.session, smolfile, **kw))
 
     async def close(self) -> None:
+        """See `Fleet.close`."""
         await asyncio.to_thread(self.sync.close)
 
     async def __aenter__(self) -> AsyncFleet:
@@ -517,15 +528,19 @@ class AsyncSession:
         return await asyncio.to_thread(self.sync.exec, command, **kw)
 
     async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> int:
+        """See `Session.write_file`."""
         return await asyncio.to_thread(self.sync.write_file, path, data, mode)
 
     async def read_file(self, path: str) -> bytes:
+        """See `Session.read_file`."""
         return await asyncio.to_thread(self.sync.read_file, path)
 
     async def upload_dir(self, local: str | Path, path: str) -> int:
+        """See `Session.upload_dir`."""
         return await asyncio.to_thread(self.sync.upload_dir, local, path)
 
     async def download_dir(self, path: str, local: str | Path) -> builtins.list[str]:
+        """See `Session.download_dir`."""
         return await asyncio.to_thread(self.sync.download_dir, path, local)
 
     async def fork(self, count: int = 1, **kw: Any) -> builtins.list[AsyncSession]:
@@ -534,6 +549,7 @@ class AsyncSession:
         return [AsyncSession(f) for f in forks]
 
     async def close(self) -> str:
+        """See `Session.close`."""
         return await asyncio.to_thread(self.sync.close)
 
     async def __aenter__(self) -> AsyncSession:

@@ -318,3 +318,55 @@ def test_warm_parent_coalesces_branches_and_deletes_children_first() -> None:
     assert len(batches) <= 2 and sum(int(b.split()[1]) for b in batches) == 6
     assert log[-1] == "delete source"
     assert sum(1 for entry in log if entry.startswith("delete m1-b")) == 6
+
+
+class _FakeBranchable(_FakeSource):
+    """A branchable machine that also branches one child at a time (a session's fork)."""
+
+    async def branch(self, name: str, *, branchable: bool = False) -> _FakeBranchable:
+        import asyncio
+
+        assert not self.busy  # one RAM snapshot per source at a time
+        self.busy = True
+        await asyncio.sleep(0.01)
+        self.busy = False
+        self.log.append(f"branch {name} branchable={branchable}")
+        child = _FakeBranchable()
+        child.log = self.log
+        child.name = name  # type: ignore[attr-defined]
+        return child
+
+    async def delete(self) -> None:
+        self.log.append(f"delete {getattr(self, 'name', 'source')}")
+
+
+def test_a_sessions_fork_on_a_microvm_host_branches_it_and_its_source_goes_last() -> None:
+    """Forks of a machine started branchable are the engine's branches, one at a time; a
+    machine without `[branch] enabled` is refused (it was not started branchable); a source
+    closed while its forks live is deleted after the last of them."""
+    import asyncio
+
+    async def go() -> tuple[list[str], str]:
+        source = _FakeBranchable()
+        machine = smol_runtime.SmolMachine(
+            source, spec('image = "minimal"\n[branch]\nenabled = true\n')
+        )
+        forks = await asyncio.gather(
+            *(machine.fork(spec('image = "minimal"\n').model_copy(update={"name": f"f{i}"}))
+              for i in range(3))
+        )  # fmt: skip
+        await machine.delete()  # (forks still live: deferred)
+        before = list(source.log)
+        for fork in forks:
+            await fork.delete()
+        plain = smol_runtime.SmolMachine(_FakeBranchable(), spec('image = "minimal"\n'))
+        with pytest.raises(FailedPrecondition, match="branch"):
+            await plain.fork(spec('image = "minimal"\n'))
+        return [*before, "--", *source.log[len(before) :]], "ok"
+
+    log, _ = asyncio.run(go())
+    assert sorted(e for e in log if e.startswith("branch")) == [
+        f"branch f{i} branchable=True" for i in range(3)
+    ]
+    assert "delete source" not in log[: log.index("--")]
+    assert log[-1] == "delete source"
