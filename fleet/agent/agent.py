@@ -101,6 +101,9 @@ class AgentConfig:
     """Bound on the images fetched from the server kept here (None: no bound)."""
     default_disk_gib: int | None = DEFAULT_DISK_GIB
     """A namespace machine's writable layer where its Smolfile bounds none (None: unbounded)."""
+    drain_deadline_s: float = 600.0
+    """On stopping (SIGTERM), how long running work may go on; the host takes no new work
+    meanwhile, and what still runs after it is released for retry elsewhere."""
 
 
 @dataclass
@@ -150,6 +153,8 @@ class Agent:
         """Why the server stopped accepting this host ("": it has not)."""
         self.journal_dir = config.machines_dir.parent / "journal" / config.host_id
         self.sessions = SessionHost(config.host_id)
+        self._drain_until = 0.0
+        """When this agent's drain ends (0: it is not draining)."""
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serves until `stop` is set; running work is finished first."""
@@ -169,9 +174,7 @@ class Agent:
             try:
                 await self._claim_loop(stub, stop)
                 self.sessions.close_all("the agent is stopping")
-                tasks = [r.task for r in self._running.values() if r.task]
-                if tasks:
-                    await asyncio.gather(*tasks, return_exceptions=True)
+                await self._drain(stub)
             finally:
                 beat.cancel()
                 renewals.cancel()
@@ -187,6 +190,36 @@ class Agent:
                 self._parents.clear()
         if self.refused:
             raise Unauthenticated(f"the server refused host {self.caps.host_id!r}: {self.refused}")
+
+    async def _drain(self, stub: host_pb2_grpc.HostServiceStub) -> None:
+        """Stopping: the host takes no new work (the server is told at once, and at every beat
+        until the end), running work goes on until `drain_deadline_s`, then is stopped; the
+        server releases its leases for retry elsewhere at the same deadline."""
+        tasks = [r.task for r in self._running.values() if r.task]
+        if not tasks:
+            return
+        deadline_s = self.config.drain_deadline_s
+        self._drain_until = time.time() + deadline_s
+        self.log.info("agent_draining", running=len(tasks), deadline_s=deadline_s)
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await stub.Heartbeat(self._beat_request(), timeout=10)
+        _, late = await asyncio.wait(tasks, timeout=deadline_s)
+        for work_id, running in list(self._running.items()):
+            if running.task in late:
+                self._stop(work_id, f"the agent stopped and its {deadline_s:g} s drain ended")
+        if late:
+            await asyncio.gather(*late, return_exceptions=True)
+
+    def _beat_request(self) -> host_pb2.HeartbeatRequest:
+        leases = [
+            host_pb2.LeaseRef(work_id=w, fencing_token=r.assignment.fencing_token)
+            for w, r in self._running.items()
+        ]
+        drain = self._drain_until - time.time() if self._drain_until else 0.0
+        return host_pb2.HeartbeatRequest(
+            request_id=uuid.uuid4().hex, host_id=self.caps.host_id, leases=leases,
+            drain_deadline_s=max(drain, 0.001) if self._drain_until else 0.0,
+        )  # fmt: skip
 
     async def _register(self, stub: host_pb2_grpc.HostServiceStub, stop: asyncio.Event) -> None:
         request = host_pb2.RegisterHostRequest(
@@ -280,17 +313,8 @@ class Agent:
 
     async def _heartbeats(self, stub: host_pb2_grpc.HostServiceStub, stop: asyncio.Event) -> None:
         while True:
-            leases = [
-                host_pb2.LeaseRef(work_id=w, fencing_token=r.assignment.fencing_token)
-                for w, r in self._running.items()
-            ]
             try:
-                reply = await stub.Heartbeat(
-                    host_pb2.HeartbeatRequest(
-                        request_id=uuid.uuid4().hex, host_id=self.caps.host_id, leases=leases
-                    ),
-                    timeout=10,
-                )
+                reply = await stub.Heartbeat(self._beat_request(), timeout=10)
                 for work_id in reply.stop_work_ids:
                     self._stop(work_id, "the server asked to stop it (cancelled or deadline)")
             except grpc.aio.AioRpcError as exc:

@@ -102,6 +102,11 @@ async def cmd_host(args: argparse.Namespace) -> int:
             print(f"{caps.host_id:<24} {caps.host_class.value:<5} {view.state:<21} "
                   f"{caps.agent_version or '-':<9} {f'{view.slots_used}/{caps.slots}':>7}  "
                   f"{_ago(now - view.last_heartbeat_at):>9}  {until:<20} {labels}")  # fmt: skip
+    elif args.host_cmd == "drain":
+        deadline = now + duration_s(args.deadline)
+        ledger.set_host_state(args.id, "draining", drain_deadline=deadline)
+        print(f"host {args.id} draining: it takes no new work; what it holds runs until "
+              f"{_when(deadline)}, then is released for retry elsewhere")  # fmt: skip
     elif args.host_cmd in ("cordon", "uncordon"):
         ledger.set_host_state(args.id, "cordoned" if args.host_cmd == "cordon" else "ready")
         what = ("takes no new work; what it holds runs on" if args.host_cmd == "cordon"
@@ -179,10 +184,14 @@ def add_commands(
     )  # fmt: skip
     db_flag(ls)
     for verb, help_ in (("cordon", "no new work for a host (what it holds runs on)"),
-                        ("uncordon", "a cordoned host takes work again")):  # fmt: skip
+                        ("uncordon", "a cordoned or drained host takes work again")):  # fmt: skip
         c = hsub.add_parser(verb, help=help_)
         c.add_argument("id")
         db_flag(c)
+    d = hsub.add_parser("drain", help="no new work; what it holds runs until a deadline")
+    d.add_argument("id")
+    d.add_argument("--deadline", default="10m", help="then its leases are released (10m)")
+    db_flag(d)
     r = hsub.add_parser("revoke", help="refuse a host from now on and release its leases")
     r.add_argument("id")
     db_flag(r)

@@ -304,6 +304,7 @@ async def cmd_agent(args: argparse.Namespace) -> int:
             image_cache_gib=args.image_cache_gib,
             default_disk_gib=args.default_disk_gib or None,
             registry_ca=registry_ca,
+            drain_deadline_s=duration_s(args.drain_deadline),
         )
     )
     print(f"fleet agent: {host_class}-class, runtime {choice.kind} ({choice.reason})", flush=True)

@@ -459,6 +459,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--class", dest="host_class", choices=["gpu", "cpu"], required=True)
     sp.add_argument("--runtime", choices=["auto", "smol", "namespace"], default="auto")
     sp.add_argument("--slots", type=int, default=2, help="work items run at once")
+    sp.add_argument(
+        "--drain-deadline", default="10m",
+        help="on SIGTERM the host takes no new work and what runs goes on this long, then is "
+        "released for retry elsewhere (default 10m)",
+    )  # fmt: skip
     sp.add_argument("--registry-ca", default="",
                     help="a CA the image registry's certificate chains to (besides the system's "
                     "and the fleet's)")  # fmt: skip

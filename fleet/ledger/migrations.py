@@ -87,6 +87,14 @@ def _pin_host(conn: Connection) -> None:
         conn.execute(text("ALTER TABLE work_items ADD COLUMN pin_host VARCHAR NOT NULL DEFAULT ''"))
 
 
+def _drain(conn: Connection) -> None:
+    columns = {c["name"] for c in inspect(conn).get_columns("hosts")}
+    if "drain_deadline" not in columns:
+        conn.execute(text("ALTER TABLE hosts ADD COLUMN drain_deadline FLOAT"))
+    if "drain_by" not in columns:
+        conn.execute(text("ALTER TABLE hosts ADD COLUMN drain_by VARCHAR NOT NULL DEFAULT ''"))
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (
         1,
@@ -105,6 +113,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (7, "rollouts list the output files their final attempt stored", _outputs),
     (8, "hosts can be cordoned: they take no new work", _host_state),
     (9, "a work item may be pinned to one host (a session's fork)", _pin_host),
+    (10, "hosts can be drained: leased work runs until a deadline, then is released", _drain),
 ]
 LATEST = MIGRATIONS[-1][0]
 assert LATEST == tables.SCHEMA_VERSION

@@ -77,6 +77,8 @@ _E = EventRow.__table__  # type: ignore[attr-defined]
 _A = ArtifactRow.__table__  # type: ignore[attr-defined]
 _M = ManifestRow.__table__  # type: ignore[attr-defined]
 CORDONED = "cordoned"
+DRAINING = "draining"
+DRAINED = "drained"
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,7 @@ class HostView:
     last_heartbeat_at: float
 
 
-HOST_STATES = ("ready", CORDONED)
+HOST_STATES = ("ready", CORDONED, DRAINING, DRAINED)
 
 QUEUED, LEASED, DONE = "QUEUED", "LEASED", "DONE"
 
@@ -747,18 +749,69 @@ class Ledger:
                 row.host_class = caps.host_class.value
                 row.capabilities_json = caps.model_dump_json()
                 row.last_heartbeat_at = now
+                if row.drain_by == "agent":  # its own shutdown's drain: back in service
+                    row.state, row.drain_deadline, row.drain_by = "ready", None, ""
             s.add(row)
 
-    def set_host_state(self, host_id: str, state: str) -> None:
-        """Cordons (no new work; leases it holds run on) or readies a registered host."""
+    def set_host_state(
+        self, host_id: str, state: str, drain_deadline: float | None = None, by: str = "operator"
+    ) -> None:
+        """Cordons (no new work; leases it holds run on), drains (no new work; its leases are
+        released at `drain_deadline`), or readies a registered host."""
         if state not in HOST_STATES:
             raise InvalidArgument(f"host state {state!r} is not one of {', '.join(HOST_STATES)}")
+        if (state == DRAINING) != (drain_deadline is not None):
+            raise InvalidArgument("a drain needs a deadline, and only a drain has one")
         with self._tx() as s:
             row = s.get(HostRow, host_id)
             if row is None:
                 raise NotFound(f"no registered host {host_id!r}")
-            row.state = state
+            row.state, row.drain_deadline = state, drain_deadline
+            row.drain_by = by if state in (DRAINING, DRAINED) else ""
             s.add(row)
+
+    def agent_drains(self, host_id: str, deadline: float) -> None:
+        """An agent shutting down drains its host, unless it is drained or draining already
+        (an operator's drain keeps its own deadline)."""
+        with self._begin() as conn:
+            _Raw(conn, self._pg).run(
+                "UPDATE hosts SET state = ?, drain_deadline = ?, drain_by = ? "
+                "WHERE id = ? AND state NOT IN (?, ?)",
+                (DRAINING, deadline, "agent", host_id, DRAINING, DRAINED),
+            )
+
+    def drain_sweep(self, now: float) -> list[tuple[str, int]]:
+        """Draining hosts that hold no lease are drained; those past their deadline have their
+        leases released (retried elsewhere by the usual rules, their old attempts fenced off)
+        and are drained. Returns (host, leases released) for each host drained."""
+        done: list[tuple[str, int]] = []
+        with self._begin() as conn:
+            db = _Raw(conn, self._pg)
+            for host_id, deadline in db.all(
+                f"SELECT id, drain_deadline FROM hosts WHERE state = ?{db.lock}", (DRAINING,)
+            ):
+                held = int(
+                    db.all(
+                        "SELECT count(*) FROM work_items WHERE lease_owner = ? AND state = ?",
+                        (host_id, LEASED),
+                    )[0][0]
+                )
+                if held and (deadline is None or now < float(deadline)):
+                    continue
+                if held:
+                    db.run(
+                        "UPDATE work_items SET lease_expires_at = ? WHERE lease_owner = ? "
+                        "AND state = ?",
+                        (now - 1.0, host_id, LEASED),
+                    )
+                db.run(
+                    "UPDATE hosts SET state = ?, drain_deadline = NULL WHERE id = ?",
+                    (DRAINED, host_id),
+                )
+                done.append((host_id, held))
+        if any(released for _, released in done):
+            self.sweep(now)
+        return done
 
     def host_states(self) -> dict[str, str]:
         """Every registered host's state."""
@@ -864,8 +917,8 @@ class Ledger:
                 )
                 if again:
                     return [self._assignment(db, _Item(*row)) for row in again]
-            if db.all("SELECT state FROM hosts WHERE id = ?", (host_id,))[0][0] == CORDONED:
-                return []  # (checked in the claim's own transaction: no race with a cordon)
+            if db.all("SELECT state FROM hosts WHERE id = ?", (host_id,))[0][0] != "ready":
+                return []  # (cordoned, draining: checked in the claim's own transaction)
             where = (
                 "state = ? AND host_class = ? AND not_before <= ? AND deadline > ? "
                 "AND pin_host IN ('', ?)"

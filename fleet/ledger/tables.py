@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy import BigInteger
 from sqlmodel import Field, SQLModel
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 
 
 class SchemaInfo(SQLModel, table=True):
@@ -119,7 +119,13 @@ class HostRow(SQLModel, table=True):
     registered_at: float
     last_heartbeat_at: float
     state: str = Field(default="ready", sa_column_kwargs={"server_default": "ready"})
-    """ready, or cordoned (no new work; what it holds runs on). Schema version 8."""
+    """ready; cordoned (no new work; what it holds runs on); draining (no new work; what it
+    holds runs until `drain_deadline`, then is released for retry); drained. Schema 8."""
+    drain_deadline: float | None = None
+    """When a draining host's leases are released (schema version 10)."""
+    drain_by: str = Field(default="", sa_column_kwargs={"server_default": ""})
+    """Who drains it: "operator" (it stays drained), or "agent" (its own shutdown: ready
+    again when it registers again). Schema version 10."""
 
 
 class EventRow(SQLModel, table=True):

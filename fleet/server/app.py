@@ -47,6 +47,10 @@ async def _sweeper(core: Core) -> None:
         try:
             if await core.db(core.ledger.sweep, time.time()):
                 core.changed()
+            for host_id, released in await core.db(core.ledger.drain_sweep, time.time()):
+                log.info("host_drained", host_id=host_id, leases_released=released)
+                if released:
+                    core.changed()
         except Exception:
             log.exception("sweep_failed")
         await asyncio.sleep(core.config.sweep_interval_s)

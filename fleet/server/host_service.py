@@ -155,6 +155,9 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
         now = time.time()
         host_id = self._host_id(request.host_id)
         leases = [(lease.work_id, lease.fencing_token) for lease in request.leases]
+        if request.drain_deadline_s > 0:
+            await self.core.db(self.core.ledger.agent_drains, host_id,
+                               now + request.drain_deadline_s)  # fmt: skip
         renewed, stop = await self.core.db(
             self.core.ledger.heartbeat, host_id, leases, now, self.core.config.lease_ttl_s
         )

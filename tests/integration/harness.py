@@ -86,6 +86,7 @@ class Harness:
         image_cache_gib: float | None = None,
         gateway_ca: bytes = b"",
         registry_ca: bytes = b"",
+        drain_deadline_s: float = 600.0,
     ) -> Agent:
         """An agent on the server's image store, or on `images` (a host of its own)."""
         identity = None
@@ -107,6 +108,7 @@ class Harness:
                 gateway_ca=gateway_ca,
                 registry_ca=registry_ca,
                 image_cache_gib=image_cache_gib,
+                drain_deadline_s=drain_deadline_s,
             )
         )
         stop = asyncio.Event()

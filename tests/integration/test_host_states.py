@@ -118,3 +118,123 @@ def test_agents_of_another_version_are_refused_saying_which_to_upgrade(
     assert refused[1][0] == grpc.StatusCode.FAILED_PRECONDITION
     assert "upgrade the agent" in refused[1][1]
     assert listed == [f"cpu-a ready {fleet.__version__} 0/3"]
+
+
+async def _until(check, timeout_s: float = 60.0):  # type: ignore[no-untyped-def]
+    for _ in range(int(timeout_s / 0.1)):
+        value = await check()
+        if value:
+            return value
+        await asyncio.sleep(0.1)
+    raise AssertionError("timed out waiting")
+
+
+def test_a_drain_lets_work_finish_until_its_deadline_then_releases_the_rest(
+    tmp_path: Path, images: ImageStore
+) -> None:
+    """`fleet host drain`: the host takes no new work; what finishes before the deadline
+    finishes there; what still runs at the deadline is released and retried elsewhere, and
+    finishes exactly once (its first attempt fenced off); then the host is drained."""
+    from fleet._proto.fleet.v1 import fleet_pb2, types_pb2
+    from fleet.core.placement import HostClass
+
+    slow = ["sh", "-c", 'if [ "$FLEET_ATTEMPT" = 1 ]; then sleep 120; fi; echo done']
+
+    async def body() -> dict[str, object]:
+        async with harness(tmp_path, images) as h:
+            await h.start_agent("cpu-a", HostClass.CPU, slots=2)
+            ledger = h.server.core.ledger
+            short = (await h.fleet.SubmitRollout(request('image = "minimal"\n',
+                                                         ["sleep", "2"]))).rollout.id  # fmt: skip
+            held = (await h.fleet.SubmitRollout(request('image = "minimal"\n', slow))).rollout.id
+
+            async def both_running() -> bool:
+                states = [(await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=i))).state
+                          for i in (short, held)]  # fmt: skip
+                return all(s == types_pb2.ROLLOUT_STATE_RUNNING for s in states)
+
+            await _until(both_running)
+            await asyncio.to_thread(ledger.set_host_state, "cpu-a", "draining", time.time() + 6)
+            later = (await h.fleet.SubmitRollout(request())).rollout.id
+            await asyncio.sleep(1.5)
+            not_taken = (await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=later))).state
+            await h.start_agent("cpu-b", HostClass.CPU, slots=2)
+            done = {i: await h.wait_final(i, timeout_s=90) for i in (short, held, later)}
+
+            async def drained() -> str:
+                state = (await asyncio.to_thread(ledger.host_states))["cpu-a"]
+                return state if state == "drained" else ""
+
+            state = await _until(drained)
+            events = await asyncio.to_thread(ledger.events, held, 0)
+            return {"done": done, "not_taken": not_taken, "state": state,
+                    "events": [e.kind for e in events], "ids": (short, held, later)}  # fmt: skip
+
+    r = asyncio.run(body())
+    short, held, later = r["ids"]  # type: ignore[misc]
+    done: dict[str, object] = r["done"]  # type: ignore[assignment]
+    assert r["not_taken"] == types_pb2_queued()
+    a, b, c = done[short], done[held], done[later]
+    assert (a.state, a.attempts, a.host_id) == (types_pb2_succeeded(), 1, "cpu-a")  # type: ignore[attr-defined]
+    assert (b.state, b.attempts, b.host_id) == (types_pb2_succeeded(), 2, "cpu-b")  # type: ignore[attr-defined]
+    assert [s.stdout for s in b.results] == [b"done\n"]  # type: ignore[attr-defined]
+    assert c.host_id == "cpu-b"  # type: ignore[attr-defined]
+    assert r["state"] == "drained"
+    assert r["events"].count("lease_expired") == 1  # type: ignore[attr-defined]
+
+
+def types_pb2_queued() -> int:
+    from fleet._proto.fleet.v1 import types_pb2
+
+    return int(types_pb2.ROLLOUT_STATE_QUEUED)
+
+
+def types_pb2_succeeded() -> int:
+    from fleet._proto.fleet.v1 import types_pb2
+
+    return int(types_pb2.ROLLOUT_STATE_SUCCEEDED)
+
+
+def test_an_agent_told_to_stop_drains_its_host_first(tmp_path: Path, images: ImageStore) -> None:
+    """SIGTERM (the agent's stop): the server hears at once that the host drains, the running
+    step finishes, the agent exits, the host is drained; registered again, it takes work."""
+    from fleet._proto.fleet.v1 import fleet_pb2, types_pb2
+    from fleet.core.placement import HostClass
+
+    async def body() -> dict[str, object]:
+        async with harness(tmp_path, images) as h:
+            await h.start_agent("cpu-a", HostClass.CPU, slots=2, drain_deadline_s=60)
+            ledger = h.server.core.ledger
+            work = (await h.fleet.SubmitRollout(request('image = "minimal"\n',
+                                                        ["sleep", "2"]))).rollout.id  # fmt: skip
+
+            async def running() -> bool:
+                r = await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=work))
+                return r.state == types_pb2.ROLLOUT_STATE_RUNNING
+
+            await _until(running)
+            stop, task = h.agents.pop("cpu-a")
+            stop.set()
+
+            async def draining() -> str:
+                state = (await asyncio.to_thread(ledger.host_states))["cpu-a"]
+                return state if state in ("draining", "drained") else ""
+
+            seen = await _until(draining)
+            await asyncio.wait_for(task, 60)
+            finished = await h.wait_final(work)
+
+            async def drained() -> bool:
+                return (await asyncio.to_thread(ledger.host_states))["cpu-a"] == "drained"
+
+            await _until(drained)
+            await h.start_agent("cpu-a", HostClass.CPU, slots=2)
+            again = await h.wait_final((await h.fleet.SubmitRollout(request())).rollout.id)
+            return {"seen": seen, "finished": (finished.state, finished.attempts),
+                    "again": (again.state, again.host_id),
+                    "state": (await asyncio.to_thread(ledger.host_states))["cpu-a"]}  # fmt: skip
+
+    r = asyncio.run(body())
+    assert r["seen"] in ("draining", "drained")
+    assert r["finished"] == (types_pb2_succeeded(), 1)
+    assert r["again"] == (types_pb2_succeeded(), "cpu-a") and r["state"] == "ready"

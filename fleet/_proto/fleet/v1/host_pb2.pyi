@@ -234,14 +234,16 @@ class LeaseRef(_message.Message):
     def __init__(self, work_id: _Optional[str] = ..., fencing_token: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("request_id", "host_id", "leases")
+    __slots__ = ("request_id", "host_id", "leases", "drain_deadline_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     host_id: str
     leases: _containers.RepeatedCompositeFieldContainer[LeaseRef]
-    def __init__(self, request_id: _Optional[str] = ..., host_id: _Optional[str] = ..., leases: _Optional[_Iterable[_Union[LeaseRef, _Mapping]]] = ...) -> None: ...
+    drain_deadline_s: float
+    def __init__(self, request_id: _Optional[str] = ..., host_id: _Optional[str] = ..., leases: _Optional[_Iterable[_Union[LeaseRef, _Mapping]]] = ..., drain_deadline_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("renewed", "stop_work_ids", "lease_expires_at")
