@@ -101,6 +101,8 @@ class AgentConfig:
     """Bound on the images fetched from the server kept here (None: no bound)."""
     default_disk_gib: int | None = DEFAULT_DISK_GIB
     """A namespace machine's writable layer where its Smolfile bounds none (None: unbounded)."""
+    labels: dict[str, str] = field(default_factory=dict)
+    """What pools select this host by (an enrolled host's come from its join token)."""
     drain_deadline_s: float = 600.0
     """On stopping (SIGTERM), how long running work may go on; the host takes no new work
     meanwhile, and what still runs after it is released for retry elsewhere."""
@@ -137,7 +139,7 @@ class Agent:
         )
         self.caps: HostCapabilities = capabilities(
             config.host_id, config.host_class, config.runtime, config.slots
-        ).model_copy(update={"gateway": config.gateway is not None})
+        ).model_copy(update={"gateway": config.gateway is not None, "labels": dict(config.labels)})
         self.log = log.bind(host_id=config.host_id, host_class=config.host_class.value)
         self._running: dict[str, _Running] = {}
         self._slot_freed = asyncio.Event()

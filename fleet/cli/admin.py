@@ -17,7 +17,7 @@ from fleet.cli.client import parse_labels
 from fleet.config import Paths
 from fleet.core.credentials import format_api_key, format_join_token, parse_scopes
 from fleet.core.errors import InvalidArgument
-from fleet.core.placement import HostClass
+from fleet.core.placement import HostClass, Pool
 from fleet.identity.ca import CertificateAuthority
 
 DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
@@ -127,6 +127,31 @@ def _ago(seconds: float) -> str:
     return f"{max(0, int(seconds))}s ago"
 
 
+async def cmd_pool(args: argparse.Namespace) -> int:
+    ledger = _ledger(args)
+    if args.pool_cmd == "set":
+        pool = Pool(name=args.name, host_class=HostClass(args.host_class),
+                    labels=parse_labels(args.label), max_running=args.max_running)  # fmt: skip
+        ledger.set_pool(pool, time.time())
+        cap = f"at most {pool.max_running} running at once" if pool.max_running else "no cap"
+        print(f"pool {pool.name}: {pool.host_class.value}-class hosts labelled "
+              f"{_labels(pool.labels) or '(any)'}, {cap}; claims see it at once")  # fmt: skip
+    elif args.pool_cmd == "delete":
+        ledger.delete_pool(args.name)
+        print(f"pool {args.name} deleted: its hosts run without its cap")
+    else:
+        print(f"{'pool':<16} {'class':<5} {'running':>9}  {'hosts':<5} labels")
+        for pool, members, running in ledger.pools():
+            cap = f"{running}/{pool.max_running}" if pool.max_running else f"{running}/-"
+            print(f"{pool.name:<16} {pool.host_class.value:<5} {cap:>9}  {len(members):<5} "
+                  f"{_labels(pool.labels)}  {' '.join(members)}")  # fmt: skip
+    return 0
+
+
+def _labels(labels: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+
 async def cmd_key(args: argparse.Namespace) -> int:
     ledger = _ledger(args)
     ids = ledger.identities
@@ -195,6 +220,22 @@ def add_commands(
     r = hsub.add_parser("revoke", help="refuse a host from now on and release its leases")
     r.add_argument("id")
     db_flag(r)
+
+    sp = add("pool", cmd_pool, "pools of hosts (class and labels) and their caps")
+    psub = sp.add_subparsers(dest="pool_cmd", required=True)
+    ps = psub.add_parser("set", help="make or change a pool (claims see it at once)")
+    ps.add_argument("name")
+    ps.add_argument("--class", dest="host_class", choices=["cpu", "gpu"], required=True)
+    ps.add_argument("--label", action="append", default=[], help="KEY=VALUE hosts must carry")
+    ps.add_argument(
+        "--max-running", type=int, default=0,
+        help="leases its hosts may hold at once, across every server (0: no cap)",
+    )  # fmt: skip
+    db_flag(ps)
+    pd = psub.add_parser("delete", help="remove a pool (its hosts run without its cap)")
+    pd.add_argument("name")
+    db_flag(pd)
+    db_flag(psub.add_parser("list", help="pools, their hosts and what they run against the cap"))
 
     sp = add("key", cmd_key, "tenants' API keys")
     ksub = sp.add_subparsers(dest="key_cmd", required=True)

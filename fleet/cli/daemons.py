@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from fleet.cli.admin import duration_s
+from fleet.cli.client import parse_labels
 from fleet.config import Paths
 from fleet.identity.local import ensure_admin_key
 from fleet.runtime.netns import NetConfig
@@ -305,6 +306,7 @@ async def cmd_agent(args: argparse.Namespace) -> int:
             default_disk_gib=args.default_disk_gib or None,
             registry_ca=registry_ca,
             drain_deadline_s=duration_s(args.drain_deadline),
+            labels=parse_labels(args.label),
         )
     )
     print(f"fleet agent: {host_class}-class, runtime {choice.kind} ({choice.reason})", flush=True)

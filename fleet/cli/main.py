@@ -459,6 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--class", dest="host_class", choices=["gpu", "cpu"], required=True)
     sp.add_argument("--runtime", choices=["auto", "smol", "namespace"], default="auto")
     sp.add_argument("--slots", type=int, default=2, help="work items run at once")
+    sp.add_argument("--label", action="append", default=[],
+                    help="KEY=VALUE pools select this host by (repeatable; an enrolled host's "
+                    "labels are its join token's)")  # fmt: skip
     sp.add_argument(
         "--drain-deadline", default="10m",
         help="on SIGTERM the host takes no new work and what runs goes on this long, then is "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from fleet.core.smolfile import Smolfile
 
@@ -58,6 +58,27 @@ class HostCapabilities(BaseModel):
     """The agent knows the inference gateway's address (it may run rollouts that use it)."""
     agent_version: str = ""
     """The fleet version its agent runs (as it registered)."""
+    labels: dict[str, str] = Field(default_factory=dict)
+    """What pools select it by: its join token's (an enrolled host), or its agent's
+    `--label`s (a server without TLS)."""
+
+
+class Pool(BaseModel):
+    """A set of hosts chosen by class and labels, and the cap on what they run at once."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    host_class: HostClass
+    labels: dict[str, str] = Field(default_factory=dict)
+    max_running: int = 0
+    """Leases its hosts may hold at once, across every server replica (0: no cap)."""
+
+    def holds(self, host: HostCapabilities) -> bool:
+        """Whether `host` is in this pool: its class, and every one of the pool's labels."""
+        return host.host_class == self.host_class and all(
+            host.labels.get(k) == v for k, v in self.labels.items()
+        )
 
 
 def host_class_for(spec: Smolfile, needs: Requirements | None = None) -> HostClass:

@@ -95,6 +95,10 @@ def _drain(conn: Connection) -> None:
         conn.execute(text("ALTER TABLE hosts ADD COLUMN drain_by VARCHAR NOT NULL DEFAULT ''"))
 
 
+def _pools(conn: Connection) -> None:
+    tables.PoolRow.__table__.create(conn, checkfirst=True)  # type: ignore[attr-defined]
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (
         1,
@@ -114,6 +118,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (8, "hosts can be cordoned: they take no new work", _host_state),
     (9, "a work item may be pinned to one host (a session's fork)", _pin_host),
     (10, "hosts can be drained: leased work runs until a deadline, then is released", _drain),
+    (11, "pools: hosts chosen by class and labels, with a cap on what they run", _pools),
 ]
 LATEST = MIGRATIONS[-1][0]
 assert LATEST == tables.SCHEMA_VERSION

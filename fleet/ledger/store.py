@@ -42,7 +42,7 @@ from fleet.core.errors import (
 )
 from fleet.core.lifecycle import Outcome, RolloutState, check_transition
 from fleet.core.manifest import Manifest, OutputArtifact, SubmitRequest
-from fleet.core.placement import HostCapabilities, Isolation
+from fleet.core.placement import HostCapabilities, HostClass, Isolation, Pool
 from fleet.core.policy import EffectiveEgress
 from fleet.core.rollout import (
     Assignment,
@@ -52,7 +52,7 @@ from fleet.core.rollout import (
     RolloutEvent,
     StepResult,
 )
-from fleet.ledger.identity import Identities
+from fleet.ledger.identity import Identities, check_labels
 from fleet.ledger.migrations import migrate
 from fleet.ledger.tables import (
     ArtifactRow,
@@ -62,6 +62,7 @@ from fleet.ledger.tables import (
     HostIdentityRow,
     HostRow,
     ManifestRow,
+    PoolRow,
     RolloutLabel,
     RolloutRow,
     WorkItemRow,
@@ -780,6 +781,83 @@ class Ledger:
                 (DRAINING, deadline, "agent", host_id, DRAINING, DRAINED),
             )
 
+    # -- pools ------------------------------------------------------------------------------
+
+    def _pool_room(self, db: _Raw, host: HostCapabilities) -> int:
+        """How many more leases `host` may take under the caps of the pools it is in (locked
+        for the rest of the claim's transaction, so that replicas claiming at once for hosts
+        of one pool take turns and the cap holds across them)."""
+        capped = [
+            Pool(name=name, host_class=HostClass(cls), labels=json.loads(labels), max_running=cap)
+            for name, cls, labels, cap in db.all(
+                "SELECT name, host_class, labels_json, max_running FROM pools "
+                f"WHERE host_class = ? AND max_running > 0 ORDER BY name{db.lock}",
+                (host.host_class.value,),
+            )
+        ]
+        mine = [pool for pool in capped if pool.holds(host)]
+        if not mine:
+            return 1 << 30
+        hosts = [
+            HostCapabilities.model_validate_json(caps)
+            for (caps,) in db.all(
+                "SELECT capabilities_json FROM hosts WHERE host_class = ?",
+                (host.host_class.value,),
+            )
+        ]
+        held = dict(
+            db.all(
+                "SELECT lease_owner, count(*) FROM work_items WHERE state = ? GROUP BY lease_owner",
+                (LEASED,),
+            )
+        )
+        return min(
+            pool.max_running - sum(int(held.get(h.host_id, 0)) for h in hosts if pool.holds(h))
+            for pool in mine
+        )
+
+    def set_pool(self, pool: Pool, now: float) -> None:
+        """Makes or changes a pool; claims see it at once, on every server."""
+        check_labels(pool.labels)
+        if pool.max_running < 0:
+            raise InvalidArgument(f"max_running must be 0 (no cap) or more, got {pool.max_running}")
+        with self._tx() as s:
+            row = s.get(PoolRow, pool.name) or PoolRow(name=pool.name, host_class="")
+            row.host_class = pool.host_class.value
+            row.labels_json = json.dumps(pool.labels, sort_keys=True)
+            row.max_running, row.updated_at = pool.max_running, now
+            s.add(row)
+
+    def delete_pool(self, name: str) -> None:
+        with self._tx() as s:
+            row = s.get(PoolRow, name)
+            if row is None:
+                raise NotFound(f"no pool {name!r}")
+            s.delete(row)
+
+    def pools(self) -> list[tuple[Pool, list[str], int]]:
+        """Every pool, with its hosts and the leases they hold now."""
+        with self._begin() as conn:
+            db = _Raw(conn, self._pg)
+            rows = db.all("SELECT capabilities_json FROM hosts ORDER BY id", ())
+            hosts = [HostCapabilities.model_validate_json(c) for (c,) in rows]
+            held = dict(
+                db.all(
+                    "SELECT lease_owner, count(*) FROM work_items WHERE state = ? "
+                    "GROUP BY lease_owner",
+                    (LEASED,),
+                )
+            )
+            out = []
+            for name, cls, labels, cap in db.all(
+                "SELECT name, host_class, labels_json, max_running FROM pools ORDER BY name", ()
+            ):
+                pool = Pool(name=name, host_class=HostClass(cls), labels=json.loads(labels),
+                            max_running=cap)  # fmt: skip
+                members = [h.host_id for h in hosts if pool.holds(h)]
+                out.append((pool, members, sum(int(held.get(m, 0)) for m in members)))
+            return out
+
     def drain_sweep(self, now: float) -> list[tuple[str, int]]:
         """Draining hosts that hold no lease are drained; those past their deadline have their
         leases released (retried elsewhere by the usual rules, their old attempts fenced off)
@@ -919,6 +997,9 @@ class Ledger:
                     return [self._assignment(db, _Item(*row)) for row in again]
             if db.all("SELECT state FROM hosts WHERE id = ?", (host_id,))[0][0] != "ready":
                 return []  # (cordoned, draining: checked in the claim's own transaction)
+            max_items = min(max_items, self._pool_room(db, host))
+            if max_items <= 0:
+                return []  # (a pool it is in runs its cap already)
             where = (
                 "state = ? AND host_class = ? AND not_before <= ? AND deadline > ? "
                 "AND pin_host IN ('', ?)"

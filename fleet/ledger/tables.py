@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy import BigInteger
 from sqlmodel import Field, SQLModel
 
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 
 
 class SchemaInfo(SQLModel, table=True):
@@ -126,6 +126,21 @@ class HostRow(SQLModel, table=True):
     drain_by: str = Field(default="", sa_column_kwargs={"server_default": ""})
     """Who drains it: "operator" (it stays drained), or "agent" (its own shutdown: ready
     again when it registers again). Schema version 10."""
+
+
+class PoolRow(SQLModel, table=True):
+    """A set of hosts chosen by class and labels, with a cap on the work they run at once
+    (schema version 11)."""
+
+    __tablename__ = "pools"
+
+    name: str = Field(primary_key=True)
+    host_class: str
+    labels_json: str = "{}"
+    """Every one of these labels, on a host of the class: the host is in the pool."""
+    max_running: int = 0
+    """Leases its hosts may hold at once, across every server (0: no cap)."""
+    updated_at: float = 0.0
 
 
 class EventRow(SQLModel, table=True):

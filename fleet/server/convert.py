@@ -25,6 +25,7 @@ from fleet.core.placement import HostCapabilities, HostClass, Isolation, Require
 from fleet.core.policy import EffectiveEgress, EgressMode
 from fleet.core.retry import RetryPolicy
 from fleet.core.rollout import Assignment, Completion, Rollout, RolloutEvent, StepResult
+from fleet.ledger.identity import check_labels
 
 HOST_CLASS_TO_PB = {
     HostClass.GPU: types_pb2.HOST_CLASS_GPU,
@@ -398,6 +399,7 @@ def capabilities_from_pb(req: host_pb2.RegisterHostRequest) -> HostCapabilities:
         device=caps.device or "cpu",
         runtime_reason=caps.runtime_reason,
         gateway=caps.gateway,
+        labels=check_labels(dict(caps.labels)),
     )
 
 
@@ -412,6 +414,7 @@ def capabilities_to_pb(c: HostCapabilities) -> host_pb2.Capabilities:
         runtime_reason=c.runtime_reason,
         device=c.device,
         gateway=c.gateway,
+        labels=c.labels,
     )
 
 

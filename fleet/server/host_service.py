@@ -131,6 +131,7 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
         enrolled = self.core.caller().host
         if enrolled is not None:
             check_within(caps, HostCapabilities.model_validate_json(enrolled.capabilities_json))
+            caps = caps.model_copy(update={"labels": dict(enrolled.labels)})
         await self.core.db(self.core.ledger.register_host, caps, time.time())
         self.core.hosts_changed()
         log.info(

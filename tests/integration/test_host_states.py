@@ -238,3 +238,43 @@ def test_an_agent_told_to_stop_drains_its_host_first(tmp_path: Path, images: Ima
     assert r["seen"] in ("draining", "drained")
     assert r["finished"] == (types_pb2_succeeded(), 1)
     assert r["again"] == (types_pb2_succeeded(), "cpu-a") and r["state"] == "ready"
+
+
+def test_fleet_pool_set_list_and_delete(tmp_path: Path) -> None:
+    """Pools from the CLI: made, listed with their hosts and what they run against the cap,
+    changed, deleted; a malformed label is refused."""
+    from fleet.core.placement import HostCapabilities, HostClass, Isolation, RuntimeKind
+    from fleet.ledger.store import Ledger
+
+    db = tmp_path / "ledger.sqlite3"
+    ledger = Ledger.open(str(db))
+    for host_id, site in (("c1", "cloud"), ("l1", "local")):
+        ledger.register_host(
+            HostCapabilities(
+                host_id=host_id, host_class=HostClass.CPU, runtime=RuntimeKind.NAMESPACE,
+                isolation=Isolation.NAMESPACE, cpus=2, memory_mib=1024, cuda_devices=0,
+                labels={"site": site},
+            ),
+            time.time(),
+        )  # fmt: skip
+    ledger.engine.dispose()
+
+    def cli(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "fleet.cli.main", "pool", *argv, "--db", str(db)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+
+    made = cli("set", "cloud", "--class", "cpu", "--label", "site=cloud", "--max-running", "16")
+    assert made.returncode == 0 and "at most 16 running" in made.stdout, made.stderr
+    listed = cli("list").stdout.splitlines()
+    assert listed[1].split() == ["cloud", "cpu", "0/16", "1", "site=cloud", "c1"]
+    assert cli("set", "cloud", "--class", "cpu", "--label", "site=cloud",
+               "--max-running", "4").returncode == 0  # fmt: skip
+    assert cli("list").stdout.splitlines()[1].split()[2] == "0/4"
+    bad = cli("set", "x", "--class", "cpu", "--label", "no-equals-sign")
+    assert bad.returncode == 2 and "KEY=VALUE" in bad.stderr, bad.stderr
+    assert cli("delete", "cloud").returncode == 0
+    assert cli("list").stdout.splitlines()[1:] == []
+    gone = cli("delete", "cloud")
+    assert gone.returncode == 2 and "no pool 'cloud'" in gone.stderr

@@ -644,3 +644,53 @@ def test_retention_deletes_old_finished_rollouts_with_everything_of_theirs(
     removed = blobs.collect_garbage(referenced_blobs(ledger), T0 + 1)
     assert removed == 3
     assert [p.name for p in (tmp_path / "blobs" / "sha256").rglob("*") if p.is_file()] == ["c" * 64]
+
+
+def test_a_pools_cap_holds_across_replicas_claiming_at_once(ledger_target: str) -> None:
+    """Two ledgers on one database (two server replicas) claim for the hosts of a capped pool
+    from many threads at once: the pool never holds more leases than its cap; a host outside
+    it is not held back; a raised cap is seen by the next claim."""
+    import threading
+
+    from fleet.core.placement import Pool
+
+    replicas = [Ledger.open(ledger_target), Ledger.open(ledger_target)]
+    first = replicas[0]
+    for host_id, site in (("c1", "cloud"), ("c2", "cloud"), ("c3", "cloud"), ("l1", "local")):
+        first.register_host(
+            HostCapabilities(
+                host_id=host_id, host_class=HostClass.CPU, runtime=RuntimeKind.NAMESPACE,
+                isolation=Isolation.NAMESPACE, cpus=2, memory_mib=1024, cuda_devices=0,
+                slots=8, labels={"site": site},
+            ),
+            T0,
+        )  # fmt: skip
+    first.set_pool(Pool(name="cloud", host_class=HostClass.CPU, labels={"site": "cloud"},
+                        max_running=3), T0)  # fmt: skip
+    for i in range(30):
+        submit(first, key=f"k{i}")
+    taken: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def claim(replica: Ledger, host_id: str) -> None:
+        for _ in range(5):
+            got = replica.claim(host_id, 4, T0, TTL)
+            with lock:
+                taken[host_id] = taken.get(host_id, 0) + len(got)
+
+    threads = [
+        threading.Thread(target=claim, args=(replicas[i % 2], host))
+        for i, host in enumerate(["c1", "c2", "c3", "c1", "c2", "c3", "l1"])
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    [(pool, members, running)] = first.pools()
+    in_pool = sum(n for h, n in taken.items() if h != "l1")
+    assert (pool.name, sorted(members), running, in_pool) == ("cloud", ["c1", "c2", "c3"], 3, 3)
+    assert taken["l1"] == 20  # (5 claims of 4: the local host is in no pool)
+    first.set_pool(pool.model_copy(update={"max_running": 5}), T0)
+    assert len(replicas[1].claim("c2", 4, T0, TTL)) == 2
+    for replica in replicas:
+        replica.engine.dispose()

@@ -178,7 +178,14 @@ class CheckpointOutcome(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("runtime", "isolation", "cpus", "memory_mib", "cuda_devices", "slots", "runtime_reason", "device", "gateway")
+    __slots__ = ("runtime", "isolation", "cpus", "memory_mib", "cuda_devices", "slots", "runtime_reason", "device", "gateway", "labels")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     RUNTIME_FIELD_NUMBER: _ClassVar[int]
     ISOLATION_FIELD_NUMBER: _ClassVar[int]
     CPUS_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +195,7 @@ class Capabilities(_message.Message):
     RUNTIME_REASON_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     GATEWAY_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
     runtime: _types_pb2.RuntimeKind
     isolation: _types_pb2.Isolation
     cpus: int
@@ -197,7 +205,8 @@ class Capabilities(_message.Message):
     runtime_reason: str
     device: str
     gateway: bool
-    def __init__(self, runtime: _Optional[_Union[_types_pb2.RuntimeKind, str]] = ..., isolation: _Optional[_Union[_types_pb2.Isolation, str]] = ..., cpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., cuda_devices: _Optional[int] = ..., slots: _Optional[int] = ..., runtime_reason: _Optional[str] = ..., device: _Optional[str] = ..., gateway: _Optional[bool] = ...) -> None: ...
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, runtime: _Optional[_Union[_types_pb2.RuntimeKind, str]] = ..., isolation: _Optional[_Union[_types_pb2.Isolation, str]] = ..., cpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., cuda_devices: _Optional[int] = ..., slots: _Optional[int] = ..., runtime_reason: _Optional[str] = ..., device: _Optional[str] = ..., gateway: _Optional[bool] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class RegisterHostRequest(_message.Message):
     __slots__ = ("request_id", "host_id", "host_class", "capabilities", "agent_version")
