@@ -148,6 +148,31 @@ async def cmd_pool(args: argparse.Namespace) -> int:
     return 0
 
 
+async def cmd_rollback(args: argparse.Namespace) -> int:
+    ledger = _ledger(args)
+    if args.undo:
+        hosts = ledger.undo_rollback()
+        print(f"rollback undone: {len(hosts)} hosts ready again ({' '.join(hosts) or '-'})")
+    elif args.to:
+        if args.to != "local-only":
+            raise InvalidArgument("fleet rollback --to local-only is the one rollback there is")
+        now = time.time()
+        deadline = now + duration_s(args.deadline)
+        hosts = ledger.rollback(deadline, now, args.local_pool)
+        keep = f"pool {args.local_pool}" if args.local_pool else "fleet up's agents and gpu hosts"
+        print(f"rolled back to the local pool ({keep}): {len(hosts)} hosts draining until "
+              f"{_when(deadline)} ({' '.join(hosts) or '-'}); cpu work now runs there too; "
+              "undo with fleet rollback --undo")  # fmt: skip
+    else:
+        state = ledger.rollback_state()
+        if state is None:
+            print("no rollback in force")
+        else:
+            keep = state.get("local_pool") or "fleet up's agents and gpu hosts"
+            print(f"rolled back to the local pool ({keep}) since {_when(state['since'])}")
+    return 0
+
+
 def _labels(labels: dict[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
 
@@ -236,6 +261,19 @@ def add_commands(
     pd.add_argument("name")
     db_flag(pd)
     db_flag(psub.add_parser("list", help="pools, their hosts and what they run against the cap"))
+
+    sp = add("rollback", cmd_rollback, "return to the local pool, or undo that")
+    sp.add_argument("--to", choices=["local-only"], help="roll back to the local pool")
+    sp.add_argument("--undo", action="store_true", help="end the rollback in force")
+    sp.add_argument(
+        "--deadline", default="10m",
+        help="other hosts' work runs this long, then is retried locally (10m)",
+    )  # fmt: skip
+    sp.add_argument(
+        "--local-pool", default="",
+        help="the pool kept (default: fleet up's agents and gpu-class hosts)",
+    )  # fmt: skip
+    db_flag(sp)
 
     sp = add("key", cmd_key, "tenants' API keys")
     ksub = sp.add_subparsers(dest="key_cmd", required=True)

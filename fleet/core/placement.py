@@ -129,3 +129,15 @@ def unservable_reason(
             counts[label] = counts.get(label, 0) + 1
         have = "the fleet has " + ", ".join(f"{n} {label}" for label, n in sorted(counts.items()))
     return f"no registered host can ever serve this rollout: {why}, and {have}"
+
+
+LOCAL_LABEL = "fleet.local"
+"""The label of the embedded fleet's agents (`fleet up`): in the local pool by default."""
+
+
+def is_local(host: HostCapabilities, local_pool: Pool | None = None) -> bool:
+    """Whether `host` is in the local pool a rollback keeps: the named pool's hosts, or, by
+    default, `fleet up`'s agents and every gpu-class host."""
+    if local_pool is not None:
+        return local_pool.holds(host)
+    return host.labels.get(LOCAL_LABEL) == "1" or host.host_class == HostClass.GPU

@@ -10,7 +10,7 @@ import structlog
 from fleet.config import Paths
 from fleet.core.credentials import Scope, format_api_key, matches, parse_api_key
 from fleet.core.errors import FleetError
-from fleet.core.placement import HostCapabilities
+from fleet.core.placement import LOCAL_LABEL, HostCapabilities
 from fleet.identity.ca import CertificateAuthority, csr_for, key_pem, new_key, write_private
 from fleet.identity.tls import HostIdentityMaterial
 from fleet.ledger.store import Ledger
@@ -49,6 +49,6 @@ def local_host_identity(
     issued = ca.sign_host_csr(csr_for(key, caps.host_id), caps.host_id)
     ledger.identities.add_host(
         caps.host_id, caps.host_class, caps.model_dump_json(), issued.serial, issued.not_after,
-        time.time(),
+        time.time(), {LOCAL_LABEL: "1"},
     )  # fmt: skip
     return HostIdentityMaterial(key_pem(key), issued.pem, ca.pem, api, host_port)

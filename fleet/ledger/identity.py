@@ -200,7 +200,7 @@ class Identities:
 
     def add_host(
         self, host_id: str, host_class: HostClass, capabilities_json: str, serial: str,
-        not_after: float, now: float,
+        not_after: float, now: float, labels: dict[str, str] | None = None,
     ) -> None:  # fmt: skip
         """Records a host the CA's holder enrolled directly (the embedded fleet's agents);
         enrolling the same id again updates it unless it was revoked."""
@@ -212,13 +212,14 @@ class Identities:
             if existing is not None and existing.revoked_at is not None:
                 raise AlreadyExists(f"host id {host_id!r} was revoked")
             params = {"h": host_id, "c": host_class.value, "caps": capabilities_json,
-                      "now": now, "s": serial, "exp": not_after}  # fmt: skip
+                      "now": now, "s": serial, "exp": not_after,
+                      "l": json.dumps(check_labels(labels or {}), sort_keys=True)}  # fmt: skip
             if existing is None:
                 conn.execute(
                     text(
                         "INSERT INTO host_identities (host_id, host_class, labels_json, "
                         "capabilities_json, token_id, enrolled_at, cert_serial, cert_expires_at) "
-                        "VALUES (:h, :c, '{}', :caps, '', :now, :s, :exp)"
+                        "VALUES (:h, :c, :l, :caps, '', :now, :s, :exp)"
                     ),
                     params,
                 )
@@ -226,7 +227,8 @@ class Identities:
                 conn.execute(
                     text(
                         "UPDATE host_identities SET host_class = :c, capabilities_json = :caps, "
-                        "cert_serial = :s, cert_expires_at = :exp WHERE host_id = :h"
+                        "cert_serial = :s, cert_expires_at = :exp, labels_json = :l "
+                        "WHERE host_id = :h"
                     ),
                     params,
                 )

@@ -99,6 +99,10 @@ def _pools(conn: Connection) -> None:
     tables.PoolRow.__table__.create(conn, checkfirst=True)  # type: ignore[attr-defined]
 
 
+def _settings(conn: Connection) -> None:
+    tables.SettingRow.__table__.create(conn, checkfirst=True)  # type: ignore[attr-defined]
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (
         1,
@@ -119,6 +123,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (9, "a work item may be pinned to one host (a session's fork)", _pin_host),
     (10, "hosts can be drained: leased work runs until a deadline, then is released", _drain),
     (11, "pools: hosts chosen by class and labels, with a cap on what they run", _pools),
+    (12, "fleet-wide settings: a rollback to the local pool", _settings),
 ]
 LATEST = MIGRATIONS[-1][0]
 assert LATEST == tables.SCHEMA_VERSION

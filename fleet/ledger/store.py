@@ -42,7 +42,7 @@ from fleet.core.errors import (
 )
 from fleet.core.lifecycle import Outcome, RolloutState, check_transition
 from fleet.core.manifest import Manifest, OutputArtifact, SubmitRequest
-from fleet.core.placement import HostCapabilities, HostClass, Isolation, Pool
+from fleet.core.placement import HostCapabilities, HostClass, Isolation, Pool, is_local
 from fleet.core.policy import EffectiveEgress
 from fleet.core.rollout import (
     Assignment,
@@ -781,6 +781,77 @@ class Ledger:
                 (DRAINING, deadline, "agent", host_id, DRAINING, DRAINED),
             )
 
+    # -- rollback to the local pool ---------------------------------------------------------
+
+    def _rollback(self, db: _Raw) -> tuple[bool, Pool | None]:
+        """(whether a rollback is in force, the pool it keeps: None for the default local
+        pool, `is_local`)."""
+        rows = db.all("SELECT value_json FROM settings WHERE key = ?", ("rollback",))
+        if not rows:
+            return False, None
+        name = json.loads(rows[0][0]).get("local_pool", "")
+        found = db.all(
+            "SELECT name, host_class, labels_json, max_running FROM pools WHERE name = ?", (name,)
+        )
+        if not name or not found:
+            return True, None
+        n, cls, labels, cap = found[0]
+        pool = Pool(name=n, host_class=HostClass(cls), labels=json.loads(labels), max_running=cap)
+        return True, pool
+
+    def rollback_state(self) -> dict[str, Any] | None:
+        """{"since": time, "local_pool": name or ""} while a rollback is in force."""
+        with self._begin() as conn:
+            rows = _Raw(conn, self._pg).all(
+                "SELECT value_json FROM settings WHERE key = ?", ("rollback",)
+            )
+        return dict(json.loads(rows[0][0])) if rows else None
+
+    def rollback(self, deadline: float, now: float, local_pool: str = "") -> list[str]:
+        """Rolls back to the local pool: every other host is set draining until `deadline`
+        (what it runs then is released and retried on the local pool), nothing new goes to
+        any host outside it, and the local gpu hosts take cpu-class work too, until
+        `undo_rollback`. Returns the hosts set draining."""
+        with self._begin() as conn:
+            db = _Raw(conn, self._pg)
+            if db.all(f"SELECT key FROM settings WHERE key = ?{db.lock}", ("rollback",)):
+                raise FailedPrecondition("a rollback is in force already: undo it first")
+            if local_pool and not db.all("SELECT name FROM pools WHERE name = ?", (local_pool,)):
+                raise NotFound(f"no pool {local_pool!r} (fleet pool list)")
+            db.run(
+                "INSERT INTO settings (key, value_json, updated_at) VALUES (?, ?, ?)",
+                ("rollback", json.dumps({"since": now, "local_pool": local_pool}), now),
+            )
+            _, local = self._rollback(db)
+            drained = []
+            for host_id, caps, state in db.all(
+                f"SELECT id, capabilities_json, state FROM hosts ORDER BY id{db.lock}", ()
+            ):
+                if state in ("ready", CORDONED) and not is_local(
+                    HostCapabilities.model_validate_json(caps), local
+                ):
+                    db.run(
+                        "UPDATE hosts SET state = ?, drain_deadline = ?, drain_by = ? WHERE id = ?",
+                        (DRAINING, deadline, "rollback", host_id),
+                    )
+                    drained.append(host_id)
+            return drained
+
+    def undo_rollback(self) -> list[str]:
+        """Ends the rollback: the hosts it drained are ready again; returns them."""
+        with self._begin() as conn:
+            db = _Raw(conn, self._pg)
+            if not db.run("DELETE FROM settings WHERE key = ?", ("rollback",)):
+                raise FailedPrecondition("no rollback is in force")
+            hosts = [row[0] for row in db.all(
+                "SELECT id FROM hosts WHERE drain_by = ? ORDER BY id", ("rollback",))]  # fmt: skip
+            db.run(
+                "UPDATE hosts SET state = ?, drain_deadline = NULL, drain_by = '' "
+                "WHERE drain_by = ?",
+                ("ready", "rollback"),
+            )
+            return hosts
+
     # -- pools ------------------------------------------------------------------------------
 
     def _pool_room(self, db: _Raw, host: HostCapabilities) -> int:
@@ -1000,11 +1071,18 @@ class Ledger:
             max_items = min(max_items, self._pool_room(db, host))
             if max_items <= 0:
                 return []  # (a pool it is in runs its cap already)
+            classes = [host.host_class.value]
+            rolled_back, local = self._rollback(db)
+            if rolled_back:
+                if not is_local(host, local):
+                    return []  # (rolled back to the local pool: nothing new goes elsewhere)
+                if host.host_class == HostClass.GPU:
+                    classes.append(HostClass.CPU.value)  # (the local host has CPUs too)
             where = (
-                "state = ? AND host_class = ? AND not_before <= ? AND deadline > ? "
-                "AND pin_host IN ('', ?)"
+                f"state = ? AND host_class IN ({_marks(len(classes))}) AND not_before <= ? "
+                "AND deadline > ? AND pin_host IN ('', ?)"
             )
-            params: list[Any] = [QUEUED, host.host_class.value, now, now, host_id]
+            params: list[Any] = [QUEUED, *classes, now, now, host_id]
             # The host that failed an attempt (a host error, a lost lease) gets its retry only
             # once others had AVOID_HOST_S to take it, unless no other live host of its class
             # could (one that beat within the last AVOID_HOST_S): a lone host runs it at once.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy import BigInteger
 from sqlmodel import Field, SQLModel
 
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 
 
 class SchemaInfo(SQLModel, table=True):
@@ -140,6 +140,17 @@ class PoolRow(SQLModel, table=True):
     """Every one of these labels, on a host of the class: the host is in the pool."""
     max_running: int = 0
     """Leases its hosts may hold at once, across every server (0: no cap)."""
+    updated_at: float = 0.0
+
+
+class SettingRow(SQLModel, table=True):
+    """Fleet-wide operating state every server reads from the ledger (schema version 12):
+    `rollback` while a rollback to the local pool is in force."""
+
+    __tablename__ = "settings"
+
+    key: str = Field(primary_key=True)
+    value_json: str = "{}"
     updated_at: float = 0.0
 
 

@@ -278,3 +278,98 @@ def test_fleet_pool_set_list_and_delete(tmp_path: Path) -> None:
     assert cli("list").stdout.splitlines()[1:] == []
     gone = cli("delete", "cloud")
     assert gone.returncode == 2 and "no pool 'cloud'" in gone.stderr
+
+
+def test_a_rollback_to_local_only_with_work_in_flight_loses_nothing(
+    tmp_path: Path, images: ImageStore
+) -> None:
+    """`fleet rollback --to local-only` with cpu work running on a cloud host: that host
+    drains, what it still runs at the deadline is retried on the local gpu host, queued and new
+    cpu work runs there too; every rollout finishes exactly once. Undone, the cloud host takes
+    cpu work again and the gpu host no longer does."""
+    from fleet._proto.fleet.v1 import fleet_pb2, types_pb2
+    from fleet.core.placement import HostClass
+
+    slow = ["sh", "-c", 'if [ "$FLEET_ATTEMPT" = 1 ]; then sleep 120; fi; echo done']
+
+    async def body() -> dict[str, object]:
+        async with harness(tmp_path, images) as h:
+            await h.start_agent("gpu-0", HostClass.GPU, slots=4)
+            await h.start_agent("cpu-a", HostClass.CPU, slots=2)
+            ledger = h.server.core.ledger
+            held = [(await h.fleet.SubmitRollout(request('image = "minimal"\n', slow))).rollout.id
+                    for _ in range(2)]  # fmt: skip
+
+            async def both_running() -> bool:
+                states = [(await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=i))).state
+                          for i in held]  # fmt: skip
+                return all(s == types_pb2.ROLLOUT_STATE_RUNNING for s in states)
+
+            await _until(both_running)
+            queued = (await h.fleet.SubmitRollout(request())).rollout.id  # (no slot on cpu-a)
+            drained = await asyncio.to_thread(ledger.rollback, time.time() + 2, time.time())
+            new = (await h.fleet.SubmitRollout(request())).rollout.id
+            done = {i: await h.wait_final(i, timeout_s=90) for i in [*held, queued, new]}
+            undone = await asyncio.to_thread(ledger.undo_rollback)
+            after = await h.wait_final((await h.fleet.SubmitRollout(request())).rollout.id)
+            return {"drained": drained, "done": done, "undone": undone, "after": after,
+                    "ids": (held, queued, new)}  # fmt: skip
+
+    r = asyncio.run(body())
+    held, queued, new = r["ids"]  # type: ignore[misc]
+    done: dict[str, object] = r["done"]  # type: ignore[assignment]
+    assert r["drained"] == ["cpu-a"] and r["undone"] == ["cpu-a"]
+    for rollout_id in held:
+        got = done[rollout_id]
+        assert (got.state, got.attempts, got.host_id) == (types_pb2_succeeded(), 2, "gpu-0")  # type: ignore[attr-defined]
+        assert [s.stdout for s in got.results] == [b"done\n"]  # type: ignore[attr-defined]
+    for rollout_id in (queued, new):
+        got = done[rollout_id]
+        assert (got.state, got.host_id) == (types_pb2_succeeded(), "gpu-0")  # type: ignore[attr-defined]
+    after = r["after"]
+    assert (after.state, after.host_id) == (types_pb2_succeeded(), "cpu-a")  # type: ignore[attr-defined]
+
+
+def test_the_rollback_cli(tmp_path: Path) -> None:
+    """fleet rollback: status, --to local-only (the cloud host drains, the gpu host and
+    fleet up's agents stay), a second rollback refused, --undo, and undo with none refused."""
+    from fleet.core.placement import (
+        LOCAL_LABEL,
+        HostCapabilities,
+        HostClass,
+        Isolation,
+        RuntimeKind,
+    )
+    from fleet.ledger.store import Ledger
+
+    db = tmp_path / "ledger.sqlite3"
+    ledger = Ledger.open(str(db))
+    for host_id, cls, labels in (("cloud-1", HostClass.CPU, {}), ("gpu-0", HostClass.GPU, {}),
+                                 ("cpu-0", HostClass.CPU, {LOCAL_LABEL: "1"})):  # fmt: skip
+        ledger.register_host(
+            HostCapabilities(
+                host_id=host_id, host_class=cls, runtime=RuntimeKind.NAMESPACE,
+                isolation=Isolation.NAMESPACE, cpus=2, memory_mib=1024, cuda_devices=0,
+                labels=labels,
+            ),
+            time.time(),
+        )  # fmt: skip
+    ledger.engine.dispose()
+
+    def cli(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "fleet.cli.main", "rollback", *argv, "--db", str(db)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+
+    assert cli().stdout.strip() == "no rollback in force"
+    rolled = cli("--to", "local-only", "--deadline", "5m")
+    assert rolled.returncode == 0 and "1 hosts draining" in rolled.stdout, rolled.stderr
+    assert "(cloud-1)" in rolled.stdout and "rolled back" in cli().stdout
+    again = cli("--to", "local-only")
+    assert again.returncode == 2 and "in force already" in again.stderr
+    states = Ledger.open(str(db)).host_states()
+    assert states == {"cloud-1": "draining", "gpu-0": "ready", "cpu-0": "ready"}
+    undone = cli("--undo")
+    assert undone.returncode == 0 and "1 hosts ready again (cloud-1)" in undone.stdout
+    assert cli("--undo").returncode == 2
