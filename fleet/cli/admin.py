@@ -140,11 +140,11 @@ async def cmd_pool(args: argparse.Namespace) -> int:
         ledger.delete_pool(args.name)
         print(f"pool {args.name} deleted: its hosts run without its cap")
     else:
-        print(f"{'pool':<16} {'class':<5} {'running':>9}  {'hosts':<5} labels")
+        print(f"{'pool':<16} {'class':<5} {'running':>9}  {'hosts':<5} labels  members")
         for pool, members, running in ledger.pools():
             cap = f"{running}/{pool.max_running}" if pool.max_running else f"{running}/-"
             print(f"{pool.name:<16} {pool.host_class.value:<5} {cap:>9}  {len(members):<5} "
-                  f"{_labels(pool.labels)}  {' '.join(members)}")  # fmt: skip
+                  f"{_labels(pool.labels) or '-'}  {' '.join(members)}")  # fmt: skip
     return 0
 
 

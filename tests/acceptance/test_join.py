@@ -270,7 +270,10 @@ def test_a_cloud_host_joins_and_tenants_are_kept_apart(tmp_path: Path, procs: Pr
         # finishes on another host with exactly one result.
         long = run(client, "submit", *common, "--key", key_a, "-s",
                    str(REPO / "smolfiles" / "minimal.smolfile"), "--step",
-                   "sh -c 'sleep 3; echo finished'", "-q")  # fmt: skip
+                   # (long on the first attempt: still running when the revoke lands, however
+                   # slow the CLI calls before it are)
+                   "sh -c '[ \"$FLEET_ATTEMPT\" = 1 ] && sleep 60; echo finished'",
+                   "-q")  # fmt: skip
         lid = long.stdout.strip()
         running = wait_state(client, api, key_a, ca_crt, lid, {"RUNNING"})
         assert running["attempt_history"][-1]["host_id"] == "cloud-1"
