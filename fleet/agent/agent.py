@@ -543,6 +543,9 @@ class Agent:
             cpu = await asyncio.shield(machine.cpu_seconds())
             if cpu is not None:
                 completion = completion.model_copy(update={"cpu_seconds": round(cpu, 6)})
+            peak = await asyncio.shield(machine.memory_peak_mib())
+            if peak is not None:
+                completion = completion.model_copy(update={"peak_memory_mib": round(peak, 3)})
         except Exception:
             log_.exception("cpu_seconds_failed", machine=machine.name)
         try:

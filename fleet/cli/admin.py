@@ -15,6 +15,7 @@ from typing import Any
 
 from fleet.cli.client import parse_labels
 from fleet.config import Paths
+from fleet.core.cost import parse_prices, tally
 from fleet.core.credentials import format_api_key, format_join_token, parse_scopes
 from fleet.core.errors import InvalidArgument
 from fleet.core.placement import HostClass, Pool
@@ -173,6 +174,26 @@ async def cmd_rollback(args: argparse.Namespace) -> int:
     return 0
 
 
+async def cmd_report(args: argparse.Namespace) -> int:
+    ledger = _ledger(args)
+    prices = parse_prices(args.price) if args.price else ledger.prices()
+    since = time.time() - duration_s(args.since)
+    groups = tally(ledger.cost_attempts(since, args.by_label), prices)
+    by = f"label {args.by_label}" if args.by_label else "pool"
+    priced = ", ".join(f"{k} {v:g}/h" for k, v in sorted(prices.items())) or "none set"
+    print(f"rollouts ended in the last {args.since}, by {by}; prices per host-hour: {priced}")
+    print(f"{by.split()[0]:<16} {'completed':>9} {'attempts':>8} {'retries':>7} {'cost':>10} "
+          f"{'cost/done':>10} {'cpu s/done':>10} {'peak MiB':>9}")  # fmt: skip
+    for g in groups:
+        per = f"{g.cost_per_completed:.4f}" if g.cost_per_completed is not None else "-"
+        cpu = f"{g.cpu_s_per_completed:.2f}" if g.cpu_s_per_completed is not None else "-"
+        print(f"{g.name:<16} {g.completed:>9} {g.attempts:>8} {g.retries:>7} {g.cost:>10.4f} "
+              f"{per:>10} {cpu:>10} {g.peak_memory_mib:>9.1f}")  # fmt: skip
+    if not groups:
+        print("(no rollout ended in that window)")
+    return 0
+
+
 def _labels(labels: dict[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
 
@@ -273,6 +294,14 @@ def add_commands(
         "--local-pool", default="",
         help="the pool kept (default: fleet up's agents and gpu-class hosts)",
     )  # fmt: skip
+    db_flag(sp)
+
+    sp = add("report", cmd_report, "what completed trajectories cost, by pool or label")
+    sp.add_argument("--since", default="1h", help="rollouts that ended this long ago or since")
+    sp.add_argument(
+        "--price", default="", help="cpu=0.04/h,gpu=2.10/h (default: fleet serve --price's)"
+    )
+    sp.add_argument("--by-label", default="", help="group by this rollout label, not by pool")
     db_flag(sp)
 
     sp = add("key", cmd_key, "tenants' API keys")

@@ -6,12 +6,14 @@ import argparse
 import asyncio
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from fleet.cli.admin import duration_s
 from fleet.cli.client import parse_labels
 from fleet.config import Paths
+from fleet.core.cost import parse_prices
 from fleet.identity.local import ensure_admin_key
 from fleet.runtime.netns import NetConfig
 from fleet.server.auth import Security
@@ -39,6 +41,8 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         await asyncio.to_thread(Path(args.registry_ca).read_bytes) if args.registry_ca else b""
     )
     ledger = Ledger.open(args.db or str(default_db(paths)))
+    if args.price:  # (kept in the ledger: fleet report reads them there)
+        ledger.set_prices(parse_prices(args.price), time.time())
     server = FleetServer(
         ledger,
         ImageStore(paths.images, paths.recipes),

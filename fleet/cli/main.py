@@ -406,6 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--artifacts-dir", default="",
                     help="where inputs and outputs are kept (default: beside a SQLite ledger, "
                     "else $FLEET_HOME/artifacts)")  # fmt: skip
+    sp.add_argument("--price", default="",
+                    help="per host-hour, for fleet report: cpu=0.04/h,gpu=2.10/h")  # fmt: skip
     sp.add_argument("--max-deadline-h", type=float, default=168.0,
                     help="how far ahead a rollout's deadline may be, in hours (its inference "
                     "token lives no longer; default 168: 7 days)")  # fmt: skip

@@ -127,6 +127,8 @@ class Completion(BaseModel):
     egress_events: tuple[EgressEvent, ...] = ()
     cpu_seconds: float = 0.0
     """CPU time the attempt's machine used (0 where the runtime cannot tell)."""
+    peak_memory_mib: float = 0.0
+    """The most memory the attempt's machine held at once (0 where the runtime cannot tell)."""
     outputs: tuple[OutputArtifact, ...] = ()
     """What the attempt collected at the manifest's output paths (stored already)."""
 

@@ -103,6 +103,13 @@ def _settings(conn: Connection) -> None:
     tables.SettingRow.__table__.create(conn, checkfirst=True)  # type: ignore[attr-defined]
 
 
+def _attempt_resources(conn: Connection) -> None:
+    columns = {c["name"] for c in inspect(conn).get_columns("attempts")}
+    for name in ("cpu_s", "peak_memory_mib"):
+        if name not in columns:
+            conn.execute(text(f"ALTER TABLE attempts ADD COLUMN {name} FLOAT NOT NULL DEFAULT 0"))
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (
         1,
@@ -124,6 +131,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (10, "hosts can be drained: leased work runs until a deadline, then is released", _drain),
     (11, "pools: hosts chosen by class and labels, with a cap on what they run", _pools),
     (12, "fleet-wide settings: a rollback to the local pool", _settings),
+    (13, "attempts record their machine's CPU seconds and peak memory", _attempt_resources),
 ]
 LATEST = MIGRATIONS[-1][0]
 assert LATEST == tables.SCHEMA_VERSION

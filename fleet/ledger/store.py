@@ -29,6 +29,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, create_engine, func, select
 
+from fleet.core.cost import AttemptCost
 from fleet.core.egress import EgressEvent
 from fleet.core.errors import (
     Aborted,
@@ -852,6 +853,72 @@ class Ledger:
             )
             return hosts
 
+    # -- cost ---------------------------------------------------------------------------------
+
+    def set_prices(self, prices: Mapping[str, float], now: float) -> None:
+        """Prices per host class and hour (`fleet serve --price`), for `fleet report`."""
+        with self._begin() as conn:
+            db = _Raw(conn, self._pg)
+            db.run("DELETE FROM settings WHERE key = ?", ("prices",))
+            db.run(
+                "INSERT INTO settings (key, value_json, updated_at) VALUES (?, ?, ?)",
+                ("prices", json.dumps(dict(prices), sort_keys=True), now),
+            )
+
+    def prices(self) -> dict[str, float]:
+        with self._begin() as conn:
+            rows = _Raw(conn, self._pg).all(
+                "SELECT value_json FROM settings WHERE key = ?", ("prices",)
+            )
+        return {k: float(v) for k, v in json.loads(rows[0][0]).items()} if rows else {}
+
+    def cost_attempts(self, since: float, by_label: str = "") -> list[AttemptCost]:
+        """Every attempt of the rollouts that ended since `since`, grouped by the pool of the
+        host it ran on (the first pool by name that holds it; "-": none), or by the rollout's
+        label `by_label`."""
+        with self._begin() as conn:
+            db = _Raw(conn, self._pg)
+            hosts = {
+                caps.host_id: caps
+                for caps in (HostCapabilities.model_validate_json(c)
+                             for (c,) in db.all("SELECT capabilities_json FROM hosts", ()))
+            }  # fmt: skip
+            pools = [
+                Pool(name=n, host_class=HostClass(c), labels=json.loads(lj), max_running=m)
+                for n, c, lj, m in db.all(
+                    "SELECT name, host_class, labels_json, max_running FROM pools ORDER BY name",
+                    (),
+                )
+            ]
+            rows = db.all(
+                "SELECT r.id, r.state, r.labels_json, w.attempt, a.attempt, a.host_id, "
+                "a.started_at, a.ended_at, a.cpu_s, a.peak_memory_mib FROM rollouts r "
+                "JOIN work_items w ON w.rollout_id = r.id JOIN attempts a ON a.work_id = w.id "
+                "WHERE r.finished_at >= ? ORDER BY r.id, a.attempt",
+                (since,),
+            )
+        out = []
+        for rid, state, labels, last, attempt, host_id, start, end, cpu, peak in rows:
+            caps = hosts.get(host_id)
+            if by_label:
+                group = json.loads(labels).get(by_label, "-")
+            else:
+                group = next((p.name for p in pools if caps and p.holds(caps)), "-")
+            out.append(
+                AttemptCost(
+                    rollout_id=rid,
+                    succeeded=state == RolloutState.SUCCEEDED.value,
+                    final=attempt == last,
+                    group=group,
+                    host_class=caps.host_class.value if caps else "cpu",
+                    host_slots=caps.slots if caps else 1,
+                    wall_s=max(0.0, float(end or start) - float(start)),
+                    cpu_s=float(cpu or 0.0),
+                    peak_memory_mib=float(peak or 0.0),
+                )
+            )
+        return out
+
     # -- pools ------------------------------------------------------------------------------
 
     def _pool_room(self, db: _Raw, host: HostCapabilities) -> int:
@@ -1564,8 +1631,9 @@ class Ledger:
                 current = RolloutState(rollout_state)
                 check_transition(current, target)
                 attempt_rows.append(
-                    (now, report.outcome.value, report.error, item.id, item.attempt)
-                )
+                    (now, report.outcome.value, report.error, report.cpu_seconds,
+                     report.peak_memory_mib, item.id, item.attempt)
+                )  # fmt: skip
                 requeue = target == RolloutState.QUEUED
                 item_rows.append(
                     (
@@ -1603,8 +1671,8 @@ class Ledger:
                 [(d, len(b), b, now) for d, b in sorted(artifacts.items())],
             )
             db.many(
-                "UPDATE attempts SET ended_at = ?, outcome = ?, error = ? "
-                "WHERE work_id = ? AND attempt = ?",
+                "UPDATE attempts SET ended_at = ?, outcome = ?, error = ?, cpu_s = ?, "
+                "peak_memory_mib = ? WHERE work_id = ? AND attempt = ?",
                 attempt_rows,
             )
             db.many(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy import BigInteger
 from sqlmodel import Field, SQLModel
 
-SCHEMA_VERSION = 12
+SCHEMA_VERSION = 13
 
 
 class SchemaInfo(SQLModel, table=True):
@@ -108,6 +108,10 @@ class AttemptRow(SQLModel, table=True):
     ended_at: float | None = None
     outcome: str = ""
     error: str = ""
+    cpu_s: float = Field(default=0.0, sa_column_kwargs={"server_default": "0"})
+    """CPU seconds its machine used, as its agent reported (schema version 13)."""
+    peak_memory_mib: float = Field(default=0.0, sa_column_kwargs={"server_default": "0"})
+    """The most memory its machine held at once (schema version 13)."""
 
 
 class HostRow(SQLModel, table=True):

@@ -120,6 +120,10 @@ class Machine(Protocol):
         """Refused DNS queries and connections since the last call."""
         ...
 
+    async def memory_peak_mib(self) -> float | None:
+        """The most memory the machine held at once so far, where the runtime can tell."""
+        ...
+
     async def fork(self, spec: MachineSpec) -> Machine:
         """A new machine named and labelled by `spec` that starts as a copy of this one: its
         disk as it is now (namespace runtime; a warm parent's child gets a copy-on-write

@@ -135,6 +135,11 @@ class MachineCgroup:
         """Memory charged to the group now (None where it cannot be read)."""
         return self._memory_figure("memory.current", "memory.usage_in_bytes")
 
+    def memory_peak_bytes(self) -> int | None:
+        """The most memory charged to the group at once (None where the kernel keeps no
+        such figure: v2 before Linux 5.19)."""
+        return self._memory_figure("memory.peak", "memory.max_usage_in_bytes")
+
     def _memory_figure(self, v2_file: str, v1_file: str) -> int | None:
         if self.version == "v2":
             source = self.dirs["all"] / v2_file

@@ -396,6 +396,10 @@ class NamespaceMachine:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
 
+    async def memory_peak_mib(self) -> float | None:
+        peak = await asyncio.to_thread(self.cgroup.memory_peak_bytes)
+        return None if peak is None else peak / (1 << 20)
+
     async def cpu_seconds(self) -> float | None:
         return await asyncio.to_thread(self.cgroup.cpu_seconds)
 

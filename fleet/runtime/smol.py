@@ -183,6 +183,9 @@ class SmolMachine:
     async def cpu_seconds(self) -> float | None:
         return None  # the SDK reports no per-machine CPU time
 
+    async def memory_peak_mib(self) -> float | None:
+        return None  # nor its memory
+
     async def egress_events(self) -> list[EgressEvent]:
         """The engine's egress denials for this machine (`smol-vmm machine egress-events`)."""
         proc = await asyncio.create_subprocess_exec(

@@ -418,6 +418,10 @@ class WarmChild:
             why = result.stderr.decode(errors="replace").strip()[-300:]
             raise InvalidArgument(f"{self._name}:{path}: cannot write: {why}")
 
+    async def memory_peak_mib(self) -> float | None:
+        peak = await asyncio.to_thread(self.cgroup.memory_peak_bytes)
+        return None if peak is None else peak / (1 << 20)
+
     async def cpu_seconds(self) -> float | None:
         return await asyncio.to_thread(self.cgroup.cpu_seconds)
 

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from fleet._proto.fleet.v1 import host_pb2
 from fleet.image.store import ImageStore
 from tests.integration.harness import harness, request
@@ -373,3 +375,45 @@ def test_the_rollback_cli(tmp_path: Path) -> None:
     undone = cli("--undo")
     assert undone.returncode == 0 and "1 hosts ready again (cloud-1)" in undone.stdout
     assert cli("--undo").returncode == 2
+
+
+def test_the_report_prices_what_the_cgroup_measured(tmp_path: Path, images: ImageStore) -> None:
+    """A known load (a second of CPU, 64 MiB touched): its attempt records the CPU seconds
+    and peak memory its machine's cgroup measured, and `fleet report` prices its wall time
+    as one slot of its host at the class's price, by pool."""
+    from fleet.core.placement import HostClass, Pool
+
+    code = (
+        "import time\nb = bytearray(64 << 20)\nfor i in range(0, len(b), 4096): b[i] = 1\n"
+        "t = time.process_time()\nwhile time.process_time() - t < 1.0: pass"
+    )
+    burn = ["python3", "-c", code]
+
+    async def body() -> tuple[object, Path]:
+        async with harness(tmp_path, images) as h:
+            await h.start_agent("cpu-a", HostClass.CPU, slots=2)
+            ledger = h.server.core.ledger
+            await asyncio.to_thread(
+                ledger.set_pool, Pool(name="cloud", host_class=HostClass.CPU), time.time()
+            )
+            rid = (await h.fleet.SubmitRollout(request('image = "minimal"\n', burn))).rollout.id
+            done = await h.wait_final(rid)
+            [cost] = await asyncio.to_thread(ledger.cost_attempts, 0.0)
+            return (done, cost), Path(str(ledger.engine.url).removeprefix("sqlite:///"))
+
+    (done, cost), db = asyncio.run(body())
+    assert done.state == types_pb2_succeeded()  # type: ignore[attr-defined]
+    assert cost.group == "cloud" and cost.final and cost.succeeded  # type: ignore[attr-defined]
+    assert 1.0 <= cost.cpu_s < 5.0  # type: ignore[attr-defined]
+    assert 64 <= cost.peak_memory_mib < 512  # type: ignore[attr-defined]
+    report = subprocess.run(
+        [sys.executable, "-m", "fleet.cli.main", "report", "--since", "1h",
+         "--price", "cpu=3.6/h", "--db", str(db)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert report.returncode == 0, report.stderr
+    row = next(line.split() for line in report.stdout.splitlines() if line.startswith("cloud"))
+    assert row[1:4] == ["1", "1", "0"]  # completed, attempts, retries
+    expected = cost.wall_s / 3600 * 3.6 / 2  # type: ignore[attr-defined]
+    assert float(row[4]) == pytest.approx(expected, abs=1e-4)
+    assert float(row[6]) == pytest.approx(cost.cpu_s, abs=0.01)  # type: ignore[attr-defined]

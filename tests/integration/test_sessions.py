@@ -345,6 +345,29 @@ def test_a_sessions_calls_share_one_box(tmp_path: Path, images: ImageStore, smol
     assert codes[:3] == [0, 0, 0] and codes[4] == 0
 
 
+def test_a_sessions_commands_run_as_the_smolfiles_user(tmp_path: Path, images: ImageStore) -> None:
+    """`user = "nobody"`: every command of the session (through its resident server) runs as
+    that user with its groups and home; files it writes are its own."""
+
+    async def body() -> bytes:
+        async with harness(tmp_path, images) as h:
+            await h.start_agent("cpu-a", HostClass.CPU)
+            stub = sessions(h)
+            smolfile = 'image = "minimal"\nuser = "nobody"\n'
+            s = await stub.OpenSession(
+                fleet_pb2.OpenSessionRequest(smolfile=smolfile, smolfile_name="u.smolfile")
+            )
+            seen = await out(
+                stub, s.id,
+                "id -u; id -g; echo $HOME; touch /tmp/mine; stat -c %U /tmp/mine; "
+                "touch /root/x 2>/dev/null || echo refused",
+            )  # fmt: skip
+            await stub.CloseSession(fleet_pb2.CloseSessionRequest(session_id=s.id))
+            return seen
+
+    assert asyncio.run(body()) == b"65534\n65534\n/nonexistent\nnobody\nrefused\n"
+
+
 @pytest.fixture(scope="module")
 def live_fleet(tmp_path_factory: pytest.TempPathFactory, images: ImageStore) -> Iterator[str]:
     """A server and one cpu agent on a thread of their own; the server's address."""
