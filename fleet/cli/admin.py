@@ -185,9 +185,9 @@ async def cmd_report(args: argparse.Namespace) -> int:
     print(f"{by.split()[0]:<16} {'completed':>9} {'attempts':>8} {'retries':>7} {'cost':>10} "
           f"{'cost/done':>10} {'cpu s/done':>10} {'peak MiB':>9}")  # fmt: skip
     for g in groups:
-        per = f"{g.cost_per_completed:.4f}" if g.cost_per_completed is not None else "-"
+        per = f"{g.cost_per_completed:.6f}" if g.cost_per_completed is not None else "-"
         cpu = f"{g.cpu_s_per_completed:.2f}" if g.cpu_s_per_completed is not None else "-"
-        print(f"{g.name:<16} {g.completed:>9} {g.attempts:>8} {g.retries:>7} {g.cost:>10.4f} "
+        print(f"{g.name:<16} {g.completed:>9} {g.attempts:>8} {g.retries:>7} {g.cost:>10.6f} "
               f"{per:>10} {cpu:>10} {g.peak_memory_mib:>9.1f}")  # fmt: skip
     if not groups:
         print("(no rollout ended in that window)")
