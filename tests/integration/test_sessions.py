@@ -180,6 +180,8 @@ def test_a_lost_host_fails_the_sessions_next_call_with_unavailable(
 
     code, details = asyncio.run(body())
     assert code == grpc.StatusCode.UNAVAILABLE and "host cpu-a" in details
+    # Nothing of the session is left on the host: its machine (layer, disk) is gone.
+    assert list((tmp_path / "machines").glob("cpu-a/*")) == []
 
 
 async def fork(
