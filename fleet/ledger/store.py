@@ -211,6 +211,27 @@ class _Raw:
             self._cur.executemany(self._q(sql), rows)
 
 
+def _leases_by_host(db: _Raw) -> dict[str, int]:
+    """How many leases each host holds now."""
+    rows = db.all(
+        "SELECT lease_owner, count(*) FROM work_items WHERE state = ? GROUP BY lease_owner",
+        (LEASED,),
+    )
+    return {owner: int(n) for owner, n in rows}
+
+
+def _pools(db: _Raw, where: str = "", params: tuple[Any, ...] = (), lock: str = "") -> list[Pool]:
+    """The pools `where` selects, by name."""
+    return [
+        Pool(name=n, host_class=HostClass(c), labels=json.loads(labels), max_running=cap)
+        for n, c, labels, cap in db.all(
+            f"SELECT name, host_class, labels_json, max_running FROM pools {where} "
+            f"ORDER BY name{lock}",
+            params,
+        )
+    ]
+
+
 def _ts(value: float | None) -> datetime | None:
     return None if value is None else datetime.fromtimestamp(value, UTC)
 
@@ -791,14 +812,8 @@ class Ledger:
         if not rows:
             return False, None
         name = json.loads(rows[0][0]).get("local_pool", "")
-        found = db.all(
-            "SELECT name, host_class, labels_json, max_running FROM pools WHERE name = ?", (name,)
-        )
-        if not name or not found:
-            return True, None
-        n, cls, labels, cap = found[0]
-        pool = Pool(name=n, host_class=HostClass(cls), labels=json.loads(labels), max_running=cap)
-        return True, pool
+        found = _pools(db, "WHERE name = ?", (name,)) if name else []
+        return True, (found[0] if found else None)
 
     def rollback_state(self) -> dict[str, Any] | None:
         """{"since": time, "local_pool": name or ""} while a rollback is in force."""
@@ -883,13 +898,7 @@ class Ledger:
                 for caps in (HostCapabilities.model_validate_json(c)
                              for (c,) in db.all("SELECT capabilities_json FROM hosts", ()))
             }  # fmt: skip
-            pools = [
-                Pool(name=n, host_class=HostClass(c), labels=json.loads(lj), max_running=m)
-                for n, c, lj, m in db.all(
-                    "SELECT name, host_class, labels_json, max_running FROM pools ORDER BY name",
-                    (),
-                )
-            ]
+            pools = _pools(db)
             rows = db.all(
                 "SELECT r.id, r.state, r.labels_json, w.attempt, a.attempt, a.host_id, "
                 "a.started_at, a.ended_at, a.cpu_s, a.peak_memory_mib FROM rollouts r "
@@ -925,14 +934,9 @@ class Ledger:
         """How many more leases `host` may take under the caps of the pools it is in (locked
         for the rest of the claim's transaction, so that replicas claiming at once for hosts
         of one pool take turns and the cap holds across them)."""
-        capped = [
-            Pool(name=name, host_class=HostClass(cls), labels=json.loads(labels), max_running=cap)
-            for name, cls, labels, cap in db.all(
-                "SELECT name, host_class, labels_json, max_running FROM pools "
-                f"WHERE host_class = ? AND max_running > 0 ORDER BY name{db.lock}",
-                (host.host_class.value,),
-            )
-        ]
+        capped = _pools(
+            db, "WHERE host_class = ? AND max_running > 0", (host.host_class.value,), db.lock
+        )
         mine = [pool for pool in capped if pool.holds(host)]
         if not mine:
             return 1 << 30
@@ -943,12 +947,7 @@ class Ledger:
                 (host.host_class.value,),
             )
         ]
-        held = dict(
-            db.all(
-                "SELECT lease_owner, count(*) FROM work_items WHERE state = ? GROUP BY lease_owner",
-                (LEASED,),
-            )
-        )
+        held = _leases_by_host(db)
         return min(
             pool.max_running - sum(int(held.get(h.host_id, 0)) for h in hosts if pool.holds(h))
             for pool in mine
@@ -979,19 +978,9 @@ class Ledger:
             db = _Raw(conn, self._pg)
             rows = db.all("SELECT capabilities_json FROM hosts ORDER BY id", ())
             hosts = [HostCapabilities.model_validate_json(c) for (c,) in rows]
-            held = dict(
-                db.all(
-                    "SELECT lease_owner, count(*) FROM work_items WHERE state = ? "
-                    "GROUP BY lease_owner",
-                    (LEASED,),
-                )
-            )
+            held = _leases_by_host(db)
             out = []
-            for name, cls, labels, cap in db.all(
-                "SELECT name, host_class, labels_json, max_running FROM pools ORDER BY name", ()
-            ):
-                pool = Pool(name=name, host_class=HostClass(cls), labels=json.loads(labels),
-                            max_running=cap)  # fmt: skip
+            for pool in _pools(db):
                 members = [h.host_id for h in hosts if pool.holds(h)]
                 out.append((pool, members, sum(int(held.get(m, 0)) for m in members)))
             return out
@@ -1040,13 +1029,7 @@ class Ledger:
         its agent's version, the slots its leases hold, and its last beat."""
         with self._begin() as conn:
             db = _Raw(conn, self._pg)
-            held = dict(
-                db.all(
-                    "SELECT lease_owner, count(*) FROM work_items WHERE state = ? "
-                    "GROUP BY lease_owner",
-                    (LEASED,),
-                )
-            )
+            held = _leases_by_host(db)
             revoked = {
                 row[0]
                 for row in db.all(

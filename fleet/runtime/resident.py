@@ -47,6 +47,13 @@ GRACE_S = 0.05
 background can hold its pipes open for as long as it runs."""
 
 
+async def program(tools: Path) -> Path:
+    """The server's program, built in `tools` on first use (`users.tool`)."""
+    return await asyncio.to_thread(
+        users.tool, tools, SOURCE, "a session on the namespace runtime", "resident command server"
+    )
+
+
 class TooLarge(Exception):
     """The command does not fit one message to the server."""
 
@@ -96,10 +103,7 @@ class Resident:
 
     @classmethod
     async def start(cls, machine: NamespaceMachine, tools: Path) -> Resident:
-        binary = await asyncio.to_thread(
-            users.tool, tools, SOURCE, "a session on the namespace runtime",
-            "resident command server",
-        )  # fmt: skip
+        binary = await program(tools)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         fd = os.open(binary, os.O_RDONLY)
         try:

@@ -49,6 +49,7 @@ CHILD_CTL = "/run/fleet"
 """The child's own directory (its `sockets`, read-only), as the child sees it."""
 RESIDENT_SOCKET = "exec.sock"
 RESIDENT_START_S = 10.0
+TAIL_CHUNK = 1 << 20
 TAIL_S = 0.02
 """How often a step's output files are read for a caller that shows output live."""
 CHILD_ALLOWANCE_MIB = 4
@@ -305,19 +306,8 @@ class WarmChild:
                 await asyncio.wait_for(asyncio.shield(done), TAIL_S)
 
     def _read_from(self, stream: str, offset: int) -> bytes:
-        try:
-            fd = open_beneath(
-                self.parent.ctl, ("children", self.cid, stream), os.O_RDONLY | os.O_NONBLOCK
-            )
-        except FileNotFoundError:
-            return b""
-        except OSError as exc:
-            raise Internal(f"step output {stream} was replaced: {exc.strerror}") from exc
-        with os.fdopen(fd, "rb") as handle:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise Internal(f"step output {stream} was replaced: not a regular file")
-            handle.seek(offset)
-            return handle.read(1 << 20)
+        parts = ("children", self.cid, stream)
+        return read_step_output(self.parent.ctl, parts, TAIL_CHUNK, offset)[0]
 
     async def fork(self, spec: MachineSpec) -> WarmChild:
         """A new child of the same parent whose layer starts as a copy of this child's (its
@@ -348,10 +338,7 @@ class WarmChild:
                 return
             await self.resident.close()  # (its process ended: the child may run one again)
             self.resident = None
-        binary = await asyncio.to_thread(
-            users.tool, self.parent.runtime.machines_dir / ".tools", resident.SOURCE,
-            "a session on the namespace runtime", "resident command server",
-        )  # fmt: skip
+        binary = await resident.program(self.parent.runtime.machines_dir / ".tools")
         await asyncio.to_thread(self._place, binary)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -503,9 +490,12 @@ def open_beneath(base: Path, parts: tuple[str, ...], flags: int) -> int:
         os.close(fd)
 
 
-def read_step_output(base: Path, parts: tuple[str, ...], limit: int) -> tuple[bytes, bool]:
-    """At most `limit` bytes of a regular file under `base` (see `open_beneath`), and whether
-    it held more; (b"", False) when there is none. Anything else there is refused."""
+def read_step_output(
+    base: Path, parts: tuple[str, ...], limit: int, offset: int = 0
+) -> tuple[bytes, bool]:
+    """At most `limit` bytes of a regular file under `base` (see `open_beneath`) from
+    `offset` on, and whether it held more; (b"", False) when there is none. Anything else
+    there is refused."""
     try:
         fd = open_beneath(base, parts, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
@@ -515,6 +505,7 @@ def read_step_output(base: Path, parts: tuple[str, ...], limit: int) -> tuple[by
     with os.fdopen(fd, "rb") as handle:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise Internal(f"step output {'/'.join(parts)} was replaced: not a regular file")
+        handle.seek(offset)
         data = handle.read(limit + 1)
     return data[:limit], len(data) > limit
 

@@ -102,6 +102,16 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
         self._known: dict[str, tuple[str, str, str]] = {}
         """Open sessions: id -> (tenant, work id, host id)."""
 
+    def _lifetime(self, asked: float) -> float:
+        """A session's lifetime in seconds (0: the default), within the server's deadline cap."""
+        lifetime = asked or DEFAULT_SESSION_LIFETIME.total_seconds()
+        if not 0 < lifetime <= self.core.config.max_deadline_s:
+            raise InvalidArgument(
+                f"max_lifetime_s must be in (0, {self.core.config.max_deadline_s:g}], "
+                f"got {lifetime}"
+            )
+        return lifetime
+
     async def _session(self, session_id: str) -> Rollout:
         """The caller's session (NOT_FOUND for another tenant's, as for an unknown id)."""
         rollout = await self.core.db(self.core.ledger.get, session_id)
@@ -146,12 +156,7 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
         self, request: fleet_pb2.OpenSessionRequest, context: grpc.aio.ServicerContext
     ) -> fleet_pb2.Session:
         now = datetime.now(UTC)
-        lifetime = request.max_lifetime_s or DEFAULT_SESSION_LIFETIME.total_seconds()
-        if not 0 < lifetime <= self.core.config.max_deadline_s:
-            raise InvalidArgument(
-                f"max_lifetime_s must be in (0, {self.core.config.max_deadline_s:g}], "
-                f"got {lifetime}"
-            )
+        lifetime = self._lifetime(request.max_lifetime_s)
         tenant = self.core.caller().tenant_for(request.tenant)
         submit = SubmitRequest(
             idempotency_key=request.idempotency_key or uuid.uuid4().hex,
@@ -202,12 +207,7 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
         if not 1 <= count <= MAX_FORKS:
             raise InvalidArgument(f"count must be in [1, {MAX_FORKS}], got {request.count}")
         now = datetime.now(UTC)
-        lifetime = request.max_lifetime_s or DEFAULT_SESSION_LIFETIME.total_seconds()
-        if not 0 < lifetime <= self.core.config.max_deadline_s:
-            raise InvalidArgument(
-                f"max_lifetime_s must be in (0, {self.core.config.max_deadline_s:g}], "
-                f"got {lifetime}"
-            )
+        lifetime = self._lifetime(request.max_lifetime_s)
         source = await self._session(request.session_id)
         _, host_id = await self._holder(request.session_id)  # open, and its host connected
         assert source.manifest.session is not None

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from fleet._proto.fleet.v1 import host_pb2
+from fleet._proto.fleet.v1 import host_pb2, types_pb2
 from fleet.image.store import ImageStore
 from tests.integration.harness import harness, request
+
+SUCCEEDED = types_pb2.ROLLOUT_STATE_SUCCEEDED
 
 
 def test_a_cordoned_host_takes_no_new_work_and_others_do(
@@ -95,7 +97,6 @@ def test_agents_of_another_version_are_refused_saying_which_to_upgrade(
     import grpc
 
     import fleet
-    from fleet._proto.fleet.v1 import types_pb2
     from fleet.core.placement import HostClass
 
     async def body() -> tuple[list[tuple[grpc.StatusCode, str]], list[str]]:
@@ -137,7 +138,7 @@ def test_a_drain_lets_work_finish_until_its_deadline_then_releases_the_rest(
     """`fleet host drain`: the host takes no new work; what finishes before the deadline
     finishes there; what still runs at the deadline is released and retried elsewhere, and
     finishes exactly once (its first attempt fenced off); then the host is drained."""
-    from fleet._proto.fleet.v1 import fleet_pb2, types_pb2
+    from fleet._proto.fleet.v1 import fleet_pb2
     from fleet.core.placement import HostClass
 
     slow = ["sh", "-c", 'if [ "$FLEET_ATTEMPT" = 1 ]; then sleep 120; fi; echo done']
@@ -175,32 +176,20 @@ def test_a_drain_lets_work_finish_until_its_deadline_then_releases_the_rest(
     r = asyncio.run(body())
     short, held, later = r["ids"]  # type: ignore[misc]
     done: dict[str, object] = r["done"]  # type: ignore[assignment]
-    assert r["not_taken"] == types_pb2_queued()
+    assert r["not_taken"] == types_pb2.ROLLOUT_STATE_QUEUED
     a, b, c = done[short], done[held], done[later]
-    assert (a.state, a.attempts, a.host_id) == (types_pb2_succeeded(), 1, "cpu-a")  # type: ignore[attr-defined]
-    assert (b.state, b.attempts, b.host_id) == (types_pb2_succeeded(), 2, "cpu-b")  # type: ignore[attr-defined]
+    assert (a.state, a.attempts, a.host_id) == (SUCCEEDED, 1, "cpu-a")  # type: ignore[attr-defined]
+    assert (b.state, b.attempts, b.host_id) == (SUCCEEDED, 2, "cpu-b")  # type: ignore[attr-defined]
     assert [s.stdout for s in b.results] == [b"done\n"]  # type: ignore[attr-defined]
     assert c.host_id == "cpu-b"  # type: ignore[attr-defined]
     assert r["state"] == "drained"
     assert r["events"].count("lease_expired") == 1  # type: ignore[attr-defined]
 
 
-def types_pb2_queued() -> int:
-    from fleet._proto.fleet.v1 import types_pb2
-
-    return int(types_pb2.ROLLOUT_STATE_QUEUED)
-
-
-def types_pb2_succeeded() -> int:
-    from fleet._proto.fleet.v1 import types_pb2
-
-    return int(types_pb2.ROLLOUT_STATE_SUCCEEDED)
-
-
 def test_an_agent_told_to_stop_drains_its_host_first(tmp_path: Path, images: ImageStore) -> None:
     """SIGTERM (the agent's stop): the server hears at once that the host drains, the running
     step finishes, the agent exits, the host is drained; registered again, it takes work."""
-    from fleet._proto.fleet.v1 import fleet_pb2, types_pb2
+    from fleet._proto.fleet.v1 import fleet_pb2
     from fleet.core.placement import HostClass
 
     async def body() -> dict[str, object]:
@@ -238,8 +227,8 @@ def test_an_agent_told_to_stop_drains_its_host_first(tmp_path: Path, images: Ima
 
     r = asyncio.run(body())
     assert r["seen"] in ("draining", "drained")
-    assert r["finished"] == (types_pb2_succeeded(), 1)
-    assert r["again"] == (types_pb2_succeeded(), "cpu-a") and r["state"] == "ready"
+    assert r["finished"] == (SUCCEEDED, 1)
+    assert r["again"] == (SUCCEEDED, "cpu-a") and r["state"] == "ready"
 
 
 def test_fleet_pool_set_list_and_delete(tmp_path: Path) -> None:
@@ -289,7 +278,7 @@ def test_a_rollback_to_local_only_with_work_in_flight_loses_nothing(
     drains, what it still runs at the deadline is retried on the local gpu host, queued and new
     cpu work runs there too; every rollout finishes exactly once. Undone, the cloud host takes
     cpu work again and the gpu host no longer does."""
-    from fleet._proto.fleet.v1 import fleet_pb2, types_pb2
+    from fleet._proto.fleet.v1 import fleet_pb2
     from fleet.core.placement import HostClass
 
     slow = ["sh", "-c", 'if [ "$FLEET_ATTEMPT" = 1 ]; then sleep 120; fi; echo done']
@@ -323,13 +312,13 @@ def test_a_rollback_to_local_only_with_work_in_flight_loses_nothing(
     assert r["drained"] == ["cpu-a"] and r["undone"] == ["cpu-a"]
     for rollout_id in held:
         got = done[rollout_id]
-        assert (got.state, got.attempts, got.host_id) == (types_pb2_succeeded(), 2, "gpu-0")  # type: ignore[attr-defined]
+        assert (got.state, got.attempts, got.host_id) == (SUCCEEDED, 2, "gpu-0")  # type: ignore[attr-defined]
         assert [s.stdout for s in got.results] == [b"done\n"]  # type: ignore[attr-defined]
     for rollout_id in (queued, new):
         got = done[rollout_id]
-        assert (got.state, got.host_id) == (types_pb2_succeeded(), "gpu-0")  # type: ignore[attr-defined]
+        assert (got.state, got.host_id) == (SUCCEEDED, "gpu-0")  # type: ignore[attr-defined]
     after = r["after"]
-    assert (after.state, after.host_id) == (types_pb2_succeeded(), "cpu-a")  # type: ignore[attr-defined]
+    assert (after.state, after.host_id) == (SUCCEEDED, "cpu-a")  # type: ignore[attr-defined]
 
 
 def test_the_rollback_cli(tmp_path: Path) -> None:
@@ -402,7 +391,7 @@ def test_the_report_prices_what_the_cgroup_measured(tmp_path: Path, images: Imag
             return (done, cost), Path(str(ledger.engine.url).removeprefix("sqlite:///"))
 
     (done, cost), db = asyncio.run(body())
-    assert done.state == types_pb2_succeeded()  # type: ignore[attr-defined]
+    assert done.state == SUCCEEDED  # type: ignore[attr-defined]
     assert cost.group == "cloud" and cost.final and cost.succeeded  # type: ignore[attr-defined]
     assert 1.0 <= cost.cpu_s < 5.0  # type: ignore[attr-defined]
     assert 64 <= cost.peak_memory_mib < 512  # type: ignore[attr-defined]
