@@ -529,7 +529,7 @@ class Agent:
             except Exception:
                 log_.exception("outputs_not_collected")
                 completion = completion.model_copy(update={
-                    "outcome": Outcome.TRANSIENT_ERROR,
+                    "outcome": Outcome.TRANSIENT_ERROR, "artifact_failed": True,
                     "error": "the agent could not collect the outputs; see its log",
                 })  # fmt: skip
         if running.relay is not None:
@@ -592,9 +592,12 @@ class Agent:
         runtime_name, device = self.caps.runtime.value, self._device(a)
 
         egress: EffectiveEgress | None = None
+        moving = ""
+        """The artifact being moved (an image, inputs): a failure then is an artifact's."""
 
         def report(outcome: Outcome, error: str = "") -> Completion:
             return Completion(
+                artifact_failed=bool(moving) and outcome != Outcome.CANCELLED,
                 egress=egress,
                 work_id=a.work_id,
                 fencing_token=a.fencing_token,
@@ -621,10 +624,13 @@ class Agent:
             reference = (
                 a.manifest.image_ref if oci.looks_like_reference(a.manifest.image_ref) else ""
             )
+            moving = "image"
             await self.images.acquire(self._stub, a.manifest.image_digest, reference)
             running.image = a.manifest.image_digest
             rootfs = await asyncio.to_thread(self.config.images.rootfs, a.manifest.image_digest)
-            rootfs_ready = True
+            rootfs_ready, moving = True, "inputs"
+            staged = await self._stage_inputs(a)
+            moving = ""
             spec = MachineSpec(
                 name=f"fleet-{a.rollout_id}-a{a.attempt}",
                 smolfile=parsed.spec,
@@ -642,7 +648,7 @@ class Agent:
                 secrets=resolve_secrets(parsed.spec),
                 gateway=self._gateway_for(a),
                 gateway_tls=bool(self.config.gateway_ca),
-                inputs=await self._stage_inputs(a),
+                inputs=staged,
             )
             if spec.gateway is not None:  # recorded for review: what else this machine reached
                 where = f"{spec.gateway[0]}:{spec.gateway[1]}"
@@ -724,7 +730,9 @@ class Agent:
                     running.relay, extra_env["FLEET_CHECKPOINTS"] = relay
             if a.manifest.inputs and not spec.inputs and running.adopt is None:
                 try:
+                    moving = "inputs"
                     await place_inputs(machine, self._stub, a)
+                    moving = ""
                 except InputPlacementFailed as exc:
                     return report(Outcome.STEP_FAILED, str(exc))
             forked = session is not None and bool(session.fork_of)  # (its source ran them)

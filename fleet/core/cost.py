@@ -1,6 +1,8 @@
 """What completed trajectories cost: each attempt holds one slot of its host for its wall time,
-priced at the host class's hourly price shared among the host's slots. Failed attempts and
-failed rollouts are paid for too; only succeeded rollouts count as completed trajectories."""
+priced at the host class's hourly price shared among the host's slots, plus the gateway's device
+seconds its requests took, at the gpu price (the device is the GPU host's, and a batch's time is
+shared among its requests). Failed attempts and failed rollouts are paid for too; only succeeded
+rollouts count as completed trajectories."""
 
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ class AttemptCost:
     wall_s: float
     cpu_s: float
     peak_memory_mib: float
+    device_s: float = 0.0
 
 
 @dataclass
@@ -52,6 +55,7 @@ class Group:
     cost: float = 0.0
     cpu_s: float = 0.0
     wall_s: float = 0.0
+    device_s: float = 0.0
     peak_memory_mib: float = 0.0
 
     @property
@@ -66,9 +70,14 @@ class Group:
     def cpu_s_per_completed(self) -> float | None:
         return self.cpu_s / self.completed if self.completed else None
 
+    @property
+    def device_s_per_completed(self) -> float | None:
+        return self.device_s / self.completed if self.completed else None
+
 
 def attempt_cost(a: AttemptCost, prices: Mapping[str, float]) -> float:
-    return a.wall_s / 3600 * prices.get(a.host_class, 0.0) / max(1, a.host_slots)
+    slot = a.wall_s / 3600 * prices.get(a.host_class, 0.0) / max(1, a.host_slots)
+    return slot + a.device_s / 3600 * prices.get("gpu", 0.0)
 
 
 def tally(attempts: Iterable[AttemptCost], prices: Mapping[str, float]) -> list[Group]:
@@ -81,6 +90,7 @@ def tally(attempts: Iterable[AttemptCost], prices: Mapping[str, float]) -> list[
         g.cost += attempt_cost(a, prices)
         g.cpu_s += a.cpu_s
         g.wall_s += a.wall_s
+        g.device_s += a.device_s
         g.peak_memory_mib = max(g.peak_memory_mib, a.peak_memory_mib)
         if a.final and a.succeeded:
             g.completed += 1

@@ -6,6 +6,8 @@ import enum
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fleet.core.adaptive import Adaptive
+from fleet.core.gates import Gates
 from fleet.core.smolfile import Smolfile
 
 
@@ -72,7 +74,12 @@ class Pool(BaseModel):
     host_class: HostClass
     labels: dict[str, str] = Field(default_factory=dict)
     max_running: int = 0
-    """Leases its hosts may hold at once, across every server replica (0: no cap)."""
+    """Leases its hosts may hold at once, across every server replica (0: no cap). An adaptive
+    pool's is its controller's current cap."""
+    gates: Gates = Field(default_factory=Gates)
+    """Limits that pause new dispatches to it while passed."""
+    adaptive: Adaptive | None = None
+    """How the server seeks its cap (None: `max_running` is fixed)."""
 
     def holds(self, host: HostCapabilities) -> bool:
         """Whether `host` is in this pool: its class, and every one of the pool's labels."""

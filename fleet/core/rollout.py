@@ -131,6 +131,8 @@ class Completion(BaseModel):
     """The most memory the attempt's machine held at once (0 where the runtime cannot tell)."""
     outputs: tuple[OutputArtifact, ...] = ()
     """What the attempt collected at the manifest's output paths (stored already)."""
+    artifact_failed: bool = False
+    """It failed to move an artifact: its image fetched, an input placed, an output collected."""
 
     def fingerprint(self) -> str:
         """Identifies the reported result, so a resent completion is recognised."""

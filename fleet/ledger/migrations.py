@@ -110,6 +110,29 @@ def _attempt_resources(conn: Connection) -> None:
             conn.execute(text(f"ALTER TABLE attempts ADD COLUMN {name} FLOAT NOT NULL DEFAULT 0"))
 
 
+def _pool_control(conn: Connection) -> None:
+    columns = {c["name"] for c in inspect(conn).get_columns("attempts")}
+    if "device_s" not in columns:
+        conn.execute(text("ALTER TABLE attempts ADD COLUMN device_s FLOAT NOT NULL DEFAULT 0"))
+    if "artifact_failed" not in columns:
+        conn.execute(
+            text("ALTER TABLE attempts ADD COLUMN artifact_failed BOOLEAN NOT NULL DEFAULT false")
+        )
+    columns = {c["name"] for c in inspect(conn).get_columns("pools")}
+    for name, ddl in (
+        ("gates_json", "VARCHAR NOT NULL DEFAULT '{}'"),
+        ("adaptive_json", "VARCHAR NOT NULL DEFAULT ''"),
+        ("control_json", "VARCHAR NOT NULL DEFAULT '{}'"),
+        ("paused_at", "FLOAT"),
+        ("paused_why", "VARCHAR NOT NULL DEFAULT ''"),
+    ):
+        if name not in columns:
+            conn.execute(text(f"ALTER TABLE pools ADD COLUMN {name} {ddl}"))
+    tables.PoolEventRow.__table__.create(conn, checkfirst=True)  # type: ignore[attr-defined]
+    # Gates read the attempts that ended in a window, every second.
+    conn.execute(text("CREATE INDEX IF NOT EXISTS ix_attempts_ended_at ON attempts (ended_at)"))
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (
         1,
@@ -132,6 +155,11 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (11, "pools: hosts chosen by class and labels, with a cap on what they run", _pools),
     (12, "fleet-wide settings: a rollback to the local pool", _settings),
     (13, "attempts record their machine's CPU seconds and peak memory", _attempt_resources),
+    (
+        14,
+        "pools carry promotion gates and an adaptive cap; attempts record device seconds",
+        _pool_control,
+    ),
 ]
 LATEST = MIGRATIONS[-1][0]
 assert LATEST == tables.SCHEMA_VERSION

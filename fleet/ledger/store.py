@@ -18,7 +18,6 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, NamedTuple, TextIO
 
@@ -53,8 +52,11 @@ from fleet.core.rollout import (
     RolloutEvent,
     StepResult,
 )
+from fleet.ledger import pools as pool_sql
 from fleet.ledger.identity import Identities, check_labels
 from fleet.ledger.migrations import migrate
+from fleet.ledger.pools import PoolEvent, PoolView
+from fleet.ledger.raw import DONE, LEASED, QUEUED, Raw, leases_by_host, marks
 from fleet.ledger.tables import (
     ArtifactRow,
     AttemptRow,
@@ -63,7 +65,6 @@ from fleet.ledger.tables import (
     HostIdentityRow,
     HostRow,
     ManifestRow,
-    PoolRow,
     RolloutLabel,
     RolloutRow,
     WorkItemRow,
@@ -95,7 +96,6 @@ class HostView:
 
 HOST_STATES = ("ready", CORDONED, DRAINING, DRAINED)
 
-QUEUED, LEASED, DONE = "QUEUED", "LEASED", "DONE"
 
 # A concurrent insert of the same key, from SQLAlchemy or (hot paths) straight from the driver.
 _UNIQUE_CLASH = (IntegrityError, sqlite3.IntegrityError, psycopg.errors.IntegrityError)
@@ -131,15 +131,6 @@ class _Item(NamedTuple):
     cancel_requested: bool
     result_fingerprint: str
     claim_request_id: str
-
-
-@lru_cache(maxsize=256)
-def _pg_sql(sql: str) -> str:
-    return sql.replace("?", "%s")
-
-
-def _marks(n: int) -> str:
-    return ",".join("?" * n)
 
 
 MAX_CHECKPOINT_BYTES = 1 << 20
@@ -179,57 +170,6 @@ _INSERT_EVENT = (
     "INSERT INTO events (rollout_id, kind, from_state, to_state, actor, at, message, attempt) "
     "VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
 )
-
-
-class _Raw:
-    """The transaction's own DBAPI cursor, for the hot paths (submit, claim, complete).
-
-    SQL is written once with `?` placeholders; on PostgreSQL they become `%s`. Skipping
-    SQLAlchemy's statement compilation and parameter processing is most of the per-row cost
-    there (measured with cProfile: ~70% of a claim+complete before this).
-    """
-
-    def __init__(self, conn: Connection, postgres: bool) -> None:
-        self._cur: Any = conn.connection.cursor()
-        self._pg = postgres
-        self.lock = " FOR UPDATE" if postgres else ""  # SQLite: BEGIN IMMEDIATE already holds it
-
-    def _q(self, sql: str) -> str:
-        return _pg_sql(sql) if self._pg else sql
-
-    def all(self, sql: str, params: tuple[Any, ...] | list[Any] = ()) -> list[Any]:
-        self._cur.execute(self._q(sql), params)
-        return list(self._cur.fetchall())
-
-    def run(self, sql: str, params: tuple[Any, ...] | list[Any] = ()) -> int:
-        """Runs one statement; how many rows it changed."""
-        self._cur.execute(self._q(sql), params)
-        return int(self._cur.rowcount)
-
-    def many(self, sql: str, rows: list[tuple[Any, ...]]) -> None:
-        if rows:
-            self._cur.executemany(self._q(sql), rows)
-
-
-def _leases_by_host(db: _Raw) -> dict[str, int]:
-    """How many leases each host holds now."""
-    rows = db.all(
-        "SELECT lease_owner, count(*) FROM work_items WHERE state = ? GROUP BY lease_owner",
-        (LEASED,),
-    )
-    return {owner: int(n) for owner, n in rows}
-
-
-def _pools(db: _Raw, where: str = "", params: tuple[Any, ...] = (), lock: str = "") -> list[Pool]:
-    """The pools `where` selects, by name."""
-    return [
-        Pool(name=n, host_class=HostClass(c), labels=json.loads(labels), max_running=cap)
-        for n, c, labels, cap in db.all(
-            f"SELECT name, host_class, labels_json, max_running FROM pools {where} "
-            f"ORDER BY name{lock}",
-            params,
-        )
-    ]
 
 
 def _ts(value: float | None) -> datetime | None:
@@ -432,7 +372,7 @@ class Ledger:
     ) -> Rollout:
         if history is None:
             history = self._histories(s, [row.id])[row.id]
-        manifest = self._manifest_raw(_Raw(s.connection(), self._pg), row.manifest_digest)
+        manifest = self._manifest_raw(Raw(s.connection(), self._pg), row.manifest_digest)
         return Rollout(
             priority=row.priority,
             attempt_history=tuple(
@@ -527,14 +467,14 @@ class Ledger:
         now: float,
         max_active: int,
     ) -> list[tuple[str, bool]]:
-        db = _Raw(conn, self._pg)
+        db = Raw(conn, self._pg)
         keys = sorted({req.idempotency_key for req, _ in batch})
         known: dict[str, tuple[str, str]] = {}
         for start in range(0, len(keys), 500):
             chunk = keys[start : start + 500]
             for rid, key, fp in db.all(
                 "SELECT id, idempotency_key, request_fingerprint FROM rollouts "
-                f"WHERE idempotency_key IN ({_marks(len(chunk))})",
+                f"WHERE idempotency_key IN ({marks(len(chunk))})",
                 chunk,
             ):
                 known[key] = (rid, fp)
@@ -545,7 +485,7 @@ class Ledger:
                 tenant: int(n)
                 for tenant, n in db.all(
                     f"SELECT tenant, count(*) FROM work_items WHERE tenant IN "
-                    f"({_marks(len(tenants))}) AND state IN (?, ?) GROUP BY tenant",
+                    f"({marks(len(tenants))}) AND state IN (?, ?) GROUP BY tenant",
                     [*tenants, QUEUED, LEASED],
                 )
             }
@@ -797,7 +737,7 @@ class Ledger:
         """An agent shutting down drains its host, unless it is drained or draining already
         (an operator's drain keeps its own deadline)."""
         with self._begin() as conn:
-            _Raw(conn, self._pg).run(
+            Raw(conn, self._pg).run(
                 "UPDATE hosts SET state = ?, drain_deadline = ?, drain_by = ? "
                 "WHERE id = ? AND state NOT IN (?, ?)",
                 (DRAINING, deadline, "agent", host_id, DRAINING, DRAINED),
@@ -805,20 +745,20 @@ class Ledger:
 
     # -- rollback to the local pool ---------------------------------------------------------
 
-    def _rollback(self, db: _Raw) -> tuple[bool, Pool | None]:
+    def _rollback(self, db: Raw) -> tuple[bool, Pool | None]:
         """(whether a rollback is in force, the pool it keeps: None for the default local
         pool, `is_local`)."""
         rows = db.all("SELECT value_json FROM settings WHERE key = ?", ("rollback",))
         if not rows:
             return False, None
         name = json.loads(rows[0][0]).get("local_pool", "")
-        found = _pools(db, "WHERE name = ?", (name,)) if name else []
+        found = pool_sql.read(db, "WHERE name = ?", (name,)) if name else []
         return True, (found[0] if found else None)
 
     def rollback_state(self) -> dict[str, Any] | None:
         """{"since": time, "local_pool": name or ""} while a rollback is in force."""
         with self._begin() as conn:
-            rows = _Raw(conn, self._pg).all(
+            rows = Raw(conn, self._pg).all(
                 "SELECT value_json FROM settings WHERE key = ?", ("rollback",)
             )
         return dict(json.loads(rows[0][0])) if rows else None
@@ -829,7 +769,7 @@ class Ledger:
         any host outside it, and the local gpu hosts take cpu-class work too, until
         `undo_rollback`. Returns the hosts set draining."""
         with self._begin() as conn:
-            db = _Raw(conn, self._pg)
+            db = Raw(conn, self._pg)
             if db.all(f"SELECT key FROM settings WHERE key = ?{db.lock}", ("rollback",)):
                 raise FailedPrecondition("a rollback is in force already: undo it first")
             if local_pool and not db.all("SELECT name FROM pools WHERE name = ?", (local_pool,)):
@@ -856,7 +796,7 @@ class Ledger:
     def undo_rollback(self) -> list[str]:
         """Ends the rollback: the hosts it drained are ready again; returns them."""
         with self._begin() as conn:
-            db = _Raw(conn, self._pg)
+            db = Raw(conn, self._pg)
             if not db.run("DELETE FROM settings WHERE key = ?", ("rollback",)):
                 raise FailedPrecondition("no rollback is in force")
             hosts = [row[0] for row in db.all(
@@ -873,7 +813,7 @@ class Ledger:
     def set_prices(self, prices: Mapping[str, float], now: float) -> None:
         """Prices per host class and hour (`fleet serve --price`), for `fleet report`."""
         with self._begin() as conn:
-            db = _Raw(conn, self._pg)
+            db = Raw(conn, self._pg)
             db.run("DELETE FROM settings WHERE key = ?", ("prices",))
             db.run(
                 "INSERT INTO settings (key, value_json, updated_at) VALUES (?, ?, ?)",
@@ -882,7 +822,7 @@ class Ledger:
 
     def prices(self) -> dict[str, float]:
         with self._begin() as conn:
-            rows = _Raw(conn, self._pg).all(
+            rows = Raw(conn, self._pg).all(
                 "SELECT value_json FROM settings WHERE key = ?", ("prices",)
             )
         return {k: float(v) for k, v in json.loads(rows[0][0]).items()} if rows else {}
@@ -892,27 +832,27 @@ class Ledger:
         host it ran on (the first pool by name that holds it; "-": none), or by the rollout's
         label `by_label`."""
         with self._begin() as conn:
-            db = _Raw(conn, self._pg)
+            db = Raw(conn, self._pg)
             hosts = {
                 caps.host_id: caps
                 for caps in (HostCapabilities.model_validate_json(c)
                              for (c,) in db.all("SELECT capabilities_json FROM hosts", ()))
             }  # fmt: skip
-            pools = _pools(db)
+            in_pools = pool_sql.read(db)
             rows = db.all(
                 "SELECT r.id, r.state, r.labels_json, w.attempt, a.attempt, a.host_id, "
-                "a.started_at, a.ended_at, a.cpu_s, a.peak_memory_mib FROM rollouts r "
+                "a.started_at, a.ended_at, a.cpu_s, a.peak_memory_mib, a.device_s FROM rollouts r "
                 "JOIN work_items w ON w.rollout_id = r.id JOIN attempts a ON a.work_id = w.id "
                 "WHERE r.finished_at >= ? ORDER BY r.id, a.attempt",
                 (since,),
             )
         out = []
-        for rid, state, labels, last, attempt, host_id, start, end, cpu, peak in rows:
+        for rid, state, labels, last, attempt, host_id, start, end, cpu, peak, device in rows:
             caps = hosts.get(host_id)
             if by_label:
                 group = json.loads(labels).get(by_label, "-")
             else:
-                group = next((p.name for p in pools if caps and p.holds(caps)), "-")
+                group = next((p.name for p in in_pools if caps and p.holds(caps)), "-")
             out.append(
                 AttemptCost(
                     rollout_id=rid,
@@ -924,66 +864,62 @@ class Ledger:
                     wall_s=max(0.0, float(end or start) - float(start)),
                     cpu_s=float(cpu or 0.0),
                     peak_memory_mib=float(peak or 0.0),
+                    device_s=float(device or 0.0),
                 )
             )
         return out
 
     # -- pools ------------------------------------------------------------------------------
 
-    def _pool_room(self, db: _Raw, host: HostCapabilities) -> int:
-        """How many more leases `host` may take under the caps of the pools it is in (locked
-        for the rest of the claim's transaction, so that replicas claiming at once for hosts
-        of one pool take turns and the cap holds across them)."""
-        capped = _pools(
-            db, "WHERE host_class = ? AND max_running > 0", (host.host_class.value,), db.lock
-        )
-        mine = [pool for pool in capped if pool.holds(host)]
-        if not mine:
-            return 1 << 30
-        hosts = [
-            HostCapabilities.model_validate_json(caps)
-            for (caps,) in db.all(
-                "SELECT capabilities_json FROM hosts WHERE host_class = ?",
-                (host.host_class.value,),
-            )
-        ]
-        held = _leases_by_host(db)
-        return min(
-            pool.max_running - sum(int(held.get(h.host_id, 0)) for h in hosts if pool.holds(h))
-            for pool in mine
-        )
-
     def set_pool(self, pool: Pool, now: float) -> None:
         """Makes or changes a pool; claims see it at once, on every server."""
         check_labels(pool.labels)
         if pool.max_running < 0:
             raise InvalidArgument(f"max_running must be 0 (no cap) or more, got {pool.max_running}")
-        with self._tx() as s:
-            row = s.get(PoolRow, pool.name) or PoolRow(name=pool.name, host_class="")
-            row.host_class = pool.host_class.value
-            row.labels_json = json.dumps(pool.labels, sort_keys=True)
-            row.max_running, row.updated_at = pool.max_running, now
-            s.add(row)
+        with self._begin() as conn:
+            pool_sql.write(Raw(conn, self._pg), pool, now)
 
     def delete_pool(self, name: str) -> None:
-        with self._tx() as s:
-            row = s.get(PoolRow, name)
-            if row is None:
-                raise NotFound(f"no pool {name!r}")
-            s.delete(row)
-
-    def pools(self) -> list[tuple[Pool, list[str], int]]:
-        """Every pool, with its hosts and the leases they hold now."""
         with self._begin() as conn:
-            db = _Raw(conn, self._pg)
-            rows = db.all("SELECT capabilities_json FROM hosts ORDER BY id", ())
-            hosts = [HostCapabilities.model_validate_json(c) for (c,) in rows]
-            held = _leases_by_host(db)
-            out = []
-            for pool in _pools(db):
-                members = [h.host_id for h in hosts if pool.holds(h)]
-                out.append((pool, members, sum(int(held.get(m, 0)) for m in members)))
-            return out
+            if not Raw(conn, self._pg).run("DELETE FROM pools WHERE name = ?", (name,)):
+                raise NotFound(f"no pool {name!r}")
+
+    def pools(self) -> list[PoolView]:
+        """Every pool, with its hosts, the leases they hold now, and its gates' state."""
+        with self._begin() as conn:
+            return pool_sql.views(Raw(conn, self._pg))
+
+    def govern(
+        self, now: float, p95_ms: float | None = None, queue_age_ms: float | None = None,
+        saturated: str = "",
+    ) -> list[PoolEvent]:  # fmt: skip
+        """Pauses and resumes pools by their gates, and moves adaptive pools' caps (see
+        `fleet.ledger.pools.govern`); the gateway's figures are as the server last read them,
+        `saturated` says why it is past its limit ("": it is not)."""
+        with self._begin() as conn:
+            return pool_sql.govern(Raw(conn, self._pg), now, p95_ms, queue_age_ms, saturated)
+
+    def pool_events(self, since: float, pool: str = "", limit: int = 1000) -> list[PoolEvent]:
+        with self._begin() as conn:
+            return pool_sql.events(Raw(conn, self._pg), since, pool, limit)
+
+    def add_device_seconds(self, seconds: Mapping[str, float]) -> int:
+        """Charges the gateway's device seconds to each rollout's latest attempt (the one that
+        made the requests, or that was running when they were answered). Returns the attempts
+        charged."""
+        if not seconds:
+            return 0
+        charged = 0
+        with self._begin() as conn:
+            db = Raw(conn, self._pg)
+            for rollout_id, spent in sorted(seconds.items()):
+                charged += db.run(
+                    "UPDATE attempts SET device_s = device_s + ? WHERE id = (SELECT a.id FROM "
+                    "attempts a JOIN work_items w ON w.id = a.work_id WHERE w.rollout_id = ? "
+                    "ORDER BY a.started_at DESC, a.id DESC LIMIT 1)",
+                    (float(spent), rollout_id),
+                )
+        return charged
 
     def drain_sweep(self, now: float) -> list[tuple[str, int]]:
         """Draining hosts that hold no lease are drained; those past their deadline have their
@@ -991,7 +927,7 @@ class Ledger:
         and are drained. Returns (host, leases released) for each host drained."""
         done: list[tuple[str, int]] = []
         with self._begin() as conn:
-            db = _Raw(conn, self._pg)
+            db = Raw(conn, self._pg)
             for host_id, deadline in db.all(
                 f"SELECT id, drain_deadline FROM hosts WHERE state = ?{db.lock}", (DRAINING,)
             ):
@@ -1028,8 +964,8 @@ class Ledger:
         cordoned host that has not beaten for `unresponsive_after_s` shows as unresponsive),
         its agent's version, the slots its leases hold, and its last beat."""
         with self._begin() as conn:
-            db = _Raw(conn, self._pg)
-            held = _leases_by_host(db)
+            db = Raw(conn, self._pg)
+            held = leases_by_host(db)
             revoked = {
                 row[0]
                 for row in db.all(
@@ -1106,7 +1042,7 @@ class Ledger:
         one took, so a lost reply never strands work until its lease expires.
         """
         with self._begin() as conn:
-            db = _Raw(conn, self._pg)
+            db = Raw(conn, self._pg)
             host = self._host_row(db, host_id)
             if request_id:
                 again = db.all(
@@ -1118,7 +1054,7 @@ class Ledger:
                     return [self._assignment(db, _Item(*row)) for row in again]
             if db.all("SELECT state FROM hosts WHERE id = ?", (host_id,))[0][0] != "ready":
                 return []  # (cordoned, draining: checked in the claim's own transaction)
-            max_items = min(max_items, self._pool_room(db, host))
+            max_items = min(max_items, pool_sql.room(db, host))
             if max_items <= 0:
                 return []  # (a pool it is in runs its cap already)
             classes = [host.host_class.value]
@@ -1129,7 +1065,7 @@ class Ledger:
                 if host.host_class == HostClass.GPU:
                     classes.append(HostClass.CPU.value)  # (the local host has CPUs too)
             where = (
-                f"state = ? AND host_class IN ({_marks(len(classes))}) AND not_before <= ? "
+                f"state = ? AND host_class IN ({marks(len(classes))}) AND not_before <= ? "
                 "AND deadline > ? AND pin_host IN ('', ?)"
             )
             params: list[Any] = [QUEUED, *classes, now, now, host_id]
@@ -1165,7 +1101,7 @@ class Ledger:
                 }
                 full = sorted(t for t, n in running.items() if n >= max_running_per_tenant)
                 if full:
-                    where += f" AND tenant NOT IN ({_marks(len(full))})"
+                    where += f" AND tenant NOT IN ({marks(len(full))})"
                     params += full
                 want *= 4  # room to skip items of tenants that fill up within this batch
             chosen: list[_Item] = []
@@ -1190,7 +1126,7 @@ class Ledger:
                 row[0]: row
                 for row in db.all(
                     "SELECT id, state, manifest_digest, started_at FROM rollouts "
-                    f"WHERE id IN ({_marks(len(ids))}) ORDER BY id{db.lock}",
+                    f"WHERE id IN ({marks(len(ids))}) ORDER BY id{db.lock}",
                     ids,
                 )
             }
@@ -1265,7 +1201,7 @@ class Ledger:
         kept: list[Assignment] = []
         released: list[str] = []
         with self._begin() as conn:
-            db = _Raw(conn, self._pg)
+            db = Raw(conn, self._pg)
             self._host_row(db, host_id)
             expires = now + lease_ttl_s
             for work_id, token in sorted(set(leases)):
@@ -1316,13 +1252,13 @@ class Ledger:
                     released.append(work_id)
         return kept, released
 
-    def _latest_checkpoints(self, db: _Raw, rollout_ids: list[str]) -> dict[str, tuple[int, bytes]]:
+    def _latest_checkpoints(self, db: Raw, rollout_ids: list[str]) -> dict[str, tuple[int, bytes]]:
         """The newest checkpoint of each rollout, in one query."""
         if not rollout_ids:
             return {}
         rows = db.all(
             "SELECT c.rollout_id, c.seq, c.data FROM checkpoints c "
-            f"WHERE c.rollout_id IN ({_marks(len(rollout_ids))}) AND c.seq = "
+            f"WHERE c.rollout_id IN ({marks(len(rollout_ids))}) AND c.seq = "
             "(SELECT max(seq) FROM checkpoints m WHERE m.rollout_id = c.rollout_id)",
             rollout_ids,
         )
@@ -1344,7 +1280,7 @@ class Ledger:
         that refused it alone."""
         results: list[FleetError | None] = []
         with self._begin() as conn:
-            db = _Raw(conn, self._pg)
+            db = Raw(conn, self._pg)
             for host_id, work_id, fencing_token, seq, data in items:
                 try:
                     self._put_checkpoint(db, host_id, work_id, fencing_token, seq, data, now)
@@ -1354,7 +1290,7 @@ class Ledger:
         return results
 
     def _put_checkpoint(
-        self, db: _Raw, host_id: str, work_id: str, fencing_token: int, seq: int, data: bytes,
+        self, db: Raw, host_id: str, work_id: str, fencing_token: int, seq: int, data: bytes,
         now: float,
     ) -> None:  # fmt: skip
         if seq < 1:
@@ -1415,13 +1351,13 @@ class Ledger:
     def checkpoints(self, rollout_id: str) -> list[tuple[int, int, bytes]]:
         """(sequence, attempt, data) of every checkpoint a rollout stored, in order."""
         with self._begin() as conn:
-            rows = _Raw(conn, self._pg).all(
+            rows = Raw(conn, self._pg).all(
                 "SELECT seq, attempt, data FROM checkpoints WHERE rollout_id = ? ORDER BY seq",
                 (rollout_id,),
             )
         return [(int(s), int(a), bytes(d)) for s, a, d in rows]
 
-    def _host_row(self, db: _Raw, host_id: str) -> HostCapabilities:
+    def _host_row(self, db: Raw, host_id: str) -> HostCapabilities:
         rows = db.all(
             "SELECT h.capabilities_json, i.revoked_at FROM hosts h "
             "LEFT JOIN host_identities i ON i.host_id = h.id WHERE h.id = ?",
@@ -1442,7 +1378,7 @@ class Ledger:
             self._host_caps[text] = caps
         return caps
 
-    def _assignment(self, db: _Raw, item: _Item) -> Assignment:
+    def _assignment(self, db: Raw, item: _Item) -> Assignment:
         [(digest,)] = db.all(
             "SELECT manifest_digest FROM rollouts WHERE id = ?", (item.rollout_id,)
         )
@@ -1503,7 +1439,7 @@ class Ledger:
             raise result
         return result
 
-    def _manifest_raw(self, db: _Raw, digest: str) -> Manifest:
+    def _manifest_raw(self, db: Raw, digest: str) -> Manifest:
         """Manifests are immutable, so each is parsed once per process."""
         manifest = self._manifests.get(digest)
         if manifest is None:
@@ -1535,12 +1471,12 @@ class Ledger:
         # SQLite the transaction holds the one write lock, so its length bounds throughput.
         prepared = [_prepare(report) for _, report in reports]
         with self._begin() as conn:
-            db = _Raw(conn, self._pg)
+            db = Raw(conn, self._pg)
             ids = sorted({r.work_id for _, r in reports})
             items = {
                 row[0]: _Item(*row)
                 for row in db.all(
-                    f"SELECT {_ITEM_COLS} FROM work_items WHERE id IN ({_marks(len(ids))}) "
+                    f"SELECT {_ITEM_COLS} FROM work_items WHERE id IN ({marks(len(ids))}) "
                     f"ORDER BY id{db.lock}",
                     ids,
                 )
@@ -1551,7 +1487,7 @@ class Ledger:
                 for row in (
                     db.all(
                         "SELECT id, state, manifest_digest, error FROM rollouts "
-                        f"WHERE id IN ({_marks(len(rollout_ids))}) ORDER BY id{db.lock}",
+                        f"WHERE id IN ({marks(len(rollout_ids))}) ORDER BY id{db.lock}",
                         rollout_ids,
                     )
                     if rollout_ids
@@ -1615,7 +1551,7 @@ class Ledger:
                 check_transition(current, target)
                 attempt_rows.append(
                     (now, report.outcome.value, report.error, report.cpu_seconds,
-                     report.peak_memory_mib, item.id, item.attempt)
+                     report.peak_memory_mib, report.artifact_failed, item.id, item.attempt)
                 )  # fmt: skip
                 requeue = target == RolloutState.QUEUED
                 item_rows.append(
@@ -1655,7 +1591,7 @@ class Ledger:
             )
             db.many(
                 "UPDATE attempts SET ended_at = ?, outcome = ?, error = ?, cpu_s = ?, "
-                "peak_memory_mib = ? WHERE work_id = ? AND attempt = ?",
+                "peak_memory_mib = ?, artifact_failed = ? WHERE work_id = ? AND attempt = ?",
                 attempt_rows,
             )
             db.many(
@@ -1821,7 +1757,7 @@ class Ledger:
     def figures(self, now: float, window_s: float = 60.0) -> dict[str, float]:
         """The numbers behind the server's metrics: counts by state, throughput, retries, CPU."""
         with self._begin() as conn:
-            db = _Raw(conn, self._pg)
+            db = Raw(conn, self._pg)
             out: dict[str, float] = {
                 f"state_{state}": float(n)
                 for state, n in db.all("SELECT state, count(*) FROM rollouts GROUP BY state")
@@ -1851,7 +1787,7 @@ class Ledger:
     def work_lease(self, work_id: str) -> tuple[str, int, Manifest] | None:
         """(lease owner, fencing token, manifest) of a leased work item; None otherwise."""
         with self._begin() as conn:
-            db = _Raw(conn, self._pg)
+            db = Raw(conn, self._pg)
             rows = db.all(
                 "SELECT w.lease_owner, w.fencing_token, r.manifest_digest FROM work_items w "
                 "JOIN rollouts r ON r.id = w.rollout_id WHERE w.id = ? AND w.state = ?",
@@ -1865,7 +1801,7 @@ class Ledger:
     def rollout_lease(self, rollout_id: str) -> tuple[str, str] | None:
         """(work id, lease owner) of a rollout's leased work item; None when none is leased."""
         with self._begin() as conn:
-            db = _Raw(conn, self._pg)
+            db = Raw(conn, self._pg)
             rows = db.all(
                 "SELECT id, lease_owner FROM work_items WHERE rollout_id = ? AND state = ?",
                 (rollout_id, LEASED),

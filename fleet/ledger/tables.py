@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy import BigInteger
 from sqlmodel import Field, SQLModel
 
-SCHEMA_VERSION = 13
+SCHEMA_VERSION = 14
 
 
 class SchemaInfo(SQLModel, table=True):
@@ -105,13 +105,19 @@ class AttemptRow(SQLModel, table=True):
     host_id: str
     fencing_token: int = Field(sa_type=BigInteger)
     started_at: float
-    ended_at: float | None = None
+    ended_at: float | None = Field(default=None, index=True)
     outcome: str = ""
     error: str = ""
     cpu_s: float = Field(default=0.0, sa_column_kwargs={"server_default": "0"})
     """CPU seconds its machine used, as its agent reported (schema version 13)."""
     peak_memory_mib: float = Field(default=0.0, sa_column_kwargs={"server_default": "0"})
     """The most memory its machine held at once (schema version 13)."""
+    device_s: float = Field(default=0.0, sa_column_kwargs={"server_default": "0"})
+    """Seconds of the gateway's device its requests took, their share of each batch
+    (schema version 14)."""
+    artifact_failed: bool = Field(default=False, sa_column_kwargs={"server_default": "0"})
+    """It failed to move an artifact: an image fetched, an input placed, an output collected
+    (schema version 14)."""
 
 
 class HostRow(SQLModel, table=True):
@@ -143,8 +149,34 @@ class PoolRow(SQLModel, table=True):
     labels_json: str = "{}"
     """Every one of these labels, on a host of the class: the host is in the pool."""
     max_running: int = 0
-    """Leases its hosts may hold at once, across every server (0: no cap)."""
+    """Leases its hosts may hold at once, across every server (0: no cap). An adaptive pool's
+    controller moves it."""
     updated_at: float = 0.0
+    gates_json: str = Field(default="{}", sa_column_kwargs={"server_default": "{}"})
+    """Its promotion gates (`fleet.core.gates.Gates`; schema version 14)."""
+    adaptive_json: str = Field(default="", sa_column_kwargs={"server_default": ""})
+    """How its cap is sought (`fleet.core.adaptive.Adaptive`), or "": a fixed cap."""
+    control_json: str = Field(default="{}", sa_column_kwargs={"server_default": "{}"})
+    """The adaptive controller's memory (`fleet.core.adaptive.Control`)."""
+    paused_at: float | None = None
+    """Since when new dispatches to it are paused by a gate (None: they are not)."""
+    paused_why: str = Field(default="", sa_column_kwargs={"server_default": ""})
+
+
+class PoolEventRow(SQLModel, table=True):
+    """A pool paused or resumed by its gates, or its cap moved by its controller, with the
+    numbers that decided it (append-only; schema version 14)."""
+
+    __tablename__ = "pool_events"
+
+    seq: int | None = Field(default=None, primary_key=True)
+    pool: str = Field(index=True)
+    at: float = Field(index=True)
+    kind: str
+    """paused, resumed, raised, lowered, settled."""
+    cap: int = 0
+    message: str = ""
+    figures_json: str = "{}"
 
 
 class SettingRow(SQLModel, table=True):

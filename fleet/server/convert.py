@@ -473,6 +473,7 @@ def completion_from_pb(req: host_pb2.CompleteWorkRequest) -> Completion:
         egress_events=tuple(egress_event_from_pb(e) for e in req.egress_events),
         cpu_seconds=max(0.0, req.cpu_seconds),
         peak_memory_mib=max(0.0, req.peak_memory_mib),
+        artifact_failed=req.artifact_failed,
         outputs=tuple(output_from_pb(o) for o in req.outputs[:MAX_FILES]),
     )
 
@@ -515,5 +516,6 @@ def completion_to_pb(host_id: str, c: Completion, request_id: str) -> host_pb2.C
         egress_events=[egress_event_to_pb(e) for e in c.egress_events[:MAX_EGRESS_EVENTS]],
         cpu_seconds=c.cpu_seconds,
         peak_memory_mib=c.peak_memory_mib,
+        artifact_failed=c.artifact_failed,
         outputs=[output_to_pb(o) for o in c.outputs],
     )

@@ -440,10 +440,13 @@ def test_a_version_2_ledger_is_migrated_in_place(ledger_target: str) -> None:
         conn.execute(text("ALTER TABLE work_items DROP COLUMN needs_inference"))
         conn.execute(text("ALTER TABLE hosts DROP COLUMN state"))
         conn.execute(text("ALTER TABLE work_items DROP COLUMN pin_host"))
+        conn.execute(text("ALTER TABLE attempts DROP COLUMN device_s"))
+        conn.execute(text("ALTER TABLE pools DROP COLUMN gates_json"))
+        conn.execute(text("DROP TABLE pool_events"))
         conn.execute(text("UPDATE schema_info SET version = 2 WHERE id = 1"))
     ledger.engine.dispose()
     reopened = Ledger.open(ledger_target)
-    assert reopened.schema_version == SCHEMA_VERSION == 13
+    assert reopened.schema_version == SCHEMA_VERSION == 14
     register(reopened)
     assert reopened.host_states() == {"cpu-1": "ready"}  # (the column came back, defaulted)
     [a] = reopened.claim("cpu-1", 1, T0, TTL, hold_inference=True)
@@ -686,9 +689,12 @@ def test_a_pools_cap_holds_across_replicas_claiming_at_once(ledger_target: str) 
         t.start()
     for t in threads:
         t.join()
-    [(pool, members, running)] = first.pools()
+    [view] = first.pools()
+    pool = view.pool
     in_pool = sum(n for h, n in taken.items() if h != "l1")
-    assert (pool.name, sorted(members), running, in_pool) == ("cloud", ["c1", "c2", "c3"], 3, 3)
+    assert (pool.name, sorted(view.members), view.running, in_pool) == (
+        "cloud", ["c1", "c2", "c3"], 3, 3,
+    )  # fmt: skip
     assert taken["l1"] == 20  # (5 claims of 4: the local host is in no pool)
     first.set_pool(pool.model_copy(update={"max_running": 5}), T0)
     assert len(replicas[1].claim("c2", 4, T0, TTL)) == 2

@@ -307,7 +307,7 @@ class ClaimWorkResponse(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[WorkAssignment, _Mapping]]] = ...) -> None: ...
 
 class CompleteWorkRequest(_message.Message):
-    __slots__ = ("request_id", "host_id", "work_id", "fencing_token", "outcome", "results", "error", "runtime", "device", "egress", "egress_events", "cpu_seconds", "outputs", "peak_memory_mib")
+    __slots__ = ("request_id", "host_id", "work_id", "fencing_token", "outcome", "results", "error", "runtime", "device", "egress", "egress_events", "cpu_seconds", "outputs", "peak_memory_mib", "artifact_failed")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     WORK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -322,6 +322,7 @@ class CompleteWorkRequest(_message.Message):
     CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     PEAK_MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACT_FAILED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     host_id: str
     work_id: str
@@ -336,7 +337,8 @@ class CompleteWorkRequest(_message.Message):
     cpu_seconds: float
     outputs: _containers.RepeatedCompositeFieldContainer[_types_pb2.OutputArtifact]
     peak_memory_mib: float
-    def __init__(self, request_id: _Optional[str] = ..., host_id: _Optional[str] = ..., work_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., outcome: _Optional[_Union[_types_pb2.Outcome, str]] = ..., results: _Optional[_Iterable[_Union[_types_pb2.StepResult, _Mapping]]] = ..., error: _Optional[str] = ..., runtime: _Optional[_Union[_types_pb2.RuntimeKind, str]] = ..., device: _Optional[str] = ..., egress: _Optional[_Union[_types_pb2.EgressPolicy, _Mapping]] = ..., egress_events: _Optional[_Iterable[_Union[_types_pb2.EgressEvent, _Mapping]]] = ..., cpu_seconds: _Optional[float] = ..., outputs: _Optional[_Iterable[_Union[_types_pb2.OutputArtifact, _Mapping]]] = ..., peak_memory_mib: _Optional[float] = ...) -> None: ...
+    artifact_failed: bool
+    def __init__(self, request_id: _Optional[str] = ..., host_id: _Optional[str] = ..., work_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., outcome: _Optional[_Union[_types_pb2.Outcome, str]] = ..., results: _Optional[_Iterable[_Union[_types_pb2.StepResult, _Mapping]]] = ..., error: _Optional[str] = ..., runtime: _Optional[_Union[_types_pb2.RuntimeKind, str]] = ..., device: _Optional[str] = ..., egress: _Optional[_Union[_types_pb2.EgressPolicy, _Mapping]] = ..., egress_events: _Optional[_Iterable[_Union[_types_pb2.EgressEvent, _Mapping]]] = ..., cpu_seconds: _Optional[float] = ..., outputs: _Optional[_Iterable[_Union[_types_pb2.OutputArtifact, _Mapping]]] = ..., peak_memory_mib: _Optional[float] = ..., artifact_failed: _Optional[bool] = ...) -> None: ...
 
 class CompleteWorkResponse(_message.Message):
     __slots__ = ("state",)

@@ -1,0 +1,291 @@
+"""Pools in the ledger: their caps at claim time, their gates and adaptive caps, their events.
+
+Every decision about a pool is taken in one transaction that holds the pool's row (FOR UPDATE
+on PostgreSQL, the write lock on SQLite), so server replicas governing one ledger take turns:
+a pool is paused once, its cap moved once per interval, and each of those is one event.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from fleet.core.adaptive import Control, Decision, Observation, decide
+from fleet.core.gates import Gates, Signals, judge
+from fleet.core.lifecycle import Outcome
+from fleet.core.placement import HostCapabilities, HostClass, Pool
+from fleet.ledger.raw import QUEUED, Raw, leases_by_host
+
+_COLUMNS = "name, host_class, labels_json, max_running, gates_json, adaptive_json"
+RETRIED = (Outcome.TRANSIENT_ERROR.value, Outcome.LEASE_EXPIRED.value)
+"""Outcomes whose attempt is retried: what a pool's retry rate counts."""
+MAX_EVENTS = 1000
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """A pool as an operator sees it."""
+
+    pool: Pool
+    members: list[str]
+    running: int
+    """Leases its hosts hold now."""
+    slots: int
+    """The slots of its ready hosts (an adaptive cap never exceeds them)."""
+    paused_at: float | None
+    paused_why: str
+    control: Control
+
+
+@dataclass(frozen=True)
+class PoolEvent:
+    seq: int
+    pool: str
+    at: float
+    kind: str
+    cap: int
+    message: str
+    figures: dict[str, float]
+
+
+def _pool(row: tuple[Any, ...]) -> Pool:
+    name, host_class, labels, cap, gates, adaptive = row
+    return Pool(
+        name=name, host_class=HostClass(host_class), labels=json.loads(labels),
+        max_running=int(cap), gates=Gates.model_validate_json(gates or "{}"),
+        adaptive=None if not adaptive else json.loads(adaptive),
+    )  # fmt: skip
+
+
+def read(db: Raw, where: str = "", params: tuple[Any, ...] = (), lock: str = "") -> list[Pool]:
+    """The pools `where` selects, by name."""
+    rows = db.all(f"SELECT {_COLUMNS} FROM pools {where} ORDER BY name{lock}", params)
+    return [_pool(tuple(row)) for row in rows]
+
+
+def _hosts(db: Raw, host_class: HostClass | None = None) -> list[tuple[HostCapabilities, str]]:
+    sql = "SELECT capabilities_json, state FROM hosts"
+    rows = db.all(sql + " WHERE host_class = ?", (host_class.value,)) if host_class else db.all(sql)
+    return [(HostCapabilities.model_validate_json(caps), state) for caps, state in rows]
+
+
+def room(db: Raw, host: HostCapabilities) -> int:
+    """How many more leases `host` may take under the pools it is in: none while one of them
+    is paused, else what their caps leave (locked for the rest of the claim's transaction, so
+    replicas claiming at once for one pool's hosts take turns and the cap holds across them)."""
+    governed = read(
+        db, "WHERE host_class = ? AND (max_running > 0 OR paused_at IS NOT NULL)",
+        (host.host_class.value,), db.lock,
+    )  # fmt: skip
+    mine = [pool for pool in governed if pool.holds(host)]
+    if not mine:
+        return 1 << 30
+    paused = db.all(
+        f"SELECT name FROM pools WHERE paused_at IS NOT NULL AND name IN "
+        f"({','.join('?' * len(mine))})",
+        tuple(p.name for p in mine),
+    )
+    if paused:
+        return 0
+    hosts = [h for h, _ in _hosts(db, host.host_class)]
+    held = leases_by_host(db)
+    return min(
+        pool.max_running - sum(int(held.get(h.host_id, 0)) for h in hosts if pool.holds(h))
+        for pool in mine
+        if pool.max_running > 0
+    )
+
+
+def views(db: Raw) -> list[PoolView]:
+    hosts = _hosts(db)
+    held = leases_by_host(db)
+    state = {
+        name: (paused_at, why, control)
+        for name, paused_at, why, control in db.all(
+            "SELECT name, paused_at, paused_why, control_json FROM pools"
+        )
+    }
+    out = []
+    for pool in read(db):
+        members = [h for h, _ in hosts if pool.holds(h)]
+        paused_at, why, control = state[pool.name]
+        out.append(
+            PoolView(
+                pool=pool, members=[h.host_id for h in members],
+                running=sum(int(held.get(h.host_id, 0)) for h in members),
+                slots=sum(h.slots for h, s in hosts if pool.holds(h) and s == "ready"),
+                paused_at=None if paused_at is None else float(paused_at), paused_why=why,
+                control=Control.model_validate_json(control or "{}"),
+            )
+        )  # fmt: skip
+    return out
+
+
+def write(db: Raw, pool: Pool, now: float) -> None:
+    """Makes or changes a pool. An adaptive pool starts (or starts again) at its `start` cap;
+    a change of anything else keeps its controller's cap and memory."""
+    old = read(db, "WHERE name = ?", (pool.name,), db.lock)
+    adaptive = pool.adaptive.model_dump_json() if pool.adaptive else ""
+    cap = pool.max_running
+    control = Control(since=now).model_dump_json()
+    if pool.adaptive is not None:
+        cap = pool.adaptive.start
+        if old and old[0].adaptive == pool.adaptive:
+            cap = old[0].max_running
+            control = db.all("SELECT control_json FROM pools WHERE name = ?", (pool.name,))[0][0]
+    gates = pool.gates.model_dump_json() if pool.gates.any() else "{}"
+    values = (pool.host_class.value, json.dumps(pool.labels, sort_keys=True), cap, gates,
+              adaptive, control, now)  # fmt: skip
+    if old:
+        db.run(
+            "UPDATE pools SET host_class = ?, labels_json = ?, max_running = ?, gates_json = ?, "
+            "adaptive_json = ?, control_json = ?, updated_at = ? WHERE name = ?",
+            (*values, pool.name),
+        )
+        if not pool.gates.any():
+            db.run(
+                "UPDATE pools SET paused_at = NULL, paused_why = '' WHERE name = ?", (pool.name,)
+            )
+    else:
+        db.run(
+            "INSERT INTO pools (host_class, labels_json, max_running, gates_json, adaptive_json, "
+            "control_json, updated_at, name, paused_why) VALUES (?, ?, ?, ?, ?, ?, ?, ?, '')",
+            (*values, pool.name),
+        )
+
+
+def signals(
+    db: Raw, members: list[str], gates: Gates, now: float, p95_ms: float | None,
+    queue_age_ms: float | None,
+) -> Signals:  # fmt: skip
+    """The pool's signals: the gateway's (as the server last read them) and its hosts' attempts
+    ended in the gates' window."""
+    attempts = retried = artifacts = 0
+    if members:
+        for outcome, failed, n in db.all(
+            f"SELECT outcome, artifact_failed, count(*) FROM attempts WHERE ended_at >= ? AND "
+            f"host_id IN ({','.join('?' * len(members))}) GROUP BY outcome, artifact_failed",
+            (now - gates.window_s, *members),
+        ):
+            attempts += int(n)
+            retried += int(n) if outcome in RETRIED else 0
+            artifacts += int(n) if failed else 0
+    return Signals(p95_ms=p95_ms, queue_age_ms=queue_age_ms, attempts=attempts,
+                   retried=retried, artifact_failures=artifacts)  # fmt: skip
+
+
+def _completed(db: Raw, members: list[str], since: float) -> int:
+    if not members:
+        return 0
+    [(n,)] = db.all(
+        f"SELECT count(*) FROM attempts WHERE ended_at >= ? AND outcome = ? AND "
+        f"host_id IN ({','.join('?' * len(members))})",
+        (since, Outcome.SUCCEEDED.value, *members),
+    )
+    return int(n)
+
+
+def record(
+    db: Raw, pool: str, kind: str, cap: int, message: str, figures: dict[str, float], now: float
+) -> PoolEvent:
+    db.run(
+        "INSERT INTO pool_events (pool, at, kind, cap, message, figures_json) "
+        "VALUES (?, ?, ?, ?, ?, ?)",
+        (pool, now, kind, cap, message, json.dumps(figures, sort_keys=True)),
+    )
+    return PoolEvent(0, pool, now, kind, cap, message, figures)
+
+
+def govern(
+    db: Raw, now: float, p95_ms: float | None, queue_age_ms: float | None, saturated: str
+) -> list[PoolEvent]:
+    """Judges every governed pool once: pauses or resumes it by its gates, and moves an
+    adaptive pool's cap once its interval has passed. Returns the events written."""
+    events: list[PoolEvent] = []
+    governed = read(db, "WHERE gates_json != '{}' OR adaptive_json != ''", (), db.lock)
+    if not governed:
+        return events
+    by_name = {v.pool.name: v for v in views(db)}
+    for pool in governed:
+        view = by_name[pool.name]
+        paused = view.paused_at is not None
+        why = ""
+        if pool.gates.any():
+            seen = signals(db, view.members, pool.gates, now, p95_ms, queue_age_ms)
+            verdict, reasons = judge(pool.gates, seen, paused)
+            if verdict == "pause":
+                why = "; ".join(reasons)
+                db.run("UPDATE pools SET paused_at = ?, paused_why = ? WHERE name = ?",
+                       (now, why, pool.name))  # fmt: skip
+                events.append(
+                    record(
+                        db,
+                        pool.name,
+                        "paused",
+                        pool.max_running,
+                        f"new dispatches paused: {why}",
+                        seen.figures(),
+                        now,
+                    )
+                )
+            elif verdict == "resume":
+                db.run("UPDATE pools SET paused_at = NULL, paused_why = '' WHERE name = ?",
+                       (pool.name,))  # fmt: skip
+                events.append(record(
+                    db, pool.name, "resumed", pool.max_running,
+                    f"every signal back under its limit after {now - (view.paused_at or now):.1f}s",
+                    seen.figures(), now,
+                ))  # fmt: skip
+                paused = False
+        if pool.adaptive is None:
+            continue
+        control = view.control
+        if why:  # a gate just tripped: back off now, then hold while paused
+            saturated_now = f"gate tripped: {why}"
+        elif paused or now - control.since < pool.adaptive.interval_s:
+            continue
+        else:
+            saturated_now = saturated
+        elapsed = max(1e-6, now - control.since) if control.since else pool.adaptive.interval_s
+        rate = _completed(db, view.members, now - elapsed) / elapsed
+        [(queued,)] = db.all(
+            "SELECT count(*) FROM work_items WHERE state = ? AND host_class = ?",
+            (QUEUED, pool.host_class.value),
+        )
+        seen_obs = Observation(rate=rate, ceiling=view.slots, waiting=int(queued) > 0,
+                               saturated=saturated_now)  # fmt: skip
+        cap, new_control, decision = decide(pool.adaptive, pool.max_running, control, seen_obs, now)
+        db.run(
+            "UPDATE pools SET max_running = ?, control_json = ? WHERE name = ?",
+            (cap, new_control.model_dump_json(), pool.name),
+        )
+        if decision.kind != "held" or cap != pool.max_running:
+            events.append(_decided(db, pool.name, decision, seen_obs, view.running, now))
+    return events
+
+
+def _decided(
+    db: Raw, pool: str, decision: Decision, seen: Observation, running: int, now: float
+) -> PoolEvent:
+    figures = {"rate_per_s": round(seen.rate, 4), "ceiling": seen.ceiling,
+               "running": running, "cap": decision.cap}  # fmt: skip
+    return record(db, pool, decision.kind, decision.cap, f"cap {decision.cap}: {decision.why}",
+                  figures, now)  # fmt: skip
+
+
+def events(db: Raw, since: float, pool: str = "", limit: int = MAX_EVENTS) -> list[PoolEvent]:
+    where = "WHERE at >= ?"
+    params: list[Any] = [since]
+    if pool:
+        where += " AND pool = ?"
+        params.append(pool)
+    rows = db.all(
+        f"SELECT seq, pool, at, kind, cap, message, figures_json FROM pool_events {where} "
+        f"ORDER BY seq DESC LIMIT ?",
+        (*params, limit),
+    )
+    return [
+        PoolEvent(int(seq), name, float(at), kind, int(cap), message, json.loads(figures))
+        for seq, name, at, kind, cap, message, figures in reversed(rows)
+    ]
