@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -57,6 +58,14 @@ class BatchConfig:
     """After this long with nothing queued, the primary's health is probed with one sample
     (0: never). A failed probe counts as a fault for the breaker; while the breaker is half
     open, a probe that passes closes it, so an idle gateway recovers its device by itself."""
+    latency_window_s: float = 30.0
+    """The window of the p95 latency the fleet server's promotion gates read."""
+
+
+LATENCIES_KEPT = 100_000
+"""Answered requests' latencies kept for the p95 (the oldest go first)."""
+DEVICE_ROLLOUTS_KEPT = 65_536
+"""Rollouts whose device seconds wait for the fleet server's next poll, at most."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +137,12 @@ class Batcher:
         self._answers_bytes = 0
         self._task: asyncio.Task[None] | None = None
         self._rate = 1000.0  # samples/s, updated per batch, for retry hints
+        self._latencies: collections.deque[tuple[float, float]] = collections.deque(
+            maxlen=LATENCIES_KEPT
+        )
+        """(answered at, seconds in the gateway) of recent requests."""
+        self._device_s: dict[str, float] = {}
+        """Device seconds per rollout not yet taken by the fleet server."""
 
     # -- API ----------------------------------------------------------------------------------
 
@@ -155,6 +170,22 @@ class Batcher:
 
     def oldest_queued_s(self) -> float:
         return time.monotonic() - self._queue[0].enqueued if self._queue else 0.0
+
+    def p95_latency_s(self) -> float:
+        """The 95th percentile of the time requests answered in the last `latency_window_s`
+        spent in the gateway (0.0: none were)."""
+        since = time.monotonic() - self.config.latency_window_s
+        while self._latencies and self._latencies[0][0] < since:
+            self._latencies.popleft()
+        if not self._latencies:
+            return 0.0
+        ordered = sorted(seconds for _, seconds in self._latencies)
+        return ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
+
+    def take_device_seconds(self) -> dict[str, float]:
+        """Device seconds per rollout since the last call (the fleet server charges them)."""
+        taken, self._device_s = self._device_s, {}
+        return taken
 
     async def infer(
         self, rollout_id: str, idempotency_key: str, sample: list[float], deadline: float
@@ -308,7 +339,9 @@ class Batcher:
                 if not item.future.done():
                     item.future.set_exception(Unavailable(why, retry_after_s=0.5))
             return
+        answered = time.monotonic()
         for item, answer in zip(batch, answers, strict=True):
+            self._latencies.append((answered, answered - item.enqueued))
             self._remember(item.key, answer)
             if not item.future.done():
                 item.future.set_result(answer)
@@ -362,6 +395,11 @@ class Batcher:
         if degraded:
             self.metrics.degraded += len(batch)
         self._rate = 0.8 * self._rate + 0.2 * (len(batch) / max(took, 1e-6))
+        share = took / len(batch)
+        for item in batch:
+            spent = self._device_s.get(item.rollout_id)
+            if spent is not None or len(self._device_s) < DEVICE_ROLLOUTS_KEPT:
+                self._device_s[item.rollout_id] = (spent or 0.0) + share
         device = runner.device + (" (failover)" if degraded else "")
         return [
             Answer(
@@ -412,6 +450,10 @@ class Batcher:
             f"fleet_gateway_queue_depth {self.queue_depth}",
             "# TYPE fleet_gateway_queue_oldest_seconds gauge",
             f"fleet_gateway_queue_oldest_seconds {self.oldest_queued_s():.6f}",
+            "# HELP fleet_gateway_latency_p95_seconds The 95th percentile of requests' time in "
+            "the gateway (queue and device) over its latency window.",
+            "# TYPE fleet_gateway_latency_p95_seconds gauge",
+            f"fleet_gateway_latency_p95_seconds {self.p95_latency_s():.6f}",
             "# TYPE fleet_gateway_device_seconds_total counter",
             f"fleet_gateway_device_seconds_total {m.busy_s:.6f}",
             "# TYPE fleet_gateway_device_busy_fraction gauge",

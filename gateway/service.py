@@ -360,9 +360,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
     ) -> inference_pb2.GatewayStatus:
         gw = self.gateway
         b = gw.batcher
+        device_seconds: dict[str, float] = {}
         if request.HasField("running"):
             r = request.running
             gw.note_running(list(r.rollout_ids), r.as_of, r.signature)
+            device_seconds = b.take_device_seconds()  # (the server's poll: it charges them)
         return inference_pb2.GatewayStatus(
             models=[
                 inference_pb2.ModelInfo(
@@ -373,6 +375,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
             breaker=str(b.breaker.state), queue_depth=b.queue_depth,
             oldest_queued_ms=b.oldest_queued_s() * 1000, served=b.metrics.served,
             failovers=b.metrics.failovers, oom_faults=b.metrics.oom_faults,
+            p95_latency_ms=b.p95_latency_s() * 1000, device_seconds=device_seconds,
+            latency_window_s=b.config.latency_window_s,
         )  # fmt: skip
 
 

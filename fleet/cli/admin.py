@@ -11,13 +11,18 @@ import re
 import time
 from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
+
+from pydantic import ValidationError
 
 from fleet.cli.client import parse_labels
 from fleet.config import Paths
-from fleet.core.cost import parse_prices, tally
+from fleet.core.adaptive import Adaptive
+from fleet.core.cost import parse_prices, pauses, tally, timeline
 from fleet.core.credentials import format_api_key, format_join_token, parse_scopes
 from fleet.core.errors import InvalidArgument
+from fleet.core.gates import Gates
 from fleet.core.placement import HostClass, Pool
 from fleet.identity.ca import CertificateAuthority
 
@@ -128,24 +133,69 @@ def _ago(seconds: float) -> str:
     return f"{max(0, int(seconds))}s ago"
 
 
+def _pool_from(args: argparse.Namespace) -> Pool:
+    """The pool `fleet pool set` describes; a limit out of range is refused naming its flag."""
+    try:
+        gates = Gates(
+            p95_ms=args.gate_p95_ms, queue_age_ms=args.gate_queue_age_ms,
+            retry_rate=args.gate_retry_rate, artifact_failure_rate=args.gate_artifact_failure_rate,
+            window_s=duration_s(args.gate_window), min_attempts=args.gate_min_attempts,
+        )  # fmt: skip
+        adaptive = None
+        if args.adaptive:
+            adaptive = Adaptive(start=args.start, step=args.step, backoff=args.backoff,
+                                interval_s=duration_s(args.interval))  # fmt: skip
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        flag = {"p95_ms": "--gate-p95-ms", "queue_age_ms": "--gate-queue-age-ms",
+                "retry_rate": "--gate-retry-rate", "window_s": "--gate-window",
+                "artifact_failure_rate": "--gate-artifact-failure-rate",
+                "min_attempts": "--gate-min-attempts", "interval_s": "--interval",
+                }.get(str(first["loc"][0]), f"--{first['loc'][0]}")  # fmt: skip
+        raise InvalidArgument(f"{flag}: {first['msg']}") from None
+    if adaptive is not None and args.max_running:
+        raise InvalidArgument("--max-running and --adaptive: an adaptive pool's cap is sought "
+                              "from --start (it never exceeds its hosts' slots)")  # fmt: skip
+    return Pool(name=args.name, host_class=HostClass(args.host_class),
+                labels=parse_labels(args.label), max_running=args.max_running, gates=gates,
+                adaptive=adaptive)  # fmt: skip
+
+
 async def cmd_pool(args: argparse.Namespace) -> int:
     ledger = _ledger(args)
     if args.pool_cmd == "set":
-        pool = Pool(name=args.name, host_class=HostClass(args.host_class),
-                    labels=parse_labels(args.label), max_running=args.max_running)  # fmt: skip
+        pool = _pool_from(args)
         ledger.set_pool(pool, time.time())
-        cap = f"at most {pool.max_running} running at once" if pool.max_running else "no cap"
+        if pool.adaptive is not None:
+            a = pool.adaptive
+            cap = (f"an adaptive cap from {a.start}, +{a.step} every {a.interval_s:g}s while "
+                   f"throughput rises")  # fmt: skip
+        else:
+            cap = f"at most {pool.max_running} running at once" if pool.max_running else "no cap"
         print(f"pool {pool.name}: {pool.host_class.value}-class hosts labelled "
-              f"{_labels(pool.labels) or '(any)'}, {cap}; claims see it at once")  # fmt: skip
+              f"{_labels(pool.labels) or '(any)'}, {cap}; gates {pool.gates.describe()}; "
+              f"claims see it at once")  # fmt: skip
     elif args.pool_cmd == "delete":
         ledger.delete_pool(args.name)
         print(f"pool {args.name} deleted: its hosts run without its cap")
+    elif args.pool_cmd == "events":
+        since = time.time() - duration_s(args.since)
+        for e in ledger.pool_events(since, args.pool):
+            figures = " ".join(f"{k}={v:g}" for k, v in sorted(e.figures.items()))
+            print(f"{_when(e.at)}  {e.pool:<12} {e.kind:<8} {e.message}  [{figures}]")
     else:
-        print(f"{'pool':<16} {'class':<5} {'running':>9}  {'hosts':<5} labels  members")
-        for pool, members, running in ledger.pools():
-            cap = f"{running}/{pool.max_running}" if pool.max_running else f"{running}/-"
-            print(f"{pool.name:<16} {pool.host_class.value:<5} {cap:>9}  {len(members):<5} "
-                  f"{_labels(pool.labels) or '-'}  {' '.join(members)}")  # fmt: skip
+        print(f"{'pool':<16} {'class':<5} {'running':>9} {'slots':>5}  {'cap':<8} {'state':<8} "
+              f"{'hosts':<5} labels  gates  members")  # fmt: skip
+        for view in ledger.pools():
+            pool = view.pool
+            cap = f"{view.running}/{pool.max_running or '-'}"
+            state = "paused" if view.paused_at is not None else "ready"
+            print(f"{pool.name:<16} {pool.host_class.value:<5} {cap:>9} {view.slots:>5}  "
+                  f"{'adaptive' if pool.adaptive else 'fixed':<8} {state:<8} "
+                  f"{len(view.members):<5} {_labels(pool.labels) or '-'}  "
+                  f"{pool.gates.describe()}  {' '.join(view.members)}")  # fmt: skip
+            if view.paused_at is not None:
+                print(f"  paused since {_when(view.paused_at)}: {view.paused_why}")
     return 0
 
 
@@ -177,21 +227,59 @@ async def cmd_rollback(args: argparse.Namespace) -> int:
 async def cmd_report(args: argparse.Namespace) -> int:
     ledger = _ledger(args)
     prices = parse_prices(args.price) if args.price else ledger.prices()
-    since = time.time() - duration_s(args.since)
-    groups = tally(ledger.cost_attempts(since, args.by_label), prices)
+    now = time.time()
+    since = now - duration_s(args.since)
+    attempts = ledger.cost_attempts(since, args.by_label)
+    groups = tally(attempts, prices)
     by = f"label {args.by_label}" if args.by_label else "pool"
     priced = ", ".join(f"{k} {v:g}/h" for k, v in sorted(prices.items())) or "none set"
     print(f"rollouts ended in the last {args.since}, by {by}; prices per host-hour: {priced}")
     print(f"{by.split()[0]:<16} {'completed':>9} {'attempts':>8} {'retries':>7} {'cost':>10} "
-          f"{'cost/done':>10} {'cpu s/done':>10} {'peak MiB':>9}")  # fmt: skip
+          f"{'cost/done':>10} {'cpu s/done':>10} {'dev s/done':>10} {'peak MiB':>9}")  # fmt: skip
     for g in groups:
         per = f"{g.cost_per_completed:.6f}" if g.cost_per_completed is not None else "-"
         cpu = f"{g.cpu_s_per_completed:.2f}" if g.cpu_s_per_completed is not None else "-"
+        dev = f"{g.device_s_per_completed:.4f}" if g.device_s_per_completed is not None else "-"
         print(f"{g.name:<16} {g.completed:>9} {g.attempts:>8} {g.retries:>7} {g.cost:>10.6f} "
-              f"{per:>10} {cpu:>10} {g.peak_memory_mib:>9.1f}")  # fmt: skip
+              f"{per:>10} {cpu:>10} {dev:>10} {g.peak_memory_mib:>9.1f}")  # fmt: skip
     if not groups:
         print("(no rollout ended in that window)")
+    events = ledger.pool_events(since - 86400)  # (a pause begun before the window counts in it)
+    paused = pauses([(e.pool, e.at, e.kind) for e in events], since, now)
+    for pool, (count, seconds) in sorted(paused.items()):
+        if count or seconds:
+            print(f"pool {pool}: paused {count} times by its gates, {seconds:.0f}s paused")
+    if args.chart:
+        _report_chart(Path(args.chart), attempts, prices, since, now, events, args.since)
+        print(f"chart: {args.chart}")
     return 0
+
+
+def _report_chart(
+    path: Path, attempts: list[Any], prices: dict[str, float], since: float, now: float,
+    events: list[Any], window: str,
+) -> None:  # fmt: skip
+    """Completed trajectories and cost per slice of the window, and the pools' caps as their
+    events moved them."""
+    from fleet.cli.chart import line_chart, printable
+
+    slices = timeline(attempts, prices, since, now)
+    width_min = (now - since) / 60 / len(slices)
+    panels = [
+        [(t, float(done)) for t, done, _ in slices],
+        [(t, cost) for t, _, cost in slices],
+    ]
+    titles = [
+        f"COMPLETED TRAJECTORIES PER {width_min:.3g} MIN",
+        f"COST PER {width_min:.3g} MIN (FAILED ATTEMPTS INCLUDED)",
+    ]
+    capped = [e for e in events if e.at >= since and e.kind != "resumed"]
+    for pool in sorted({e.pool for e in capped})[:2]:
+        steps = [((e.at - since) / 60, float(e.cap)) for e in capped if e.pool == pool]
+        panels.append([*steps, ((now - since) / 60, steps[-1][1])])
+        titles.append(printable(f"POOL {pool} CAP"))
+    x_label = printable(f"MINUTES INTO THE LAST {window}")
+    line_chart(path, panels, titles=titles, x_label=x_label)
 
 
 def _labels(labels: dict[str, str]) -> str:
@@ -277,11 +365,32 @@ def add_commands(
         "--max-running", type=int, default=0,
         help="leases its hosts may hold at once, across every server (0: no cap)",
     )  # fmt: skip
+    ps.add_argument("--adaptive", action="store_true",
+                    help="the server seeks the cap: raised while completed trajectories per "
+                    "second rise, backed off when they stop or a gate trips")  # fmt: skip
+    ps.add_argument("--start", type=int, default=2, help="an adaptive pool's first cap (2)")
+    ps.add_argument("--step", type=int, default=2, help="what each raise adds (2)")
+    ps.add_argument("--backoff", type=float, default=0.7, help="what a back-off keeps (0.7)")
+    ps.add_argument("--interval", default="5s", help="time at a cap before it is judged (5s)")
+    for flag, help_ in (
+        ("--gate-p95-ms", "pause while the gateway's p95 latency is over this (ms)"),
+        ("--gate-queue-age-ms", "pause while its oldest queued request is older (ms)"),
+        ("--gate-retry-rate", "pause while more of the pool's attempts are retried (0-1)"),
+        ("--gate-artifact-failure-rate", "pause while more fail to move an artifact (0-1)"),
+    ):
+        ps.add_argument(flag, type=float, default=0.0, help=help_ + "; 0: no such gate")
+    ps.add_argument("--gate-window", default="60s", help="the rates' sliding window (60s)")
+    ps.add_argument("--gate-min-attempts", type=int, default=10,
+                    help="rates are judged over at least this many attempts (10)")  # fmt: skip
     db_flag(ps)
     pd = psub.add_parser("delete", help="remove a pool (its hosts run without its cap)")
     pd.add_argument("name")
     db_flag(pd)
     db_flag(psub.add_parser("list", help="pools, their hosts and what they run against the cap"))
+    pe = psub.add_parser("events", help="pools paused, resumed and caps moved, with the numbers")
+    pe.add_argument("--since", default="1h", help="events this long ago or since (1h)")
+    pe.add_argument("--pool", default="", help="one pool's only")
+    db_flag(pe)
 
     sp = add("rollback", cmd_rollback, "return to the local pool, or undo that")
     sp.add_argument("--to", choices=["local-only"], help="roll back to the local pool")
@@ -302,6 +411,11 @@ def add_commands(
         "--price", default="", help="cpu=0.04/h,gpu=2.10/h (default: fleet serve --price's)"
     )
     sp.add_argument("--by-label", default="", help="group by this rollout label, not by pool")
+    sp.add_argument(
+        "--chart",
+        default="fleet-report.png",
+        help="write the chart here (PNG; '' for none; default fleet-report.png)",
+    )
     db_flag(sp)
 
     sp = add("key", cmd_key, "tenants' API keys")

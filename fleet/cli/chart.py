@@ -129,6 +129,11 @@ class Canvas:
         )  # fmt: skip
 
 
+def printable(words: str) -> str:
+    """`words` with each character the font lacks drawn as '-'."""
+    return "".join(c if c.upper() in _GLYPHS else "-" for c in words)
+
+
 def _tick(value: float) -> str:
     return f"{value:.3g}"
 

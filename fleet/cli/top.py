@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import sys
 import time
 import urllib.request
+from typing import Any
 
 
 def parse(text: str) -> dict[str, float]:
@@ -36,7 +38,36 @@ def _fetch(url: str) -> dict[str, float] | str:
         return f"unreachable ({exc})"
 
 
-def render(server: dict[str, float] | str, gateway: dict[str, float] | str) -> str:
+def _fetch_json(url: str) -> dict[str, Any] | None:
+    try:
+        with urllib.request.urlopen(url, timeout=3) as reply:
+            found = json.loads(reply.read().decode())
+            return found if isinstance(found, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _pool_lines(pools: dict[str, Any]) -> list[str]:
+    """Each pool's cap and state, and the latest pauses, resumes and caps moved, each with
+    the numbers that decided it."""
+    lines = []
+    for p in pools.get("pools", []):
+        cap = f"{p['running']}/{p['cap'] or '-'}"
+        state = f"PAUSED: {p['paused_why']}" if p.get("paused_at") else "dispatching"
+        mode = "adaptive" if p.get("adaptive") else "fixed"
+        lines.append(f"pool {p['name']:<10} {p['class']} {cap:>7} of {p['slots']} slots ({mode})"
+                     f"   gates {p['gates']}   {state}")  # fmt: skip
+    for e in pools.get("events", [])[-5:]:
+        figures = " ".join(f"{k}={v:g}" for k, v in sorted(e.get("figures", {}).items()))
+        lines.append(f"  {time.strftime('%H:%M:%S', time.localtime(e['at']))} {e['pool']} "
+                     f"{e['kind']}: {e['message']}  [{figures}]")  # fmt: skip
+    return lines
+
+
+def render(
+    server: dict[str, float] | str, gateway: dict[str, float] | str,
+    pools: dict[str, Any] | None = None,
+) -> str:  # fmt: skip
     lines = [f"fleet top  {time.strftime('%H:%M:%S')}"]
     if isinstance(server, str):
         lines.append(f"server   {server}")
@@ -60,6 +91,8 @@ def render(server: dict[str, float] | str, gateway: dict[str, float] | str) -> s
                 f"security        TLS, keys; {server.get('fleet_auth_refusals_total', 0):g} "
                 "calls refused"
             )
+    if pools:
+        lines += _pool_lines(pools)
     if isinstance(gateway, str):
         lines.append(f"gateway  {gateway}")
     else:
@@ -87,6 +120,7 @@ def render(server: dict[str, float] | str, gateway: dict[str, float] | str) -> s
         lines += [
             f"gateway         queue {gateway.get('fleet_gateway_queue_depth', 0):g} "
             f"(oldest {gateway.get('fleet_gateway_queue_oldest_seconds', 0) * 1000:.0f} ms)   "
+            f"p95 {gateway.get('fleet_gateway_latency_p95_seconds', 0) * 1000:.1f} ms   "
             f"batch mean {mean:.2f}   "
             f"busy {gateway.get('fleet_gateway_device_busy_fraction', 0):.3f}{gpu}"
             f"   failovers {gateway.get('fleet_gateway_failovers_total', 0):g}   "
@@ -102,10 +136,12 @@ def render(server: dict[str, float] | str, gateway: dict[str, float] | str) -> s
 async def run_top(server_url: str, gateway_url: str, interval_s: float, once: bool) -> int:
     tty = sys.stdout.isatty() and not once
     while True:
-        server, gateway = await asyncio.gather(
-            asyncio.to_thread(_fetch, server_url), asyncio.to_thread(_fetch, gateway_url)
-        )
-        screen = render(server, gateway)
+        pools_url = server_url.rsplit("/", 1)[0] + "/pools"
+        server, gateway, pools = await asyncio.gather(
+            asyncio.to_thread(_fetch, server_url), asyncio.to_thread(_fetch, gateway_url),
+            asyncio.to_thread(_fetch_json, pools_url),
+        )  # fmt: skip
+        screen = render(server, gateway, pools)
         if tty:
             sys.stdout.write("\x1b[H\x1b[2J" + screen + "\n")
             sys.stdout.flush()

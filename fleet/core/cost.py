@@ -42,6 +42,7 @@ class AttemptCost:
     cpu_s: float
     peak_memory_mib: float
     device_s: float = 0.0
+    ended_at: float = 0.0
 
 
 @dataclass
@@ -95,3 +96,41 @@ def tally(attempts: Iterable[AttemptCost], prices: Mapping[str, float]) -> list[
         if a.final and a.succeeded:
             g.completed += 1
     return [groups[name] for name in sorted(groups)]
+
+
+def timeline(
+    attempts: Iterable[AttemptCost], prices: Mapping[str, float], since: float, now: float,
+    buckets: int = 30,
+) -> list[tuple[float, int, float]]:  # fmt: skip
+    """(minutes since `since` at the bucket's end, trajectories completed in it, what its
+    ended attempts cost), over `buckets` equal slices of the window."""
+    width = max(1e-9, (now - since) / buckets)
+    done = [0] * buckets
+    cost = [0.0] * buckets
+    for a in attempts:
+        i = min(buckets - 1, max(0, int((a.ended_at - since) / width)))
+        cost[i] += attempt_cost(a, prices)
+        if a.final and a.succeeded:
+            done[i] += 1
+    return [((i + 1) * width / 60, done[i], cost[i]) for i in range(buckets)]
+
+
+def pauses(
+    events: Iterable[tuple[str, float, str]], since: float, now: float
+) -> dict[str, tuple[int, float]]:
+    """Per pool: (times its gates paused it, seconds it spent paused) within the window, from
+    its (pool, at, kind) events in order (a pause still in force counts up to `now`)."""
+    out: dict[str, tuple[int, float]] = {}
+    started: dict[str, float] = {}
+    for pool, at, kind in events:
+        count, seconds = out.get(pool, (0, 0.0))
+        if kind == "paused":
+            started[pool] = at
+            out[pool] = (count + 1, seconds)
+        elif kind == "resumed":
+            begun = started.pop(pool, since)
+            out[pool] = (count, seconds + at - max(begun, since))
+    for pool, begun in started.items():
+        count, seconds = out[pool]
+        out[pool] = (count, seconds + now - max(begun, since))
+    return out

@@ -865,6 +865,7 @@ class Ledger:
                     cpu_s=float(cpu or 0.0),
                     peak_memory_mib=float(peak or 0.0),
                     device_s=float(device or 0.0),
+                    ended_at=float(end or start),
                 )
             )
         return out

@@ -56,6 +56,25 @@ async def _sweeper(core: Core) -> None:
         await asyncio.sleep(core.config.sweep_interval_s)
 
 
+async def _govern(core: Core) -> None:
+    """Pools' promotion gates and adaptive caps, judged every `govern_interval_s` in the ledger
+    (so replicas take turns): each pause, resume and cap moved is an event and a log line."""
+    while True:
+        try:
+            events = await core.db(
+                core.ledger.govern, time.time(), core.gateway_p95_ms,
+                core.gateway_queue_age_ms, core.gateway_saturated,
+            )  # fmt: skip
+            for e in events:
+                core.pool_events[(e.pool, e.kind)] = core.pool_events.get((e.pool, e.kind), 0) + 1
+                log.info(f"pool_{e.kind}", pool=e.pool, cap=e.cap, why=e.message, **e.figures)
+            if any(e.kind in ("resumed", "raised") for e in events):
+                core.changed()  # claims waiting for room look again
+        except Exception:
+            log.exception("govern_failed")
+        await asyncio.sleep(core.config.govern_interval_s)
+
+
 async def _retention(core: Core) -> None:
     """Deletes rollouts (and their files) that ended more than `retain_days` ago."""
     while True:
@@ -113,13 +132,23 @@ async def _watch_gateway(core: Core) -> None:
                 )
                 depth = int(status.queue_depth)
                 core.gateway_queue_depth = depth
+                core.gateway_p95_ms = status.p95_latency_ms
+                core.gateway_queue_age_ms = status.oldest_queued_ms
                 if depth >= config.backpressure_queue_depth:
                     core.hold_inference = True
                 elif depth <= config.backpressure_resume_depth:
                     core.hold_inference = False
                 why = f"gateway queue depth {depth}"
+                core.gateway_saturated = (
+                    f"the gateway's queue is over its backpressure depth ({depth} >= "
+                    f"{config.backpressure_queue_depth})" if core.hold_inference else ""
+                )  # fmt: skip
+                if status.device_seconds:
+                    await core.db(core.ledger.add_device_seconds, dict(status.device_seconds))
             except grpc.aio.AioRpcError as exc:
                 core.hold_inference = True
+                core.gateway_p95_ms = core.gateway_queue_age_ms = None  # not known: not judged
+                core.gateway_saturated = ""
                 why = f"gateway unreachable: {exc.code().name}"
             if core.hold_inference != before:
                 log.info("backpressure", hold_inference=core.hold_inference, reason=why)
@@ -149,6 +178,7 @@ class FleetServer:
         self._sweeper: asyncio.Task[None] | None = None
         self._watcher: asyncio.Task[None] | None = None
         self._retention: asyncio.Task[None] | None = None
+        self._governor: asyncio.Task[None] | None = None
         self._metrics: asyncio.Server | None = None
         self.metrics_port = 0
 
@@ -225,6 +255,8 @@ class FleetServer:
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._server = server
         self._sweeper = asyncio.create_task(_sweeper(self.core))
+        if self.config.govern_interval_s > 0:
+            self._governor = asyncio.create_task(_govern(self.core))
         if self.config.retain_days > 0:
             self._retention = asyncio.create_task(_retention(self.core))
         if self.config.gateway_address:
@@ -236,7 +268,7 @@ class FleetServer:
                  host_address=self.host_address)  # fmt: skip
 
     async def stop(self, grace_s: float = 1.0) -> None:
-        for task in (self._sweeper, self._watcher, self._retention):
+        for task in (self._sweeper, self._watcher, self._retention, self._governor):
             if task is not None:
                 task.cancel()
         if self._metrics is not None:

@@ -85,6 +85,8 @@ class ServerConfig:
     """Finished rollouts are deleted with their files this long after they end (0: kept)."""
     retention_interval_s: float = 3600.0
     """How often retention runs (and once at start)."""
+    govern_interval_s: float = 1.0
+    """How often pools' promotion gates and adaptive caps are judged (0: never)."""
 
 
 MIB = 1 << 20
@@ -147,6 +149,14 @@ class Core:
         self.hold_inference = False
         """Backpressure: the gateway is over its threshold (or unreachable)."""
         self.gateway_queue_depth = 0
+        self.gateway_p95_ms: float | None = None
+        """The gateway's p95 latency and oldest queued request, as last read (None: not
+        known), for pools' promotion gates."""
+        self.gateway_queue_age_ms: float | None = None
+        self.gateway_saturated = ""
+        """Why the gateway is past its limit, for adaptive pools ("": it is not)."""
+        self.pool_events: dict[tuple[str, str], int] = {}
+        """Pool events this server wrote, by (pool, kind), for its metrics."""
         self.sessions = SessionHub()
         """Hosts' session streams, and the calls waiting on them."""
         self.inference_running: dict[str, bool] = {}

@@ -259,12 +259,33 @@ def test_fleet_pool_set_list_and_delete(tmp_path: Path) -> None:
     made = cli("set", "cloud", "--class", "cpu", "--label", "site=cloud", "--max-running", "16")
     assert made.returncode == 0 and "at most 16 running" in made.stdout, made.stderr
     listed = cli("list").stdout.splitlines()
-    assert listed[1].split() == ["cloud", "cpu", "0/16", "1", "site=cloud", "c1"]
+    # pool, class, running/cap, slots, cap kind, state, hosts, labels, gates, members
+    assert listed[1].split() == [
+        "cloud", "cpu", "0/16", "1", "fixed", "ready", "1", "site=cloud", "-", "c1"
+    ]  # fmt: skip
     assert cli("set", "cloud", "--class", "cpu", "--label", "site=cloud",
                "--max-running", "4").returncode == 0  # fmt: skip
     assert cli("list").stdout.splitlines()[1].split()[2] == "0/4"
+    gated = cli("set", "cloud", "--class", "cpu", "--label", "site=cloud", "--adaptive",
+                "--start", "3", "--gate-p95-ms", "500", "--gate-retry-rate", "0.2")  # fmt: skip
+    assert "an adaptive cap from 3, +2 every 5s" in gated.stdout, gated.stderr
+    assert "gates p95<=500ms retries<=20% over 60s" in gated.stdout
+    row = cli("list").stdout.splitlines()[1].split()
+    assert row[2:5] == ["0/3", "1", "adaptive"] and row[8:10] == ["p95<=500ms", "retries<=20%"]
     bad = cli("set", "x", "--class", "cpu", "--label", "no-equals-sign")
     assert bad.returncode == 2 and "KEY=VALUE" in bad.stderr, bad.stderr
+    bad = cli("set", "x", "--class", "cpu", "--gate-retry-rate", "1.5")
+    assert bad.returncode == 2 and "--gate-retry-rate: Input should be less than or equal to 1" \
+        in bad.stderr, bad.stderr  # fmt: skip
+    both = cli("set", "x", "--class", "cpu", "--adaptive", "--max-running", "4")
+    assert both.returncode == 2 and "--max-running and --adaptive" in both.stderr
+    ledger = Ledger.open(str(db))
+    ledger.govern(time.time(), p95_ms=900.0)
+    ledger.engine.dispose()
+    events = cli("events", "--since", "1h").stdout
+    assert "cloud        paused   new dispatches paused: gateway p95 latency 900.0 ms" in events
+    assert "[artifact_failures=0 attempts=0 p95_ms=900 retried=0]" in events
+    assert "paused since" in cli("list").stdout
     assert cli("delete", "cloud").returncode == 0
     assert cli("list").stdout.splitlines()[1:] == []
     gone = cli("delete", "cloud")
@@ -395,9 +416,10 @@ def test_the_report_prices_what_the_cgroup_measured(tmp_path: Path, images: Imag
     assert cost.group == "cloud" and cost.final and cost.succeeded  # type: ignore[attr-defined]
     assert 1.0 <= cost.cpu_s < 5.0  # type: ignore[attr-defined]
     assert 64 <= cost.peak_memory_mib < 512  # type: ignore[attr-defined]
+    chart = tmp_path / "report.png"
     report = subprocess.run(
         [sys.executable, "-m", "fleet.cli.main", "report", "--since", "1h",
-         "--price", "cpu=3.6/h", "--db", str(db)],
+         "--price", "cpu=3.6/h", "--db", str(db), "--chart", str(chart)],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert report.returncode == 0, report.stderr
@@ -406,3 +428,5 @@ def test_the_report_prices_what_the_cgroup_measured(tmp_path: Path, images: Imag
     expected = cost.wall_s / 3600 * 3.6 / 2  # type: ignore[attr-defined]
     assert float(row[4]) == pytest.approx(expected, abs=1e-4)
     assert float(row[6]) == pytest.approx(cost.cpu_s, abs=0.01)  # type: ignore[attr-defined]
+    assert row[7] == "0.0000"  # device seconds: it called no model
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"chart: {chart}" in report.stdout

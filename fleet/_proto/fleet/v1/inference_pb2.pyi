@@ -108,7 +108,14 @@ class ModelInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., revision: _Optional[str] = ..., sha256: _Optional[str] = ..., primary_device: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class GatewayStatus(_message.Message):
-    __slots__ = ("models", "breaker", "queue_depth", "oldest_queued_ms", "served", "failovers", "oom_faults")
+    __slots__ = ("models", "breaker", "queue_depth", "oldest_queued_ms", "served", "failovers", "oom_faults", "p95_latency_ms", "latency_window_s", "device_seconds")
+    class DeviceSecondsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     MODELS_FIELD_NUMBER: _ClassVar[int]
     BREAKER_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +123,9 @@ class GatewayStatus(_message.Message):
     SERVED_FIELD_NUMBER: _ClassVar[int]
     FAILOVERS_FIELD_NUMBER: _ClassVar[int]
     OOM_FAULTS_FIELD_NUMBER: _ClassVar[int]
+    P95_LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
     breaker: str
     queue_depth: int
@@ -123,4 +133,7 @@ class GatewayStatus(_message.Message):
     served: int
     failovers: int
     oom_faults: int
-    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., breaker: _Optional[str] = ..., queue_depth: _Optional[int] = ..., oldest_queued_ms: _Optional[float] = ..., served: _Optional[int] = ..., failovers: _Optional[int] = ..., oom_faults: _Optional[int] = ...) -> None: ...
+    p95_latency_ms: float
+    latency_window_s: float
+    device_seconds: _containers.ScalarMap[str, float]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., breaker: _Optional[str] = ..., queue_depth: _Optional[int] = ..., oldest_queued_ms: _Optional[float] = ..., served: _Optional[int] = ..., failovers: _Optional[int] = ..., oom_faults: _Optional[int] = ..., p95_latency_ms: _Optional[float] = ..., latency_window_s: _Optional[float] = ..., device_seconds: _Optional[_Mapping[str, float]] = ...) -> None: ...
