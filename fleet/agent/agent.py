@@ -63,6 +63,9 @@ from fleet.server.convert import MAX_EGRESS_EVENTS
 log = structlog.get_logger(__name__)
 
 INIT_TIMEOUT_S = 300.0
+IMAGES_REREAD_S = 10.0
+"""How often the images on disk are listed again, for the host list."""
+MAX_IMAGES_REPORTED = 256
 REFUSED = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
 R = TypeVar("R")
 
@@ -156,6 +159,9 @@ class Agent:
         self.journal_dir = config.machines_dir.parent / "journal" / config.host_id
         self.sessions = SessionHost(config.host_id)
         self._drain_until = 0.0
+        self._images_read_at = -IMAGES_REREAD_S
+        self._images_reported: list[str] | None = None
+        """What the last beat that carried images said (None: say them on the next)."""
         """When this agent's drain ends (0: it is not draining)."""
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -218,12 +224,32 @@ class Agent:
             for w, r in self._running.items()
         ]
         drain = self._drain_until - time.time() if self._drain_until else 0.0
+        images = self._images_to_report()
         return host_pb2.HeartbeatRequest(
             request_id=uuid.uuid4().hex, host_id=self.caps.host_id, leases=leases,
             drain_deadline_s=max(drain, 0.001) if self._drain_until else 0.0,
+            images_cached=images or [], images_changed=images is not None,
         )  # fmt: skip
 
+    def _images_to_report(self) -> list[str] | None:
+        """The images on disk, when they changed since the last beat that carried them (read
+        at most every IMAGES_REREAD_S); None: unchanged."""
+        now = time.monotonic()
+        if now - self._images_read_at < IMAGES_REREAD_S:
+            return None
+        self._images_read_at = now
+        try:
+            found = self.images.cached()[:MAX_IMAGES_REPORTED]
+        except OSError:
+            log.warning("images_unlisted", exc_info=True)
+            return None
+        if found == self._images_reported:
+            return None
+        self._images_reported = found
+        return found
+
     async def _register(self, stub: host_pb2_grpc.HostServiceStub, stop: asyncio.Event) -> None:
+        self._images_reported, self._images_read_at = None, -IMAGES_REREAD_S  # said again
         request = host_pb2.RegisterHostRequest(
             request_id=uuid.uuid4().hex,
             host_id=self.caps.host_id,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import hashlib
 import os
 import shutil
@@ -167,6 +168,16 @@ class ImageCache:
                  mib_per_s=round(size / (1 << 20) / max(seconds, 1e-6), 1),
                  source=source)  # fmt: skip
         await asyncio.to_thread(self.evict)
+
+    def cached(self) -> list[str]:
+        """The digests of the images on this host's disk: built here or fetched."""
+        fetched_dir = self.images.root / "fetched"
+        digests = {r.digest for r in self.images.list_images()}
+        if fetched_dir.exists():
+            for marker in fetched_dir.iterdir():
+                with contextlib.suppress(OSError):
+                    digests.add(marker.read_text().strip())
+        return sorted(d for d in digests if d)
 
     def evict(self) -> list[str]:
         """Removes fetched images, least recently used first, until they fit the cap; never

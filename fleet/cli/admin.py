@@ -98,7 +98,7 @@ async def cmd_host(args: argparse.Namespace) -> int:
     elif args.host_cmd == "list":
         enrolled = {h.host_id: h for h in ids.hosts()}
         print(f"{'host':<24} {'class':<5} {'state':<21} {'version':<9} {'slots':>7}  "
-              f"{'last beat':>9}  {'certificate until':<20} labels")  # fmt: skip
+              f"{'last beat':>9}  {'certificate until':<20} {'labels':<16} images")  # fmt: skip
         for view in ledger.host_table(now, args.unresponsive_after_s):
             caps = view.capabilities
             identity = enrolled.get(caps.host_id)
@@ -107,7 +107,8 @@ async def cmd_host(args: argparse.Namespace) -> int:
                 identity is not None) else ""  # fmt: skip
             print(f"{caps.host_id:<24} {caps.host_class.value:<5} {view.state:<21} "
                   f"{caps.agent_version or '-':<9} {f'{view.slots_used}/{caps.slots}':>7}  "
-                  f"{_ago(now - view.last_heartbeat_at):>9}  {until:<20} {labels}")  # fmt: skip
+                  f"{_ago(now - view.last_heartbeat_at):>9}  {until:<20} {labels or '-':<16} "
+                  f"{_images(view.images)}")  # fmt: skip
     elif args.host_cmd == "drain":
         deadline = now + duration_s(args.deadline)
         ledger.set_host_state(args.id, "draining", drain_deadline=deadline)
@@ -123,6 +124,13 @@ async def cmd_host(args: argparse.Namespace) -> int:
         print(f"host {args.id} revoked: its calls are refused from now on; "
               f"{released} leases it held were released for retry elsewhere")  # fmt: skip
     return 0
+
+
+def _images(digests: list[str]) -> str:
+    """`2: 3f2a9c1b0d4e,9b1c…`: how many images the host holds, by their short digests."""
+    if not digests:
+        return "0"
+    return f"{len(digests)}: " + ",".join(d.removeprefix("sha256:")[:12] for d in digests)
 
 
 def _ago(seconds: float) -> str:
@@ -371,7 +379,7 @@ def add_commands(
     ps.add_argument("--start", type=int, default=2, help="an adaptive pool's first cap (2)")
     ps.add_argument("--step", type=int, default=2, help="what each raise adds (2)")
     ps.add_argument("--backoff", type=float, default=0.7, help="what a back-off keeps (0.7)")
-    ps.add_argument("--interval", default="5s", help="time at a cap before it is judged (5s)")
+    ps.add_argument("--interval", default="10s", help="time at a cap before it is judged (10s)")
     for flag, help_ in (
         ("--gate-p95-ms", "pause while the gateway's p95 latency is over this (ms)"),
         ("--gate-queue-age-ms", "pause while its oldest queued request is older (ms)"),

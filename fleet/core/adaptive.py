@@ -1,13 +1,17 @@
 """Adaptive concurrency: a pool's cap found by the throughput it gives.
 
 Every `interval_s` the server looks at the completed trajectories per second the pool gave at
-its current cap. While a raise paid (throughput rose by at least `rise`), the cap goes up by
-`step`; when throughput stops rising the cap backs off multiplicatively (by `backoff`), but not
-below the last cap whose raise paid: the smallest cap known to give the best throughput, where
-the gateway's queue (and so its latency) is shortest. A settled cap is probed one step up every
-`probe_every` intervals, in case the pipeline got faster. A tripped gate or a saturated gateway
-backs off at once. The cap starts at `start` and never exceeds the slots of the pool's hosts.
-While no work waits for the pool the cap is not binding: nothing is learned and nothing moves.
+its current cap (over the interval's last part: its first `warmup` share is the pipeline
+filling to the new cap). A raise from cap c to c' pays when throughput rose by at least
+`payoff` of c'/c - 1, what it would have risen were nothing saturated: while raises pay, the
+cap goes up by `step`; when one does not, throughput has stopped rising and the cap backs off
+multiplicatively (by `backoff`), but not below the last cap whose raise paid: the smallest cap
+known to give the best throughput, where the gateway's queue (and so its latency) is shortest.
+A settled cap is probed one step up every `probe_every` intervals, in case the pipeline got
+faster. A tripped gate or a saturated gateway backs off at once. The cap starts at `start` and
+never exceeds the slots of the pool's hosts. While no work waits for the pool the cap is not
+binding, and while the pool runs more than its cap (after a back-off) its throughput is not the
+cap's: nothing is learned and nothing moves.
 """
 
 from __future__ import annotations
@@ -26,10 +30,12 @@ class Adaptive(BaseModel):
     start: int = Field(default=2, ge=1)
     step: int = Field(default=2, ge=1)
     backoff: float = Field(default=0.7, gt=0, lt=1)
-    interval_s: float = Field(default=5.0, gt=0)
+    interval_s: float = Field(default=10.0, gt=0)
     """How long the pool runs at a cap before its throughput there is judged."""
-    rise: float = Field(default=0.05, ge=0)
-    """The throughput gain a raise must bring to count (5%: noise is not a gain)."""
+    warmup: float = Field(default=0.4, ge=0, lt=1)
+    """The share of an interval not counted: the pipeline filling to its new cap."""
+    payoff: float = Field(default=0.5, gt=0, le=1)
+    """The share of the proportional gain (c'/c - 1) a raise must bring to pay."""
     probe_every: int = Field(default=6, ge=1)
     """A settled cap tries one step up after this many intervals."""
 
@@ -47,6 +53,8 @@ class Control(BaseModel):
     phase: Phase = Phase.RAISING
     last_rate: float | None = None
     """Throughput at the cap before this one (None: none measured since the last change)."""
+    last_cap: int = 0
+    """That cap."""
     best_cap: int = 0
     """The last cap whose raise paid (0: none yet)."""
     held: int = 0
@@ -64,6 +72,8 @@ class Observation(BaseModel):
     """The slots of the pool's ready hosts."""
     waiting: bool
     """Work for the pool's class waited (the cap was binding)."""
+    running: int = 0
+    """Leases the pool's hosts hold now."""
     saturated: str = ""
     """Why the pipeline is past its limit (a tripped gate, the gateway's backpressure), or ""."""
 
@@ -100,34 +110,35 @@ def decide(
     if not seen.waiting:
         state = control.model_copy(update={"since": now})
         return cap, state, Decision(kind="held", cap=cap, why=f"no work waited; {rate}")
+    if seen.running > cap:
+        state = control.model_copy(update={"since": now})
+        why = f"{seen.running} running, over the cap: not yet the cap's throughput"
+        return cap, state, Decision(kind="held", cap=cap, why=why)
     if control.phase == Phase.SETTLED:
         if control.held + 1 < settings.probe_every or cap >= ceiling:
             state = control.model_copy(update={"held": control.held + 1, "since": now})
             return cap, state, Decision(kind="held", cap=cap, why=f"settled; {rate}")
         new = min(ceiling, cap + settings.step)
-        state = Control(phase=Phase.RAISING, last_rate=seen.rate, best_cap=cap, since=now)
+        state = Control(
+            phase=Phase.RAISING, last_rate=seen.rate, last_cap=cap, best_cap=cap, since=now
+        )
         return new, state, Decision(kind="raised", cap=new, why=f"probing; {rate}")
     last = control.last_rate
-    if last is None or (seen.rate >= last * (1 + settings.rise) and seen.rate > 0):
-        gain = "first measure" if last is None else f"up from {last:.2f}/s"
+    gain = cap / control.last_cap - 1 if control.last_cap else 1.0
+    if last is None or (seen.rate >= last * (1 + settings.payoff * gain) and seen.rate > 0):
+        said = "first measure" if last is None else f"up from {last:.2f}/s"
         best = control.best_cap if last is None else cap
         if cap >= ceiling:
             state = Control(phase=Phase.SETTLED, best_cap=cap, since=now)
-            return (
-                cap,
-                state,
-                Decision(
-                    kind="settled", cap=cap, why=f"{rate} ({gain}); at the hosts' {ceiling} slots"
-                ),
-            )
+            why = f"{rate} ({said}); at the hosts' {ceiling} slots"
+            return cap, state, Decision(kind="settled", cap=cap, why=why)
         new = min(ceiling, cap + settings.step)
-        state = Control(phase=Phase.RAISING, last_rate=seen.rate, best_cap=best, since=now)
-        return new, state, Decision(kind="raised", cap=new, why=f"{rate} ({gain})")
+        state = Control(
+            phase=Phase.RAISING, last_rate=seen.rate, last_cap=cap, best_cap=best, since=now
+        )
+        return new, state, Decision(kind="raised", cap=new, why=f"{rate} ({said})")
     floor = control.best_cap or 1
-    new = max(floor, math.floor(cap * settings.backoff))
-    new = min(new, cap)
+    new = min(cap, max(floor, math.floor(cap * settings.backoff)))
     state = Control(phase=Phase.SETTLED, best_cap=new, since=now)
-    return new, state, Decision(
-        kind="settled" if new == cap else "lowered", cap=new,
-        why=f"throughput stopped rising: {rate}, {last:.2f}/s before",
-    )  # fmt: skip
+    why = f"throughput stopped rising: {rate}, {last:.2f}/s at cap {control.last_cap}"
+    return new, state, Decision(kind="settled" if new == cap else "lowered", cap=new, why=why)

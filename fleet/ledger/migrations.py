@@ -129,6 +129,8 @@ def _pool_control(conn: Connection) -> None:
         if name not in columns:
             conn.execute(text(f"ALTER TABLE pools ADD COLUMN {name} {ddl}"))
     tables.PoolEventRow.__table__.create(conn, checkfirst=True)  # type: ignore[attr-defined]
+    if "images_json" not in {c["name"] for c in inspect(conn).get_columns("hosts")}:
+        conn.execute(text("ALTER TABLE hosts ADD COLUMN images_json VARCHAR NOT NULL DEFAULT '[]'"))
     # Gates read the attempts that ended in a window, every second.
     conn.execute(text("CREATE INDEX IF NOT EXISTS ix_attempts_ended_at ON attempts (ended_at)"))
 
@@ -157,7 +159,8 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (13, "attempts record their machine's CPU seconds and peak memory", _attempt_resources),
     (
         14,
-        "pools carry promotion gates and an adaptive cap; attempts record device seconds",
+        "pools carry promotion gates and an adaptive cap; attempts record device seconds; hosts "
+        "say what images they hold",
         _pool_control,
     ),
 ]

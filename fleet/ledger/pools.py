@@ -247,14 +247,16 @@ def govern(
             continue
         else:
             saturated_now = saturated
+        # The interval's first part is the pipeline filling to the new cap: not counted.
         elapsed = max(1e-6, now - control.since) if control.since else pool.adaptive.interval_s
-        rate = _completed(db, view.members, now - elapsed) / elapsed
+        counted = elapsed * (1 - pool.adaptive.warmup)
+        rate = _completed(db, view.members, now - counted) / counted
         [(queued,)] = db.all(
             "SELECT count(*) FROM work_items WHERE state = ? AND host_class = ?",
             (QUEUED, pool.host_class.value),
         )
         seen_obs = Observation(rate=rate, ceiling=view.slots, waiting=int(queued) > 0,
-                               saturated=saturated_now)  # fmt: skip
+                               running=view.running, saturated=saturated_now)  # fmt: skip
         cap, new_control, decision = decide(pool.adaptive, pool.max_running, control, seen_obs, now)
         db.run(
             "UPDATE pools SET max_running = ?, control_json = ? WHERE name = ?",

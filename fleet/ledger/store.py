@@ -92,6 +92,8 @@ class HostView:
     state: str
     slots_used: int
     last_heartbeat_at: float
+    images: list[str]
+    """The digests on its disk, as its agent last said."""
 
 
 HOST_STATES = ("ready", CORDONED, DRAINING, DRAINED)
@@ -974,8 +976,10 @@ class Ledger:
                 )
             }
             out = []
-            for host_id, caps_json, state, beat in db.all(
-                "SELECT id, capabilities_json, state, last_heartbeat_at FROM hosts ORDER BY id", ()
+            for host_id, caps_json, state, beat, images in db.all(
+                "SELECT id, capabilities_json, state, last_heartbeat_at, images_json FROM hosts "
+                "ORDER BY id",
+                (),
             ):
                 if host_id in revoked:
                     state = "revoked"
@@ -984,7 +988,7 @@ class Ledger:
                 view = HostView(
                     capabilities=HostCapabilities.model_validate_json(caps_json),
                     state=state, slots_used=int(held.get(host_id, 0)),
-                    last_heartbeat_at=float(beat),
+                    last_heartbeat_at=float(beat), images=json.loads(images or "[]"),
                 )  # fmt: skip
                 out.append(view)
             return out
@@ -1394,9 +1398,11 @@ class Ledger:
         )
 
     def heartbeat(
-        self, host_id: str, leases: list[tuple[str, int]], now: float, lease_ttl_s: float
-    ) -> tuple[list[tuple[str, int]], list[str]]:
-        """Renews the host's leases; returns (renewed, work the agent must stop).
+        self, host_id: str, leases: list[tuple[str, int]], now: float, lease_ttl_s: float,
+        images: list[str] | None = None,
+    ) -> tuple[list[tuple[str, int]], list[str]]:  # fmt: skip
+        """Renews the host's leases; returns (renewed, work the agent must stop). `images`: the
+        digests on its disk now (None: unchanged).
 
         All or nothing: if any lease is stale (lost, re-leased, or not this host's), nothing
         is renewed and the call is refused with ABORTED naming the stale work ids.
@@ -1408,6 +1414,8 @@ class Ledger:
             if host is None:
                 raise FailedPrecondition(f"host {host_id!r} is not registered")
             host.last_heartbeat_at = now
+            if images is not None:
+                host.images_json = json.dumps(sorted(images))
             s.add(host)
             items = [(s.get(WorkItemRow, w, with_for_update=True), w, t) for w, t in leases]
             stale = [

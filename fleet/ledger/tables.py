@@ -132,6 +132,8 @@ class HostRow(SQLModel, table=True):
     """ready; cordoned (no new work; what it holds runs on); draining (no new work; what it
     holds runs until `drain_deadline`, then is released for retry); drained. Schema 8."""
     drain_deadline: float | None = None
+    images_json: str = Field(default="[]", sa_column_kwargs={"server_default": "[]"})
+    """The digests of the images on its disk, as its agent last said (schema version 14)."""
     """When a draining host's leases are released (schema version 10)."""
     drain_by: str = Field(default="", sa_column_kwargs={"server_default": ""})
     """Who drains it: "operator" (it stays drained), or "agent" (its own shutdown: ready

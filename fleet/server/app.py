@@ -67,7 +67,8 @@ async def _govern(core: Core) -> None:
             )  # fmt: skip
             for e in events:
                 core.pool_events[(e.pool, e.kind)] = core.pool_events.get((e.pool, e.kind), 0) + 1
-                log.info(f"pool_{e.kind}", pool=e.pool, cap=e.cap, why=e.message, **e.figures)
+                log.info(f"pool_{e.kind}", pool=e.pool, cap=e.cap, why=e.message,
+                         figures=e.figures)  # fmt: skip
             if any(e.kind in ("resumed", "raised") for e in events):
                 core.changed()  # claims waiting for room look again
         except Exception:

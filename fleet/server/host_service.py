@@ -45,6 +45,8 @@ from fleet.server.core import (
 from fleet.server.status import STATUS_FOR, mapped
 
 log = structlog.get_logger(__name__)
+MAX_IMAGES_REPORTED = 256
+"""Image digests a heartbeat may say a host holds."""
 
 
 class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
@@ -156,11 +158,20 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
         now = time.time()
         host_id = self._host_id(request.host_id)
         leases = [(lease.work_id, lease.fencing_token) for lease in request.leases]
+        images: list[str] | None = None
+        if request.images_changed:
+            images = list(request.images_cached)
+            if len(images) > MAX_IMAGES_REPORTED or any(
+                len(d) > 100 or not d.startswith("sha256:") for d in images
+            ):
+                raise InvalidArgument(
+                    f"images_cached: at most {MAX_IMAGES_REPORTED} digests of the form sha256:<hex>"
+                )
         if request.drain_deadline_s > 0:
             await self.core.db(self.core.ledger.agent_drains, host_id,
                                now + request.drain_deadline_s)  # fmt: skip
         renewed, stop = await self.core.db(
-            self.core.ledger.heartbeat, host_id, leases, now, self.core.config.lease_ttl_s
+            self.core.ledger.heartbeat, host_id, leases, now, self.core.config.lease_ttl_s, images
         )
         return host_pb2.HeartbeatResponse(
             renewed=[host_pb2.LeaseRef(work_id=w, fencing_token=t) for w, t in renewed],

@@ -464,6 +464,13 @@ def test_stale_heartbeat_is_aborted_naming_the_work(tmp_path: Path, images: Imag
             assert [i.tenant for i in [*claim.items, *again.items]] == ["team-x", "team-x"]
             item = claim.items[0]
             stale = host_pb2.LeaseRef(work_id=item.work_id, fencing_token=item.fencing_token + 5)
+            with pytest.raises(grpc.aio.AioRpcError) as bad:
+                await h.hosts.Heartbeat(host_pb2.HeartbeatRequest(
+                    request_id="i", host_id="h1", images_cached=["not-a-digest"],
+                    images_changed=True,
+                ))  # fmt: skip
+            assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "images_cached: at most 256 digests" in (bad.value.details() or "")
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await h.hosts.Heartbeat(
                     host_pb2.HeartbeatRequest(request_id="b", host_id="h1", leases=[stale])

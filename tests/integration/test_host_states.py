@@ -62,6 +62,7 @@ def test_fleet_host_cordon_and_list(tmp_path: Path, images: ImageStore) -> None:
             isolation=Isolation.NAMESPACE, cpus=2, memory_mib=1024, slots=2, cuda_devices=0,
         )  # fmt: skip
         ledger.register_host(caps, time.time())
+        ledger.heartbeat("cpu-1", [], time.time(), 10.0, ["sha256:" + "ab" * 32])
 
     asyncio.run(register())
 
@@ -77,6 +78,8 @@ def test_fleet_host_cordon_and_list(tmp_path: Path, images: ImageStore) -> None:
     assert any(
         line.split()[:3] == ["cpu-1", "cpu", "cordoned"] for line in listed.stdout.splitlines()
     )
+    assert listed.stdout.splitlines()[0].split()[-1] == "images"
+    assert listed.stdout.rstrip().endswith("1: abababababab"), listed.stdout
     assert cli("uncordon", "cpu-1").returncode == 0
     assert any(
         line.split()[:3] == ["cpu-1", "cpu", "ready"] for line in cli("list").stdout.splitlines()
@@ -268,7 +271,7 @@ def test_fleet_pool_set_list_and_delete(tmp_path: Path) -> None:
     assert cli("list").stdout.splitlines()[1].split()[2] == "0/4"
     gated = cli("set", "cloud", "--class", "cpu", "--label", "site=cloud", "--adaptive",
                 "--start", "3", "--gate-p95-ms", "500", "--gate-retry-rate", "0.2")  # fmt: skip
-    assert "an adaptive cap from 3, +2 every 5s" in gated.stdout, gated.stderr
+    assert "an adaptive cap from 3, +2 every 10s" in gated.stdout, gated.stderr
     assert "gates p95<=500ms retries<=20% over 60s" in gated.stdout
     row = cli("list").stdout.splitlines()[1].split()
     assert row[2:5] == ["0/3", "1", "adaptive"] and row[8:10] == ["p95<=500ms", "retries<=20%"]
@@ -409,6 +412,9 @@ def test_the_report_prices_what_the_cgroup_measured(tmp_path: Path, images: Imag
             rid = (await h.fleet.SubmitRollout(request('image = "minimal"\n', burn))).rollout.id
             done = await h.wait_final(rid)
             [cost] = await asyncio.to_thread(ledger.cost_attempts, 0.0)
+            [view] = await asyncio.to_thread(ledger.host_table, time.time(), 60.0)
+            # The agent said what its disk holds: the image the rollout ran on, among them.
+            assert images.record("minimal").digest in view.images  # type: ignore[union-attr]
             return (done, cost), Path(str(ledger.engine.url).removeprefix("sqlite:///"))
 
     (done, cost), db = asyncio.run(body())

@@ -99,8 +99,8 @@ def _run_interval(ledger: Ledger, now: float, knee: int) -> None:
     """The pool's hosts take what the cap allows; `knee` of what runs finishes per interval
     (a pipeline that cannot go faster): the rest keeps its leases, so the cap binds."""
     ledger.claim("c1", 100, now, LONG)
-    for work_id, token in _leased(ledger)[:knee]:
-        ledger.complete("c1", done(work_id, token), now + 1)
+    for work_id, token in _leased(ledger)[:knee]:  # (after the interval's first 40%)
+        ledger.complete("c1", done(work_id, token), now + 6)
 
 
 def _leased(ledger: Ledger) -> list[tuple[str, int]]:
@@ -127,7 +127,7 @@ def test_an_adaptive_cap_rises_while_throughput_does_then_settles_at_the_knee(
         _run_interval(ledger, now, knee=6)
         ledger.govern(now + 10)
         caps.append(ledger.pools()[0].pool.max_running)
-    # 2 -> 4 -> 6 pay (0.2, 0.4, 0.6/s); 8 gives 0.6/s too: back to 6, the last that paid;
+    # 2 -> 4 -> 6 pay (2, 4, 6 in the 6 s counted); 8 gives 6 too: back to 6, the last that paid;
     # after 3 settled intervals it probes 8 once more, and comes back.
     assert caps == [4, 6, 8, 6, 6, 6, 8, 6]
     kinds = [(e.kind, e.cap) for e in ledger.pool_events(T0)]
@@ -135,8 +135,8 @@ def test_an_adaptive_cap_rises_while_throughput_does_then_settles_at_the_knee(
         ("raised", 4), ("raised", 6), ("raised", 8), ("lowered", 6), ("raised", 8), ("lowered", 6)
     ]  # fmt: skip
     lowered = ledger.pool_events(T0)[3]
-    assert "throughput stopped rising: 0.60/s at cap 8, 0.60/s before" in lowered.message
-    assert lowered.figures["rate_per_s"] == 0.6
+    assert "throughput stopped rising: 1.00/s at cap 8, 1.00/s at cap 6" in lowered.message
+    assert lowered.figures["rate_per_s"] == 1.0
 
 
 def test_an_adaptive_cap_backs_off_on_saturation_and_never_passes_the_hosts_slots(

@@ -67,6 +67,10 @@ def test_the_controller_backs_off_when_saturated_and_holds_when_no_work_waits() 
     cap, _, decision = decide(settings, 5, control, Observation(rate=0, ceiling=20,
                                                                 waiting=False), 2.0)  # fmt: skip
     assert (cap, decision.kind) == (5, "held")
+    # After a back-off the pool still runs more than its cap: its throughput is not the cap's.
+    cap, _, decision = decide(settings, 5, control, Observation(rate=9, ceiling=20, waiting=True,
+                                                                running=9), 3.0)  # fmt: skip
+    assert (cap, decision.kind) == (5, "held") and "9 running, over the cap" in decision.why
 
 
 @given(

@@ -243,16 +243,20 @@ class LeaseRef(_message.Message):
     def __init__(self, work_id: _Optional[str] = ..., fencing_token: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("request_id", "host_id", "leases", "drain_deadline_s")
+    __slots__ = ("request_id", "host_id", "leases", "drain_deadline_s", "images_cached", "images_changed")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
     DRAIN_DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_CACHED_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_CHANGED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     host_id: str
     leases: _containers.RepeatedCompositeFieldContainer[LeaseRef]
     drain_deadline_s: float
-    def __init__(self, request_id: _Optional[str] = ..., host_id: _Optional[str] = ..., leases: _Optional[_Iterable[_Union[LeaseRef, _Mapping]]] = ..., drain_deadline_s: _Optional[float] = ...) -> None: ...
+    images_cached: _containers.RepeatedScalarFieldContainer[str]
+    images_changed: bool
+    def __init__(self, request_id: _Optional[str] = ..., host_id: _Optional[str] = ..., leases: _Optional[_Iterable[_Union[LeaseRef, _Mapping]]] = ..., drain_deadline_s: _Optional[float] = ..., images_cached: _Optional[_Iterable[str]] = ..., images_changed: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("renewed", "stop_work_ids", "lease_expires_at")
