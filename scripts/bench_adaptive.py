@@ -178,7 +178,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         print(f"  fixed cap {cap:>3}: {traj:6.2f} traj/s, p95 {p95:7.1f} ms",
                               file=sys.stderr, flush=True)  # fmt: skip
                     adaptive = Adaptive(start=2, step=2, interval_s=args.interval_s,
-                                        payoff=args.payoff, probe_every=6)  # fmt: skip
+                                        probe_every=6)  # fmt: skip
                     started = time.time()
                     await core.db(ledger.set_pool, fixed.model_copy(update={
                         "max_running": 0, "adaptive": adaptive}), started)  # fmt: skip
@@ -220,11 +220,9 @@ def main() -> int:
                         help="the sweep's fixed caps (2,4,6,8,12,16,24)")  # fmt: skip
     parser.add_argument("--batch-s", type=float, default=0.05, help="device time per batch")
     parser.add_argument("--max-batch", type=int, default=4, help="samples per batch, at most")
-    parser.add_argument("--window-s", type=float, default=20.0, help="each measurement's window")
+    parser.add_argument("--window-s", type=float, default=30.0, help="each measurement's window")
     parser.add_argument("--settle-s", type=float, default=4.0, help="wait after a cap change")
     parser.add_argument("--interval-s", type=float, default=8.0, help="the controller's")
-    parser.add_argument("--payoff", type=float, default=0.5,
-                        help="share of the proportional gain a raise must bring (0.5)")  # fmt: skip
     parser.add_argument("--max-settle-s", type=float, default=180.0)
     args = parser.parse_args()
     args.caps = [int(c) for c in args.caps.split(",")]

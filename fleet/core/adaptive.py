@@ -2,11 +2,13 @@
 
 Every `interval_s` the server looks at the completed trajectories per second the pool gave at
 its current cap (over the interval's last part: its first `warmup` share is the pipeline
-filling to the new cap). A raise from cap c to c' pays when throughput rose by at least
-`payoff` of c'/c - 1, what it would have risen were nothing saturated: while raises pay, the
-cap goes up by `step`; when one does not, throughput has stopped rising and the cap backs off
-multiplicatively (by `backoff`), but not below the last cap whose raise paid: the smallest cap
-known to give the best throughput, where the gateway's queue (and so its latency) is shortest.
+filling to the new cap). A raise from cap c to c' pays when throughput rose by at least `rise`
+(10%), or by `payoff` of c'/c - 1 (what it would have risen were nothing saturated) where that
+is less (large caps, small steps): while raises pay, the cap goes up by `step`. A raise that
+does not pay is measured once more (one interval is noisy) and judged on the two together;
+when it still does not, throughput has stopped rising and the cap backs off multiplicatively
+(by `backoff`), but not below the last cap whose raise paid: the smallest cap known to give the
+best throughput, where the gateway's queue (and so its latency) is shortest.
 A settled cap is probed one step up every `probe_every` intervals, in case the pipeline got
 faster. A tripped gate or a saturated gateway backs off at once. The cap starts at `start` and
 never exceeds the slots of the pool's hosts. While no work waits for the pool the cap is not
@@ -34,8 +36,10 @@ class Adaptive(BaseModel):
     """How long the pool runs at a cap before its throughput there is judged."""
     warmup: float = Field(default=0.4, ge=0, lt=1)
     """The share of an interval not counted: the pipeline filling to its new cap."""
+    rise: float = Field(default=0.1, ge=0)
+    """The throughput gain that makes a raise pay."""
     payoff: float = Field(default=0.5, gt=0, le=1)
-    """The share of the proportional gain (c'/c - 1) a raise must bring to pay."""
+    """...or this share of the proportional gain (c'/c - 1), where that is less."""
     probe_every: int = Field(default=6, ge=1)
     """A settled cap tries one step up after this many intervals."""
 
@@ -55,6 +59,9 @@ class Control(BaseModel):
     """Throughput at the cap before this one (None: none measured since the last change)."""
     last_cap: int = 0
     """That cap."""
+    doubt: float | None = None
+    """The throughput of this cap's first interval, when its raise did not pay (it is measured
+    once more before the cap backs off)."""
     best_cap: int = 0
     """The last cap whose raise paid (0: none yet)."""
     held: int = 0
@@ -125,8 +132,10 @@ def decide(
         return new, state, Decision(kind="raised", cap=new, why=f"probing; {rate}")
     last = control.last_rate
     gain = cap / control.last_cap - 1 if control.last_cap else 1.0
-    if last is None or (seen.rate >= last * (1 + settings.payoff * gain) and seen.rate > 0):
-        said = "first measure" if last is None else f"up from {last:.2f}/s"
+    needed = min(settings.rise, settings.payoff * gain)
+    measured = seen.rate if control.doubt is None else (seen.rate + control.doubt) / 2
+    if last is None or (measured >= last * (1 + needed) and measured > 0):
+        said = "first measure" if last is None else f"{measured:.2f}/s, up from {last:.2f}/s"
         best = control.best_cap if last is None else cap
         if cap >= ceiling:
             state = Control(phase=Phase.SETTLED, best_cap=cap, since=now)
@@ -137,8 +146,15 @@ def decide(
             phase=Phase.RAISING, last_rate=seen.rate, last_cap=cap, best_cap=best, since=now
         )
         return new, state, Decision(kind="raised", cap=new, why=f"{rate} ({said})")
+    if control.doubt is None:
+        state = control.model_copy(update={"doubt": seen.rate, "since": now})
+        why = f"{rate}, not {needed:.0%} over {last:.2f}/s yet: measured once more"
+        return cap, state, Decision(kind="held", cap=cap, why=why)
     floor = control.best_cap or 1
     new = min(cap, max(floor, math.floor(cap * settings.backoff)))
     state = Control(phase=Phase.SETTLED, best_cap=new, since=now)
-    why = f"throughput stopped rising: {rate}, {last:.2f}/s at cap {control.last_cap}"
+    why = (
+        f"throughput stopped rising: {measured:.2f}/s at cap {cap} over two intervals, "
+        f"{last:.2f}/s at cap {control.last_cap}"
+    )
     return new, state, Decision(kind="settled" if new == cap else "lowered", cap=new, why=why)
