@@ -52,11 +52,10 @@ from fleet.identity.tls import HostFiles, HostIdentityMaterial, client_ssl_conte
 from fleet.image import oci
 from fleet.image.store import ImageStore
 from fleet.runtime import disk
-from fleet.runtime.base import Leftover, Machine, MachineSpec, Runtime, resolve_secrets
+from fleet.runtime.base import Leftover, Machine, MachineSpec, Parent, Runtime, resolve_secrets
 from fleet.runtime.cgroups import DEFAULT_PIDS_MAX
-from fleet.runtime.namespace import DEFAULT_DISK_GIB, NamespaceRuntime
+from fleet.runtime.namespace import DEFAULT_DISK_GIB
 from fleet.runtime.netns import NetConfig
-from fleet.runtime.warm import NamespaceParent, WarmChild
 from fleet.server import convert
 from fleet.server.convert import MAX_EGRESS_EVENTS
 
@@ -148,7 +147,7 @@ class Agent:
         self._slot_freed = asyncio.Event()
         self._stub: host_pb2_grpc.HostServiceStub | None = None
         self._checkpoints: CheckpointSender | None = None
-        self._parents: dict[str, NamespaceParent] = {}
+        self._parents: dict[str, Parent] = {}
         self._parents_lock = asyncio.Lock()
         self._heartbeat_s = 3.0
         cap = config.image_cache_gib
@@ -436,12 +435,11 @@ class Agent:
     async def _checkpoint_relay(
         self, machine: Machine, a: Assignment
     ) -> tuple[CheckpointRelay, str] | None:
-        """Where the machine stores its state between model calls (namespace machines and warm
-        children), and how a step there names it (`FLEET_CHECKPOINTS`)."""
-        net = getattr(machine, "net", None)
-        warm = isinstance(machine, WarmChild)
-        if (net is None and not warm) or self._checkpoints is None:
-            why = "the machine has no network namespace of its own for the relay"
+        """Where the machine stores its state between model calls (where its runtime gives the
+        agent a channel to it), and how a step there names it (`FLEET_CHECKPOINTS`)."""
+        channel = machine.channel()
+        if channel is None or self._checkpoints is None:
+            why = "the machine's runtime offers the agent no channel to it for the relay"
             self.log.warning("checkpoints_unavailable", rollout_id=a.rollout_id, reason=why)
             return None
         sender = self._checkpoints
@@ -455,58 +453,55 @@ class Agent:
             )  # fmt: skip
 
         relay = CheckpointRelay(a.checkpoint_sequence, a.checkpoint, put)
-        if isinstance(machine, WarmChild):
-            await relay.start_unix(machine.sockets)
+        if channel.kind == "unix":
+            await relay.start_unix(channel.path)
             return relay, child_address(CHECKPOINTS_SOCKET)
-        assert net is not None
-        await relay.start_in_netns(net.path)
+        await relay.start_in_netns(str(channel.path))
         return relay, "{}:{}".format(*RELAY_ADDRESS)
 
-    async def _gateway_splice(self, child: WarmChild, gateway: tuple[str, int]) -> GatewaySplice:
+    async def _gateway_splice(self, sockets: Path, gateway: tuple[str, int]) -> GatewaySplice:
         """The gateway for a warm child, on a socket the agent joins to the gateway's endpoint
         (`host`: this host, reached from the uplink's namespace as the machines' links are)."""
         where = ("127.0.0.1" if gateway[0] == "host" else gateway[0], gateway[1])
         tls = client_ssl_context(self.config.gateway_ca) if self.config.gateway_ca else None
         splice = GatewaySplice(
-            child.sockets, where, self.config.net.uplink_path if self.config.net else None, tls
+            sockets, where, self.config.net.uplink_path if self.config.net else None, tls
         )
         await splice.start()
         return splice
 
-    async def _warm_parent(self, a: Assignment, spec: MachineSpec, warmup: str) -> NamespaceParent:
-        """This host's warm parent for the rollout's tenant, image, Smolfile and warm-up (made
-        once). Never shared across tenants: the fork server holds each child's step before it
-        forks it (its environment, inference token included), and it runs warm-up code a
-        tenant sent, so one tenant's warm-up must never see another's children."""
-        assert isinstance(self.runtime, NamespaceRuntime)
-        key = parent_key(a.tenant, a.manifest.image_digest, a.manifest.smolfile_digest, warmup)
+    async def _warm_parent(self, a: Assignment, spec: MachineSpec, warmup: str) -> Parent:
+        """This host's warm parent for the rollout's tenant, image, Smolfile, warm-up and way
+        to the gateway (made once). Never shared across tenants: a namespace parent's fork
+        server holds each child's step before it forks it (its environment, inference token
+        included), and it runs warm-up code a tenant sent, so one tenant's warm-up must never
+        see another's children."""
+        key = parent_key(
+            a.tenant, a.manifest.image_digest, a.manifest.smolfile_digest, warmup,
+            "gateway" if spec.gateway is not None else "",
+        )  # fmt: skip
         async with self._parents_lock:
             parent = self._parents.get(key)
             if parent is not None:
                 return parent
             labels = {"fleet": "1", "host": self.caps.host_id, "parent": key, "tenant": a.tenant}
-            machine = await self.runtime.create(
-                # The parent itself reaches nothing: its children get the gateway as a socket.
-                spec.model_copy(
-                    update={"name": f"fleet-parent-{key}", "labels": labels, "gateway": None}
-                )
-            )
-            try:
+
+            async def prepare(machine: Machine) -> None:
                 for command in spec.smolfile.init:
                     init = await machine.exec(["/bin/sh", "-c", command], timeout_s=INIT_TIMEOUT_S)
                     if init.exit_code != 0:
                         raise FailedPrecondition(
                             f"warm parent: init command {command!r} exited {init.exit_code}"
                         )
-            except BaseException:
-                await machine.delete()
-                raise
+
             pool = spec.smolfile.branch.pool_size if spec.smolfile.branch else None
-            parent = await NamespaceParent.create(
-                self.runtime, machine, warmup, pool_size=pool or 0
-            )
+            parent = await self.runtime.create_parent(
+                spec.model_copy(update={"name": f"fleet-parent-{key}", "labels": labels}),
+                warmup, pool or 0, prepare,
+            )  # fmt: skip
             self._parents[key] = parent
-            self.log.info("warm_parent_started", parent=key, image=a.manifest.image_digest[:19])
+            self.log.info("warm_parent_started", parent=key, image=a.manifest.image_digest[:19],
+                          carries_memory=parent.carries_memory)  # fmt: skip
             return parent
 
     def _gateway_for(self, a: Assignment) -> tuple[str, int] | None:
@@ -538,7 +533,7 @@ class Agent:
                 await asyncio.to_thread(remove_staged, self._inputs_dir(running.assignment))
 
     def _parent_images(self) -> set[str]:
-        return {p.machine.spec.image_digest for p in self._parents.values()}
+        return {p.spec.image_digest for p in self._parents.values()}
 
     async def _execute_attempt(self, running: _Running, log_: structlog.BoundLogger) -> Completion:
         completion = await self._attempt(running, log_)
@@ -684,7 +679,7 @@ class Agent:
                 )  # fmt: skip
             steps = list(enumerate(a.manifest.steps))
             session = a.manifest.session
-            forks = isinstance(self.runtime, NamespaceRuntime)
+            forks = self.runtime.forks_children
             if session is None:
                 steps, warm, why = warm_plan(parsed.spec, steps, forks, runtime_name)
             elif session.fork_of:  # a copy of the source's machine, whatever it is
@@ -728,8 +723,16 @@ class Agent:
                 elif warm is not None:
                     parent = await self._warm_parent(a, spec, warm)
                     machine = await parent.branch(spec.name)
-                    steps = steps[1:]  # the warm-up ran once, in the parent
-                    if spec.gateway is not None and egress is not None:
+                    if parent.carries_memory:  # the warm-up ran once, in the parent
+                        steps = steps[1:]
+                    else:  # the parent's disk and memory image carried; not its interpreter
+                        steps = [(i, with_warm_up(step, warm)) for i, step in steps[1:]]
+                    channel = machine.channel()
+                    if (
+                        spec.gateway is not None
+                        and egress is not None
+                        and (channel is not None and channel.kind == "unix")
+                    ):
                         how = (f"ran as a warm parent's child: its own loopback only, the "
                                f"gateway through {child_address(GATEWAY_SOCKET)}, joined by "
                                f"the agent")  # fmt: skip
@@ -746,8 +749,9 @@ class Agent:
             }
             if spec.gateway is not None:
                 extra_env["FLEET_INFERENCE_TOKEN"] = a.inference_token
-                if isinstance(machine, WarmChild):
-                    running.splice = await self._gateway_splice(machine, spec.gateway)
+                channel = machine.channel()
+                if channel is not None and channel.kind == "unix":  # no network of its own
+                    running.splice = await self._gateway_splice(channel.path, spec.gateway)
                     extra_env["FLEET_GATEWAY"] = child_address(GATEWAY_SOCKET)
                 elif self.config.gateway_ca:
                     extra_env["FLEET_GATEWAY_CA"] = self.config.gateway_ca.decode()
@@ -880,10 +884,13 @@ class Agent:
         log_.error("completion_undelivered", note="the lease will expire and the work rerun")
 
 
-def parent_key(tenant: str, image_digest: str, smolfile_digest: str, warmup: str) -> str:
-    """Which warm parent a rollout's children come from: one per tenant, image, Smolfile and
-    warm-up (each part length-prefixed, so no two different tuples share a key)."""
-    parts = (tenant, image_digest, smolfile_digest, warmup)
+def parent_key(
+    tenant: str, image_digest: str, smolfile_digest: str, warmup: str, reach: str = ""
+) -> str:
+    """Which warm parent a rollout's children come from: one per tenant, image, Smolfile,
+    warm-up and what its machine reaches (`reach`: "gateway" or ""; each part length-prefixed,
+    so no two different tuples share a key)."""
+    parts = (tenant, image_digest, smolfile_digest, warmup, reach)
     body = "".join(f"{len(part.encode())}:{part}" for part in parts)
     return hashlib.sha256(body.encode()).hexdigest()[:16]
 

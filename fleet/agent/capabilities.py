@@ -12,8 +12,9 @@ from fleet.core.errors import FailedPrecondition, InvalidArgument
 from fleet.core.placement import HostCapabilities, HostClass, Isolation, RuntimeKind
 from fleet.image.store import ImageStore
 from fleet.runtime import smol as smol_runtime
-from fleet.runtime.namespace import DEFAULT_DISK_GIB, NamespaceRuntime, missing_tools
+from fleet.runtime.namespace import DEFAULT_DISK_GIB, missing_tools
 from fleet.runtime.netns import NetConfig
+from fleet.runtime.warm import WarmNamespaceRuntime
 
 log = structlog.get_logger(__name__)
 
@@ -79,10 +80,10 @@ def make_runtime(
     machines_dir: Path,
     net: NetConfig | None = None,
     default_disk_gib: int | None = DEFAULT_DISK_GIB,
-) -> NamespaceRuntime | smol_runtime.SmolRuntime:
+) -> WarmNamespaceRuntime | smol_runtime.SmolRuntime:
     if choice.kind == RuntimeKind.SMOL:
         return smol_runtime.SmolRuntime()
-    return NamespaceRuntime(machines_dir, net, default_disk_gib)
+    return WarmNamespaceRuntime(machines_dir, net, default_disk_gib)
 
 
 def capabilities(

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -136,7 +137,42 @@ class Machine(Protocol):
         a sandbox up per command, it keeps one running instead. A no-op elsewhere."""
         ...
 
+    def channel(self) -> Channel | None:
+        """How the agent's own services (the checkpoint relay, a warm child's way to the
+        gateway) reach this machine: sockets in a directory it sees as `/run/fleet`, a
+        listener in its network namespace, or None where the runtime offers neither."""
+        ...
+
     async def delete(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Channel:
+    """Where the agent serves a machine: `unix` (sockets the agent puts in `path`, which the
+    machine sees as /run/fleet: a warm child, which has no network of its own) or `netns` (a
+    listener in the network namespace at `path`, reached at the relay's address)."""
+
+    kind: Literal["unix", "netns"]
+    path: Path
+
+
+class Parent(Protocol):
+    """A warm parent: a machine made ready once (its Smolfile's `init`, then a warm-up), and
+    the copy-on-write children branched from it."""
+
+    spec: MachineSpec
+    carries_memory: bool
+    """Whether a child's steps run in the interpreter the warm-up loaded (its Python state
+    carried: the namespace runtime's fork server), or start from the parent's disk and
+    memory image only (a microVM branch): the warm-up then runs again in each step."""
+
+    async def branch(self, name: str) -> Machine:
+        """A new child named `name`."""
+        ...
+
+    async def delete(self) -> None:
+        """Its children first, then the parent."""
+        ...
 
 
 class Runtime(Protocol):
@@ -163,6 +199,19 @@ class Runtime(Protocol):
     async def reap(self, host_id: str, keep: Collection[str] = ()) -> int:
         """Removes what an earlier run of this host left behind, but the machines in `keep`
         (adopted); returns how many machines it removed."""
+        ...
+
+    forks_children: bool
+    """Whether `create_parent` makes warm parents here."""
+
+    async def create_parent(
+        self, spec: MachineSpec, warmup: str, pool_size: int,
+        prepare: Callable[[Machine], Awaitable[None]],
+    ) -> Parent:  # fmt: skip
+        """A warm parent from `spec`: started (branchable), `prepare`d (the agent runs the
+        Smolfile's `init` there), then warmed by `warmup` (Python source; "": none), with
+        `pool_size` children made ahead of need where the runtime keeps a pool. Refused with
+        FailedPrecondition where `forks_children` is False."""
         ...
 
 

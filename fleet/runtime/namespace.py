@@ -21,18 +21,32 @@ import shutil
 import signal
 import time
 import uuid
-from collections.abc import Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from pathlib import Path
 
 import structlog
 
 from fleet.core.egress import EgressEvent, EgressRules
-from fleet.core.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from fleet.core.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from fleet.core.placement import Isolation, RuntimeKind
 from fleet.core.policy import effective_egress
 from fleet.core.rollout import MAX_OUTPUT_BYTES
 from fleet.runtime import cgroups, disk, seccomp, users
-from fleet.runtime.base import ExecResult, Leftover, MachineSpec, machine_env
+from fleet.runtime.base import (
+    Channel,
+    ExecResult,
+    Leftover,
+    Machine,
+    MachineSpec,
+    Parent,
+    machine_env,
+)
 from fleet.runtime.cgroups import MachineCgroup
 from fleet.runtime.dnsfwd import DnsForwarder
 from fleet.runtime.netns import (
@@ -133,6 +147,11 @@ class NamespaceMachine:
     @property
     def name(self) -> str:
         return self._name
+
+    def channel(self) -> Channel | None:
+        """The agent's relay listens in the machine's own network namespace (None: a machine
+        on the host's loopback has none)."""
+        return Channel("netns", Path(self.net.path)) if self.net is not None else None
 
     async def stay_resident(self) -> None:
         """Keeps a command server running in the machine: later commands each cost a fork and
@@ -474,6 +493,14 @@ class NamespaceRuntime:
     kind = RuntimeKind.NAMESPACE
     isolation = Isolation.NAMESPACE
     mounts_read_only = True
+    forks_children = False
+    """Warm parents are `fleet.runtime.warm.WarmNamespaceRuntime`'s."""
+
+    async def create_parent(
+        self, spec: MachineSpec, warmup: str, pool_size: int,
+        prepare: Callable[[Machine], Awaitable[None]],
+    ) -> Parent:  # fmt: skip
+        raise FailedPrecondition("this namespace runtime makes no warm parents")
 
     def __init__(
         self,

@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +36,13 @@ from fleet.core.errors import (
 from fleet.core.placement import Isolation, RuntimeKind
 from fleet.core.rollout import MAX_OUTPUT_BYTES
 from fleet.core.smolfile import Smolfile
-from fleet.runtime.base import ExecResult, Leftover, MachineSpec, machine_env
+from fleet.runtime.base import Channel, ExecResult, Leftover, Machine, MachineSpec, machine_env
 from fleet.runtime.branching import BranchCoalescer
 from fleet.runtime.output import OutputSink
 
 log = structlog.get_logger(__name__)
+WARMUP_TIMEOUT_S = 300.0
+"""How long a warm parent's warm-up may run."""
 
 # Every SmolError code the SDK documents, translated once.
 SMOL_ERROR_MAP: dict[str, type[FleetError]] = {
@@ -254,6 +256,11 @@ class SmolMachine:
     async def stay_resident(self) -> None:
         """Nothing to keep: the engine's machine runs its commands itself."""
 
+    def channel(self) -> Channel | None:
+        """None: the engine offers no way for the agent to serve a microVM (no socket in it,
+        no namespace to listen in), so it gets no checkpoint relay."""
+        return None
+
     async def read_file(self, path: str) -> bytes:
         from smol import SmolError
 
@@ -293,8 +300,12 @@ class SmolParent:
     """A warm, branchable source machine and the children branched from it.
 
     Branch operations on the source never overlap, concurrent requests are coalesced into one
-    `branch_batch`, and children are always deleted before their source.
+    `branch_batch`, and children are always deleted before their source. A child resumes the
+    source's RAM and disk, but a step is a new process: the warm-up's Python state is not in
+    it, so each step runs the warm-up again (what the parent saves is its boot and `init`).
     """
+
+    carries_memory = False
 
     def __init__(self, source: Any, spec: MachineSpec, max_batch: int = 64) -> None:
         self._source = source
@@ -323,8 +334,9 @@ class SmolParent:
         except Exception as exc:
             raise translate_error(exc) from exc
 
-    async def branch(self) -> SmolMachine:
-        """A copy-on-write child of the warm source (RAM and disk)."""
+    async def branch(self, name: str = "") -> SmolMachine:
+        """A copy-on-write child of the warm source (RAM and disk). The engine names it (one
+        batch names its children together); `name` is what the agent calls it."""
         child = await self._coalescer.branch()
         return SmolMachine(child, self.spec.model_copy(update={"name": child.name}))
 
@@ -357,8 +369,15 @@ class SmolRuntime:
             raise translate_error(exc) from exc
         return SmolMachine(machine, spec)
 
-    async def create_parent(self, spec: MachineSpec) -> SmolParent:
-        """Starts a branchable warm parent; the agent then runs its `init` in it."""
+    forks_children = True
+
+    async def create_parent(
+        self, spec: MachineSpec, warmup: str, pool_size: int,
+        prepare: Callable[[Machine], Awaitable[None]],
+    ) -> SmolParent:  # fmt: skip
+        """Starts a branchable source, `prepare`s it (its `init`), runs the warm-up in it once
+        (what it leaves on disk and in the page cache, children resume) and returns it as a
+        parent. The engine keeps no pool of children ahead of need: `pool_size` is not used."""
         from smol import AsyncMachine, ConnectOptions, SmolError
 
         config = machine_config(spec)
@@ -367,6 +386,17 @@ class SmolRuntime:
             source = await AsyncMachine.create(config, ConnectOptions(target="local"))
         except SmolError as exc:
             raise translate_error(exc) from exc
+        machine = SmolMachine(source, spec)
+        try:
+            await prepare(machine)
+            if warmup:
+                warmed = await machine.exec(["python3", "-c", warmup], timeout_s=WARMUP_TIMEOUT_S)
+                if warmed.exit_code != 0:
+                    tail = warmed.stderr.decode(errors="replace")[-800:]
+                    raise InvalidArgument(f"warm parent {spec.name}: its warm-up raised: {tail}")
+        except BaseException:
+            await machine.delete()
+            raise
         return SmolParent(source, spec)
 
     async def pack(self, spec: MachineSpec, out: Path) -> Path:

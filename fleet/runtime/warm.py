@@ -23,7 +23,7 @@ import stat
 import struct
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from fleet.core.egress import EgressEvent
 from fleet.core.errors import Internal, InvalidArgument, NotFound, Unavailable
 from fleet.core.rollout import MAX_OUTPUT_BYTES
 from fleet.runtime import cgroups, resident, seccomp, users
-from fleet.runtime.base import ExecResult, MachineSpec, machine_env
+from fleet.runtime.base import Channel, ExecResult, Machine, MachineSpec, machine_env
 from fleet.runtime.namespace import (
     LAUNCH_ENV,
     SOCKET_LINKS,
@@ -326,6 +326,11 @@ class WarmChild:
             raise
         return child
 
+    def channel(self) -> Channel:
+        """A child has no network of its own: the agent serves it on sockets in its
+        /run/fleet."""
+        return Channel("unix", self.sockets)
+
     async def stay_resident(self) -> None:
         """Keeps a command server running as this child's one process (the first of its PID
         namespace): later commands each cost a fork and an exec in it, instead of a fork of
@@ -513,9 +518,13 @@ def read_step_output(
 class NamespaceParent:
     """A warm parent: its fork server, and the children it has."""
 
+    carries_memory = True
+    """Children are forks of the fork server that ran the warm-up."""
+
     def __init__(self, runtime: NamespaceRuntime, machine: NamespaceMachine) -> None:
         self.runtime = runtime
         self.machine = machine
+        self.spec = machine.spec
         self.ctl = machine.layer / "ctl"  # the children's layers: on the parent's disk
         self.children: set[WarmChild] = set()
         self.pool_size = 0
@@ -776,3 +785,23 @@ class NamespaceParent:
             await self._proc.wait()
         await asyncio.to_thread(self._link.unlink, True)
         await self.machine.delete()
+
+
+class WarmNamespaceRuntime(NamespaceRuntime):
+    """The namespace runtime with warm parents: a fork server in the parent's sandbox that
+    loaded the warm-up, and children forked from it (their Python state carried)."""
+
+    forks_children = True
+
+    async def create_parent(
+        self, spec: MachineSpec, warmup: str, pool_size: int,
+        prepare: Callable[[Machine], Awaitable[None]],
+    ) -> NamespaceParent:  # fmt: skip
+        # The parent itself reaches nothing: its children get the gateway as a socket.
+        machine = await self.create(spec.model_copy(update={"gateway": None}))
+        try:
+            await prepare(machine)
+        except BaseException:
+            await machine.delete()
+            raise
+        return await NamespaceParent.create(self, machine, warmup, pool_size=pool_size)

@@ -25,6 +25,7 @@ from fleet.identity.local import local_host_identity
 from fleet.identity.tls import HostIdentityMaterial
 from fleet.image.store import ImageStore
 from fleet.ledger.store import Ledger
+from fleet.runtime.base import Runtime
 from fleet.runtime.netns import NetConfig
 from fleet.server.app import FleetServer, ServerConfig
 from fleet.server.auth import Security
@@ -87,8 +88,10 @@ class Harness:
         gateway_ca: bytes = b"",
         registry_ca: bytes = b"",
         drain_deadline_s: float = 600.0,
+        runtime: Runtime | None = None,
     ) -> Agent:
-        """An agent on the server's image store, or on `images` (a host of its own)."""
+        """An agent on the server's image store, or on `images` (a host of its own); on
+        `runtime` in place of the namespace runtime (a fake)."""
         identity = None
         if self.ca is not None:
             identity = self.identity(host_id, host_class, gateway=gateway is not None)
@@ -111,6 +114,8 @@ class Harness:
                 drain_deadline_s=drain_deadline_s,
             )
         )
+        if runtime is not None:
+            agent.runtime = runtime
         stop = asyncio.Event()
         self.agents[host_id] = (stop, asyncio.create_task(agent.run(stop)))
         for _ in range(200):

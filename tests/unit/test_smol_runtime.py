@@ -198,71 +198,6 @@ def test_preflight_on_this_host_matches_the_static_check() -> None:
     assert not ok and reason == static
 
 
-@pytest.mark.vm
-def test_smol_machine_boots_and_runs_a_step(rootfs: Path) -> None:
-    """A real microVM runs a command (needs hardware virtualization)."""
-    ok, reason = smol_runtime.preflight(Path("/tmp/fleet-preflight"), lambda: rootfs)
-    if not ok:
-        pytest.skip(f"microVMs cannot boot on this host: {reason}")
-    import asyncio
-
-    async def go() -> int:
-        runtime = smol_runtime.SmolRuntime()
-        machine = await runtime.create(
-            MachineSpec(
-                name="fleet-vm-test",
-                smolfile=parse_smolfile('image = "x"\n').spec,
-                image_digest="sha256:x",
-                rootfs=rootfs,
-                labels={"fleet": "test"},
-            )
-        )
-        try:
-            result = await machine.exec(["python3", "-c", "print(6*7)"], timeout_s=60)
-            assert result.stdout.strip() == b"42"
-            return result.exit_code
-        finally:
-            await machine.delete()
-
-    assert asyncio.run(go()) == 0
-
-
-@pytest.mark.vm
-def test_a_restarted_agent_adopts_a_leased_microvm_and_reaps_the_rest(rootfs: Path) -> None:
-    """Machines outlive the runtime object that made them; a new one finds them by label,
-    adopts the leased one (its disk state intact) and reaps the other."""
-    ok, reason = smol_runtime.preflight(Path("/tmp/fleet-preflight"), lambda: rootfs)
-    if not ok:
-        pytest.skip(f"microVMs cannot boot on this host: {reason}")
-    import asyncio
-
-    def make(name: str, **labels: str) -> MachineSpec:
-        return MachineSpec(
-            name=name, smolfile=parse_smolfile('image = "x"\n').spec, image_digest="sha256:x",
-            rootfs=rootfs, labels={"fleet": "1", "host": "vm-adopt", **labels},
-        )  # fmt: skip
-
-    async def go() -> None:
-        before = smol_runtime.SmolRuntime()
-        leased = make("fleet-vm-adopt-a", work="w-1", fence="2")
-        first = await before.create(leased)
-        await first.exec(["/bin/sh", "-c", "echo kept > /root/state"], timeout_s=60)
-        await before.create(make("fleet-vm-adopt-b"))
-        after = smol_runtime.SmolRuntime()
-        found = {m.name: m for m in await after.leftovers("vm-adopt")}
-        assert found["fleet-vm-adopt-a"].adoptable and not found["fleet-vm-adopt-b"].adoptable
-        adopted = await after.adopt(found["fleet-vm-adopt-a"], leased)
-        try:
-            result = await adopted.exec(["cat", "/root/state"], timeout_s=60)
-            assert result.stdout == b"kept\n"
-            assert await after.reap("vm-adopt", keep={"fleet-vm-adopt-a"}) == 1
-        finally:
-            await adopted.delete()
-        assert await after.leftovers("vm-adopt") == []
-
-    asyncio.run(go())
-
-
 def test_errors_subclass_root() -> None:
     """Every mapped fleet error derives from FleetError."""
     for kind in smol_runtime.SMOL_ERROR_MAP.values():
@@ -370,3 +305,71 @@ def test_a_sessions_fork_on_a_microvm_host_branches_it_and_its_source_goes_last(
     ]
     assert "delete source" not in log[: log.index("--")]
     assert log[-1] == "delete source"
+
+
+class _FakeExecResult:
+    def __init__(self, exit_code: int, stderr: bytes = b"") -> None:
+        self.exit_code = exit_code
+        self.stdout, self.stderr = "", stderr.decode()
+        self.stdout_bytes, self.stderr_bytes = b"", stderr
+        self.stdout_truncated = self.stderr_truncated = False
+
+
+class _FakeBootable(_FakeSource):
+    """A branchable source as `AsyncMachine.create` returns it: runs commands, branches."""
+
+    made: list[tuple[str, bool]] = []
+
+    def __init__(self, fail_warmup: bool = False) -> None:
+        super().__init__()
+        self.fail_warmup = fail_warmup
+
+    async def exec(self, argv: list[str], opts: object) -> _FakeExecResult:
+        self.log.append("exec " + " ".join(argv[:2]))
+        if self.fail_warmup and argv[:2] == ["python3", "-c"]:
+            return _FakeExecResult(1, b"NameError: oops")
+        return _FakeExecResult(0)
+
+
+def test_a_microvm_hosts_warm_parent_is_made_through_the_runtime_protocol(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`create_parent` on the smol runtime (what the agent calls for any runtime that forks
+    children) starts the source branchable, runs `prepare` (the agent's `init`), then the
+    warm-up once, and branches children from it; its steps do not carry the warm-up's
+    interpreter, so the agent runs the warm-up again in each. A failing warm-up is the
+    rollout's error, and the source is deleted."""
+    import asyncio
+
+    import smol
+
+    sources: list[_FakeBootable] = []
+
+    async def create(config: object, conn: object) -> _FakeBootable:
+        assert getattr(config, "branchable", False) is True
+        source = _FakeBootable(fail_warmup=len(sources) == 1)
+        sources.append(source)
+        return source
+
+    monkeypatch.setattr(smol.AsyncMachine, "create", staticmethod(create))
+    runtime = smol_runtime.SmolRuntime()
+    assert runtime.forks_children
+
+    async def prepare(machine: object) -> None:
+        await machine.exec(["/bin/sh", "-c", "init"], timeout_s=5)  # type: ignore[attr-defined]
+
+    async def go() -> tuple[list[str], bool, list[str]]:
+        the_spec = spec('image = "minimal"\n[branch]\nenabled = true\n')
+        parent = await runtime.create_parent(the_spec, "X = 1", 4, prepare)
+        children = await asyncio.gather(*(parent.branch(f"c{i}") for i in range(3)))
+        assert all(child.channel() is None for child in children)  # no relay into a microVM
+        await parent.delete()
+        with pytest.raises(InvalidArgument, match="its warm-up raised: NameError: oops"):
+            await runtime.create_parent(the_spec, "X = ", 0, prepare)
+        return sources[0].log, parent.carries_memory, sources[1].log
+
+    log, carries, failed = asyncio.run(go())
+    assert log[:2] == ["exec /bin/sh -c", "exec python3 -c"]  # init, then the warm-up, once
+    assert sum(int(e.split()[1]) for e in log if e.startswith("batch")) == 3
+    assert log[-1] == "delete source" and not carries
+    assert failed[-1] == "delete source"
