@@ -22,6 +22,7 @@ import structlog
 
 from fleet._proto.fleet.v1 import host_pb2, host_pb2_grpc
 from fleet.agent.passage import CHECKPOINTS_SOCKET, MAX_LINKS, bind_unix
+from fleet.core.coalesce import Coalescer
 from fleet.core.errors import FleetError, error_for
 from fleet.httpd import connection_handler, reply
 from fleet.runtime.netns import in_netns
@@ -46,34 +47,15 @@ class CheckpointSender:
 
     def __init__(self, stub: host_pb2_grpc.HostServiceStub) -> None:
         self._stub = stub
-        self._pending: list[tuple[host_pb2.PutCheckpointRequest, asyncio.Future[None]]] = []
-        self._task: asyncio.Task[None] | None = None
         self._batched = True
         self.calls = 0
         """PutCheckpoints calls made (for tests and logs)."""
+        self._coalescer: Coalescer[host_pb2.PutCheckpointRequest, None] = Coalescer(
+            self._send, max_batch=MAX_BATCH
+        )
 
     async def put(self, request: host_pb2.PutCheckpointRequest) -> None:
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pending.append((request, future))
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._flush())
-        await asyncio.shield(future)
-
-    async def _flush(self) -> None:
-        while self._pending:
-            batch = self._pending[:MAX_BATCH]
-            del self._pending[:MAX_BATCH]
-            try:
-                outcomes = await self._send([request for request, _ in batch])
-            except FleetError as exc:
-                outcomes = [exc] * len(batch)
-            for (_, future), outcome in zip(batch, outcomes, strict=True):
-                if future.done():
-                    continue
-                if outcome is None:
-                    future.set_result(None)
-                else:
-                    future.set_exception(outcome)
+        await self._coalescer.submit(request)
 
     async def _send(self, requests: list[host_pb2.PutCheckpointRequest]) -> list[FleetError | None]:
         for attempt in range(20):

@@ -15,6 +15,7 @@ from typing import Any, Generic, TypeVar
 import structlog
 
 from fleet.artifacts.store import BlobStore, RegistryBlobStore
+from fleet.core.coalesce import Coalescer
 from fleet.core.errors import (
     Internal,
 )
@@ -211,8 +212,9 @@ MAX_LIST_BYTES = 3 << 20
 
 class GroupCommit(Generic[T, R]):
     """Group commit: items that arrive while one batch is being written go together into the
-    next transaction, one durable commit for all of them. `write` gets a batch and returns one
-    answer per item, in order: a result, or the exception that refused that item alone."""
+    next transaction, one durable commit for all of them (`fleet.core.coalesce`). `write`
+    gets a batch and returns one answer per item, in order: a result, or the exception that
+    refused that item alone. Claims and watchers are woken after each batch (`notify`)."""
 
     MAX_BATCH = 256
 
@@ -224,44 +226,16 @@ class GroupCommit(Generic[T, R]):
         notify: bool = True,
     ) -> None:
         self.core = core
-        self._write = write
-        self._notify = notify
-        """Wake claims and watchers after each batch (what it wrote changes rollouts)."""
-        self._pending: list[tuple[T, asyncio.Future[R]]] = []
-        self._flushing = False
-        self._task: asyncio.Task[None] | None = None
+
+        async def run(items: list[T]) -> list[R | Exception]:
+            return await core.db(write, items, time.time())
+
+        self._coalescer: Coalescer[T, R] = Coalescer(
+            run, max_batch=self.MAX_BATCH, after_batch=core.changed if notify else None
+        )
 
     async def submit(self, item: T) -> R:
-        future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
-        self._pending.append((item, future))
-        if not self._flushing:
-            self._flushing = True
-            self._task = asyncio.create_task(self._flush())
-        return await future
-
-    async def _flush(self) -> None:
-        try:
-            while self._pending:
-                batch = self._pending[: self.MAX_BATCH]
-                del self._pending[: self.MAX_BATCH]
-                try:
-                    answers = await self.core.db(self._write, [i for i, _ in batch], time.time())
-                except Exception as exc:
-                    for _, future in batch:
-                        if not future.done():
-                            future.set_exception(exc)
-                    continue
-                for (_, future), answer in zip(batch, answers, strict=True):
-                    if future.done():
-                        continue
-                    if isinstance(answer, Exception):
-                        future.set_exception(answer)
-                    else:
-                        future.set_result(answer)
-                if self._notify:
-                    self.core.changed()
-        finally:
-            self._flushing = False
+        return await self._coalescer.submit(item)
 
 
 class CompletionBatcher(GroupCommit[tuple[str, Completion], RolloutState]):
