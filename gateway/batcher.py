@@ -29,6 +29,14 @@ from fleet.core.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from fleet.prom import (
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    counter,
+    exposition,
+    gauge,
+)
 from gateway.admission import admissible
 from gateway.breaker import CircuitBreaker
 from gateway.model import DeviceFault, Runner
@@ -409,78 +417,65 @@ class Batcher:
             for item, out in zip(batch, outputs, strict=True)
         ]  # fmt: skip
 
-    def _utilization_lines(self) -> list[str]:
-        """The primary GPU's utilization as its driver reports it, where there is one."""
-        share = self.primary.utilization()
-        if share is None:
-            return []
-        return [
-            "# HELP fleet_gateway_gpu_utilization Share of the driver's last sample period in "
-            "which a kernel ran on the primary GPU (NVML; nvidia-smi's GPU-Util).",
-            "# TYPE fleet_gateway_gpu_utilization gauge",
-            f"fleet_gateway_gpu_utilization {share:.4f}",
-        ]
-
-    def metrics_text(self) -> str:
-        """Prometheus text format."""
+    def metric_families(self) -> list[Metric]:
+        """What the batcher counts, for the gateway's metrics."""
         m = self.metrics
         elapsed = max(1e-9, time.monotonic() - m.started)
         spec = self.primary.spec
-        lines = [
-            "# HELP fleet_gateway_model_info What the primary serves: model, revision, device, "
-            "precision.",
-            "# TYPE fleet_gateway_model_info gauge",
-            f'fleet_gateway_model_info{{model="{spec.name}",revision="{spec.revision}",'
-            f'device="{self.primary.device}",dtype="{spec.dtype}"}} 1',
-            "# TYPE fleet_gateway_served_total counter",
-            f"fleet_gateway_served_total {m.served}",
-            "# TYPE fleet_gateway_replayed_total counter",
-            f"fleet_gateway_replayed_total {m.replayed}",
-            "# TYPE fleet_gateway_refused_queue_full_total counter",
-            f"fleet_gateway_refused_queue_full_total {m.refused_full}",
-            "# TYPE fleet_gateway_failovers_total counter",
-            f"fleet_gateway_failovers_total {m.failovers}",
-            "# HELP fleet_gateway_answers_kept Answers remembered for idempotent retries, and "
-            "the memory they are estimated to take.",
-            "# TYPE fleet_gateway_answers_kept gauge",
-            f"fleet_gateway_answers_kept {len(self._answers)}",
-            "# TYPE fleet_gateway_answers_kept_bytes gauge",
-            f"fleet_gateway_answers_kept_bytes {self._answers_bytes}",
-            "# TYPE fleet_gateway_queue_depth gauge",
-            f"fleet_gateway_queue_depth {self.queue_depth}",
-            "# TYPE fleet_gateway_queue_oldest_seconds gauge",
-            f"fleet_gateway_queue_oldest_seconds {self.oldest_queued_s():.6f}",
-            "# HELP fleet_gateway_latency_p95_seconds The 95th percentile of requests' time in "
-            "the gateway (queue and device) over its latency window.",
-            "# TYPE fleet_gateway_latency_p95_seconds gauge",
-            f"fleet_gateway_latency_p95_seconds {self.p95_latency_s():.6f}",
-            "# TYPE fleet_gateway_device_seconds_total counter",
-            f"fleet_gateway_device_seconds_total {m.busy_s:.6f}",
-            "# TYPE fleet_gateway_device_busy_fraction gauge",
-            f"fleet_gateway_device_busy_fraction {min(1.0, m.busy_s / elapsed):.4f}",
-            "# HELP fleet_gateway_engine_restarts_total Times the primary's model engine was "
-            "started again after a device error, a hang or its exit.",
-            "# TYPE fleet_gateway_engine_restarts_total counter",
-            f"fleet_gateway_engine_restarts_total {self.primary.restarts}",
-            "# HELP fleet_gateway_health_probes_total Probes of an idle primary, and those that "
-            "failed.",
-            "# TYPE fleet_gateway_health_probes_total counter",
-            f"fleet_gateway_health_probes_total {m.probes}",
-            "# TYPE fleet_gateway_health_probes_failed_total counter",
-            f"fleet_gateway_health_probes_failed_total {m.probes_failed}",
-            *self._utilization_lines(),
-            "# TYPE fleet_gateway_breaker_open gauge",
-            f"fleet_gateway_breaker_open {int(str(self.breaker.state) != 'closed')}",
-            "# TYPE fleet_gateway_batch_size histogram",
-        ]
-        cumulative = 0
-        for bound in (1, 2, 4, 8, 16, 32, 64, 128, 256):
-            cumulative = sum(n for size, n in m.batch_sizes.items() if size <= bound)
-            lines.append(f'fleet_gateway_batch_size_bucket{{le="{bound}"}} {cumulative}')
-        lines.append(f'fleet_gateway_batch_size_bucket{{le="+Inf"}} {m.batches}')
+        info = GaugeMetricFamily(
+            "fleet_gateway_model_info", "What the primary serves: model, revision, device, "
+            "precision.", labels=["model", "revision", "device", "dtype"],
+        )  # fmt: skip
+        info.add_metric([spec.name, spec.revision, self.primary.device, spec.dtype], 1)
         total = sum(size * n for size, n in m.batch_sizes.items())
-        lines += [
-            f"fleet_gateway_batch_size_sum {total}",
-            f"fleet_gateway_batch_size_count {m.batches}",
+        buckets = [
+            (str(bound), sum(n for size, n in m.batch_sizes.items() if size <= bound))
+            for bound in (1, 2, 4, 8, 16, 32, 64, 128, 256)
         ]
-        return "\n".join(lines) + "\n"
+        sizes = HistogramMetricFamily(
+            "fleet_gateway_batch_size", "Samples per batch run.",
+            buckets=[*buckets, ("+Inf", m.batches)], sum_value=total,
+        )  # fmt: skip
+        families: list[Metric] = [
+            info,
+            counter("fleet_gateway_served_total", "Requests answered.", m.served),
+            counter("fleet_gateway_replayed_total", "Retries answered from memory.", m.replayed),
+            counter("fleet_gateway_refused_queue_full_total", "Requests refused: queue full.",
+                    m.refused_full),
+            counter("fleet_gateway_failovers_total", "Batches re-run on the CPU replica.",
+                    m.failovers),
+            gauge("fleet_gateway_answers_kept", "Answers remembered for idempotent retries.",
+                  len(self._answers)),
+            gauge("fleet_gateway_answers_kept_bytes", "The memory they are estimated to take.",
+                  self._answers_bytes),
+            gauge("fleet_gateway_queue_depth", "Requests queued.", self.queue_depth),
+            gauge("fleet_gateway_queue_oldest_seconds", "How long the oldest queued request "
+                  "has waited.", self.oldest_queued_s()),
+            gauge("fleet_gateway_latency_p95_seconds", "The 95th percentile of requests' time "
+                  "in the gateway (queue and device) over its latency window.",
+                  self.p95_latency_s()),
+            counter("fleet_gateway_device_seconds_total", "Seconds the devices ran batches.",
+                    m.busy_s),
+            gauge("fleet_gateway_device_busy_fraction", "Share of the gateway's life a device "
+                  "ran batches.", min(1.0, m.busy_s / elapsed)),
+            counter("fleet_gateway_engine_restarts_total", "Times the primary's model engine "
+                    "was started again after a device error, a hang or its exit.",
+                    self.primary.restarts),
+            counter("fleet_gateway_health_probes_total", "Probes of an idle primary.", m.probes),
+            counter("fleet_gateway_health_probes_failed_total", "Probes that failed.",
+                    m.probes_failed),
+            gauge("fleet_gateway_breaker_open", "1 while the breaker sends batches to the CPU "
+                  "replica.", int(str(self.breaker.state) != "closed")),
+            sizes,
+        ]  # fmt: skip
+        share = self.primary.utilization()
+        if share is not None:  # the primary GPU's utilization, where its driver reports one
+            families.append(gauge(
+                "fleet_gateway_gpu_utilization", "Share of the driver's last sample period in "
+                "which a kernel ran on the primary GPU (NVML; nvidia-smi's GPU-Util).", share,
+            ))  # fmt: skip
+        return families
+
+    def metrics_text(self) -> str:
+        """Prometheus text format."""
+        return exposition(self.metric_families())

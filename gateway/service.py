@@ -27,6 +27,7 @@ from fleet.core.errors import (
     PermissionDenied,
 )
 from fleet.core.tokens import check_running, verify
+from fleet.prom import CounterMetricFamily, exposition, gauge
 from fleet.server.status import as_refusal, mapped
 from gateway.batcher import Answer, BatchConfig, Batcher
 from gateway.breaker import CircuitBreaker
@@ -255,16 +256,15 @@ class Gateway:
 
     def metrics_text(self) -> str:
         """Prometheus text: the batcher's figures and how requests reach this gateway."""
-        lines = [
-            "# HELP fleet_gateway_requests_total Inference requests received, by how they came: "
-            "grpc (Infer), grpc_stream (InferStream), http (POST /v1/infer).",
-            "# TYPE fleet_gateway_requests_total counter",
-            *(f'fleet_gateway_requests_total{{via="{via}"}} {self.requests[via]}' for via in VIA),
-            "# HELP fleet_gateway_streams_open InferStream calls open now.",
-            "# TYPE fleet_gateway_streams_open gauge",
-            f"fleet_gateway_streams_open {self.streams_open}",
-        ]
-        return self.batcher.metrics_text() + "\n".join(lines) + "\n"
+        requests = CounterMetricFamily(
+            "fleet_gateway_requests_total", "Inference requests received, by how they came: "
+            "grpc (Infer), grpc_stream (InferStream), http (POST /v1/infer).", labels=["via"],
+        )  # fmt: skip
+        for via in VIA:
+            requests.add_metric([via], self.requests[via])
+        streams = gauge("fleet_gateway_streams_open", "InferStream calls open now.",
+                        self.streams_open)  # fmt: skip
+        return exposition([*self.batcher.metric_families(), requests, streams])
 
 
 VIA = ("grpc", "grpc_stream", "http")

@@ -10,19 +10,7 @@ import time
 import urllib.request
 from typing import Any
 
-
-def parse(text: str) -> dict[str, float]:
-    """Prometheus text to {name or name{labels}: value} (comments skipped)."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name, _, value = line.rpartition(" ")
-        try:
-            out[name] = float(value)
-        except ValueError:
-            continue
-    return out
+from fleet.prom import parse
 
 
 def _label(key: str) -> str:

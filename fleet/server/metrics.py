@@ -15,63 +15,75 @@ from typing import Any
 
 from fleet.httpd import connection_handler, reply
 from fleet.ledger.pools import PoolView
+from fleet.prom import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+    counter,
+    exposition,
+    gauge,
+)
 from fleet.server.core import Core
 
 
-def _pool_lines(core: Core, pools: list[PoolView]) -> list[str]:
+def _pool_families(core: Core, pools: list[PoolView]) -> list[Metric]:
     """Each pool's cap, what it runs, whether its gates pause it, and the events this server
     wrote for it (pause, resume, cap moved)."""
     if not pools and not core.pool_events:
         return []
-    lines = [
-        "# HELP fleet_pool_cap Leases a pool's hosts may hold at once (0: no cap).",
-        "# TYPE fleet_pool_cap gauge",
-        *(f'fleet_pool_cap{{pool="{v.pool.name}"}} {v.pool.max_running}' for v in pools),
-        "# TYPE fleet_pool_running gauge",
-        *(f'fleet_pool_running{{pool="{v.pool.name}"}} {v.running}' for v in pools),
-        "# HELP fleet_pool_paused 1 while a promotion gate pauses new dispatches to the pool.",
-        "# TYPE fleet_pool_paused gauge",
-        *(f'fleet_pool_paused{{pool="{v.pool.name}"}} {int(v.paused_at is not None)}'
-          for v in pools),
-        "# HELP fleet_pool_events_total Pools paused, resumed, raised, lowered, settled here.",
-        "# TYPE fleet_pool_events_total counter",
+    cap = GaugeMetricFamily(
+        "fleet_pool_cap", "Leases a pool's hosts may hold at once (0: no cap).", labels=["pool"]
+    )
+    running = GaugeMetricFamily("fleet_pool_running", "Leases a pool's hosts hold now.",
+                                labels=["pool"])  # fmt: skip
+    paused = GaugeMetricFamily(
+        "fleet_pool_paused", "1 while a promotion gate pauses new dispatches to the pool.",
+        labels=["pool"],
+    )  # fmt: skip
+    for v in pools:
+        cap.add_metric([v.pool.name], v.pool.max_running)
+        running.add_metric([v.pool.name], v.running)
+        paused.add_metric([v.pool.name], int(v.paused_at is not None))
+    events = CounterMetricFamily(
+        "fleet_pool_events_total", "Pools paused, resumed, raised, lowered, settled here.",
+        labels=["pool", "kind"],
+    )  # fmt: skip
+    for (pool, kind), n in sorted(core.pool_events.items()):
+        events.add_metric([pool, kind], n)
+    return [cap, running, paused, events]
+
+
+def families(core: Core, figures: dict[str, float], pools: list[PoolView]) -> list[Metric]:
+    rollouts = GaugeMetricFamily("fleet_rollouts", "Rollouts by state.", labels=["state"])
+    for key, value in sorted(figures.items()):
+        if key.startswith("state_"):
+            rollouts.add_metric([key.removeprefix("state_")], value)
+    refusals = core.auth.refusals if core.auth is not None else 0
+    return [
+        rollouts,
+        counter("fleet_trajectories_completed_total", "Rollouts that succeeded.",
+                figures.get("state_SUCCEEDED", 0.0)),
+        gauge("fleet_trajectories_per_second", "Completed trajectories per second over the "
+              "last minute.", figures["trajectories_per_second"]),
+        counter("fleet_inference_trajectories_total", "Work items that called the gateway, "
+                "done.", figures["inference_trajectories"]),
+        counter("fleet_retries_total", "Attempts beyond the first of succeeded rollouts.",
+                figures["retries"]),
+        gauge("fleet_cpu_seconds_per_trajectory", "CPU seconds per completed trajectory.",
+              figures["cpu_seconds_per_trajectory"]),
+        gauge("fleet_gateway_queue_depth", "The gateway's queue, as the router last read it.",
+              core.gateway_queue_depth),
+        gauge("fleet_backpressure_holding", "1 while rollouts that call the gateway are held.",
+              int(core.hold_inference)),
+        gauge("fleet_server_insecure", "1 when the server runs without TLS or authentication",
+              int(core.security is None)),
+        counter("fleet_auth_refusals_total", "Calls refused by authentication.", refusals),
+        *_pool_families(core, pools),
     ]  # fmt: skip
-    lines += [
-        f'fleet_pool_events_total{{pool="{pool}",kind="{kind}"}} {n}'
-        for (pool, kind), n in sorted(core.pool_events.items())
-    ]
-    return lines
 
 
 def render(core: Core, figures: dict[str, float], pools: list[PoolView] | None = None) -> str:
-    lines = ["# TYPE fleet_rollouts gauge"]
-    for key, value in sorted(figures.items()):
-        if key.startswith("state_"):
-            lines.append(f'fleet_rollouts{{state="{key.removeprefix("state_")}"}} {value:g}')
-    completed = figures.get("state_SUCCEEDED", 0.0)
-    lines += [
-        "# TYPE fleet_trajectories_completed_total counter",
-        f"fleet_trajectories_completed_total {completed:g}",
-        "# TYPE fleet_trajectories_per_second gauge",
-        f"fleet_trajectories_per_second {figures['trajectories_per_second']:.4f}",
-        "# TYPE fleet_inference_trajectories_total counter",
-        f"fleet_inference_trajectories_total {figures['inference_trajectories']:g}",
-        "# TYPE fleet_retries_total counter",
-        f"fleet_retries_total {figures['retries']:g}",
-        "# TYPE fleet_cpu_seconds_per_trajectory gauge",
-        f"fleet_cpu_seconds_per_trajectory {figures['cpu_seconds_per_trajectory']:.4f}",
-        "# TYPE fleet_gateway_queue_depth gauge",
-        f"fleet_gateway_queue_depth {core.gateway_queue_depth}",
-        "# TYPE fleet_backpressure_holding gauge",
-        f"fleet_backpressure_holding {int(core.hold_inference)}",
-        "# HELP fleet_server_insecure 1 when the server runs without TLS or authentication",
-        "# TYPE fleet_server_insecure gauge",
-        f"fleet_server_insecure {int(core.security is None)}",
-        "# TYPE fleet_auth_refusals_total counter",
-        f"fleet_auth_refusals_total {core.auth.refusals if core.auth is not None else 0}",
-        *_pool_lines(core, pools or []),
-    ]
-    return "\n".join(lines) + "\n"
+    return exposition(families(core, figures, pools or []))
 
 
 RECENT_POOL_EVENTS = 12

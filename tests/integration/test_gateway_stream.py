@@ -213,10 +213,10 @@ def test_a_caller_that_goes_away_leaves_the_gateway_serving_others() -> None:
             return after, retried, during, c.gateway.metrics_text()
 
     after, retried, during, later = go(body())
-    assert "fleet_gateway_streams_open 1\n" in during
-    assert 'fleet_gateway_requests_total{via="grpc_stream"} 4\n' in later
-    assert 'fleet_gateway_requests_total{via="grpc"} 2\n' in later
-    assert "fleet_gateway_streams_open 0\n" in later
+    assert "fleet_gateway_streams_open 1.0\n" in during
+    assert 'fleet_gateway_requests_total{via="grpc_stream"} 4.0\n' in later
+    assert 'fleet_gateway_requests_total{via="grpc"} 2.0\n' in later
+    assert "fleet_gateway_streams_open 0.0\n" in later
     assert after.output.values == pytest.approx(reference(samples[:1])[0], abs=1e-5)
     assert retried.output.values == pytest.approx(reference(samples[3:])[0], abs=1e-5)
 

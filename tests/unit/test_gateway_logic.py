@@ -170,7 +170,7 @@ def test_the_primary_gpus_utilization_is_a_metric_only_where_its_driver_gives_on
     assert "fleet_gateway_gpu_utilization" not in batcher.metrics_text()  # never a made-up 0
     primary.gpu = 0.42
     lines = batcher.metrics_text().splitlines()
-    assert "fleet_gateway_gpu_utilization 0.4200" in lines
+    assert "fleet_gateway_gpu_utilization 0.42" in lines
     assert "# TYPE fleet_gateway_gpu_utilization gauge" in lines
 
 
@@ -228,3 +228,20 @@ def test_packed_weights_serve_from_the_size_past_their_last_loss(
     from gateway.model import packed_from
 
     assert packed_from(timings) == expected
+
+
+def test_the_gateway_without_torch_says_which_extra_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib.util
+
+    from fleet.core.errors import FailedPrecondition
+    from gateway import require_torch
+
+    real = importlib.util.find_spec
+    require_torch()  # installed here
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a)
+    )
+    with pytest.raises(FailedPrecondition, match=r"pip install 'fleet\[gateway\]'"):
+        require_torch()

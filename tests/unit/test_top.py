@@ -29,3 +29,8 @@ def test_pools_show_their_cap_state_and_latest_events_with_their_numbers() -> No
         "gateway p95 latency 812.5 ms > 500 ms" in screen  # fmt: skip
     assert "cloud paused: new dispatches paused" in screen
     assert "[attempts=3 p95_ms=812.5]" in screen
+
+
+def test_label_values_come_back_unescaped() -> None:
+    text = '# TYPE fleet_pool_paused gauge\nfleet_pool_paused{pool="we\\"ird\\\\name"} 1.0\n'
+    assert parse(text) == {'fleet_pool_paused{pool="we"ird\\name"}': 1.0}
