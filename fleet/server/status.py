@@ -53,12 +53,18 @@ def as_refusal(exc: Exception, rpc: str) -> FleetError:
 
 
 def mapped(method: F) -> F:
-    """Turns FleetError into the matching status, anything else into INTERNAL (logged)."""
+    """Turns FleetError into the matching status, anything else into INTERNAL (logged). Every
+    line the call logs carries its `rpc` and its `request_id` (where the request has one)."""
 
     @functools.wraps(method)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        bound = {"rpc": method.__name__}
+        request_id = getattr(request, "request_id", "")
+        if isinstance(request_id, str) and request_id:
+            bound["request_id"] = request_id[:128]
         try:
-            return await method(self, request, context)
+            with structlog.contextvars.bound_contextvars(**bound):
+                return await method(self, request, context)
         except Exception as exc:  # the last line of defence: never leak a traceback as a hang
             if isinstance(exc, grpc.aio.AbortError):
                 raise

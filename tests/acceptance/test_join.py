@@ -352,4 +352,4 @@ def test_a_cloud_host_pulls_the_image_from_a_registry(tmp_path: Path, procs: Pro
                 done = wait_state(client, api, key, ca_crt, rid, {"SUCCEEDED", "FAILED"})
                 assert done["state"] == "ROLLOUT_STATE_SUCCEEDED", done
             log = remote.log.read_text()
-            assert log.count("image_fetched") == 1 and f"source={reg.repo()}" in log
+            assert log.count("image_fetched") == 1 and f'"source": "{reg.repo()}"' in log
