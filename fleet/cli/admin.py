@@ -269,7 +269,7 @@ def _report_chart(
 ) -> None:  # fmt: skip
     """Completed trajectories and cost per slice of the window, and the pools' caps as their
     events moved them."""
-    from fleet.cli.chart import line_chart, printable
+    from fleet.demo.chart import line_chart, printable
 
     slices = timeline(attempts, prices, since, now)
     width_min = (now - since) / 60 / len(slices)

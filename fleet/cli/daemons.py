@@ -130,6 +130,9 @@ def net_config(uplink: str, dns: str) -> NetConfig:
 
 async def cmd_gateway(args: argparse.Namespace) -> int:
     """The inference gateway: gRPC InferenceService plus the HTTP endpoint machines call."""
+    from gateway import require_torch
+
+    require_torch()
     from gateway.batcher import BatchConfig
     from gateway.http import serve_http
     from gateway.service import Gateway, GatewayConfig, serve
@@ -322,7 +325,7 @@ async def cmd_agent(args: argparse.Namespace) -> int:
 
 
 async def cmd_up(args: argparse.Namespace) -> int:
-    from fleet.cli.embedded import embedded_fleet
+    from fleet.embedded import embedded_fleet
 
     paths = Paths.from_env()
     db = Path(args.db) if args.db else default_db(paths)

@@ -329,7 +329,7 @@ def policy_sarif(findings: list[Any]) -> dict[str, Any]:
 
 
 async def cmd_demo(args: argparse.Namespace) -> int:
-    from fleet.cli.demo import run_demo
+    from fleet.demo.run import run_demo
 
     return await run_demo(
         Paths.from_env(),

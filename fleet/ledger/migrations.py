@@ -16,6 +16,7 @@ from sqlmodel import SQLModel
 
 from fleet.core.errors import FailedPrecondition
 from fleet.ledger import tables
+from fleet.ledger.tables import CHECKPOINT_ROW_BYTES
 
 log = structlog.get_logger(__name__)
 
@@ -42,8 +43,6 @@ def _needs_inference(conn: Connection) -> None:
 
 
 def _checkpoint_budget(conn: Connection) -> None:
-    from fleet.ledger.store import CHECKPOINT_ROW_BYTES
-
     tables.CheckpointUsageRow.__table__.create(conn, checkfirst=True)  # type: ignore[attr-defined]
     # What the checkpoints already stored hold, charged as new ones are.
     conn.execute(

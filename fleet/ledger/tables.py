@@ -7,6 +7,10 @@ from sqlmodel import Field, SQLModel
 
 SCHEMA_VERSION = 14
 
+CHECKPOINT_ROW_BYTES = 512
+"""What each checkpoint is charged besides its data (a row's cost), so that many tiny ones are
+bounded too."""
+
 
 class SchemaInfo(SQLModel, table=True):
     __tablename__ = "schema_info"

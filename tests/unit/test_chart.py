@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fleet.cli.chart import TEXT, Canvas, line_chart
+from fleet.demo.chart import TEXT, Canvas, line_chart
 
 
 def pixels(png: bytes) -> tuple[int, int, bytes]:

@@ -15,19 +15,15 @@ from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
 from fleet.agent.agent import default_host_id
 from fleet.agent.capabilities import make_runtime
 from fleet.cli.client import list_all
-from fleet.cli.demo_suite import suite
-from fleet.cli.embedded import Fleet, embedded_fleet
 from fleet.config import Paths
 from fleet.core.placement import HostClass
+from fleet.demo.common import FINAL, print_table
+from fleet.demo.evaluation import evaluate, start_gateway
+from fleet.demo.suite import suite
+from fleet.embedded import Fleet, embedded_fleet
 from fleet.server.core import Core, ServerConfig
 
 SMOLFILES = Path(__file__).resolve().parent.parent.parent / "smolfiles"
-FINAL = {
-    types_pb2.ROLLOUT_STATE_SUCCEEDED,
-    types_pb2.ROLLOUT_STATE_FAILED,
-    types_pb2.ROLLOUT_STATE_CANCELLED,
-    types_pb2.ROLLOUT_STATE_QUARANTINED,
-}
 
 
 def _bar(done: int, total: int, failed: int, running: int, width: int = 32) -> str:
@@ -36,17 +32,6 @@ def _bar(done: int, total: int, failed: int, running: int, width: int = 32) -> s
         f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} done, {running} running, "
         f"{failed} failed"
     )
-
-
-def print_table(title: str, rows: list[tuple[str, str]], value_width: int) -> None:
-    """A titled two-column table between rules, keys left and values right."""
-    width = max(len(k) for k, _ in rows)
-    print()
-    print(title)
-    print("-" * (width + 2 + value_width))
-    for key, value in rows:
-        print(f"{key:<{width}}  {value:>{value_width}}")
-    print("-" * (width + 2 + value_width))
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -110,8 +95,6 @@ async def run_demo(
     paths: Paths, timeout_s: float = 600.0, out_dir: Path = Path("fleet-demo-out"),
     episodes: int = 64, log_level: str = "error",
 ) -> int:  # fmt: skip
-    from fleet.cli.evaluation import evaluate, start_gateway
-
     run_id = uuid.uuid4().hex[:8]
     tty = sys.stdout.isatty()
     gateway = await start_gateway(paths, log_level)

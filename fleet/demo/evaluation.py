@@ -23,10 +23,10 @@ from typing import Any
 import grpc
 
 from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
-from fleet.cli.chart import line_chart
 from fleet.cli.client import list_all
-from fleet.cli.demo import FINAL, print_table
 from fleet.config import Paths
+from fleet.demo.chart import line_chart
+from fleet.demo.common import FINAL, print_table
 from fleet.envs.episode import source, warm_step
 from fleet.identity.ca import CertificateAuthority
 from fleet.identity.tls import ServerTls, server_names, server_ssl_context
@@ -52,6 +52,9 @@ class GatewayHandle:
 
 async def start_gateway(paths: Paths, log_level: str = "info") -> GatewayHandle:
     """The gateway with the shipped policy: gRPC on loopback, HTTP where machines reach it."""
+    from gateway import require_torch
+
+    require_torch()
     from gateway.http import serve_http
     from gateway.service import Gateway, GatewayConfig, serve
 

@@ -1,0 +1,23 @@
+"""What the demo's parts share: the final rollout states and the summary tables."""
+
+from __future__ import annotations
+
+from fleet._proto.fleet.v1 import types_pb2
+
+FINAL = {
+    types_pb2.ROLLOUT_STATE_SUCCEEDED,
+    types_pb2.ROLLOUT_STATE_FAILED,
+    types_pb2.ROLLOUT_STATE_CANCELLED,
+    types_pb2.ROLLOUT_STATE_QUARANTINED,
+}
+
+
+def print_table(title: str, rows: list[tuple[str, str]], value_width: int) -> None:
+    """A titled two-column table between rules, keys left and values right."""
+    width = max(len(k) for k, _ in rows)
+    print()
+    print(title)
+    print("-" * (width + 2 + value_width))
+    for key, value in rows:
+        print(f"{key:<{width}}  {value:>{value_width}}")
+    print("-" * (width + 2 + value_width))
