@@ -34,11 +34,13 @@ import grpc
 
 from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
 from fleet.config import Paths
-from fleet.core.errors import FleetError, Unavailable, error_for
+from fleet.core.errors import FleetError, InvalidArgument, Unavailable, error_for
 from fleet.core.smolfile import load_smolfile
 
 DEFAULT_SERVER = "127.0.0.1:50051"
 CHUNK = 1 << 20
+SUBMIT_BATCH = 1000
+"""Submissions per SubmitRollouts call (the server's limit)."""
 T = TypeVar("T")
 FINAL = {"SUCCEEDED", "FAILED", "CANCELLED", "QUARANTINED"}
 
@@ -202,6 +204,52 @@ class Fleet:
     ) -> Rollout:
         """Submits a plan: each step an argv list, or a shell string. The same
         `idempotency_key` submitted again returns the same rollout."""
+        request = self._request(
+            smolfile, steps, idempotency_key, labels, deadline_s, timeout_s, inference, require_vm
+        )
+        reply = _call(lambda: self._rollouts.SubmitRollout(request, metadata=self._md))
+        return _rollout(reply.rollout)
+
+    def submit_many(
+        self,
+        smolfile: str | Path,
+        plans: Sequence[Sequence[Sequence[str] | str]],
+        *,
+        idempotency_keys: Sequence[str] | None = None,
+        labels: Mapping[str, str] | None = None,
+        deadline_s: float | None = None,
+        timeout_s: float = 0.0,
+        inference: bool = False,
+        require_vm: bool = False,
+    ) -> builtins.list[str]:
+        """Submits many plans on one Smolfile (SubmitRollouts, up to 1000 a call: each call's
+        are all stored, or none) and returns their rollout ids, in order. The same keys
+        submitted again return the same ids."""
+        if idempotency_keys is not None and len(idempotency_keys) != len(plans):
+            raise InvalidArgument(
+                f"{len(idempotency_keys)} idempotency keys for {len(plans)} plans"
+            )
+        requests = [
+            self._request(smolfile, steps, idempotency_keys[i] if idempotency_keys else None,
+                          labels, deadline_s, timeout_s, inference, require_vm)
+            for i, steps in enumerate(plans)
+        ]  # fmt: skip
+        ids: builtins.list[str] = []
+        for start in range(0, len(requests), SUBMIT_BATCH):
+            batch = fleet_pb2.SubmitRolloutsRequest(
+                request_id=uuid.uuid4().hex, rollouts=requests[start : start + SUBMIT_BATCH]
+            )
+            reply = _call(
+                lambda b=batch: self._rollouts.SubmitRollouts(b, metadata=self._md)  # type: ignore[misc]
+            )
+            ids += [r.id for r in reply.rollouts]
+        return ids
+
+    def _request(
+        self, smolfile: str | Path, steps: Sequence[Sequence[str] | str],
+        idempotency_key: str | None, labels: Mapping[str, str] | None, deadline_s: float | None,
+        timeout_s: float, inference: bool, require_vm: bool,
+    ) -> fleet_pb2.SubmitRolloutRequest:  # fmt: skip
         parsed = load_smolfile(str(smolfile))
         pb_steps = [
             types_pb2.Step(
@@ -220,8 +268,7 @@ class Fleet:
         )  # fmt: skip
         if deadline_s is not None:
             request.deadline.FromDatetime(datetime.now(UTC) + timedelta(seconds=deadline_s))
-        reply = _call(lambda: self._rollouts.SubmitRollout(request, metadata=self._md))
-        return _rollout(reply.rollout)
+        return request
 
     def get(self, rollout_id: str) -> Rollout:
         """The rollout with this id (NotFound for an unknown one or another tenant's)."""
@@ -469,6 +516,12 @@ class AsyncFleet:
                      **kw: Any) -> Rollout:  # fmt: skip
         """See `Fleet.submit`."""
         return await asyncio.to_thread(self.sync.submit, smolfile, steps, **kw)
+
+    async def submit_many(
+        self, smolfile: str | Path, plans: Sequence[Sequence[Sequence[str] | str]], **kw: Any
+    ) -> builtins.list[str]:
+        """See `Fleet.submit_many`."""
+        return await asyncio.to_thread(self.sync.submit_many, smolfile, plans, **kw)
 
     async def get(self, rollout_id: str) -> Rollout:
         """See `Fleet.get`."""

@@ -58,6 +58,7 @@ from fleet.ledger.migrations import migrate
 from fleet.ledger.pools import PoolEvent, PoolView
 from fleet.ledger.raw import DONE, LEASED, QUEUED, Raw, leases_by_host, marks
 from fleet.ledger.tables import (
+    CHECKPOINT_ROW_BYTES,
     ArtifactRow,
     AttemptRow,
     EgressEventRow,
@@ -143,10 +144,6 @@ FENCING_STEP = 1 << 31
 MAX_CHECKPOINT_BYTES_PER_ROLLOUT = 256 << 20
 """What one rollout's checkpoints may hold in all: code in a machine writes them, and must not
 fill the ledger's disk."""
-CHECKPOINT_ROW_BYTES = 512
-"""What each checkpoint is charged besides its data (a row's cost), so that many tiny ones are
-bounded too."""
-
 _EMPTY_DIGEST = "sha256:" + hashlib.sha256(b"").hexdigest()
 
 
@@ -433,14 +430,23 @@ class Ledger:
         return self._submit(request, manifest, now, max_active_per_tenant)
 
     def submit_many(
-        self, batch: list[tuple[SubmitRequest, Manifest]], now: float
+        self,
+        batch: list[tuple[SubmitRequest, Manifest]],
+        now: float,
+        max_active_per_tenant: int = 0,
     ) -> list[tuple[str, bool]]:
         """Stores many submissions in one transaction (one durable commit for all of them).
 
         Returns (rollout id, created) per submission, in order; all or nothing.
         """
+        for _ in range(3):
+            try:
+                with self._begin() as conn:
+                    return self._insert_rollouts(conn, batch, now, max_active_per_tenant)
+            except _UNIQUE_CLASH:
+                continue  # another replica stored one of the keys meanwhile: read it again
         with self._begin() as conn:
-            return self._insert_rollouts(conn, batch, now, 0)
+            return self._insert_rollouts(conn, batch, now, max_active_per_tenant)
 
     def _submit(
         self, request: SubmitRequest, manifest: Manifest, now: float, max_active: int

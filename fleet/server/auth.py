@@ -43,6 +43,7 @@ PUBLIC = (
 )
 SCOPE_OF = {
     "SubmitRollout": Scope.ROLLOUTS_WRITE,
+    "SubmitRollouts": Scope.ROLLOUTS_WRITE,
     "CancelRollout": Scope.ROLLOUTS_WRITE,
     "GetRollout": Scope.ROLLOUTS_READ,
     "ListRollouts": Scope.ROLLOUTS_READ,

@@ -25,6 +25,7 @@ from fleet.core.errors import (
 )
 from fleet.core.manifest import (
     MAX_STEPS,
+    Manifest,
     SubmitRequest,
     build_manifest,
     image_of,
@@ -42,6 +43,9 @@ from fleet.server.core import (
 from fleet.server.status import STATUS_FOR, mapped
 
 log = structlog.get_logger(__name__)
+
+MAX_BATCH_SUBMIT = 1000
+"""Submissions one SubmitRollouts call may carry."""
 
 
 class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
@@ -71,12 +75,55 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
             rollout=convert.rollout_to_pb(rollout), created=created
         )
 
-    async def admit(
-        self, submit: SubmitRequest, parsed: ParsedSmolfile, now: datetime, image_upload: str = "",
-        request_id: str = "",
-    ) -> tuple[Rollout, bool]:  # fmt: skip
-        """A validated submission into the ledger: its inputs checked, its image pinned, its
-        host class servable; (the rollout, whether this call created it)."""
+    @mapped
+    async def SubmitRollouts(
+        self, request: fleet_pb2.SubmitRolloutsRequest, context: grpc.aio.ServicerContext
+    ) -> fleet_pb2.SubmitRolloutsResponse:
+        if not request.rollouts:
+            raise InvalidArgument("rollouts is empty: nothing to submit")
+        if len(request.rollouts) > MAX_BATCH_SUBMIT:
+            raise ResourceExhausted(
+                f"{len(request.rollouts)} submissions in one call, over the {MAX_BATCH_SUBMIT}: "
+                "split them"
+            )
+        now = datetime.now(UTC)
+        caller = self.core.caller()
+        batch: list[tuple[SubmitRequest, Manifest]] = []
+        for index, item in enumerate(request.rollouts):
+            try:
+                if len(item.steps) > MAX_STEPS:
+                    raise ResourceExhausted(f"the plan has {len(item.steps)} steps, over the "
+                                            f"{MAX_STEPS}")  # fmt: skip
+                item.tenant = caller.tenant_for(item.tenant)
+                submit = await asyncio.to_thread(convert.submit_from_pb, item)
+                parsed = await asyncio.to_thread(
+                    validate_request, submit, now,
+                    timedelta(seconds=self.core.config.max_deadline_s),
+                )  # fmt: skip
+                batch.append((submit, await self.prepare(submit, parsed, now, item.image_upload)))
+            except FleetError as exc:
+                raise type(exc)(
+                    f"rollouts[{index}] (idempotency key {item.idempotency_key!r}): "
+                    f"{exc.message}; nothing was submitted",
+                    retry_after_s=exc.retry_after_s,
+                ) from None
+        stored = await self.core.db(
+            self.core.ledger.submit_many, batch, now.timestamp(),
+            self.core.config.max_active_per_tenant,
+        )  # fmt: skip
+        if any(created for _, created in stored):
+            self.core.changed()
+        log.info("rollouts_submitted", count=len(stored),
+                 created=sum(1 for _, created in stored if created))  # fmt: skip
+        return fleet_pb2.SubmitRolloutsResponse(
+            rollouts=[fleet_pb2.SubmittedRollout(id=rid, created=c) for rid, c in stored]
+        )
+
+    async def prepare(
+        self, submit: SubmitRequest, parsed: ParsedSmolfile, now: datetime, image_upload: str = ""
+    ) -> Manifest:
+        """A validated submission's manifest: its inputs checked, its image pinned, its host
+        class servable."""
         await self._check_inputs(submit)
         image = image_of(parsed)
         pinned = ""
@@ -96,6 +143,15 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
         reason = await self.core.unservable_reason(manifest.host_class, manifest.requirements)
         if reason:
             raise FailedPrecondition(reason)
+        return manifest
+
+    async def admit(
+        self, submit: SubmitRequest, parsed: ParsedSmolfile, now: datetime, image_upload: str = "",
+        request_id: str = "",
+    ) -> tuple[Rollout, bool]:  # fmt: skip
+        """A validated submission into the ledger (see `prepare`); (the rollout, whether this
+        call created it)."""
+        manifest = await self.prepare(submit, parsed, now, image_upload)
         rollout, created = await self.core.db(
             functools.partial(
                 self.core.ledger.submit,

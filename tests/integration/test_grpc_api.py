@@ -765,3 +765,45 @@ def test_a_list_page_ends_before_its_bytes_pass_the_limit(
     pages, ids, one = go(body())
     assert one > 2000
     assert pages == [[ids[4], ids[3]], [ids[2], ids[1]], [ids[0]]]
+
+
+def test_submit_rollouts_stores_every_one_in_one_call_or_none(
+    tmp_path: Path, images: ImageStore
+) -> None:
+    """SubmitRollouts: each submission checked as SubmitRollout checks it, all stored in one
+    transaction; repeated, the same rollouts; one bad submission refuses the call, naming it
+    by index, and stores nothing."""
+
+    async def body() -> tuple[list[object], list[object], grpc.aio.AioRpcError, int, int]:
+        async with harness(tmp_path, images) as h:
+            await h.register_host("h1")
+            batch = [request(key=f"batch-{i}") for i in range(3)]
+            first = await h.fleet.SubmitRollouts(
+                fleet_pb2.SubmitRolloutsRequest(request_id="b1", rollouts=batch)
+            )
+            again = await h.fleet.SubmitRollouts(
+                fleet_pb2.SubmitRolloutsRequest(request_id="b2", rollouts=batch)
+            )
+            stored = await h.count()
+            bad = [request(key="batch-new"), request('image = "minimal"\ncpus = "many"\n',
+                                                     key="batch-bad")]  # fmt: skip
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await h.fleet.SubmitRollouts(
+                    fleet_pb2.SubmitRolloutsRequest(request_id="b3", rollouts=bad)
+                )
+            with pytest.raises(grpc.aio.AioRpcError) as empty:
+                await h.fleet.SubmitRollouts(fleet_pb2.SubmitRolloutsRequest(request_id="b4"))
+            assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            return (
+                [(r.id, r.created) for r in first.rollouts],
+                [(r.id, r.created) for r in again.rollouts],
+                info.value, stored, await h.count(),
+            )  # fmt: skip
+
+    first, again, refused, stored, after = go(body())
+    assert [created for _, created in first] == [True] * 3  # type: ignore[misc]
+    assert again == [(rid, False) for rid, _ in first]  # type: ignore[misc]
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "rollouts[1] (idempotency key 'batch-bad')" in (refused.details() or "")
+    assert "nothing was submitted" in (refused.details() or "")
+    assert stored == after == 3  # the good one of the refused call was not stored either

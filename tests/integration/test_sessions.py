@@ -394,6 +394,12 @@ def test_the_typed_client_drives_rollouts_and_sessions(live_fleet: str, tmp_path
         assert done.state == "SUCCEEDED" and [r.stdout for r in done.results] == [b"hi\n", b"42\n"]
         assert [e.state for e in fleet.watch(rollout.id)][-1] == "SUCCEEDED"
         assert rollout.id in [r.id for r in fleet.list(labels={"t": "c"})]
+        keys = [f"{tmp}-many-{i}" for i in range(3)]
+        many = fleet.submit_many(smolfile, [[f"echo {i}"] for i in range(3)], idempotency_keys=keys)
+        assert fleet.submit_many(smolfile, [[f"echo {i}"] for i in range(3)],
+                                 idempotency_keys=keys) == many  # fmt: skip
+        outs = [fleet.wait(rid, timeout_s=120).results[0].stdout for rid in many]
+        assert outs == [b"0\n", b"1\n", b"2\n"]
         with pytest.raises(NotFound):
             fleet.get("r-0000000000000000")
         seen: list[tuple[str, bytes]] = []

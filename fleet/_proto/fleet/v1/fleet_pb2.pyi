@@ -238,6 +238,28 @@ class SubmitRolloutResponse(_message.Message):
     created: bool
     def __init__(self, rollout: _Optional[_Union[_types_pb2.Rollout, _Mapping]] = ..., created: _Optional[bool] = ...) -> None: ...
 
+class SubmitRolloutsRequest(_message.Message):
+    __slots__ = ("request_id", "rollouts")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    rollouts: _containers.RepeatedCompositeFieldContainer[SubmitRolloutRequest]
+    def __init__(self, request_id: _Optional[str] = ..., rollouts: _Optional[_Iterable[_Union[SubmitRolloutRequest, _Mapping]]] = ...) -> None: ...
+
+class SubmitRolloutsResponse(_message.Message):
+    __slots__ = ("rollouts",)
+    ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
+    rollouts: _containers.RepeatedCompositeFieldContainer[SubmittedRollout]
+    def __init__(self, rollouts: _Optional[_Iterable[_Union[SubmittedRollout, _Mapping]]] = ...) -> None: ...
+
+class SubmittedRollout(_message.Message):
+    __slots__ = ("id", "created")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    created: bool
+    def __init__(self, id: _Optional[str] = ..., created: _Optional[bool] = ...) -> None: ...
+
 class GetRolloutRequest(_message.Message):
     __slots__ = ("id",)
     ID_FIELD_NUMBER: _ClassVar[int]

@@ -51,6 +51,11 @@ class FleetServiceStub:
                 request_serializer=fleet_dot_v1_dot_fleet__pb2.SubmitRolloutRequest.SerializeToString,
                 response_deserializer=fleet_dot_v1_dot_fleet__pb2.SubmitRolloutResponse.FromString,
                 _registered_method=True)
+        self.SubmitRollouts = channel.unary_unary(
+                '/fleet.v1.FleetService/SubmitRollouts',
+                request_serializer=fleet_dot_v1_dot_fleet__pb2.SubmitRolloutsRequest.SerializeToString,
+                response_deserializer=fleet_dot_v1_dot_fleet__pb2.SubmitRolloutsResponse.FromString,
+                _registered_method=True)
         self.GetRollout = channel.unary_unary(
                 '/fleet.v1.FleetService/GetRollout',
                 request_serializer=fleet_dot_v1_dot_fleet__pb2.GetRolloutRequest.SerializeToString,
@@ -99,6 +104,15 @@ class FleetServiceServicer:
 
     def SubmitRollout(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SubmitRollouts(self, request, context):
+        """Many submissions in one call and one transaction: every one stored, or none (the refusal
+        names the first that could not be, by its index). Each is checked as SubmitRollout checks
+        it; at most 1000 a call.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -153,6 +167,11 @@ def add_FleetServiceServicer_to_server(servicer, server):
                     servicer.SubmitRollout,
                     request_deserializer=fleet_dot_v1_dot_fleet__pb2.SubmitRolloutRequest.FromString,
                     response_serializer=fleet_dot_v1_dot_fleet__pb2.SubmitRolloutResponse.SerializeToString,
+            ),
+            'SubmitRollouts': grpc.unary_unary_rpc_method_handler(
+                    servicer.SubmitRollouts,
+                    request_deserializer=fleet_dot_v1_dot_fleet__pb2.SubmitRolloutsRequest.FromString,
+                    response_serializer=fleet_dot_v1_dot_fleet__pb2.SubmitRolloutsResponse.SerializeToString,
             ),
             'GetRollout': grpc.unary_unary_rpc_method_handler(
                     servicer.GetRollout,
@@ -262,6 +281,33 @@ class FleetService:
             '/fleet.v1.FleetService/SubmitRollout',
             fleet_dot_v1_dot_fleet__pb2.SubmitRolloutRequest.SerializeToString,
             fleet_dot_v1_dot_fleet__pb2.SubmitRolloutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitRollouts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fleet.v1.FleetService/SubmitRollouts',
+            fleet_dot_v1_dot_fleet__pb2.SubmitRolloutsRequest.SerializeToString,
+            fleet_dot_v1_dot_fleet__pb2.SubmitRolloutsResponse.FromString,
             options,
             channel_credentials,
             insecure,
