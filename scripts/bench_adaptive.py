@@ -31,9 +31,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-import gateway  # noqa: E402,F401  (its __init__ quiets torch's numpy warning in every process)
-
 from bench_gateway import SECRET, quiet  # noqa: E402
+
+import gateway  # noqa: E402,F401  (its __init__ quiets torch's numpy warning in every process)
 
 MODEL = "gridworld-policy"
 POOL = "bench"
@@ -103,10 +103,10 @@ async def gateway_p95_ms(address: str) -> float:
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
-    from fleet.cli.embedded import embedded_fleet
     from fleet.config import Paths
     from fleet.core.adaptive import Adaptive
     from fleet.core.placement import LOCAL_LABEL, HostClass, Pool
+    from fleet.embedded import embedded_fleet
     from fleet.envs.episode import source, warm_step
     from fleet.server.app import ServerConfig
 
@@ -220,10 +220,10 @@ def main() -> int:
                         help="the sweep's fixed caps (2,4,6,8,12,16,24)")  # fmt: skip
     parser.add_argument("--batch-s", type=float, default=0.05, help="device time per batch")
     parser.add_argument("--max-batch", type=int, default=4, help="samples per batch, at most")
-    parser.add_argument("--window-s", type=float, default=30.0, help="each measurement's window")
+    parser.add_argument("--window-s", type=float, default=40.0, help="each measurement's window")
     parser.add_argument("--settle-s", type=float, default=4.0, help="wait after a cap change")
-    parser.add_argument("--interval-s", type=float, default=8.0, help="the controller's")
-    parser.add_argument("--max-settle-s", type=float, default=180.0)
+    parser.add_argument("--interval-s", type=float, default=15.0, help="the controller's")
+    parser.add_argument("--max-settle-s", type=float, default=300.0)
     args = parser.parse_args()
     args.caps = [int(c) for c in args.caps.split(",")]
     quiet()
