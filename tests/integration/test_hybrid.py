@@ -454,6 +454,15 @@ def test_a_finished_rollouts_token_is_refused_by_the_gateway(
                     await asyncio.sleep(0.02)
                 after = await ask("after-the-end")
                 assert submitted.rollout.id == item.rollout_id
+                # The device time of the answered request reached the attempt, through the
+                # server's poll of the gateway.
+                ledger = h.server.core.ledger
+                for _ in range(100):
+                    [cost] = await asyncio.to_thread(ledger.cost_attempts, 0.0)
+                    if cost.device_s > 0:
+                        break
+                    await asyncio.sleep(0.02)
+                assert 0 < cost.device_s < 5, cost
                 return running, after
         finally:
             await gateway.batcher.stop()
