@@ -56,6 +56,32 @@ def check_transition(current: RolloutState, target: RolloutState) -> None:
         raise FailedPrecondition(f"rollout cannot move from {current} to {target}")
 
 
+class WorkItemState(enum.StrEnum):
+    """A work item's place in the queue (a rollout has one; its state is the rollout's)."""
+
+    QUEUED = "QUEUED"
+    """Waiting for a host: new, retried after a failed attempt, or released by a lost lease."""
+    LEASED = "LEASED"
+    """A host holds it under a fencing token until the lease expires."""
+    DONE = "DONE"
+    """Its rollout reached a final state; never leased again."""
+
+
+ITEM_TRANSITIONS: dict[WorkItemState, frozenset[WorkItemState]] = {
+    # Leased by a claim; done when cancelled or past its deadline before it ran.
+    WorkItemState.QUEUED: frozenset({WorkItemState.LEASED, WorkItemState.DONE}),
+    # Back in the queue for a retry (a failed attempt, an expired or released lease); done.
+    WorkItemState.LEASED: frozenset({WorkItemState.QUEUED, WorkItemState.DONE}),
+    WorkItemState.DONE: frozenset(),
+}
+
+
+def check_item_transition(current: WorkItemState, target: WorkItemState) -> None:
+    """Raises FailedPrecondition unless `current -> target` is an allowed move."""
+    if target not in ITEM_TRANSITIONS[current]:
+        raise FailedPrecondition(f"work item cannot move from {current} to {target}")
+
+
 class Outcome(enum.StrEnum):
     """How an attempt ended, as the agent reports it."""
 

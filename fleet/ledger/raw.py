@@ -7,8 +7,10 @@ from typing import Any
 
 from sqlalchemy import Connection
 
-QUEUED, LEASED, DONE = "QUEUED", "LEASED", "DONE"
-"""Work items' states."""
+from fleet.core.lifecycle import WorkItemState
+
+QUEUED, LEASED, DONE = (s.value for s in WorkItemState)
+"""Work items' states, as the SQL holds them (`fleet.core.lifecycle.WorkItemState`)."""
 
 
 @lru_cache(maxsize=256)

@@ -181,3 +181,20 @@ def test_backoff_grows_with_jitter_and_is_capped() -> None:
         delay = policy.backoff_s(attempt, rng)
         assert ceiling / 2 <= delay <= ceiling
     assert policy.may_retry(4) and not policy.may_retry(5)
+
+
+def test_work_items_move_only_along_their_table() -> None:
+    from fleet.core.errors import FailedPrecondition
+    from fleet.core.lifecycle import ITEM_TRANSITIONS, WorkItemState, check_item_transition
+    from fleet.ledger.raw import DONE, LEASED, QUEUED
+
+    assert (QUEUED, LEASED, DONE) == ("QUEUED", "LEASED", "DONE")  # what the SQL holds
+    allowed = {(a, b) for a, targets in ITEM_TRANSITIONS.items() for b in targets}
+    for a in WorkItemState:
+        for b in WorkItemState:
+            if (a, b) in allowed:
+                check_item_transition(a, b)
+            else:
+                with pytest.raises(FailedPrecondition, match=f"from {a} to {b}"):
+                    check_item_transition(a, b)
+    assert not ITEM_TRANSITIONS[WorkItemState.DONE]  # done is final

@@ -1,0 +1,457 @@
+"""The ledger's foundation: its engine and transactions, the rows' shared helpers, and the
+constants every part uses. The methods, by verb, are in `submissions`, `reads`, `hosts`,
+`leases`, `completions` and `checkpoints`; `fleet.ledger.store.Ledger` is all of them."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import random
+import sqlite3
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, NamedTuple, Self, TextIO
+
+import psycopg
+import structlog
+from sqlalchemy import Connection, event
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import Session, col, create_engine, select
+
+from fleet.core.errors import (
+    FailedPrecondition,
+    NotFound,
+    Unauthenticated,
+)
+from fleet.core.lifecycle import RolloutState, check_transition
+from fleet.core.manifest import Manifest, OutputArtifact
+from fleet.core.placement import HostCapabilities, Pool
+from fleet.core.policy import EffectiveEgress
+from fleet.core.rollout import (
+    Assignment,
+    AttemptRecord,
+    Completion,
+    Rollout,
+    StepResult,
+)
+from fleet.ledger import pools as pool_sql
+from fleet.ledger.migrations import migrate
+from fleet.ledger.raw import Raw, marks
+from fleet.ledger.tables import (
+    AttemptRow,
+    EventRow,
+    HostRow,
+    RolloutRow,
+    WorkItemRow,
+)
+
+log = structlog.get_logger(__name__)
+CORDONED = "cordoned"
+DRAINING = "draining"
+DRAINED = "drained"
+
+
+@dataclass(frozen=True)
+class HostView:
+    """A registered host, for `fleet host list`."""
+
+    capabilities: HostCapabilities
+    state: str
+    slots_used: int
+    last_heartbeat_at: float
+    images: list[str]
+    """The digests on its disk, as its agent last said."""
+
+
+HOST_STATES = ("ready", CORDONED, DRAINING, DRAINED)
+
+
+# A concurrent insert of the same key, from SQLAlchemy or (hot paths) straight from the driver.
+UNIQUE_CLASH = (IntegrityError, sqlite3.IntegrityError, psycopg.errors.IntegrityError)
+
+
+ITEM_COLS = (
+    "id, rollout_id, tenant, state, host_class, needs_vm, needs_cuda_device, needs_inference, "
+    "priority, attempt, "
+    "max_attempts, not_before, deadline, lease_owner, fencing_token, lease_expires_at, "
+    "cancel_requested, result_fingerprint, claim_request_id"
+)
+
+
+class Item(NamedTuple):
+    """One work_items row as the hot paths read it (columns in ITEM_COLS order)."""
+
+    id: str
+    rollout_id: str
+    tenant: str
+    state: str
+    host_class: str
+    needs_vm: bool
+    needs_cuda_device: bool
+    needs_inference: bool
+    priority: int
+    attempt: int
+    max_attempts: int
+    not_before: float
+    deadline: float
+    lease_owner: str
+    fencing_token: int
+    lease_expires_at: float | None
+    cancel_requested: bool
+    result_fingerprint: str
+    claim_request_id: str
+
+
+MAX_CHECKPOINT_BYTES = 1 << 20
+AVOID_HOST_S = 5.0
+"""How long after its backoff a retry waits for other hosts before the one that failed it."""
+FENCING_STEP = 1 << 31
+"""A claim adds 1 plus a random number below this to the fencing token."""
+MAX_CHECKPOINT_BYTES_PER_ROLLOUT = 256 << 20
+"""What one rollout's checkpoints may hold in all: code in a machine writes them, and must not
+fill the ledger's disk."""
+EMPTY_DIGEST = "sha256:" + hashlib.sha256(b"").hexdigest()
+
+
+def blob_digest(data: bytes) -> str:
+    return EMPTY_DIGEST if not data else "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def prepare_report(report: Completion) -> tuple[str, dict[str, bytes], str]:
+    """(fingerprint, output blobs by digest, results JSON) of one report."""
+    outputs: dict[str, bytes] = {}
+    results = []
+    for result in report.results:
+        digests = {}
+        for name, data in (("stdout", result.stdout), ("stderr", result.stderr)):
+            digest = blob_digest(data)
+            outputs[digest] = data
+            digests[f"{name}_digest"] = digest
+        results.append(result.model_copy(update=digests).model_dump(mode="json"))
+    return report.fingerprint(), outputs, json.dumps(results)
+
+
+INSERT_EVENT = (
+    "INSERT INTO events (rollout_id, kind, from_state, to_state, actor, at, message, attempt) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+)
+
+
+def as_datetime(value: float | None) -> datetime | None:
+    return None if value is None else datetime.fromtimestamp(value, UTC)
+
+
+def _sqlite_engine(path: Path) -> Engine:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(f"sqlite:///{path}", connect_args={"check_same_thread": False})
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        # Let SQLAlchemy's "begin" hook below issue BEGIN IMMEDIATE: a writer takes the lock up
+        # front instead of failing to upgrade a read lock under contention.
+        dbapi_conn.isolation_level = None
+        cursor = dbapi_conn.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=FULL")  # an acknowledged write survives power loss
+        cursor.execute("PRAGMA busy_timeout=10000")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Any) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+def _postgres_engine(url: str) -> Engine:
+    url = url.replace("postgres://", "postgresql://", 1)
+    if url.startswith("postgresql://"):
+        url = "postgresql+psycopg://" + url.removeprefix("postgresql://")
+    # READ COMMITTED with explicit row locks (FOR UPDATE, SKIP LOCKED for claims and sweeps);
+    # synchronous_commit stays on: an acknowledged write is on disk.
+    return create_engine(url, pool_pre_ping=True, pool_size=4, max_overflow=4)
+
+
+class LedgerBase:
+    """The work ledger over one database."""
+
+    def __init__(self, engine: Engine, *, rng: random.Random | None = None) -> None:
+        self.engine = engine
+        self._rng = rng or random.Random()
+        self._manifests: dict[str, Manifest] = {}
+        self._pg = engine.dialect.name == "postgresql"
+        self._host_caps: dict[str, HostCapabilities] = {}
+        database = engine.url.database if engine.dialect.name == "sqlite" else None
+        self._lock_path = f"{database}.lock" if database else None
+        self._thread_lock = threading.Lock()
+        self._lock_file: TextIO | None = None
+        self.checkpoint_budget_bytes = MAX_CHECKPOINT_BYTES_PER_ROLLOUT
+        self.schema_version = migrate(engine)
+
+    @property
+    def _lock_clause(self) -> str:
+        return " FOR UPDATE" if self._pg else ""
+
+    @classmethod
+    def sqlite(cls, path: Path) -> Self:
+        return cls(_sqlite_engine(path))
+
+    @classmethod
+    def postgres(cls, url: str) -> Self:
+        return cls(_postgres_engine(url))
+
+    @classmethod
+    def open(cls, target: str) -> Self:
+        """A ledger from a PostgreSQL URL (postgresql://...) or a SQLite file path."""
+        if target.startswith(("postgresql://", "postgres://", "postgresql+psycopg://")):
+            return cls.postgres(target)
+        return cls.sqlite(Path(target.removeprefix("sqlite:///")))
+
+    @property
+    def backend(self) -> str:
+        return self.engine.dialect.name
+
+    @contextmanager
+    def _tx(self) -> Iterator[Session]:
+        with (
+            self._writer_lock(),
+            Session(self.engine, expire_on_commit=False) as session,
+            session.begin(),
+        ):
+            yield session
+
+    @contextmanager
+    def _begin(self) -> Iterator[Connection]:
+        with self._writer_lock(), self.engine.begin() as conn:
+            yield conn
+
+    @contextmanager
+    def _writer_lock(self) -> Iterator[None]:
+        """On SQLite, one writer at a time across processes, queued on a file lock.
+
+        SQLite's own busy handler makes a waiting writer sleep in growing steps, so several
+        processes contending for the write lock spend most of their time asleep; a blocking
+        flock wakes the next writer the moment the last one commits.
+        """
+        if self._lock_path is None:
+            yield
+            return
+        with self._thread_lock:
+            if self._lock_file is None:
+                self._lock_file = open(self._lock_path, "a")  # noqa: SIM115 - held for life
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(self._lock_file, fcntl.LOCK_UN)
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _event(
+        self,
+        s: Session,
+        rollout_id: str,
+        kind: str,
+        now: float,
+        *,
+        before: str = "",
+        after: str = "",
+        actor: str = "",
+        message: str = "",
+        attempt: int = 0,
+    ) -> None:
+        s.add(
+            EventRow(
+                rollout_id=rollout_id,
+                kind=kind,
+                from_state=before,
+                to_state=after,
+                actor=actor,
+                at=now,
+                message=message,
+                attempt=attempt,
+            )
+        )
+
+    def _move(
+        self,
+        s: Session,
+        row: RolloutRow,
+        target: RolloutState,
+        now: float,
+        *,
+        kind: str,
+        actor: str,
+        message: str = "",
+        attempt: int = 0,
+    ) -> None:
+        current = RolloutState(row.state)
+        check_transition(current, target)
+        row.state = target.value
+        row.updated_at = now
+        if target == RolloutState.RUNNING and row.started_at is None:
+            row.started_at = now
+        if target.final:
+            row.finished_at = now
+        s.add(row)
+        self._event(
+            s,
+            row.id,
+            kind,
+            now,
+            before=current.value,
+            after=target.value,
+            actor=actor,
+            message=message,
+            attempt=attempt,
+        )
+
+    def _rollout_row(self, s: Session, rollout_id: str, *, lock: bool = False) -> RolloutRow:
+        query = select(RolloutRow).where(RolloutRow.id == rollout_id)
+        if lock:
+            # Row locks order writers per rollout (item first, then rollout, everywhere), so
+            # a rollout's events get sequence numbers in commit order.
+            query = query.with_for_update()
+        row = s.exec(query).first()
+        if row is None:
+            raise NotFound(f"no rollout {rollout_id!r}")
+        return row
+
+    def _histories(self, s: Session, rollout_ids: list[str]) -> dict[str, list[AttemptRow]]:
+        """Attempt rows of many rollouts in one query."""
+        out: dict[str, list[AttemptRow]] = {r: [] for r in rollout_ids}
+        rows = s.exec(
+            select(WorkItemRow.rollout_id, AttemptRow)
+            .join(WorkItemRow, col(WorkItemRow.id) == col(AttemptRow.work_id))
+            .where(col(WorkItemRow.rollout_id).in_(rollout_ids))
+            .order_by(col(AttemptRow.attempt))
+        ).all()
+        for rollout_id, attempt in rows:
+            out[rollout_id].append(attempt)
+        return out
+
+    def _view(
+        self, s: Session, row: RolloutRow, history: list[AttemptRow] | None = None
+    ) -> Rollout:
+        if history is None:
+            history = self._histories(s, [row.id])[row.id]
+        manifest = self._manifest_raw(Raw(s.connection(), self._pg), row.manifest_digest)
+        return Rollout(
+            priority=row.priority,
+            attempt_history=tuple(
+                AttemptRecord(
+                    attempt=a.attempt,
+                    host_id=a.host_id,
+                    started_at=as_datetime(a.started_at) or datetime.now(UTC),
+                    ended_at=as_datetime(a.ended_at),
+                    outcome=a.outcome,
+                    error=a.error,
+                )
+                for a in history
+            ),
+            id=row.id,
+            state=RolloutState(row.state),
+            tenant=row.tenant,
+            idempotency_key=row.idempotency_key,
+            labels=json.loads(row.labels_json),
+            manifest=manifest,
+            manifest_digest=row.manifest_digest,
+            egress=EffectiveEgress.model_validate_json(row.egress_json)
+            if row.egress_json
+            else None,
+            attempts=row.attempts,
+            results=tuple(StepResult.model_validate(r) for r in json.loads(row.results_json)),
+            error=row.error,
+            host_id=row.host_id,
+            runtime=row.runtime,
+            device=row.device,
+            created_at=as_datetime(row.created_at) or datetime.now(UTC),
+            started_at=as_datetime(row.started_at),
+            finished_at=as_datetime(row.finished_at),
+            outputs=tuple(OutputArtifact.model_validate(o) for o in json.loads(row.outputs_json)),
+        )
+
+    def _host(self, s: Session, host_id: str) -> HostCapabilities:
+        row = s.get(HostRow, host_id)
+        if row is None:
+            raise FailedPrecondition(f"host {host_id!r} is not registered; call RegisterHost first")
+        return HostCapabilities.model_validate_json(row.capabilities_json)
+
+    def _latest_checkpoints(self, db: Raw, rollout_ids: list[str]) -> dict[str, tuple[int, bytes]]:
+        """The newest checkpoint of each rollout, in one query."""
+        if not rollout_ids:
+            return {}
+        rows = db.all(
+            "SELECT c.rollout_id, c.seq, c.data FROM checkpoints c "
+            f"WHERE c.rollout_id IN ({marks(len(rollout_ids))}) AND c.seq = "
+            "(SELECT max(seq) FROM checkpoints m WHERE m.rollout_id = c.rollout_id)",
+            rollout_ids,
+        )
+        return {rid: (int(seq), bytes(data)) for rid, seq, data in rows}
+
+    def _host_row(self, db: Raw, host_id: str) -> HostCapabilities:
+        rows = db.all(
+            "SELECT h.capabilities_json, i.revoked_at FROM hosts h "
+            "LEFT JOIN host_identities i ON i.host_id = h.id WHERE h.id = ?",
+            (host_id,),
+        )
+        if not rows:
+            raise FailedPrecondition(f"host {host_id!r} is not registered; call RegisterHost first")
+        if rows[0][1] is not None:
+            # Checked here too, in the claim's own transaction: a server's cache of who is
+            # revoked may be a moment old, and a revoked host must never take new work.
+            raise Unauthenticated(f"host {host_id!r} was revoked")
+        text = rows[0][0]
+        caps = self._host_caps.get(text)
+        if caps is None:
+            caps = HostCapabilities.model_validate_json(text)
+            if len(self._host_caps) > 1024:
+                self._host_caps.clear()
+            self._host_caps[text] = caps
+        return caps
+
+    def _assignment(self, db: Raw, item: Item) -> Assignment:
+        [(digest,)] = db.all(
+            "SELECT manifest_digest FROM rollouts WHERE id = ?", (item.rollout_id,)
+        )
+        return Assignment(
+            work_id=item.id,
+            rollout_id=item.rollout_id,
+            attempt=item.attempt,
+            fencing_token=item.fencing_token,
+            lease_expires_at=as_datetime(item.lease_expires_at) or datetime.now(UTC),
+            manifest=self._manifest_raw(db, digest),
+            tenant=item.tenant,
+        )
+
+    def _manifest_raw(self, db: Raw, digest: str) -> Manifest:
+        """Manifests are immutable, so each is parsed once per process."""
+        manifest = self._manifests.get(digest)
+        if manifest is None:
+            [(body,)] = db.all("SELECT body FROM manifests WHERE digest = ?", (digest,))
+            manifest = Manifest.model_validate_json(body)
+            if len(self._manifests) > 4096:
+                self._manifests.clear()
+            self._manifests[digest] = manifest
+        return manifest
+
+    def get(self, rollout_id: str) -> Rollout:
+        with self._tx() as s:
+            return self._view(s, self._rollout_row(s, rollout_id))
+
+    def _rollback(self, db: Raw) -> tuple[bool, Pool | None]:
+        """(whether a rollback is in force, the pool it keeps: None for the default local
+        pool, `is_local`)."""
+        rows = db.all("SELECT value_json FROM settings WHERE key = ?", ("rollback",))
+        if not rows:
+            return False, None
+        name = json.loads(rows[0][0]).get("local_pool", "")
+        found = pool_sql.read(db, "WHERE name = ?", (name,)) if name else []
+        return True, (found[0] if found else None)

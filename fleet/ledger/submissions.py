@@ -1,0 +1,237 @@
+"""Submissions: rollouts stored once per idempotency key, alone or many in one transaction;
+cancels."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+import structlog
+from sqlalchemy import Connection
+from sqlmodel import select
+
+from fleet.core.errors import (
+    AlreadyExists,
+    ResourceExhausted,
+)
+from fleet.core.lifecycle import RolloutState
+from fleet.core.manifest import Manifest, SubmitRequest
+from fleet.core.placement import Isolation
+from fleet.core.rollout import (
+    Rollout,
+)
+from fleet.ledger.base import INSERT_EVENT, UNIQUE_CLASH, LedgerBase, as_datetime
+from fleet.ledger.raw import DONE, LEASED, QUEUED, Raw, marks
+from fleet.ledger.tables import (
+    WorkItemRow,
+)
+
+log = structlog.get_logger(__name__)
+
+
+class Submissions(LedgerBase):
+    def submit(
+        self,
+        request: SubmitRequest,
+        manifest: Manifest,
+        now: float,
+        *,
+        max_active_per_tenant: int = 0,
+    ) -> tuple[Rollout, bool]:
+        """Stores the manifest and a new rollout, or returns the one with the same key.
+
+        With `max_active_per_tenant`, a tenant with that many queued or running rollouts is
+        refused with RESOURCE_EXHAUSTED and a retry hint.
+        """
+        for _ in range(3):
+            try:
+                return self._submit(request, manifest, now, max_active_per_tenant)
+            except UNIQUE_CLASH:
+                # Another replica stored the same key or manifest between our read and insert;
+                # the next try sees its row and answers as for any repeated submission.
+                continue
+        return self._submit(request, manifest, now, max_active_per_tenant)
+
+    def submit_many(
+        self,
+        batch: list[tuple[SubmitRequest, Manifest]],
+        now: float,
+        max_active_per_tenant: int = 0,
+    ) -> list[tuple[str, bool]]:
+        """Stores many submissions in one transaction (one durable commit for all of them).
+
+        Returns (rollout id, created) per submission, in order; all or nothing.
+        """
+        for _ in range(3):
+            try:
+                with self._begin() as conn:
+                    return self._insert_rollouts(conn, batch, now, max_active_per_tenant)
+            except UNIQUE_CLASH:
+                continue  # another replica stored one of the keys meanwhile: read it again
+        with self._begin() as conn:
+            return self._insert_rollouts(conn, batch, now, max_active_per_tenant)
+
+    def _submit(
+        self, request: SubmitRequest, manifest: Manifest, now: float, max_active: int
+    ) -> tuple[Rollout, bool]:
+        with self._begin() as conn:
+            [(rollout_id, created)] = self._insert_rollouts(
+                conn, [(request, manifest)], now, max_active
+            )
+        if not created:
+            return self.get(rollout_id), False
+        at = as_datetime(now) or datetime.now(UTC)
+        return (
+            Rollout(
+                id=rollout_id, state=RolloutState.QUEUED, tenant=request.tenant,
+                idempotency_key=request.idempotency_key, labels=dict(request.labels),
+                manifest=manifest, manifest_digest=manifest.digest, created_at=at,
+                priority=request.priority,
+            ),
+            True,
+        )  # fmt: skip
+
+    def _insert_rollouts(
+        self,
+        conn: Connection,
+        batch: list[tuple[SubmitRequest, Manifest]],
+        now: float,
+        max_active: int,
+    ) -> list[tuple[str, bool]]:
+        db = Raw(conn, self._pg)
+        keys = sorted({req.idempotency_key for req, _ in batch})
+        known: dict[str, tuple[str, str]] = {}
+        for start in range(0, len(keys), 500):
+            chunk = keys[start : start + 500]
+            for rid, key, fp in db.all(
+                "SELECT id, idempotency_key, request_fingerprint FROM rollouts "
+                f"WHERE idempotency_key IN ({marks(len(chunk))})",
+                chunk,
+            ):
+                known[key] = (rid, fp)
+        active: dict[str, int] = {}
+        if max_active:
+            tenants = sorted({req.tenant for req, _ in batch})
+            active = {
+                tenant: int(n)
+                for tenant, n in db.all(
+                    f"SELECT tenant, count(*) FROM work_items WHERE tenant IN "
+                    f"({marks(len(tenants))}) AND state IN (?, ?) GROUP BY tenant",
+                    [*tenants, QUEUED, LEASED],
+                )
+            }
+        out: list[tuple[str, bool]] = []
+        manifests: dict[str, Manifest] = {}
+        rollouts: list[tuple[Any, ...]] = []
+        labels: list[tuple[Any, ...]] = []
+        items: list[tuple[Any, ...]] = []
+        events: list[tuple[Any, ...]] = []
+        queued = RolloutState.QUEUED.value
+        for request, manifest in batch:
+            fingerprint = request.fingerprint()
+            key = request.idempotency_key
+            if key in known:
+                rollout_id, stored = known[key]
+                if stored != fingerprint:
+                    raise AlreadyExists(
+                        f"idempotency key {key!r} was already used for rollout {rollout_id} "
+                        "with a different body; the body differs, so this submission was "
+                        "refused (use a new key for a new rollout)"
+                    )
+                out.append((rollout_id, False))
+                continue
+            if max_active:
+                count = active.get(request.tenant, 0)
+                if count >= max_active:
+                    raise ResourceExhausted(
+                        f"tenant {request.tenant!r} has {count} rollouts queued or running, "
+                        f"at its limit of {max_active}; retry after some finish",
+                        retry_after_s=2.0,
+                    )
+                active[request.tenant] = count + 1
+            digest = manifest.digest
+            manifests[digest] = manifest
+            rollout_id = "r-" + uuid.uuid4().hex[:16]
+            known[key] = (rollout_id, fingerprint)
+            rollouts.append(
+                (rollout_id, key, fingerprint, digest, request.tenant,
+                 json.dumps(request.labels, sort_keys=True), queued, request.priority, now, now)
+            )  # fmt: skip
+            labels += [(rollout_id, k, v) for k, v in request.labels.items()]
+            items.append(
+                ("w-" + uuid.uuid4().hex[:16], rollout_id, request.tenant, QUEUED,
+                 manifest.host_class.value,
+                 manifest.requirements.isolation == Isolation.VM,
+                 manifest.requirements.cuda_device, manifest.requirements.inference,
+                 request.priority,
+                 manifest.retry.max_attempts, now, manifest.deadline.timestamp(),
+                 manifest.session.host if manifest.session is not None else "")
+            )  # fmt: skip
+            events.append(
+                (rollout_id, "submitted", "", queued, f"tenant:{request.tenant}", now,
+                 f"manifest {digest[:19]}, {len(manifest.steps)} steps, "
+                 f"{manifest.host_class}-class", 0)
+            )  # fmt: skip
+            out.append((rollout_id, True))
+        if rollouts:
+            db.many(
+                "INSERT INTO manifests (digest, body, created_at) VALUES (?, ?, ?) "
+                "ON CONFLICT DO NOTHING",
+                [(d, m.model_dump_json(), now) for d, m in sorted(manifests.items())],
+            )
+            db.many(
+                "INSERT INTO rollouts (id, idempotency_key, request_fingerprint, manifest_digest, "
+                "tenant, labels_json, state, priority, attempts, error, host_id, runtime, device, "
+                "results_json, egress_json, cpu_s, created_at, updated_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0, '', '', '', '', '[]', '', 0, ?, ?)",
+                rollouts,
+            )
+            db.many("INSERT INTO rollout_labels (rollout_id, key, value) VALUES (?, ?, ?)", labels)
+            db.many(
+                "INSERT INTO work_items (id, rollout_id, tenant, state, host_class, needs_vm, "
+                "needs_cuda_device, needs_inference, priority, attempt, max_attempts, "
+                "not_before, deadline, lease_owner, fencing_token, cancel_requested, "
+                "result_fingerprint, claim_request_id, pin_host) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?, '', 0, ?, '', '', ?)",
+                [(*row[:-1], False, row[-1]) for row in items],
+            )
+            db.many(INSERT_EVENT, events)
+            self._manifests.update(manifests)
+        return out
+
+    def cancel(self, rollout_id: str, reason: str, actor: str, now: float) -> Rollout:
+        """Queued work ends at once; running work is stopped by its agent at its next beat."""
+        with self._tx() as s:
+            item = s.exec(
+                select(WorkItemRow).where(WorkItemRow.rollout_id == rollout_id).with_for_update()
+            ).first()
+            row = self._rollout_row(s, rollout_id, lock=True)
+            assert item is not None
+            state = RolloutState(row.state)
+            if state.final:
+                return self._view(s, row)
+            why = reason or "cancelled by request"
+            if item.state == QUEUED:
+                item.state = DONE
+                s.add(item)
+                row.error = why
+                self._move(
+                    s, row, RolloutState.CANCELLED, now, kind="cancelled", actor=actor, message=why
+                )
+            elif not item.cancel_requested:
+                item.cancel_requested = True
+                s.add(item)
+                self._event(
+                    s,
+                    rollout_id,
+                    "cancel_requested",
+                    now,
+                    actor=actor,
+                    message=why,
+                    attempt=item.attempt,
+                )
+                row.error = why
+                s.add(row)
+            return self._view(s, row)
