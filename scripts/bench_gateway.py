@@ -56,11 +56,10 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-import gateway  # noqa: E402,F401  (its __init__ quiets torch's numpy warning in every process)
-
 import grpc  # noqa: E402
 import structlog  # noqa: E402
 
+import gateway  # noqa: E402,F401  (its __init__ quiets torch's numpy warning in every process)
 from fleet._proto.fleet.v1 import inference_pb2, inference_pb2_grpc  # noqa: E402
 from fleet.core.tokens import issue  # noqa: E402
 from fleet.envs.gridworld import GridWorld, argmax  # noqa: E402
@@ -98,7 +97,6 @@ def make_bench_model(directory: Path) -> Path:
 
 def _gateway_main(settings: dict[str, Any], port: Any, fault: Any) -> None:
     quiet()
-    import gateway  # noqa: F401  (quiets torch's numpy warning)
     import torch
 
     torch.set_num_threads(int(settings.get("threads", 1)))
@@ -338,9 +336,16 @@ def _request(model: str, rollout: str, key: str, sample: list[float]) -> Any:
 
 def _http_request(model: str, rollout: str, key: str, sample: list[float]) -> bytes:
     """The same request for the gateway's HTTP endpoint, as a machine's step sends it."""
-    body = json.dumps({"token": _token(rollout), "rollout_id": rollout,
-                       "idempotency_key": key, "model": model, "input": sample}).encode()
-    head = f"POST /v1/infer HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+    body = json.dumps(
+        {
+            "token": _token(rollout),
+            "rollout_id": rollout,
+            "idempotency_key": key,
+            "model": model,
+            "input": sample,
+        }
+    ).encode()
+    head = "POST /v1/infer HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
     return f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body
 
 
@@ -620,9 +625,7 @@ async def pipeline(address: str, model: str, episodes: int, concurrency: int) ->
                 env, done, step = GridWorld(seed), False, 0
                 while not done:
                     key = f"ep{seed}-{step}"
-                    reply = await client.infer(
-                        _request(model, f"ep{seed}", key, env.observation())
-                    )
+                    reply = await client.infer(_request(model, f"ep{seed}", key, env.observation()))
                     _, done = env.step(argmax(list(reply.output.values)))
                     step += 1
                     actions += 1
@@ -654,8 +657,8 @@ async def fleet_pipeline(
     but print its result: rollouts/s and CPU per rollout are then the fleet's own."""
     from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
     from fleet.cli.client import list_all
-    from fleet.embedded import embedded_fleet
     from fleet.config import Paths
+    from fleet.embedded import embedded_fleet
     from fleet.envs.episode import program, source, warm_step
     from fleet.runtime.cgroups import all_machines_cpu_seconds
     from fleet.server.app import ServerConfig
@@ -672,43 +675,47 @@ async def fleet_pipeline(
         episode = ["python3", "-c", NOOP_STEP] if noop else warm_step(seed)
         return [types_pb2.Step(name="warm-up", argv=["python3", "-c", source()], timeout_s=60),
                 types_pb2.Step(name="episode", argv=episode, env=env, timeout_s=300)]  # fmt: skip
+
     final = {types_pb2.ROLLOUT_STATE_SUCCEEDED, types_pb2.ROLLOUT_STATE_FAILED,
              types_pb2.ROLLOUT_STATE_CANCELLED, types_pb2.ROLLOUT_STATE_QUARANTINED}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="fleet-bench-fleet-") as tmp:
-        async with embedded_fleet(
-            paths, Path(tmp) / "ledger.sqlite3", gpu_agents=0, cpu_agents=1, runtime="namespace",
-            slots=slots, config=ServerConfig(token_secret=SECRET), gateway=("host", http_port),
-        ) as fleet:  # fmt: skip
-            async with fleet.channel() as channel:
-                stub = fleet_pb2_grpc.FleetServiceStub(channel)
-                run = uuid.uuid4().hex[:8]
-                cpu_before = (all_machines_cpu_seconds(), gateway_cpu_s(gateway_pid), busy_cpu_s())
-                started = time.perf_counter()
-                for seed in range(episodes):
-                    await stub.SubmitRollout(
-                        fleet_pb2.SubmitRolloutRequest(
-                            request_id=f"{run}-{seed}", idempotency_key=f"{run}-{seed}",
-                            smolfile=smolfile, smolfile_name="smolfiles/minimal.smolfile",
-                            steps=steps(seed),
-                            labels={"bench": run},
-                            requirements=types_pb2.Requirements(inference=True),
-                        ),
-                        timeout=30,
-                    )  # fmt: skip
-                deadline = time.monotonic() + 600
-                core = fleet.server.core
-                names = [f"state_{types_pb2.RolloutState.Name(s).removeprefix('ROLLOUT_STATE_')}"
-                         for s in final]  # fmt: skip
-                while True:  # counts by state (this ledger holds only these): a cheap query
-                    figures = await core.db(core.ledger.figures, time.time())
-                    if sum(figures.get(name, 0.0) for name in names) >= episodes:
-                        break
-                    if time.monotonic() > deadline:
-                        raise RuntimeError("fleet pipeline: episodes did not finish in 600 s")
-                    await asyncio.sleep(0.1)
-                elapsed = time.perf_counter() - started
-                cpu_after = (all_machines_cpu_seconds(), gateway_cpu_s(gateway_pid), busy_cpu_s())
-                rollouts = await list_all(stub, {"bench": run})
+        async with (
+            embedded_fleet(
+                paths, Path(tmp) / "ledger.sqlite3", gpu_agents=0, cpu_agents=1,
+                runtime="namespace", slots=slots, config=ServerConfig(token_secret=SECRET),
+                gateway=("host", http_port),
+            ) as fleet,
+            fleet.channel() as channel,
+        ):  # fmt: skip
+            stub = fleet_pb2_grpc.FleetServiceStub(channel)
+            run = uuid.uuid4().hex[:8]
+            cpu_before = (all_machines_cpu_seconds(), gateway_cpu_s(gateway_pid), busy_cpu_s())
+            started = time.perf_counter()
+            for seed in range(episodes):
+                await stub.SubmitRollout(
+                    fleet_pb2.SubmitRolloutRequest(
+                        request_id=f"{run}-{seed}", idempotency_key=f"{run}-{seed}",
+                        smolfile=smolfile, smolfile_name="smolfiles/minimal.smolfile",
+                        steps=steps(seed),
+                        labels={"bench": run},
+                        requirements=types_pb2.Requirements(inference=True),
+                    ),
+                    timeout=30,
+                )  # fmt: skip
+            deadline = time.monotonic() + 600
+            core = fleet.server.core
+            names = [f"state_{types_pb2.RolloutState.Name(s).removeprefix('ROLLOUT_STATE_')}"
+                     for s in final]  # fmt: skip
+            while True:  # counts by state (this ledger holds only these): a cheap query
+                figures = await core.db(core.ledger.figures, time.time())
+                if sum(figures.get(name, 0.0) for name in names) >= episodes:
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError("fleet pipeline: episodes did not finish in 600 s")
+                await asyncio.sleep(0.1)
+            elapsed = time.perf_counter() - started
+            cpu_after = (all_machines_cpu_seconds(), gateway_cpu_s(gateway_pid), busy_cpu_s())
+            rollouts = await list_all(stub, {"bench": run})
     ok = [r for r in rollouts if r.state == types_pb2.ROLLOUT_STATE_SUCCEEDED]
     episodes_out = [json.loads(r.results[-1].stdout) for r in ok if r.results]
     # Per action; with `noop`, per rollout (its steps ask for no action).
@@ -982,11 +989,13 @@ def main() -> int:
         "oom_failures": int(mem_status.oom_faults),
         "oom_failures_gpu_full": (
             sum(row["oom"] for row in gpu_rows if row["gateway"] == "reserved")
-            if gpu_rows else None
+            if gpu_rows
+            else None
         ),
         "cpu_answers_gpu_full": (
             sum(row["cpu"] for row in gpu_rows if row["gateway"] == "reserved")
-            if gpu_rows else None
+            if gpu_rows
+            else None
         ),
         "false_refusal_rate": refused_below / max(1, offered_below),
         "failover_s": failover_s,
@@ -1080,16 +1089,25 @@ def main() -> int:
             print(f"{'      CPU ms per action, this whole machine':<{w}}"
                   f"{cpu['total']:>12.2f}{base_cpu:>12.2f}{cpu['total'] / base_cpu:>8.1f}x")  # fmt: skip
             machines = "unread" if cpu["machines"] is None else f"{cpu['machines']:.2f}"
-            print(f"      (of the fleet's: machines {machines}, gateway {cpu['gateway']:.2f}, "
-                  f"server, agent, their tools and the kernel {cpu['rest']:.2f})")
-            print(f"      ({run['ok']} of {fleet_episodes} episodes as rollouts, {args.slots} at "
-                  f"once, {run['actions']} actions; per action, ms asking the gateway "
-                  f"{run['asking_ms']:.2f}, storing the checkpoint {run['storing_ms']:.2f})")
+            print(
+                f"      (of the fleet's: machines {machines}, gateway {cpu['gateway']:.2f}, "
+                f"server, agent, their tools and the kernel {cpu['rest']:.2f})"
+            )
+            print(
+                f"      ({run['ok']} of {fleet_episodes} episodes as rollouts, {args.slots} at "
+                f"once, {run['actions']} actions; per action, ms asking the gateway "
+                f"{run['asking_ms']:.2f}, storing the checkpoint {run['storing_ms']:.2f})"
+            )
             steady = run["steady_traj_s"]
-            print(f"      (in {run['elapsed_s']:.1f} s: the first episode done at "
-                  f"{run['first_done_s']:.1f} s, the last started at {run['last_start_s']:.1f} s"
-                  + (f"; {steady:.1f} trajectories/s over the middle half of finishes)"
-                     if steady is not None else ")"))
+            print(
+                f"      (in {run['elapsed_s']:.1f} s: the first episode done at "
+                f"{run['first_done_s']:.1f} s, the last started at {run['last_start_s']:.1f} s"
+                + (
+                    f"; {steady:.1f} trajectories/s over the middle half of finishes)"
+                    if steady is not None
+                    else ")"
+                )
+            )
     if noop:  # its "actions" are its rollouts (none of its steps asks the gateway anything)
         cpu = noop["cpu_ms"]
         machines = "unread" if cpu["machines"] is None else f"{cpu['machines']:.1f}"

@@ -160,7 +160,9 @@ async def round_trip(tmp: Path, images: ImageStore, mib: int) -> float:
             stub = fleet_pb2_grpc.FleetServiceStub(channel)
             started = time.perf_counter()
             entry = await client.upload(stub, source, "/in", True)
-            req = request('image = "minimal"\n', ["sh", "-c", "mkdir -p /out && cp -r /in /out/copy"])
+            req = request(
+                'image = "minimal"\n', ["sh", "-c", "mkdir -p /out && cp -r /in /out/copy"]
+            )
             req.inputs.append(entry)
             req.outputs.append("/out/copy")
             rid = (await stub.SubmitRollout(req)).rollout.id
@@ -183,7 +185,9 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="fleet-bench-images-") as tmp_name:
         tmp = Path(tmp_name)
         out.update(await first_vs_cached(tmp, images, 3 if args.quick else 5))
-        rates = [await fetch_rate(tmp, images, record.digest) for _ in range(1 if args.quick else 3)]
+        rates = [
+            await fetch_rate(tmp, images, record.digest) for _ in range(1 if args.quick else 3)
+        ]
         curls = [curl_rate(images.blob_path(record.digest), tmp)
                  for _ in range(1 if args.quick else 3)]  # fmt: skip
         out["fetch_mib_s"] = statistics.median(rates)
@@ -215,12 +219,16 @@ def main() -> int:
           f"{r['registry_pull_mib_s']:>12.0f}{r['registry_curl_mib_s']:>12.0f}"
           f"{r['registry_pull_mib_s'] / r['registry_curl_mib_s']:>8.2f}x")  # fmt: skip
     trips = [k for k in r if k.startswith("round_trip_")]
-    for key in sorted(trips, key=lambda k: int(k.removeprefix("round_trip_").removesuffix("mib_s"))):
+    for key in sorted(
+        trips, key=lambda k: int(k.removeprefix("round_trip_").removesuffix("mib_s"))
+    ):
         mib = int(key.removeprefix("round_trip_").removesuffix("mib_s"))
         print(f"{f'(3) {mib} MiB directory in, copied, out, downloaded (s)':<{w}}{r[key]:>12.2f}"
               f"{'':>12}{mib / r[key]:>7.1f} MiB/s")  # fmt: skip
-    print(f"(the image is {r['image_mib']:.0f} MiB; (1) includes fetching, verifying and "
-          "unpacking it; the host with it runs the same rollout, its median)")
+    print(
+        f"(the image is {r['image_mib']:.0f} MiB; (1) includes fetching, verifying and "
+        "unpacking it; the host with it runs the same rollout, its median)"
+    )
     if args.json:
         print(json.dumps({k: round(v, 3) for k, v in r.items()}))
     return 0

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import fleet
-
 import argparse
 import cProfile
 import json
@@ -129,7 +127,9 @@ def drain(target: str, n: int) -> float:
     """Durable claim+complete jobs/s with WORKERS processes over `n` queued rollouts."""
     ledger = Ledger.open(target)
     for start in range(0, n, 500):
-        ledger.submit_many([request(i, "drain") for i in range(start, min(n, start + 500))], time.time())  # type: ignore[misc]
+        ledger.submit_many(
+            [request(i, "drain") for i in range(start, min(n, start + 500))], time.time()
+        )  # type: ignore[misc]
     ledger.engine.dispose()
     ctx = mp.get_context("spawn")
     counter = ctx.Value("i", 0)
@@ -171,7 +171,9 @@ def where_time_goes(target: str, n: int) -> dict[str, float]:
     """
     ledger = Ledger.open(target)
     for start in range(0, n, 500):
-        ledger.submit_many([request(i, "prof") for i in range(start, min(n, start + 500))], time.time())  # type: ignore[misc]
+        ledger.submit_many(
+            [request(i, "prof") for i in range(start, min(n, start + 500))], time.time()
+        )  # type: ignore[misc]
     host = "prof"
     ledger.register_host(
         HostCapabilities(
@@ -354,13 +356,22 @@ def main() -> int:
         results.update(api_rates(tmp, 400 if args.quick else 2000))
         results["baseline_jobs_s"] = b_jobs
     rows = [
-        ("claim+complete jobs/s, 4 workers, durable", results["sqlite_jobs_s"], results["postgres_jobs_s"], b_jobs),
+        (
+            "claim+complete jobs/s, 4 workers, durable",
+            results["sqlite_jobs_s"],
+            results["postgres_jobs_s"],
+            b_jobs,
+        ),
         ("enqueue rows/s, one by one", results["enqueue_one_s"], pg_one, b_one),
         ("enqueue rows/s, batched", results["enqueue_batch_s"], pg_batch, b_batch),
     ]
-    print(f"{'':<44}{'fleet/SQLite':>14}{'fleet/PG':>12}{'procrastinate':>15}{'SQLite ratio':>14}{'PG ratio':>10}")
+    print(
+        f"{'':<44}{'fleet/SQLite':>14}{'fleet/PG':>12}{'procrastinate':>15}{'SQLite ratio':>14}{'PG ratio':>10}"
+    )
     for name, lite, pg, base in rows:
-        print(f"{name:<44}{lite:>14.0f}{pg:>12.0f}{base:>15.0f}{lite / base:>13.1f}x{pg / base:>9.1f}x")
+        print(
+            f"{name:<44}{lite:>14.0f}{pg:>12.0f}{base:>15.0f}{lite / base:>13.1f}x{pg / base:>9.1f}x"
+        )
     print(f"(jobs: {jobs_n} fleet, {2 * base_n} procrastinate; SQLite synchronous=FULL, "
           "PostgreSQL synchronous_commit=on; same machine, one run)")  # fmt: skip
     print()
@@ -374,8 +385,10 @@ def main() -> int:
     print(f"{'fleet Python (us/job)':<44}{own[0]:>14.0f}{own[1]:>12.0f}")
     print(f"{'CPU ceiling on 2 cores (jobs/s)':<44}{2e6 / lite_prof['total_us']:>14.0f}"
           f"{2e6 / pg_prof['total_us']:>12.0f}")  # fmt: skip
-    print(f"bare write+fsync on this disk: {fsyncs:.0f}/s (the ceiling for durable one-by-one "
-          "commits from one client)")
+    print(
+        f"bare write+fsync on this disk: {fsyncs:.0f}/s (the ceiling for durable one-by-one "
+        "commits from one client)"
+    )
     print()
     print("through the gRPC API (a real server, SQLite, client and server in one process; "
           "rounds A B B A):")  # fmt: skip
@@ -384,8 +397,10 @@ def main() -> int:
                       ("jobs", f"claim+complete jobs/s, {API_POLLERS} pollers")):  # fmt: skip
         plain, tls = results[f"api_{key}_plain_s"], results[f"api_{key}_tls_s"]
         print(f"{name:<44}{plain:>14.0f}{tls:>12.0f}{tls / plain:>10.2f}x")
-    print("(TLS+keys: the submitter sends an API key checked on every call, the host calls "
-          "with its client certificate over mutual TLS)")
+    print(
+        "(TLS+keys: the submitter sends an API key checked on every call, the host calls "
+        "with its client certificate over mutual TLS)"
+    )
     if args.json:
         print(json.dumps({k: round(v, 1) for k, v in results.items()}))
     return 0

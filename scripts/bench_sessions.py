@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import logging
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -118,7 +117,10 @@ def main() -> None:
         cold_file, warm_file = Path(tmp) / "cold.smolfile", Path(tmp) / "warm.smolfile"
         cold_file.write_text(SMOLFILE)
         warm_file.write_text(WARM_SMOLFILE)
-        with Fleetlet(Path(tmp), images, sessions + 2) as fl, Fleet(fl.address, plaintext=True) as f:
+        with (
+            Fleetlet(Path(tmp), images, sessions + 2) as fl,
+            Fleet(fl.address, plaintext=True) as f,
+        ):
             f.session(warm_file).close()  # the warm parent is made once, before the timing
             for kind, smolfile in (("cold", cold_file), ("warm", warm_file)):
                 first = []
@@ -152,7 +154,7 @@ def main() -> None:
             for kind, smolfile in (("cold", cold_file), ("warm", warm_file)):
                 boxes = [f.session(smolfile) for _ in range(sessions)]
 
-                def burst(b: object) -> None:
+                def burst(b: object, kind: str = kind) -> None:
                     for _ in range(per):
                         done = b.exec(["true"])  # type: ignore[attr-defined]
                         assert done.ok, (kind, done)
@@ -193,6 +195,7 @@ def main() -> None:
           f"{r['warm_added_p50_ms']:.2f} ms (warm) p50 per exec over bwrap (<= 3)")  # fmt: skip
     if args.json:
         print(json.dumps({k: round(v, 3) for k, v in r.items()}))
+
 
 if __name__ == "__main__":
     main()

@@ -44,12 +44,15 @@ for offset in range(0, {GIB}, {PAGE}):
     STATE[offset] = 1
 """
 STAMP = "import time; print(repr(time.time()), flush=True)"
-DIRTY = STAMP + f"""
+DIRTY = (
+    STAMP
+    + f"""
 for offset in range(0, {GIB} // 100, {PAGE}):
     STATE[offset] = 2
 print("dirty", flush=True)
 time.sleep(600)
 """
+)
 IDLE = STAMP + "\ntime.sleep(600)\n"
 
 
@@ -138,7 +141,8 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
             child, _, pid = await spawn(parent, DIRTY)
             live.append((child, pid))
         for child, _ in live:
-            while "dirty" not in (child.layer / "stdout").read_text():
+            # (a file another process writes: nothing to wait on but the file)
+            while "dirty" not in (child.layer / "stdout").read_text():  # noqa: ASYNC110
                 await asyncio.sleep(0.01)
         # A child is every process in its cgroup: the step, and the one that waits for it
         # outside the step's PID namespace.
@@ -205,8 +209,10 @@ def main() -> int:
     print(f"{'   private bytes each adds (MiB); it dirtied':<{w}}{r['child_private_mib']:>12.1f}"
           f"{r['dirtied_mib']:>12.1f}{r['child_private_mib'] / r['dirtied_mib']:>8.2f}x")  # fmt: skip
     print(f"{'density: live children before p99 > 100 ms or 80% memory':<{w}}{r['density']:>12.0f}")
-    print(f"(parent: 1 GiB written by its warm-up; pool of {args.pool} children forked ahead; "
-          f"naive = a full copy of the parent per child; the cap on density was {args.density_cap})")
+    print(
+        f"(parent: 1 GiB written by its warm-up; pool of {args.pool} children forked ahead; "
+        f"naive = a full copy of the parent per child; the cap on density was {args.density_cap})"
+    )
     if args.json:
         keys = ("cold_p50_ms", "fork_p50_ms", "fork_p99_ms", "child_pss_mib",
                 "naive_child_mib", "density")  # fmt: skip
