@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 import time
 from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
@@ -21,11 +22,12 @@ from fleet.config import Paths
 from fleet.core.adaptive import Adaptive
 from fleet.core.cost import parse_prices, pauses, tally, timeline
 from fleet.core.credentials import format_api_key, format_join_token, parse_scopes
-from fleet.core.errors import InvalidArgument
+from fleet.core.errors import FailedPrecondition, InvalidArgument
 from fleet.core.gates import Gates
 from fleet.core.placement import HostClass, Pool
 from fleet.identity.ca import CertificateAuthority
 
+DEFAULT_REPORT_CHART = "fleet-report.png"
 DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -257,9 +259,16 @@ async def cmd_report(args: argparse.Namespace) -> int:
     for pool, (count, seconds) in sorted(paused.items()):
         if count or seconds:
             print(f"pool {pool}: paused {count} times by its gates, {seconds:.0f}s paused")
-    if args.chart:
-        _report_chart(Path(args.chart), attempts, prices, since, now, events, args.since)
-        print(f"chart: {args.chart}")
+    chart = args.chart if args.chart is not None else DEFAULT_REPORT_CHART
+    if chart:
+        try:
+            _report_chart(Path(chart), attempts, prices, since, now, events, args.since)
+        except FailedPrecondition as exc:
+            if args.chart is not None:  # asked for: its refusal is the command's
+                raise
+            print(f"chart: not written: {exc.message}", file=sys.stderr)
+        else:
+            print(f"chart: {chart}")
     return 0
 
 
@@ -269,7 +278,7 @@ def _report_chart(
 ) -> None:  # fmt: skip
     """Completed trajectories and cost per slice of the window, and the pools' caps as their
     events moved them."""
-    from fleet.demo.chart import line_chart, printable
+    from fleet.demo.chart import line_chart
 
     slices = timeline(attempts, prices, since, now)
     width_min = (now - since) / 60 / len(slices)
@@ -277,17 +286,16 @@ def _report_chart(
         [(t, float(done)) for t, done, _ in slices],
         [(t, cost) for t, _, cost in slices],
     ]
-    titles = [
-        f"COMPLETED TRAJECTORIES PER {width_min:.3g} MIN",
-        f"COST PER {width_min:.3g} MIN (FAILED ATTEMPTS INCLUDED)",
-    ]
+    titles = ["Completed trajectories", "Cost, failed attempts included"]
+    y_labels = [f"per {width_min:.3g} min", f"price units per {width_min:.3g} min"]
     capped = [e for e in events if e.at >= since and e.kind != "resumed"]
     for pool in sorted({e.pool for e in capped})[:2]:
         steps = [((e.at - since) / 60, float(e.cap)) for e in capped if e.pool == pool]
         panels.append([*steps, ((now - since) / 60, steps[-1][1])])
-        titles.append(printable(f"POOL {pool} CAP"))
-    x_label = printable(f"MINUTES INTO THE LAST {window}")
-    line_chart(path, panels, titles=titles, x_label=x_label)
+        titles.append(f"Pool {pool}: its cap as its gates and controller moved it")
+        y_labels.append("leases at once")
+    line_chart(path, panels, titles=titles, y_labels=y_labels,
+               x_label=f"minutes into the last {window}")  # fmt: skip
 
 
 def _labels(labels: dict[str, str]) -> str:
@@ -421,8 +429,9 @@ def add_commands(
     sp.add_argument("--by-label", default="", help="group by this rollout label, not by pool")
     sp.add_argument(
         "--chart",
-        default="fleet-report.png",
-        help="write the chart here (PNG; '' for none; default fleet-report.png)",
+        default=None,
+        help=f"write the chart here (PNG; '' for none; default {DEFAULT_REPORT_CHART} where "
+        "matplotlib is installed: the demo extra)",
     )
     db_flag(sp)
 

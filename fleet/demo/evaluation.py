@@ -75,7 +75,8 @@ async def start_gateway(paths: Paths, log_level: str = "info") -> GatewayHandle:
 def _write_chart(path: Path, panels: list[list[tuple[float, float]]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     line_chart(
-        path, panels, titles=["trajectories per second", "gateway queue depth"],
+        path, panels, titles=["Completed trajectories", "Gateway queue"],
+        y_labels=["trajectories / s", "requests queued"],
         x_label="seconds since the evaluation started",
     )  # fmt: skip
 

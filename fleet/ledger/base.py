@@ -10,6 +10,7 @@ import json
 import random
 import sqlite3
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -246,6 +247,8 @@ class LedgerBase:
         with self._thread_lock:
             if self._lock_file is None:
                 self._lock_file = open(self._lock_path, "a")  # noqa: SIM115 - held for life
+                # ...of this ledger: closed when it goes.
+                weakref.finalize(self, self._lock_file.close)
             fcntl.flock(self._lock_file, fcntl.LOCK_EX)
             try:
                 yield

@@ -1,52 +1,44 @@
-"""The demo's PNG chart: a valid PNG whose panels carry their titles and scales."""
+"""Charts drawn with matplotlib: a PNG of the size asked, one panel per series with its title,
+its y label and the shared x label; without matplotlib, a refusal that says what to install."""
 
 from __future__ import annotations
 
 import struct
-import zlib
 from pathlib import Path
 
 import pytest
 
-from fleet.demo.chart import TEXT, Canvas, line_chart
+from fleet.core.errors import FailedPrecondition
+from fleet.demo.chart import line_chart, require_matplotlib
 
 
-def pixels(png: bytes) -> tuple[int, int, bytes]:
-    """(width, height, RGB rows without filter bytes) of a PNG this module wrote."""
-    assert png.startswith(b"\x89PNG\r\n\x1a\n")
-    width, height = struct.unpack(">II", png[16:24])
-    start = png.index(b"IDAT") + 4
-    length = struct.unpack(">I", png[start - 8 : start - 4])[0]
-    raw = zlib.decompress(png[start : start + length])
-    rows = b"".join(raw[y * (3 * width + 1) + 1 : (y + 1) * (3 * width + 1)] for y in range(height))
-    return width, height, rows
+def test_a_chart_is_a_png_with_a_panel_per_series(tmp_path: Path) -> None:
+    import matplotlib.image
 
-
-def test_text_is_drawn_glyph_by_glyph_and_unknown_characters_are_refused() -> None:
-    canvas = Canvas(40, 20)
-    assert canvas.text(0, 0, "a1") == 24  # two glyphs, 12 pixels each at scale 2
-    lit = {(i // 3) % 40 for i in range(0, len(canvas.pixels), 3)
-           if bytes(canvas.pixels[i : i + 3]) == bytes(TEXT)}  # fmt: skip
-    assert lit and max(lit) < 24
-    with pytest.raises(ValueError, match="no glyph for '€'"):
-        canvas.text(0, 0, "5 €")
-
-
-def test_chart_has_a_title_and_a_scale_per_panel(tmp_path: Path) -> None:
     path = tmp_path / "chart.png"
-    series = [[(0.0, 0.0), (1.0, 4.0), (2.0, 2.0)], [(0.0, 1.0), (2.0, 0.0)]]
-    line_chart(path, series, titles=["first", "second"], x_label="seconds")
-    width, height, rows = pixels(path.read_bytes())
-    assert (width, height) == (900, 14 + 2 * (22 + 220 + 14) + 40)
+    series = [[(0.0, 0.0), (1.0, 4.0), (2.0, 2.0)], [(0.0, 1.2e-5), (2.0, 0.0)]]
+    line_chart(path, series, titles=["first", "second"], x_label="seconds",
+               y_labels=["traj / s", "cost per min"])  # fmt: skip
+    data = path.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n")
+    width, height = struct.unpack(">II", data[16:24])
+    assert (width, height) == (900, int(2.6 * 2 * 100 + 60))
+    pixels = matplotlib.image.imread(path)
+    assert pixels.shape[:2] == (height, width)
+    # Something was drawn in each half (a panel each), not a blank page.
+    top, bottom = pixels[: height // 2], pixels[height // 2 :]
+    assert (top[..., :3] < 0.5).any() and (bottom[..., :3] < 0.5).any()
 
-    def colored(y0: int, y1: int, x0: int, x1: int) -> bool:
-        for y in range(y0, y1):
-            for x in range(x0, x1):
-                if rows[3 * (y * width + x) : 3 * (y * width + x) + 3] != b"\xff\xff\xff":
-                    return True
-        return False
 
-    assert colored(14, 36, 76, 200)  # the first panel's title
-    assert colored(14 + 256, 36 + 256, 76, 200)  # the second's
-    assert colored(36, 260, 0, 70)  # y scale labels left of the axis
-    assert not colored(36, 260, 0, 10)  # inside the margin, nothing spills to the edge
+def test_an_empty_series_still_draws_and_a_missing_library_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.util
+
+    line_chart(tmp_path / "empty.png", [[]], titles=["nothing yet"])
+    assert (tmp_path / "empty.png").stat().st_size > 0
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real(name, *a))  # fmt: skip
+    with pytest.raises(FailedPrecondition, match=r"pip install 'fleet\[demo\]'"):
+        require_matplotlib()
