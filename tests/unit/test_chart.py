@@ -38,7 +38,8 @@ def test_an_empty_series_still_draws_and_a_missing_library_is_named(
     line_chart(tmp_path / "empty.png", [[]], titles=["nothing yet"])
     assert (tmp_path / "empty.png").stat().st_size > 0
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "matplotlib" else real(name, *a))  # fmt: skip
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "matplotlib" else real(n, *a)
+    )
     with pytest.raises(FailedPrecondition, match=r"pip install 'fleet\[demo\]'"):
         require_matplotlib()
