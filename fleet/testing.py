@@ -28,7 +28,8 @@ async def default_script(argv: list[str], env: Mapping[str, str]) -> ExecResult:
     """`true` and `false`; `echo WORDS`; `exit N`; `sleep S` (really waits, so that a
     timeout or a cancel can meet it); `python3 -c CODE` prints CODE's last line; anything else
     exits 0."""
-    words = shlex.split(argv[2]) if argv[:2] == ["/bin/sh", "-c"] else argv
+    shell = len(argv) >= 3 and argv[0] in ("sh", "/bin/sh") and argv[1] == "-c"
+    words = shlex.split(argv[2]) if shell else argv
     if not words:
         return ExecResult(exit_code=0)
     head = words[0]

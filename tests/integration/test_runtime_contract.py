@@ -1,4 +1,6 @@
-"""One contract, every runtime: the same test body runs on namespace and on smol (vm marker)."""
+"""One contract, every runtime: the same test body runs on namespace and on smol (vm marker),
+and where it needs no real machine (a shell, a filesystem), on the in-memory fake of
+`fleet.testing` too: so the fake the API tests stand on keeps the contract they rely on."""
 
 from __future__ import annotations
 
@@ -16,9 +18,12 @@ from fleet.image.store import ImageStore
 from fleet.runtime import smol as smol_runtime
 from fleet.runtime.base import Machine, MachineSpec, Runtime
 from fleet.runtime.namespace import NamespaceRuntime
+from fleet.testing import FakeRuntime
 
 
 def make_runtime(kind: str, tmp_path: Path, rootfs: Path) -> Runtime:
+    if kind == "fake":
+        return FakeRuntime()
     if kind == "namespace":
         return NamespaceRuntime(tmp_path / "machines")
     ok, reason = smol_runtime.preflight(tmp_path / "preflight", lambda: rootfs)
@@ -28,6 +33,7 @@ def make_runtime(kind: str, tmp_path: Path, rootfs: Path) -> Runtime:
 
 
 RUNTIMES = ["namespace", pytest.param("smol", marks=pytest.mark.vm)]
+EVERY_RUNTIME = ["fake", *RUNTIMES]
 
 
 def with_machine(
@@ -90,7 +96,26 @@ def test_files_written_are_read_back_and_seen_by_steps(
     assert seen.stdout == b"600\nhello\n"
 
 
-@pytest.mark.parametrize("kind", RUNTIMES)
+@pytest.mark.parametrize("kind", EVERY_RUNTIME)
+def test_exit_codes_are_data_and_files_round_trip_as_bytes(
+    kind: str, tmp_path: Path, rootfs: Path
+) -> None:
+    """A failing command is an exit code, not an error; a file comes back byte for byte; a
+    missing one is NOT_FOUND; the machine is listed by its labels until deleted."""
+
+    async def body(m: Machine) -> Any:
+        failed = await m.exec(["sh", "-c", "exit 9"], timeout_s=60)
+        await m.write_file("/root/blob", bytes(range(256)) * 3)
+        back = await m.read_file("/root/blob")
+        with pytest.raises(NotFound):
+            await m.read_file("/root/never-written")
+        return failed.exit_code, back
+
+    code, back = with_machine(kind, tmp_path, rootfs, body)
+    assert code == 9 and back == bytes(range(256)) * 3
+
+
+@pytest.mark.parametrize("kind", EVERY_RUNTIME)
 def test_timeout_is_reported_not_raised(kind: str, tmp_path: Path, rootfs: Path) -> None:
     """A command past its timeout comes back as timed_out, and the machine stays usable."""
 
