@@ -122,6 +122,8 @@ class Metrics:
     oom_faults: int = 0
     probes: int = 0
     probes_failed: int = 0
+    device_seconds_unkept: float = 0.0
+    """Device seconds not kept for the fleet server (no server polled and the table was full)."""
 
 
 class Batcher:
@@ -408,6 +410,11 @@ class Batcher:
             spent = self._device_s.get(item.rollout_id)
             if spent is not None or len(self._device_s) < DEVICE_ROLLOUTS_KEPT:
                 self._device_s[item.rollout_id] = (spent or 0.0) + share
+            else:
+                if not self.metrics.device_seconds_unkept:
+                    log.warning("device_seconds_unkept", rollouts_waiting=len(self._device_s),
+                                why="no fleet server has polled this gateway for them")  # fmt: skip
+                self.metrics.device_seconds_unkept += share
         device = runner.device + (" (failover)" if degraded else "")
         return [
             Answer(
@@ -456,6 +463,9 @@ class Batcher:
                   self.p95_latency_s()),
             counter("fleet_gateway_device_seconds_total", "Seconds the devices ran batches.",
                     m.busy_s),
+            counter("fleet_gateway_device_seconds_unkept_total", "Device seconds no attempt "
+                    "will be charged: no fleet server polled for them before the table filled.",
+                    m.device_seconds_unkept),
             gauge("fleet_gateway_device_busy_fraction", "Share of the gateway's life a device "
                   "ran batches.", min(1.0, m.busy_s / elapsed)),
             counter("fleet_gateway_engine_restarts_total", "Times the primary's model engine "

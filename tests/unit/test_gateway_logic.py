@@ -245,3 +245,27 @@ def test_the_gateway_without_torch_says_which_extra_to_install(
     )
     with pytest.raises(FailedPrecondition, match=r"pip install 'fleet\[gateway\]'"):
         require_torch()
+
+
+def test_device_seconds_wait_for_the_server_and_what_cannot_wait_is_counted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gateway import batcher as batcher_module
+
+    monkeypatch.setattr(batcher_module, "DEVICE_ROLLOUTS_KEPT", 1)
+
+    async def body() -> tuple[dict[str, float], dict[str, float], float]:
+        b = Batcher(FakeRunner("cpu", sums), None, BatchConfig(max_batch=1, max_wait_ms=0))
+        b.start()
+        try:
+            await b.infer("r-kept", "k1", [1.0, 1.0], time.time() + 30)
+            await b.infer("r-kept", "k2", [2.0, 1.0], time.time() + 30)
+            await b.infer("r-late", "k1", [3.0, 1.0], time.time() + 30)  # the table is full
+            first, second = b.take_device_seconds(), b.take_device_seconds()
+            return first, second, b.metrics.device_seconds_unkept
+        finally:
+            await b.stop()
+
+    first, second, unkept = asyncio.run(body())
+    assert list(first) == ["r-kept"] and first["r-kept"] > 0 and second == {}
+    assert unkept > 0  # said, in the log and as fleet_gateway_device_seconds_unkept_total
