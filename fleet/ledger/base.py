@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib.util
 import json
 import random
 import sqlite3
@@ -18,7 +19,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, NamedTuple, Self, TextIO
 
-import psycopg
 import structlog
 from sqlalchemy import Connection, event
 from sqlalchemy.engine import Engine
@@ -74,7 +74,21 @@ HOST_STATES = ("ready", CORDONED, DRAINING, DRAINED)
 
 
 # A concurrent insert of the same key, from SQLAlchemy or (hot paths) straight from the driver.
-UNIQUE_CLASH = (IntegrityError, sqlite3.IntegrityError, psycopg.errors.IntegrityError)
+def _driver_clashes() -> tuple[type[Exception], ...]:
+    """psycopg's own integrity error, where psycopg is installed (the `postgres` extra): the
+    hot paths' cursor raises it unwrapped."""
+    if importlib.util.find_spec("psycopg") is None:
+        return ()
+    import psycopg
+
+    return (psycopg.errors.IntegrityError,)
+
+
+UNIQUE_CLASH: tuple[type[Exception], ...] = (
+    IntegrityError,
+    sqlite3.IntegrityError,
+    *_driver_clashes(),
+)
 
 
 ITEM_COLS = (
@@ -172,6 +186,11 @@ def _sqlite_engine(path: Path) -> Engine:
 
 
 def _postgres_engine(url: str) -> Engine:
+    if importlib.util.find_spec("psycopg") is None:
+        raise FailedPrecondition(
+            "a PostgreSQL ledger needs the psycopg driver, which this installation lacks: "
+            "pip install 'fleet[postgres]'"
+        )
     url = url.replace("postgres://", "postgresql://", 1)
     if url.startswith("postgresql://"):
         url = "postgresql+psycopg://" + url.removeprefix("postgresql://")

@@ -700,3 +700,16 @@ def test_a_pools_cap_holds_across_replicas_claiming_at_once(ledger_target: str) 
     assert len(replicas[1].claim("c2", 4, T0, TTL)) == 2
     for replica in replicas:
         replica.engine.dispose()
+
+
+def test_a_postgresql_ledger_without_its_driver_says_which_extra_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "psycopg" else real(n, *a)
+    )
+    with pytest.raises(FailedPrecondition, match=r"pip install 'fleet\[postgres\]'"):
+        Ledger.open("postgresql://fleet@127.0.0.1:1/fleet")
