@@ -51,14 +51,15 @@ class Procs:
 
     def spawn(self, name: str, *args: str) -> Proc:
         log = self.root / f"{name}.log"
-        popen = subprocess.Popen(
-            [*FLEET, *args],
-            cwd=REPO,
-            stdout=log.open("w"),
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**os.environ, "FLEET_SERVER": ""},
-        )
+        with log.open("w") as out:  # the child holds its own copy of the descriptor
+            popen = subprocess.Popen(
+                [*FLEET, *args],
+                cwd=REPO,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env={**os.environ, "FLEET_SERVER": ""},
+            )
         proc = Proc(name, popen, log)
         self.started.append(proc)
         return proc

@@ -93,8 +93,9 @@ def spawn(procs: Procs, home: Path, name: str, *args: str, netns: str = "",
         # hiding the cgroup hierarchy the namespace runtime needs).
         argv = ["nsenter", f"--net=/run/netns/{netns}", *argv]
     env = {**os.environ, "FLEET_HOME": str(home), "FLEET_SERVER": "", **(extra_env or {})}
-    popen = subprocess.Popen(argv, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                             text=True, env=env)  # fmt: skip
+    with log.open("w") as out:  # the child holds its own copy of the descriptor
+        popen = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                 text=True, env=env)  # fmt: skip
     proc = Proc(name, popen, log)
     procs.started.append(proc)
     return proc
