@@ -17,7 +17,10 @@ from fleet.core.lifecycle import Outcome
 from fleet.core.placement import HostCapabilities, HostClass, Pool
 from fleet.ledger.raw import QUEUED, Raw, leases_by_host
 
-_COLUMNS = "name, host_class, labels_json, max_running, gates_json, adaptive_json"
+_COLUMNS = (
+    "name, host_class, labels_json, max_running, gates_json, adaptive_json, paused_at, "
+    "paused_why, control_json"
+)
 RETRIED = (Outcome.TRANSIENT_ERROR.value, Outcome.LEASE_EXPIRED.value)
 """Outcomes whose attempt is retried: what a pool's retry rate counts."""
 MAX_EVENTS = 1000
@@ -49,19 +52,33 @@ class PoolEvent:
     figures: dict[str, float]
 
 
-def _pool(row: tuple[Any, ...]) -> Pool:
-    name, host_class, labels, cap, gates, adaptive = row
-    return Pool(
-        name=name, host_class=HostClass(host_class), labels=json.loads(labels),
-        max_running=int(cap), gates=Gates.model_validate_json(gates or "{}"),
-        adaptive=None if not adaptive else json.loads(adaptive),
-    )  # fmt: skip
+@dataclass(frozen=True)
+class _Row:
+    """A pool row: the pool as configured, and its gates' and controller's state."""
+
+    pool: Pool
+    paused_at: float | None
+    paused_why: str
+    control: str
+
+
+def _rows(db: Raw, where: str = "", params: tuple[Any, ...] = (), lock: str = "") -> list[_Row]:
+    out = []
+    for row in db.all(f"SELECT {_COLUMNS} FROM pools {where} ORDER BY name{lock}", params):
+        name, host_class, labels, cap, gates, adaptive, paused_at, why, control = row
+        pool = Pool(
+            name=name, host_class=HostClass(host_class), labels=json.loads(labels),
+            max_running=int(cap), gates=Gates.model_validate_json(gates or "{}"),
+            adaptive=None if not adaptive else json.loads(adaptive),
+        )  # fmt: skip
+        at = None if paused_at is None else float(paused_at)
+        out.append(_Row(pool, at, why, control or "{}"))
+    return out
 
 
 def read(db: Raw, where: str = "", params: tuple[Any, ...] = (), lock: str = "") -> list[Pool]:
     """The pools `where` selects, by name."""
-    rows = db.all(f"SELECT {_COLUMNS} FROM pools {where} ORDER BY name{lock}", params)
-    return [_pool(tuple(row)) for row in rows]
+    return [row.pool for row in _rows(db, where, params, lock)]
 
 
 def _hosts(db: Raw, host_class: HostClass | None = None) -> list[tuple[HostCapabilities, str]]:
@@ -74,20 +91,16 @@ def room(db: Raw, host: HostCapabilities) -> int:
     """How many more leases `host` may take under the pools it is in: none while one of them
     is paused, else what their caps leave (locked for the rest of the claim's transaction, so
     replicas claiming at once for one pool's hosts take turns and the cap holds across them)."""
-    governed = read(
+    governed = _rows(
         db, "WHERE host_class = ? AND (max_running > 0 OR paused_at IS NOT NULL)",
         (host.host_class.value,), db.lock,
     )  # fmt: skip
-    mine = [pool for pool in governed if pool.holds(host)]
-    if not mine:
+    rows = [row for row in governed if row.pool.holds(host)]
+    if not rows:
         return 1 << 30
-    paused = db.all(
-        f"SELECT name FROM pools WHERE paused_at IS NOT NULL AND name IN "
-        f"({','.join('?' * len(mine))})",
-        tuple(p.name for p in mine),
-    )
-    if paused:
+    if any(row.paused_at is not None for row in rows):
         return 0
+    mine = [row.pool for row in rows]
     hosts = [h for h, _ in _hosts(db, host.host_class)]
     held = leases_by_host(db)
     return min(
@@ -100,23 +113,16 @@ def room(db: Raw, host: HostCapabilities) -> int:
 def views(db: Raw) -> list[PoolView]:
     hosts = _hosts(db)
     held = leases_by_host(db)
-    state = {
-        name: (paused_at, why, control)
-        for name, paused_at, why, control in db.all(
-            "SELECT name, paused_at, paused_why, control_json FROM pools"
-        )
-    }
     out = []
-    for pool in read(db):
-        members = [h for h, _ in hosts if pool.holds(h)]
-        paused_at, why, control = state[pool.name]
+    for row in _rows(db):
+        members = [(h, state) for h, state in hosts if row.pool.holds(h)]
         out.append(
             PoolView(
-                pool=pool, members=[h.host_id for h in members],
-                running=sum(int(held.get(h.host_id, 0)) for h in members),
-                slots=sum(h.slots for h, s in hosts if pool.holds(h) and s == "ready"),
-                paused_at=None if paused_at is None else float(paused_at), paused_why=why,
-                control=Control.model_validate_json(control or "{}"),
+                pool=row.pool, members=[h.host_id for h, _ in members],
+                running=sum(int(held.get(h.host_id, 0)) for h, _ in members),
+                slots=sum(h.slots for h, state in members if state == "ready"),
+                paused_at=row.paused_at, paused_why=row.paused_why,
+                control=Control.model_validate_json(row.control),
             )
         )  # fmt: skip
     return out
@@ -125,15 +131,14 @@ def views(db: Raw) -> list[PoolView]:
 def write(db: Raw, pool: Pool, now: float) -> None:
     """Makes or changes a pool. An adaptive pool starts (or starts again) at its `start` cap;
     a change of anything else keeps its controller's cap and memory."""
-    old = read(db, "WHERE name = ?", (pool.name,), db.lock)
+    old = _rows(db, "WHERE name = ?", (pool.name,), db.lock)
     adaptive = pool.adaptive.model_dump_json() if pool.adaptive else ""
     cap = pool.max_running
     control = Control(since=now).model_dump_json()
     if pool.adaptive is not None:
         cap = pool.adaptive.start
-        if old and old[0].adaptive == pool.adaptive:
-            cap = old[0].max_running
-            control = db.all("SELECT control_json FROM pools WHERE name = ?", (pool.name,))[0][0]
+        if old and old[0].pool.adaptive == pool.adaptive:
+            cap, control = old[0].pool.max_running, old[0].control
     gates = pool.gates.model_dump_json() if pool.gates.any() else "{}"
     values = (pool.host_class.value, json.dumps(pool.labels, sort_keys=True), cap, gates,
               adaptive, control, now)  # fmt: skip
