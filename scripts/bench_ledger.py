@@ -219,6 +219,7 @@ async def api_round(tmp: str, secure: bool, n: int) -> tuple[float, float]:
 
     import grpc
 
+    from fleet import __version__
     from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, host_pb2, host_pb2_grpc, types_pb2
     from fleet.cli.client import ClientAuth
     from fleet.config import Paths
@@ -265,17 +266,17 @@ async def api_round(tmp: str, secure: bool, n: int) -> tuple[float, float]:
     ]  # fmt: skip
     try:
         async with client_channel, host_channel:
-            fleet = fleet_pb2_grpc.FleetServiceStub(client_channel)
+            api = fleet_pb2_grpc.FleetServiceStub(client_channel)
             hosts = host_pb2_grpc.HostServiceStub(host_channel)
             await hosts.RegisterHost(host_pb2.RegisterHostRequest(
                 host_id="bench-host", host_class=types_pb2.HOST_CLASS_CPU,
                 capabilities=convert.capabilities_to_pb(caps),
-                agent_version=fleet.__version__))  # fmt: skip
+                agent_version=__version__))  # fmt: skip
             gate = asyncio.Semaphore(API_CONCURRENCY)
 
             async def submit(req: fleet_pb2.SubmitRolloutRequest) -> None:
                 async with gate:
-                    await fleet.SubmitRollout(req, timeout=60)
+                    await api.SubmitRollout(req, timeout=60)
 
             t = time.perf_counter()
             await asyncio.gather(*(submit(r) for r in requests))

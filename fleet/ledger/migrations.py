@@ -1,18 +1,29 @@
-"""Schema versions, applied in order, once, under a lock; a newer schema than known is refused.
+"""The ledger's schema: alembic revisions (`fleet/ledger/revisions/`), applied on every open, in
+one transaction, under PostgreSQL's advisory lock; a schema newer than this fleet knows is refused.
 
-Each migration is a function of a connection inside the migrating transaction. Version 1 is
-the initial schema. A later change to the tables adds a new numbered step here (ALTER TABLE
-and the like) and never edits an applied one.
+Revision 0014, the baseline, is the schema of version 14 written out as frozen DDL; each later
+change to the tables is a new revision (`alembic -c fleet/ledger/alembic.ini -x url=... revision
+--autogenerate`), never an edit of a landed one, and `scripts/test` runs `alembic check` so that
+the tables and the revisions cannot drift apart.
+
+A database made before the baseline carries `schema_info` versions 1 to 13: the legacy steps
+below bring it to version 14 (each an ALTER TABLE or a data fill, guarded by what the database
+has), then it is stamped with the baseline. They are frozen too. `schema_info` stays, holding the
+head revision's number, so that a fleet from before alembic refuses a newer database.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import structlog
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, inspect, text
 from sqlalchemy.engine import Engine
-from sqlmodel import SQLModel
 
 from fleet.core.errors import FailedPrecondition
 from fleet.ledger import tables
@@ -21,10 +32,6 @@ from fleet.ledger.tables import CHECKPOINT_ROW_BYTES
 log = structlog.get_logger(__name__)
 
 _LOCK_KEY = 0x666C656574  # "fleet": serializes replicas migrating one PostgreSQL database
-
-
-def _initial(conn: Connection) -> None:
-    SQLModel.metadata.create_all(conn)
 
 
 def _egress_events(conn: Connection) -> None:
@@ -134,12 +141,7 @@ def _pool_control(conn: Connection) -> None:
     conn.execute(text("CREATE INDEX IF NOT EXISTS ix_attempts_ended_at ON attempts (ended_at)"))
 
 
-MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
-    (
-        1,
-        "initial schema: manifests, rollouts, work items, attempts, hosts, events, artifacts",
-        _initial,
-    ),
+LEGACY: list[tuple[int, str, Callable[[Connection], None]]] = [
     (2, "egress events: refused DNS queries and connections per rollout", _egress_events),
     (
         3,
@@ -163,35 +165,64 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
         _pool_control,
     ),
 ]
-LATEST = MIGRATIONS[-1][0]
-assert LATEST == tables.SCHEMA_VERSION
+BASELINE = "0014"
+REVISIONS = Path(__file__).with_name("revisions")
+
+
+def alembic_config(conn: Connection | None = None) -> Config:
+    """alembic's configuration for the ledger's revisions (on `conn`, when given)."""
+    config = Config()
+    config.set_main_option("script_location", str(REVISIONS))
+    if conn is not None:
+        config.attributes["connection"] = conn
+    return config
+
+
+def head_revision() -> str:
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    assert head is not None
+    return head
+
+
+def _newer(current: object, latest: int) -> FailedPrecondition:
+    return FailedPrecondition(
+        f"the ledger's schema is version {current}, newer than this fleet knows ({latest}); "
+        "upgrade fleet before serving this database"
+    )
 
 
 def migrate(engine: Engine) -> int:
-    """Brings the database to the latest schema; returns the version it is at."""
+    """Brings the database to the head revision; returns the schema version it is at."""
     with engine.begin() as conn:
         if conn.dialect.name == "postgresql":
             conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _LOCK_KEY})
-        tables.SchemaInfo.__table__.create(conn, checkfirst=True)  # type: ignore[attr-defined]
-        row = conn.execute(text("SELECT version FROM schema_info WHERE id = 1")).first()
-        current = int(row[0]) if row else 0
-        if current > LATEST:
-            raise FailedPrecondition(
-                f"the ledger's schema is version {current}, newer than this fleet knows "
-                f"({LATEST}); upgrade fleet before serving this database"
-            )
-        for version, name, step in MIGRATIONS:
-            if version <= current:
-                continue
-            step(conn)
-            if current == 0:
-                conn.execute(
-                    text("INSERT INTO schema_info (id, version) VALUES (1, :v)"), {"v": version}
-                )
-            else:
-                conn.execute(
-                    text("UPDATE schema_info SET version = :v WHERE id = 1"), {"v": version}
-                )
-            log.info("ledger_migrated", version=version, name=name)
-            current = version
-        return current
+        config = alembic_config(conn)
+        script = ScriptDirectory.from_config(config)
+        head = script.get_current_head()
+        assert head is not None
+        latest = int(head)
+        have = set(inspect(conn).get_table_names())
+        legacy: int | None = None
+        if "schema_info" in have:
+            row = conn.execute(text("SELECT version FROM schema_info WHERE id = 1")).first()
+            legacy = int(row[0]) if row else None
+            if legacy is not None and legacy > latest:
+                raise _newer(legacy, latest)
+        if "alembic_version" in have:
+            current = MigrationContext.configure(conn).get_current_revision()
+            known = {r.revision for r in script.walk_revisions()}
+            if current is not None and current not in known:
+                raise _newer(current, latest)
+        elif legacy is not None:  # made before the baseline: legacy steps, then the stamp
+            for version, name, step in LEGACY:
+                if version > legacy:
+                    step(conn)
+                    log.info("ledger_migrated", version=version, name=name)
+            command.stamp(config, BASELINE)
+        command.upgrade(config, "head")
+        if legacy is None:
+            insert = "INSERT INTO schema_info (id, version) VALUES (1, :v)"
+            conn.execute(text(insert), {"v": latest})
+        elif legacy != latest:
+            conn.execute(text("UPDATE schema_info SET version = :v WHERE id = 1"), {"v": latest})
+        return latest

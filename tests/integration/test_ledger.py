@@ -22,6 +22,7 @@ from fleet.core.manifest import Step, SubmitRequest, build_manifest, validate_re
 from fleet.core.placement import HostCapabilities, HostClass, Isolation, RuntimeKind
 from fleet.core.retry import RetryPolicy
 from fleet.core.rollout import Completion, StepResult
+from fleet.ledger.migrations import head_revision
 from fleet.ledger.store import CHECKPOINT_ROW_BYTES, Ledger
 from fleet.ledger.tables import SCHEMA_VERSION, SchemaInfo
 
@@ -252,6 +253,36 @@ def test_a_newer_schema_is_refused(ledger_target: str) -> None:
         Ledger.open(ledger_target)
 
 
+def test_a_revision_this_fleet_does_not_know_is_refused(ledger_target: str) -> None:
+    """A database a newer fleet upgraded (its alembic revision unknown here) is refused."""
+    from sqlalchemy import text
+
+    ledger = Ledger.open(ledger_target)
+    with ledger.engine.begin() as conn:
+        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == (
+            head_revision()
+        )
+        conn.execute(text("UPDATE alembic_version SET version_num = '9999'"))
+    ledger.engine.dispose()
+    with pytest.raises(FailedPrecondition, match="version 9999, newer than this fleet knows"):
+        Ledger.open(ledger_target)
+
+
+def test_the_revisions_build_exactly_the_tables_fleet_defines(ledger_target: str) -> None:
+    """alembic's comparison of the upgraded database with the table definitions finds nothing
+    (`alembic check`, which scripts/test also runs, on SQLite and PostgreSQL)."""
+    from alembic.autogenerate import compare_metadata
+    from alembic.runtime.migration import MigrationContext
+    from sqlmodel import SQLModel
+
+    ledger = Ledger.open(ledger_target)
+    assert int(head_revision()) == SCHEMA_VERSION == ledger.schema_version
+    with ledger.engine.connect() as conn:
+        context = MigrationContext.configure(conn, opts={"compare_type": True})
+        assert compare_metadata(context, SQLModel.metadata) == []
+    ledger.engine.dispose()
+
+
 def test_acknowledged_submissions_survive_reopen(ledger_target: str) -> None:
     """What the ledger acknowledged is there after the process reopens the database."""
     ledger = Ledger.open(ledger_target)
@@ -444,6 +475,7 @@ def test_a_version_2_ledger_is_migrated_in_place(ledger_target: str) -> None:
         conn.execute(text("ALTER TABLE pools DROP COLUMN gates_json"))
         conn.execute(text("DROP TABLE pool_events"))
         conn.execute(text("UPDATE schema_info SET version = 2 WHERE id = 1"))
+        conn.execute(text("DROP TABLE alembic_version"))  # (made before the baseline)
     ledger.engine.dispose()
     reopened = Ledger.open(ledger_target)
     assert reopened.schema_version == SCHEMA_VERSION == 14
@@ -467,6 +499,7 @@ def test_a_version_3_ledger_gets_its_checkpoints_charged(ledger_target: str) -> 
     with ledger.engine.begin() as conn:
         conn.execute(text("DROP TABLE checkpoint_usage"))
         conn.execute(text("UPDATE schema_info SET version = 3 WHERE id = 1"))
+        conn.execute(text("DROP TABLE alembic_version"))
     ledger.engine.dispose()
     reopened = Ledger.open(ledger_target)
     assert reopened.schema_version == SCHEMA_VERSION
