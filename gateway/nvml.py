@@ -1,10 +1,10 @@
-"""A GPU's utilization as its driver reports it, through NVML over ctypes.
+"""A GPU's utilization as its driver reports it, through NVML (`nvidia-ml-py`'s `pynvml`).
 
 NVML is the NVIDIA driver's management library (`libnvidia-ml.so.1`, installed with the
-driver, not with CUDA or torch): no package to install, and nothing to load on a host without
-the driver. `nvmlDeviceGetUtilizationRates` gives the share of the driver's last sample period
-(between 1/6 s and 1 s, by product) during which one or more kernels ran on the GPU: what
-`nvidia-smi` shows as GPU-Util.
+driver, not with CUDA or torch): `pynvml` binds it and loads it on the first init, so a host
+without the driver loads nothing. `nvmlDeviceGetUtilizationRates` gives the share of the
+driver's last sample period (between 1/6 s and 1 s, by product) during which one or more
+kernels ran on the GPU: what `nvidia-smi` shows as GPU-Util.
 
 A GPU is named here by its UUID (`GPU-...`), which the process holding the device reads from
 torch (`gateway.model.cuda_uuid`): NVML numbers GPUs in PCI order over the whole host, and a
@@ -13,68 +13,52 @@ CUDA ordinal is not that number under `CUDA_VISIBLE_DEVICES` or CUDA's default o
 
 from __future__ import annotations
 
-import ctypes
-import threading
+from typing import Any
 
+import pynvml
 import structlog
 
 log = structlog.get_logger(__name__)
-
-LIBRARY = "libnvidia-ml.so.1"
-SUCCESS = 0
 
 
 class NvmlError(Exception):
     """NVML is missing, or refused a call; the message says which and why."""
 
 
-class _Utilization(ctypes.Structure):
-    _fields_ = [("gpu", ctypes.c_uint), ("memory", ctypes.c_uint)]
-
-
-_init_lock = threading.Lock()
+def _failed(call: str, exc: pynvml.NVMLError) -> NvmlError:
+    return NvmlError(f"NVML {call} failed with code {exc.value}: {exc}")
 
 
 class GpuUtilization:
     """Reads one GPU's utilization (0 to 1). Raises NvmlError when NVML cannot be loaded or
     does not know the GPU."""
 
-    def __init__(self, uuid: str, library: str = LIBRARY) -> None:
+    def __init__(self, uuid: str) -> None:
         try:
-            self._lib = ctypes.CDLL(library)
-        except OSError as exc:
-            raise NvmlError(f"NVML ({library}) cannot be loaded: {exc}") from exc
-        self._lib.nvmlErrorString.restype = ctypes.c_char_p
-        with _init_lock:  # (reference-counted by NVML: one init per reader, one shutdown)
-            self._check(self._lib.nvmlInit_v2(), "nvmlInit_v2")
-        self._handle = ctypes.c_void_p()
+            pynvml.nvmlInit()  # (reference-counted by NVML: one init per reader, one shutdown)
+        except pynvml.NVMLError_LibraryNotFound as exc:
+            raise NvmlError(f"NVML (libnvidia-ml.so.1) cannot be loaded: {exc}") from exc
+        except pynvml.NVMLError as exc:
+            raise _failed("nvmlInit", exc) from exc
         try:
-            self._check(
-                self._lib.nvmlDeviceGetHandleByUUID(uuid.encode(), ctypes.byref(self._handle)),
-                f"nvmlDeviceGetHandleByUUID({uuid!r})",
-            )
-        except NvmlError:
+            self._handle: Any = pynvml.nvmlDeviceGetHandleByUUID(uuid.encode())
+        except pynvml.NVMLError as exc:
             self.close()
-            raise
+            raise _failed(f"nvmlDeviceGetHandleByUUID({uuid!r})", exc) from exc
         self.uuid = uuid
 
-    def _check(self, code: int, call: str) -> None:
-        if code != SUCCESS:
-            why = self._lib.nvmlErrorString(code)
-            text = why.decode(errors="replace") if why else "unknown error"
-            raise NvmlError(f"NVML {call} failed with code {code}: {text}")
-
     def read(self) -> float:
-        rates = _Utilization()
-        self._check(
-            self._lib.nvmlDeviceGetUtilizationRates(self._handle, ctypes.byref(rates)),
-            "nvmlDeviceGetUtilizationRates",
-        )
+        try:
+            rates = pynvml.nvmlDeviceGetUtilizationRates(self._handle)
+        except pynvml.NVMLError as exc:
+            raise _failed("nvmlDeviceGetUtilizationRates", exc) from exc
         return min(100, int(rates.gpu)) / 100
 
     def close(self) -> None:
-        with _init_lock:
-            self._lib.nvmlShutdown()
+        try:
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError as exc:
+            log.warning("nvml_shutdown_failed", error=str(exc))
 
 
 class UtilizationProbe:
@@ -82,10 +66,9 @@ class UtilizationProbe:
     opened on the first read; None for a CPU, or where NVML cannot tell (said once, in the
     log, with NVML's reason; the metric is then left out, never shown as 0)."""
 
-    def __init__(self, device: str, uuid: str | None, library: str = LIBRARY) -> None:
+    def __init__(self, device: str, uuid: str | None) -> None:
         self.device = device
         self.uuid = uuid
-        self._library = library
         self._reader: GpuUtilization | None = None
         self._given_up = uuid is None
 
@@ -95,7 +78,7 @@ class UtilizationProbe:
         try:
             if self._reader is None:
                 assert self.uuid is not None
-                self._reader = GpuUtilization(self.uuid, self._library)
+                self._reader = GpuUtilization(self.uuid)
             return self._reader.read()
         except NvmlError as exc:
             self._given_up = True
