@@ -491,8 +491,11 @@ def sdk_availability() -> tuple[bool, str]:
     """Whether the SDK loads and its own host checks pass (it cannot see PVM)."""
     try:
         from smol import local_availability
-    except ImportError as exc:  # pragma: no cover - the package is a pinned dependency
-        return False, f"the smolmachines SDK does not import: {exc}"
+    except ImportError as exc:
+        return False, (
+            f"the smolmachines SDK does not import ({exc}): install fleet's `smol` extra "
+            "(pip install 'fleet[smol]') on a host that boots microVMs"
+        )
     ok, code, reason = local_availability()
     return bool(ok), "" if ok else f"{code}: {reason}"
 
