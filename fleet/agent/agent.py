@@ -34,6 +34,7 @@ from fleet.agent.journal import AttemptJournal
 from fleet.agent.link import Link
 from fleet.agent.passage import CHECKPOINTS_SOCKET, GATEWAY_SOCKET, GatewaySplice, child_address
 from fleet.agent.sessions import SessionHost
+from fleet.core.egress import EffectiveEgress, effective_egress
 from fleet.core.errors import (
     ErrorCode,
     FailedPrecondition,
@@ -45,7 +46,6 @@ from fleet.core.errors import (
 from fleet.core.lifecycle import Outcome
 from fleet.core.manifest import OutputArtifact, Step, check_steps
 from fleet.core.placement import HostCapabilities, HostClass, Isolation
-from fleet.core.policy import EffectiveEgress, effective_egress
 from fleet.core.rollout import Assignment, Completion, StepResult
 from fleet.core.smolfile import Smolfile
 from fleet.identity.tls import HostFiles, HostIdentityMaterial, client_ssl_context

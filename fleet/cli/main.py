@@ -272,7 +272,7 @@ async def cmd_policy(args: argparse.Namespace) -> int:
             )
         )
     elif args.format == "sarif":
-        print(json.dumps(policy_sarif(findings), indent=2))
+        print(json.dumps(policy.to_sarif(findings), indent=2))
     else:
         for f in findings:
             where = f"{f.file}:{f.line}" if f.line else f.file
@@ -282,50 +282,6 @@ async def cmd_policy(args: argparse.Namespace) -> int:
             f"({len(policy.at_or_above(findings, threshold))} at or above {args.fail_on})"
         )
     return 1 if policy.at_or_above(findings, threshold) else 0
-
-
-def policy_sarif(findings: list[Any]) -> dict[str, Any]:
-    """SARIF 2.1.0, so code-scanning tools show the findings on the lines they name."""
-    from fleet.core.policy import RULES
-
-    level = {1: "note", 2: "warning", 3: "error"}
-    return {
-        "$schema": "https://json.schemastore.org/sarif-2.1.0.json",
-        "version": "2.1.0",
-        "runs": [
-            {
-                "tool": {
-                    "driver": {
-                        "name": "fleet policy audit",
-                        "rules": [
-                            {
-                                "id": r.id,
-                                "shortDescription": {"text": r.summary},
-                                "defaultConfiguration": {"level": level[int(r.severity)]},
-                            }
-                            for r in RULES.values()
-                        ],
-                    }
-                },
-                "results": [
-                    {
-                        "ruleId": f.rule,
-                        "level": level[int(f.severity)],
-                        "message": {"text": f.message},
-                        "locations": [
-                            {
-                                "physicalLocation": {
-                                    "artifactLocation": {"uri": f.file},
-                                    "region": {"startLine": f.line or 1},
-                                }
-                            }
-                        ],
-                    }
-                    for f in findings
-                ],
-            }
-        ],
-    }
 
 
 async def cmd_demo(args: argparse.Namespace) -> int:

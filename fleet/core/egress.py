@@ -7,6 +7,7 @@ ranges are reachable only where `allow_cidrs` lists them.
 
 from __future__ import annotations
 
+import enum
 import ipaddress
 from collections.abc import Iterable
 from functools import cached_property
@@ -14,7 +15,44 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from fleet.core.policy import FLOOR, PRIVATE, EffectiveEgress, EgressMode
+from fleet.core.smolfile import Smolfile
+
+# What no allowlist lifts: cloud metadata, link-local, loopback, and the host itself.
+_FLOOR_BASE = (
+    ("169.254.169.254/32", "cloud metadata service (IPv4)"),
+    ("fd00:ec2::254/128", "cloud metadata service (IPv6)"),
+    ("169.254.0.0/16", "IPv4 link-local"),
+    ("fe80::/10", "IPv6 link-local"),
+    ("127.0.0.0/8", "IPv4 loopback (the machine itself)"),
+    ("::1/128", "IPv6 loopback"),
+)
+
+
+def ipv6_forms(cidr: str, what: str) -> list[tuple[str, str]]:
+    """The IPv6 spellings of an IPv4 range: IPv4-mapped (::ffff:a.b.c.d), NAT64
+    (64:ff9b::a.b.c.d) and 6to4 (2002:AABB:CCDD::), each of which reaches the IPv4 address
+    where the path translates it."""
+    net = ipaddress.ip_network(cidr)
+    if net.version != 4:
+        return []
+    v4, plen = int(net.network_address), net.prefixlen
+    return [
+        (str(ipaddress.IPv6Network(((0xFFFF << 32) | v4, 96 + plen))), f"{what}, IPv4-mapped"),
+        (str(ipaddress.IPv6Network(((0x64FF9B << 96) | v4, 96 + plen))), f"{what}, NAT64"),
+        (str(ipaddress.IPv6Network(((0x2002 << 112) | (v4 << 80), 16 + plen))), f"{what}, 6to4"),
+    ]
+
+
+FLOOR = (*_FLOOR_BASE, *[form for c, w in _FLOOR_BASE for form in ipv6_forms(c, w)])
+"""Never reachable, whatever a Smolfile allows: in every spelling, IPv6 forms of the IPv4
+ranges included."""
+PRIVATE = (
+    ("10.0.0.0/8", "private range"),
+    ("172.16.0.0/12", "private range"),
+    ("192.168.0.0/16", "private range"),
+    ("100.64.0.0/10", "carrier-grade NAT range"),
+    ("fc00::/7", "IPv6 unique-local range"),
+)
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -34,6 +72,53 @@ _NEVER = tuple(
 )
 
 
+class EgressMode(enum.StrEnum):
+    OFF = "off"
+    ALLOWLIST = "allowlist"
+    OPEN = "open"
+
+
+class EffectiveEgress(BaseModel):
+    """The egress a machine actually had, recorded with each rollout for review."""
+
+    model_config = ConfigDict(frozen=True)
+
+    mode: EgressMode
+    allow_hosts: tuple[str, ...] = ()
+    allow_cidrs: tuple[str, ...] = ()
+    enforced_by: str = ""
+
+    def could_reach(self, host: str) -> bool:
+        """Whether this machine could have reached `host` (a name)."""
+        if self.mode == EgressMode.OPEN:
+            return True
+        if self.mode == EgressMode.OFF:
+            return False
+        return any(covers(host, allowed) for allowed in self.allow_hosts)
+
+
+def effective_egress(spec: Smolfile, runtime: str) -> EffectiveEgress:
+    """What a runtime enforces for a Smolfile's network settings."""
+    net = spec.network
+    hosts = tuple(net.allow_hosts) if net else ()
+    cidrs = tuple(net.allow_cidrs) if net else ()
+    how = (
+        "network namespace, nftables and fleet's DNS forwarder"
+        if runtime == "namespace"
+        else "allow_hosts/allow_cidrs in the engine"
+    )
+    if hosts or cidrs:
+        return EffectiveEgress(
+            mode=EgressMode.ALLOWLIST, allow_hosts=hosts, allow_cidrs=cidrs,
+            enforced_by=f"{runtime} runtime: {how}",
+        )  # fmt: skip
+    if spec.net:
+        return EffectiveEgress(
+            mode=EgressMode.OPEN, enforced_by=f"{runtime} runtime: open egress above the floor"
+        )
+    return EffectiveEgress(mode=EgressMode.OFF, enforced_by=f"{runtime} runtime: networking off")
+
+
 class EgressEvent(BaseModel):
     """One refused DNS query or connection, as recorded in the ledger."""
 
@@ -47,7 +132,8 @@ class EgressEvent(BaseModel):
     reason: str
 
 
-def _covers(name: str, pattern: str) -> bool:
+def covers(name: str, pattern: str) -> bool:
+    """Whether allowing `pattern` allows `name` (a name and its subdomains)."""
     name, pattern = name.lower().rstrip("."), pattern.lower().removeprefix("*.").rstrip(".")
     return name == pattern or name.endswith("." + pattern)
 
@@ -82,7 +168,7 @@ class EgressRules(BaseModel):
             return "networking is off for this machine"
         if self.mode == EgressMode.OPEN:
             return None
-        if any(_covers(name, allowed) for allowed in self.allow_hosts):
+        if any(covers(name, allowed) for allowed in self.allow_hosts):
             return None
         return "not in allow_hosts"
 

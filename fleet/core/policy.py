@@ -1,4 +1,5 @@
-"""Egress policy for security reviewers: audit findings, plain-words explanation, and diffs.
+"""The egress audit for security reviewers: findings (text, JSON, SARIF), plain-words
+explanation, and diffs, over the egress model in `fleet.core.egress`.
 
 The audit reads a Smolfile's raw TOML (not only the validated model), so a file the strict
 parser would refuse still gets findings with file and line instead of one parse error.
@@ -16,8 +17,9 @@ from typing import Any
 from publicsuffixlist import PublicSuffixList
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from fleet.core.egress import FLOOR, PRIVATE, covers
 from fleet.core.errors import InvalidArgument
-from fleet.core.smolfile import Smolfile, check_host_name, key_lines, parse_smolfile
+from fleet.core.smolfile import check_host_name, key_lines, parse_smolfile
 
 
 class Severity(enum.IntEnum):
@@ -28,43 +30,6 @@ class Severity(enum.IntEnum):
     def __str__(self) -> str:
         return self.name.lower()
 
-
-# What no allowlist lifts: cloud metadata, link-local, loopback, and the host itself.
-_FLOOR_BASE = (
-    ("169.254.169.254/32", "cloud metadata service (IPv4)"),
-    ("fd00:ec2::254/128", "cloud metadata service (IPv6)"),
-    ("169.254.0.0/16", "IPv4 link-local"),
-    ("fe80::/10", "IPv6 link-local"),
-    ("127.0.0.0/8", "IPv4 loopback (the machine itself)"),
-    ("::1/128", "IPv6 loopback"),
-)
-
-
-def ipv6_forms(cidr: str, what: str) -> list[tuple[str, str]]:
-    """The IPv6 spellings of an IPv4 range: IPv4-mapped (::ffff:a.b.c.d), NAT64
-    (64:ff9b::a.b.c.d) and 6to4 (2002:AABB:CCDD::), each of which reaches the IPv4 address
-    where the path translates it."""
-    net = ipaddress.ip_network(cidr)
-    if net.version != 4:
-        return []
-    v4, plen = int(net.network_address), net.prefixlen
-    return [
-        (str(ipaddress.IPv6Network(((0xFFFF << 32) | v4, 96 + plen))), f"{what}, IPv4-mapped"),
-        (str(ipaddress.IPv6Network(((0x64FF9B << 96) | v4, 96 + plen))), f"{what}, NAT64"),
-        (str(ipaddress.IPv6Network(((0x2002 << 112) | (v4 << 80), 16 + plen))), f"{what}, 6to4"),
-    ]
-
-
-FLOOR = (*_FLOOR_BASE, *[form for c, w in _FLOOR_BASE for form in ipv6_forms(c, w)])
-"""Never reachable, whatever a Smolfile allows: in every spelling, IPv6 forms of the IPv4
-ranges included."""
-PRIVATE = (
-    ("10.0.0.0/8", "private range"),
-    ("172.16.0.0/12", "private range"),
-    ("192.168.0.0/16", "private range"),
-    ("100.64.0.0/10", "carrier-grade NAT range"),
-    ("fc00::/7", "IPv6 unique-local range"),
-)
 
 _psl: PublicSuffixList | None = None
 
@@ -191,65 +156,12 @@ def load_org_policy(path: str) -> OrgPolicy:
         raise InvalidArgument(f"{path}: bad org policy: {exc}") from exc
 
 
-def _covers(host: str, pattern: str) -> bool:
-    """Whether allowing `pattern` allows `host` (a name and its subdomains)."""
-    host, pattern = host.lower().rstrip("."), pattern.lower().removeprefix("*.").rstrip(".")
-    return host == pattern or host.endswith("." + pattern)
-
-
 def _is_ip(value: str) -> bool:
     try:
         ipaddress.ip_address(value)
     except ValueError:
         return False
     return True
-
-
-class EgressMode(enum.StrEnum):
-    OFF = "off"
-    ALLOWLIST = "allowlist"
-    OPEN = "open"
-
-
-class EffectiveEgress(BaseModel):
-    """The egress a machine actually had, recorded with each rollout for review."""
-
-    model_config = ConfigDict(frozen=True)
-
-    mode: EgressMode
-    allow_hosts: tuple[str, ...] = ()
-    allow_cidrs: tuple[str, ...] = ()
-    enforced_by: str = ""
-
-    def could_reach(self, host: str) -> bool:
-        """Whether this machine could have reached `host` (a name)."""
-        if self.mode == EgressMode.OPEN:
-            return True
-        if self.mode == EgressMode.OFF:
-            return False
-        return any(_covers(host, allowed) for allowed in self.allow_hosts)
-
-
-def effective_egress(spec: Smolfile, runtime: str) -> EffectiveEgress:
-    """What a runtime enforces for a Smolfile's network settings."""
-    net = spec.network
-    hosts = tuple(net.allow_hosts) if net else ()
-    cidrs = tuple(net.allow_cidrs) if net else ()
-    how = (
-        "network namespace, nftables and fleet's DNS forwarder"
-        if runtime == "namespace"
-        else "allow_hosts/allow_cidrs in the engine"
-    )
-    if hosts or cidrs:
-        return EffectiveEgress(
-            mode=EgressMode.ALLOWLIST, allow_hosts=hosts, allow_cidrs=cidrs,
-            enforced_by=f"{runtime} runtime: {how}",
-        )  # fmt: skip
-    if spec.net:
-        return EffectiveEgress(
-            mode=EgressMode.OPEN, enforced_by=f"{runtime} runtime: open egress above the floor"
-        )
-    return EffectiveEgress(mode=EgressMode.OFF, enforced_by=f"{runtime} runtime: networking off")
 
 
 def audit_text(text: str, name: str, org: OrgPolicy | None = None) -> list[Finding]:
@@ -314,7 +226,7 @@ def audit_text(text: str, name: str, org: OrgPolicy | None = None) -> list[Findi
                 hpath,
                 f"{host!r} is a public suffix: it allows every domain registered under it",
             )
-        shadow = next((o for o in hosts if o.lower() != low and _covers(low, o)), None)
+        shadow = next((o for o in hosts if o.lower() != low and covers(low, o)), None)
         if shadow:
             add(
                 "FLEET009",
@@ -322,7 +234,7 @@ def audit_text(text: str, name: str, org: OrgPolicy | None = None) -> list[Findi
                 f"{host!r} is already allowed by {shadow!r} (subdomains are included)",
             )
         for forbidden in org.forbid_hosts:
-            if _covers(low, forbidden) or _covers(forbidden, low):
+            if covers(low, forbidden) or covers(forbidden, low):
                 add(
                     "FLEET011",
                     hpath,
@@ -336,7 +248,7 @@ def audit_text(text: str, name: str, org: OrgPolicy | None = None) -> list[Findi
         )
     if hosts or cidrs:
         for required in org.require_hosts:
-            if not any(_covers(required, h) for h in hosts):
+            if not any(covers(required, h) for h in hosts):
                 add("FLEET012", hpath, f"{required!r} is required by the organisation's policy")
 
     nets: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
@@ -399,7 +311,7 @@ def audit_text(text: str, name: str, org: OrgPolicy | None = None) -> list[Findi
         network.get("credentials", []) if isinstance(network.get("credentials"), list) else []
     ):
         for target in cred.get("allowed_hosts", []) if isinstance(cred, dict) else []:
-            if not any(_covers(str(target), h) for h in hosts):
+            if not any(covers(str(target), h) for h in hosts):
                 add(
                     "FLEET007",
                     ("network", "credentials"),
@@ -491,3 +403,45 @@ def diff(old_text: str, old_name: str, new_text: str, new_name: str) -> list[str
     if not added and not removed:
         lines.append("  no change in what the machine can reach")
     return lines
+
+
+def to_sarif(findings: Iterable[Finding]) -> dict[str, Any]:
+    """SARIF 2.1.0, so code-scanning tools show the findings on the lines they name."""
+    level = {1: "note", 2: "warning", 3: "error"}
+    return {
+        "$schema": "https://json.schemastore.org/sarif-2.1.0.json",
+        "version": "2.1.0",
+        "runs": [
+            {
+                "tool": {
+                    "driver": {
+                        "name": "fleet policy audit",
+                        "rules": [
+                            {
+                                "id": r.id,
+                                "shortDescription": {"text": r.summary},
+                                "defaultConfiguration": {"level": level[int(r.severity)]},
+                            }
+                            for r in RULES.values()
+                        ],
+                    }
+                },
+                "results": [
+                    {
+                        "ruleId": f.rule,
+                        "level": level[int(f.severity)],
+                        "message": {"text": f.message},
+                        "locations": [
+                            {
+                                "physicalLocation": {
+                                    "artifactLocation": {"uri": f.file},
+                                    "region": {"startLine": f.line or 1},
+                                }
+                            }
+                        ],
+                    }
+                    for f in findings
+                ],
+            }
+        ],
+    }

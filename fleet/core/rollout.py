@@ -7,11 +7,10 @@ from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fleet.core.egress import EgressEvent
+from fleet.core.egress import EffectiveEgress, EgressEvent
 from fleet.core.lifecycle import Outcome, RolloutState
 from fleet.core.manifest import Manifest, OutputArtifact
 from fleet.core.placement import HostClass
-from fleet.core.policy import EffectiveEgress
 
 MAX_OUTPUT_BYTES = 64 * 1024
 

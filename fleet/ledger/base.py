@@ -25,6 +25,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, create_engine, select
 
+from fleet.core.egress import EffectiveEgress
 from fleet.core.errors import (
     FailedPrecondition,
     NotFound,
@@ -33,7 +34,6 @@ from fleet.core.errors import (
 from fleet.core.lifecycle import RolloutState, check_transition
 from fleet.core.manifest import Manifest, OutputArtifact
 from fleet.core.placement import HostCapabilities, Pool
-from fleet.core.policy import EffectiveEgress
 from fleet.core.rollout import (
     Assignment,
     AttemptRecord,

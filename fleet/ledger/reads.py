@@ -7,14 +7,13 @@ from datetime import UTC, datetime
 import structlog
 from sqlmodel import col, func, select
 
-from fleet.core.egress import EgressEvent
+from fleet.core.egress import EffectiveEgress, EgressEvent
 from fleet.core.errors import (
     InvalidArgument,
     NotFound,
 )
 from fleet.core.lifecycle import RolloutState
 from fleet.core.manifest import Manifest
-from fleet.core.policy import EffectiveEgress
 from fleet.core.rollout import (
     Rollout,
     RolloutEvent,

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import structlog
 
-from fleet.core.egress import EgressEvent, EgressRules
+from fleet.core.egress import EgressEvent, EgressRules, effective_egress
 from fleet.core.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -35,7 +35,6 @@ from fleet.core.errors import (
     Unavailable,
 )
 from fleet.core.placement import Isolation, RuntimeKind
-from fleet.core.policy import effective_egress
 from fleet.core.rollout import MAX_OUTPUT_BYTES
 from fleet.runtime import cgroups, disk, seccomp, users
 from fleet.runtime.base import (

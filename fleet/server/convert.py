@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from fleet._proto.fleet.v1 import fleet_pb2, host_pb2, types_pb2
-from fleet.core.egress import EgressEvent
+from fleet.core.egress import EffectiveEgress, EgressEvent, EgressMode
 from fleet.core.errors import InvalidArgument
 from fleet.core.lifecycle import Outcome, RolloutState
 from fleet.core.manifest import (
@@ -22,7 +22,6 @@ from fleet.core.manifest import (
     is_digest,
 )
 from fleet.core.placement import HostCapabilities, HostClass, Isolation, Requirements, RuntimeKind
-from fleet.core.policy import EffectiveEgress, EgressMode
 from fleet.core.retry import RetryPolicy
 from fleet.core.rollout import Assignment, Completion, Rollout, RolloutEvent, StepResult
 from fleet.ledger.identity import check_labels

@@ -382,7 +382,7 @@ def _req_manifest(key: str, **kw: object):  # type: ignore[no-untyped-def]
 
 def test_reviewers_can_ask_which_rollouts_could_reach_a_host(ledger: Ledger) -> None:
     """Each rollout keeps the egress its machine had; could_reach filters on it."""
-    from fleet.core.policy import EffectiveEgress, EgressMode
+    from fleet.core.egress import EffectiveEgress, EgressMode
 
     register(ledger)
     policies = {
