@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from sqlalchemy import BigInteger
+from sqlalchemy import BigInteger, Index, text
 from sqlmodel import Field, SQLModel
 
-SCHEMA_VERSION = 14
+SCHEMA_VERSION = 15
 
 CHECKPOINT_ROW_BYTES = 512
 """What each checkpoint is charged besides its data (a row's cost), so that many tiny ones are
@@ -69,11 +69,16 @@ class RolloutLabel(SQLModel, table=True):
 
 class WorkItemRow(SQLModel, table=True):
     __tablename__ = "work_items"
+    __table_args__ = (
+        # A claim's scan: queued items in the order they are leased, so a claim reads the
+        # first few it may take instead of sorting every queued item (schema version 15).
+        Index("ix_work_items_claim", "state", text("priority DESC"), "not_before", "id"),
+    )
 
     id: str = Field(primary_key=True)
     rollout_id: str = Field(index=True)
     tenant: str = Field(default="default", index=True)
-    state: str = Field(index=True)  # QUEUED, LEASED, DONE
+    state: str  # QUEUED, LEASED, DONE (looked up through ix_work_items_claim)
     host_class: str
     needs_vm: bool = False
     needs_cuda_device: bool = False

@@ -22,7 +22,7 @@ from fleet.core.manifest import Step, SubmitRequest, build_manifest, validate_re
 from fleet.core.placement import HostCapabilities, HostClass, Isolation, RuntimeKind
 from fleet.core.retry import RetryPolicy
 from fleet.core.rollout import Completion, StepResult
-from fleet.ledger.migrations import head_revision
+from fleet.ledger.migrations import BASELINE, alembic_config, compared, head_revision
 from fleet.ledger.store import CHECKPOINT_ROW_BYTES, Ledger
 from fleet.ledger.tables import SCHEMA_VERSION, SchemaInfo
 
@@ -278,8 +278,34 @@ def test_the_revisions_build_exactly_the_tables_fleet_defines(ledger_target: str
     ledger = Ledger.open(ledger_target)
     assert int(head_revision()) == SCHEMA_VERSION == ledger.schema_version
     with ledger.engine.connect() as conn:
-        context = MigrationContext.configure(conn, opts={"compare_type": True})
+        opts = {"compare_type": True, "include_object": compared}
+        context = MigrationContext.configure(conn, opts=opts)
         assert compare_metadata(context, SQLModel.metadata) == []
+    ledger.engine.dispose()
+
+
+def test_a_claim_reads_queued_work_in_lease_order_without_sorting(ledger_target: str) -> None:
+    """ix_work_items_claim (written by hand: alembic cannot compare it) holds queued items in
+    the order claims lease them, so a claim reads the first few instead of sorting them all."""
+    from sqlalchemy import text
+
+    ledger = Ledger.open(ledger_target)
+    scan = (
+        "SELECT id FROM work_items WHERE state = 'QUEUED' "
+        "ORDER BY priority DESC, not_before, id LIMIT 32"
+    )
+    with ledger.engine.connect() as conn:
+        if ledger.engine.dialect.name == "sqlite":
+            [definition] = conn.execute(
+                text("SELECT sql FROM sqlite_master WHERE name = 'ix_work_items_claim'")
+            ).scalars()
+            plan = " ".join(str(r[3]) for r in conn.execute(text(f"EXPLAIN QUERY PLAN {scan}")))
+            assert "ix_work_items_claim" in plan and "TEMP B-TREE" not in plan, plan
+        else:
+            [definition] = conn.execute(
+                text("SELECT indexdef FROM pg_indexes WHERE indexname = 'ix_work_items_claim'")
+            ).scalars()
+    assert "priority DESC" in definition
     ledger.engine.dispose()
 
 
@@ -461,12 +487,26 @@ def test_a_pinned_item_is_claimed_by_its_host_only(ledger: Ledger) -> None:
     assert a.manifest.session is not None and a.manifest.session.fork_of == "r-source"
 
 
+def before_alembic(ledger: Ledger, version: int) -> None:
+    """Makes `ledger`'s database one from before the alembic baseline, rows kept: the revisions
+    after the baseline undone (their own downgrades), alembic's table gone, `schema_info` at
+    `version` (the caller drops what that version lacked)."""
+    from alembic import command
+    from sqlalchemy import text
+
+    with ledger.engine.begin() as conn:
+        command.downgrade(alembic_config(conn), BASELINE)
+        conn.execute(text("DROP TABLE alembic_version"))
+        conn.execute(text("UPDATE schema_info SET version = :v WHERE id = 1"), {"v": version})
+
+
 def test_a_version_2_ledger_is_migrated_in_place(ledger_target: str) -> None:
     """Opening an older database adds what the newer schema has and keeps its rows."""
     from sqlalchemy import text
 
     ledger = Ledger.open(ledger_target)
     rollout, _ = submit(ledger)
+    before_alembic(ledger, 2)
     with ledger.engine.begin() as conn:
         conn.execute(text("ALTER TABLE work_items DROP COLUMN needs_inference"))
         conn.execute(text("ALTER TABLE hosts DROP COLUMN state"))
@@ -474,11 +514,9 @@ def test_a_version_2_ledger_is_migrated_in_place(ledger_target: str) -> None:
         conn.execute(text("ALTER TABLE attempts DROP COLUMN device_s"))
         conn.execute(text("ALTER TABLE pools DROP COLUMN gates_json"))
         conn.execute(text("DROP TABLE pool_events"))
-        conn.execute(text("UPDATE schema_info SET version = 2 WHERE id = 1"))
-        conn.execute(text("DROP TABLE alembic_version"))  # (made before the baseline)
     ledger.engine.dispose()
     reopened = Ledger.open(ledger_target)
-    assert reopened.schema_version == SCHEMA_VERSION == 14
+    assert reopened.schema_version == SCHEMA_VERSION == 15
     register(reopened)
     assert reopened.host_states() == {"cpu-1": "ready"}  # (the column came back, defaulted)
     [a] = reopened.claim("cpu-1", 1, T0, TTL, hold_inference=True)
@@ -496,10 +534,9 @@ def test_a_version_3_ledger_gets_its_checkpoints_charged(ledger_target: str) -> 
     rollout, _ = submit(ledger)
     [a] = ledger.claim("cpu-1", 1, T0, TTL)
     ledger.put_checkpoint("cpu-1", a.work_id, a.fencing_token, 1, b"x" * 100, T0)
+    before_alembic(ledger, 3)
     with ledger.engine.begin() as conn:
         conn.execute(text("DROP TABLE checkpoint_usage"))
-        conn.execute(text("UPDATE schema_info SET version = 3 WHERE id = 1"))
-        conn.execute(text("DROP TABLE alembic_version"))
     ledger.engine.dispose()
     reopened = Ledger.open(ledger_target)
     assert reopened.schema_version == SCHEMA_VERSION

@@ -12,6 +12,7 @@ from sqlalchemy import Connection, create_engine
 from sqlmodel import SQLModel
 
 import fleet.ledger.tables  # noqa: F401  (the tables, registered on SQLModel's metadata)
+from fleet.ledger.migrations import compared
 
 config = context.config
 
@@ -22,6 +23,7 @@ def _run(connection: Connection) -> None:
         target_metadata=SQLModel.metadata,
         render_as_batch=connection.dialect.name == "sqlite",  # SQLite alters by copying
         compare_type=True,
+        include_object=compared,
     )
     with context.begin_transaction():
         context.run_migrations()
