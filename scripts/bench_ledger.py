@@ -14,6 +14,8 @@ import sys
 import tempfile
 import time
 from datetime import UTC, datetime
+from multiprocessing.sharedctypes import Synchronized
+from multiprocessing.synchronize import Barrier as BarrierType
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -22,7 +24,13 @@ sys.path.insert(0, str(REPO))
 import structlog  # noqa: E402
 
 from fleet.core.lifecycle import Outcome  # noqa: E402
-from fleet.core.manifest import Step, SubmitRequest, build_manifest, validate_request  # noqa: E402
+from fleet.core.manifest import (  # noqa: E402
+    Manifest,
+    Step,
+    SubmitRequest,
+    build_manifest,
+    validate_request,
+)
 from fleet.core.placement import HostCapabilities, HostClass, Isolation, RuntimeKind  # noqa: E402
 from fleet.core.rollout import Completion, StepResult  # noqa: E402
 from fleet.ledger.store import Ledger  # noqa: E402
@@ -65,7 +73,7 @@ def quiet() -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
 
 
-def request(i: int, prefix: str) -> tuple[SubmitRequest, object]:
+def request(i: int, prefix: str) -> tuple[SubmitRequest, Manifest]:
     now = datetime.now(UTC)
     req = SubmitRequest(
         idempotency_key=f"{prefix}-{i}",
@@ -82,16 +90,16 @@ def enqueue(target: str, n: int, prefix: str, batch: int) -> float:
     t = time.perf_counter()
     if batch == 1:
         for req, manifest in items:
-            ledger.submit(req, manifest, time.time())  # type: ignore[arg-type]
+            ledger.submit(req, manifest, time.time())
     else:
         for start in range(0, n, batch):
-            ledger.submit_many(items[start : start + batch], time.time())  # type: ignore[arg-type]
+            ledger.submit_many(items[start : start + batch], time.time())
     rate = n / (time.perf_counter() - t)
     ledger.engine.dispose()
     return rate
 
 
-def worker(target: str, host_id: str, counter: mp.Value, ready: mp.Barrier) -> None:  # type: ignore[valid-type]
+def worker(target: str, host_id: str, counter: Synchronized[int], ready: BarrierType) -> None:
     quiet()
     ledger = Ledger.open(target)
     ledger.register_host(
@@ -129,7 +137,7 @@ def drain(target: str, n: int) -> float:
     for start in range(0, n, 500):
         ledger.submit_many(
             [request(i, "drain") for i in range(start, min(n, start + 500))], time.time()
-        )  # type: ignore[misc]
+        )
     ledger.engine.dispose()
     ctx = mp.get_context("spawn")
     counter = ctx.Value("i", 0)
@@ -173,7 +181,7 @@ def where_time_goes(target: str, n: int) -> dict[str, float]:
     for start in range(0, n, 500):
         ledger.submit_many(
             [request(i, "prof") for i in range(start, min(n, start + 500))], time.time()
-        )  # type: ignore[misc]
+        )
     host = "prof"
     ledger.register_host(
         HostCapabilities(

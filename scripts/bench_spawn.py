@@ -155,7 +155,7 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
         for child, _ in live:
             await child.delete()
         # Density: idle children until spawns slow down or memory runs short.
-        density, recent = 0, []
+        density, recent = 0, list[float]()
         idle: list[WarmChild] = []
         while density < args.density_cap:
             child, latency, _ = await spawn(parent, IDLE)

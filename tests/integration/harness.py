@@ -10,6 +10,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 import grpc
 
@@ -152,7 +153,7 @@ class Harness:
         for _ in range(int(timeout_s / 0.05)):
             r = await self.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=rollout_id))
             if r.state in FINAL:
-                return r
+                return cast(types_pb2.Rollout, r)
             await asyncio.sleep(0.05)
         raise AssertionError(f"rollout {rollout_id} did not finish in {timeout_s}s")
 
@@ -227,7 +228,8 @@ def threaded_harness(
 ) -> Iterator[str]:
     """A harness on a thread (and event loop) of its own, for tests that call it
     synchronously: `prepare` runs first (start agents, register hosts); yields the address."""
-    ready, box = threading.Event(), {}
+    ready = threading.Event()
+    box: dict[str, Any] = {}
 
     def run() -> None:
         async def main() -> None:
@@ -247,6 +249,6 @@ def threaded_harness(
     try:
         yield str(box["address"])
     finally:
-        loop, stop = box["stop"]  # type: ignore[misc]
+        loop, stop = box["stop"]
         loop.call_soon_threadsafe(stop.set)
         thread.join(60)
