@@ -24,6 +24,7 @@ import ctypes
 import ipaddress
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -200,42 +201,59 @@ table inet fleet {{
 """
 
 
+_DURATION = re.compile(r"(\d+)(ms|d|h|m|s)")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def _seconds(text: str) -> float:
+    return sum(int(n) * _UNITS[u] for n, u in _DURATION.findall(text))
+
+
+_ELEMENT = re.compile(
+    r"(\d+\.\d+\.\d+\.\d+)(?: \. (\d+))?(?: timeout (\S+?))?(?: expires (\S+?))?(?=[,\s}])"
+)
+
+
 REFUSED_SETS = ("refused_tcp", "refused_udp", "refused_ip")
 
 
-def parse_refused(listing: str, now: float) -> dict[str, list[tuple[str, float]]]:
-    """(destination, when first refused) in each refused_* set of `nft -j list table` output.
+def split_sets(text: str) -> dict[str, str]:
+    """The text of each `set NAME { ... }` block in `nft list table` output, by name.
 
-    nft gives an element's `timeout` only where it differs from its set's, and `expires` in whole
-    seconds: an element was added `timeout - expires` seconds ago (to within a second).
-    Raises ValueError where the listing is not what nft's JSON schema says.
+    The text, not `nft -j`: nft's JSON gives an element's `expires` in whole seconds (nft
+    1.0.6), so a refusal's time could be placed up to a second early, before the DNS refusal
+    that preceded it; the text gives milliseconds.
+
+    A block ends at the first line that is only its closing brace (elements may span lines).
     """
-    out: dict[str, list[tuple[str, float]]] = {}
-    try:
-        entries = json.loads(listing)["nftables"]
-        for entry in entries:
-            found = entry.get("set")
-            if not found or found.get("name") not in REFUSED_SETS:
-                continue
-            default = found.get("timeout")
-            rows: list[tuple[str, float]] = []
-            for item in found.get("elem", []):
-                # {"elem": {"val": ..., "timeout": ..., "expires": ...}}, or the bare value
-                elem = item["elem"] if isinstance(item, dict) and "elem" in item else {"val": item}
-                value = elem["val"]
-                if isinstance(value, dict):
-                    ip, port = value["concat"]
-                    destination = f"{ip}:{int(port)}"
-                else:
-                    destination = str(value)
-                timeout, expires = elem.get("timeout", default), elem.get("expires")
-                added = now
-                if timeout is not None and expires is not None:
-                    added = now - (float(timeout) - float(expires))
-                rows.append((destination, added))
-            out[str(found["name"])] = rows
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise ValueError(f"unreadable `nft -j` listing: {exc!r}") from exc
+    out: dict[str, str] = {}
+    name: str | None = None
+    lines: list[str] = []
+    for line in text.splitlines():
+        if name is None:
+            if (found := re.fullmatch(r"\s*set (\S+) \{", line)) is not None:
+                name, lines = found.group(1), []
+        elif line.strip() == "}":
+            out[name], name = "\n".join(lines), None
+        else:
+            lines.append(line)
+    return out
+
+
+def parse_refused(text: str, now: float) -> list[tuple[str, float]]:
+    """(destination, when first refused) from `nft list set` output of a refused_* set."""
+    body = text.split("elements = {", 1)
+    if len(body) < 2:
+        return []
+    # An element shows its own timeout only where it differs from the set's.
+    default = re.search(r"(?m)^\s*timeout (\S+)\s*$", body[0])
+    out = []
+    for ip, port, timeout, expires in _ELEMENT.findall(body[1]):
+        added = now
+        timeout = timeout or (default.group(1) if default else "")
+        if timeout and expires:
+            added = now - (_seconds(timeout) - _seconds(expires))
+        out.append((f"{ip}:{port}" if port else ip, added))
     return out
 
 
@@ -350,16 +368,12 @@ class MachineNet:
         """Connections the firewall refused since the last call."""
         out: list[EgressEvent] = []
         # One call for all three sets (nft cannot list several sets in one run).
-        listing = await self._nft("-j", "list", "table", "inet", "fleet")
-        try:
-            sets = parse_refused(listing, time.time())
-        except ValueError as exc:
-            raise Unavailable(f"machine {self.machine}: {exc}") from exc
+        sets = split_sets(await self._nft("list", "table", "inet", "fleet"))
         for name in REFUSED_SETS:
             if name not in sets:
                 raise Unavailable(f"machine {self.machine}: firewall set {name} is missing")
             proto = name.removeprefix("refused_")
-            for destination, at in sets[name]:
+            for destination, at in parse_refused(sets[name], time.time()):
                 key = f"{proto}:{destination}"
                 if key in self._seen:
                     continue
