@@ -34,7 +34,7 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
 @pytest.mark.parametrize(
     "rescue", ["another host", "the same host restarted", "another host, as warm children"]
 )
-def test_a_killed_worker_resumes_from_its_last_checkpoint(
+async def test_a_killed_worker_resumes_from_its_last_checkpoint(
     tmp_path: Path, images: ImageStore, procs: Procs, rescue: str
 ) -> None:
     """The episode goes on from its last checkpoint: the same trajectory, no step duplicated
@@ -43,62 +43,69 @@ def test_a_killed_worker_resumes_from_its_last_checkpoint(
     warm parent's child (gateway and relay through the agent's sockets), the child dies with
     its agent and the second attempt is a child of the rescuer's own warm parent."""
 
-    async def body() -> tuple[types_pb2.Rollout, list[tuple[int, int, bytes]], int]:
-        with networld() as world:
-            async with gateway_on_uplink(world) as port:
-                net = NetConfig(uplink_netns=world.uplink, dns_upstream=world.dns)
-                async with harness(tmp_path, images) as h:
-                    flags = ("--egress-uplink", world.uplink, "--egress-dns", "203.0.113.53",
-                             "--gateway", f"{GATEWAY[0]}:{port}")  # fmt: skip
-                    doomed = procs.agent(
-                        "doomed", h.server.address, tmp_path / "machines", 1, "cpu", *flags
+    with networld() as world:
+        async with gateway_on_uplink(world) as port:
+            net = NetConfig(uplink_netns=world.uplink, dns_upstream=world.dns)
+            async with harness(tmp_path, images) as h:
+                flags = (
+                    "--egress-uplink",
+                    world.uplink,
+                    "--egress-dns",
+                    "203.0.113.53",
+                    "--gateway",
+                    f"{GATEWAY[0]}:{port}",
+                )
+                doomed = procs.agent(
+                    "doomed", h.server.address, tmp_path / "machines", 1, "cpu", *flags
+                )
+                ledger = h.server.core.ledger
+                for _ in range(600):
+                    if any(host.host_id == "doomed" for host in ledger.hosts()):
+                        break
+                    await asyncio.sleep(0.05)
+                delay = {"FLEET_EPISODE_STEP_DELAY_S": "0.15"}
+                smolfile, steps = (
+                    'image = "minimal"\n',
+                    [types_pb2.Step(argv=program(SEED), timeout_s=120, env=delay)],
+                )
+                if "warm" in rescue:
+                    smolfile += "[branch]\nenabled = true\n"
+                    steps = [
+                        types_pb2.Step(
+                            name="warm-up", argv=["python3", "-c", source()], timeout_s=60
+                        ),
+                        types_pb2.Step(
+                            name="episode", argv=warm_step(SEED), timeout_s=120, env=delay
+                        ),
+                    ]
+                submitted = await h.fleet.SubmitRollout(
+                    fleet_pb2.SubmitRolloutRequest(
+                        request_id="r",
+                        idempotency_key="resume",
+                        smolfile=smolfile,
+                        steps=steps,
+                        requirements=types_pb2.Requirements(inference=True),
+                        retry=types_pb2.RetryPolicy(max_attempts=3),
                     )
-                    ledger = h.server.core.ledger
-                    for _ in range(600):
-                        if any(host.host_id == "doomed" for host in ledger.hosts()):
-                            break
-                        await asyncio.sleep(0.05)
-                    delay = {"FLEET_EPISODE_STEP_DELAY_S": "0.15"}
-                    smolfile, steps = (
-                        'image = "minimal"\n',
-                        [types_pb2.Step(argv=program(SEED), timeout_s=120, env=delay)],
+                )
+                rid = submitted.rollout.id
+                deadline = time.monotonic() + 60
+                while len(ledger.checkpoints(rid)) < 4:  # mid-episode, past a few handoffs
+                    assert time.monotonic() < deadline, doomed.log.read_text()[-2000:]
+                    await asyncio.sleep(0.05)
+                doomed.kill9()
+                saved_at_kill = len(ledger.checkpoints(rid))
+                if rescue.startswith("another host"):
+                    await h.start_agent(
+                        "rescuer", HostClass.CPU, net=net, gateway=(GATEWAY[0], port)
                     )
-                    if "warm" in rescue:
-                        smolfile += "[branch]\nenabled = true\n"
-                        steps = [
-                            types_pb2.Step(name="warm-up", argv=["python3", "-c", source()],
-                                           timeout_s=60),
-                            types_pb2.Step(name="episode", argv=warm_step(SEED), timeout_s=120,
-                                           env=delay),
-                        ]  # fmt: skip
-                    submitted = await h.fleet.SubmitRollout(
-                        fleet_pb2.SubmitRolloutRequest(
-                            request_id="r", idempotency_key="resume",
-                            smolfile=smolfile, steps=steps,
-                            requirements=types_pb2.Requirements(inference=True),
-                            retry=types_pb2.RetryPolicy(max_attempts=3),
-                        )
-                    )  # fmt: skip
-                    rid = submitted.rollout.id
-                    deadline = time.monotonic() + 60
-                    while len(ledger.checkpoints(rid)) < 4:  # mid-episode, past a few handoffs
-                        assert time.monotonic() < deadline, doomed.log.read_text()[-2000:]
-                        await asyncio.sleep(0.05)
-                    doomed.kill9()
-                    saved_at_kill = len(ledger.checkpoints(rid))
-                    if rescue.startswith("another host"):
-                        await h.start_agent("rescuer", HostClass.CPU, net=net,
-                                            gateway=(GATEWAY[0], port))  # fmt: skip
-                    else:
-                        procs.agent(
-                            "doomed", h.server.address, tmp_path / "machines", 1, "cpu", *flags
-                        )
-                    final = await h.wait_final(rid, timeout_s=120)
-                    # The killed agent's machine: its reaper (same host id) removes it.
-                    await NamespaceRuntime(tmp_path / "machines", net).reap("doomed")
-                    return final, ledger.checkpoints(rid), saved_at_kill
+                else:
+                    procs.agent("doomed", h.server.address, tmp_path / "machines", 1, "cpu", *flags)
+                final = await h.wait_final(rid, timeout_s=120)
+                # The killed agent's machine: its reaper (same host id) removes it.
+                await NamespaceRuntime(tmp_path / "machines", net).reap("doomed")
+                checkpoints = ledger.checkpoints(rid)
 
-    final, checkpoints, saved_at_kill = asyncio.run(body())
     assert final.state == types_pb2.ROLLOUT_STATE_SUCCEEDED, final.error
     episode = json.loads(final.results[-1].stdout)
     assert episode["actions"] == local_episode(SEED)  # no step duplicated or missing

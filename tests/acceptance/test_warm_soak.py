@@ -52,48 +52,51 @@ def netns() -> set[str]:
     return set(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else set()
 
 
-def test_warm_children_soak_leaves_nothing_behind(tmp_path: Path, images: ImageStore) -> None:
+async def test_warm_children_soak_leaves_nothing_behind(tmp_path: Path, images: ImageStore) -> None:
     before_cgroups, before_netns = cgroup_dirs(), netns()
     rng = random.Random(7)
 
-    async def body() -> tuple[list[types_pb2.Rollout], int]:
-        async with harness(tmp_path, images) as h:
-            await h.start_agent("warm-soak", HostClass.CPU, slots=8)
-            ids = []
-            for i in range(ROLLOUTS):
-                reply = await h.fleet.SubmitRollout(
-                    fleet_pb2.SubmitRolloutRequest(
-                        request_id=f"s{i}", idempotency_key=f"soak-{i}", smolfile=SMOLFILE,
-                        steps=[
-                            types_pb2.Step(name="warm-up", argv=["python3", "-c", WARM_UP]),
-                            types_pb2.Step(name="work", argv=["python3", "-c", WORK],
-                                           timeout_s=30),
-                        ],
-                        retry=types_pb2.RetryPolicy(max_attempts=1),
-                    )
-                )  # fmt: skip
-                ids.append(reply.rollout.id)
-            kills = 0
-            for _ in range(400):  # kill some children mid-step while the rest run
-                pids = child_pids()
-                if pids and kills < 20 and rng.random() < 0.5:
-                    try:
-                        os.kill(rng.choice(pids), signal.SIGKILL)
-                        kills += 1
-                    except ProcessLookupError:  # it ended between the listing and the kill
-                        pass
-                states = [
-                    (await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=i))).state
-                    for i in ids[-5:]
-                ]
-                if all(s == types_pb2.ROLLOUT_STATE_SUCCEEDED or s == types_pb2.ROLLOUT_STATE_FAILED
-                       for s in states) and kills >= 10:  # fmt: skip
-                    break
-                await asyncio.sleep(0.1)
-            final = [await h.wait_final(i, timeout_s=120) for i in ids]
-        return final, kills
+    async with harness(tmp_path, images) as h:
+        await h.start_agent("warm-soak", HostClass.CPU, slots=8)
+        ids = []
+        for i in range(ROLLOUTS):
+            reply = await h.fleet.SubmitRollout(
+                fleet_pb2.SubmitRolloutRequest(
+                    request_id=f"s{i}",
+                    idempotency_key=f"soak-{i}",
+                    smolfile=SMOLFILE,
+                    steps=[
+                        types_pb2.Step(name="warm-up", argv=["python3", "-c", WARM_UP]),
+                        types_pb2.Step(name="work", argv=["python3", "-c", WORK], timeout_s=30),
+                    ],
+                    retry=types_pb2.RetryPolicy(max_attempts=1),
+                )
+            )
+            ids.append(reply.rollout.id)
+        kills = 0
+        for _ in range(400):  # kill some children mid-step while the rest run
+            pids = child_pids()
+            if pids and kills < 20 and rng.random() < 0.5:
+                try:
+                    os.kill(rng.choice(pids), signal.SIGKILL)
+                    kills += 1
+                except ProcessLookupError:  # it ended between the listing and the kill
+                    pass
+            states = [
+                (await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=i))).state
+                for i in ids[-5:]
+            ]
+            if (
+                all(
+                    s == types_pb2.ROLLOUT_STATE_SUCCEEDED or s == types_pb2.ROLLOUT_STATE_FAILED
+                    for s in states
+                )
+                and kills >= 10
+            ):
+                break
+            await asyncio.sleep(0.1)
+        final = [await h.wait_final(i, timeout_s=120) for i in ids]
 
-    final, kills = asyncio.run(body())
     succeeded = [r for r in final if r.state == types_pb2.ROLLOUT_STATE_SUCCEEDED]
     failed = [r for r in final if r.state == types_pb2.ROLLOUT_STATE_FAILED]
     assert kills >= 10
@@ -110,7 +113,8 @@ def test_warm_children_soak_leaves_nothing_behind(tmp_path: Path, images: ImageS
     for pid in os.listdir("/proc"):
         if pid.isdigit():
             try:
-                if str(tmp_path).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                cmdline = await asyncio.to_thread(Path(f"/proc/{pid}/cmdline").read_bytes)
+                if str(tmp_path).encode() in cmdline:
                     leftover.append(pid)
             except OSError:
                 continue

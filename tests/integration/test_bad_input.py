@@ -81,87 +81,81 @@ CASES: list[tuple[str, fleet_pb2.SubmitRolloutRequest, str]] = [
 ]  # fmt: skip
 
 
-def test_each_malformed_submission_is_refused_naming_its_field(
+async def test_each_malformed_submission_is_refused_naming_its_field(
     tmp_path: Path, images: ImageStore
 ) -> None:
-    async def body() -> tuple[list[tuple[str, grpc.StatusCode, str]], int, int]:
-        async with harness(tmp_path, images) as h:
-            await h.register_host("cpu-a")
-            seen = []
-            for what, req, _ in CASES:
-                with pytest.raises(grpc.aio.AioRpcError) as info:
-                    await h.fleet.SubmitRollout(req)
-                seen.append((what, info.value.code(), info.value.details() or ""))
-            # A page token no server issued, however long: refused, not INTERNAL.
-            codes = set()
-            for token in ("9" * 40, "9" * 5000, "-1", "x\0"):
-                with pytest.raises(grpc.aio.AioRpcError) as info:
-                    await h.fleet.ListRollouts(fleet_pb2.ListRolloutsRequest(page_token=token))
-                codes.add(info.value.code())
-            assert codes == {INVALID}, codes
-            ok = await h.fleet.SubmitRollout(request())  # the server took no harm
-            return seen, await h.count(), len(ok.rollout.id)
+    async with harness(tmp_path, images) as h:
+        await h.register_host("cpu-a")
+        seen = []
+        for what, req, _ in CASES:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await h.fleet.SubmitRollout(req)
+            seen.append((what, info.value.code(), info.value.details() or ""))
+        # A page token no server issued, however long: refused, not INTERNAL.
+        codes = set()
+        for token in ("9" * 40, "9" * 5000, "-1", "x\0"):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await h.fleet.ListRollouts(fleet_pb2.ListRolloutsRequest(page_token=token))
+            codes.add(info.value.code())
+        assert codes == {INVALID}, codes
+        ok = await h.fleet.SubmitRollout(request())  # the server took no harm
+        count, ok = await h.count(), len(ok.rollout.id)
 
-    seen, count, ok = asyncio.run(body())
     for (what, code, details), (_, _, text) in zip(seen, CASES, strict=True):
         assert code == INVALID, (what, code, details)
         assert text in details, (what, details)
     assert count == 1 and ok > 0  # only the good one was stored
 
 
-def test_a_huge_plan_is_refused_by_its_count_and_the_server_stays_responsive(
+async def test_a_huge_plan_is_refused_by_its_count_and_the_server_stays_responsive(
     tmp_path: Path, images: ImageStore
 ) -> None:
     """400,000 steps (about 2 MB): refused for its count before any per-step work; health
     checks sent meanwhile are all answered SERVING."""
 
-    async def body() -> tuple[grpc.aio.AioRpcError, list[int]]:
-        async with harness(tmp_path, images) as h:
-            req = request()
-            del req.steps[:]
-            req.steps.extend(types_pb2.Step(argv=["x"]) for _ in range(400_000))
-            health = health_pb2_grpc.HealthStub(h.channel)
-            submit = asyncio.ensure_future(h.fleet.SubmitRollout(req))
-            answers = []
-            for _ in range(20):
-                reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=30)
-                answers.append(reply.status)
-                if submit.done():
-                    break
-                await asyncio.sleep(0.01)
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await submit
-            return info.value, answers
+    async with harness(tmp_path, images) as h:
+        req = request()
+        del req.steps[:]
+        req.steps.extend(types_pb2.Step(argv=["x"]) for _ in range(400_000))
+        health = health_pb2_grpc.HealthStub(h.channel)
+        submit = asyncio.ensure_future(h.fleet.SubmitRollout(req))
+        answers = []
+        for _ in range(20):
+            reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=30)
+            answers.append(reply.status)
+            if submit.done():
+                break
+            await asyncio.sleep(0.01)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await submit
+        err = info.value
 
-    err, answers = asyncio.run(body())
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "400000 steps" in (err.details() or "")
     assert answers and set(answers) == {health_pb2.HealthCheckResponse.SERVING}
 
 
-def test_a_malformed_plan_that_reaches_an_agent_is_quarantined_not_retried(
+async def test_a_malformed_plan_that_reaches_an_agent_is_quarantined_not_retried(
     tmp_path: Path, images: ImageStore
 ) -> None:
     """A plan stored without the server's checks (an older server, a bug): the agent refuses
     it as malformed on the first attempt, and nothing is retried."""
 
-    async def body() -> types_pb2.Rollout:
-        async with harness(tmp_path, images) as h:
-            now = datetime.now(UTC)
-            submit = SubmitRequest(
-                idempotency_key="slipped",
-                smolfile='image = "minimal"\n',
-                steps=(convert.step_from_pb(_step(argv=["echo", "a\0b"]), 0),),
-                deadline=now + timedelta(minutes=5),
-            )
-            parsed = parse_smolfile(submit.smolfile)
-            manifest = build_manifest(submit, parsed, images.resolve("minimal"), now)
-            rollout, _ = h.server.core.ledger.submit(submit, manifest, time.time())
-            h.server.core.changed()
-            await h.start_agent("cpu-a", HostClass.CPU)
-            return await h.wait_final(rollout.id)
+    async with harness(tmp_path, images) as h:
+        now = datetime.now(UTC)
+        submit = SubmitRequest(
+            idempotency_key="slipped",
+            smolfile='image = "minimal"\n',
+            steps=(convert.step_from_pb(_step(argv=["echo", "a\0b"]), 0),),
+            deadline=now + timedelta(minutes=5),
+        )
+        parsed = parse_smolfile(submit.smolfile)
+        manifest = build_manifest(submit, parsed, images.resolve("minimal"), now)
+        rollout, _ = h.server.core.ledger.submit(submit, manifest, time.time())
+        h.server.core.changed()
+        await h.start_agent("cpu-a", HostClass.CPU)
+        r = await h.wait_final(rollout.id)
 
-    r = asyncio.run(body())
     assert r.state == types_pb2.ROLLOUT_STATE_QUARANTINED and r.attempts == 1, r.error
     assert "NUL" in r.error
     assert [a.outcome for a in r.attempt_history] == ["MALFORMED_INPUT"]

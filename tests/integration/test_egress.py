@@ -167,7 +167,7 @@ def test_gateway_is_reachable_only_for_rollouts_that_use_it(
     assert "refused" in found[target]["connect_error"]
 
 
-def test_machine_without_egress_gets_no_namespace_and_deletion_removes_it(
+async def test_machine_without_egress_gets_no_namespace_and_deletion_removes_it(
     world: NetWorld, rootfs: Path, tmp_path: Path
 ) -> None:
     before = _netns()
@@ -181,27 +181,24 @@ def test_machine_without_egress_gets_no_namespace_and_deletion_removes_it(
             image_digest="sha256:x", rootfs=rootfs, labels={"host": "egress-reap"},
         )  # fmt: skip
 
-    async def go() -> None:
-        offline = await runtime.create(spec('image = "minimal"\n'))
-        assert offline.net is None and _netns() == before
-        await offline.delete()
-        online = await runtime.create(spec(ALLOWLIST))
-        assert online.net is not None and _netns() == before | {online.net.netns}
-        await online.delete()
-        assert _netns() == before
-        # An agent killed with machines up: the next one's reaper removes their namespaces.
-        left = await runtime.create(spec(ALLOWLIST))
-        assert left.net is not None and left.net.netns in _netns()
-        again = NamespaceRuntime(
-            tmp_path / "machines", NetConfig(uplink_netns=world.uplink, dns_upstream=world.dns)
-        )
-        assert await again.reap("egress-reap") == 1
-        assert _netns() == before
-        assert not list((tmp_path / "machines" / "net-leases").iterdir())
-        assert left.dns is not None
-        await left.dns.stop()  # the killed agent's socket, closed here as its exit would
-
-    asyncio.run(go())
+    offline = await runtime.create(spec('image = "minimal"\n'))
+    assert offline.net is None and _netns() == before
+    await offline.delete()
+    online = await runtime.create(spec(ALLOWLIST))
+    assert online.net is not None and _netns() == before | {online.net.netns}
+    await online.delete()
+    assert _netns() == before
+    # An agent killed with machines up: the next one's reaper removes their namespaces.
+    left = await runtime.create(spec(ALLOWLIST))
+    assert left.net is not None and left.net.netns in _netns()
+    again = NamespaceRuntime(
+        tmp_path / "machines", NetConfig(uplink_netns=world.uplink, dns_upstream=world.dns)
+    )
+    assert await again.reap("egress-reap") == 1
+    assert _netns() == before
+    assert not list((tmp_path / "machines" / "net-leases").iterdir())
+    assert left.dns is not None
+    await left.dns.stop()  # the killed agent's socket, closed here as its exit would
 
 
 def leased_spec(rootfs: Path, host: str) -> MachineSpec:
@@ -213,7 +210,7 @@ def leased_spec(rootfs: Path, host: str) -> MachineSpec:
     )  # fmt: skip
 
 
-def test_a_restarted_agent_adopts_a_machine_with_its_network(
+async def test_a_restarted_agent_adopts_a_machine_with_its_network(
     world: NetWorld, rootfs: Path, tmp_path: Path
 ) -> None:
     """After an agent crash the machine's namespace, link and firewall are still there; the
@@ -224,27 +221,24 @@ def test_a_restarted_agent_adopts_a_machine_with_its_network(
     spec = leased_spec(rootfs, "egress-adopt")
     targets = ["other.test:8080", "198.51.100.99:8080", "svc.fleet.test:8080"]
 
-    async def go() -> tuple[dict[str, Any], dict[str, Any], list[Any], list[Any]]:
-        first = await NamespaceRuntime(tmp_path / "machines", net).create(spec)
-        result = await first.exec(["python3", "-c", PROBE, *targets], timeout_s=60)
-        found_before = json.loads(result.stdout)
-        assert first.dns is not None and first.net is not None
-        await first.dns.stop()  # the agent dies: its forwarder with it, the machine stays
-        netns = first.net.netns
+    first = await NamespaceRuntime(tmp_path / "machines", net).create(spec)
+    result = await first.exec(["python3", "-c", PROBE, *targets], timeout_s=60)
+    found_before = json.loads(result.stdout)
+    assert first.dns is not None and first.net is not None
+    await first.dns.stop()  # the agent dies: its forwarder with it, the machine stays
+    netns = first.net.netns
 
-        again = NamespaceRuntime(tmp_path / "machines", net)
-        [leftover] = await again.leftovers("egress-adopt")
-        assert leftover.adoptable, leftover.why_not
-        adopted = await again.adopt(leftover, spec)
-        assert adopted.net is not None and adopted.net.netns == netns
-        result = await adopted.exec(["python3", "-c", PROBE, *targets], timeout_s=60)
-        found_after = json.loads(result.stdout)
-        events = await adopted.egress_events()
-        later = await adopted.egress_events()
-        await adopted.delete()
-        return found_before, found_after, events, later
+    again = NamespaceRuntime(tmp_path / "machines", net)
+    [leftover] = await again.leftovers("egress-adopt")
+    assert leftover.adoptable, leftover.why_not
+    adopted = await again.adopt(leftover, spec)
+    assert adopted.net is not None and adopted.net.netns == netns
+    result = await adopted.exec(["python3", "-c", PROBE, *targets], timeout_s=60)
+    found_after = json.loads(result.stdout)
+    events = await adopted.egress_events()
+    later = await adopted.egress_events()
+    await adopted.delete()
 
-    found_before, found_after, events, later = asyncio.run(go())
     for found in (found_before, found_after):
         assert found["svc.fleet.test:8080"]["reply"] == "hello from 203.0.113.10"
         assert "not known" in found["other.test:8080"]["dns_error"]
@@ -257,7 +251,7 @@ def test_a_restarted_agent_adopts_a_machine_with_its_network(
     assert not list((tmp_path / "machines" / "net-leases").iterdir())
 
 
-def test_a_machine_that_cannot_be_adopted_after_all_is_removed_whole(
+async def test_a_machine_that_cannot_be_adopted_after_all_is_removed_whole(
     world: NetWorld, rootfs: Path, tmp_path: Path
 ) -> None:
     """Its link's lease is lost: adopting it fails with the reason, and its namespace, cgroup
@@ -266,18 +260,16 @@ def test_a_machine_that_cannot_be_adopted_after_all_is_removed_whole(
     net = NetConfig(uplink_netns=world.uplink, dns_upstream=world.dns)
     spec = leased_spec(rootfs, "egress-lost")
 
-    async def go() -> None:
-        first = await NamespaceRuntime(tmp_path / "machines", net).create(spec)
-        assert first.dns is not None
-        await first.dns.stop()
-        for lease in (tmp_path / "machines" / "net-leases").iterdir():
-            lease.unlink()
-        again = NamespaceRuntime(tmp_path / "machines", net)
-        [leftover] = await again.leftovers("egress-lost")
-        with pytest.raises(NotFound, match="no link address is leased"):
-            await again.adopt(leftover, spec)
-        assert await again.leftovers("egress-lost") == []
-        assert not first.cgroup.exists()
+    first = await NamespaceRuntime(tmp_path / "machines", net).create(spec)
+    assert first.dns is not None
+    await first.dns.stop()
+    for lease in (tmp_path / "machines" / "net-leases").iterdir():
+        lease.unlink()
+    again = NamespaceRuntime(tmp_path / "machines", net)
+    [leftover] = await again.leftovers("egress-lost")
+    with pytest.raises(NotFound, match="no link address is leased"):
+        await again.adopt(leftover, spec)
+    assert await again.leftovers("egress-lost") == []
+    assert not first.cgroup.exists()
 
-    asyncio.run(go())
     assert _netns() == before

@@ -4,7 +4,6 @@ the tenant whose rollout they belong to."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import os
 from pathlib import Path
@@ -32,10 +31,6 @@ head -c 300000 /data/in/sub/blob.bin > /out/result.bin
 """
 
 
-def go(coro):  # type: ignore[no-untyped-def]
-    return asyncio.run(coro)
-
-
 def make_inputs(root: Path) -> tuple[Path, Path, bytes]:
     data = root / "data"
     (data / "sub").mkdir(parents=True)
@@ -47,40 +42,38 @@ def make_inputs(root: Path) -> tuple[Path, Path, bytes]:
     return data, config, blob
 
 
-def test_inputs_in_and_outputs_out(tmp_path: Path, images: ImageStore) -> None:
+async def test_inputs_in_and_outputs_out(tmp_path: Path, images: ImageStore) -> None:
     data, config, blob = make_inputs(tmp_path)
 
-    async def body() -> tuple[types_pb2.Rollout, list[str], int, bool]:
-        async with harness(tmp_path, images, secure=True) as h:
-            await h.start_agent("cpu-a", HostClass.CPU)
-            key = h.key("team-a")
-            async with h.connect(key) as channel:
-                stub = fleet_pb2_grpc.FleetServiceStub(channel)
-                tree = await client.upload(stub, data, "/data/in", True)
-                again = await client.upload(stub, data, "/data/in", True)
-                one = await client.upload(stub, config, "/config.json", False)
-                blobs = (tmp_path / "artifacts" / "sha256").rglob("*")
-                stored = len([p for p in blobs if p.is_file()])
-                req = request('image = "minimal"\n', ["sh", "-c", STEP])
-                req.inputs.extend([tree, one])
-                req.outputs.extend(["/out/result.bin", "/out/tree", "/out/missing"])
-                rid = (await stub.SubmitRollout(req)).rollout.id
-                final = await h.wait_final(rid)
-                written = await client.download(stub, final, tmp_path / "got")
-                # Another tenant cannot read them, even knowing the digest.
-                async with h.connect(h.key("team-b")) as other:
-                    call = fleet_pb2_grpc.FleetServiceStub(other).GetArtifact(
-                        fleet_pb2.GetArtifactRequest(rollout_id=rid, digest=tree.digest)
-                    )
-                    try:
-                        async for _ in call:
-                            pass
-                        refused = False
-                    except grpc.aio.AioRpcError as exc:
-                        refused = exc.code() == grpc.StatusCode.NOT_FOUND
-            return final, written, stored, refused and again.digest == tree.digest
+    async with harness(tmp_path, images, secure=True) as h:
+        await h.start_agent("cpu-a", HostClass.CPU)
+        key = h.key("team-a")
+        async with h.connect(key) as channel:
+            stub = fleet_pb2_grpc.FleetServiceStub(channel)
+            tree = await client.upload(stub, data, "/data/in", True)
+            again = await client.upload(stub, data, "/data/in", True)
+            one = await client.upload(stub, config, "/config.json", False)
+            blobs = (tmp_path / "artifacts" / "sha256").rglob("*")
+            stored = len([p for p in blobs if p.is_file()])
+            req = request('image = "minimal"\n', ["sh", "-c", STEP])
+            req.inputs.extend([tree, one])
+            req.outputs.extend(["/out/result.bin", "/out/tree", "/out/missing"])
+            rid = (await stub.SubmitRollout(req)).rollout.id
+            final = await h.wait_final(rid)
+            written = await client.download(stub, final, tmp_path / "got")
+            # Another tenant cannot read them, even knowing the digest.
+            async with h.connect(h.key("team-b")) as other:
+                call = fleet_pb2_grpc.FleetServiceStub(other).GetArtifact(
+                    fleet_pb2.GetArtifactRequest(rollout_id=rid, digest=tree.digest)
+                )
+                try:
+                    async for _ in call:
+                        pass
+                    refused = False
+                except grpc.aio.AioRpcError as exc:
+                    refused = exc.code() == grpc.StatusCode.NOT_FOUND
+        refused = refused and again.digest == tree.digest
 
-    final, written, stored, refused = go(body())
     assert final.state == types_pb2.ROLLOUT_STATE_SUCCEEDED, final.error
     out = final.results[0].stdout.decode().splitlines()
     assert out[0] == "hello input"
@@ -99,7 +92,7 @@ def test_inputs_in_and_outputs_out(tmp_path: Path, images: ImageStore) -> None:
     assert sorted(Path(w).name for w in written) == ["result.bin", "tree"]
 
 
-def test_limits_bad_input_and_outputs_after_a_failed_step(
+async def test_limits_bad_input_and_outputs_after_a_failed_step(
     tmp_path: Path, images: ImageStore
 ) -> None:
     """Over the input limit: refused at upload; an input never uploaded, or at a bad path:
@@ -112,40 +105,40 @@ def test_limits_bad_input_and_outputs_after_a_failed_step(
     config = ServerConfig(lease_ttl_s=5, heartbeat_interval_s=0.5, token_secret=SECRET,
                           max_input_mib=2, max_output_mib=1)  # fmt: skip
 
-    async def body() -> tuple[list[grpc.StatusCode], types_pb2.Rollout]:
-        async with harness(tmp_path, images, config, secure=True) as h:
-            await h.start_agent("cpu-a", HostClass.CPU)
-            codes = []
-            async with h.connect(h.key("team-a")) as channel:
-                stub = fleet_pb2_grpc.FleetServiceStub(channel)
+    async with harness(tmp_path, images, config, secure=True) as h:
+        await h.start_agent("cpu-a", HostClass.CPU)
+        codes = []
+        async with h.connect(h.key("team-a")) as channel:
+            stub = fleet_pb2_grpc.FleetServiceStub(channel)
+            try:
+                await client.upload(stub, big, "/big.bin", False)
+            except grpc.aio.AioRpcError as exc:
+                codes.append(exc.code())
+                assert "2 MiB" in (exc.details() or "")
+            one = await client.upload(stub, small, "/in/small.txt", False)
+            ghost = types_pb2.InputFile(path="/x", digest="sha256:" + "1" * 64, size=1)
+            for inputs, outputs in (
+                ([ghost], []),
+                ([one], ["/out/../etc"]),
+                ([types_pb2.InputFile(path="rel", digest=one.digest, size=one.size)], []),
+            ):
+                req = request('image = "minimal"\n', ["true"])
+                req.inputs.extend(inputs)
+                req.outputs.extend(outputs)
                 try:
-                    await client.upload(stub, big, "/big.bin", False)
+                    await stub.SubmitRollout(req)
                 except grpc.aio.AioRpcError as exc:
                     codes.append(exc.code())
-                    assert "2 MiB" in (exc.details() or "")
-                one = await client.upload(stub, small, "/in/small.txt", False)
-                ghost = types_pb2.InputFile(path="/x", digest="sha256:" + "1" * 64, size=1)
-                for inputs, outputs in (([ghost], []), ([one], ["/out/../etc"]),
-                                        ([types_pb2.InputFile(path="rel", digest=one.digest,
-                                                              size=one.size)], [])):  # fmt: skip
-                    req = request('image = "minimal"\n', ["true"])
-                    req.inputs.extend(inputs)
-                    req.outputs.extend(outputs)
-                    try:
-                        await stub.SubmitRollout(req)
-                    except grpc.aio.AioRpcError as exc:
-                        codes.append(exc.code())
-                script = (
-                    "mkdir -p /out && cp /in/small.txt /out/copy.txt && "
-                    "head -c 2000000 /dev/zero > /out/huge.bin && exit 3"
-                )
-                req = request('image = "minimal"\n', ["sh", "-c", script])
-                req.inputs.append(one)
-                req.outputs.extend(["/out/copy.txt", "/out/huge.bin"])
-                rid = (await stub.SubmitRollout(req)).rollout.id
-                return codes, await h.wait_final(rid)
+            script = (
+                "mkdir -p /out && cp /in/small.txt /out/copy.txt && "
+                "head -c 2000000 /dev/zero > /out/huge.bin && exit 3"
+            )
+            req = request('image = "minimal"\n', ["sh", "-c", script])
+            req.inputs.append(one)
+            req.outputs.extend(["/out/copy.txt", "/out/huge.bin"])
+            rid = (await stub.SubmitRollout(req)).rollout.id
+            final = await h.wait_final(rid)
 
-    codes, final = go(body())
     assert codes == [
         grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION,
         grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT,
@@ -156,23 +149,23 @@ def test_limits_bad_input_and_outputs_after_a_failed_step(
     assert by_path["/out/huge.bin"].digest == "" and "1 MiB" in by_path["/out/huge.bin"].error
 
 
-def test_output_past_the_inline_limit_is_kept_whole(tmp_path: Path, images: ImageStore) -> None:
+async def test_output_past_the_inline_limit_is_kept_whole(
+    tmp_path: Path, images: ImageStore
+) -> None:
     """A step that prints 200 KiB: the result keeps the head inline and the whole of it as an
     output, `step-0.stdout`, byte for byte."""
     code = "import sys; sys.stdout.write(''.join(f'{i:07d}\\n' for i in range(25600)))"
 
-    async def body() -> tuple[types_pb2.Rollout, bytes]:
-        async with harness(tmp_path, images, secure=True) as h:
-            await h.start_agent("cpu-a", HostClass.CPU)
-            async with h.connect(h.key("team-a")) as channel:
-                stub = fleet_pb2_grpc.FleetServiceStub(channel)
-                req = request('image = "minimal"\n', ["python3", "-c", code])
-                rid = (await stub.SubmitRollout(req)).rollout.id
-                final = await h.wait_final(rid)
-                await client.download(stub, final, tmp_path / "got")
-                return final, (tmp_path / "got" / "step-0.stdout").read_bytes()
+    async with harness(tmp_path, images, secure=True) as h:
+        await h.start_agent("cpu-a", HostClass.CPU)
+        async with h.connect(h.key("team-a")) as channel:
+            stub = fleet_pb2_grpc.FleetServiceStub(channel)
+            req = request('image = "minimal"\n', ["python3", "-c", code])
+            rid = (await stub.SubmitRollout(req)).rollout.id
+            final = await h.wait_final(rid)
+            await client.download(stub, final, tmp_path / "got")
+            whole = (tmp_path / "got" / "step-0.stdout").read_bytes()
 
-    final, whole = go(body())
     expected = "".join(f"{i:07d}\n" for i in range(25600)).encode()
     assert final.state == types_pb2.ROLLOUT_STATE_SUCCEEDED, final.error
     assert final.results[0].stdout_truncated and expected.startswith(final.results[0].stdout)

@@ -87,17 +87,15 @@ def reference(samples: list[list[float]]) -> list[list[float]]:
         return out
 
 
-def test_concurrent_requests_are_batched_and_answered_exactly() -> None:
+async def test_concurrent_requests_are_batched_and_answered_exactly() -> None:
     """64 concurrent callers share batches; each gets the same output as an unbatched model."""
     samples = observations(64)
 
-    async def body() -> list[Any]:
-        async with gateway(batch=BatchConfig(max_batch=32, max_wait_ms=20)) as c:
-            return await asyncio.gather(
-                *(c.infer(f"r-{i % 4}", f"k{i}", s) for i, s in enumerate(samples))
-            )
+    async with gateway(batch=BatchConfig(max_batch=32, max_wait_ms=20)) as c:
+        replies = await asyncio.gather(
+            *(c.infer(f"r-{i % 4}", f"k{i}", s) for i, s in enumerate(samples))
+        )
 
-    replies = go(body())
     expected = reference(samples)
     assert max(r.batch_size for r in replies) > 1
     assert all(r.batch_size <= 32 and r.device == "cpu" and not r.degraded for r in replies)
@@ -107,32 +105,29 @@ def test_concurrent_requests_are_batched_and_answered_exactly() -> None:
         assert reply.output.values == pytest.approx(want, rel=2e-6, abs=1e-5)
 
 
-def test_a_full_queue_refuses_at_once_with_a_retry_hint() -> None:
+async def test_a_full_queue_refuses_at_once_with_a_retry_hint() -> None:
     """Over max_queue: RESOURCE_EXHAUSTED immediately; everything accepted is still answered."""
 
     def slow() -> None:
         time.sleep(0.3)
 
-    async def body() -> tuple[list[Any], list[str]]:
-        config = BatchConfig(max_batch=2, max_wait_ms=1, max_queue=4)
-        finished: list[str] = []  # "refused" or "answered", in the order the calls ended
+    config = BatchConfig(max_batch=2, max_wait_ms=1, max_queue=4)
+    finished: list[str] = []  # "refused" or "answered", in the order the calls ended
 
-        async def call(i: int, sample: list[float]) -> Any:
-            try:
-                reply = await c.infer(f"r-{i}", "k", sample)
-            except grpc.aio.AioRpcError as exc:
-                finished.append("refused")
-                return exc
-            finished.append("answered")
-            return reply
+    async def call(i: int, sample: list[float]) -> Any:
+        try:
+            reply = await c.infer(f"r-{i}", "k", sample)
+        except grpc.aio.AioRpcError as exc:
+            finished.append("refused")
+            return exc
+        finished.append("answered")
+        return reply
 
-        # A slow device, simulated by a hook that blocks: it must run off the event loop, as
-        # the inline runner runs it (an engine's hook runs on the loop, before sending).
-        async with gateway(fault=slow, batch=config, engine="inline") as c:
-            replies = await asyncio.gather(*(call(i, s) for i, s in enumerate(observations(12))))
-            return replies, finished
+    # A slow device, simulated by a hook that blocks: it must run off the event loop, as
+    # the inline runner runs it (an engine's hook runs on the loop, before sending).
+    async with gateway(fault=slow, batch=config, engine="inline") as c:
+        replies = await asyncio.gather(*(call(i, s) for i, s in enumerate(observations(12))))
 
-    replies, finished = go(body())
     refused = [r for r in replies if isinstance(r, grpc.aio.AioRpcError)]
     answered = [r for r in replies if not isinstance(r, Exception)]
     assert refused and answered and len(refused) + len(answered) == 12
@@ -145,25 +140,23 @@ def test_a_full_queue_refuses_at_once_with_a_retry_hint() -> None:
         assert float(hints["retry-after-s"]) > 0
 
 
-def test_one_rollout_cannot_hold_more_than_its_in_flight_cap() -> None:
+async def test_one_rollout_cannot_hold_more_than_its_in_flight_cap() -> None:
     def slow() -> None:
         time.sleep(0.2)
 
-    async def body() -> list[Any]:
-        config = BatchConfig(max_batch=1, max_wait_ms=1, max_inflight_per_rollout=2)
-        async with gateway(fault=slow, batch=config, engine="inline") as c:  # (a blocking hook)
-            return await asyncio.gather(
-                *(c.infer("r-greedy", f"k{i}", s) for i, s in enumerate(observations(5))),
-                return_exceptions=True,
-            )
+    config = BatchConfig(max_batch=1, max_wait_ms=1, max_inflight_per_rollout=2)
+    async with gateway(fault=slow, batch=config, engine="inline") as c:  # (a blocking hook)
+        replies = await asyncio.gather(
+            *(c.infer("r-greedy", f"k{i}", s) for i, s in enumerate(observations(5))),
+            return_exceptions=True,
+        )
 
-    replies = go(body())
     refused = [r for r in replies if isinstance(r, grpc.aio.AioRpcError)]
     assert len(refused) == 3
     assert all("in flight" in (e.details() or "") for e in refused)
 
 
-def test_admission_shrinks_batches_to_the_memory_budget_without_oom() -> None:
+async def test_admission_shrinks_batches_to_the_memory_budget_without_oom() -> None:
     """A budget for ~5 samples: batches never exceed it and no batch faults for memory."""
     spec = model_specs()[MODEL]
     from gateway.model import memory_model
@@ -171,41 +164,39 @@ def test_admission_shrinks_batches_to_the_memory_budget_without_oom() -> None:
     mem = memory_model(spec)
     budget = mem.weights_bytes + 5 * mem.activation_bytes_per_sample
 
-    async def body() -> tuple[list[Any], Gateway]:
-        async with gateway(
-            capacity_mib=budget / 2**20, batch=BatchConfig(max_batch=64, max_wait_ms=20)
-        ) as c:
-            replies = await asyncio.gather(
-                *(c.infer(f"r-{i}", "k", s) for i, s in enumerate(observations(40)))
-            )
-            return list(replies), c.gateway
+    async with gateway(
+        capacity_mib=budget / 2**20, batch=BatchConfig(max_batch=64, max_wait_ms=20)
+    ) as c:
+        replies = await asyncio.gather(
+            *(c.infer(f"r-{i}", "k", s) for i, s in enumerate(observations(40)))
+        )
+        replies, gw = list(replies), c.gateway
 
-    replies, gw = go(body())
     assert max(r.batch_size for r in replies) == 5
     assert all(not r.degraded for r in replies)
     assert gw.batcher.metrics.failovers == 0 and gw.batcher.metrics.shrunk > 0
 
 
-def test_faults_open_the_breaker_and_fail_over_without_losing_requests() -> None:
+async def test_faults_open_the_breaker_and_fail_over_without_losing_requests() -> None:
     """A failing primary: every request is answered by the CPU replica; probes close it again."""
     fault = failing("device_error")
 
-    async def body() -> tuple[list[Any], list[Any], Any]:
-        async with gateway(
-            fault=fault, breaker_failures=2, breaker_open_s=0.2,
-            batch=BatchConfig(max_batch=8, max_wait_ms=5),
-        ) as c:  # fmt: skip
-            fault.on = True  # type: ignore[attr-defined]
-            during = await asyncio.gather(
-                *(c.infer(f"r-{i}", "a", s) for i, s in enumerate(observations(30)))
-            )
-            assert str(c.gateway.batcher.breaker.state) == "open"
-            fault.on = False  # type: ignore[attr-defined]
-            await asyncio.sleep(0.3)
-            after = [await c.infer("r", f"b{i}", s) for i, s in enumerate(observations(3))]
-            return list(during), after, c.gateway.batcher
+    async with gateway(
+        fault=fault,
+        breaker_failures=2,
+        breaker_open_s=0.2,
+        batch=BatchConfig(max_batch=8, max_wait_ms=5),
+    ) as c:
+        fault.on = True  # type: ignore[attr-defined]
+        during = await asyncio.gather(
+            *(c.infer(f"r-{i}", "a", s) for i, s in enumerate(observations(30)))
+        )
+        assert str(c.gateway.batcher.breaker.state) == "open"
+        fault.on = False  # type: ignore[attr-defined]
+        await asyncio.sleep(0.3)
+        after = [await c.infer("r", f"b{i}", s) for i, s in enumerate(observations(3))]
+        during, batcher = list(during), c.gateway.batcher
 
-    during, after, batcher = go(body())
     assert len(during) == 30
     assert all(r.degraded and r.device == "cpu (failover)" for r in during)
     assert batcher.metrics.failovers >= 1
@@ -216,18 +207,15 @@ def test_faults_open_the_breaker_and_fail_over_without_losing_requests() -> None
         assert reply.output.values == pytest.approx(want, abs=1e-5)
 
 
-def test_a_retried_request_gets_the_stored_answer() -> None:
+async def test_a_retried_request_gets_the_stored_answer() -> None:
     """Same rollout and idempotency key: the first answer again, marked replayed."""
 
-    async def body() -> tuple[Any, Any, Any]:
-        async with gateway() as c:
-            sample = observations(1)[0]
-            first = await c.infer("r-1", "step-7", sample)
-            again = await c.infer("r-1", "step-7", sample)
-            other = await c.infer("r-2", "step-7", sample)  # keys are per rollout
-            return first, again, other
+    async with gateway() as c:
+        sample = observations(1)[0]
+        first = await c.infer("r-1", "step-7", sample)
+        again = await c.infer("r-1", "step-7", sample)
+        other = await c.infer("r-2", "step-7", sample)  # keys are per rollout
 
-    first, again, other = go(body())
     assert again.output.values == first.output.values and again.replayed
     assert not first.replayed and not other.replayed
 
@@ -241,40 +229,36 @@ def test_a_retried_request_gets_the_stored_answer() -> None:
         (lambda: "", "UNAUTHENTICATED", "no inference token"),
     ],
 )
-def test_tokens_are_scoped_to_one_rollout_and_its_deadline(
+async def test_tokens_are_scoped_to_one_rollout_and_its_deadline(
     token: Callable[[], str], code: str, text: str
 ) -> None:
-    async def body() -> grpc.aio.AioRpcError:
-        async with gateway() as c:
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await c.stub.Infer(c.request("r-1", "k", observations(1)[0], token=token()))
-            return info.value
+    async with gateway() as c:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await c.stub.Infer(c.request("r-1", "k", observations(1)[0], token=token()))
+        error = info.value
 
-    error = go(body())
     assert error.code().name == code and text in (error.details() or "")
 
 
-def test_malformed_requests_are_refused_saying_what() -> None:
-    async def body() -> list[tuple[str, str]]:
-        out = []
-        async with gateway() as c:
-            good = c.request("r-1", "k", observations(1)[0])
-            bad = [
-                inference_pb2.InferRequest(**{**_fields(good), "model": "gpt-17"}),
-                inference_pb2.InferRequest(**{**_fields(good), "revision": "v9"}),
-                inference_pb2.InferRequest(
-                    **{**_fields(good), "input": inference_pb2.Tensor(shape=[3], values=[1, 2, 3])}
-                ),
-                inference_pb2.InferRequest(**{**_fields(good), "idempotency_key": ""}),
-            ]
-            for request in bad:
-                try:
-                    await c.stub.Infer(request)
-                except grpc.aio.AioRpcError as exc:
-                    out.append((exc.code().name, exc.details() or ""))
-        return out
+async def test_malformed_requests_are_refused_saying_what() -> None:
+    out = []
+    async with gateway() as c:
+        good = c.request("r-1", "k", observations(1)[0])
+        bad = [
+            inference_pb2.InferRequest(**{**_fields(good), "model": "gpt-17"}),
+            inference_pb2.InferRequest(**{**_fields(good), "revision": "v9"}),
+            inference_pb2.InferRequest(
+                **{**_fields(good), "input": inference_pb2.Tensor(shape=[3], values=[1, 2, 3])}
+            ),
+            inference_pb2.InferRequest(**{**_fields(good), "idempotency_key": ""}),
+        ]
+        for request in bad:
+            try:
+                await c.stub.Infer(request)
+            except grpc.aio.AioRpcError as exc:
+                out.append((exc.code().name, exc.details() or ""))
+    errors = out
 
-    errors = go(body())
     assert [code for code, _ in errors] == [
         "NOT_FOUND", "FAILED_PRECONDITION", "INVALID_ARGUMENT", "INVALID_ARGUMENT"
     ]  # fmt: skip
@@ -282,33 +266,30 @@ def test_malformed_requests_are_refused_saying_what() -> None:
     assert "shape [147]" in errors[2][1] and "idempotency_key" in errors[3][1]
 
 
-def test_non_finite_inputs_are_refused_saying_where() -> None:
+async def test_non_finite_inputs_are_refused_saying_where() -> None:
     """NaN or infinity in an input, over gRPC and over HTTP: refused before the batcher."""
     sample = observations(1)[0]
 
-    async def body() -> tuple[list[str], list[tuple[int, dict[str, Any]]]]:
-        grpc_errors, http_replies = [], []
-        async with gateway() as c:
-            for bad in (float("nan"), float("inf")):
-                values = [*sample[:5], bad, *sample[6:]]
-                try:
-                    await c.infer("r-1", f"k{bad}", values)
-                except grpc.aio.AioRpcError as exc:
-                    grpc_errors.append(f"{exc.code().name} {exc.details()}")
-            http, port = await serve_http(c.gateway, "127.0.0.1", 0)
+    grpc_errors, http_replies = [], []
+    async with gateway() as c:
+        for bad in (float("nan"), float("inf")):
+            values = [*sample[:5], bad, *sample[6:]]
             try:
-                for text in ("NaN", "-Infinity"):
-                    raw = (
-                        f'{{"token": "{issue(SECRET, "r-1", time.time() + 60)}", '
-                        f'"rollout_id": "r-1", "idempotency_key": "h{text}", "model": "{MODEL}", '
-                        f'"input": [{", ".join(map(str, sample[:146]))}, {text}]}}'
-                    )
-                    http_replies.append(await _post(port, "/v1/infer", raw.encode()))
-            finally:
-                http.close()
-        return grpc_errors, http_replies
+                await c.infer("r-1", f"k{bad}", values)
+            except grpc.aio.AioRpcError as exc:
+                grpc_errors.append(f"{exc.code().name} {exc.details()}")
+        http, port = await serve_http(c.gateway, "127.0.0.1", 0)
+        try:
+            for text in ("NaN", "-Infinity"):
+                raw = (
+                    f'{{"token": "{issue(SECRET, "r-1", time.time() + 60)}", '
+                    f'"rollout_id": "r-1", "idempotency_key": "h{text}", "model": "{MODEL}", '
+                    f'"input": [{", ".join(map(str, sample[:146]))}, {text}]}}'
+                )
+                http_replies.append(await _post(port, "/v1/infer", raw.encode()))
+        finally:
+            http.close()
 
-    grpc_errors, http_replies = go(body())
     assert grpc_errors == [
         "INVALID_ARGUMENT input[5] is nan: inputs must be finite numbers",
         "INVALID_ARGUMENT input[5] is inf: inputs must be finite numbers",
@@ -318,30 +299,28 @@ def test_non_finite_inputs_are_refused_saying_where() -> None:
     assert http_replies[1][1]["message"] == "input[146] is -inf: inputs must be finite numbers"
 
 
-def test_the_http_endpoint_holds_a_bounded_number_of_connections() -> None:
+async def test_the_http_endpoint_holds_a_bounded_number_of_connections() -> None:
     """Past its limit (by default what the process may open, less room for the rest of the
     gateway) a connection gets a 503 to retry, and those already open are still served."""
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     assert connection_limit() == max(16, soft - 256)
 
-    async def body() -> tuple[bytes, int]:
-        async with gateway() as c:
-            http, port = await serve_http(c.gateway, "127.0.0.1", 0, max_connections=3)
-            try:
-                held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
-                reader, writer = await asyncio.open_connection("127.0.0.1", port)
-                refused = await asyncio.wait_for(reader.read(), 10)  # (not held open)
-                writer.close()
-                _, first = held[0]
-                first.write(b"GET /healthz HTTP/1.1\r\nHost: g\r\n\r\n")
-                answer = await held[0][0].readuntil(b"ok")
-                for _, w in held:
-                    w.close()
-                return refused, int(answer.split()[1])
-            finally:
-                http.close()
+    async with gateway() as c:
+        http, port = await serve_http(c.gateway, "127.0.0.1", 0, max_connections=3)
+        try:
+            held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            refused = await asyncio.wait_for(reader.read(), 10)  # (not held open)
+            writer.close()
+            _, first = held[0]
+            first.write(b"GET /healthz HTTP/1.1\r\nHost: g\r\n\r\n")
+            answer = await held[0][0].readuntil(b"ok")
+            for _, w in held:
+                w.close()
+            status = int(answer.split()[1])
+        finally:
+            http.close()
 
-    refused, status = go(body())
     assert refused.startswith(b"HTTP/1.1 503") and b"Retry-After: 0.5" in refused
     assert b"3 connections are open here, the limit" in refused
     assert status == 200
@@ -543,7 +522,7 @@ def _pid(runner: EngineRunner) -> int:
 
 
 @pytest.mark.parametrize("how", ["killed", "hung"])
-def test_a_lost_engine_fails_over_without_losing_requests_and_is_started_again(
+async def test_a_lost_engine_fails_over_without_losing_requests_and_is_started_again(
     how: str,
 ) -> None:
     """The engine process killed (SIGKILL), or hung (SIGSTOP: no answer within the answer
@@ -551,25 +530,23 @@ def test_a_lost_engine_fails_over_without_losing_requests_and_is_started_again(
     started again, and once the breaker's probe passes the primary serves again."""
     samples = observations(24)
 
-    async def body() -> tuple[list[Any], list[Any], int, int, Gateway]:
-        async with gateway(
-            breaker_failures=1, breaker_open_s=0.3, engine_answer_timeout_s=1.0,
-            batch=BatchConfig(max_batch=8, max_wait_ms=5),
-        ) as c:  # fmt: skip
-            gw = c.gateway
-            await c.infer("warm", "k", samples[0])  # the engine answers
-            first = _engine_pid(gw)
-            os.kill(first, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
-            during = await asyncio.gather(
-                *(c.infer(f"r-{i}", "a", s) for i, s in enumerate(samples))
-            )
-            await _until(lambda: gw.batcher.primary.restarts == 1, "the engine restarted")
-            second = _engine_pid(gw)
-            await asyncio.sleep(0.4)  # the breaker's open time: the next batch is its probe
-            after = [await c.infer("r", f"b{i}", s) for i, s in enumerate(samples[:3])]
-            return list(during), after, first, second, gw
+    async with gateway(
+        breaker_failures=1,
+        breaker_open_s=0.3,
+        engine_answer_timeout_s=1.0,
+        batch=BatchConfig(max_batch=8, max_wait_ms=5),
+    ) as c:
+        gw = c.gateway
+        await c.infer("warm", "k", samples[0])  # the engine answers
+        first = _engine_pid(gw)
+        os.kill(first, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        during = await asyncio.gather(*(c.infer(f"r-{i}", "a", s) for i, s in enumerate(samples)))
+        await _until(lambda: gw.batcher.primary.restarts == 1, "the engine restarted")
+        second = _engine_pid(gw)
+        await asyncio.sleep(0.4)  # the breaker's open time: the next batch is its probe
+        after = [await c.infer("r", f"b{i}", s) for i, s in enumerate(samples[:3])]
+        during = list(during)
 
-    during, after, first, second, gw = go(body())
     assert len(during) == len(samples) and all(r.degraded for r in during)
     assert {r.device for r in during} == {"cpu (failover)"}
     for reply, want in zip(during, reference(samples), strict=True):
@@ -584,28 +561,26 @@ def test_a_lost_engine_fails_over_without_losing_requests_and_is_started_again(
         os.kill(second, 0)
 
 
-def test_health_probes_of_an_idle_primary_open_the_breaker_and_close_it_again() -> None:
+async def test_health_probes_of_an_idle_primary_open_the_breaker_and_close_it_again() -> None:
     """No requests at all: the engine killed while idle is found by a probe, which opens the
     breaker (a request then goes straight to the CPU replica, with no failed batch first); the
     engine is started again and the next probe closes the breaker."""
     probes = BatchConfig(max_batch=8, max_wait_ms=1, probe_interval_s=0.2)
 
-    async def body() -> tuple[list[str], Any, Any, Gateway]:
-        async with gateway(breaker_failures=1, breaker_open_s=60.0, batch=probes) as c:
-            gw = c.gateway
-            breaker = gw.batcher.breaker
-            await _until(lambda: gw.batcher.metrics.probes >= 2, "idle probes passed")
-            assert str(breaker.state) == "closed" and gw.batcher.metrics.probes_failed == 0
-            os.kill(_engine_pid(gw), signal.SIGKILL)
-            await _until(lambda: str(breaker.state) == "open", "a probe opened the breaker")
-            while_open = await c.infer("r-1", "a", observations(1)[0])
-            await _until(lambda: gw.batcher.primary.restarts == 1, "the engine restarted")
-            breaker.open_s = 0.1  # let the next probe be the half-open one
-            await _until(lambda: str(breaker.state) == "closed", "a probe closed the breaker")
-            after = await c.infer("r-2", "b", observations(1)[0])
-            return [t.reason for t in breaker.history], while_open, after, gw
+    async with gateway(breaker_failures=1, breaker_open_s=60.0, batch=probes) as c:
+        gw = c.gateway
+        breaker = gw.batcher.breaker
+        await _until(lambda: gw.batcher.metrics.probes >= 2, "idle probes passed")
+        assert str(breaker.state) == "closed" and gw.batcher.metrics.probes_failed == 0
+        os.kill(_engine_pid(gw), signal.SIGKILL)
+        await _until(lambda: str(breaker.state) == "open", "a probe opened the breaker")
+        while_open = await c.infer("r-1", "a", observations(1)[0])
+        await _until(lambda: gw.batcher.primary.restarts == 1, "the engine restarted")
+        breaker.open_s = 0.1  # let the next probe be the half-open one
+        await _until(lambda: str(breaker.state) == "closed", "a probe closed the breaker")
+        after = await c.infer("r-2", "b", observations(1)[0])
+        reasons = [t.reason for t in breaker.history]
 
-    reasons, while_open, after, gw = go(body())
     assert reasons[0].startswith("a fault: health probe: device_error")
     assert reasons[-1] == "probe succeeded"
     assert while_open.degraded and while_open.device == "cpu (failover)"
@@ -691,23 +666,21 @@ def test_limits_that_cannot_work_are_refused_saying_which(
         Gateway.build(replace(GatewayConfig(secret=SECRET, device="cpu"), **overrides))
 
 
-def test_a_model_served_in_bfloat16_answers_like_float32_and_fails_over_in_float32() -> None:
+async def test_a_model_served_in_bfloat16_answers_like_float32_and_fails_over_in_float32() -> None:
     """The primary in bfloat16 (half the bytes per weight, admission counts them so); the
     actions agree with float32; the CPU replica serves the stored float32 weights."""
     samples = observations(16)
     expected = reference(samples)
 
-    async def body() -> tuple[list[list[float]], Gateway, Any, dict[str, Any]]:
-        async with gateway(dtype="bfloat16") as client:
-            replies = await asyncio.gather(
-                *(client.infer(f"r{i}", f"k{i}", s) for i, s in enumerate(samples))
-            )
-            status = await client.stub.Status(inference_pb2.GatewayStatusRequest())
-            engine = client.gateway.batcher.primary._engine  # type: ignore[attr-defined]
-            outputs = [list(r.output.values) for r in replies]
-            return outputs, client.gateway, status, engine.ready
+    async with gateway(dtype="bfloat16") as client:
+        replies = await asyncio.gather(
+            *(client.infer(f"r{i}", f"k{i}", s) for i, s in enumerate(samples))
+        )
+        status = await client.stub.Status(inference_pb2.GatewayStatusRequest())
+        engine = client.gateway.batcher.primary._engine  # type: ignore[attr-defined]
+        outputs = [list(r.output.values) for r in replies]
+        gw, ready = client.gateway, engine.ready
 
-    outputs, gw, status, ready = go(body())
     assert [(m.name, m.dtype) for m in status.models] == [(MODEL, "bfloat16")]
     assert gw.batcher.primary.spec.dtype == "bfloat16"
     assert gw.batcher.fallback is not None and gw.batcher.fallback.spec.dtype == "float32"
@@ -796,7 +769,7 @@ def test_one_rollout_cannot_hold_every_connection_and_metrics_stay_on_loopback()
     assert metrics.startswith(b"HTTP/1.1 200") and b"fleet_gateway" in metrics
 
 
-def test_a_token_is_good_only_while_its_rollout_runs() -> None:
+async def test_a_token_is_good_only_while_its_rollout_runs() -> None:
     """The server's signed list of running rollouts: a token of a rollout not on it is
     refused (unless issued after the list was read: an attempt it could not hold yet), one on
     it is served; a list signed with another key is refused; a stale list is not acted on."""
@@ -812,40 +785,37 @@ def test_a_token_is_good_only_while_its_rollout_runs() -> None:
             input=inference_pb2.Tensor(shape=[len(sample)], values=sample),
         )  # fmt: skip
 
-    async def body() -> tuple[list[str], str, str]:
-        async with gateway() as c:
-            before = time.time() - 30
-            as_of = time.time()
-            running = inference_pb2.RunningRollouts(
-                rollout_ids=["r-live"], as_of=as_of,
-                signature=sign_running(SECRET, ["r-live"], as_of),
-            )  # fmt: skip
-            await c.stub.Status(inference_pb2.GatewayStatusRequest(running=running))
-            outcomes = []
-            for rollout, issued in (("r-live", before), ("r-ended", before),
-                                    ("r-new", as_of + 0.5)):  # fmt: skip
-                try:
-                    await c.stub.Infer(request(rollout, issued))
-                    outcomes.append("served")
-                except grpc.aio.AioRpcError as exc:
-                    outcomes.append(f"{exc.code().name}: {exc.details()}")
-            forged = inference_pb2.RunningRollouts(
-                rollout_ids=[], as_of=as_of + 1, signature=sign_running(b"k" * 32, [], as_of + 1)
-            )
+    async with gateway() as c:
+        before = time.time() - 30
+        as_of = time.time()
+        running = inference_pb2.RunningRollouts(
+            rollout_ids=["r-live"],
+            as_of=as_of,
+            signature=sign_running(SECRET, ["r-live"], as_of),
+        )
+        await c.stub.Status(inference_pb2.GatewayStatusRequest(running=running))
+        outcomes = []
+        for rollout, issued in (("r-live", before), ("r-ended", before), ("r-new", as_of + 0.5)):
             try:
-                await c.stub.Status(inference_pb2.GatewayStatusRequest(running=forged))
-                refused = "accepted"
+                await c.stub.Infer(request(rollout, issued))
+                outcomes.append("served")
             except grpc.aio.AioRpcError as exc:
-                refused = exc.code().name
-            c.gateway.running_received -= service.RUNNING_STALE_S + 1  # the server went quiet
-            try:
-                await c.stub.Infer(request("r-ended", before))
-                stale = "served"
-            except grpc.aio.AioRpcError as exc:
-                stale = exc.code().name
-            return outcomes, refused, stale
+                outcomes.append(f"{exc.code().name}: {exc.details()}")
+        forged = inference_pb2.RunningRollouts(
+            rollout_ids=[], as_of=as_of + 1, signature=sign_running(b"k" * 32, [], as_of + 1)
+        )
+        try:
+            await c.stub.Status(inference_pb2.GatewayStatusRequest(running=forged))
+            refused = "accepted"
+        except grpc.aio.AioRpcError as exc:
+            refused = exc.code().name
+        c.gateway.running_received -= service.RUNNING_STALE_S + 1  # the server went quiet
+        try:
+            await c.stub.Infer(request("r-ended", before))
+            stale = "served"
+        except grpc.aio.AioRpcError as exc:
+            stale = exc.code().name
 
-    outcomes, refused, stale = go(body())
     assert outcomes[0] == "served" and outcomes[2] == "served"
     assert outcomes[1] == (
         "PERMISSION_DENIED: rollout r-ended is not running: its inference token ended with it"

@@ -26,23 +26,21 @@ def go(coro):  # type: ignore[no-untyped-def]
     return asyncio.run(coro)
 
 
-def test_submit_runs_and_get_shows_results(tmp_path: Path, images: ImageStore) -> None:
+async def test_submit_runs_and_get_shows_results(tmp_path: Path, images: ImageStore) -> None:
     """A submitted rollout runs on a cpu agent; get returns each step's exit code and output."""
 
-    async def body() -> types_pb2.Rollout:
-        async with harness(tmp_path, images) as h:
-            await h.start_agent("cpu-a", HostClass.CPU)
-            reply = await h.fleet.SubmitRollout(
-                request(
-                    'image = "minimal"\n',
-                    ["sh", "-c", "echo out; echo err >&2"],
-                    ["python3", "-c", "print(2+2)"],
-                )
+    async with harness(tmp_path, images) as h:
+        await h.start_agent("cpu-a", HostClass.CPU)
+        reply = await h.fleet.SubmitRollout(
+            request(
+                'image = "minimal"\n',
+                ["sh", "-c", "echo out; echo err >&2"],
+                ["python3", "-c", "print(2+2)"],
             )
-            assert reply.created and reply.rollout.state == types_pb2.ROLLOUT_STATE_QUEUED
-            return await h.wait_final(reply.rollout.id)
+        )
+        assert reply.created and reply.rollout.state == types_pb2.ROLLOUT_STATE_QUEUED
+        r = await h.wait_final(reply.rollout.id)
 
-    r = go(body())
     assert r.state == types_pb2.ROLLOUT_STATE_SUCCEEDED, r.error
     assert [s.exit_code for s in r.results] == [0, 0]
     assert r.results[0].stdout == b"out\n" and r.results[0].stderr == b"err\n"
@@ -54,43 +52,37 @@ def test_submit_runs_and_get_shows_results(tmp_path: Path, images: ImageStore) -
     assert r.manifest.image_digest.startswith("sha256:") and r.manifest.digest.startswith("sha256:")
 
 
-def test_a_failing_step_stops_the_plan(tmp_path: Path, images: ImageStore) -> None:
+async def test_a_failing_step_stops_the_plan(tmp_path: Path, images: ImageStore) -> None:
     """A non-zero step fails the rollout; later steps do not run."""
 
-    async def body() -> types_pb2.Rollout:
-        async with harness(tmp_path, images) as h:
-            await h.start_agent("cpu-a", HostClass.CPU)
-            reply = await h.fleet.SubmitRollout(
-                request('image = "minimal"\n', ["sh", "-c", "exit 4"], ["true"])
-            )
-            return await h.wait_final(reply.rollout.id)
+    async with harness(tmp_path, images) as h:
+        await h.start_agent("cpu-a", HostClass.CPU)
+        reply = await h.fleet.SubmitRollout(
+            request('image = "minimal"\n', ["sh", "-c", "exit 4"], ["true"])
+        )
+        r = await h.wait_final(reply.rollout.id)
 
-    r = go(body())
     assert r.state == types_pb2.ROLLOUT_STATE_FAILED
     assert [s.exit_code for s in r.results] == [4] and "exited 4" in r.error
 
 
-def test_cuda_rollout_waits_for_and_runs_only_on_a_gpu_agent(
+async def test_cuda_rollout_waits_for_and_runs_only_on_a_gpu_agent(
     tmp_path: Path, images: ImageStore
 ) -> None:
     """With the gpu agent away, CUDA work stays queued while a cpu agent polls; it runs on gpu."""
 
-    async def body() -> tuple[int, types_pb2.Rollout]:
-        async with harness(tmp_path, images) as h:
-            await h.start_agent("gpu-a", HostClass.GPU)
-            await h.stop_agent("gpu-a")
-            await h.start_agent("cpu-a", HostClass.CPU)
-            reply = await h.fleet.SubmitRollout(
-                request('image = "minimal"\ncuda = true\n', ["sh", "-c", "echo $FLEET_DEVICE"])
-            )
-            await asyncio.sleep(2.5)  # several claim cycles of the cpu agent
-            waiting = (
-                await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=reply.rollout.id))
-            ).state
-            await h.start_agent("gpu-b", HostClass.GPU)
-            return waiting, await h.wait_final(reply.rollout.id)
+    async with harness(tmp_path, images) as h:
+        await h.start_agent("gpu-a", HostClass.GPU)
+        await h.stop_agent("gpu-a")
+        await h.start_agent("cpu-a", HostClass.CPU)
+        reply = await h.fleet.SubmitRollout(
+            request('image = "minimal"\ncuda = true\n', ["sh", "-c", "echo $FLEET_DEVICE"])
+        )
+        await asyncio.sleep(2.5)  # several claim cycles of the cpu agent
+        waiting = (await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=reply.rollout.id))).state
+        await h.start_agent("gpu-b", HostClass.GPU)
+        r = await h.wait_final(reply.rollout.id)
 
-    waiting, r = go(body())
     assert waiting == types_pb2.ROLLOUT_STATE_QUEUED
     assert r.state == types_pb2.ROLLOUT_STATE_SUCCEEDED and r.host_id == "gpu-b"
     assert r.host_class == types_pb2.HOST_CLASS_GPU
@@ -100,26 +92,24 @@ def test_cuda_rollout_waits_for_and_runs_only_on_a_gpu_agent(
     )
 
 
-def test_unservable_rollout_is_refused_at_submit(tmp_path: Path, images: ImageStore) -> None:
+async def test_unservable_rollout_is_refused_at_submit(tmp_path: Path, images: ImageStore) -> None:
     """CUDA work with no gpu host registered is FAILED_PRECONDITION with a reason, not queued."""
 
-    async def body() -> tuple[grpc.aio.AioRpcError, int]:
-        async with harness(tmp_path, images) as h:
-            await h.start_agent("cpu-a", HostClass.CPU)
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await h.fleet.SubmitRollout(request('image = "minimal"\ncuda = true\n'))
-            vm = request(requirements=types_pb2.Requirements(isolation=types_pb2.ISOLATION_VM))
-            with pytest.raises(grpc.aio.AioRpcError) as info_vm:
-                await h.fleet.SubmitRollout(vm)
-            assert "vm isolation" in (info_vm.value.details() or "")
-            return info.value, await h.count()
+    async with harness(tmp_path, images) as h:
+        await h.start_agent("cpu-a", HostClass.CPU)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await h.fleet.SubmitRollout(request('image = "minimal"\ncuda = true\n'))
+        vm = request(requirements=types_pb2.Requirements(isolation=types_pb2.ISOLATION_VM))
+        with pytest.raises(grpc.aio.AioRpcError) as info_vm:
+            await h.fleet.SubmitRollout(vm)
+        assert "vm isolation" in (info_vm.value.details() or "")
+        err, count = info.value, await h.count()
 
-    err, count = go(body())
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "needs a gpu-class host" in (err.details() or "") and count == 0
 
 
-def test_a_refusal_at_submit_sees_a_host_registered_a_moment_before(
+async def test_a_refusal_at_submit_sees_a_host_registered_a_moment_before(
     tmp_path: Path, images: ImageStore
 ) -> None:
     """Submissions check hosts they may have read a moment ago, but a refusal is decided on
@@ -127,23 +117,25 @@ def test_a_refusal_at_submit_sees_a_host_registered_a_moment_before(
     another server sharing it) is seen by the very next submission."""
     gpu = 'image = "minimal"\ncuda = true\n'
 
-    async def body() -> tuple[grpc.StatusCode, bool]:
-        async with harness(tmp_path, images) as h:
-            await h.start_agent("cpu-a", HostClass.CPU)
-            await h.fleet.SubmitRollout(request())  # the hosts read, and kept a moment
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await h.fleet.SubmitRollout(request(gpu))
-            caps = HostCapabilities(
-                host_id="gpu-elsewhere", host_class=HostClass.GPU,
-                runtime=RuntimeKind.NAMESPACE, isolation=Isolation.NAMESPACE, cpus=2,
-                memory_mib=4096, cuda_devices=1,
-            )  # fmt: skip
-            core = h.server.core
-            await core.db(core.ledger.register_host, caps, time.time())
-            reply = await h.fleet.SubmitRollout(request(gpu))
-            return refused.value.code(), reply.created
+    async with harness(tmp_path, images) as h:
+        await h.start_agent("cpu-a", HostClass.CPU)
+        await h.fleet.SubmitRollout(request())  # the hosts read, and kept a moment
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await h.fleet.SubmitRollout(request(gpu))
+        caps = HostCapabilities(
+            host_id="gpu-elsewhere",
+            host_class=HostClass.GPU,
+            runtime=RuntimeKind.NAMESPACE,
+            isolation=Isolation.NAMESPACE,
+            cpus=2,
+            memory_mib=4096,
+            cuda_devices=1,
+        )
+        core = h.server.core
+        await core.db(core.ledger.register_host, caps, time.time())
+        reply = await h.fleet.SubmitRollout(request(gpu))
+        code, created = refused.value.code(), reply.created
 
-    code, created = go(body())
     assert code == grpc.StatusCode.FAILED_PRECONDITION and created
 
 
@@ -185,7 +177,7 @@ BAD_INPUTS = [
 @pytest.mark.parametrize(
     ("what", "req", "code", "text"), BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS]
 )
-def test_bad_input_is_refused_and_changes_nothing(
+async def test_bad_input_is_refused_and_changes_nothing(
     tmp_path: Path,
     images: ImageStore,
     what: str,
@@ -195,366 +187,350 @@ def test_bad_input_is_refused_and_changes_nothing(
 ) -> None:
     """Each bad submission gets its status and a message naming the problem; nothing is stored."""
 
-    async def body() -> tuple[grpc.aio.AioRpcError, int]:
-        async with harness(tmp_path, images) as h:
-            await h.start_agent("cpu-a", HostClass.CPU)
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await h.fleet.SubmitRollout(req)
-            return info.value, await h.count()
+    async with harness(tmp_path, images) as h:
+        await h.start_agent("cpu-a", HostClass.CPU)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await h.fleet.SubmitRollout(req)
+        err, count = info.value, await h.count()
 
-    err, count = go(body())
     assert err.code() == code, err.details()
     assert text in (err.details() or "")
     assert count == 0
 
 
-def test_deadline_in_the_past_is_refused(tmp_path: Path, images: ImageStore) -> None:
+async def test_deadline_in_the_past_is_refused(tmp_path: Path, images: ImageStore) -> None:
     """A deadline already passed is INVALID_ARGUMENT and nothing is stored."""
 
-    async def body() -> tuple[grpc.aio.AioRpcError, int]:
-        async with harness(tmp_path, images) as h:
-            await h.start_agent("cpu-a", HostClass.CPU)
-            req = request()
-            req.deadline.FromDatetime(datetime.now(UTC) - timedelta(minutes=1))
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await h.fleet.SubmitRollout(req)
-            return info.value, await h.count()
+    async with harness(tmp_path, images) as h:
+        await h.start_agent("cpu-a", HostClass.CPU)
+        req = request()
+        req.deadline.FromDatetime(datetime.now(UTC) - timedelta(minutes=1))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await h.fleet.SubmitRollout(req)
+        err, count = info.value, await h.count()
 
-    err, count = go(body())
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "in the past" in (err.details() or "")
     assert count == 0
 
 
-def test_oversized_request_is_refused(tmp_path: Path, images: ImageStore) -> None:
+async def test_oversized_request_is_refused(tmp_path: Path, images: ImageStore) -> None:
     """A request over the size limit gets RESOURCE_EXHAUSTED and stores nothing."""
 
-    async def body() -> tuple[list[grpc.aio.AioRpcError], int]:
-        async with harness(tmp_path, images) as h:
-            await h.start_agent("cpu-a", HostClass.CPU)
-            errors = []
-            for req in (
-                request(
-                    'image = "minimal"\n', ["echo", "x" * (5 * 1024 * 1024)]
-                ),  # over the wire limit
-                request('image = "minimal"\n', ["echo", "x" * (300 * 1024)]),  # over the plan limit
-            ):
-                with pytest.raises(grpc.aio.AioRpcError) as info:
-                    await h.fleet.SubmitRollout(req)
-                errors.append(info.value)
-            return errors, await h.count()
+    async with harness(tmp_path, images) as h:
+        await h.start_agent("cpu-a", HostClass.CPU)
+        errors = []
+        for req in (
+            request(
+                'image = "minimal"\n', ["echo", "x" * (5 * 1024 * 1024)]
+            ),  # over the wire limit
+            request('image = "minimal"\n', ["echo", "x" * (300 * 1024)]),  # over the plan limit
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await h.fleet.SubmitRollout(req)
+            errors.append(info.value)
+        count = await h.count()
 
-    errors, count = go(body())
     assert [e.code() for e in errors] == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 2
     assert "larger than max" in (errors[0].details() or "")
     assert "over the" in (errors[1].details() or "")
     assert count == 0
 
 
-def test_idempotency_over_grpc(tmp_path: Path, images: ImageStore) -> None:
+async def test_idempotency_over_grpc(tmp_path: Path, images: ImageStore) -> None:
     """Same key and body returns the original; same key, other body is ALREADY_EXISTS."""
 
-    async def body() -> tuple[str, str, bool, grpc.aio.AioRpcError, int]:
-        async with harness(tmp_path, images) as h:
-            await h.start_agent("cpu-a", HostClass.CPU)
-            first = await h.fleet.SubmitRollout(request(key="same"))
-            second = await h.fleet.SubmitRollout(request(key="same"))
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await h.fleet.SubmitRollout(request('image = "minimal"\n', ["false"], key="same"))
-            return first.rollout.id, second.rollout.id, second.created, info.value, await h.count()
+    async with harness(tmp_path, images) as h:
+        await h.start_agent("cpu-a", HostClass.CPU)
+        first = await h.fleet.SubmitRollout(request(key="same"))
+        second = await h.fleet.SubmitRollout(request(key="same"))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await h.fleet.SubmitRollout(request('image = "minimal"\n', ["false"], key="same"))
+        a, b, created, err, count = (
+            first.rollout.id,
+            second.rollout.id,
+            second.created,
+            info.value,
+            await h.count(),
+        )
 
-    a, b, created, err, count = go(body())
     assert a == b and not created and count == 1
     assert err.code() == grpc.StatusCode.ALREADY_EXISTS and "body differs" in (err.details() or "")
 
 
-def test_watch_streams_events_in_order_and_resumes(tmp_path: Path, images: ImageStore) -> None:
+async def test_watch_streams_events_in_order_and_resumes(
+    tmp_path: Path, images: ImageStore
+) -> None:
     """Watch ends at the final state; resuming after a sequence replays only what came after."""
 
-    async def body() -> tuple[list[types_pb2.RolloutEvent], list[types_pb2.RolloutEvent]]:
-        async with harness(tmp_path, images) as h:
-            await h.start_agent("cpu-a", HostClass.CPU)
-            reply = await h.fleet.SubmitRollout(request())
-            events = [
-                e
-                async for e in h.fleet.WatchRollout(
-                    fleet_pb2.WatchRolloutRequest(id=reply.rollout.id)
+    async with harness(tmp_path, images) as h:
+        await h.start_agent("cpu-a", HostClass.CPU)
+        reply = await h.fleet.SubmitRollout(request())
+        events = [
+            e
+            async for e in h.fleet.WatchRollout(fleet_pb2.WatchRolloutRequest(id=reply.rollout.id))
+        ]
+        resumed = [
+            e
+            async for e in h.fleet.WatchRollout(
+                fleet_pb2.WatchRolloutRequest(
+                    id=reply.rollout.id, after_sequence=events[0].sequence
                 )
-            ]
-            resumed = [
-                e
-                async for e in h.fleet.WatchRollout(
-                    fleet_pb2.WatchRolloutRequest(
-                        id=reply.rollout.id, after_sequence=events[0].sequence
-                    )
-                )
-            ]
-            return events, resumed
+            )
+        ]
 
-    events, resumed = go(body())
     assert [e.kind for e in events] == ["submitted", "leased", "succeeded"]
     assert [e.sequence for e in events] == sorted(e.sequence for e in events)
     assert events[-1].to_state == types_pb2.ROLLOUT_STATE_SUCCEEDED
     assert [e.sequence for e in resumed] == [e.sequence for e in events[1:]]
 
 
-def test_cancel_reaches_the_running_machine(tmp_path: Path, images: ImageStore) -> None:
+async def test_cancel_reaches_the_running_machine(tmp_path: Path, images: ImageStore) -> None:
     """Cancelling a running rollout stops its machine; it ends CANCELLED with partial results."""
 
-    async def body() -> types_pb2.Rollout:
-        async with harness(tmp_path, images) as h:
-            await h.start_agent("cpu-a", HostClass.CPU)
-            reply = await h.fleet.SubmitRollout(
-                request('image = "minimal"\n', ["echo", "first"], ["sleep", "600"])
-            )
-            for _ in range(200):
-                r = await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=reply.rollout.id))
-                if r.state == types_pb2.ROLLOUT_STATE_RUNNING:
-                    break
-                await asyncio.sleep(0.05)
-            await asyncio.sleep(0.5)
-            await h.fleet.CancelRollout(
-                fleet_pb2.CancelRolloutRequest(
-                    request_id="c1", id=reply.rollout.id, reason="enough"
-                )
-            )
-            return await h.wait_final(reply.rollout.id, timeout_s=20)
+    async with harness(tmp_path, images) as h:
+        await h.start_agent("cpu-a", HostClass.CPU)
+        reply = await h.fleet.SubmitRollout(
+            request('image = "minimal"\n', ["echo", "first"], ["sleep", "600"])
+        )
+        for _ in range(200):
+            r = await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=reply.rollout.id))
+            if r.state == types_pb2.ROLLOUT_STATE_RUNNING:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)
+        await h.fleet.CancelRollout(
+            fleet_pb2.CancelRolloutRequest(request_id="c1", id=reply.rollout.id, reason="enough")
+        )
+        r = await h.wait_final(reply.rollout.id, timeout_s=20)
 
-    r = go(body())
     assert r.state == types_pb2.ROLLOUT_STATE_CANCELLED
     assert r.results[0].stdout == b"first\n" and r.error == "enough"
 
 
-def test_step_timeout_fails_the_rollout(tmp_path: Path, images: ImageStore) -> None:
+async def test_step_timeout_fails_the_rollout(tmp_path: Path, images: ImageStore) -> None:
     """A step past its timeout is killed and the rollout fails saying so."""
 
-    async def body() -> types_pb2.Rollout:
-        async with harness(tmp_path, images) as h:
-            await h.start_agent("cpu-a", HostClass.CPU)
-            req = request()
-            req.steps[0].CopyFrom(types_pb2.Step(argv=["sleep", "100"], timeout_s=0.5))
-            reply = await h.fleet.SubmitRollout(req)
-            return await h.wait_final(reply.rollout.id)
+    async with harness(tmp_path, images) as h:
+        await h.start_agent("cpu-a", HostClass.CPU)
+        req = request()
+        req.steps[0].CopyFrom(types_pb2.Step(argv=["sleep", "100"], timeout_s=0.5))
+        reply = await h.fleet.SubmitRollout(req)
+        r = await h.wait_final(reply.rollout.id)
 
-    r = go(body())
     assert r.state == types_pb2.ROLLOUT_STATE_FAILED and r.results[0].timed_out
     assert "timeout" in r.error
 
 
-def test_host_api_refuses_stale_tokens_with_aborted(tmp_path: Path, images: ImageStore) -> None:
+async def test_host_api_refuses_stale_tokens_with_aborted(
+    tmp_path: Path, images: ImageStore
+) -> None:
     """CompleteWork with a token that is not the lease's is ABORTED."""
 
-    async def body() -> grpc.aio.AioRpcError:
-        async with harness(tmp_path, images) as h:
-            await h.register_host("h1")
-            await h.fleet.SubmitRollout(request())
-            claim = await h.hosts.ClaimWork(
-                host_pb2.ClaimWorkRequest(request_id="c", host_id="h1", max_items=3, wait_s=1)
-            )
-            item = claim.items[0]
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await h.hosts.CompleteWork(
-                    host_pb2.CompleteWorkRequest(
-                        request_id="x",
-                        host_id="h1",
-                        work_id=item.work_id,
-                        fencing_token=item.fencing_token + 1,
-                        outcome=types_pb2.OUTCOME_SUCCEEDED,
-                    )
+    async with harness(tmp_path, images) as h:
+        await h.register_host("h1")
+        await h.fleet.SubmitRollout(request())
+        claim = await h.hosts.ClaimWork(
+            host_pb2.ClaimWorkRequest(request_id="c", host_id="h1", max_items=3, wait_s=1)
+        )
+        item = claim.items[0]
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await h.hosts.CompleteWork(
+                host_pb2.CompleteWorkRequest(
+                    request_id="x",
+                    host_id="h1",
+                    work_id=item.work_id,
+                    fencing_token=item.fencing_token + 1,
+                    outcome=types_pb2.OUTCOME_SUCCEEDED,
                 )
-            return info.value
+            )
+        err = info.value
 
-    err = go(body())
     assert err.code() == grpc.StatusCode.ABORTED and "stale fencing token" in (err.details() or "")
 
 
-def test_bad_host_registration_is_refused(tmp_path: Path, images: ImageStore) -> None:
+async def test_bad_host_registration_is_refused(tmp_path: Path, images: ImageStore) -> None:
     """RegisterHost without a class is INVALID_ARGUMENT naming the field."""
 
-    async def body() -> grpc.aio.AioRpcError:
-        async with harness(tmp_path, images) as h:
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await h.hosts.RegisterHost(
-                    host_pb2.RegisterHostRequest(
-                        request_id="r", host_id="h1", agent_version=fleet.__version__
-                    )
+    async with harness(tmp_path, images) as h:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await h.hosts.RegisterHost(
+                host_pb2.RegisterHostRequest(
+                    request_id="r", host_id="h1", agent_version=fleet.__version__
                 )
-            return info.value
+            )
+        err = info.value
 
-    err = go(body())
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "host_class" in (err.details() or "")
 
 
-def test_bad_reclaim_requests_are_refused(tmp_path: Path, images: ImageStore) -> None:
+async def test_bad_reclaim_requests_are_refused(tmp_path: Path, images: ImageStore) -> None:
     """ReclaimWork from an unregistered host, or naming a lease without a work id."""
 
-    async def body() -> list[grpc.aio.AioRpcError]:
-        errors = []
-        async with harness(tmp_path, images) as h:
-            for request in (
-                host_pb2.ReclaimWorkRequest(request_id="r1", host_id="nobody"),
-                host_pb2.ReclaimWorkRequest(
-                    request_id="r2", host_id="nobody", leases=[host_pb2.LeaseRef(fencing_token=3)]
-                ),
-            ):
-                with pytest.raises(grpc.aio.AioRpcError) as info:
-                    await h.hosts.ReclaimWork(request)
-                errors.append(info.value)
-        return errors
+    errors = []
+    async with harness(tmp_path, images) as h:
+        for request in (
+            host_pb2.ReclaimWorkRequest(request_id="r1", host_id="nobody"),
+            host_pb2.ReclaimWorkRequest(
+                request_id="r2", host_id="nobody", leases=[host_pb2.LeaseRef(fencing_token=3)]
+            ),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await h.hosts.ReclaimWork(request)
+            errors.append(info.value)
+    unregistered, empty = errors
 
-    unregistered, empty = go(body())
     assert unregistered.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "not registered" in (unregistered.details() or "")
     assert empty.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "work_id" in (empty.details() or "")
 
 
-def test_health_and_reflection(tmp_path: Path, images: ImageStore) -> None:
+async def test_health_and_reflection(tmp_path: Path, images: ImageStore) -> None:
     """Standard health checking answers SERVING; reflection lists fleet's services."""
 
-    async def body() -> tuple[int, list[str]]:
-        async with harness(tmp_path, images) as h:
-            health = await health_pb2_grpc.HealthStub(h.channel).Check(
-                health_pb2.HealthCheckRequest(service="fleet.v1.FleetService")
-            )
-            stub = reflection_pb2_grpc.ServerReflectionStub(h.channel)
-            replies = stub.ServerReflectionInfo(
-                iter([reflection_pb2.ServerReflectionRequest(list_services="")])
-            )
-            names = [s.name async for r in replies for s in r.list_services_response.service]
-            return health.status, names
+    async with harness(tmp_path, images) as h:
+        health = await health_pb2_grpc.HealthStub(h.channel).Check(
+            health_pb2.HealthCheckRequest(service="fleet.v1.FleetService")
+        )
+        stub = reflection_pb2_grpc.ServerReflectionStub(h.channel)
+        replies = stub.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+        )
+        names = [s.name async for r in replies for s in r.list_services_response.service]
+        status = health.status
 
-    status, names = go(body())
     assert status == health_pb2.HealthCheckResponse.SERVING
     assert {"fleet.v1.FleetService", "fleet.v1.HostService"} <= set(names)
 
 
-def test_tenant_limit_refusal_carries_a_retry_hint(tmp_path: Path, images: ImageStore) -> None:
+async def test_tenant_limit_refusal_carries_a_retry_hint(
+    tmp_path: Path, images: ImageStore
+) -> None:
     """Over the tenant's limit: RESOURCE_EXHAUSTED with retry-after-s in trailing metadata."""
     from fleet.server.app import ServerConfig
 
-    async def body() -> grpc.aio.AioRpcError:
-        config = ServerConfig(max_active_per_tenant=1, lease_ttl_s=5, heartbeat_interval_s=0.5)
-        async with harness(tmp_path, images, config) as h:
-            await h.start_agent("cpu-a", HostClass.CPU)
-            await h.fleet.SubmitRollout(request('image = "minimal"\n', ["sleep", "5"], tenant="t"))
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await h.fleet.SubmitRollout(request(tenant="t"))
-            return info.value
+    config = ServerConfig(max_active_per_tenant=1, lease_ttl_s=5, heartbeat_interval_s=0.5)
+    async with harness(tmp_path, images, config) as h:
+        await h.start_agent("cpu-a", HostClass.CPU)
+        await h.fleet.SubmitRollout(request('image = "minimal"\n', ["sleep", "5"], tenant="t"))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await h.fleet.SubmitRollout(request(tenant="t"))
+        err = info.value
 
-    err = go(body())
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit" in (err.details() or "")
     assert float(dict(err.trailing_metadata() or ())["retry-after-s"]) > 0
 
 
-def test_stale_heartbeat_is_aborted_naming_the_work(tmp_path: Path, images: ImageStore) -> None:
+async def test_stale_heartbeat_is_aborted_naming_the_work(
+    tmp_path: Path, images: ImageStore
+) -> None:
     """A heartbeat with a lease that is not current is ABORTED and names the stale work."""
 
-    async def body() -> tuple[grpc.aio.AioRpcError, types_pb2.Rollout]:
-        async with harness(tmp_path, images) as h:
-            await h.register_host("h1")
-            reply = await h.fleet.SubmitRollout(request(tenant="team-x"))
-            claim = await h.hosts.ClaimWork(
-                host_pb2.ClaimWorkRequest(request_id="c", host_id="h1", max_items=1, wait_s=1)
-            )
-            again = await h.hosts.ClaimWork(
-                host_pb2.ClaimWorkRequest(request_id="c", host_id="h1", max_items=1, wait_s=1)
-            )
-            assert [i.fencing_token for i in again.items] == [i.fencing_token for i in claim.items]
-            # The assignment names its tenant, first time and replayed (warm parents key by it).
-            assert [i.tenant for i in [*claim.items, *again.items]] == ["team-x", "team-x"]
-            item = claim.items[0]
-            stale = host_pb2.LeaseRef(work_id=item.work_id, fencing_token=item.fencing_token + 5)
-            with pytest.raises(grpc.aio.AioRpcError) as bad:
-                await h.hosts.Heartbeat(host_pb2.HeartbeatRequest(
-                    request_id="i", host_id="h1", images_cached=["not-a-digest"],
+    async with harness(tmp_path, images) as h:
+        await h.register_host("h1")
+        reply = await h.fleet.SubmitRollout(request(tenant="team-x"))
+        claim = await h.hosts.ClaimWork(
+            host_pb2.ClaimWorkRequest(request_id="c", host_id="h1", max_items=1, wait_s=1)
+        )
+        again = await h.hosts.ClaimWork(
+            host_pb2.ClaimWorkRequest(request_id="c", host_id="h1", max_items=1, wait_s=1)
+        )
+        assert [i.fencing_token for i in again.items] == [i.fencing_token for i in claim.items]
+        # The assignment names its tenant, first time and replayed (warm parents key by it).
+        assert [i.tenant for i in [*claim.items, *again.items]] == ["team-x", "team-x"]
+        item = claim.items[0]
+        stale = host_pb2.LeaseRef(work_id=item.work_id, fencing_token=item.fencing_token + 5)
+        with pytest.raises(grpc.aio.AioRpcError) as bad:
+            await h.hosts.Heartbeat(
+                host_pb2.HeartbeatRequest(
+                    request_id="i",
+                    host_id="h1",
+                    images_cached=["not-a-digest"],
                     images_changed=True,
-                ))  # fmt: skip
-            assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "images_cached: at most 256 digests" in (bad.value.details() or "")
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await h.hosts.Heartbeat(
-                    host_pb2.HeartbeatRequest(request_id="b", host_id="h1", leases=[stale])
                 )
-            return info.value, await h.fleet.GetRollout(
-                fleet_pb2.GetRolloutRequest(id=reply.rollout.id)
             )
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "images_cached: at most 256 digests" in (bad.value.details() or "")
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await h.hosts.Heartbeat(
+                host_pb2.HeartbeatRequest(request_id="b", host_id="h1", leases=[stale])
+            )
+        err, rollout = (
+            info.value,
+            await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=reply.rollout.id)),
+        )
 
-    err, rollout = go(body())
     assert err.code() == grpc.StatusCode.ABORTED
     assert dict(err.trailing_metadata() or ())["fleet-stale-work-ids"] in (err.details() or "")
     assert rollout.attempts == 1 and len(rollout.attempt_history) == 1
 
 
-def test_malformed_input_is_quarantined_not_retried(tmp_path: Path, images: ImageStore) -> None:
+async def test_malformed_input_is_quarantined_not_retried(
+    tmp_path: Path, images: ImageStore
+) -> None:
     """A secret the agent cannot resolve is malformed input: quarantined after one attempt."""
 
-    async def body() -> types_pb2.Rollout:
-        async with harness(tmp_path, images) as h:
-            await h.start_agent("cpu-a", HostClass.CPU)
-            smolfile = (
-                'image = "minimal"\n[secrets]\nTOKEN = { from_env = "FLEET_TEST_UNSET_VAR" }\n'
-            )
-            reply = await h.fleet.SubmitRollout(request(smolfile))
-            return await h.wait_final(reply.rollout.id)
+    async with harness(tmp_path, images) as h:
+        await h.start_agent("cpu-a", HostClass.CPU)
+        smolfile = 'image = "minimal"\n[secrets]\nTOKEN = { from_env = "FLEET_TEST_UNSET_VAR" }\n'
+        reply = await h.fleet.SubmitRollout(request(smolfile))
+        r = await h.wait_final(reply.rollout.id)
 
-    r = go(body())
     assert r.state == types_pb2.ROLLOUT_STATE_QUARANTINED and r.attempts == 1
     assert "FLEET_TEST_UNSET_VAR" in r.error
     assert [a.outcome for a in r.attempt_history] == ["MALFORMED_INPUT"]
 
 
-def test_out_of_memory_is_reported_as_such(tmp_path: Path, images: ImageStore) -> None:
+async def test_out_of_memory_is_reported_as_such(tmp_path: Path, images: ImageStore) -> None:
     """A step over its memory limit fails the rollout with an out-of-memory reason, not a crash."""
 
-    async def body() -> types_pb2.Rollout:
-        async with harness(tmp_path, images) as h:
-            await h.start_agent("cpu-a", HostClass.CPU)
-            hog = ["python3", "-c", "b = bytearray(400 * 1024 * 1024)"]
-            reply = await h.fleet.SubmitRollout(request('image = "minimal"\nmemory = 96\n', hog))
-            return await h.wait_final(reply.rollout.id)
+    async with harness(tmp_path, images) as h:
+        await h.start_agent("cpu-a", HostClass.CPU)
+        hog = ["python3", "-c", "b = bytearray(400 * 1024 * 1024)"]
+        reply = await h.fleet.SubmitRollout(request('image = "minimal"\nmemory = 96\n', hog))
+        r = await h.wait_final(reply.rollout.id)
 
-    r = go(body())
     assert r.state == types_pb2.ROLLOUT_STATE_FAILED
     assert "out of memory" in r.error and "96 MiB" in r.error
     assert [a.outcome for a in r.attempt_history] == ["STEP_FAILED"]
 
 
-def test_concurrent_completions_are_group_committed_each_judged_alone(
+async def test_concurrent_completions_are_group_committed_each_judged_alone(
     tmp_path: Path, images: ImageStore
 ) -> None:
     """Completions arriving together are recorded together; a stale one among them is refused."""
 
-    async def body() -> tuple[list[object], list[int]]:
-        async with harness(tmp_path, images) as h:
-            await h.register_host("h1")
-            ids = [(await h.fleet.SubmitRollout(request())).rollout.id for _ in range(12)]
-            claim = await h.hosts.ClaimWork(
-                host_pb2.ClaimWorkRequest(request_id="c", host_id="h1", max_items=12, wait_s=1)
-            )
-            calls = [
-                h.hosts.CompleteWork(
-                    host_pb2.CompleteWorkRequest(
-                        request_id=f"x{i}", host_id="h1", work_id=item.work_id,
-                        fencing_token=item.fencing_token + (1 if i == 3 else 0),
-                        outcome=types_pb2.OUTCOME_SUCCEEDED,
-                    )
+    async with harness(tmp_path, images) as h:
+        await h.register_host("h1")
+        ids = [(await h.fleet.SubmitRollout(request())).rollout.id for _ in range(12)]
+        claim = await h.hosts.ClaimWork(
+            host_pb2.ClaimWorkRequest(request_id="c", host_id="h1", max_items=12, wait_s=1)
+        )
+        calls = [
+            h.hosts.CompleteWork(
+                host_pb2.CompleteWorkRequest(
+                    request_id=f"x{i}",
+                    host_id="h1",
+                    work_id=item.work_id,
+                    fencing_token=item.fencing_token + (1 if i == 3 else 0),
+                    outcome=types_pb2.OUTCOME_SUCCEEDED,
                 )
-                for i, item in enumerate(claim.items)
-            ]  # fmt: skip
-            answers = await asyncio.gather(*calls, return_exceptions=True)
-            states = [
-                (await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=i))).state for i in ids
-            ]
-            return list(answers), states
+            )
+            for i, item in enumerate(claim.items)
+        ]
+        answers = await asyncio.gather(*calls, return_exceptions=True)
+        states = [(await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=i))).state for i in ids]
+        answers = list(answers)
 
-    answers, states = go(body())
     errors = [a for a in answers if isinstance(a, grpc.aio.AioRpcError)]
     assert len(errors) == 1 and errors[0].code() == grpc.StatusCode.ABORTED
     assert states.count(types_pb2.ROLLOUT_STATE_SUCCEEDED) == 11
     assert states.count(types_pb2.ROLLOUT_STATE_RUNNING) == 1
 
 
-def test_refused_egress_reaches_the_ledger_api_and_cli(tmp_path: Path, images: ImageStore) -> None:
+async def test_refused_egress_reaches_the_ledger_api_and_cli(
+    tmp_path: Path, images: ImageStore
+) -> None:
     """A rollout's machine is refused a name and the metadata address: both are listed."""
     probe = (
         "import socket\n"
@@ -566,28 +542,31 @@ def test_refused_egress_reaches_the_ledger_api_and_cli(tmp_path: Path, images: I
         "except OSError: pass\n"
     )
 
-    async def body() -> tuple[types_pb2.Rollout, list[types_pb2.EgressEvent], int, str]:
-        with networld() as world:
-            async with harness(tmp_path, images) as h:
-                net = NetConfig(uplink_netns=world.uplink, dns_upstream=world.dns)
-                await h.start_agent("cpu-a", HostClass.CPU, net=net)
-                smolfile = 'image = "minimal"\n[network]\nallow_hosts = ["svc.fleet.test"]\n'
-                reply = await h.fleet.SubmitRollout(request(smolfile, ["python3", "-c", probe]))
-                r = await h.wait_final(reply.rollout.id)
-                events = await h.fleet.ListEgressEvents(
-                    fleet_pb2.ListEgressEventsRequest(rollout_id=r.id)
-                )
-                reach = await h.fleet.ListRollouts(
-                    fleet_pb2.ListRolloutsRequest(could_reach="api.svc.fleet.test")
-                )
-                cli = await asyncio.create_subprocess_exec(
-                    *FLEET, "egress-events", "--plaintext", "--server", h.server.address, r.id,
-                    stdout=asyncio.subprocess.PIPE,
-                )  # fmt: skip
-                out, _ = await cli.communicate()
-                return r, list(events.events), len(reach.rollouts), out.decode()
+    with networld() as world:
+        async with harness(tmp_path, images) as h:
+            net = NetConfig(uplink_netns=world.uplink, dns_upstream=world.dns)
+            await h.start_agent("cpu-a", HostClass.CPU, net=net)
+            smolfile = 'image = "minimal"\n[network]\nallow_hosts = ["svc.fleet.test"]\n'
+            reply = await h.fleet.SubmitRollout(request(smolfile, ["python3", "-c", probe]))
+            r = await h.wait_final(reply.rollout.id)
+            events = await h.fleet.ListEgressEvents(
+                fleet_pb2.ListEgressEventsRequest(rollout_id=r.id)
+            )
+            reach = await h.fleet.ListRollouts(
+                fleet_pb2.ListRolloutsRequest(could_reach="api.svc.fleet.test")
+            )
+            cli = await asyncio.create_subprocess_exec(
+                *FLEET,
+                "egress-events",
+                "--plaintext",
+                "--server",
+                h.server.address,
+                r.id,
+                stdout=asyncio.subprocess.PIPE,
+            )
+            out, _ = await cli.communicate()
+            events, reaching, table = list(events.events), len(reach.rollouts), out.decode()
 
-    r, events, reaching, table = go(body())
     assert r.state == types_pb2.ROLLOUT_STATE_SUCCEEDED
     assert r.egress.mode == types_pb2.EgressPolicy.MODE_ALLOWLIST
     assert "nftables" in r.egress.enforced_by
@@ -600,7 +579,7 @@ def test_refused_egress_reaches_the_ledger_api_and_cli(tmp_path: Path, images: I
     assert "other.test" in table and "169.254.169.254" in table and "metadata" in table
 
 
-def test_a_warm_rollout_that_reaches_out_gets_its_own_machine_and_namespace(
+async def test_a_warm_rollout_that_reaches_out_gets_its_own_machine_and_namespace(
     tmp_path: Path, images: ImageStore
 ) -> None:
     """A warm parent's children have no network beyond their loopback: a `[branch]` rollout
@@ -618,26 +597,26 @@ def test_a_warm_rollout_that_reaches_out_gets_its_own_machine_and_namespace(
         "except OSError: pass\n"
     )
 
-    async def body() -> tuple[types_pb2.Rollout, list[types_pb2.EgressEvent], list[str]]:
-        with networld() as world:
-            async with harness(tmp_path, images) as h:
-                net = NetConfig(uplink_netns=world.uplink, dns_upstream=world.dns)
-                await h.start_agent("cpu-a", HostClass.CPU, net=net)
-                submit = request(smolfile)
-                del submit.steps[:]
-                submit.steps.extend([
+    with networld() as world:
+        async with harness(tmp_path, images) as h:
+            net = NetConfig(uplink_netns=world.uplink, dns_upstream=world.dns)
+            await h.start_agent("cpu-a", HostClass.CPU, net=net)
+            submit = request(smolfile)
+            del submit.steps[:]
+            submit.steps.extend(
+                [
                     types_pb2.Step(name="warm-up", argv=["python3", "-c", "STATE = 41"]),
                     types_pb2.Step(name="work", argv=["python3", "-c", step], timeout_s=30),
-                ])  # fmt: skip
-                reply = await h.fleet.SubmitRollout(submit)
-                r = await h.wait_final(reply.rollout.id)
-                events = await h.fleet.ListEgressEvents(
-                    fleet_pb2.ListEgressEventsRequest(rollout_id=r.id)
-                )
-                parents = [p.name for p in (tmp_path / "machines").glob("*/fleet-parent-*")]
-                return r, list(events.events), parents
+                ]
+            )
+            reply = await h.fleet.SubmitRollout(submit)
+            r = await h.wait_final(reply.rollout.id)
+            events = await h.fleet.ListEgressEvents(
+                fleet_pb2.ListEgressEventsRequest(rollout_id=r.id)
+            )
+            parents = [p.name for p in (tmp_path / "machines").glob("*/fleet-parent-*")]
+            events = list(events.events)
 
-    r, events, parents = go(body())
     assert r.state == types_pb2.ROLLOUT_STATE_SUCCEEDED, r.results[-1].stderr.decode()
     assert [res.name for res in r.results] == ["work"]  # the warm-up ran as part of it
     assert r.results[0].stdout.decode().strip() == "42 hello from 10.9.9.9"
@@ -646,44 +625,43 @@ def test_a_warm_rollout_that_reaches_out_gets_its_own_machine_and_namespace(
     assert [(e.kind, e.destination) for e in events] == [("connect", "tcp://198.51.100.99:8080")]
 
 
-def test_list_egress_events_refuses_bad_requests(tmp_path: Path, images: ImageStore) -> None:
-    async def body() -> list[grpc.StatusCode]:
-        codes = []
-        async with harness(tmp_path, images) as h:
-            for rid in ("", "r-none"):
-                try:
-                    await h.fleet.ListEgressEvents(
-                        fleet_pb2.ListEgressEventsRequest(rollout_id=rid)
-                    )
-                except grpc.aio.AioRpcError as exc:
-                    codes.append(exc.code())
-            await h.register_host("h1")
-            await h.fleet.SubmitRollout(request())
-            claim = await h.hosts.ClaimWork(
-                host_pb2.ClaimWorkRequest(request_id="c", host_id="h1", max_items=1, wait_s=1)
-            )
+async def test_list_egress_events_refuses_bad_requests(tmp_path: Path, images: ImageStore) -> None:
+    codes = []
+    async with harness(tmp_path, images) as h:
+        for rid in ("", "r-none"):
             try:
-                await h.hosts.CompleteWork(
-                    host_pb2.CompleteWorkRequest(
-                        request_id="x", host_id="h1", work_id=claim.items[0].work_id,
-                        fencing_token=claim.items[0].fencing_token,
-                        outcome=types_pb2.OUTCOME_SUCCEEDED,
-                        egress_events=[types_pb2.EgressEvent(kind="teleport", destination="x")],
-                    )
-                )  # fmt: skip
+                await h.fleet.ListEgressEvents(fleet_pb2.ListEgressEventsRequest(rollout_id=rid))
             except grpc.aio.AioRpcError as exc:
                 codes.append(exc.code())
-                assert "teleport" in (exc.details() or "")
-        return codes
+        await h.register_host("h1")
+        await h.fleet.SubmitRollout(request())
+        claim = await h.hosts.ClaimWork(
+            host_pb2.ClaimWorkRequest(request_id="c", host_id="h1", max_items=1, wait_s=1)
+        )
+        try:
+            await h.hosts.CompleteWork(
+                host_pb2.CompleteWorkRequest(
+                    request_id="x",
+                    host_id="h1",
+                    work_id=claim.items[0].work_id,
+                    fencing_token=claim.items[0].fencing_token,
+                    outcome=types_pb2.OUTCOME_SUCCEEDED,
+                    egress_events=[types_pb2.EgressEvent(kind="teleport", destination="x")],
+                )
+            )
+        except grpc.aio.AioRpcError as exc:
+            codes.append(exc.code())
+            assert "teleport" in (exc.details() or "")
+    result = codes
 
-    assert go(body()) == [
+    assert result == [
         grpc.StatusCode.INVALID_ARGUMENT,
         grpc.StatusCode.NOT_FOUND,
         grpc.StatusCode.INVALID_ARGUMENT,
     ]
 
 
-def test_put_checkpoints_stores_each_or_refuses_it_alone(
+async def test_put_checkpoints_stores_each_or_refuses_it_alone(
     tmp_path: Path, images: ImageStore
 ) -> None:
     """One PutCheckpoints call: the good checkpoints are stored (a resend is harmless), a stale
@@ -692,38 +670,39 @@ def test_put_checkpoints_stores_each_or_refuses_it_alone(
     from fleet.agent.checkpoints import CheckpointSender
     from fleet.core.errors import Aborted
 
-    async def body() -> tuple[
-        list[tuple[str, str]], list[tuple[int, int, bytes]], list[object], int
-    ]:
-        async with harness(tmp_path, images) as h:
-            await h.register_host("h1")
-            reply = await h.fleet.SubmitRollout(request())
-            claim = await h.hosts.ClaimWork(
-                host_pb2.ClaimWorkRequest(request_id="c", host_id="h1", max_items=1, wait_s=1)
+    async with harness(tmp_path, images) as h:
+        await h.register_host("h1")
+        reply = await h.fleet.SubmitRollout(request())
+        claim = await h.hosts.ClaimWork(
+            host_pb2.ClaimWorkRequest(request_id="c", host_id="h1", max_items=1, wait_s=1)
+        )
+        item = claim.items[0]
+
+        def cp(
+            seq: int, data: bytes, token: int = item.fencing_token
+        ) -> host_pb2.PutCheckpointRequest:
+            return host_pb2.PutCheckpointRequest(
+                host_id="h1", work_id=item.work_id, fencing_token=token, sequence=seq, data=data
             )
-            item = claim.items[0]
 
-            def cp(
-                seq: int, data: bytes, token: int = item.fencing_token
-            ) -> host_pb2.PutCheckpointRequest:
-                return host_pb2.PutCheckpointRequest(
-                    host_id="h1", work_id=item.work_id, fencing_token=token, sequence=seq, data=data
-                )
+        answer = await h.hosts.PutCheckpoints(
+            host_pb2.PutCheckpointsRequest(
+                checkpoints=[
+                    cp(1, b"one"),
+                    cp(2, b"two", token=item.fencing_token + 1),
+                    cp(1, b"one"),
+                    cp(2, b"two"),
+                    cp(1, b"other"),
+                ]
+            )
+        )
+        sender = CheckpointSender(h.hosts)
+        puts = [sender.put(cp(seq, b"s%d" % seq)) for seq in range(3, 11)]
+        puts.append(sender.put(cp(11, b"x", token=item.fencing_token + 1)))
+        results = await asyncio.gather(*puts, return_exceptions=True)
+        saved = h.server.core.ledger.checkpoints(reply.rollout.id)
+        outcomes, calls = [(o.code, o.message) for o in answer.outcomes], sender.calls
 
-            answer = await h.hosts.PutCheckpoints(
-                host_pb2.PutCheckpointsRequest(checkpoints=[
-                    cp(1, b"one"), cp(2, b"two", token=item.fencing_token + 1), cp(1, b"one"),
-                    cp(2, b"two"), cp(1, b"other"),
-                ])
-            )  # fmt: skip
-            sender = CheckpointSender(h.hosts)
-            puts = [sender.put(cp(seq, b"s%d" % seq)) for seq in range(3, 11)]
-            puts.append(sender.put(cp(11, b"x", token=item.fencing_token + 1)))
-            results = await asyncio.gather(*puts, return_exceptions=True)
-            saved = h.server.core.ledger.checkpoints(reply.rollout.id)
-            return [(o.code, o.message) for o in answer.outcomes], saved, results, sender.calls
-
-    outcomes, saved, results, calls = go(body())
     assert [code for code, _ in outcomes] == ["", "ABORTED", "", "", "ABORTED"]
     assert "stale lease" in outcomes[1][1] and "other data" in outcomes[4][1]
     assert [(seq, data) for seq, _, data in saved] == [
@@ -767,42 +746,40 @@ def test_a_list_page_ends_before_its_bytes_pass_the_limit(
     assert pages == [[ids[4], ids[3]], [ids[2], ids[1]], [ids[0]]]
 
 
-def test_submit_rollouts_stores_every_one_in_one_call_or_none(
+async def test_submit_rollouts_stores_every_one_in_one_call_or_none(
     tmp_path: Path, images: ImageStore
 ) -> None:
     """SubmitRollouts: each submission checked as SubmitRollout checks it, all stored in one
     transaction; repeated, the same rollouts; one bad submission refuses the call, naming it
     by index, and stores nothing."""
 
-    async def body() -> tuple[list[object], list[object], grpc.aio.AioRpcError, int, int]:
-        async with harness(tmp_path, images) as h:
-            await h.register_host("h1")
-            batch = [request(key=f"batch-{i}") for i in range(3)]
-            first = await h.fleet.SubmitRollouts(
-                fleet_pb2.SubmitRolloutsRequest(request_id="b1", rollouts=batch)
+    async with harness(tmp_path, images) as h:
+        await h.register_host("h1")
+        batch = [request(key=f"batch-{i}") for i in range(3)]
+        first = await h.fleet.SubmitRollouts(
+            fleet_pb2.SubmitRolloutsRequest(request_id="b1", rollouts=batch)
+        )
+        again = await h.fleet.SubmitRollouts(
+            fleet_pb2.SubmitRolloutsRequest(request_id="b2", rollouts=batch)
+        )
+        stored = await h.count()
+        bad = [
+            request(key="batch-new"),
+            request('image = "minimal"\ncpus = "many"\n', key="batch-bad"),
+        ]
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await h.fleet.SubmitRollouts(
+                fleet_pb2.SubmitRolloutsRequest(request_id="b3", rollouts=bad)
             )
-            again = await h.fleet.SubmitRollouts(
-                fleet_pb2.SubmitRolloutsRequest(request_id="b2", rollouts=batch)
-            )
-            stored = await h.count()
-            bad = [request(key="batch-new"), request('image = "minimal"\ncpus = "many"\n',
-                                                     key="batch-bad")]  # fmt: skip
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await h.fleet.SubmitRollouts(
-                    fleet_pb2.SubmitRolloutsRequest(request_id="b3", rollouts=bad)
-                )
-            with pytest.raises(grpc.aio.AioRpcError) as empty:
-                await h.fleet.SubmitRollouts(fleet_pb2.SubmitRolloutsRequest(request_id="b4"))
-            assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            return (
-                [(r.id, r.created) for r in first.rollouts],
-                [(r.id, r.created) for r in again.rollouts],
-                info.value, stored, await h.count(),
-            )  # fmt: skip
+        with pytest.raises(grpc.aio.AioRpcError) as empty:
+            await h.fleet.SubmitRollouts(fleet_pb2.SubmitRolloutsRequest(request_id="b4"))
+        assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        first = [(r.id, r.created) for r in first.rollouts]
+        again = [(r.id, r.created) for r in again.rollouts]
+        refused, after = info.value, await h.count()
 
-    first, again, refused, stored, after = go(body())
-    assert [created for _, created in first] == [True] * 3  # type: ignore[misc]
-    assert again == [(rid, False) for rid, _ in first]  # type: ignore[misc]
+    assert [created for _, created in first] == [True] * 3
+    assert again == [(rid, False) for rid, _ in first]
     assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "rollouts[1] (idempotency key 'batch-bad')" in (refused.details() or "")
     assert "nothing was submitted" in (refused.details() or "")

@@ -18,53 +18,54 @@ from tests.integration.harness import harness, request
 SUCCEEDED = types_pb2.ROLLOUT_STATE_SUCCEEDED
 
 
-def test_a_cordoned_host_takes_no_new_work_and_others_do(
+async def test_a_cordoned_host_takes_no_new_work_and_others_do(
     tmp_path: Path, images: ImageStore
 ) -> None:
-    async def body() -> tuple[list[str], list[str], list[str], str]:
-        async with harness(tmp_path, images) as h:
-            await h.register_host("h1")
-            await h.register_host("h2")
-            ledger = h.server.core.ledger
+    async with harness(tmp_path, images) as h:
+        await h.register_host("h1")
+        await h.register_host("h2")
+        ledger = h.server.core.ledger
 
-            async def claim(host: str) -> list[str]:
-                reply = await h.hosts.ClaimWork(
-                    host_pb2.ClaimWorkRequest(
-                        request_id=f"{host}-{id(object())}", host_id=host, max_items=5, wait_s=0
-                    )
+        async def claim(host: str) -> list[str]:
+            reply = await h.hosts.ClaimWork(
+                host_pb2.ClaimWorkRequest(
+                    request_id=f"{host}-{id(object())}", host_id=host, max_items=5, wait_s=0
                 )
-                return [i.rollout_id for i in reply.items]
+            )
+            return [i.rollout_id for i in reply.items]
 
-            await asyncio.to_thread(ledger.set_host_state, "h1", "cordoned")
-            first = await h.fleet.SubmitRollout(request())
-            cordoned = await claim("h1")
-            other = await claim("h2")
-            await asyncio.to_thread(ledger.set_host_state, "h1", "ready")
-            await h.fleet.SubmitRollout(request())
-            again = await claim("h1")
-            assert other == [first.rollout.id]
-            return cordoned, other, again, (await asyncio.to_thread(ledger.host_states))["h1"]
+        await asyncio.to_thread(ledger.set_host_state, "h1", "cordoned")
+        first = await h.fleet.SubmitRollout(request())
+        cordoned = await claim("h1")
+        other = await claim("h2")
+        await asyncio.to_thread(ledger.set_host_state, "h1", "ready")
+        await h.fleet.SubmitRollout(request())
+        again = await claim("h1")
+        assert other == [first.rollout.id]
+        state = (await asyncio.to_thread(ledger.host_states))["h1"]
 
-    cordoned, other, again, state = asyncio.run(body())
     assert cordoned == [] and len(other) == 1 and len(again) == 1 and state == "ready"
 
 
-def test_fleet_host_cordon_and_list(tmp_path: Path, images: ImageStore) -> None:
+async def test_fleet_host_cordon_and_list(tmp_path: Path, images: ImageStore) -> None:
     db = tmp_path / "ledger.sqlite3"
 
-    async def register() -> None:
-        from fleet.core.placement import HostCapabilities, HostClass, Isolation, RuntimeKind
-        from fleet.ledger.store import Ledger
+    from fleet.core.placement import HostCapabilities, HostClass, Isolation, RuntimeKind
+    from fleet.ledger.store import Ledger
 
-        ledger = Ledger.open(str(db))
-        caps = HostCapabilities(
-            host_id="cpu-1", host_class=HostClass.CPU, runtime=RuntimeKind.NAMESPACE,
-            isolation=Isolation.NAMESPACE, cpus=2, memory_mib=1024, slots=2, cuda_devices=0,
-        )  # fmt: skip
-        ledger.register_host(caps, time.time())
-        ledger.heartbeat("cpu-1", [], time.time(), 10.0, ["sha256:" + "ab" * 32])
-
-    asyncio.run(register())
+    ledger = Ledger.open(str(db))
+    caps = HostCapabilities(
+        host_id="cpu-1",
+        host_class=HostClass.CPU,
+        runtime=RuntimeKind.NAMESPACE,
+        isolation=Isolation.NAMESPACE,
+        cpus=2,
+        memory_mib=1024,
+        slots=2,
+        cuda_devices=0,
+    )
+    ledger.register_host(caps, time.time())
+    ledger.heartbeat("cpu-1", [], time.time(), 10.0, ["sha256:" + "ab" * 32])
 
     def cli(*argv: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -91,7 +92,7 @@ def test_fleet_host_cordon_and_list(tmp_path: Path, images: ImageStore) -> None:
                for line in silent.stdout.splitlines()), silent.stdout  # fmt: skip
 
 
-def test_agents_of_another_version_are_refused_saying_which_to_upgrade(
+async def test_agents_of_another_version_are_refused_saying_which_to_upgrade(
     tmp_path: Path, images: ImageStore
 ) -> None:
     """A server serves agents of its own minor version and the one before: a newer agent, or
@@ -102,23 +103,28 @@ def test_agents_of_another_version_are_refused_saying_which_to_upgrade(
     import fleet
     from fleet.core.placement import HostClass
 
-    async def body() -> tuple[list[tuple[grpc.StatusCode, str]], list[str]]:
-        async with harness(tmp_path, images) as h:
-            refused = []
-            for version in ("99.0.0", ""):
-                try:
-                    await h.hosts.RegisterHost(host_pb2.RegisterHostRequest(
-                        request_id="r", host_id="odd", host_class=types_pb2.HOST_CLASS_CPU,
+    async with harness(tmp_path, images) as h:
+        refused = []
+        for version in ("99.0.0", ""):
+            try:
+                await h.hosts.RegisterHost(
+                    host_pb2.RegisterHostRequest(
+                        request_id="r",
+                        host_id="odd",
+                        host_class=types_pb2.HOST_CLASS_CPU,
                         agent_version=version,
-                    ))  # fmt: skip
-                except grpc.aio.AioRpcError as exc:
-                    refused.append((exc.code(), exc.details() or ""))
-            await h.start_agent("cpu-a", HostClass.CPU, slots=3)
-            views = await asyncio.to_thread(h.server.core.ledger.host_table, time.time(), 60.0)
-            return refused, [f"{v.capabilities.host_id} {v.state} {v.capabilities.agent_version} "
-                             f"{v.slots_used}/{v.capabilities.slots}" for v in views]  # fmt: skip
+                    )
+                )
+            except grpc.aio.AioRpcError as exc:
+                refused.append((exc.code(), exc.details() or ""))
+        await h.start_agent("cpu-a", HostClass.CPU, slots=3)
+        views = await asyncio.to_thread(h.server.core.ledger.host_table, time.time(), 60.0)
+        listed = [
+            f"{v.capabilities.host_id} {v.state} {v.capabilities.agent_version} "
+            f"{v.slots_used}/{v.capabilities.slots}"
+            for v in views
+        ]
 
-    refused, listed = asyncio.run(body())
     assert refused[0][0] == grpc.StatusCode.FAILED_PRECONDITION
     assert "upgrade the server" in refused[0][1] and "99.0.0" in refused[0][1]
     assert refused[1][0] == grpc.StatusCode.FAILED_PRECONDITION
@@ -135,7 +141,7 @@ async def _until(check, timeout_s: float = 60.0):  # type: ignore[no-untyped-def
     raise AssertionError("timed out waiting")
 
 
-def test_a_drain_lets_work_finish_until_its_deadline_then_releases_the_rest(
+async def test_a_drain_lets_work_finish_until_its_deadline_then_releases_the_rest(
     tmp_path: Path, images: ImageStore
 ) -> None:
     """`fleet host drain`: the host takes no new work; what finishes before the deadline
@@ -146,37 +152,43 @@ def test_a_drain_lets_work_finish_until_its_deadline_then_releases_the_rest(
 
     slow = ["sh", "-c", 'if [ "$FLEET_ATTEMPT" = 1 ]; then sleep 120; fi; echo done']
 
-    async def body() -> dict[str, object]:
-        async with harness(tmp_path, images) as h:
-            await h.start_agent("cpu-a", HostClass.CPU, slots=2)
-            ledger = h.server.core.ledger
-            short = (await h.fleet.SubmitRollout(request('image = "minimal"\n',
-                                                         ["sleep", "2"]))).rollout.id  # fmt: skip
-            held = (await h.fleet.SubmitRollout(request('image = "minimal"\n', slow))).rollout.id
+    async with harness(tmp_path, images) as h:
+        await h.start_agent("cpu-a", HostClass.CPU, slots=2)
+        ledger = h.server.core.ledger
+        short = (
+            await h.fleet.SubmitRollout(request('image = "minimal"\n', ["sleep", "2"]))
+        ).rollout.id
+        held = (await h.fleet.SubmitRollout(request('image = "minimal"\n', slow))).rollout.id
 
-            async def both_running() -> bool:
-                states = [(await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=i))).state
-                          for i in (short, held)]  # fmt: skip
-                return all(s == types_pb2.ROLLOUT_STATE_RUNNING for s in states)
+        async def both_running() -> bool:
+            states = [
+                (await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=i))).state
+                for i in (short, held)
+            ]
+            return all(s == types_pb2.ROLLOUT_STATE_RUNNING for s in states)
 
-            await _until(both_running)
-            await asyncio.to_thread(ledger.set_host_state, "cpu-a", "draining", time.time() + 6)
-            later = (await h.fleet.SubmitRollout(request())).rollout.id
-            await asyncio.sleep(1.5)
-            not_taken = (await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=later))).state
-            await h.start_agent("cpu-b", HostClass.CPU, slots=2)
-            done = {i: await h.wait_final(i, timeout_s=90) for i in (short, held, later)}
+        await _until(both_running)
+        await asyncio.to_thread(ledger.set_host_state, "cpu-a", "draining", time.time() + 6)
+        later = (await h.fleet.SubmitRollout(request())).rollout.id
+        await asyncio.sleep(1.5)
+        not_taken = (await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=later))).state
+        await h.start_agent("cpu-b", HostClass.CPU, slots=2)
+        done = {i: await h.wait_final(i, timeout_s=90) for i in (short, held, later)}
 
-            async def drained() -> str:
-                state = (await asyncio.to_thread(ledger.host_states))["cpu-a"]
-                return state if state == "drained" else ""
+        async def drained() -> str:
+            state = (await asyncio.to_thread(ledger.host_states))["cpu-a"]
+            return state if state == "drained" else ""
 
-            state = await _until(drained)
-            events = await asyncio.to_thread(ledger.events, held, 0)
-            return {"done": done, "not_taken": not_taken, "state": state,
-                    "events": [e.kind for e in events], "ids": (short, held, later)}  # fmt: skip
+        state = await _until(drained)
+        events = await asyncio.to_thread(ledger.events, held, 0)
+        r = {
+            "done": done,
+            "not_taken": not_taken,
+            "state": state,
+            "events": [e.kind for e in events],
+            "ids": (short, held, later),
+        }
 
-    r = asyncio.run(body())
     short, held, later = r["ids"]  # type: ignore[misc]
     done: dict[str, object] = r["done"]  # type: ignore[assignment]
     assert r["not_taken"] == types_pb2.ROLLOUT_STATE_QUEUED
@@ -189,46 +201,50 @@ def test_a_drain_lets_work_finish_until_its_deadline_then_releases_the_rest(
     assert r["events"].count("lease_expired") == 1  # type: ignore[attr-defined]
 
 
-def test_an_agent_told_to_stop_drains_its_host_first(tmp_path: Path, images: ImageStore) -> None:
+async def test_an_agent_told_to_stop_drains_its_host_first(
+    tmp_path: Path, images: ImageStore
+) -> None:
     """SIGTERM (the agent's stop): the server hears at once that the host drains, the running
     step finishes, the agent exits, the host is drained; registered again, it takes work."""
     from fleet._proto.fleet.v1 import fleet_pb2
     from fleet.core.placement import HostClass
 
-    async def body() -> dict[str, object]:
-        async with harness(tmp_path, images) as h:
-            await h.start_agent("cpu-a", HostClass.CPU, slots=2, drain_deadline_s=60)
-            ledger = h.server.core.ledger
-            work = (await h.fleet.SubmitRollout(request('image = "minimal"\n',
-                                                        ["sleep", "2"]))).rollout.id  # fmt: skip
+    async with harness(tmp_path, images) as h:
+        await h.start_agent("cpu-a", HostClass.CPU, slots=2, drain_deadline_s=60)
+        ledger = h.server.core.ledger
+        work = (
+            await h.fleet.SubmitRollout(request('image = "minimal"\n', ["sleep", "2"]))
+        ).rollout.id
 
-            async def running() -> bool:
-                r = await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=work))
-                return r.state == types_pb2.ROLLOUT_STATE_RUNNING
+        async def running() -> bool:
+            r = await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=work))
+            return r.state == types_pb2.ROLLOUT_STATE_RUNNING
 
-            await _until(running)
-            stop, task = h.agents.pop("cpu-a")
-            stop.set()
+        await _until(running)
+        stop, task = h.agents.pop("cpu-a")
+        stop.set()
 
-            async def draining() -> str:
-                state = (await asyncio.to_thread(ledger.host_states))["cpu-a"]
-                return state if state in ("draining", "drained") else ""
+        async def draining() -> str:
+            state = (await asyncio.to_thread(ledger.host_states))["cpu-a"]
+            return state if state in ("draining", "drained") else ""
 
-            seen = await _until(draining)
-            await asyncio.wait_for(task, 60)
-            finished = await h.wait_final(work)
+        seen = await _until(draining)
+        await asyncio.wait_for(task, 60)
+        finished = await h.wait_final(work)
 
-            async def drained() -> bool:
-                return (await asyncio.to_thread(ledger.host_states))["cpu-a"] == "drained"
+        async def drained() -> bool:
+            return (await asyncio.to_thread(ledger.host_states))["cpu-a"] == "drained"
 
-            await _until(drained)
-            await h.start_agent("cpu-a", HostClass.CPU, slots=2)
-            again = await h.wait_final((await h.fleet.SubmitRollout(request())).rollout.id)
-            return {"seen": seen, "finished": (finished.state, finished.attempts),
-                    "again": (again.state, again.host_id),
-                    "state": (await asyncio.to_thread(ledger.host_states))["cpu-a"]}  # fmt: skip
+        await _until(drained)
+        await h.start_agent("cpu-a", HostClass.CPU, slots=2)
+        again = await h.wait_final((await h.fleet.SubmitRollout(request())).rollout.id)
+        r = {
+            "seen": seen,
+            "finished": (finished.state, finished.attempts),
+            "again": (again.state, again.host_id),
+            "state": (await asyncio.to_thread(ledger.host_states))["cpu-a"],
+        }
 
-    r = asyncio.run(body())
     assert r["seen"] in ("draining", "drained")
     assert r["finished"] == (SUCCEEDED, 1)
     assert r["again"] == (SUCCEEDED, "cpu-a") and r["state"] == "ready"
@@ -295,7 +311,7 @@ def test_fleet_pool_set_list_and_delete(tmp_path: Path) -> None:
     assert gone.returncode == 2 and "no pool 'cloud'" in gone.stderr
 
 
-def test_a_rollback_to_local_only_with_work_in_flight_loses_nothing(
+async def test_a_rollback_to_local_only_with_work_in_flight_loses_nothing(
     tmp_path: Path, images: ImageStore
 ) -> None:
     """`fleet rollback --to local-only` with cpu work running on a cloud host: that host
@@ -307,30 +323,36 @@ def test_a_rollback_to_local_only_with_work_in_flight_loses_nothing(
 
     slow = ["sh", "-c", 'if [ "$FLEET_ATTEMPT" = 1 ]; then sleep 120; fi; echo done']
 
-    async def body() -> dict[str, object]:
-        async with harness(tmp_path, images) as h:
-            await h.start_agent("gpu-0", HostClass.GPU, slots=4)
-            await h.start_agent("cpu-a", HostClass.CPU, slots=2)
-            ledger = h.server.core.ledger
-            held = [(await h.fleet.SubmitRollout(request('image = "minimal"\n', slow))).rollout.id
-                    for _ in range(2)]  # fmt: skip
+    async with harness(tmp_path, images) as h:
+        await h.start_agent("gpu-0", HostClass.GPU, slots=4)
+        await h.start_agent("cpu-a", HostClass.CPU, slots=2)
+        ledger = h.server.core.ledger
+        held = [
+            (await h.fleet.SubmitRollout(request('image = "minimal"\n', slow))).rollout.id
+            for _ in range(2)
+        ]
 
-            async def both_running() -> bool:
-                states = [(await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=i))).state
-                          for i in held]  # fmt: skip
-                return all(s == types_pb2.ROLLOUT_STATE_RUNNING for s in states)
+        async def both_running() -> bool:
+            states = [
+                (await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=i))).state for i in held
+            ]
+            return all(s == types_pb2.ROLLOUT_STATE_RUNNING for s in states)
 
-            await _until(both_running)
-            queued = (await h.fleet.SubmitRollout(request())).rollout.id  # (no slot on cpu-a)
-            drained = await asyncio.to_thread(ledger.rollback, time.time() + 2, time.time())
-            new = (await h.fleet.SubmitRollout(request())).rollout.id
-            done = {i: await h.wait_final(i, timeout_s=90) for i in [*held, queued, new]}
-            undone = await asyncio.to_thread(ledger.undo_rollback)
-            after = await h.wait_final((await h.fleet.SubmitRollout(request())).rollout.id)
-            return {"drained": drained, "done": done, "undone": undone, "after": after,
-                    "ids": (held, queued, new)}  # fmt: skip
+        await _until(both_running)
+        queued = (await h.fleet.SubmitRollout(request())).rollout.id  # (no slot on cpu-a)
+        drained = await asyncio.to_thread(ledger.rollback, time.time() + 2, time.time())
+        new = (await h.fleet.SubmitRollout(request())).rollout.id
+        done = {i: await h.wait_final(i, timeout_s=90) for i in [*held, queued, new]}
+        undone = await asyncio.to_thread(ledger.undo_rollback)
+        after = await h.wait_final((await h.fleet.SubmitRollout(request())).rollout.id)
+        r = {
+            "drained": drained,
+            "done": done,
+            "undone": undone,
+            "after": after,
+            "ids": (held, queued, new),
+        }
 
-    r = asyncio.run(body())
     held, queued, new = r["ids"]  # type: ignore[misc]
     done: dict[str, object] = r["done"]  # type: ignore[assignment]
     assert r["drained"] == ["cpu-a"] and r["undone"] == ["cpu-a"]
@@ -390,7 +412,9 @@ def test_the_rollback_cli(tmp_path: Path) -> None:
     assert cli("--undo").returncode == 2
 
 
-def test_the_report_prices_what_the_cgroup_measured(tmp_path: Path, images: ImageStore) -> None:
+async def test_the_report_prices_what_the_cgroup_measured(
+    tmp_path: Path, images: ImageStore
+) -> None:
     """A known load (a second of CPU, 64 MiB touched): its attempt records the CPU seconds
     and peak memory its machine's cgroup measured, and `fleet report` prices its wall time
     as one slot of its host at the class's price, by pool."""
@@ -402,28 +426,27 @@ def test_the_report_prices_what_the_cgroup_measured(tmp_path: Path, images: Imag
     )
     burn = ["python3", "-c", code]
 
-    async def body() -> tuple[object, Path]:
-        async with harness(tmp_path, images) as h:
-            await h.start_agent("cpu-a", HostClass.CPU, slots=2)
-            ledger = h.server.core.ledger
-            await asyncio.to_thread(
-                ledger.set_pool, Pool(name="cloud", host_class=HostClass.CPU), time.time()
-            )
-            rid = (await h.fleet.SubmitRollout(request('image = "minimal"\n', burn))).rollout.id
-            done = await h.wait_final(rid)
-            [cost] = await asyncio.to_thread(ledger.cost_attempts, 0.0)
-            [view] = await asyncio.to_thread(ledger.host_table, time.time(), 60.0)
-            # The agent said what its disk holds: the image the rollout ran on, among them.
-            assert images.record("minimal").digest in view.images  # type: ignore[union-attr]
-            return (done, cost), Path(str(ledger.engine.url).removeprefix("sqlite:///"))
+    async with harness(tmp_path, images) as h:
+        await h.start_agent("cpu-a", HostClass.CPU, slots=2)
+        ledger = h.server.core.ledger
+        await asyncio.to_thread(
+            ledger.set_pool, Pool(name="cloud", host_class=HostClass.CPU), time.time()
+        )
+        rid = (await h.fleet.SubmitRollout(request('image = "minimal"\n', burn))).rollout.id
+        done = await h.wait_final(rid)
+        [cost] = await asyncio.to_thread(ledger.cost_attempts, 0.0)
+        [view] = await asyncio.to_thread(ledger.host_table, time.time(), 60.0)
+        # The agent said what its disk holds: the image the rollout ran on, among them.
+        assert images.record("minimal").digest in view.images  # type: ignore[union-attr]
+        (done, cost), db = (done, cost), Path(str(ledger.engine.url).removeprefix("sqlite:///"))
 
-    (done, cost), db = asyncio.run(body())
     assert done.state == SUCCEEDED  # type: ignore[attr-defined]
     assert cost.group == "cloud" and cost.final and cost.succeeded  # type: ignore[attr-defined]
     assert 1.0 <= cost.cpu_s < 5.0  # type: ignore[attr-defined]
     assert 64 <= cost.peak_memory_mib < 512  # type: ignore[attr-defined]
     chart = tmp_path / "report.png"
-    report = subprocess.run(
+    report = await asyncio.to_thread(
+        subprocess.run,
         [sys.executable, "-m", "fleet.cli.main", "report", "--since", "1h",
          "--price", "cpu=3.6/h", "--db", str(db), "--chart", str(chart)],
         capture_output=True, text=True, timeout=60,

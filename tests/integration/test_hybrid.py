@@ -14,7 +14,6 @@ import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -72,41 +71,42 @@ def test_every_error_code_has_an_http_status() -> None:
     assert set(HTTP_STATUS) == set(ErrorCode)
 
 
-def test_a_machine_gets_each_action_from_the_gateway(tmp_path: Path, images: ImageStore) -> None:
+async def test_a_machine_gets_each_action_from_the_gateway(
+    tmp_path: Path, images: ImageStore
+) -> None:
     """The episode runs in the machine, actions come from the gateway, the trajectory matches."""
 
-    async def body() -> tuple[Any, Any, list[Any]]:
-        with networld() as world:
-            async with gateway_on_uplink(world) as port, harness(tmp_path, images) as h:
-                net = NetConfig(uplink_netns=world.uplink, dns_upstream=world.dns)
-                await h.start_agent("cpu-a", HostClass.CPU, net=net, gateway=(GATEWAY[0], port))
-                hybrid = await h.fleet.SubmitRollout(
-                    request(
-                        'image = "minimal"\n', program(7),
-                        requirements=types_pb2.Requirements(inference=True),
-                    )
-                )  # fmt: skip
-                # A rollout that does not use inference cannot reach the gateway, even
-                # with egress of its own.
-                probe = (
-                    "import socket, sys\ns = socket.socket(); s.settimeout(3)\n"
-                    f"try: s.connect(('{GATEWAY[0]}', {port}))\n"
-                    "except OSError as exc: sys.exit(f'refused: {exc}')\n"
+    with networld() as world:
+        async with gateway_on_uplink(world) as port, harness(tmp_path, images) as h:
+            net = NetConfig(uplink_netns=world.uplink, dns_upstream=world.dns)
+            await h.start_agent("cpu-a", HostClass.CPU, net=net, gateway=(GATEWAY[0], port))
+            hybrid = await h.fleet.SubmitRollout(
+                request(
+                    'image = "minimal"\n',
+                    program(7),
+                    requirements=types_pb2.Requirements(inference=True),
                 )
-                plain = await h.fleet.SubmitRollout(
-                    request(
-                        'image = "minimal"\n[network]\nallow_hosts = ["svc.fleet.test"]\n',
-                        ["python3", "-c", probe],
-                    )
-                )  # fmt: skip
-                done = await h.wait_final(hybrid.rollout.id)
-                blocked = await h.wait_final(plain.rollout.id)
-                events = await h.fleet.ListEgressEvents(
-                    fleet_pb2.ListEgressEventsRequest(rollout_id=plain.rollout.id)
+            )
+            # A rollout that does not use inference cannot reach the gateway, even
+            # with egress of its own.
+            probe = (
+                "import socket, sys\ns = socket.socket(); s.settimeout(3)\n"
+                f"try: s.connect(('{GATEWAY[0]}', {port}))\n"
+                "except OSError as exc: sys.exit(f'refused: {exc}')\n"
+            )
+            plain = await h.fleet.SubmitRollout(
+                request(
+                    'image = "minimal"\n[network]\nallow_hosts = ["svc.fleet.test"]\n',
+                    ["python3", "-c", probe],
                 )
-                return done, blocked, list(events.events)
+            )
+            done = await h.wait_final(hybrid.rollout.id)
+            blocked = await h.wait_final(plain.rollout.id)
+            events = await h.fleet.ListEgressEvents(
+                fleet_pb2.ListEgressEventsRequest(rollout_id=plain.rollout.id)
+            )
+            events = list(events.events)
 
-    done, blocked, events = asyncio.run(body())
     assert done.state == types_pb2.ROLLOUT_STATE_SUCCEEDED, done.results[0].stderr[-800:]
     episode = json.loads(done.results[0].stdout)
     assert episode["actions"] == local_episode(7)
@@ -135,38 +135,41 @@ except OSError as exc:
 """
 
 
-def test_a_warm_child_gets_actions_and_stores_checkpoints_through_the_agents_sockets(
+async def test_a_warm_child_gets_actions_and_stores_checkpoints_through_the_agents_sockets(
     tmp_path: Path, images: ImageStore
 ) -> None:
     """A [branch] rollout that uses the gateway runs as a warm parent's child: its actions
     come through gateway.sock, its checkpoints go through checkpoints.sock, and nothing else
     (not even the gateway's own address) is reachable from it."""
 
-    async def body() -> tuple[Any, list[tuple[int, int, bytes]]]:
-        with networld() as world:
-            async with gateway_on_uplink(world) as port, harness(tmp_path, images) as h:
-                net = NetConfig(uplink_netns=world.uplink, dns_upstream=world.dns)
-                await h.start_agent("cpu-a", HostClass.CPU, net=net, gateway=(GATEWAY[0], port))
-                submitted = await h.fleet.SubmitRollout(
-                    fleet_pb2.SubmitRolloutRequest(
-                        request_id="warm-hybrid", idempotency_key="warm-hybrid",
-                        smolfile='image = "minimal"\n[branch]\nenabled = true\n',
-                        smolfile_name="test.smolfile",
-                        steps=[
-                            types_pb2.Step(name="warm-up", argv=["python3", "-c", source()],
-                                           timeout_s=60),
-                            types_pb2.Step(name="episode", argv=warm_step(7), timeout_s=60),
-                            types_pb2.Step(name="confined", timeout_s=30, argv=[
-                                "python3", "-c", CONFINED, GATEWAY[0], str(port)]),
-                        ],
-                        requirements=types_pb2.Requirements(inference=True),
-                    )
-                )  # fmt: skip
-                rid = submitted.rollout.id
-                done = await h.wait_final(rid)
-                return done, h.server.core.ledger.checkpoints(rid)
+    with networld() as world:
+        async with gateway_on_uplink(world) as port, harness(tmp_path, images) as h:
+            net = NetConfig(uplink_netns=world.uplink, dns_upstream=world.dns)
+            await h.start_agent("cpu-a", HostClass.CPU, net=net, gateway=(GATEWAY[0], port))
+            submitted = await h.fleet.SubmitRollout(
+                fleet_pb2.SubmitRolloutRequest(
+                    request_id="warm-hybrid",
+                    idempotency_key="warm-hybrid",
+                    smolfile='image = "minimal"\n[branch]\nenabled = true\n',
+                    smolfile_name="test.smolfile",
+                    steps=[
+                        types_pb2.Step(
+                            name="warm-up", argv=["python3", "-c", source()], timeout_s=60
+                        ),
+                        types_pb2.Step(name="episode", argv=warm_step(7), timeout_s=60),
+                        types_pb2.Step(
+                            name="confined",
+                            timeout_s=30,
+                            argv=["python3", "-c", CONFINED, GATEWAY[0], str(port)],
+                        ),
+                    ],
+                    requirements=types_pb2.Requirements(inference=True),
+                )
+            )
+            rid = submitted.rollout.id
+            done = await h.wait_final(rid)
+            saved = h.server.core.ledger.checkpoints(rid)
 
-    done, saved = asyncio.run(body())
     assert done.state == types_pb2.ROLLOUT_STATE_SUCCEEDED, [r.stderr[-800:] for r in done.results]
     episode = json.loads(done.results[0].stdout)
     assert episode["actions"] == local_episode(7)
@@ -182,7 +185,7 @@ def test_a_warm_child_gets_actions_and_stores_checkpoints_through_the_agents_soc
     assert "gateway.sock" in done.egress.enforced_by
 
 
-def test_a_deep_gateway_queue_holds_inference_rollouts_while_cpu_work_goes_on(
+async def test_a_deep_gateway_queue_holds_inference_rollouts_while_cpu_work_goes_on(
     tmp_path: Path, images: ImageStore
 ) -> None:
     """Over the threshold: only CPU-only work is handed out; drained: inference work again."""
@@ -199,70 +202,77 @@ def test_a_deep_gateway_queue_holds_inference_rollouts_while_cpu_work_goes_on(
     def slow() -> None:
         time.sleep(0.15)
 
-    async def body() -> tuple[list[str], list[str], str, str, bool]:
-        gateway = Gateway.build(
-            GatewayConfig(secret=SECRET, device="cpu", engine="inline",  # (a blocking hook)
-                          batch=BatchConfig(max_batch=1, max_wait_ms=0.5)),
-            fault_primary=slow,
-        )  # fmt: skip
-        grpc_server, port = await serve(gateway, "127.0.0.1:0")
-        config = ServerConfig(
-            lease_ttl_s=30, heartbeat_interval_s=0.5, token_secret=SECRET,
-            gateway_address=f"127.0.0.1:{port}", backpressure_queue_depth=4,
-            backpressure_resume_depth=1, gateway_poll_s=0.05,
-        )  # fmt: skip
-        try:
-            async with (
-                harness(tmp_path, images, config) as h,
-                grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel,
-            ):
-                stub = inference_pb2_grpc.InferenceServiceStub(channel)
-                sample = GridWorld(0).observation()
-                load = [
-                    stub.Infer(
-                        inference_pb2.InferRequest(
-                            # (issued now: the server's list of running rollouts,
-                            # read before, could not hold these yet)
-                            token=issue(SECRET, f"load-{i}", time.time() + 60, time.time()),
-                            rollout_id=f"load-{i}", idempotency_key="k", model="gridworld-policy",
-                            input=inference_pb2.Tensor(shape=[147], values=sample),
-                        )
+    gateway = Gateway.build(
+        GatewayConfig(
+            secret=SECRET,
+            device="cpu",
+            engine="inline",  # (a blocking hook)
+            batch=BatchConfig(max_batch=1, max_wait_ms=0.5),
+        ),
+        fault_primary=slow,
+    )
+    grpc_server, port = await serve(gateway, "127.0.0.1:0")
+    config = ServerConfig(
+        lease_ttl_s=30,
+        heartbeat_interval_s=0.5,
+        token_secret=SECRET,
+        gateway_address=f"127.0.0.1:{port}",
+        backpressure_queue_depth=4,
+        backpressure_resume_depth=1,
+        gateway_poll_s=0.05,
+    )
+    try:
+        async with (
+            harness(tmp_path, images, config) as h,
+            grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel,
+        ):
+            stub = inference_pb2_grpc.InferenceServiceStub(channel)
+            sample = GridWorld(0).observation()
+            load = [
+                stub.Infer(
+                    inference_pb2.InferRequest(
+                        # (issued now: the server's list of running rollouts,
+                        # read before, could not hold these yet)
+                        token=issue(SECRET, f"load-{i}", time.time() + 60, time.time()),
+                        rollout_id=f"load-{i}",
+                        idempotency_key="k",
+                        model="gridworld-policy",
+                        input=inference_pb2.Tensor(shape=[147], values=sample),
                     )
-                    for i in range(12)
-                ]  # fmt: skip
-                flood = asyncio.gather(*load)
-                for _ in range(100):  # until the server has seen the deep queue
-                    if h.server.core.hold_inference:
-                        break
-                    await asyncio.sleep(0.02)
-                held = h.server.core.hold_inference
-                await h.register_host("h1", gateway=True)
-                model = await h.fleet.SubmitRollout(
-                    request(requirements=types_pb2.Requirements(inference=True))
                 )
-                plain = await h.fleet.SubmitRollout(request())
-                first = await h.hosts.ClaimWork(
-                    host_pb2.ClaimWorkRequest(request_id="c1", host_id="h1", max_items=5, wait_s=0)
-                )
-                await flood  # the queue drains
-                second = await h.hosts.ClaimWork(
-                    host_pb2.ClaimWorkRequest(request_id="c2", host_id="h1", max_items=5, wait_s=5)
-                )
-                return (
-                    [i.rollout_id for i in first.items], [i.rollout_id for i in second.items],
-                    plain.rollout.id, model.rollout.id, held,
-                )  # fmt: skip
-        finally:
-            await gateway.batcher.stop()
-            await grpc_server.stop(None)
+                for i in range(12)
+            ]
+            flood = asyncio.gather(*load)
+            for _ in range(100):  # until the server has seen the deep queue
+                if h.server.core.hold_inference:
+                    break
+                await asyncio.sleep(0.02)
+            held = h.server.core.hold_inference
+            await h.register_host("h1", gateway=True)
+            model = await h.fleet.SubmitRollout(
+                request(requirements=types_pb2.Requirements(inference=True))
+            )
+            plain = await h.fleet.SubmitRollout(request())
+            first = await h.hosts.ClaimWork(
+                host_pb2.ClaimWorkRequest(request_id="c1", host_id="h1", max_items=5, wait_s=0)
+            )
+            await flood  # the queue drains
+            second = await h.hosts.ClaimWork(
+                host_pb2.ClaimWorkRequest(request_id="c2", host_id="h1", max_items=5, wait_s=5)
+            )
+            first = [i.rollout_id for i in first.items]
+            second = [i.rollout_id for i in second.items]
+            plain, model = plain.rollout.id, model.rollout.id
+    finally:
+        await gateway.batcher.stop()
+        await grpc_server.stop(None)
 
-    first, second, plain, model, held = asyncio.run(body())
     assert held
     assert first == [plain]
     assert second == [model]
 
 
-def test_server_and_gateway_metrics_and_fleet_top(tmp_path: Path, images: ImageStore) -> None:
+async def test_server_and_gateway_metrics_and_fleet_top(tmp_path: Path, images: ImageStore) -> None:
     """Prometheus text from both; `fleet top --once` shows rollouts, throughput and the gateway."""
     import time
     import urllib.request
@@ -275,40 +285,40 @@ def test_server_and_gateway_metrics_and_fleet_top(tmp_path: Path, images: ImageS
         with urllib.request.urlopen(url, timeout=10) as reply:
             return str(reply.read().decode())
 
-    async def body() -> tuple[str, str, str]:
-        gateway = Gateway.build(GatewayConfig(secret=SECRET, device="cpu"))
-        gateway.batcher.start()
-        http, port = await serve_http(gateway, "127.0.0.1", 0)
-        config = ServerConfig(
-            lease_ttl_s=5, heartbeat_interval_s=0.5, token_secret=SECRET,
-            metrics_listen="127.0.0.1:0",
+    gateway = Gateway.build(GatewayConfig(secret=SECRET, device="cpu"))
+    gateway.batcher.start()
+    http, port = await serve_http(gateway, "127.0.0.1", 0)
+    config = ServerConfig(
+        lease_ttl_s=5,
+        heartbeat_interval_s=0.5,
+        token_secret=SECRET,
+        metrics_listen="127.0.0.1:0",
+    )
+    try:
+        await gateway.infer(
+            via="grpc", token=issue(SECRET, "r-m", time.time() + 60),
+            rollout_id="r-m", idempotency_key="k", model="gridworld-policy", revision="",
+            shape=[147], values=GridWorld(1).observation(), deadline=None,
         )  # fmt: skip
-        try:
-            await gateway.infer(
-                via="grpc", token=issue(SECRET, "r-m", time.time() + 60),
-                rollout_id="r-m", idempotency_key="k", model="gridworld-policy", revision="",
-                shape=[147], values=GridWorld(1).observation(), deadline=None,
+        async with harness(tmp_path, images, config) as h:
+            await h.start_agent("cpu-a", HostClass.CPU)
+            busy = ["python3", "-c", "sum(i * i for i in range(3_000_000))"]
+            reply = await h.fleet.SubmitRollout(request('image = "minimal"\n', busy))
+            await h.wait_final(reply.rollout.id)
+            server_url = f"http://127.0.0.1:{h.server.metrics_port}/metrics"
+            server_text = await asyncio.to_thread(get, server_url)
+            gateway_text = await asyncio.to_thread(get, f"http://127.0.0.1:{port}/metrics")
+            top = await asyncio.create_subprocess_exec(
+                *FLEET, "top", "--once", "--metrics", server_url,
+                "--gateway-metrics", f"http://127.0.0.1:{port}/metrics",
+                stdout=asyncio.subprocess.PIPE,
             )  # fmt: skip
-            async with harness(tmp_path, images, config) as h:
-                await h.start_agent("cpu-a", HostClass.CPU)
-                busy = ["python3", "-c", "sum(i * i for i in range(3_000_000))"]
-                reply = await h.fleet.SubmitRollout(request('image = "minimal"\n', busy))
-                await h.wait_final(reply.rollout.id)
-                server_url = f"http://127.0.0.1:{h.server.metrics_port}/metrics"
-                server_text = await asyncio.to_thread(get, server_url)
-                gateway_text = await asyncio.to_thread(get, f"http://127.0.0.1:{port}/metrics")
-                top = await asyncio.create_subprocess_exec(
-                    *FLEET, "top", "--once", "--metrics", server_url,
-                    "--gateway-metrics", f"http://127.0.0.1:{port}/metrics",
-                    stdout=asyncio.subprocess.PIPE,
-                )  # fmt: skip
-                out, _ = await top.communicate()
-                return server_text, gateway_text, out.decode()
-        finally:
-            http.close()
-            await gateway.batcher.stop()
+            out, _ = await top.communicate()
+            top = out.decode()
+    finally:
+        http.close()
+        await gateway.batcher.stop()
 
-    server_text, gateway_text, top = asyncio.run(body())
     from fleet.cli.top import parse
 
     server, gateway = parse(server_text), parse(gateway_text)
@@ -327,7 +337,7 @@ def test_server_and_gateway_metrics_and_fleet_top(tmp_path: Path, images: ImageS
     assert "grpc 1   grpc_stream 0   http 0   streams open 0" in top
 
 
-def test_the_gateway_over_tls_serves_machines_and_warm_children(
+async def test_the_gateway_over_tls_serves_machines_and_warm_children(
     tmp_path: Path, images: ImageStore
 ) -> None:
     """The gateway's endpoint beyond loopback speaks TLS with a certificate from the fleet's
@@ -350,36 +360,41 @@ def test_the_gateway_over_tls_serves_machines_and_warm_children(
         "    print('refused:', exc.reason)\n"
     )
 
-    async def body() -> tuple[Any, Any]:
-        with networld() as world:
-            async with gateway_on_uplink(world, tls) as port, harness(tmp_path, images) as h:
-                net = NetConfig(uplink_netns=world.uplink, dns_upstream=world.dns)
-                await h.start_agent("cpu-a", HostClass.CPU, net=net,
-                                    gateway=(GATEWAY[0], port), gateway_ca=ca.pem)  # fmt: skip
-                inference = types_pb2.Requirements(inference=True)
-                plain = await h.fleet.SubmitRollout(
-                    request(
-                        'image = "minimal"\n',
-                        program(7),
-                        ["python3", "-c", untrusted],
-                        requirements=inference,
-                    )
+    with networld() as world:
+        async with gateway_on_uplink(world, tls) as port, harness(tmp_path, images) as h:
+            net = NetConfig(uplink_netns=world.uplink, dns_upstream=world.dns)
+            await h.start_agent(
+                "cpu-a", HostClass.CPU, net=net, gateway=(GATEWAY[0], port), gateway_ca=ca.pem
+            )
+            inference = types_pb2.Requirements(inference=True)
+            plain = await h.fleet.SubmitRollout(
+                request(
+                    'image = "minimal"\n',
+                    program(7),
+                    ["python3", "-c", untrusted],
+                    requirements=inference,
                 )
-                child = await h.fleet.SubmitRollout(
-                    fleet_pb2.SubmitRolloutRequest(
-                        request_id="warm-tls", idempotency_key="warm-tls", smolfile=warm,
-                        smolfile_name="test.smolfile", requirements=inference,
-                        steps=[
-                            types_pb2.Step(name="warm-up", argv=["python3", "-c", source()],
-                                           timeout_s=60),
-                            types_pb2.Step(name="episode", argv=warm_step(7), timeout_s=60),
-                        ],
-                    )
-                )  # fmt: skip
-                return (await h.wait_final(plain.rollout.id),
-                        await h.wait_final(child.rollout.id))  # fmt: skip
+            )
+            child = await h.fleet.SubmitRollout(
+                fleet_pb2.SubmitRolloutRequest(
+                    request_id="warm-tls",
+                    idempotency_key="warm-tls",
+                    smolfile=warm,
+                    smolfile_name="test.smolfile",
+                    requirements=inference,
+                    steps=[
+                        types_pb2.Step(
+                            name="warm-up", argv=["python3", "-c", source()], timeout_s=60
+                        ),
+                        types_pb2.Step(name="episode", argv=warm_step(7), timeout_s=60),
+                    ],
+                )
+            )
+            plain, child = (
+                await h.wait_final(plain.rollout.id),
+                await h.wait_final(child.rollout.id),
+            )
 
-    plain, child = asyncio.run(body())
     for done in (plain, child):
         assert done.state == types_pb2.ROLLOUT_STATE_SUCCEEDED, [
             r.stderr[-800:] for r in done.results
@@ -388,7 +403,7 @@ def test_the_gateway_over_tls_serves_machines_and_warm_children(
     assert plain.results[1].stdout.startswith(b"refused: CERTIFICATE_VERIFY_FAILED")
 
 
-def test_a_finished_rollouts_token_is_refused_by_the_gateway(
+async def test_a_finished_rollouts_token_is_refused_by_the_gateway(
     tmp_path: Path, images: ImageStore
 ) -> None:
     """The server tells the gateway which rollouts run (every poll, signed): a rollout's token
@@ -401,73 +416,78 @@ def test_a_finished_rollouts_token_is_refused_by_the_gateway(
     from fleet.server.app import ServerConfig
     from gateway.service import serve
 
-    async def body() -> tuple[list[str], str]:
-        gateway = Gateway.build(GatewayConfig(secret=SECRET, device="cpu"))
-        grpc_server, port = await serve(gateway, "127.0.0.1:0")
-        config = ServerConfig(
-            lease_ttl_s=30, heartbeat_interval_s=0.5, token_secret=SECRET,
-            gateway_address=f"127.0.0.1:{port}", gateway_poll_s=0.05,
-        )  # fmt: skip
-        try:
-            async with (
-                harness(tmp_path, images, config) as h,
-                grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel,
-            ):
-                stub = inference_pb2_grpc.InferenceServiceStub(channel)
-                sample = GridWorld(0).observation()
-                await h.register_host("h1", gateway=True)
-                submitted = await h.fleet.SubmitRollout(
-                    request(requirements=types_pb2.Requirements(inference=True))
-                )
-                claim = await h.hosts.ClaimWork(
-                    host_pb2.ClaimWorkRequest(request_id="c", host_id="h1", max_items=1, wait_s=5)
-                )
-                item = claim.items[0]
-                claimed = time.time()
+    gateway = Gateway.build(GatewayConfig(secret=SECRET, device="cpu"))
+    grpc_server, port = await serve(gateway, "127.0.0.1:0")
+    config = ServerConfig(
+        lease_ttl_s=30,
+        heartbeat_interval_s=0.5,
+        token_secret=SECRET,
+        gateway_address=f"127.0.0.1:{port}",
+        gateway_poll_s=0.05,
+    )
+    try:
+        async with (
+            harness(tmp_path, images, config) as h,
+            grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel,
+        ):
+            stub = inference_pb2_grpc.InferenceServiceStub(channel)
+            sample = GridWorld(0).observation()
+            await h.register_host("h1", gateway=True)
+            submitted = await h.fleet.SubmitRollout(
+                request(requirements=types_pb2.Requirements(inference=True))
+            )
+            claim = await h.hosts.ClaimWork(
+                host_pb2.ClaimWorkRequest(request_id="c", host_id="h1", max_items=1, wait_s=5)
+            )
+            item = claim.items[0]
+            claimed = time.time()
 
-                async def ask(key: str) -> str:
-                    try:
-                        await stub.Infer(
-                            inference_pb2.InferRequest(
-                                token=item.inference_token, rollout_id=item.rollout_id,
-                                idempotency_key=key, model="gridworld-policy",
-                                input=inference_pb2.Tensor(shape=[147], values=sample),
-                            )
-                        )  # fmt: skip
-                        return "served"
-                    except grpc.aio.AioRpcError as exc:
-                        return f"{exc.code().name}: {exc.details()}"
-
-                # Past the grace of a new token: from here only the list decides.
-                await asyncio.sleep(max(0.0, claimed + 1.5 - time.time()))
-                running = [await ask("while-running")]
-                await h.hosts.CompleteWork(
-                    host_pb2.CompleteWorkRequest(
-                        request_id="done", host_id="h1", work_id=item.work_id,
-                        fencing_token=item.fencing_token, outcome=types_pb2.OUTCOME_SUCCEEDED,
+            async def ask(key: str) -> str:
+                try:
+                    await stub.Infer(
+                        inference_pb2.InferRequest(
+                            token=item.inference_token,
+                            rollout_id=item.rollout_id,
+                            idempotency_key=key,
+                            model="gridworld-policy",
+                            input=inference_pb2.Tensor(shape=[147], values=sample),
+                        )
                     )
-                )  # fmt: skip
-                finished = time.time()
-                for _ in range(100):  # until a poll read after the rollout ended
-                    if gateway.running_as_of > finished:
-                        break
-                    await asyncio.sleep(0.02)
-                after = await ask("after-the-end")
-                assert submitted.rollout.id == item.rollout_id
-                # The device time of the answered request reached the attempt, through the
-                # server's poll of the gateway.
-                ledger = h.server.core.ledger
-                for _ in range(100):
-                    [cost] = await asyncio.to_thread(ledger.cost_attempts, 0.0)
-                    if cost.device_s > 0:
-                        break
-                    await asyncio.sleep(0.02)
-                assert 0 < cost.device_s < 5, cost
-                return running, after
-        finally:
-            await gateway.batcher.stop()
-            await grpc_server.stop(None)
+                    return "served"
+                except grpc.aio.AioRpcError as exc:
+                    return f"{exc.code().name}: {exc.details()}"
 
-    running, after = asyncio.run(body())
+            # Past the grace of a new token: from here only the list decides.
+            await asyncio.sleep(max(0.0, claimed + 1.5 - time.time()))
+            running = [await ask("while-running")]
+            await h.hosts.CompleteWork(
+                host_pb2.CompleteWorkRequest(
+                    request_id="done",
+                    host_id="h1",
+                    work_id=item.work_id,
+                    fencing_token=item.fencing_token,
+                    outcome=types_pb2.OUTCOME_SUCCEEDED,
+                )
+            )
+            finished = time.time()
+            for _ in range(100):  # until a poll read after the rollout ended
+                if gateway.running_as_of > finished:
+                    break
+                await asyncio.sleep(0.02)
+            after = await ask("after-the-end")
+            assert submitted.rollout.id == item.rollout_id
+            # The device time of the answered request reached the attempt, through the
+            # server's poll of the gateway.
+            ledger = h.server.core.ledger
+            for _ in range(100):
+                [cost] = await asyncio.to_thread(ledger.cost_attempts, 0.0)
+                if cost.device_s > 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert 0 < cost.device_s < 5, cost
+    finally:
+        await gateway.batcher.stop()
+        await grpc_server.stop(None)
+
     assert running == ["served"]
     assert after.startswith("PERMISSION_DENIED: rollout r-") and "is not running" in after

@@ -49,7 +49,9 @@ def docker_save(path: Path, layers: list[bytes]) -> None:
         tar.addfile(info, io.BytesIO(manifest))
 
 
-def test_a_docker_save_archive_becomes_a_fleet_image(tmp_path: Path, images: ImageStore) -> None:
+async def test_a_docker_save_archive_becomes_a_fleet_image(
+    tmp_path: Path, images: ImageStore
+) -> None:
     record = images.record("minimal")
     assert record is not None
     recipes = tmp_path / "recipes"
@@ -72,14 +74,12 @@ def test_a_docker_save_archive_becomes_a_fleet_image(tmp_path: Path, images: Ima
     assert "./opt/task/new.txt" in names and "./usr/bin/python3" in names
     assert "./opt/task/old.txt" not in names and "./opt/gone.txt" not in names
 
-    async def body() -> types_pb2.Rollout:
-        async with harness(tmp_path / "fleet", store) as h:
-            await h.start_agent("cpu-a", HostClass.CPU)
-            req = request('image = "custom"\n', ["sh", "-c", "cat /opt/task/new.txt; ls /opt"])
-            rid = (await h.fleet.SubmitRollout(req)).rollout.id
-            return await h.wait_final(rid)
+    async with harness(tmp_path / "fleet", store) as h:
+        await h.start_agent("cpu-a", HostClass.CPU)
+        req = request('image = "custom"\n', ["sh", "-c", "cat /opt/task/new.txt; ls /opt"])
+        rid = (await h.fleet.SubmitRollout(req)).rollout.id
+        r = await h.wait_final(rid)
 
-    r = asyncio.run(body())
     assert r.state == types_pb2.ROLLOUT_STATE_SUCCEEDED, r.error
     assert r.results[0].stdout == b"new\ntask\n"
 
@@ -99,7 +99,7 @@ def test_a_bad_base_archive_is_refused(tmp_path: Path) -> None:
         store.build("bad")
 
 
-def test_a_smolfile_may_name_an_archive(tmp_path: Path, images: ImageStore) -> None:
+async def test_a_smolfile_may_name_an_archive(tmp_path: Path, images: ImageStore) -> None:
     """`image = "./env.tar"`: `fleet run` flattens it locally; `fleet submit` flattens and
     uploads it, and the server stores and pins it for the hosts."""
     import os
@@ -119,26 +119,39 @@ def test_a_smolfile_may_name_an_archive(tmp_path: Path, images: ImageStore) -> N
     home = tmp_path / "home"
     env = {**os.environ, "FLEET_HOME": str(home), "FLEET_SERVER": "", "FLEET_KEY": ""}
     argv = [*FLEET, "run", "-s", str(smolfile), "--", "cat", "/opt/hello.txt"]
-    ran = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    ran = await asyncio.to_thread(
+        subprocess.run, argv, capture_output=True, text=True, timeout=300, env=env, cwd=REPO
+    )
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout == "hello from the archive\n"
 
-    async def body() -> types_pb2.Rollout:
-        async with harness(tmp_path / "fleet", images, secure=True) as h:
-            await h.start_agent("cpu-a", HostClass.CPU)
-            assert h.ca is not None
-            submit = await asyncio.create_subprocess_exec(
-                *FLEET, "submit", "--server", h.server.address, "--ca",
-                str(tmp_path / "fleet" / "ca" / "ca.crt"), "--key", h.key("team-a"), "-s",
-                str(smolfile), "--step", "cat /opt/hello.txt", "-q", env=env, cwd=REPO,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            )  # fmt: skip
-            out, err = await submit.communicate()
-            assert submit.returncode == 0, err.decode()
-            rid = out.decode().strip()
-            return await h.wait_final(rid, timeout_s=120)
+    async with harness(tmp_path / "fleet", images, secure=True) as h:
+        await h.start_agent("cpu-a", HostClass.CPU)
+        assert h.ca is not None
+        submit = await asyncio.create_subprocess_exec(
+            *FLEET,
+            "submit",
+            "--server",
+            h.server.address,
+            "--ca",
+            str(tmp_path / "fleet" / "ca" / "ca.crt"),
+            "--key",
+            h.key("team-a"),
+            "-s",
+            str(smolfile),
+            "--step",
+            "cat /opt/hello.txt",
+            "-q",
+            env=env,
+            cwd=REPO,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await submit.communicate()
+        assert submit.returncode == 0, err.decode()
+        rid = out.decode().strip()
+        r = await h.wait_final(rid, timeout_s=120)
 
-    r = asyncio.run(body())
     assert r.state == types_pb2.ROLLOUT_STATE_SUCCEEDED, r.error
     assert r.results[0].stdout == b"hello from the archive\n"
     assert r.manifest.image_ref == "./env.tar" and r.manifest.image_digest.startswith("sha256:")

@@ -26,26 +26,24 @@ def empty_store(tmp: Path, name: str, images: ImageStore) -> ImageStore:
     return ImageStore(tmp / name, images.recipes)
 
 
-def test_an_empty_host_fetches_the_image_once_for_many_rollouts(
+async def test_an_empty_host_fetches_the_image_once_for_many_rollouts(
     tmp_path: Path, images: ImageStore
 ) -> None:
     """Five rollouts on a host with an empty store: one download, verified, then cached."""
     record = images.record("minimal")
     assert record is not None
 
-    async def body() -> tuple[list[types_pb2.Rollout], int]:
-        async with harness(tmp_path, images, secure=True) as h:
-            store = empty_store(tmp_path, "remote-images", images)
-            agent = await h.start_agent("cloud-1", HostClass.CPU, slots=4, images=store)
-            step = ["cat", "/etc/os-release"]
-            submitted = [
-                (await h.fleet.SubmitRollout(request('image = "minimal"\n', step))).rollout.id
-                for _ in range(5)
-            ]
-            final = [await h.wait_final(r) for r in submitted]
-            return final, agent.images.fetches
+    async with harness(tmp_path, images, secure=True) as h:
+        store = empty_store(tmp_path, "remote-images", images)
+        agent = await h.start_agent("cloud-1", HostClass.CPU, slots=4, images=store)
+        step = ["cat", "/etc/os-release"]
+        submitted = [
+            (await h.fleet.SubmitRollout(request('image = "minimal"\n', step))).rollout.id
+            for _ in range(5)
+        ]
+        final = [await h.wait_final(r) for r in submitted]
+        fetches = agent.images.fetches
 
-    final, fetches = go(body())
     assert all(r.state == types_pb2.ROLLOUT_STATE_SUCCEEDED for r in final), final[0].error
     assert all(b"Debian" in r.results[0].stdout for r in final)
     assert fetches == 1
@@ -54,7 +52,7 @@ def test_an_empty_host_fetches_the_image_once_for_many_rollouts(
     assert not list((tmp_path / "remote-images" / "tmp").glob("*.partial"))
 
 
-def test_a_copy_that_does_not_verify_is_refused_and_retried(
+async def test_a_copy_that_does_not_verify_is_refused_and_retried(
     tmp_path: Path, images: ImageStore
 ) -> None:
     """The server's copy of an image is corrupt: the host discards it, the attempt is a host
@@ -71,16 +69,14 @@ def test_a_copy_that_does_not_verify_is_refused_and_retried(
         handle.seek(-1, os.SEEK_CUR)
         handle.write(bytes([byte[0] ^ 0xFF]))
 
-    async def body() -> types_pb2.Rollout:
-        async with harness(tmp_path, server_store, secure=True) as h:
-            store = empty_store(tmp_path, "remote-images", images)
-            await h.start_agent("cloud-1", HostClass.CPU, images=store)
-            req = request(f'image = "{record.digest}"\n', ["true"])
-            req.retry.max_attempts = 2
-            rid = (await h.fleet.SubmitRollout(req)).rollout.id
-            return await h.wait_final(rid, timeout_s=90)
+    async with harness(tmp_path, server_store, secure=True) as h:
+        store = empty_store(tmp_path, "remote-images", images)
+        await h.start_agent("cloud-1", HostClass.CPU, images=store)
+        req = request(f'image = "{record.digest}"\n', ["true"])
+        req.retry.max_attempts = 2
+        rid = (await h.fleet.SubmitRollout(req)).rollout.id
+        r = await h.wait_final(rid, timeout_s=90)
 
-    r = go(body())
     assert r.state != types_pb2.ROLLOUT_STATE_SUCCEEDED
     assert all("does not verify" in a.error for a in r.attempt_history), r.attempt_history
     assert not (tmp_path / "remote-images" / "blobs" / bad.name).exists()
@@ -120,37 +116,38 @@ def test_an_interrupted_download_resumes_from_what_it_has(
     assert "does not verify" in go(fetch(wrong, "bad"))
 
 
-def test_blobs_are_served_to_hosts_only_and_checked(tmp_path: Path, images: ImageStore) -> None:
+async def test_blobs_are_served_to_hosts_only_and_checked(
+    tmp_path: Path, images: ImageStore
+) -> None:
     record = images.record("minimal")
     assert record is not None
 
-    async def body() -> list[grpc.StatusCode]:
-        async with harness(tmp_path, images, secure=True) as h:
-            codes = []
-            ask = host_pb2.GetBlobRequest(digest=record.digest)
-            try:  # a tenant's channel: no certificate
-                async for _ in h.hosts.GetBlob(ask):
-                    break
-            except grpc.aio.AioRpcError as exc:
-                codes.append(exc.code())
-            identity = h.identity("cloud-1")
-            creds = identity.channel_credentials()
-            async with grpc.aio.secure_channel(identity.host_address, creds) as channel:
-                stub = host_pb2_grpc.HostServiceStub(channel)
-                asks = [
-                    host_pb2.GetBlobRequest(digest="../../etc/passwd"),
-                    host_pb2.GetBlobRequest(digest="sha256:" + "0" * 64),
-                    host_pb2.GetBlobRequest(digest=record.digest, offset=1 << 40),
-                ]
-                for bad in asks:
-                    try:
-                        async for _ in stub.GetBlob(bad):
-                            pass
-                    except grpc.aio.AioRpcError as exc:
-                        codes.append(exc.code())
-            return codes
+    async with harness(tmp_path, images, secure=True) as h:
+        codes = []
+        ask = host_pb2.GetBlobRequest(digest=record.digest)
+        try:  # a tenant's channel: no certificate
+            async for _ in h.hosts.GetBlob(ask):
+                break
+        except grpc.aio.AioRpcError as exc:
+            codes.append(exc.code())
+        identity = h.identity("cloud-1")
+        creds = identity.channel_credentials()
+        async with grpc.aio.secure_channel(identity.host_address, creds) as channel:
+            stub = host_pb2_grpc.HostServiceStub(channel)
+            asks = [
+                host_pb2.GetBlobRequest(digest="../../etc/passwd"),
+                host_pb2.GetBlobRequest(digest="sha256:" + "0" * 64),
+                host_pb2.GetBlobRequest(digest=record.digest, offset=1 << 40),
+            ]
+            for bad in asks:
+                try:
+                    async for _ in stub.GetBlob(bad):
+                        pass
+                except grpc.aio.AioRpcError as exc:
+                    codes.append(exc.code())
+        result = codes
 
-    assert go(body()) == [
+    assert result == [
         grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT,
         grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OUT_OF_RANGE,
     ]  # fmt: skip
@@ -177,16 +174,14 @@ def test_the_cache_evicts_least_recently_used_never_one_in_use(tmp_path: Path) -
     assert ImageCache(store, None).evict() == []
 
 
-def test_a_smolfile_without_an_image_runs_on_the_default_one(
+async def test_a_smolfile_without_an_image_runs_on_the_default_one(
     tmp_path: Path, images: ImageStore
 ) -> None:
-    async def body() -> types_pb2.Rollout:
-        async with harness(tmp_path, images, secure=True) as h:
-            await h.start_agent("cpu-a", HostClass.CPU)
-            rid = (await h.fleet.SubmitRollout(request("cpus = 1\n", ["true"]))).rollout.id
-            return await h.wait_final(rid)
+    async with harness(tmp_path, images, secure=True) as h:
+        await h.start_agent("cpu-a", HostClass.CPU)
+        rid = (await h.fleet.SubmitRollout(request("cpus = 1\n", ["true"]))).rollout.id
+        r = await h.wait_final(rid)
 
-    r = go(body())
     record = images.record("minimal")
     assert record is not None
     assert r.state == types_pb2.ROLLOUT_STATE_SUCCEEDED, r.error

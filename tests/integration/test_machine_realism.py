@@ -220,21 +220,22 @@ print("all forked")
 """
 
 
-def test_a_fork_bomb_is_reported_as_the_process_limit(rootfs: Path, tmp_path: Path) -> None:
-    async def go() -> ExecResult:
-        runtime = NamespaceRuntime(tmp_path / "machines")
-        spec = MachineSpec(
-            name="forks", smolfile=parse_smolfile('image = "minimal"\n').spec,
-            image_digest="sha256:x", rootfs=rootfs, labels={"fleet": "test"},
-        )  # fmt: skip
-        machine: NamespaceMachine = await runtime.create(spec)
-        try:
-            pids = machine.cgroup.dirs.get("pids") or machine.cgroup.dirs["all"]
-            (pids / "pids.max").write_text("64")  # a small limit, so the probe stays small
-            return await machine.exec(["python3", "-c", FORKS], timeout_s=60)
-        finally:
-            await machine.delete()
+async def test_a_fork_bomb_is_reported_as_the_process_limit(rootfs: Path, tmp_path: Path) -> None:
+    runtime = NamespaceRuntime(tmp_path / "machines")
+    spec = MachineSpec(
+        name="forks",
+        smolfile=parse_smolfile('image = "minimal"\n').spec,
+        image_digest="sha256:x",
+        rootfs=rootfs,
+        labels={"fleet": "test"},
+    )
+    machine: NamespaceMachine = await runtime.create(spec)
+    try:
+        pids = machine.cgroup.dirs.get("pids") or machine.cgroup.dirs["all"]
+        (pids / "pids.max").write_text("64")  # a small limit, so the probe stays small
+        result = await machine.exec(["python3", "-c", FORKS], timeout_s=60)
+    finally:
+        await machine.delete()
 
-    result = asyncio.run(go())
     assert result.exit_code == 4 and b"fork refused" in result.stdout, result
     assert result.pids_exhausted and not result.oom_killed

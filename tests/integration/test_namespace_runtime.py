@@ -171,18 +171,18 @@ def test_output_is_bounded(rootfs: Path, tmp_path: Path) -> None:
     assert result.exit_code == 0 and len(result.stdout) == 1000 and result.stdout_truncated
 
 
-def test_delete_removes_the_machine_and_list_finds_by_label(rootfs: Path, tmp_path: Path) -> None:
+async def test_delete_removes_the_machine_and_list_finds_by_label(
+    rootfs: Path, tmp_path: Path
+) -> None:
     """Machines are listed by label while they exist and leave nothing on delete."""
 
-    async def go() -> tuple[list[str], list[str], bool]:
-        runtime, spec = make(rootfs, tmp_path)
-        machine = await runtime.create(spec)
-        found = await runtime.list_machines({"case": tmp_path.name})
-        await machine.delete()
-        after = await runtime.list_machines({"case": tmp_path.name})
-        return found, after, machine.root.exists()
+    runtime, spec = make(rootfs, tmp_path)
+    machine = await runtime.create(spec)
+    found = await runtime.list_machines({"case": tmp_path.name})
+    await machine.delete()
+    after = await runtime.list_machines({"case": tmp_path.name})
+    exists = machine.root.exists()
 
-    found, after, exists = asyncio.run(go())
     assert len(found) == 1 and after == [] and not exists
 
 
@@ -225,37 +225,37 @@ def test_memory_limit_kills_the_step_and_says_so(rootfs: Path, tmp_path: Path) -
     assert big.oom_killed and big.exit_code != 0 and b"survived" not in big.stdout
 
 
-def test_machine_processes_live_in_its_cgroup_with_its_limits(rootfs: Path, tmp_path: Path) -> None:
+async def test_machine_processes_live_in_its_cgroup_with_its_limits(
+    rootfs: Path, tmp_path: Path
+) -> None:
     """While a step runs its processes are in the machine's cgroup; delete removes the group."""
 
-    async def go() -> tuple[list[int], dict[str, str], bool]:
-        runtime, spec = make(rootfs, tmp_path, 'image = "minimal"\ncpus = 2\nmemory = 300\n')
-        machine = await runtime.create(spec)
-        step = asyncio.create_task(machine.exec(["sleep", "3"], timeout_s=30))
-        pids: list[int] = []
-        for _ in range(100):
-            await asyncio.sleep(0.05)
-            pids = machine.cgroup.pids()
-            if len(pids) >= 2:
-                break
-        limits = {}
-        for d in machine.cgroup.dirs.values():
-            for name in (
-                "memory.limit_in_bytes",
-                "memory.memsw.limit_in_bytes",
-                "memory.max",
-                "memory.swap.max",
-                "cpu.cfs_quota_us",
-                "cpu.max",
-                "pids.max",
-            ):
-                if (d / name).exists():
-                    limits[name] = (d / name).read_text().strip()
-        step.cancel()
-        await machine.delete()
-        return pids, limits, machine.cgroup.exists()
+    runtime, spec = make(rootfs, tmp_path, 'image = "minimal"\ncpus = 2\nmemory = 300\n')
+    machine = await runtime.create(spec)
+    step = asyncio.create_task(machine.exec(["sleep", "3"], timeout_s=30))
+    pids: list[int] = []
+    for _ in range(100):
+        await asyncio.sleep(0.05)
+        pids = machine.cgroup.pids()
+        if len(pids) >= 2:
+            break
+    limits = {}
+    for d in machine.cgroup.dirs.values():
+        for name in (
+            "memory.limit_in_bytes",
+            "memory.memsw.limit_in_bytes",
+            "memory.max",
+            "memory.swap.max",
+            "cpu.cfs_quota_us",
+            "cpu.max",
+            "pids.max",
+        ):
+            if (d / name).exists():
+                limits[name] = (d / name).read_text().strip()
+    step.cancel()
+    await machine.delete()
+    exists = machine.cgroup.exists()
 
-    pids, limits, exists = asyncio.run(go())
     assert len(pids) >= 2  # unshare/bwrap and the sandboxed sleep
     assert limits.get("memory.limit_in_bytes", limits.get("memory.max")) == str(300 * 1024 * 1024)
     # No swap beyond it: v1 bounds memory and swap together where it accounts swap, v2 swap.
@@ -268,32 +268,32 @@ def test_machine_processes_live_in_its_cgroup_with_its_limits(rootfs: Path, tmp_
     assert not exists
 
 
-def test_reaper_removes_what_a_killed_agent_left(rootfs: Path, tmp_path: Path) -> None:
+async def test_reaper_removes_what_a_killed_agent_left(rootfs: Path, tmp_path: Path) -> None:
     """Machines of this host left behind (no delete) are removed by reap; others are kept."""
 
-    async def go() -> tuple[int, list[str], list[str]]:
-        runtime = NamespaceRuntime(tmp_path / "machines")
-        specs = [
-            MachineSpec(
-                name=f"orphan-{host}", smolfile=parse_smolfile('image = "minimal"\n').spec,
-                image_digest="sha256:x", rootfs=rootfs, labels={"fleet": "1", "host": host},
-            )
-            for host in ("me", "other")
-        ]  # fmt: skip
-        mine = await runtime.create(specs[0])
-        theirs = await runtime.create(specs[1])
-        reaped = await NamespaceRuntime(tmp_path / "machines").reap("me")
-        left = await runtime.list_machines({"fleet": "1"})
-        cgroup_left = [str(d) for d in mine.cgroup.dirs.values() if d.exists()]
-        await theirs.delete()
-        return reaped, left, cgroup_left
+    runtime = NamespaceRuntime(tmp_path / "machines")
+    specs = [
+        MachineSpec(
+            name=f"orphan-{host}",
+            smolfile=parse_smolfile('image = "minimal"\n').spec,
+            image_digest="sha256:x",
+            rootfs=rootfs,
+            labels={"fleet": "1", "host": host},
+        )
+        for host in ("me", "other")
+    ]
+    mine = await runtime.create(specs[0])
+    theirs = await runtime.create(specs[1])
+    reaped = await NamespaceRuntime(tmp_path / "machines").reap("me")
+    left = await runtime.list_machines({"fleet": "1"})
+    cgroup_left = [str(d) for d in mine.cgroup.dirs.values() if d.exists()]
+    await theirs.delete()
 
-    reaped, left, cgroup_left = asyncio.run(go())
     assert reaped == 1 and len(left) == 1 and left[0].startswith("orphan-other")
     assert cgroup_left == []
 
 
-def test_a_restarted_agent_adopts_a_leased_machine_and_reaps_the_rest(
+async def test_a_restarted_agent_adopts_a_leased_machine_and_reaps_the_rest(
     rootfs: Path, tmp_path: Path
 ) -> None:
     """Left behind by a killed agent: a machine labelled with a lease is adoptable (its files
@@ -307,33 +307,30 @@ def test_a_restarted_agent_adopts_a_leased_machine_and_reaps_the_rest(
             labels={"fleet": "1", "host": "me", **labels},
         )  # fmt: skip
 
-    async def go() -> None:
-        before = NamespaceRuntime(tmp_path / "machines")
-        leased = spec("leased", work="w-1", fence="4")
-        first = await before.create(leased)
-        await first.exec(["/bin/sh", "-c", "echo kept > /root/state"], timeout_s=30)
-        await before.create(spec("unlabelled"))
-        await before.create(spec("parent", parent="abc"))
+    before = NamespaceRuntime(tmp_path / "machines")
+    leased = spec("leased", work="w-1", fence="4")
+    first = await before.create(leased)
+    await first.exec(["/bin/sh", "-c", "echo kept > /root/state"], timeout_s=30)
+    await before.create(spec("unlabelled"))
+    await before.create(spec("parent", parent="abc"))
 
-        after = NamespaceRuntime(tmp_path / "machines")  # the restarted agent's
-        found = {m.name.rsplit("-", 1)[0]: m for m in await after.leftovers("me")}
-        assert set(found) == {"leased", "unlabelled", "parent"}
-        assert found["leased"].adoptable and found["leased"].lease == ("w-1", 4)
-        assert not found["unlabelled"].adoptable and "no lease" in found["unlabelled"].why_not
-        assert not found["parent"].adoptable and "fork server" in found["parent"].why_not
-        with pytest.raises(InvalidArgument, match="cannot be adopted"):
-            await after.adopt(found["parent"], spec("parent"))
+    after = NamespaceRuntime(tmp_path / "machines")  # the restarted agent's
+    found = {m.name.rsplit("-", 1)[0]: m for m in await after.leftovers("me")}
+    assert set(found) == {"leased", "unlabelled", "parent"}
+    assert found["leased"].adoptable and found["leased"].lease == ("w-1", 4)
+    assert not found["unlabelled"].adoptable and "no lease" in found["unlabelled"].why_not
+    assert not found["parent"].adoptable and "fork server" in found["parent"].why_not
+    with pytest.raises(InvalidArgument, match="cannot be adopted"):
+        await after.adopt(found["parent"], spec("parent"))
 
-        adopted = await after.adopt(found["leased"], leased)
-        result = await adopted.exec(["cat", "/root/state"], timeout_s=30)
-        assert result.stdout == b"kept\n"
-        assert await after.reap("me", keep={found["leased"].name}) == 2
-        assert [m.name for m in await after.leftovers("me")] == [found["leased"].name]
-        await adopted.delete()
-        assert await after.leftovers("me") == []
-        assert not adopted.cgroup.exists()
-
-    asyncio.run(go())
+    adopted = await after.adopt(found["leased"], leased)
+    result = await adopted.exec(["cat", "/root/state"], timeout_s=30)
+    assert result.stdout == b"kept\n"
+    assert await after.reap("me", keep={found["leased"].name}) == 2
+    assert [m.name for m in await after.leftovers("me")] == [found["leased"].name]
+    await adopted.delete()
+    assert await after.leftovers("me") == []
+    assert not adopted.cgroup.exists()
 
 
 SYSCALLS = r"""
@@ -526,38 +523,36 @@ def test_without_overlay_or_storage_a_machine_gets_the_default_bound(
     assert not ok.disk_full  # type: ignore[attr-defined]
 
 
-def test_an_agent_without_a_default_bound_keeps_layers_in_the_machine_directory(
+async def test_an_agent_without_a_default_bound_keeps_layers_in_the_machine_directory(
     rootfs: Path, tmp_path: Path
 ) -> None:
-    async def go() -> tuple[bool, bool, bool]:
-        runtime, spec = make(rootfs, tmp_path)
-        runtime.default_disk_gib = None
-        m = await runtime.create(spec)
-        try:
-            await m.exec(["/bin/sh", "-c", "echo x > /root/f"], timeout_s=30)
-            made = (m.root / "upper/root/f").is_file()
-            return m.layer == m.root, (m.root / "disk").exists(), made
-        finally:
-            await m.delete()
+    runtime, spec = make(rootfs, tmp_path)
+    runtime.default_disk_gib = None
+    m = await runtime.create(spec)
+    try:
+        await m.exec(["/bin/sh", "-c", "echo x > /root/f"], timeout_s=30)
+        made = (m.root / "upper/root/f").is_file()
+        result = m.layer == m.root, (m.root / "disk").exists(), made
+    finally:
+        await m.delete()
 
-    assert asyncio.run(go()) == (True, False, True)
+    assert result == (True, False, True)
 
 
-def test_the_reaper_unmounts_a_bounded_disk_a_killed_agent_left(
+async def test_the_reaper_unmounts_a_bounded_disk_a_killed_agent_left(
     rootfs: Path, tmp_path: Path
 ) -> None:
-    async def go() -> tuple[int, bool, bool, bool]:
-        runtime, spec = make(rootfs, tmp_path, 'image = "minimal"\noverlay = 1\n')
-        spec.labels["host"] = "gone"
-        machine = await runtime.create(spec)
-        was = _mounted(machine.root / "disk")
-        reaped = await NamespaceRuntime(tmp_path / "machines").reap("gone")
-        return reaped, was, _mounted(machine.root / "disk"), machine.root.exists()
+    runtime, spec = make(rootfs, tmp_path, 'image = "minimal"\noverlay = 1\n')
+    spec.labels["host"] = "gone"
+    machine = await runtime.create(spec)
+    was = _mounted(machine.root / "disk")
+    reaped = await NamespaceRuntime(tmp_path / "machines").reap("gone")
+    result = reaped, was, _mounted(machine.root / "disk"), machine.root.exists()
 
-    assert asyncio.run(go()) == (1, True, False, False)
+    assert result == (1, True, False, False)
 
 
-def test_a_restarted_agent_adopts_a_machine_with_its_bounded_disk(
+async def test_a_restarted_agent_adopts_a_machine_with_its_bounded_disk(
     rootfs: Path, tmp_path: Path
 ) -> None:
     """The disk stays mounted when the agent dies; the adopting agent finds it (and mounts it
@@ -568,18 +563,16 @@ def test_a_restarted_agent_adopts_a_machine_with_its_bounded_disk(
         image_digest="sha256:x", rootfs=rootfs, labels=labels,
     )  # fmt: skip
 
-    async def go() -> tuple[bytes, bytes, bool]:
-        first = await NamespaceRuntime(tmp_path / "machines").create(spec)
-        await first.exec(["/bin/sh", "-c", "echo kept > /root/state"], timeout_s=30)
-        unmount = await asyncio.create_subprocess_exec("umount", str(first.root / "disk"))
-        assert await unmount.wait() == 0  # as after a host's restart
-        after = NamespaceRuntime(tmp_path / "machines")
-        (leftover,) = await after.leftovers("me")
-        adopted = await after.adopt(leftover, spec)
-        state = await adopted.exec(["cat", "/root/state"], timeout_s=30)
-        big = await adopted.exec(["python3", "-c", FILL, "/root/big", "2048"], timeout_s=60)
-        await adopted.delete()
-        return state.stdout, big.stdout, adopted.root.exists()
+    first = await NamespaceRuntime(tmp_path / "machines").create(spec)
+    await first.exec(["/bin/sh", "-c", "echo kept > /root/state"], timeout_s=30)
+    unmount = await asyncio.create_subprocess_exec("umount", str(first.root / "disk"))
+    assert await unmount.wait() == 0  # as after a host's restart
+    after = NamespaceRuntime(tmp_path / "machines")
+    (leftover,) = await after.leftovers("me")
+    adopted = await after.adopt(leftover, spec)
+    state = await adopted.exec(["cat", "/root/state"], timeout_s=30)
+    big = await adopted.exec(["python3", "-c", FILL, "/root/big", "2048"], timeout_s=60)
+    await adopted.delete()
+    state, big, left = state.stdout, big.stdout, adopted.root.exists()
 
-    state, big, left = asyncio.run(go())
     assert state == b"kept\n" and b"No space left on device" in big and not left

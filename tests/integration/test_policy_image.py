@@ -3,7 +3,6 @@ and used as a warm parent whose children find torch and the model already loaded
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from pathlib import Path
 
@@ -40,31 +39,32 @@ def policy_rootfs(images: ImageStore) -> Path:
     return images.rootfs(record.digest)
 
 
-def test_policy_image_serves_a_warm_torch_parent(policy_rootfs: Path, tmp_path: Path) -> None:
+async def test_policy_image_serves_a_warm_torch_parent(policy_rootfs: Path, tmp_path: Path) -> None:
     """torch 2.13.0 in the image; children use the parent's loaded model without importing."""
 
-    async def body() -> tuple[bytes, bytes]:
-        runtime = NamespaceRuntime(tmp_path / "machines")
-        spec = MachineSpec(
-            name=f"pol-{uuid.uuid4().hex[:6]}", smolfile=parse_smolfile('image = "policy"\n').spec,
-            image_digest="sha256:policy", rootfs=policy_rootfs, labels={"host": "policy-test"},
-        )  # fmt: skip
-        plain = await runtime.create(spec)
-        try:
-            cold = await plain.exec(
-                ["python3", "-c", "import torch; print(torch.__version__)"], timeout_s=120
-            )
-        finally:
-            await plain.delete()
-        parent = await NamespaceParent.create(runtime, await runtime.create(spec), WARMUP)
-        try:
-            child = await parent.branch("policy-child")
-            warm = await child.exec(["python3", "-c", STEP], timeout_s=120)
-            assert warm.exit_code == 0, warm.stderr.decode()
-        finally:
-            await parent.delete()
-        return cold.stdout, warm.stdout
+    runtime = NamespaceRuntime(tmp_path / "machines")
+    spec = MachineSpec(
+        name=f"pol-{uuid.uuid4().hex[:6]}",
+        smolfile=parse_smolfile('image = "policy"\n').spec,
+        image_digest="sha256:policy",
+        rootfs=policy_rootfs,
+        labels={"host": "policy-test"},
+    )
+    plain = await runtime.create(spec)
+    try:
+        cold = await plain.exec(
+            ["python3", "-c", "import torch; print(torch.__version__)"], timeout_s=120
+        )
+    finally:
+        await plain.delete()
+    parent = await NamespaceParent.create(runtime, await runtime.create(spec), WARMUP)
+    try:
+        child = await parent.branch("policy-child")
+        warm = await child.exec(["python3", "-c", STEP], timeout_s=120)
+        assert warm.exit_code == 0, warm.stderr.decode()
+    finally:
+        await parent.delete()
+    cold, warm = cold.stdout, warm.stdout
 
-    cold, warm = asyncio.run(body())
     assert cold.startswith(b"2.13.0")
     assert warm.startswith(b"2.13.0") and warm.endswith(b" True (2, 4) True\n")

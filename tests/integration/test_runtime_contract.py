@@ -129,7 +129,7 @@ def test_timeout_is_reported_not_raised(kind: str, tmp_path: Path, rootfs: Path)
 
 
 @pytest.mark.vm
-def test_an_image_packs_into_a_smolmachine_that_boots(
+async def test_an_image_packs_into_a_smolmachine_that_boots(
     tmp_path: Path, rootfs: Path, images: ImageStore
 ) -> None:
     """`fleet image pack`: the pack boots and carries the image's digest as its marker."""
@@ -138,17 +138,18 @@ def test_an_image_packs_into_a_smolmachine_that_boots(
     record = images.record("minimal")
     assert record is not None
 
-    async def go() -> bytes:
-        spec = MachineSpec(
-            name=f"pack-{uuid.uuid4().hex[:6]}",
-            smolfile=parse_smolfile('image = "minimal"\n').spec,
-            image_digest=record.digest, rootfs=rootfs, labels={"fleet": "test"},
-        )  # fmt: skip
-        pack = await runtime.pack(spec, tmp_path / "minimal.smolmachine")
-        booted = await runtime.create(spec.model_copy(update={"rootfs": pack}))
-        try:
-            return await booted.read_file("/etc/fleet-image")
-        finally:
-            await booted.delete()
+    spec = MachineSpec(
+        name=f"pack-{uuid.uuid4().hex[:6]}",
+        smolfile=parse_smolfile('image = "minimal"\n').spec,
+        image_digest=record.digest,
+        rootfs=rootfs,
+        labels={"fleet": "test"},
+    )
+    pack = await runtime.pack(spec, tmp_path / "minimal.smolmachine")
+    booted = await runtime.create(spec.model_copy(update={"rootfs": pack}))
+    try:
+        result = await booted.read_file("/etc/fleet-image")
+    finally:
+        await booted.delete()
 
-    assert asyncio.run(go()).strip() == record.digest.encode()
+    assert result.strip() == record.digest.encode()

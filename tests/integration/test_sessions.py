@@ -64,42 +64,47 @@ def sessions(h: Harness) -> fleet_pb2_grpc.SessionServiceStub:
     return fleet_pb2_grpc.SessionServiceStub(h.channel)
 
 
-def test_a_session_runs_commands_and_moves_files_until_it_is_closed(
+async def test_a_session_runs_commands_and_moves_files_until_it_is_closed(
     tmp_path: Path, images: ImageStore
 ) -> None:
     big = os.urandom(5 << 20)
     script = "for i in 1 2 3; do echo out$i; echo err$i >&2; done; read line; echo got:$line"
 
-    async def body() -> dict[str, object]:
-        async with harness(tmp_path, images) as h:
-            await h.start_agent("cpu-a", HostClass.CPU)
-            stub = sessions(h)
-            s = await open_session(stub)
-            chunks, done = await run(stub, s.id, shell=script, stdin=b"hello\n")
-            _, state = await run(stub, s.id, shell="echo kept > /root/state")
-            state_again, _ = await run(stub, s.id, argv=["cat", "/root/state"])
-            _, slow = await run(stub, s.id, argv=["sleep", "30"], timeout_s=0.5)
-            size = await write(stub, s.id, "/root/dir/big.bin", big)
-            back = await read(stub, s.id, "/root/dir/big.bin")
-            mode, _ = await run(stub, s.id, argv=["stat", "-c", "%a", "/root/dir/big.bin"])
-            with pytest.raises(grpc.aio.AioRpcError) as missing:
-                await read(stub, s.id, "/root/none")
-            listed = await stub.ListSessions(fleet_pb2.ListSessionsRequest())
-            closed = await stub.CloseSession(fleet_pb2.CloseSessionRequest(session_id=s.id))
-            with pytest.raises(grpc.aio.AioRpcError) as after:
-                await run(stub, s.id, argv=["true"])
-            rollout = await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=s.id))
-            return {
-                "opened": (s.state, s.host_id), "chunks": chunks, "exit": done.exit_code,
-                "state": (state.exit_code, state_again), "slow": (slow.timed_out, slow.exit_code),
-                "size": size, "back": back, "mode": mode, "missing": missing.value.code(),
-                "listed": [(x.id, x.state) for x in listed.sessions],
-                "closed": closed.state, "after": (after.value.code(), after.value.details()),
-                "rollout": (rollout.state, rollout.attempts),
-                "machines": list((tmp_path / "machines").glob("cpu-a/*")),
-            }  # fmt: skip
+    async with harness(tmp_path, images) as h:
+        await h.start_agent("cpu-a", HostClass.CPU)
+        stub = sessions(h)
+        s = await open_session(stub)
+        chunks, done = await run(stub, s.id, shell=script, stdin=b"hello\n")
+        _, state = await run(stub, s.id, shell="echo kept > /root/state")
+        state_again, _ = await run(stub, s.id, argv=["cat", "/root/state"])
+        _, slow = await run(stub, s.id, argv=["sleep", "30"], timeout_s=0.5)
+        size = await write(stub, s.id, "/root/dir/big.bin", big)
+        back = await read(stub, s.id, "/root/dir/big.bin")
+        mode, _ = await run(stub, s.id, argv=["stat", "-c", "%a", "/root/dir/big.bin"])
+        with pytest.raises(grpc.aio.AioRpcError) as missing:
+            await read(stub, s.id, "/root/none")
+        listed = await stub.ListSessions(fleet_pb2.ListSessionsRequest())
+        closed = await stub.CloseSession(fleet_pb2.CloseSessionRequest(session_id=s.id))
+        with pytest.raises(grpc.aio.AioRpcError) as after:
+            await run(stub, s.id, argv=["true"])
+        rollout = await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=s.id))
+        out = {
+            "opened": (s.state, s.host_id),
+            "chunks": chunks,
+            "exit": done.exit_code,
+            "state": (state.exit_code, state_again),
+            "slow": (slow.timed_out, slow.exit_code),
+            "size": size,
+            "back": back,
+            "mode": mode,
+            "missing": missing.value.code(),
+            "listed": [(x.id, x.state) for x in listed.sessions],
+            "closed": closed.state,
+            "after": (after.value.code(), after.value.details()),
+            "rollout": (rollout.state, rollout.attempts),
+            "machines": list((tmp_path / "machines").glob("cpu-a/*")),
+        }
 
-    out = asyncio.run(body())
     assert out["opened"] == ("OPEN", "cpu-a")
     # In the order the machine wrote them, each stream whole.
     chunks = out["chunks"]
@@ -119,66 +124,67 @@ def test_a_session_runs_commands_and_moves_files_until_it_is_closed(
     assert out["machines"] == []  # nothing left on the host
 
 
-def test_an_idle_session_is_closed(tmp_path: Path, images: ImageStore) -> None:
-    async def body() -> tuple[str, str]:
-        async with harness(tmp_path, images) as h:
-            await h.start_agent("cpu-a", HostClass.CPU)
-            stub = sessions(h)
-            s = await open_session(stub, idle_timeout_s=1.0)
-            await run(stub, s.id, argv=["true"])
-            rollout = await h.wait_final(s.id, timeout_s=30)
-            listed = await stub.ListSessions(fleet_pb2.ListSessionsRequest())
-            return rollout.error, listed.sessions[0].state
+async def test_an_idle_session_is_closed(tmp_path: Path, images: ImageStore) -> None:
+    async with harness(tmp_path, images) as h:
+        await h.start_agent("cpu-a", HostClass.CPU)
+        stub = sessions(h)
+        s = await open_session(stub, idle_timeout_s=1.0)
+        await run(stub, s.id, argv=["true"])
+        rollout = await h.wait_final(s.id, timeout_s=30)
+        listed = await stub.ListSessions(fleet_pb2.ListSessionsRequest())
+        error, state = rollout.error, listed.sessions[0].state
 
-    error, state = asyncio.run(body())
     assert "closed after 1 s without a call" in error and state == "CLOSED"
 
 
-def test_another_tenants_session_is_not_there(tmp_path: Path, images: ImageStore) -> None:
-    async def body() -> list[grpc.StatusCode]:
-        async with harness(tmp_path, images, secure=True) as h:
-            await h.start_agent("cpu-a", HostClass.CPU)
-            mine = fleet_pb2_grpc.SessionServiceStub(h.connect(h.key("team-a")))
-            theirs = fleet_pb2_grpc.SessionServiceStub(h.connect(h.key("team-b")))
-            s = await open_session(mine, ready_timeout_s=15)
-            codes = []
-            for call in (
-                run(theirs, s.id, argv=["true"]),
-                read(theirs, s.id, "/etc/hostname"),
-                theirs.CloseSession(fleet_pb2.CloseSessionRequest(session_id=s.id)),
-            ):
-                try:
-                    await call
-                    codes.append(grpc.StatusCode.OK)
-                except grpc.aio.AioRpcError as exc:
-                    codes.append(exc.code())
-            listed = await theirs.ListSessions(fleet_pb2.ListSessionsRequest())
-            codes.append(grpc.StatusCode.OK if not listed.sessions else grpc.StatusCode.UNKNOWN)
-            _, still = await run(mine, s.id, argv=["true"])
-            codes.append(grpc.StatusCode.OK if still.exit_code == 0 else grpc.StatusCode.UNKNOWN)
-            await mine.CloseSession(fleet_pb2.CloseSessionRequest(session_id=s.id))
-            return codes
+async def test_another_tenants_session_is_not_there(tmp_path: Path, images: ImageStore) -> None:
+    async with harness(tmp_path, images, secure=True) as h:
+        await h.start_agent("cpu-a", HostClass.CPU)
+        mine = fleet_pb2_grpc.SessionServiceStub(h.connect(h.key("team-a")))
+        theirs = fleet_pb2_grpc.SessionServiceStub(h.connect(h.key("team-b")))
+        s = await open_session(mine, ready_timeout_s=15)
+        codes = []
+        for call in (
+            run(theirs, s.id, argv=["true"]),
+            read(theirs, s.id, "/etc/hostname"),
+            theirs.CloseSession(fleet_pb2.CloseSessionRequest(session_id=s.id)),
+        ):
+            try:
+                await call
+                codes.append(grpc.StatusCode.OK)
+            except grpc.aio.AioRpcError as exc:
+                codes.append(exc.code())
+        listed = await theirs.ListSessions(fleet_pb2.ListSessionsRequest())
+        codes.append(grpc.StatusCode.OK if not listed.sessions else grpc.StatusCode.UNKNOWN)
+        _, still = await run(mine, s.id, argv=["true"])
+        codes.append(grpc.StatusCode.OK if still.exit_code == 0 else grpc.StatusCode.UNKNOWN)
+        await mine.CloseSession(fleet_pb2.CloseSessionRequest(session_id=s.id))
+        result = codes
 
-    assert asyncio.run(body()) == [grpc.StatusCode.NOT_FOUND] * 3 + [grpc.StatusCode.OK] * 2
+    assert result == [grpc.StatusCode.NOT_FOUND] * 3 + [grpc.StatusCode.OK] * 2
 
 
-def test_a_lost_host_fails_the_sessions_next_call_with_unavailable(
+async def test_a_lost_host_fails_the_sessions_next_call_with_unavailable(
     tmp_path: Path, images: ImageStore
 ) -> None:
-    async def body() -> tuple[grpc.StatusCode, str]:
-        async with harness(tmp_path, images) as h:
-            await h.start_agent("cpu-a", HostClass.CPU)
-            stub = sessions(h)
-            s = await open_session(stub)
-            _, task = h.agents.pop("cpu-a")
-            task.cancel()  # the agent dies: its stream ends with it
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await run(stub, s.id, argv=["true"])
-            return info.value.code(), info.value.details() or ""
+    async with harness(tmp_path, images) as h:
+        await h.start_agent("cpu-a", HostClass.CPU)
+        stub = sessions(h)
+        s = await open_session(stub)
+        _, task = h.agents.pop("cpu-a")
+        task.cancel()  # the agent dies: its stream ends with it
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await run(stub, s.id, argv=["true"])
+        code, details = info.value.code(), info.value.details() or ""
+    # What the killed agent left running ends as a process exit would end it: cancelled, and
+    # its clean-up (the machine's deletion) run.
+    orphans = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in orphans:
+        task.cancel()
+    await asyncio.gather(*orphans, return_exceptions=True)
 
-    code, details = asyncio.run(body())
     assert code == grpc.StatusCode.UNAVAILABLE and "host cpu-a" in details
     # Nothing of the session is left on the host: its machine (layer, disk) is gone.
     assert list((tmp_path / "machines").glob("cpu-a/*")) == []
@@ -199,48 +205,60 @@ async def out(stub: fleet_pb2_grpc.SessionServiceStub, session: str, shell: str)
     return b"".join(c for k, c in chunks if k == "stdout")
 
 
-def test_forks_start_from_the_sessions_files_and_go_their_own_ways(
+async def test_forks_start_from_the_sessions_files_and_go_their_own_ways(
     tmp_path: Path, images: ImageStore
 ) -> None:
     """ForkSession: each copy sees the source's files as they were, is a session of its own
     (its own machine, name and ledger entry on the same host), and changes in one are seen in
     no other. A session that is closed cannot be forked."""
 
-    async def body() -> dict[str, object]:
-        async with harness(tmp_path, images) as h:
-            await h.start_agent("cpu-a", HostClass.CPU, slots=4)
-            stub = sessions(h)
-            s = await open_session(stub)
-            await run(
+    async with harness(tmp_path, images) as h:
+        await h.start_agent("cpu-a", HostClass.CPU, slots=4)
+        stub = sessions(h)
+        s = await open_session(stub)
+        await run(
+            stub,
+            s.id,
+            shell="mkdir -p /srv/w && echo base > /srv/w/state && "
+            "ln -s state /srv/w/link && rm /etc/issue; chown 1234:5678 /srv/w/state",
+        )
+        a, b = await fork(stub, s.id, 2)
+        seen = {
+            x.id: await out(
                 stub,
-                s.id,
-                shell="mkdir -p /srv/w && echo base > /srv/w/state && "
-                "ln -s state /srv/w/link && rm /etc/issue; chown 1234:5678 /srv/w/state",
+                x.id,
+                "cat /srv/w/link; stat -c %u:%g /srv/w/state; "
+                "test -e /etc/issue || echo gone; hostname",
             )
-            a, b = await fork(stub, s.id, 2)
-            seen = {x.id: await out(stub, x.id, "cat /srv/w/link; stat -c %u:%g /srv/w/state; "
-                                    "test -e /etc/issue || echo gone; hostname")
-                    for x in (s, a, b)}  # fmt: skip
-            await run(stub, a.id, shell="echo changed-in-a > /srv/w/state")
-            after = {x.id: await out(stub, x.id, "cat /srv/w/state") for x in (s, a, b)}
-            listed = {x.id: x for x in (await stub.ListSessions(
-                fleet_pb2.ListSessionsRequest())).sessions}  # fmt: skip
-            rollout_a = await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=a.id))
-            await stub.CloseSession(fleet_pb2.CloseSessionRequest(session_id=s.id))
-            still = await out(stub, b.id, "cat /srv/w/state")  # a fork outlives its source
-            with pytest.raises(grpc.aio.AioRpcError) as closed:
-                await fork(stub, s.id, 1)
-            for x in (a, b):
-                await stub.CloseSession(fleet_pb2.CloseSessionRequest(session_id=x.id))
-            return {
-                "forks": [(x.state, x.host_id) for x in (a, b)], "ids": {s.id, a.id, b.id},
-                "seen": seen, "after": after, "listed": listed, "still": still,
-                "labels": dict(rollout_a.labels), "closed": closed.value.code(),
-                "machines": list((tmp_path / "machines").glob("cpu-a/*")),
-                "source": s.id, "a": a.id, "b": b.id,
-            }  # fmt: skip
+            for x in (s, a, b)
+        }
+        await run(stub, a.id, shell="echo changed-in-a > /srv/w/state")
+        after = {x.id: await out(stub, x.id, "cat /srv/w/state") for x in (s, a, b)}
+        listed = {
+            x.id: x for x in (await stub.ListSessions(fleet_pb2.ListSessionsRequest())).sessions
+        }
+        rollout_a = await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=a.id))
+        await stub.CloseSession(fleet_pb2.CloseSessionRequest(session_id=s.id))
+        still = await out(stub, b.id, "cat /srv/w/state")  # a fork outlives its source
+        with pytest.raises(grpc.aio.AioRpcError) as closed:
+            await fork(stub, s.id, 1)
+        for x in (a, b):
+            await stub.CloseSession(fleet_pb2.CloseSessionRequest(session_id=x.id))
+        r = {
+            "forks": [(x.state, x.host_id) for x in (a, b)],
+            "ids": {s.id, a.id, b.id},
+            "seen": seen,
+            "after": after,
+            "listed": listed,
+            "still": still,
+            "labels": dict(rollout_a.labels),
+            "closed": closed.value.code(),
+            "machines": list((tmp_path / "machines").glob("cpu-a/*")),
+            "source": s.id,
+            "a": a.id,
+            "b": b.id,
+        }
 
-    r = asyncio.run(body())
     assert r["forks"] == [("OPEN", "cpu-a")] * 2 and len(r["ids"]) == 3  # type: ignore[arg-type]
     seen: dict[str, bytes] = r["seen"]  # type: ignore[assignment]
     bodies = {v.rsplit(b"\n", 2)[0] for v in seen.values()}
@@ -264,7 +282,7 @@ enabled = true
 """
 
 
-def test_warm_sessions_are_children_of_one_parent_and_fork_copy_on_write(
+async def test_warm_sessions_are_children_of_one_parent_and_fork_copy_on_write(
     tmp_path: Path, images: ImageStore
 ) -> None:
     """A Smolfile with `[branch] enabled` gives sessions that are a warm parent's children: its
@@ -272,39 +290,43 @@ def test_warm_sessions_are_children_of_one_parent_and_fork_copy_on_write(
     streams output, files move both ways, and forks copy the child's own layer."""
     big = os.urandom(3 << 20)
 
-    async def body() -> dict[str, object]:
-        async with harness(tmp_path, images) as h:
-            await h.start_agent("cpu-a", HostClass.CPU, slots=4)
-            stub = sessions(h)
-            opened = [
-                await stub.OpenSession(fleet_pb2.OpenSessionRequest(
-                    smolfile=WARM_SESSION, smolfile_name="warm.smolfile"))
-                for _ in range(2)
-            ]  # fmt: skip
-            stamps = [await out(stub, x.id, "cat /root/init-stamp") for x in opened]
-            one = opened[0].id
-            chunks, done = await run(
-                stub,
-                one,
-                stdin=b"from stdin\n",
-                shell=("for i in 1 2 3; do echo out$i; echo err$i >&2; sleep 0.1; done; cat"),
+    async with harness(tmp_path, images) as h:
+        await h.start_agent("cpu-a", HostClass.CPU, slots=4)
+        stub = sessions(h)
+        opened = [
+            await stub.OpenSession(
+                fleet_pb2.OpenSessionRequest(smolfile=WARM_SESSION, smolfile_name="warm.smolfile")
             )
-            size = await write(stub, one, "/root/big.bin", big)
-            back = await read(stub, one, "/root/big.bin")
-            [child] = await fork(stub, one, 1)
-            forked = await read(stub, child.id, "/root/big.bin")
-            await run(stub, child.id, shell="echo fork > /root/mine")
-            mine = await run(stub, one, shell="test -e /root/mine")
-            rollout = await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=one))
-            for x in (*opened, child):
-                await stub.CloseSession(fleet_pb2.CloseSessionRequest(session_id=x.id))
-            return {
-                "stamps": stamps, "chunks": chunks, "exit": done.exit_code, "size": size,
-                "back": back == big, "forked": forked == big, "mine": mine[1].exit_code,
-                "enforced_by": rollout.egress.enforced_by,
-            }  # fmt: skip
+            for _ in range(2)
+        ]
+        stamps = [await out(stub, x.id, "cat /root/init-stamp") for x in opened]
+        one = opened[0].id
+        chunks, done = await run(
+            stub,
+            one,
+            stdin=b"from stdin\n",
+            shell=("for i in 1 2 3; do echo out$i; echo err$i >&2; sleep 0.1; done; cat"),
+        )
+        size = await write(stub, one, "/root/big.bin", big)
+        back = await read(stub, one, "/root/big.bin")
+        [child] = await fork(stub, one, 1)
+        forked = await read(stub, child.id, "/root/big.bin")
+        await run(stub, child.id, shell="echo fork > /root/mine")
+        mine = await run(stub, one, shell="test -e /root/mine")
+        rollout = await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=one))
+        for x in (*opened, child):
+            await stub.CloseSession(fleet_pb2.CloseSessionRequest(session_id=x.id))
+        r = {
+            "stamps": stamps,
+            "chunks": chunks,
+            "exit": done.exit_code,
+            "size": size,
+            "back": back == big,
+            "forked": forked == big,
+            "mine": mine[1].exit_code,
+            "enforced_by": rollout.egress.enforced_by,
+        }
 
-    r = asyncio.run(body())
     stamps: list[bytes] = r["stamps"]  # type: ignore[assignment]
     assert stamps[0] == stamps[1] != b""  # init ran once, in the parent
     chunks: list[tuple[str, bytes]] = r["chunks"]  # type: ignore[assignment]
@@ -317,57 +339,59 @@ def test_warm_sessions_are_children_of_one_parent_and_fork_copy_on_write(
 
 
 @pytest.mark.parametrize("smolfile", [SMOLFILE, WARM_SESSION], ids=["cold", "warm"])
-def test_a_sessions_calls_share_one_box(tmp_path: Path, images: ImageStore, smolfile: str) -> None:
+async def test_a_sessions_calls_share_one_box(
+    tmp_path: Path, images: ImageStore, smolfile: str
+) -> None:
     """A session's commands run through one command server in its machine, as on an ordinary
     box: /tmp keeps its files, a process left in the background keeps running (and does not
     hold the call up), and a command that kills every process it can does not end the
     session: the next call runs."""
 
-    async def body() -> list[int]:
-        async with harness(tmp_path, images) as h:
-            await h.start_agent("cpu-a", HostClass.CPU)
-            stub = sessions(h)
-            s = await stub.OpenSession(
-                fleet_pb2.OpenSessionRequest(smolfile=smolfile, smolfile_name="s.smolfile")
-            )
-            codes = []
-            for shell in (
-                "echo kept > /tmp/a && (sleep 300 > /dev/null 2>&1 & echo $! > /tmp/pid)",
-                'test "$(cat /tmp/a)" = kept && kill -0 "$(cat /tmp/pid)"',
-                "sleep 300 & echo started",  # (holds stdout: the call returns all the same)
-                "kill -9 -1; true",
-                "echo alive",
-            ):
-                _, done = await run(stub, s.id, shell=shell, timeout_s=30)
-                codes.append(done.exit_code)
-            await stub.CloseSession(fleet_pb2.CloseSessionRequest(session_id=s.id))
-            return codes
+    async with harness(tmp_path, images) as h:
+        await h.start_agent("cpu-a", HostClass.CPU)
+        stub = sessions(h)
+        s = await stub.OpenSession(
+            fleet_pb2.OpenSessionRequest(smolfile=smolfile, smolfile_name="s.smolfile")
+        )
+        codes = []
+        for shell in (
+            "echo kept > /tmp/a && (sleep 300 > /dev/null 2>&1 & echo $! > /tmp/pid)",
+            'test "$(cat /tmp/a)" = kept && kill -0 "$(cat /tmp/pid)"',
+            "sleep 300 & echo started",  # (holds stdout: the call returns all the same)
+            "kill -9 -1; true",
+            "echo alive",
+        ):
+            _, done = await run(stub, s.id, shell=shell, timeout_s=30)
+            codes.append(done.exit_code)
+        await stub.CloseSession(fleet_pb2.CloseSessionRequest(session_id=s.id))
+        codes = codes
 
-    codes = asyncio.run(body())
     assert codes[:3] == [0, 0, 0] and codes[4] == 0
 
 
-def test_a_sessions_commands_run_as_the_smolfiles_user(tmp_path: Path, images: ImageStore) -> None:
+async def test_a_sessions_commands_run_as_the_smolfiles_user(
+    tmp_path: Path, images: ImageStore
+) -> None:
     """`user = "nobody"`: every command of the session (through its resident server) runs as
     that user with its groups and home; files it writes are its own."""
 
-    async def body() -> bytes:
-        async with harness(tmp_path, images) as h:
-            await h.start_agent("cpu-a", HostClass.CPU)
-            stub = sessions(h)
-            smolfile = 'image = "minimal"\nuser = "nobody"\n'
-            s = await stub.OpenSession(
-                fleet_pb2.OpenSessionRequest(smolfile=smolfile, smolfile_name="u.smolfile")
-            )
-            seen = await out(
-                stub, s.id,
-                "id -u; id -g; echo $HOME; touch /tmp/mine; stat -c %U /tmp/mine; "
-                "touch /root/x 2>/dev/null || echo refused",
-            )  # fmt: skip
-            await stub.CloseSession(fleet_pb2.CloseSessionRequest(session_id=s.id))
-            return seen
+    async with harness(tmp_path, images) as h:
+        await h.start_agent("cpu-a", HostClass.CPU)
+        stub = sessions(h)
+        smolfile = 'image = "minimal"\nuser = "nobody"\n'
+        s = await stub.OpenSession(
+            fleet_pb2.OpenSessionRequest(smolfile=smolfile, smolfile_name="u.smolfile")
+        )
+        seen = await out(
+            stub,
+            s.id,
+            "id -u; id -g; echo $HOME; touch /tmp/mine; stat -c %U /tmp/mine; "
+            "touch /root/x 2>/dev/null || echo refused",
+        )
+        await stub.CloseSession(fleet_pb2.CloseSessionRequest(session_id=s.id))
+        result = seen
 
-    assert asyncio.run(body()) == b"65534\n65534\n/nonexistent\nnobody\nrefused\n"
+    assert result == b"65534\n65534\n/nonexistent\nnobody\nrefused\n"
 
 
 @pytest.fixture(scope="module")
@@ -431,25 +455,18 @@ def test_the_typed_client_drives_rollouts_and_sessions(live_fleet: str, tmp_path
             box.exec(["true"])
 
 
-def test_the_async_client_works_the_same_from_an_event_loop(live_fleet: str) -> None:
+async def test_the_async_client_works_the_same_from_an_event_loop(live_fleet: str) -> None:
     from fleet.client import AsyncFleet
     from tests.conftest import SMOLFILES
 
-    async def body() -> tuple[bytes, list[str], str, str]:
-        async with AsyncFleet(live_fleet, plaintext=True) as fleet:
-            async with await fleet.session(SMOLFILES / "minimal.smolfile") as box:
-                await box.write_file("/root/a.txt", b"async\n")
-                out = (await box.exec(["cat", "/root/a.txt"])).stdout
-            rollout = await fleet.submit(SMOLFILES / "minimal.smolfile", ["true"])
-            states = [e.state async for e in fleet.watch(rollout.id)]
-            return (
-                out,
-                states,
-                (await fleet.wait(rollout.id)).state,
-                (await fleet.get(box.id)).state,
-            )
+    async with AsyncFleet(live_fleet, plaintext=True) as fleet:
+        async with await fleet.session(SMOLFILES / "minimal.smolfile") as box:
+            await box.write_file("/root/a.txt", b"async\n")
+            out = (await box.exec(["cat", "/root/a.txt"])).stdout
+        rollout = await fleet.submit(SMOLFILES / "minimal.smolfile", ["true"])
+        states = [e.state async for e in fleet.watch(rollout.id)]
+        final, session_state = (await fleet.wait(rollout.id)).state, (await fleet.get(box.id)).state
 
-    out, states, final, session_state = asyncio.run(body())
     assert out == b"async\n"
     assert states[-1] == "SUCCEEDED" and final == "SUCCEEDED"
     assert session_state == "SUCCEEDED"  # (a closed session's rollout)

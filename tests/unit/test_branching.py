@@ -37,59 +37,50 @@ class FakeSource:
         self.deleted.append(child)
 
 
-def test_concurrent_requests_share_one_batch_and_never_overlap() -> None:
+async def test_concurrent_requests_share_one_batch_and_never_overlap() -> None:
     """Ten requests at once: the first batch takes one, the next takes the other nine."""
 
-    async def go() -> tuple[list[str], list[int]]:
-        source = FakeSource()
-        c = BranchCoalescer(source.branch_batch, source.delete)
-        children = await asyncio.gather(*(c.branch() for _ in range(10)))
-        return list(children), source.calls
+    source = FakeSource()
+    c = BranchCoalescer(source.branch_batch, source.delete)
+    children = await asyncio.gather(*(c.branch() for _ in range(10)))
+    children, calls = list(children), source.calls
 
-    children, calls = asyncio.run(go())
     assert len(set(children)) == 10
     assert sum(calls) == 10 and len(calls) <= 2
 
 
-def test_max_batch_splits_large_fan_outs() -> None:
+async def test_max_batch_splits_large_fan_outs() -> None:
     """No batch exceeds max_batch."""
 
-    async def go() -> list[int]:
-        source = FakeSource()
-        c = BranchCoalescer(source.branch_batch, source.delete, max_batch=4)
-        await asyncio.gather(*(c.branch() for _ in range(10)))
-        return source.calls
+    source = FakeSource()
+    c = BranchCoalescer(source.branch_batch, source.delete, max_batch=4)
+    await asyncio.gather(*(c.branch() for _ in range(10)))
+    calls = source.calls
 
-    calls = asyncio.run(go())
     assert sum(calls) == 10 and max(calls) <= 4
 
 
-def test_a_failed_batch_fails_every_request_in_it() -> None:
+async def test_a_failed_batch_fails_every_request_in_it() -> None:
     """All or nothing: each waiting request sees the batch's error."""
 
-    async def go() -> list[BaseException | str]:
-        source = FakeSource(fail=True)
-        c = BranchCoalescer(source.branch_batch, source.delete)
-        return await asyncio.gather(*(c.branch() for _ in range(3)), return_exceptions=True)
+    source = FakeSource(fail=True)
+    c = BranchCoalescer(source.branch_batch, source.delete)
+    results = await asyncio.gather(*(c.branch() for _ in range(3)), return_exceptions=True)
 
-    results = asyncio.run(go())
     assert all(isinstance(r, RuntimeError) for r in results)
 
 
-def test_children_of_callers_who_gave_up_are_deleted() -> None:
+async def test_children_of_callers_who_gave_up_are_deleted() -> None:
     """A request cancelled while its batch is made does not leak the child made for it."""
 
-    async def go() -> tuple[FakeSource, str]:
-        source = FakeSource()
-        c = BranchCoalescer(source.branch_batch, source.delete)
-        doomed = asyncio.create_task(c.branch())
-        kept = asyncio.create_task(c.branch())
-        await asyncio.sleep(0.01)
-        doomed.cancel()
-        child = await kept
-        with pytest.raises(asyncio.CancelledError):
-            await doomed
-        return source, child
+    source = FakeSource()
+    c = BranchCoalescer(source.branch_batch, source.delete)
+    doomed = asyncio.create_task(c.branch())
+    kept = asyncio.create_task(c.branch())
+    await asyncio.sleep(0.01)
+    doomed.cancel()
+    child = await kept
+    with pytest.raises(asyncio.CancelledError):
+        await doomed
 
-    source, child = asyncio.run(go())
     assert source.made == 2 and len(source.deleted) == 1 and child not in source.deleted

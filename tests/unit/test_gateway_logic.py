@@ -174,27 +174,27 @@ def test_the_primary_gpus_utilization_is_a_metric_only_where_its_driver_gives_on
     assert "# TYPE fleet_gateway_gpu_utilization gauge" in lines
 
 
-def test_remembered_answers_are_bounded_by_memory_as_well_as_by_count() -> None:
+async def test_remembered_answers_are_bounded_by_memory_as_well_as_by_count() -> None:
     """Answers of 1,000 values each, a budget of about ten of them: the oldest are forgotten
     (a retry of one is computed again), the newest are replayed, and the estimate stays under
     the budget."""
     wide = FakeRunner("cpu", lambda inputs: [[sum(x)] * 1000 for x in inputs])
     budget_mib = 10 * kept_bytes(("r", "k00"), Answer([0.0] * 1000, "", "", 1, 0.0, False)) / 2**20
 
-    async def body() -> tuple[list[Answer], Batcher]:
-        batcher = Batcher(wide, None, BatchConfig(max_batch=1, max_wait_ms=0,
-                                                  answers_kept_mib=budget_mib))  # fmt: skip
-        batcher.start()
-        try:
-            for i in range(30):
-                await batcher.infer("r", f"k{i:02d}", [i, 0.0], time.time() + 30)
-            again = [await batcher.infer("r", key, [0.0, 0.0], time.time() + 30)
-                     for key in ("k29", "k00")]  # fmt: skip
-            return again, batcher
-        finally:
-            await batcher.stop()
+    batcher = Batcher(
+        wide, None, BatchConfig(max_batch=1, max_wait_ms=0, answers_kept_mib=budget_mib)
+    )
+    batcher.start()
+    try:
+        for i in range(30):
+            await batcher.infer("r", f"k{i:02d}", [i, 0.0], time.time() + 30)
+        again = [
+            await batcher.infer("r", key, [0.0, 0.0], time.time() + 30) for key in ("k29", "k00")
+        ]
+        (newest, oldest) = again
+    finally:
+        await batcher.stop()
 
-    (newest, oldest), batcher = asyncio.run(body())
     assert newest.replayed and newest.output[0] == 29.0  # remembered: the stored answer
     assert not oldest.replayed and oldest.output[0] == 0.0  # forgotten: computed again
     assert wide.calls == 31 and batcher.metrics.replayed == 1
@@ -247,25 +247,23 @@ def test_the_gateway_without_torch_says_which_extra_to_install(
         require_torch()
 
 
-def test_device_seconds_wait_for_the_server_and_what_cannot_wait_is_counted(
+async def test_device_seconds_wait_for_the_server_and_what_cannot_wait_is_counted(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from gateway import batcher as batcher_module
 
     monkeypatch.setattr(batcher_module, "DEVICE_ROLLOUTS_KEPT", 1)
 
-    async def body() -> tuple[dict[str, float], dict[str, float], float]:
-        b = Batcher(FakeRunner("cpu", sums), None, BatchConfig(max_batch=1, max_wait_ms=0))
-        b.start()
-        try:
-            await b.infer("r-kept", "k1", [1.0, 1.0], time.time() + 30)
-            await b.infer("r-kept", "k2", [2.0, 1.0], time.time() + 30)
-            await b.infer("r-late", "k1", [3.0, 1.0], time.time() + 30)  # the table is full
-            first, second = b.take_device_seconds(), b.take_device_seconds()
-            return first, second, b.metrics.device_seconds_unkept
-        finally:
-            await b.stop()
+    b = Batcher(FakeRunner("cpu", sums), None, BatchConfig(max_batch=1, max_wait_ms=0))
+    b.start()
+    try:
+        await b.infer("r-kept", "k1", [1.0, 1.0], time.time() + 30)
+        await b.infer("r-kept", "k2", [2.0, 1.0], time.time() + 30)
+        await b.infer("r-late", "k1", [3.0, 1.0], time.time() + 30)  # the table is full
+        first, second = b.take_device_seconds(), b.take_device_seconds()
+        unkept = b.metrics.device_seconds_unkept
+    finally:
+        await b.stop()
 
-    first, second, unkept = asyncio.run(body())
     assert list(first) == ["r-kept"] and first["r-kept"] > 0 and second == {}
     assert unkept > 0  # said, in the log and as fleet_gateway_device_seconds_unkept_total

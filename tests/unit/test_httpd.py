@@ -60,40 +60,37 @@ def test_a_closed_connection_between_requests_is_no_answer_at_all() -> None:
     assert (answer, seen) == (b"", [])
 
 
-def test_past_max_connections_a_connection_gets_a_503_until_one_closes() -> None:
-    async def body() -> tuple[list[bytes], bytes, bytes]:
-        async def handler(method: str, target: str, headers: dict[str, str], data: bytes) -> bytes:
-            return reply(200, b"ok")
+async def test_past_max_connections_a_connection_gets_a_503_until_one_closes() -> None:
+    async def handler(method: str, target: str, headers: dict[str, str], data: bytes) -> bytes:
+        return reply(200, b"ok")
 
-        server = await asyncio.start_server(
-            connection_handler(handler, 64, max_connections=2), "127.0.0.1", 0
-        )
-        port = server.sockets[0].getsockname()[1]
-        opened: list[asyncio.StreamWriter] = []
+    server = await asyncio.start_server(
+        connection_handler(handler, 64, max_connections=2), "127.0.0.1", 0
+    )
+    port = server.sockets[0].getsockname()[1]
+    opened: list[asyncio.StreamWriter] = []
 
-        async def ask() -> bytes:
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            opened.append(writer)
-            writer.write(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n")
-            return await asyncio.wait_for(reader.read(200), 5)
+    async def ask() -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        opened.append(writer)
+        writer.write(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n")
+        return await asyncio.wait_for(reader.read(200), 5)
 
-        try:
-            kept = [await ask(), await ask()]  # both stay open (kept alive)
-            refused = await ask()
-            opened[0].close()
-            await opened[0].wait_closed()
-            for _ in range(100):  # until the server has seen it go
-                again = await ask()
-                if again.startswith(b"HTTP/1.1 200"):
-                    break
-                await asyncio.sleep(0.01)
-            return kept, refused, again
-        finally:
-            for writer in opened:
-                writer.close()
-            server.close()
+    try:
+        kept = [await ask(), await ask()]  # both stay open (kept alive)
+        refused = await ask()
+        opened[0].close()
+        await opened[0].wait_closed()
+        for _ in range(100):  # until the server has seen it go
+            again = await ask()
+            if again.startswith(b"HTTP/1.1 200"):
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        for writer in opened:
+            writer.close()
+        server.close()
 
-    kept, refused, again = asyncio.run(body())
     assert all(k.startswith(b"HTTP/1.1 200") for k in kept)
     assert refused.startswith(b"HTTP/1.1 503") and b"Retry-After: 0.5" in refused
     assert again.startswith(b"HTTP/1.1 200")
@@ -181,30 +178,28 @@ def test_a_peer_outside_the_allowed_networks_is_closed_unanswered() -> None:
     assert seen == ["/a"]
 
 
-def test_connections_past_the_per_key_limit_get_a_503() -> None:
-    async def go() -> list[bytes]:
-        async def handler(method: str, target: str, headers: dict[str, str], body: bytes) -> bytes:
-            return reply(200, b"ok")
+async def test_connections_past_the_per_key_limit_get_a_503() -> None:
+    async def handler(method: str, target: str, headers: dict[str, str], body: bytes) -> bytes:
+        return reply(200, b"ok")
 
-        handle = connection_handler(
-            handler, 64, key_of=lambda headers, body: headers.get("x-who"), max_per_key=2
-        )
-        server = await asyncio.start_server(handle, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        answers = []
-        held = []
-        try:
-            for who in (b"a", b"a", b"a", b"b"):
-                reader, writer = await asyncio.open_connection("127.0.0.1", port)
-                writer.write(b"GET / HTTP/1.1\r\nX-Who: " + who + b"\r\n\r\n")
-                answers.append(await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5))
-                held.append(writer)
-            return answers
-        finally:
-            for writer in held:
-                writer.close()
-            server.close()
+    handle = connection_handler(
+        handler, 64, key_of=lambda headers, body: headers.get("x-who"), max_per_key=2
+    )
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    answers = []
+    held = []
+    try:
+        for who in (b"a", b"a", b"a", b"b"):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET / HTTP/1.1\r\nX-Who: " + who + b"\r\n\r\n")
+            answers.append(await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5))
+            held.append(writer)
+        answers = answers
+    finally:
+        for writer in held:
+            writer.close()
+        server.close()
 
-    answers = asyncio.run(go())
     assert [a[:12] for a in answers] == [b"HTTP/1.1 200", b"HTTP/1.1 200", b"HTTP/1.1 503",
                                          b"HTTP/1.1 200"]  # fmt: skip

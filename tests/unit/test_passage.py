@@ -66,48 +66,47 @@ def _short(directory: Path, name: str = "relay.sock") -> str:
     return f"{link}/{name}"
 
 
-def test_the_splice_carries_requests_to_the_gateway_and_answers_back(tmp_path: Path) -> None:
-    async def body() -> list[tuple[int, bytes]]:
-        async def gateway(method: str, target: str, _h: dict[str, str], data: bytes) -> bytes:
-            return reply(200, method.encode() + b" " + target.encode() + b" " + data)
+async def test_the_splice_carries_requests_to_the_gateway_and_answers_back(tmp_path: Path) -> None:
+    async def gateway(method: str, target: str, _h: dict[str, str], data: bytes) -> bytes:
+        return reply(200, method.encode() + b" " + target.encode() + b" " + data)
 
-        server = await asyncio.start_server(connection_handler(gateway), "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        splice = GatewaySplice(long_dir(tmp_path), ("127.0.0.1", port), None)
-        await splice.start()
-        where = f"unix:{_short(splice.directory, GATEWAY_SOCKET)}"
-        try:
-            answers = []
-            for i in range(3):  # one kept-alive connection through the splice
-                status, _, data = await asyncio.to_thread(
-                    episode.call, where, "POST", "/v1/infer", b"ask-%d" % i
-                )
-                answers.append((status, data))
-            return answers
-        finally:
-            _hang_up(where)
-            await splice.stop()
-            server.close()
+    server = await asyncio.start_server(connection_handler(gateway), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    splice = GatewaySplice(long_dir(tmp_path), ("127.0.0.1", port), None)
+    await splice.start()
+    where = f"unix:{_short(splice.directory, GATEWAY_SOCKET)}"
+    try:
+        answers = []
+        for i in range(3):  # one kept-alive connection through the splice
+            status, _, data = await asyncio.to_thread(
+                episode.call, where, "POST", "/v1/infer", b"ask-%d" % i
+            )
+            answers.append((status, data))
+        result = answers
+    finally:
+        _hang_up(where)
+        await splice.stop()
+        server.close()
 
-    assert asyncio.run(body()) == [(200, b"POST /v1/infer ask-%d" % i) for i in range(3)]
+    assert result == [(200, b"POST /v1/infer ask-%d" % i) for i in range(3)]
 
 
-def test_an_unreachable_gateway_is_a_503_the_client_retries(tmp_path: Path) -> None:
-    async def body() -> tuple[int, dict[str, str], bytes]:
-        closed = socket.socket()
-        closed.bind(("127.0.0.1", 0))
-        port = closed.getsockname()[1]
-        closed.close()  # nothing listens there now
-        splice = GatewaySplice(long_dir(tmp_path), ("127.0.0.1", port), None)
-        await splice.start()
-        where = f"unix:{_short(splice.directory, GATEWAY_SOCKET)}"
-        try:
-            return await asyncio.to_thread(episode.call, where, "POST", "/v1/infer", b"{}")
-        finally:
-            _hang_up(where)
-            await splice.stop()
+async def test_an_unreachable_gateway_is_a_503_the_client_retries(tmp_path: Path) -> None:
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens there now
+    splice = GatewaySplice(long_dir(tmp_path), ("127.0.0.1", port), None)
+    await splice.start()
+    where = f"unix:{_short(splice.directory, GATEWAY_SOCKET)}"
+    try:
+        status, headers, data = await asyncio.to_thread(
+            episode.call, where, "POST", "/v1/infer", b"{}"
+        )
+    finally:
+        _hang_up(where)
+        await splice.stop()
 
-    status, headers, data = asyncio.run(body())
     assert status == 503 and headers["retry-after"] == "0.5"
     assert b"unreachable" in data
 
@@ -148,7 +147,7 @@ def test_the_relay_answers_each_refusal_with_what_it_means(tmp_path: Path) -> No
     ]  # fmt: skip
 
 
-def test_a_child_holds_at_most_max_links_connections_to_the_gateway(tmp_path: Path) -> None:
+async def test_a_child_holds_at_most_max_links_connections_to_the_gateway(tmp_path: Path) -> None:
     """Each connection costs the agent two descriptors: past MAX_LINKS at once the next is
     refused with a 503 to retry, and once one closes a new one is carried again."""
 
@@ -161,39 +160,36 @@ def test_a_child_holds_at_most_max_links_connections_to_the_gateway(tmp_path: Pa
             conn.sendall(b"GET /ping HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
         return conn, conn.recv(4096)
 
-    async def body() -> tuple[list[bytes], bytes, bytes]:
-        async def gateway(method: str, target: str, _h: dict[str, str], data: bytes) -> bytes:
-            return reply(200, b"pong")
+    async def gateway(method: str, target: str, _h: dict[str, str], data: bytes) -> bytes:
+        return reply(200, b"pong")
 
-        server = await asyncio.start_server(connection_handler(gateway), "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        splice = GatewaySplice(long_dir(tmp_path), ("127.0.0.1", port), None)
-        await splice.start()
-        path = _short(splice.directory, GATEWAY_SOCKET)
-        held: list[socket.socket] = []
-        try:
-            answers = []
-            for _ in range(MAX_LINKS):
-                conn, answer = await asyncio.to_thread(ask, path)
-                held.append(conn)
-                answers.append(answer)
-            extra, refused = await asyncio.to_thread(ask, path)
-            extra.close()
-            held.pop().close()
-            for _ in range(100):  # until the splice has seen that one go
-                if len(splice._links) < MAX_LINKS:
-                    break
-                await asyncio.sleep(0.01)
-            again, carried = await asyncio.to_thread(ask, path)
-            held.append(again)
-            return answers, refused, carried
-        finally:
-            for conn in held:
-                conn.close()
-            await splice.stop()
-            server.close()
+    server = await asyncio.start_server(connection_handler(gateway), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    splice = GatewaySplice(long_dir(tmp_path), ("127.0.0.1", port), None)
+    await splice.start()
+    path = _short(splice.directory, GATEWAY_SOCKET)
+    held: list[socket.socket] = []
+    try:
+        answers = []
+        for _ in range(MAX_LINKS):
+            conn, answer = await asyncio.to_thread(ask, path)
+            held.append(conn)
+            answers.append(answer)
+        extra, refused = await asyncio.to_thread(ask, path)
+        extra.close()
+        held.pop().close()
+        for _ in range(100):  # until the splice has seen that one go
+            if len(splice._links) < MAX_LINKS:
+                break
+            await asyncio.sleep(0.01)
+        again, carried = await asyncio.to_thread(ask, path)
+        held.append(again)
+    finally:
+        for conn in held:
+            conn.close()
+        await splice.stop()
+        server.close()
 
-    answers, refused, carried = asyncio.run(body())
     assert all(a.startswith(b"HTTP/1.1 200") and a.endswith(b"pong") for a in answers)
     assert refused.startswith(b"HTTP/1.1 503") and b"its limit" in refused
     assert carried.startswith(b"HTTP/1.1 200")

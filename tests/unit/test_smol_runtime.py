@@ -234,20 +234,16 @@ class _FakeSource:
         self.log.append("delete source")
 
 
-def test_warm_parent_coalesces_branches_and_deletes_children_first() -> None:
+async def test_warm_parent_coalesces_branches_and_deletes_children_first() -> None:
     """Concurrent branch requests become few batches; delete removes children, then the source."""
     import asyncio
 
-    async def go() -> tuple[list[str], list[str]]:
-        source = _FakeSource()
-        parent = smol_runtime.SmolParent(
-            source, spec('image = "minimal"\n[branch]\nenabled = true\n')
-        )
-        children = await asyncio.gather(*(parent.branch() for _ in range(6)))
-        await parent.delete()
-        return [c.name for c in children], source.log
+    source = _FakeSource()
+    parent = smol_runtime.SmolParent(source, spec('image = "minimal"\n[branch]\nenabled = true\n'))
+    children = await asyncio.gather(*(parent.branch() for _ in range(6)))
+    await parent.delete()
+    names, log = [c.name for c in children], source.log
 
-    names, log = asyncio.run(go())
     assert len(set(names)) == 6
     batches = [entry for entry in log if entry.startswith("batch")]
     assert len(batches) <= 2 and sum(int(b.split()[1]) for b in batches) == 6
@@ -275,31 +271,31 @@ class _FakeBranchable(_FakeSource):
         self.log.append(f"delete {getattr(self, 'name', 'source')}")
 
 
-def test_a_sessions_fork_on_a_microvm_host_branches_it_and_its_source_goes_last() -> None:
+async def test_a_sessions_fork_on_a_microvm_host_branches_it_and_its_source_goes_last() -> None:
     """Forks of a machine started branchable are the engine's branches, one at a time; a
     machine without `[branch] enabled` is refused (it was not started branchable); a source
     closed while its forks live is deleted after the last of them."""
     import asyncio
 
-    async def go() -> tuple[list[str], str]:
-        source = _FakeBranchable()
-        machine = smol_runtime.SmolMachine(
-            source, spec('image = "minimal"\n[branch]\nenabled = true\n')
+    source = _FakeBranchable()
+    machine = smol_runtime.SmolMachine(
+        source, spec('image = "minimal"\n[branch]\nenabled = true\n')
+    )
+    forks = await asyncio.gather(
+        *(
+            machine.fork(spec('image = "minimal"\n').model_copy(update={"name": f"f{i}"}))
+            for i in range(3)
         )
-        forks = await asyncio.gather(
-            *(machine.fork(spec('image = "minimal"\n').model_copy(update={"name": f"f{i}"}))
-              for i in range(3))
-        )  # fmt: skip
-        await machine.delete()  # (forks still live: deferred)
-        before = list(source.log)
-        for fork in forks:
-            await fork.delete()
-        plain = smol_runtime.SmolMachine(_FakeBranchable(), spec('image = "minimal"\n'))
-        with pytest.raises(FailedPrecondition, match="branch"):
-            await plain.fork(spec('image = "minimal"\n'))
-        return [*before, "--", *source.log[len(before) :]], "ok"
+    )
+    await machine.delete()  # (forks still live: deferred)
+    before = list(source.log)
+    for fork in forks:
+        await fork.delete()
+    plain = smol_runtime.SmolMachine(_FakeBranchable(), spec('image = "minimal"\n'))
+    with pytest.raises(FailedPrecondition, match="branch"):
+        await plain.fork(spec('image = "minimal"\n'))
+    log, _ = [*before, "--", *source.log[len(before) :]], "ok"
 
-    log, _ = asyncio.run(go())
     assert sorted(e for e in log if e.startswith("branch")) == [
         f"branch f{i} branchable=True" for i in range(3)
     ]
