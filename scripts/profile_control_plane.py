@@ -1,0 +1,208 @@
+"""Where the CPU of a no-op warm rollout goes: fleet's own cost per rollout, by part.
+
+The embedded fleet (server and one CPU agent in this process, SQLite ledger, TLS and keys, the
+namespace runtime) runs `--rollouts` warm rollouts whose step does nothing (a copy-on-write
+child of a warm parent runs `print(...)`), after a first wave that makes the warm parent. The
+CPU they cost (measured without the profiler) is split by who spent it:
+
+- this process: the server, the agent and the client that submits and polls (Python);
+- tools: processes the agent started and reaped (nft, ip, mount, ...), from os.times();
+- machines: the warm parent and its children (the `fleet` cgroup's account);
+- the rest of the machine's busy time (the kernel's own work, other processes).
+
+Then a second wave under cProfile: the event loop thread's functions by own CPU time, grouped
+by module, per rollout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import json
+import logging
+import os
+import pstats
+import sys
+import tempfile
+import time
+import uuid
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import structlog  # noqa: E402
+
+NOOP = 'print("{}")'
+"""The step: nothing but its result."""
+FINAL = ("SUCCEEDED", "FAILED", "CANCELLED", "QUARANTINED")
+
+
+def busy_cpu_s() -> float:
+    """The whole machine's non-idle CPU seconds (/proc/stat)."""
+    fields = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> tuple[float, float]:
+    """(this process, its reaped children) CPU seconds."""
+    t = os.times()
+    return t.user + t.system, t.children_user + t.children_system
+
+
+def threads_cpu_s() -> dict[str, float]:
+    """CPU seconds of this process's live threads, by name (the event loop's is `python`, the
+    ledger's and tools' worker threads `asyncio_N`, gRPC's own `grpc_global_ti` and the like)."""
+    out: dict[str, float] = defaultdict(float)
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+            name = (task / "comm").read_text().strip()
+        except OSError:
+            continue  # (ended meanwhile)
+        fields = stat.rsplit(")", 1)[1].split()
+        out[name.rstrip("0123456789_") or name] += (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+async def run(rollouts: int, slots: int, profile: cProfile.Profile) -> dict[str, Any]:
+    from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
+    from fleet.config import Paths
+    from fleet.embedded import embedded_fleet
+    from fleet.runtime.cgroups import all_machines_cpu_seconds
+
+    smolfile = (REPO / "smolfiles" / "minimal.smolfile").read_text()
+    smolfile += f"\n[branch]\nenabled = true\npool_size = {slots}\n"
+    finished: list[int] = []
+
+    async def wave(stub: Any, n: int) -> dict[str, int]:
+        run_id = uuid.uuid4().hex[:8]
+        steps = [types_pb2.Step(name="warm-up", argv=["python3", "-c", "pass"], timeout_s=60),
+                 types_pb2.Step(name="step", argv=["python3", "-c", NOOP], timeout_s=60)]  # fmt: skip
+        reply = await stub.SubmitRollouts(
+            fleet_pb2.SubmitRolloutsRequest(
+                request_id=run_id,
+                rollouts=[
+                    fleet_pb2.SubmitRolloutRequest(
+                        request_id=f"{run_id}-{i}", idempotency_key=f"{run_id}-{i}",
+                        smolfile=smolfile, steps=steps, labels={"wave": run_id},
+                    )
+                    for i in range(n)
+                ],
+            ),
+            timeout=60,
+        )  # fmt: skip
+        finished.append(len(reply.rollouts))
+        deadline = time.monotonic() + 600
+        while True:  # (counted in the ledger directly: polling over the API would be counted)
+            figures = await core.db(core.ledger.figures, time.time())
+            counts = {name: int(figures.get(f"state_{name}", 0)) for name in FINAL}
+            if sum(counts.values()) >= sum(finished):
+                return counts
+            if time.monotonic() > deadline:
+                raise RuntimeError("rollouts did not finish in 600 s")
+            await asyncio.sleep(0.2)
+
+    paths = Paths.from_env()
+    with tempfile.TemporaryDirectory(prefix="fleet-profile-") as tmp:
+        async with (
+            embedded_fleet(paths, Path(tmp) / "ledger.sqlite3", gpu_agents=0, cpu_agents=1,
+                           runtime="namespace", slots=slots) as fleet,
+            fleet.channel() as channel,
+        ):  # fmt: skip
+            stub = fleet_pb2_grpc.FleetServiceStub(channel)
+            core = fleet.server.core
+            await wave(stub, slots)  # the warm parent is made
+            before = (*own_cpu_s(), all_machines_cpu_seconds(), busy_cpu_s())
+            threads_before = threads_cpu_s()
+            started = time.perf_counter()
+            await wave(stub, rollouts)  # measured: no profiler
+            elapsed = time.perf_counter() - started
+            after = (*own_cpu_s(), all_machines_cpu_seconds(), busy_cpu_s())
+            threads_after = threads_cpu_s()
+            profile.enable()
+            done = await wave(stub, rollouts)  # profiled
+            profile.disable()
+    if done["SUCCEEDED"] != slots + 2 * rollouts:
+        raise RuntimeError(f"not every rollout succeeded: {done}")
+    per = 1000 / rollouts
+    process = (after[0] - before[0]) * per
+    tools = (after[1] - before[1]) * per
+    machines = (after[2] - before[2]) * per if after[2] is not None and before[2] else None
+    busy = (after[3] - before[3]) * per
+    rest = busy - process - tools - (machines or 0.0)
+    return {"rollouts": rollouts, "elapsed_s": elapsed, "rollouts_per_s": rollouts / elapsed,
+            "cpu_ms": {"process": process, "tools": tools, "machines": machines, "rest": rest,
+                       "total": busy},
+            "threads_ms": {name: (threads_after[name] - threads_before.get(name, 0.0)) * per
+                           for name in threads_after}}  # fmt: skip
+
+
+def by_module(profile: cProfile.Profile, rollouts: int) -> list[tuple[str, float]]:
+    """This process's own time per rollout (ms), by module (fleet's by file; the rest by
+    package)."""
+    stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+    out: dict[str, float] = defaultdict(float)
+    for (path, _line, name), (_cc, _nc, tottime, _ct, _callers) in stats.items():
+        if "/fleet/" in path and "site-packages" not in path:
+            key = "fleet/" + path.split("/fleet/", 1)[1]
+        elif "site-packages/" in path:
+            key = path.split("site-packages/", 1)[1].split("/", 1)[0]
+        elif path == "~":
+            key = f"builtin {name.split(' of ')[0].strip('<>{}')[:40]}"
+        else:
+            key = "stdlib " + Path(path).stem
+        out[key] += tottime * 1000 / rollouts
+    return sorted(out.items(), key=lambda kv: -kv[1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rollouts", type=int, default=200)
+    parser.add_argument("--slots", type=int, default=4)
+    parser.add_argument("--top", type=int, default=25, help="modules and functions shown")
+    parser.add_argument("--json", action="store_true", help="last line: one JSON object")
+    args = parser.parse_args()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+    # CPU time of the thread the event loop (server and agent) runs on, not wall time.
+    profile = cProfile.Profile(time.thread_time)
+    result = asyncio.run(run(args.rollouts, args.slots, profile))
+    cpu = result["cpu_ms"]
+    print(f"{args.rollouts} no-op warm rollouts, {args.slots} slots: "
+          f"{result['rollouts_per_s']:.1f} rollouts/s")  # fmt: skip
+    print("CPU ms per rollout, by who spent it:")
+    for name in ("process", "tools", "machines", "rest", "total"):
+        value = cpu[name]
+        print(f"  {name:<10}{'n/a' if value is None else f'{value:8.2f}'}")
+    print(
+        "this process's CPU ms per rollout, by thread (live threads; those that ended are missing):"
+    )
+    for name, ms in sorted(result["threads_ms"].items(), key=lambda kv: -kv[1]):
+        if ms >= 0.05:
+            print(f"  {ms:8.2f}  {name}")
+    print(
+        "a second wave under cProfile (CPU time of the event loop's thread; the profiler adds "
+        "its own): own time per rollout (ms), by module:"
+    )
+    modules = by_module(profile, args.rollouts)
+    for name, ms in modules[: args.top]:
+        print(f"  {ms:8.3f}  {name}")
+    print("functions by own time per rollout (ms):")
+    stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[: args.top]
+    for (path, line, name), (_cc, calls, tottime, _ct, _callers) in rows:
+        where = path.split("site-packages/")[-1].split("/work/main/")[-1]
+        print(f"  {tottime * 1000 / args.rollouts:8.3f}  {calls / args.rollouts:7.1f}/r  "
+              f"{name} ({where}:{line})")  # fmt: skip
+    if args.json:
+        print(json.dumps({**result, "modules_ms": dict(modules[: args.top])}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
