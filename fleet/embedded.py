@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -69,7 +68,7 @@ async def embedded_fleet(
     choice = await asyncio.to_thread(choose_runtime, runtime, paths.home, images)
     config = config or ServerConfig()
     if not config.token_secret:
-        config = dataclasses.replace(config, token_secret=paths.token_secret())
+        config = config.model_copy(update={"token_secret": paths.token_secret()})
     # TLS and keys even on loopback: the CA, the admin key and the agents' certificates are
     # made here, so the embedded default needs no set-up and runs the path cloud hosts run.
     ca = await asyncio.to_thread(CertificateAuthority.load_or_init, paths.ca)

@@ -17,6 +17,7 @@ from fleet.core.cost import parse_prices
 from fleet.identity.local import ensure_admin_key
 from fleet.runtime.netns import NetConfig
 from fleet.server.auth import Security
+from fleet.server.settings import ServeSettings
 
 
 def default_db(paths: Paths) -> Path:
@@ -33,37 +34,25 @@ async def _until_signalled(stop: asyncio.Event) -> None:
 async def cmd_serve(args: argparse.Namespace) -> int:
     from fleet.image.store import ImageStore
     from fleet.ledger.store import Ledger
-    from fleet.server.app import FleetServer, ServerConfig
+    from fleet.server.app import FleetServer
 
+    settings = ServeSettings.from_args(args)
     paths = Paths.from_env()
-    security = serve_security(args, paths)
+    security = serve_security(settings, paths)
     registry_ca = (
-        await asyncio.to_thread(Path(args.registry_ca).read_bytes) if args.registry_ca else b""
+        await asyncio.to_thread(Path(settings.registry_ca_file).read_bytes)
+        if settings.registry_ca_file
+        else b""
     )
-    ledger = Ledger.open(args.db or str(default_db(paths)))
-    if args.price:  # (kept in the ledger: fleet report reads them there)
-        ledger.set_prices(parse_prices(args.price), time.time())
+    ledger = Ledger.open(settings.db or str(default_db(paths)))
+    if settings.price:  # (kept in the ledger: fleet report reads them there)
+        ledger.set_prices(parse_prices(settings.price), time.time())
     server = FleetServer(
         ledger,
         ImageStore(paths.images, paths.recipes),
-        args.listen,
+        settings.listen,
         security=security,
-        config=ServerConfig(
-            lease_ttl_s=args.lease_ttl_s,
-            heartbeat_interval_s=args.heartbeat_s,
-            token_secret=Paths.from_env().token_secret(),
-            gateway_address=args.gateway,
-            backpressure_queue_depth=args.backpressure_depth,
-            metrics_listen=args.metrics_listen,
-            artifacts_dir=args.artifacts_dir,
-            max_input_mib=args.max_input_mib,
-            max_deadline_s=args.max_deadline_h * 3600,
-            max_output_mib=args.max_output_mib,
-            retain_days=args.retain_days,
-            registry=args.registry,
-            artifacts_registry=args.artifacts_registry,
-            registry_ca=registry_ca,
-        ),
+        config=settings.server_config(paths.token_secret(), registry_ca),
     )
     await server.start()
     if security is None:
@@ -85,28 +74,28 @@ async def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def serve_security(args: argparse.Namespace, paths: Paths) -> Security | None:
+def serve_security(settings: ServeSettings, paths: Paths) -> Security | None:
     """TLS and authentication with --tls, and always beyond loopback; none on loopback without
     --tls, or anywhere with --insecure (said loudly)."""
     from fleet.identity.ca import CertificateAuthority
     from fleet.identity.tls import is_loopback, split_address
 
-    host, _ = split_address(args.listen)
-    if args.insecure:
-        if args.tls:
+    host, _ = split_address(settings.listen)
+    if settings.insecure:
+        if settings.tls:
             raise SystemExit("fleet serve: --tls and --insecure contradict each other")
         return None
-    if not args.tls and is_loopback(host):
+    if not settings.tls and is_loopback(host):
         return None
     if not CertificateAuthority.exists(paths.ca):
-        why = "--tls" if args.tls else f"listening on {args.listen}, beyond loopback,"
+        why = "--tls" if settings.tls else f"listening on {settings.listen}, beyond loopback,"
         raise SystemExit(
             f"fleet serve: {why} needs the fleet CA: run `fleet ca init` first "
             "(or --insecure to serve without TLS or authentication)"
         )
     return Security(
-        CertificateAuthority.load(paths.ca), host_listen=args.host_listen, san=args.san,
-        host_cert_ttl_s=duration_s(args.host_cert_ttl),
+        CertificateAuthority.load(paths.ca), host_listen=settings.host_listen, san=settings.san,
+        host_cert_ttl_s=duration_s(settings.host_cert_ttl),
     )  # fmt: skip
 
 

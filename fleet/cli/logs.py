@@ -66,5 +66,6 @@ def configure(level: str = "info") -> None:
     root.addHandler(handler)
     root.setLevel(numeric)
     # Libraries that talk a lot at INFO: their warnings and errors are what an operator needs.
-    for chatty in ("sqlalchemy", "urllib3", "httpx", "httpcore", "asyncio"):
+    # (alembic says so at INFO every time a ledger opens; fleet logs each migration it applies.)
+    for chatty in ("sqlalchemy", "alembic", "urllib3", "httpx", "httpcore", "asyncio"):
         logging.getLogger(chatty).setLevel(max(numeric, logging.WARNING))

@@ -19,10 +19,12 @@ from fleet.cli.admin import add_commands as add_admin_commands
 from fleet.cli.daemons import cmd_agent, cmd_gateway, cmd_serve, cmd_up
 from fleet.cli.local import cmd_image, cmd_run
 from fleet.cli.sessions import add_session_command
+from fleet.client import DEFAULT_SERVER
 from fleet.config import Paths
 from fleet.core.errors import FleetError, InvalidArgument
+from fleet.server.settings import ServeSettings
+from fleet.settings import SettingsError
 
-DEFAULT_SERVER = "127.0.0.1:50051"
 STATE_NAMES = {v: k.removeprefix("ROLLOUT_STATE_") for k, v in types_pb2.RolloutState.items()}
 
 
@@ -339,67 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
         )  # fmt: skip
 
     sp = add("serve", cmd_serve, "run a fleet server", "info")
-    sp.add_argument("--listen", default=DEFAULT_SERVER)
-    sp.add_argument(
-        "--db",
-        help="a SQLite file or a postgresql:// URL (default $FLEET_HOME/ledger.sqlite3); "
-        "several servers may share one PostgreSQL database",
-    )
-    sp.add_argument("--lease-ttl-s", type=float, default=15.0, help="lease life without a beat")
-    sp.add_argument("--heartbeat-s", type=float, default=3.0, help="agents' heartbeat interval")
-    sp.add_argument(
-        "--gateway", default="",
-        help="the inference gateway's gRPC address, watched for backpressure",
-    )  # fmt: skip
-    sp.add_argument(
-        "--metrics-listen", default="",
-        help="host:port where GET /metrics answers in Prometheus text (e.g. 127.0.0.1:9464)",
-    )  # fmt: skip
-    sp.add_argument(
-        "--backpressure-depth", type=int, default=256,
-        help="gateway queue depth at which rollouts that use it stop being started",
-    )  # fmt: skip
-    sp.add_argument("--artifacts-dir", default="",
-                    help="where inputs and outputs are kept (default: beside a SQLite ledger, "
-                    "else $FLEET_HOME/artifacts)")  # fmt: skip
-    sp.add_argument("--price", default="",
-                    help="per host-hour, for fleet report: cpu=0.04/h,gpu=2.10/h")  # fmt: skip
-    sp.add_argument("--max-deadline-h", type=float, default=168.0,
-                    help="how far ahead a rollout's deadline may be, in hours (its inference "
-                    "token lives no longer; default 168: 7 days)")  # fmt: skip
-    sp.add_argument("--max-input-mib", type=float, default=1024.0,
-                    help="a rollout's inputs together, at most (default 1024)")  # fmt: skip
-    sp.add_argument("--max-output-mib", type=float, default=1024.0,
-                    help="a rollout's outputs together, at most (default 1024)")  # fmt: skip
-    sp.add_argument("--registry", default="",
-                    help="[https://]HOST[:PORT]/REPO: hosts fetch images they lack from this OCI "
-                    "registry, by digest (credentials: their $FLEET_REGISTRY_AUTH); default: "
-                    "from this server")  # fmt: skip
-    sp.add_argument("--artifacts-registry", default="",
-                    help="[https://]HOST[:PORT]/REPO: keep inputs and outputs in this OCI "
-                    "registry (replicas sharing a PostgreSQL ledger share it)")  # fmt: skip
-    sp.add_argument("--registry-ca", default="",
-                    help="a CA registries' certificates chain to (besides the system's and the "
-                    "fleet's)")  # fmt: skip
-    sp.add_argument("--retain-days", type=float, default=30.0,
-                    help="finished rollouts are deleted with their inputs and outputs this many "
-                    "days after they end (default 30; 0 keeps them)")  # fmt: skip
-    sp.add_argument("--tls", action="store_true",
-                    help="TLS and authentication on a loopback address too (always on "
-                    "beyond loopback unless --insecure)")  # fmt: skip
-    sp.add_argument("--insecure", action="store_true",
-                    help="no TLS and no authentication, even beyond loopback: any caller may "
-                    "act as any tenant or host")  # fmt: skip
-    sp.add_argument("--host-listen", default="",
-                    help="host:port of the mutual-TLS endpoint hosts call (default: the "
-                    "--listen host, port 50054)")  # fmt: skip
-    sp.add_argument("--san", action="append", default=[],
-                    help="another name or address the server's certificate carries "
-                    "(repeatable; the listen addresses are always in it)")  # fmt: skip
-    sp.add_argument(
-        "--host-cert-ttl", default="24h",
-        help="life of the certificates hosts get (default 24h; renewed at 2/3)",
-    )  # fmt: skip
+    ServeSettings.add_flags(sp)
 
     sp = add("agent", cmd_agent, "run a host agent", "info")
     server_flag(sp, client_auth=False)
@@ -658,6 +600,9 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except FleetError as exc:
         print(f"fleet {args.cmd}: {exc.code}: {exc.message}", file=sys.stderr)
+        return 2
+    except SettingsError as exc:
+        print(f"fleet {args.cmd}: {exc}", file=sys.stderr)
         return 2
     except grpc.aio.AioRpcError as exc:
         print(f"fleet {args.cmd}: {exc.code().name}: {exc.details()}", file=sys.stderr)

@@ -21,7 +21,8 @@ from fleet.demo.common import FINAL, print_table
 from fleet.demo.evaluation import evaluate, start_gateway
 from fleet.demo.suite import suite
 from fleet.embedded import Fleet, embedded_fleet
-from fleet.server.core import Core, ServerConfig
+from fleet.server.core import Core
+from fleet.server.settings import ServerConfig
 
 SMOLFILES = Path(__file__).resolve().parent.parent.parent / "smolfiles"
 

@@ -230,7 +230,10 @@ def migrate(engine: Engine) -> int:
                     step(conn)
                     log.info("ledger_migrated", version=version, name=name)
             command.stamp(config, BASELINE)
+        before = MigrationContext.configure(conn).get_current_revision()
         command.upgrade(config, "head")
+        if before != head:
+            log.info("ledger_migrated", revision=head, applied_after=before or "nothing")
         if legacy is None:
             insert = "INSERT INTO schema_info (id, version) VALUES (1, :v)"
             conn.execute(text(insert), {"v": latest})

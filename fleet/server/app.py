@@ -30,12 +30,12 @@ from fleet.server.auth import AuthInterceptor, Security
 from fleet.server.core import (
     DEFAULT_HOST_PORT,
     Core,
-    ServerConfig,
 )
 from fleet.server.fleet_service import FleetServicer
 from fleet.server.host_service import HostServicer
 from fleet.server.metrics import serve_metrics
 from fleet.server.sessions import SessionServicer
+from fleet.server.settings import ServerConfig as ServerConfig  # (re-exported: callers build it)
 
 log = structlog.get_logger(__name__)
 

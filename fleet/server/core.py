@@ -8,7 +8,6 @@ import contextlib
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -20,74 +19,20 @@ from fleet.core.errors import (
     Internal,
 )
 from fleet.core.lifecycle import RolloutState
-from fleet.core.manifest import MAX_DEADLINE
 from fleet.core.placement import HostCapabilities, HostClass, Requirements, unservable_reason
 from fleet.core.rollout import Completion
 from fleet.image.store import ImageStore
 from fleet.ledger.store import Ledger
 from fleet.server.auth import Authenticator, Caller, Security, current
 from fleet.server.hub import SessionHub
+from fleet.server.settings import ServerConfig
 
 log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
 R = TypeVar("R")
 
-MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 MAX_CLAIM_WAIT_S = 30.0
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """Server tunables."""
-
-    lease_ttl_s: float = 15.0
-    """How long a lease lives without a heartbeat."""
-    heartbeat_interval_s: float = 3.0
-    """How often agents are told to beat."""
-    sweep_interval_s: float = 0.5
-    """How often expired leases and missed deadlines are handled."""
-    max_message_bytes: int = MAX_MESSAGE_BYTES
-    """Largest request accepted; bigger ones get RESOURCE_EXHAUSTED."""
-    max_active_per_tenant: int = 100_000
-    """Queued plus running rollouts one tenant may have; more are refused with a retry hint."""
-    max_deadline_s: float = MAX_DEADLINE.total_seconds()
-    """How far ahead a submission's deadline may be (and so how long its inference token may
-    live)."""
-    max_running_per_tenant: int = 0
-    """Rollouts of one tenant leased at once across the fleet (0: no limit)."""
-    token_secret: bytes = b""
-    """Signs inference tokens for rollouts that use the gateway (shared with the gateway)."""
-    gateway_address: str = ""
-    """The gateway's gRPC address, watched for backpressure ("": no watching)."""
-    backpressure_queue_depth: int = 256
-    """Gateway queue depth at which rollouts that use it stop being started."""
-    backpressure_resume_depth: int = 64
-    """Depth at which they start again (below the threshold, so the router does not flap)."""
-    gateway_poll_s: float = 0.25
-    """How often the gateway's queue is read."""
-    metrics_listen: str = ""
-    """host:port for GET /metrics (Prometheus text); "": no metrics endpoint."""
-    artifacts_dir: str = ""
-    """Where uploaded inputs and collected outputs are kept ("": beside a SQLite ledger, else
-    $FLEET_HOME/artifacts)."""
-    max_input_mib: float = 1024.0
-    """A rollout's inputs together, at most."""
-    max_output_mib: float = 1024.0
-    """A rollout's outputs together, at most (per attempt)."""
-    registry: str = ""
-    """An OCI registry repository hosts fetch images from by digest ("": from this server)."""
-    artifacts_registry: str = ""
-    """Keep inputs and outputs in this OCI registry repository (replicas sharing a ledger
-    share it; `artifacts_dir` is then a local cache)."""
-    registry_ca: bytes = b""
-    """A CA registries' certificates chain to, besides the system's and the fleet's."""
-    retain_days: float = 30.0
-    """Finished rollouts are deleted with their files this long after they end (0: kept)."""
-    retention_interval_s: float = 3600.0
-    """How often retention runs (and once at start)."""
-    govern_interval_s: float = 1.0
-    """How often pools' promotion gates and adaptive caps are judged (0: never)."""
 
 
 MIB = 1 << 20

@@ -1,0 +1,62 @@
+"""A process's settings: one model gives the defaults, the FLEET_ variables and the flags."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import pytest
+
+from fleet.server.settings import ServerConfig, ServeSettings
+from fleet.settings import SettingsError
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="fleet serve")
+    ServeSettings.add_flags(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_defaults_come_from_the_model_and_each_field_has_its_flag_and_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in list(os.environ):
+        if name.startswith("FLEET_SERVE_"):
+            monkeypatch.delenv(name)
+    settings = ServeSettings.from_args(parse())
+    assert settings.lease_ttl_s == ServerConfig().lease_ttl_s == 15.0
+    parser = argparse.ArgumentParser()
+    ServeSettings.add_flags(parser)
+    text = " ".join(parser.format_help().split())
+    assert "--heartbeat-s" in text and "$FLEET_SERVE_HEARTBEAT_INTERVAL_S" in text
+    assert "default 15.0" in text  # (the model's default, shown, not written again)
+    # Every tunable but the two read from files is a flag.
+    flags = ServeSettings.flags()
+    assert set(ServerConfig.model_fields) - set(flags) == {"token_secret", "registry_ca"}
+
+
+def test_a_flag_beats_its_variable_which_beats_the_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("FLEET_SERVE_LEASE_TTL_S", "7")
+    monkeypatch.setenv("FLEET_SERVE_RETAIN_DAYS", "2")
+    settings = ServeSettings.from_args(parse("--lease-ttl-s", "3", "--san", "a", "--san", "b"))
+    assert settings.lease_ttl_s == 3.0 and settings.retain_days == 2.0
+    assert settings.san == ["a", "b"]
+    config = settings.server_config(b"secret", b"")
+    assert isinstance(config, ServerConfig) and not isinstance(config, ServeSettings)
+    assert config.lease_ttl_s == 3.0 and config.token_secret == b"secret"
+    assert config.max_deadline_s == config.max_deadline_h * 3600
+
+
+def test_a_bad_value_is_refused_naming_where_it_came_from(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("FLEET_SERVE_SWEEP_INTERVAL_S", "often")
+    with pytest.raises(SettingsError, match=r"\$FLEET_SERVE_SWEEP_INTERVAL_S: .*number"):
+        ServeSettings.from_args(parse())
+    monkeypatch.delenv("FLEET_SERVE_SWEEP_INTERVAL_S")
+    with pytest.raises(SettingsError, match=r"--lease-ttl-s: Input should be greater than 0"):
+        ServeSettings.from_args(parse("--lease-ttl-s", "0"))
+    with pytest.raises(SettingsError, match="--max-running-per-tenant"):
+        ServeSettings.from_args(parse("--max-running-per-tenant", "-1"))
