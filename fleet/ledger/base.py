@@ -162,6 +162,23 @@ def as_datetime(value: float | None) -> datetime | None:
     return None if value is None else datetime.fromtimestamp(value, UTC)
 
 
+def _sqlite_pragmas(connection: sqlite3.Connection) -> None:
+    cursor = connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=FULL")  # an acknowledged write survives power loss
+    cursor.execute("PRAGMA busy_timeout=10000")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.close()
+
+
+def _sqlite_connect(database: str) -> sqlite3.Connection:
+    """A connection in autocommit mode (transactions are begun explicitly), set up as the
+    engine's are."""
+    connection = sqlite3.connect(database, isolation_level=None, check_same_thread=False)
+    _sqlite_pragmas(connection)
+    return connection
+
+
 def _sqlite_engine(path: Path) -> Engine:
     path.parent.mkdir(parents=True, exist_ok=True)
     engine = create_engine(f"sqlite:///{path}", connect_args={"check_same_thread": False})
@@ -171,12 +188,7 @@ def _sqlite_engine(path: Path) -> Engine:
         # Let SQLAlchemy's "begin" hook below issue BEGIN IMMEDIATE: a writer takes the lock up
         # front instead of failing to upgrade a read lock under contention.
         dbapi_conn.isolation_level = None
-        cursor = dbapi_conn.cursor()
-        cursor.execute("PRAGMA journal_mode=WAL")
-        cursor.execute("PRAGMA synchronous=FULL")  # an acknowledged write survives power loss
-        cursor.execute("PRAGMA busy_timeout=10000")
-        cursor.execute("PRAGMA foreign_keys=ON")
-        cursor.close()
+        _sqlite_pragmas(dbapi_conn)
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Any) -> None:
@@ -212,6 +224,7 @@ class LedgerBase:
         self._lock_path = f"{database}.lock" if database else None
         self._thread_lock = threading.Lock()
         self._lock_file: TextIO | None = None
+        self._raw_writer: sqlite3.Connection | None = None
         self.checkpoint_budget_bytes = MAX_CHECKPOINT_BYTES_PER_ROLLOUT
         self.schema_version = migrate(engine)
 
@@ -251,6 +264,32 @@ class LedgerBase:
     def _begin(self) -> Iterator[Connection]:
         with self._writer_lock(), self.engine.begin() as conn:
             yield conn
+
+    @contextmanager
+    def _write(self) -> Iterator[Raw]:
+        """A write transaction for the hot paths (submit, claim, complete), as a Raw cursor.
+
+        On SQLite it runs on a connection of this ledger's own, outside SQLAlchemy's pool (its
+        checkout, events and reset cost about as much as the durable commit itself: 169 against
+        73 µs for one write, measured); the writer lock serializes its users, threads and
+        processes alike. On PostgreSQL it is `_begin`'s pooled connection."""
+        if self._pg or self._lock_path is None:
+            with self._begin() as conn:
+                yield Raw(conn, self._pg)
+            return
+        with self._writer_lock():
+            if self._raw_writer is None:
+                self._raw_writer = _sqlite_connect(self.engine.url.database or "")
+                weakref.finalize(self, self._raw_writer.close)
+            connection = self._raw_writer
+            connection.execute("BEGIN IMMEDIATE")
+            try:
+                yield Raw.over(connection.cursor(), postgres=False)
+                connection.execute("COMMIT")
+            except BaseException:
+                if connection.in_transaction:  # (some errors end it themselves)
+                    connection.execute("ROLLBACK")
+                raise
 
     @contextmanager
     def _writer_lock(self) -> Iterator[None]:

@@ -24,7 +24,7 @@ from fleet.core.rollout import (
     Completion,
 )
 from fleet.ledger.base import INSERT_EVENT, ITEM_COLS, Item, LedgerBase, prepare_report
-from fleet.ledger.raw import DONE, LEASED, QUEUED, Raw, marks
+from fleet.ledger.raw import DONE, LEASED, QUEUED, marks
 
 log = structlog.get_logger(__name__)
 
@@ -57,8 +57,7 @@ class Completions(LedgerBase):
         # Everything that needs no database is prepared before the write transaction: on
         # SQLite the transaction holds the one write lock, so its length bounds throughput.
         prepared = [prepare_report(report) for _, report in reports]
-        with self._begin() as conn:
-            db = Raw(conn, self._pg)
+        with self._write() as db:
             ids = sorted({r.work_id for _, r in reports})
             items = {
                 row[0]: Item(*row)

@@ -61,8 +61,7 @@ class Leases(LedgerBase):
         A repeat of a claim (same `request_id`, same host) answers with the leases the first
         one took, so a lost reply never strands work until its lease expires.
         """
-        with self._begin() as conn:
-            db = Raw(conn, self._pg)
+        with self._write() as db:
             host = self._host_row(db, host_id)
             if request_id:
                 again = db.all(

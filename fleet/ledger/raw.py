@@ -30,10 +30,15 @@ class Raw:
     there (measured with cProfile: ~70% of a claim+complete before this).
     """
 
-    def __init__(self, conn: Connection, postgres: bool) -> None:
-        self._cur: Any = conn.connection.cursor()
+    def __init__(self, conn: Connection | None, postgres: bool, cursor: Any = None) -> None:
+        self._cur: Any = cursor if cursor is not None else conn.connection.cursor()  # type: ignore[union-attr]
         self._pg = postgres
         self.lock = " FOR UPDATE" if postgres else ""  # SQLite: BEGIN IMMEDIATE already holds it
+
+    @classmethod
+    def over(cls, cursor: Any, *, postgres: bool) -> Raw:
+        """Over a DBAPI cursor of a transaction begun outside SQLAlchemy."""
+        return cls(None, postgres, cursor)
 
     def _q(self, sql: str) -> str:
         return pg_sql(sql) if self._pg else sql

@@ -9,7 +9,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 import structlog
-from sqlalchemy import Connection
 from sqlmodel import select
 
 from fleet.core.errors import (
@@ -66,19 +65,19 @@ class Submissions(LedgerBase):
         """
         for _ in range(3):
             try:
-                with self._begin() as conn:
-                    return self._insert_rollouts(conn, batch, now, max_active_per_tenant)
+                with self._write() as db:
+                    return self._insert_rollouts(db, batch, now, max_active_per_tenant)
             except UNIQUE_CLASH:
                 continue  # another replica stored one of the keys meanwhile: read it again
-        with self._begin() as conn:
-            return self._insert_rollouts(conn, batch, now, max_active_per_tenant)
+        with self._write() as db:
+            return self._insert_rollouts(db, batch, now, max_active_per_tenant)
 
     def _submit(
         self, request: SubmitRequest, manifest: Manifest, now: float, max_active: int
     ) -> tuple[Rollout, bool]:
-        with self._begin() as conn:
+        with self._write() as db:
             [(rollout_id, created)] = self._insert_rollouts(
-                conn, [(request, manifest)], now, max_active
+                db, [(request, manifest)], now, max_active
             )
         if not created:
             return self.get(rollout_id), False
@@ -95,12 +94,11 @@ class Submissions(LedgerBase):
 
     def _insert_rollouts(
         self,
-        conn: Connection,
+        db: Raw,
         batch: list[tuple[SubmitRequest, Manifest]],
         now: float,
         max_active: int,
     ) -> list[tuple[str, bool]]:
-        db = Raw(conn, self._pg)
         keys = sorted({req.idempotency_key for req, _ in batch})
         known: dict[str, tuple[str, str]] = {}
         for start in range(0, len(keys), 500):
