@@ -91,20 +91,35 @@ def _explain(cls: type[Settings], exc: ValidationError, from_flags: set[str]) ->
     flags = cls.flags()
     for error in exc.errors():
         field = str(error["loc"][0]) if error["loc"] else ""
-        if field in from_flags and field in flags:
-            where = flags[field].name or "--" + field.replace("_", "-")
+        flag = (flags[field].name or "--" + field.replace("_", "-")) if field in flags else ""
+        if error["type"] == "missing":
+            where = f"{flag} (or ${cls.env_name(field)})" if flag else f"${cls.env_name(field)}"
+        elif field in from_flags and flag:
+            where = flag
         elif os.environ.get(cls.env_name(field)):
             where = f"${cls.env_name(field)}"
         else:
             where = field
-        lines.append(f"{where}: {error['msg']} (got {error.get('input')!r})")
+        got = "" if error["type"] == "missing" else f" (got {error.get('input')!r})"
+        lines.append(f"{where}: {error['msg']}{got}")
     return "; ".join(lines)
 
 
 def _help(cls: type[Settings], name: str, info: FieldInfo) -> str:
     doc = " ".join((info.description or "").split())
     default = info.default
-    shown = "" if default in ("", None, False, [], ()) or default is ... else f"default {default}; "
+    if info.is_required():
+        shown = "required; "
+    elif (
+        info.default_factory is not None
+        or default is None
+        or default is False
+        or default == ""
+        or default == []
+    ):
+        shown = ""
+    else:
+        shown = f"default {default}; "
     return f"{doc} ({shown}${cls.env_name(name)})".replace("%", "%%")
 
 

@@ -34,6 +34,7 @@ from fleet.agent.journal import AttemptJournal
 from fleet.agent.link import Link
 from fleet.agent.passage import CHECKPOINTS_SOCKET, GATEWAY_SOCKET, GatewaySplice, child_address
 from fleet.agent.sessions import SessionHost
+from fleet.agent.settings import DEFAULT_DRAIN_S, DEFAULT_SLOTS
 from fleet.core.egress import EffectiveEgress, effective_egress
 from fleet.core.errors import (
     ErrorCode,
@@ -54,7 +55,7 @@ from fleet.image.store import ImageStore
 from fleet.runtime import disk
 from fleet.runtime.base import Leftover, Machine, MachineSpec, Parent, Runtime, resolve_secrets
 from fleet.runtime.cgroups import DEFAULT_PIDS_MAX
-from fleet.runtime.namespace import DEFAULT_DISK_GIB
+from fleet.runtime.disk import DEFAULT_DISK_GIB
 from fleet.runtime.netns import NetConfig
 from fleet.server import convert
 from fleet.server.convert import MAX_EGRESS_EVENTS
@@ -82,7 +83,7 @@ class AgentConfig:
     """The runtime preflight chose, and why."""
     machines_dir: Path
     images: ImageStore
-    slots: int = 2
+    slots: int = DEFAULT_SLOTS
     """Work items run at once."""
     claim_wait_s: float = 5.0
     """Long-poll wait per ClaimWork call."""
@@ -105,7 +106,7 @@ class AgentConfig:
     """A namespace machine's writable layer where its Smolfile bounds none (None: unbounded)."""
     labels: dict[str, str] = field(default_factory=dict)
     """What pools select this host by (an enrolled host's come from its join token)."""
-    drain_deadline_s: float = 600.0
+    drain_deadline_s: float = DEFAULT_DRAIN_S
     """On stopping (SIGTERM), how long running work may go on; the host takes no new work
     meanwhile, and what still runs after it is released for retry elsewhere."""
 

@@ -12,7 +12,8 @@ from fleet.core.errors import FailedPrecondition, InvalidArgument
 from fleet.core.placement import HostCapabilities, HostClass, Isolation, RuntimeKind
 from fleet.image.store import ImageStore
 from fleet.runtime import smol as smol_runtime
-from fleet.runtime.namespace import DEFAULT_DISK_GIB, missing_tools
+from fleet.runtime.disk import DEFAULT_DISK_GIB
+from fleet.runtime.namespace import missing_tools
 from fleet.runtime.netns import NetConfig
 from fleet.runtime.warm import WarmNamespaceRuntime
 

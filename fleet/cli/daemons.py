@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fleet.agent.settings import AgentSettings
 from fleet.cli.admin import duration_s
 from fleet.cli.client import parse_labels
 from fleet.config import Paths
@@ -236,13 +237,14 @@ async def cmd_agent(args: argparse.Namespace) -> int:
     from fleet.identity.tls import HostFiles
     from fleet.image.store import ImageStore
 
+    settings = AgentSettings.from_args(args)
     paths = Paths.from_env()
     images = ImageStore(paths.images, paths.recipes)
-    choice = choose_runtime(args.runtime, paths.home, images)
-    host_class = HostClass(args.host_class)
-    host_id = args.host_id or default_host_id(host_class)
-    gateway = gateway_endpoint(args.gateway)
-    files = HostFiles(Path(args.identity_dir) if args.identity_dir else paths.host_identity)
+    choice = choose_runtime(settings.runtime, paths.home, images)
+    host_class = HostClass(settings.host_class)
+    host_id = settings.host_id or default_host_id(host_class)
+    gateway = gateway_endpoint(settings.gateway)
+    files = HostFiles(Path(settings.identity_dir) if settings.identity_dir else paths.host_identity)
     identity = None
     if files.exists():
         identity = files.load()
@@ -252,57 +254,61 @@ async def cmd_agent(args: argparse.Namespace) -> int:
                 f"{identity.not_after:.0f}; enroll again with a new --join token after "
                 f"removing {files.directory}"
             )
-        if args.host_id and args.host_id != identity.host_id:
+        if settings.host_id and settings.host_id != identity.host_id:
             raise SystemExit(
                 f"fleet agent: {files.directory} holds host {identity.host_id!r}'s identity, "
-                f"not {args.host_id!r}'s: drop --host-id, or use another --identity-dir"
+                f"not {settings.host_id!r}'s: drop --host-id, or use another --identity-dir"
             )
         host_id = identity.host_id
-        if args.join:
+        if settings.join:
             print(f"fleet agent: enrolled already as {host_id}; the join token was not used",
                   flush=True)  # fmt: skip
     registry_ca = (
-        await asyncio.to_thread(Path(args.registry_ca).read_bytes) if args.registry_ca else b""
+        await asyncio.to_thread(Path(settings.registry_ca_file).read_bytes)
+        if settings.registry_ca_file
+        else b""
     )
     gateway_ca = b""
-    if args.gateway.startswith("https://"):
-        if args.ca:
-            gateway_ca = await asyncio.to_thread(Path(args.ca).read_bytes)
+    if settings.gateway.startswith("https://"):
+        if settings.ca:
+            gateway_ca = await asyncio.to_thread(Path(settings.ca).read_bytes)
         elif files.exists():
             gateway_ca = await asyncio.to_thread(files.ca.read_bytes)
-        elif not args.join:
+        elif not settings.join:
             raise SystemExit(
                 "fleet agent: --gateway https://… needs the fleet CA to verify it: --ca FILE, "
                 "or enroll (--join)"
             )
-    if args.join and not files.exists():
-        caps = capabilities(host_id, host_class, choice, args.slots).model_copy(
+    if settings.join and not files.exists():
+        caps = capabilities(host_id, host_class, choice, settings.slots).model_copy(
             update={"gateway": gateway is not None}
         )
-        ca_pem = await asyncio.to_thread(Path(args.ca).read_bytes) if args.ca else b""
-        identity = await enroll(args.server, args.join, host_id, caps, files,
-                                ca_fingerprint=args.ca_fingerprint, ca_pem=ca_pem)  # fmt: skip
+        ca_pem = await asyncio.to_thread(Path(settings.ca).read_bytes) if settings.ca else b""
+        identity = await enroll(settings.server, settings.join, host_id, caps, files,
+                                ca_fingerprint=settings.ca_fingerprint, ca_pem=ca_pem)  # fmt: skip
         print(f"fleet agent: enrolled as {host_id}; identity in {files.directory}", flush=True)
-        gateway_ca = gateway_ca or (identity.ca_pem if args.gateway.startswith("https://") else b"")
+        gateway_ca = gateway_ca or (
+            identity.ca_pem if settings.gateway.startswith("https://") else b""
+        )
     agent = Agent(
         AgentConfig(
-            server=args.server,
+            server=settings.server,
             identity=identity,
             identity_files=files if identity is not None else None,
             host_id=host_id,
             host_class=host_class,
             runtime=choice,
-            machines_dir=Path(args.machines_dir) if args.machines_dir else paths.machines,
+            machines_dir=Path(settings.machines_dir) if settings.machines_dir else paths.machines,
             images=images,
-            slots=args.slots,
-            net=net_config(args.egress_uplink, args.egress_dns),
+            slots=settings.slots,
+            net=net_config(settings.egress_uplink, settings.egress_dns),
             gateway=gateway,
             gateway_ca=gateway_ca,
-            image_cache_gib=args.image_cache_gib,
-            default_disk_gib=args.default_disk_gib or None,
+            image_cache_gib=settings.image_cache_gib,
+            default_disk_gib=settings.default_disk_gib or None,
             registry_ca=registry_ca,
-            drain_deadline_s=duration_s(args.drain_deadline),
-            labels=parse_labels(args.label),
+            drain_deadline_s=duration_s(settings.drain_deadline),
+            labels=parse_labels(settings.label),
         )
     )
     print(f"fleet agent: {host_class}-class, runtime {choice.kind} ({choice.reason})", flush=True)

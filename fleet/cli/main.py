@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 
 from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
+from fleet.agent.settings import AgentSettings
 from fleet.cli import client, logs
 from fleet.cli.admin import add_commands as add_admin_commands
 from fleet.cli.daemons import cmd_agent, cmd_gateway, cmd_serve, cmd_up
@@ -344,61 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     ServeSettings.add_flags(sp)
 
     sp = add("agent", cmd_agent, "run a host agent", "info")
-    server_flag(sp, client_auth=False)
-    sp.add_argument("--join", default="", metavar="TOKEN",
-                    help="enroll with this join token (fleet host token create) unless this "
-                    "host holds a valid certificate already")  # fmt: skip
-    sp.add_argument("--ca-fingerprint", default="",
-                    help="sha256:… of the fleet CA, to pin it when enrolling "
-                    "(printed by fleet host token create)")  # fmt: skip
-    sp.add_argument("--ca", default="", help="the fleet CA's certificate, instead of a fingerprint")
-    sp.add_argument(
-        "--identity-dir", default="",
-        help="where this host keeps its key and certificate (default $FLEET_HOME/host)",
-    )  # fmt: skip
-    sp.add_argument("--class", dest="host_class", choices=["gpu", "cpu"], required=True)
-    sp.add_argument("--runtime", choices=["auto", "smol", "namespace"], default="auto")
-    sp.add_argument("--slots", type=int, default=2, help="work items run at once")
-    sp.add_argument("--label", action="append", default=[],
-                    help="KEY=VALUE pools select this host by (repeatable; an enrolled host's "
-                    "labels are its join token's)")  # fmt: skip
-    sp.add_argument(
-        "--drain-deadline", default="10m",
-        help="on SIGTERM the host takes no new work and what runs goes on this long, then is "
-        "released for retry elsewhere (default 10m)",
-    )  # fmt: skip
-    sp.add_argument("--registry-ca", default="",
-                    help="a CA the image registry's certificate chains to (besides the system's "
-                    "and the fleet's)")  # fmt: skip
-    sp.add_argument(
-        "--image-cache-gib", type=float, default=20.0,
-        help="images fetched from the server kept here, at most (least recently used removed "
-        "first, never one in use; default 20)",
-    )  # fmt: skip
-    sp.add_argument(
-        "--default-disk-gib", type=int, default=10,
-        help="a namespace machine's writable layer where its Smolfile sets neither overlay nor "
-        "storage, in GiB (a sparse file; 0: bounded by the host's disk only; default 10)",
-    )  # fmt: skip
-    sp.add_argument("--host-id", default="")
-    sp.add_argument("--machines-dir", default="", help="default $FLEET_HOME/machines")
-    sp.add_argument(
-        "--egress-uplink", default="",
-        help="network namespace where machine links end (default: this host, with forwarding "
-        "and masquerade in fleet's own nftables table)",
-    )  # fmt: skip
-    sp.add_argument(
-        "--egress-dns", default="",
-        help="resolver the machines' DNS forwarder asks, ADDRESS[:PORT] "
-        "(default: first nameserver in /etc/resolv.conf)",
-    )  # fmt: skip
-
-    sp.add_argument(
-        "--gateway", default="",
-        help="the inference gateway's HTTP endpoint as machines reach it: ADDRESS:PORT, or "
-        "host:PORT for a gateway on this host (rollouts that use inference need it); "
-        "https://… when it serves TLS (verified against the fleet CA)",
-    )  # fmt: skip
+    AgentSettings.add_flags(sp)
 
     sp = add("gateway", cmd_gateway, "run the inference gateway (GPU host)", "info")
     sp.add_argument("--listen", default="127.0.0.1:50052", help="gRPC address")

@@ -26,6 +26,9 @@ import structlog
 from fleet.core.errors import FailedPrecondition
 from fleet.core.smolfile import Smolfile
 
+DEFAULT_DISK_GIB = 10
+"""A namespace machine's writable layer where its Smolfile bounds none, in GiB."""
+
 log = structlog.get_logger(__name__)
 
 IMAGE = "disk.img"

@@ -81,7 +81,6 @@ bwrap is the machine's pid 1, and its /proc/1/environ is readable inside, so not
 agent's (keys, tokens, registry credentials) may be in it. The step's own environment is set
 with bwrap's --clearenv and --setenv; bwrap's own arguments (host paths among them) reach it
 through a descriptor (--args), so /proc/1/cmdline names none."""
-DEFAULT_DISK_GIB = 10
 """A machine's writable layer where its Smolfile sets neither `overlay` nor `storage`."""
 
 
@@ -505,7 +504,7 @@ class NamespaceRuntime:
         self,
         machines_dir: Path,
         net: NetConfig | None = None,
-        default_disk_gib: int | None = DEFAULT_DISK_GIB,
+        default_disk_gib: int | None = disk.DEFAULT_DISK_GIB,
     ) -> None:
         self.machines_dir = machines_dir
         self.net = net or NetConfig()

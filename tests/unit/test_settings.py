@@ -60,3 +60,27 @@ def test_a_bad_value_is_refused_naming_where_it_came_from(
         ServeSettings.from_args(parse("--lease-ttl-s", "0"))
     with pytest.raises(SettingsError, match="--max-running-per-tenant"):
         ServeSettings.from_args(parse("--max-running-per-tenant", "-1"))
+
+
+def test_the_agents_settings_come_from_flags_and_fleet_agent_variables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from fleet.agent.settings import DEFAULT_SLOTS, AgentSettings
+
+    parser = argparse.ArgumentParser(prog="fleet agent")
+    AgentSettings.add_flags(parser)
+    monkeypatch.delenv("FLEET_AGENT_HOST_CLASS", raising=False)
+    with pytest.raises(SettingsError, match=r"--class \(or \$FLEET_AGENT_HOST_CLASS\): .*required"):
+        AgentSettings.from_args(parser.parse_args([]))
+    monkeypatch.setenv("FLEET_AGENT_HOST_CLASS", "cpu")
+    monkeypatch.setenv("FLEET_AGENT_LABEL", '["zone=a"]')  # (a list, as JSON)
+    monkeypatch.setenv("FLEET_SERVER", "10.0.0.1:50051")
+    settings = AgentSettings.from_args(parser.parse_args(["--registry-ca", "/ca.pem"]))
+    assert (settings.host_class, settings.slots) == ("cpu", DEFAULT_SLOTS)
+    assert settings.label == ["zone=a"] and settings.registry_ca_file == "/ca.pem"
+    assert settings.server == "10.0.0.1:50051"  # (the client's $FLEET_SERVER, when unset here)
+    with pytest.raises(SystemExit):  # argparse's own refusal: not a class it knows
+        parser.parse_args(["--class", "tpu"])
+    monkeypatch.setenv("FLEET_AGENT_HOST_CLASS", "tpu")
+    with pytest.raises(SettingsError, match=r"\$FLEET_AGENT_HOST_CLASS: Input should be 'gpu'"):
+        AgentSettings.from_args(parser.parse_args([]))
