@@ -40,34 +40,9 @@ from fleet.prom import (
 from gateway.admission import admissible
 from gateway.breaker import CircuitBreaker
 from gateway.model import DeviceFault, Runner
+from gateway.settings import BatchConfig as BatchConfig  # (re-exported: callers build it)
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class BatchConfig:
-    max_batch: int = 64
-    """Most samples in one primary batch."""
-    max_wait_ms: float = 2.0
-    """How long the oldest request waits for others to join its batch (0: dispatch as soon as
-    the device is free; batches then form from requests that arrive while it computes)."""
-    max_queue: int = 2048
-    """Queued requests beyond this are refused at once (RESOURCE_EXHAUSTED)."""
-    max_inflight_per_rollout: int = 16
-    """Requests one rollout may have queued or running at once."""
-    fallback_max_batch: int = 16
-    """Most samples in one batch on the CPU replica (its lower concurrency)."""
-    answers_kept: int = 200_000
-    """Answers remembered for idempotent retries (oldest forgotten first)."""
-    answers_kept_mib: float = 256.0
-    """Memory the remembered answers may take (estimated from their outputs' lengths): past
-    it the oldest are forgotten too, however few they are (a model with large outputs)."""
-    probe_interval_s: float = 5.0
-    """After this long with nothing queued, the primary's health is probed with one sample
-    (0: never). A failed probe counts as a fault for the breaker; while the breaker is half
-    open, a probe that passes closes it, so an idle gateway recovers its device by itself."""
-    latency_window_s: float = 30.0
-    """The window of the p95 latency the fleet server's promotion gates read."""
 
 
 LATENCIES_KEPT = 100_000

@@ -26,10 +26,10 @@ from torch import nn
 from fleet.core.errors import FailedPrecondition, InvalidArgument, NotFound
 from gateway.admission import MemoryModel, admissible
 from gateway.nvml import UtilizationProbe
+from gateway.settings import WEIGHTS_DIR
 
 log = structlog.get_logger(__name__)
 
-WEIGHTS_DIR = Path(__file__).parent / "weights"
 DTYPES = {"float32": (torch.float32, 4), "bfloat16": (torch.bfloat16, 2)}
 """Serving precisions: the torch dtype and bytes per number. Weights are stored in float32."""
 

@@ -13,7 +13,6 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from datetime import UTC
-from pathlib import Path
 
 import grpc
 import structlog
@@ -29,11 +28,10 @@ from fleet.core.errors import (
 from fleet.core.tokens import check_running, verify
 from fleet.prom import CounterMetricFamily, exposition, gauge
 from fleet.server.status import as_refusal, mapped
-from gateway.batcher import Answer, BatchConfig, Batcher
+from gateway.batcher import Answer, Batcher
 from gateway.breaker import CircuitBreaker
 from gateway.engine import EngineRunner
 from gateway.model import (
-    WEIGHTS_DIR,
     DeviceFault,
     ModelSpec,
     Runner,
@@ -42,50 +40,11 @@ from gateway.model import (
     load_network,
     select_model,
 )
+from gateway.settings import GatewayConfig as GatewayConfig  # (re-exported: callers build it)
 
 log = structlog.get_logger(__name__)
 
 MAX_REQUEST_BYTES = 1 << 20
-
-
-@dataclass(frozen=True)
-class GatewayConfig:
-    secret: bytes
-    """Shared with the fleet server, which signs the rollout-scoped tokens."""
-    model: str = "gridworld-policy"
-    models_toml: Path = WEIGHTS_DIR / "models.toml"
-    """The model manifest (name, revision, weight file, sha256, shape)."""
-    device: str = "auto"
-    """Primary device: "auto" (cuda:0 when present, else cpu), "cpu" or "cuda:N"."""
-    capacity_mib: float = 0.0
-    """The primary's memory budget; 0: the device's total (CUDA), a quarter of RAM (CPU)."""
-    fallback_capacity_mib: float = 32.0
-    """The CPU replica's memory budget."""
-    batch: BatchConfig = field(default_factory=BatchConfig)
-    breaker_failures: int = 3
-    breaker_open_s: float = 2.0
-    dtype: str = ""
-    """The primary's precision, over the manifest's (float32, bfloat16). The CPU replica
-    always serves float32, the precision the weights are stored in."""
-    engine: str = "process"
-    """Where the primary's model runs: "process" (an engine process of its own, restarted
-    after a device error; `gateway.engine`) or "inline" (a thread of the gateway's process)."""
-    engine_threads: int = 0
-    """torch's CPU threads in the engine process (0: as many as this process uses)."""
-    engine_answer_timeout_s: float = 60.0
-    """An engine that has not answered a batch by then is hung: a device error; it is ended
-    and started again."""
-    log_level: str = "info"
-    """The engine process's log level (its events go to stderr, as the gateway's do)."""
-    pack_weights: bool = True
-    """On a CPU primary, also hold the weights pre-packed for oneDNN and serve the batch sizes
-    where that is faster, as timed at load (`gateway.model.pack_for_cpu`)."""
-    reserve_device_memory: bool = True
-    """On a CUDA primary, take at load the memory batches up to `batch.max_batch` need
-    (`TorchRunner._reserve`), so that another process filling the GPU cannot fail them."""
-    stream_outstanding: int = 256
-    """Requests one InferStream may have outstanding; at this many the gateway stops reading
-    from it (gRPC's flow control then holds the caller back) until one is answered."""
 
 
 def _primary_device(choice: str) -> str:
@@ -173,6 +132,10 @@ class Gateway:
 
     @classmethod
     def build(cls, config: GatewayConfig, fault_primary: object | None = None) -> Gateway:
+        if not config.secret:
+            raise InvalidArgument(
+                "the gateway needs the token secret it shares with the fleet server"
+            )
         _check_limits(config)
         spec = select_model(config.models_toml, config.model, config.dtype, "gateway dtype")
         if config.engine not in ENGINES:

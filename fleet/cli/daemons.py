@@ -19,6 +19,7 @@ from fleet.identity.local import ensure_admin_key
 from fleet.runtime.netns import NetConfig
 from fleet.server.auth import Security
 from fleet.server.settings import ServeSettings
+from gateway.settings import GatewaySettings
 
 
 def default_db(paths: Paths) -> Path:
@@ -123,27 +124,18 @@ async def cmd_gateway(args: argparse.Namespace) -> int:
     from gateway import require_torch
 
     require_torch()
-    from gateway.batcher import BatchConfig
     from gateway.http import serve_http
-    from gateway.service import Gateway, GatewayConfig, serve
+    from gateway.service import Gateway, serve
 
+    settings = GatewaySettings.from_args(args)
     paths = Paths.from_env()
-    config = GatewayConfig(
-        secret=paths.token_secret(), device=args.device, capacity_mib=args.capacity_mib,
-        dtype=args.dtype, engine=args.engine, log_level=args.log_level or args.default_log_level,
-        stream_outstanding=args.stream_outstanding, reserve_device_memory=not args.no_reserve,
-        batch=BatchConfig(
-            max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
-            max_inflight_per_rollout=args.max_inflight_per_rollout,
-            answers_kept=args.answers_kept, answers_kept_mib=args.answers_kept_mib,
-        ),
-    )  # fmt: skip
-    grpc_tls, http_tls, ca = gateway_tls(args, paths)
+    config = settings.gateway_config(paths.token_secret(), args.log_level or args.default_log_level)
+    grpc_tls, http_tls, ca = gateway_tls(settings, paths)
     gw = Gateway.build(config)
-    server, port = await serve(gw, args.listen, grpc_tls)
-    host, _, http_port = args.http_listen.rpartition(":")
+    server, port = await serve(gw, settings.listen, grpc_tls)
+    host, _, http_port = settings.http_listen.rpartition(":")
     http, bound = await serve_http(
-        gw, host, int(http_port), tls=http_tls, allow=http_allow(args.http_allow)
+        gw, host, int(http_port), tls=http_tls, allow=http_allow(settings.http_allow)
     )
     scheme = "https" if http_tls is not None else "http"
     print(
@@ -181,7 +173,7 @@ def http_allow(text: str) -> Any:
     return (*DEFAULT_ALLOW, *extra)
 
 
-def gateway_tls(args: argparse.Namespace, paths: Paths) -> tuple[Any, Any, str]:
+def gateway_tls(settings: GatewaySettings, paths: Paths) -> tuple[Any, Any, str]:
     """TLS for each of the gateway's endpoints that is not on loopback (unless --insecure),
     with a certificate from the fleet CA: (gRPC credentials, HTTP context, CA fingerprint)."""
     from fleet.identity.ca import CertificateAuthority
@@ -194,10 +186,10 @@ def gateway_tls(args: argparse.Namespace, paths: Paths) -> tuple[Any, Any, str]:
     )
 
     hosts = {name: split_address(address)[0] for name, address in
-             (("--listen", args.listen), ("--http-listen", args.http_listen))}  # fmt: skip
+             (("--listen", settings.listen), ("--http-listen", settings.http_listen))}  # fmt: skip
     wide = [name for name, host in hosts.items() if not is_loopback(host)]
-    if args.insecure or not wide:
-        if args.insecure and wide:
+    if settings.insecure or not wide:
+        if settings.insecure and wide:
             print(f"fleet gateway: {', '.join(wide)} beyond loopback WITHOUT TLS (--insecure)",
                   file=sys.stderr, flush=True)  # fmt: skip
         return None, None, ""
@@ -207,7 +199,7 @@ def gateway_tls(args: argparse.Namespace, paths: Paths) -> tuple[Any, Any, str]:
             f"{paths.ca} (fleet ca init, on the server's host), or --insecure"
         )
     ca = CertificateAuthority.load(paths.ca)
-    names = server_names(args.http_listen, [*args.san, hosts["--listen"]])
+    names = server_names(settings.http_listen, [*settings.san, hosts["--listen"]])
     tls = ServerTls.issue(ca, names)
     grpc_tls = tls.credentials(require_client_cert=False) if "--listen" in wide else None
     http_tls = server_ssl_context(tls) if "--http-listen" in wide else None

@@ -25,6 +25,7 @@ from fleet.config import Paths
 from fleet.core.errors import FleetError, InvalidArgument
 from fleet.server.settings import ServeSettings
 from fleet.settings import SettingsError
+from gateway.settings import GatewaySettings
 
 STATE_NAMES = {v: k.removeprefix("ROLLOUT_STATE_") for k, v in types_pb2.RolloutState.items()}
 
@@ -348,59 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     AgentSettings.add_flags(sp)
 
     sp = add("gateway", cmd_gateway, "run the inference gateway (GPU host)", "info")
-    sp.add_argument("--listen", default="127.0.0.1:50052", help="gRPC address")
-    sp.add_argument(
-        "--http-listen", default="0.0.0.0:50053",
-        help="HTTP address machines call (they reach only it, and only with a rollout token)",
-    )  # fmt: skip
-    sp.add_argument(
-        "--http-allow", default="",
-        help="comma-separated CIDRs whose connections the HTTP endpoint answers, besides "
-        "loopback and the machines' address pool (cloud hosts' addresses, say); others are "
-        "closed unanswered; 'any' answers everyone",
-    )  # fmt: skip
-    sp.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
-    sp.add_argument(
-        "--insecure", action="store_true",
-        help="no TLS on endpoints beyond loopback (by default they use a certificate from the "
-        "fleet CA in $FLEET_HOME/ca)",
-    )  # fmt: skip
-    sp.add_argument("--san", action="append", default=[],
-                    help="another name its certificate carries (repeatable)")  # fmt: skip
-    sp.add_argument(
-        "--dtype", default="", choices=["", "float32", "bfloat16"],
-        help="the primary's precision (default: the model manifest's, float32 if it names none)",
-    )  # fmt: skip
-    sp.add_argument(
-        "--capacity-mib", type=float, default=0.0,
-        help="primary memory budget (default: the device's, or RAM/4 on CPU)",
-    )  # fmt: skip
-    sp.add_argument(
-        "--engine", default="process", choices=["process", "inline"],
-        help="where the primary's model runs: a process of its own, started again after a "
-        "device error or a hang (default), or a thread of the gateway's process",
-    )  # fmt: skip
-    sp.add_argument(
-        "--no-reserve", action="store_true",
-        help="on CUDA, do not take at load the memory batches up to --max-batch need (then "
-        "another process filling the GPU sends batches to the CPU replica)",
-    )  # fmt: skip
-    sp.add_argument("--max-batch", type=int, default=64)
-    sp.add_argument("--max-wait-ms", type=float, default=2.0)
-    sp.add_argument("--max-queue", type=int, default=2048)
-    sp.add_argument("--max-inflight-per-rollout", type=int, default=16)
-    sp.add_argument(
-        "--answers-kept", type=int, default=200_000,
-        help="answers remembered for idempotent retries (oldest forgotten first)",
-    )  # fmt: skip
-    sp.add_argument(
-        "--answers-kept-mib", type=float, default=256.0,
-        help="memory those answers may take (estimated); past it the oldest are forgotten too",
-    )  # fmt: skip
-    sp.add_argument(
-        "--stream-outstanding", type=int, default=256,
-        help="requests one InferStream may have outstanding before the gateway stops reading it",
-    )  # fmt: skip
+    GatewaySettings.add_flags(sp)
 
     sp = add("up", cmd_up, "server + 1 gpu-class + 2 cpu-class agents, SQLite, one process", "info")
     sp.add_argument("--listen", default=DEFAULT_SERVER)

@@ -64,7 +64,7 @@ class Client:
 
 @asynccontextmanager
 async def gateway(fault: Any = None, **overrides: Any) -> AsyncIterator[Client]:
-    config = replace(GatewayConfig(secret=SECRET, device="cpu"), **overrides)
+    config = GatewayConfig(secret=SECRET, device="cpu").model_copy(update=overrides)
     gw = Gateway.build(config, fault_primary=fault)
     server, port = await serve(gw, "127.0.0.1:0")
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
@@ -654,7 +654,8 @@ def test_an_unknown_engine_is_refused() -> None:
     [
         ({"batch": BatchConfig(max_batch=0)}, "gateway max_batch is 0: it must be at least 1"),
         ({"batch": BatchConfig(max_wait_ms=-1)}, "gateway max_wait_ms is -1"),
-        ({"batch": BatchConfig(max_queue=float("nan"))}, "gateway max_queue is nan"),  # type: ignore[arg-type]
+        ({"batch": BatchConfig(max_wait_ms=float("nan"))}, "gateway max_wait_ms is nan"),
+        ({"secret": b""}, "the gateway needs the token secret"),
         ({"stream_outstanding": 0}, "gateway stream_outstanding is 0: it must be at least 1"),
         ({"breaker_failures": 0}, "gateway breaker_failures is 0"),
     ],
@@ -663,7 +664,7 @@ def test_limits_that_cannot_work_are_refused_saying_which(
     overrides: dict[str, Any], text: str
 ) -> None:
     with pytest.raises(InvalidArgument, match=text):
-        Gateway.build(replace(GatewayConfig(secret=SECRET, device="cpu"), **overrides))
+        Gateway.build(GatewayConfig(secret=SECRET, device="cpu").model_copy(update=overrides))
 
 
 async def test_a_model_served_in_bfloat16_answers_like_float32_and_fails_over_in_float32() -> None:

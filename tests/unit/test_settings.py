@@ -84,3 +84,22 @@ def test_the_agents_settings_come_from_flags_and_fleet_agent_variables(
     monkeypatch.setenv("FLEET_AGENT_HOST_CLASS", "tpu")
     with pytest.raises(SettingsError, match=r"\$FLEET_AGENT_HOST_CLASS: Input should be 'gpu'"):
         AgentSettings.from_args(parser.parse_args([]))
+
+
+def test_the_gateways_settings_carry_the_batchers_and_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gateway.settings import BatchConfig, GatewayConfig, GatewaySettings
+
+    parser = argparse.ArgumentParser(prog="fleet gateway")
+    GatewaySettings.add_flags(parser)
+    monkeypatch.setenv("FLEET_GATEWAY_MAX_BATCH", "8")
+    settings = GatewaySettings.from_args(parser.parse_args(["--no-reserve", "--max-wait-ms", "1"]))
+    config = settings.gateway_config(b"secret", "debug")
+    assert type(config) is GatewayConfig and type(config.batch) is BatchConfig
+    assert (config.batch.max_batch, config.batch.max_wait_ms) == (8, 1.0)
+    assert config.batch.max_queue == BatchConfig().max_queue  # (the model's default)
+    assert not config.reserve_device_memory and config.secret == b"secret"
+    assert config.log_level == "debug"
+    flags = GatewaySettings.flags()
+    assert "secret" not in flags and "batch" not in flags and "log_level" not in flags
