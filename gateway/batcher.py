@@ -153,6 +153,11 @@ class Batcher:
     def queue_depth(self) -> int:
         return len(self._queue)
 
+    @property
+    def outstanding(self) -> int:
+        """Requests admitted and not answered yet (queued, or in a batch on a device)."""
+        return sum(self._inflight.values())
+
     def oldest_queued_s(self) -> float:
         return time.monotonic() - self._queue[0].enqueued if self._queue else 0.0
 

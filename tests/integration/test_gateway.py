@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -107,9 +108,10 @@ async def test_concurrent_requests_are_batched_and_answered_exactly() -> None:
 
 async def test_a_full_queue_refuses_at_once_with_a_retry_hint() -> None:
     """Over max_queue: RESOURCE_EXHAUSTED immediately; everything accepted is still answered."""
+    release = threading.Event()
 
-    def slow() -> None:
-        time.sleep(0.3)
+    def slow() -> None:  # the device, held until every call was admitted or refused
+        assert release.wait(30), "the test never released the device"
 
     config = BatchConfig(max_batch=2, max_wait_ms=1, max_queue=4)
     finished: list[str] = []  # "refused" or "answered", in the order the calls ended
@@ -126,7 +128,13 @@ async def test_a_full_queue_refuses_at_once_with_a_retry_hint() -> None:
     # A slow device, simulated by a hook that blocks: it must run off the event loop, as
     # the inline runner runs it (an engine's hook runs on the loop, before sending).
     async with gateway(fault=slow, batch=config, engine="inline") as c:
-        replies = await asyncio.gather(*(call(i, s) for i, s in enumerate(observations(12))))
+        calls = asyncio.gather(*(call(i, s) for i, s in enumerate(observations(12))))
+        deadline = time.monotonic() + 30
+        while finished.count("refused") + c.gateway.batcher.outstanding < 12:  # (none answered)
+            assert time.monotonic() < deadline, "the calls were neither admitted nor refused"
+            await asyncio.sleep(0.01)
+        release.set()
+        replies = await calls
 
     refused = [r for r in replies if isinstance(r, grpc.aio.AioRpcError)]
     answered = [r for r in replies if not isinstance(r, Exception)]

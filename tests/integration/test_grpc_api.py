@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -75,10 +77,28 @@ async def test_cuda_rollout_waits_for_and_runs_only_on_a_gpu_agent(
         await h.start_agent("gpu-a", HostClass.GPU)
         await h.stop_agent("gpu-a")
         await h.start_agent("cpu-a", HostClass.CPU)
+        # The cpu agent's claims, counted as the ledger answers them: three that came after
+        # the submission and found nothing it may take (not a sleep that hopes for as many).
+        ledger = h.server.core.ledger
+        claim, looked, seen = ledger.claim, threading.Event(), []
+
+        def counting(host_id: str, *args: Any, **kwargs: Any) -> Any:
+            after = submitted.is_set()  # (a claim begun before the submission does not count)
+            leased = claim(host_id, *args, **kwargs)
+            if host_id == "cpu-a" and after:
+                seen.append(len(leased))
+                if len(seen) >= 3:
+                    looked.set()
+            return leased
+
+        submitted = threading.Event()
+        ledger.claim = counting  # type: ignore[method-assign]
         reply = await h.fleet.SubmitRollout(
             request('image = "minimal"\ncuda = true\n', ["sh", "-c", "echo $FLEET_DEVICE"])
         )
-        await asyncio.sleep(2.5)  # several claim cycles of the cpu agent
+        submitted.set()
+        assert await asyncio.to_thread(looked.wait, 30), "the cpu agent stopped claiming"
+        assert seen[:3] == [0, 0, 0]
         waiting = (await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=reply.rollout.id))).state
         await h.start_agent("gpu-b", HostClass.GPU)
         r = await h.wait_final(reply.rollout.id)
