@@ -226,7 +226,11 @@ class LedgerBase:
         self._lock_file: TextIO | None = None
         self._raw_writer: sqlite3.Connection | None = None
         self.checkpoint_budget_bytes = MAX_CHECKPOINT_BYTES_PER_ROLLOUT
-        self.schema_version = migrate(engine)
+        try:
+            self.schema_version = migrate(engine)
+        except BaseException:
+            engine.dispose()  # (refused, e.g. a newer schema: its connection is not kept open)
+            raise
 
     @property
     def _lock_clause(self) -> str:
