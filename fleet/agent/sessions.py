@@ -89,6 +89,7 @@ class SessionHost:
     async def serve(self, stub: Any, stop: asyncio.Event) -> None:
         """Keeps the session stream open (reconnecting) until `stop`."""
         while not stop.is_set():
+            call = None
             try:
                 call = stub.SessionCommands(self._outgoing())
                 async for command in call:
@@ -97,6 +98,11 @@ class SessionHost:
                 if exc.code() != grpc.StatusCode.CANCELLED:
                     self.log.warning("session_stream_lost", code=exc.code().name,
                                      error=exc.details())  # fmt: skip
+            finally:
+                # Ended or cancelled (the agent stopping): the call's task that feeds it our
+                # replies ends too, instead of waiting on the queue until the process exits.
+                if call is not None:
+                    call.cancel()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), RECONNECT_S)
 

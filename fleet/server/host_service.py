@@ -309,15 +309,18 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
                 hub.deliver(link, reply)
 
         reader = asyncio.create_task(pump())
+        command: asyncio.Task[host_pb2.SessionCommand] | None = None
         try:
             while True:
                 command = asyncio.create_task(link.commands.get())
                 done, _ = await asyncio.wait({command, reader}, return_when=asyncio.FIRST_COMPLETED)
                 if command not in done:
-                    command.cancel()
                     break
                 yield command.result()
         finally:
+            # (the stream cancelled, the server stopping: the wait for a command ends too)
+            if command is not None:
+                command.cancel()
             reader.cancel()
             hub.detach(link)
             log.info("session_stream_closed", host_id=host_id)
