@@ -149,15 +149,23 @@ async def test_a_full_queue_refuses_at_once_with_a_retry_hint() -> None:
 
 
 async def test_one_rollout_cannot_hold_more_than_its_in_flight_cap() -> None:
-    def slow() -> None:
-        time.sleep(0.2)
+    release = threading.Event()
+
+    def slow() -> None:  # the device, held until every call was admitted or refused
+        assert release.wait(30), "the test never released the device"
 
     config = BatchConfig(max_batch=1, max_wait_ms=1, max_inflight_per_rollout=2)
     async with gateway(fault=slow, batch=config, engine="inline") as c:  # (a blocking hook)
-        replies = await asyncio.gather(
-            *(c.infer("r-greedy", f"k{i}", s) for i, s in enumerate(observations(5))),
-            return_exceptions=True,
-        )
+        calls = [
+            asyncio.ensure_future(c.infer("r-greedy", f"k{i}", s))
+            for i, s in enumerate(observations(5))
+        ]
+        deadline = time.monotonic() + 30
+        while sum(f.done() for f in calls) + c.gateway.batcher.outstanding < 5:
+            assert time.monotonic() < deadline, "the calls were neither admitted nor refused"
+            await asyncio.sleep(0.01)
+        release.set()
+        replies = await asyncio.gather(*calls, return_exceptions=True)
 
     refused = [r for r in replies if isinstance(r, grpc.aio.AioRpcError)]
     assert len(refused) == 3

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
 import grpc
 import pytest
@@ -23,7 +22,7 @@ from fleet.core.errors import (
 from fleet.core.tokens import issue
 from gateway.batcher import BatchConfig
 from gateway.client import InferStreamClient
-from tests.integration.test_gateway import SECRET, Client, gateway, go, observations, reference
+from tests.integration.test_gateway import SECRET, Client, gateway, observations, reference
 
 
 async def exchange(
@@ -49,18 +48,16 @@ async def exchange(
     return responses
 
 
-def test_a_stream_answers_each_request_by_its_id_in_shared_batches() -> None:
+async def test_a_stream_answers_each_request_by_its_id_in_shared_batches() -> None:
     """Sixty-four requests outstanding on one stream are batched together, and each answer
     (matched by request_id, whatever order it came in) is the unbatched model's."""
     samples = observations(64)
 
-    async def body() -> list[inference_pb2.InferStreamResponse]:
-        async with gateway(batch=BatchConfig(max_batch=32, max_wait_ms=20)) as c:
-            return await exchange(
-                c, [c.request(f"r-{i % 4}", f"k{i}", s) for i, s in enumerate(samples)]
-            )
+    async with gateway(batch=BatchConfig(max_batch=32, max_wait_ms=20)) as c:
+        responses = await exchange(
+            c, [c.request(f"r-{i % 4}", f"k{i}", s) for i, s in enumerate(samples)]
+        )
 
-    responses = go(body())
     assert sorted(r.request_id for r in responses) == sorted(f"k{i}" for i in range(64))
     by_id = {r.request_id: r for r in responses}
     assert all(r.WhichOneof("result") == "answer" for r in responses)
@@ -71,31 +68,29 @@ def test_a_stream_answers_each_request_by_its_id_in_shared_batches() -> None:
         assert answer.output.values == pytest.approx(want, rel=2e-6, abs=1e-5)
 
 
-def test_refusals_are_answered_in_band_and_the_stream_goes_on() -> None:
+async def test_refusals_are_answered_in_band_and_the_stream_goes_on() -> None:
     """A bad token, another rollout's token, a malformed input, a missing or duplicated
     request_id: each gets an error naming what is wrong, and later requests are still served."""
     sample = observations(1)[0]
 
-    async def body() -> list[inference_pb2.InferStreamResponse]:
-        async with gateway() as c:
-            other = issue(SECRET, "r-other", time.time() + 60)
-            bad = c.request("r-1", "k-bad", sample)
-            bad.input.values.append(1.0)
-            nameless = c.request("r-1", "k-nameless", sample)
-            nameless.request_id = ""
-            return await exchange(
-                c,
-                [
-                    c.request("r-1", "k-forged", sample, token=issue(b"x" * 32, "r-1", 1e10)),
-                    c.request("r-1", "k-other", sample, token=other),
-                    bad,
-                    nameless,
-                    c.request("r-1", "k-good", sample),
-                ],
-                all_at_once=False,
-            )
+    async with gateway() as c:
+        other = issue(SECRET, "r-other", time.time() + 60)
+        bad = c.request("r-1", "k-bad", sample)
+        bad.input.values.append(1.0)
+        nameless = c.request("r-1", "k-nameless", sample)
+        nameless.request_id = ""
+        responses = await exchange(
+            c,
+            [
+                c.request("r-1", "k-forged", sample, token=issue(b"x" * 32, "r-1", 1e10)),
+                c.request("r-1", "k-other", sample, token=other),
+                bad,
+                nameless,
+                c.request("r-1", "k-good", sample),
+            ],
+            all_at_once=False,
+        )
 
-    responses = go(body())
     codes = [(r.request_id, r.WhichOneof("result")) for r in responses]
     assert codes == [
         ("k-forged", "error"), ("k-other", "error"), ("k-bad", "error"), ("", "error"),
@@ -112,39 +107,35 @@ def test_refusals_are_answered_in_band_and_the_stream_goes_on() -> None:
     assert responses[4].answer.output.values == pytest.approx(reference([sample])[0], abs=1e-5)
 
 
-def test_a_request_id_already_outstanding_is_refused() -> None:
+async def test_a_request_id_already_outstanding_is_refused() -> None:
     def slow() -> None:
         time.sleep(0.3)
 
     sample = observations(1)[0]
 
-    async def body() -> list[inference_pb2.InferStreamResponse]:
-        async with gateway(fault=slow, engine="inline") as c:
-            first = c.request("r-1", "k-1", sample)
-            second = c.request("r-1", "k-2", sample)
-            second.request_id = "k-1"
-            return await exchange(c, [first, second])
+    async with gateway(fault=slow, engine="inline") as c:
+        first = c.request("r-1", "k-1", sample)
+        second = c.request("r-1", "k-2", sample)
+        second.request_id = "k-1"
+        responses = await exchange(c, [first, second])
 
-    responses = go(body())
     assert [(r.request_id, r.WhichOneof("result")) for r in responses] == [
         ("k-1", "error"), ("k-1", "answer"),
     ]  # fmt: skip
     assert "'k-1' is already outstanding on this stream" in responses[0].error.message
 
 
-def test_a_full_queue_refuses_on_the_stream_with_a_retry_hint_and_loses_nothing() -> None:
+async def test_a_full_queue_refuses_on_the_stream_with_a_retry_hint_and_loses_nothing() -> None:
     def slow() -> None:
         time.sleep(0.3)
 
-    async def body() -> list[inference_pb2.InferStreamResponse]:
-        config = BatchConfig(max_batch=2, max_wait_ms=1, max_queue=4)
-        async with gateway(fault=slow, batch=config, engine="inline") as c:
-            requests = [c.request(f"r-{i}", "k", s) for i, s in enumerate(observations(12))]
-            for i, request in enumerate(requests):
-                request.request_id = f"call-{i}"
-            return await exchange(c, requests)
+    config = BatchConfig(max_batch=2, max_wait_ms=1, max_queue=4)
+    async with gateway(fault=slow, batch=config, engine="inline") as c:
+        requests = [c.request(f"r-{i}", "k", s) for i, s in enumerate(observations(12))]
+        for i, request in enumerate(requests):
+            request.request_id = f"call-{i}"
+        responses = await exchange(c, requests)
 
-    responses = go(body())
     refused = [r for r in responses if r.WhichOneof("result") == "error"]
     answered = [r for r in responses if r.WhichOneof("result") == "answer"]
     assert refused and answered and len(refused) + len(answered) == 12
@@ -153,45 +144,43 @@ def test_a_full_queue_refuses_on_the_stream_with_a_retry_hint_and_loses_nothing(
         assert r.error.retry_after_s > 0
 
 
-def test_a_stream_is_held_back_at_its_outstanding_limit() -> None:
+async def test_a_stream_is_held_back_at_its_outstanding_limit() -> None:
     """With at most two outstanding, the gateway reads no further: no batch holds more than
     two of the stream's requests, though the device would take eight, and all are answered."""
 
     def slow() -> None:
         time.sleep(0.05)
 
-    async def body() -> tuple[list[inference_pb2.InferStreamResponse], Any]:
-        config = BatchConfig(max_batch=8, max_wait_ms=20)
-        async with gateway(
-            fault=slow, batch=config, engine="inline", stream_outstanding=2
-        ) as c:  # fmt: skip
-            responses = await exchange(
-                c, [c.request("r-1", f"k{i}", s) for i, s in enumerate(observations(10))]
-            )
-            return responses, c.gateway.batcher.metrics
+    config = BatchConfig(max_batch=8, max_wait_ms=20)
+    async with gateway(
+        fault=slow, batch=config, engine="inline", stream_outstanding=2
+    ) as c:  # fmt: skip
+        responses = await exchange(
+            c, [c.request("r-1", f"k{i}", s) for i, s in enumerate(observations(10))]
+        )
+        metrics = c.gateway.batcher.metrics
 
-    responses, metrics = go(body())
     assert sorted(r.request_id for r in responses) == sorted(f"k{i}" for i in range(10))
     assert all(r.WhichOneof("result") == "answer" for r in responses)
     assert max(metrics.batch_sizes) == 2
 
 
-def test_a_repeated_idempotency_key_on_a_stream_gets_the_stored_answer() -> None:
+async def test_a_repeated_idempotency_key_on_a_stream_gets_the_stored_answer() -> None:
     sample = observations(1)[0]
 
-    async def body() -> list[inference_pb2.InferStreamResponse]:
-        async with gateway() as c:
-            again = c.request("r-1", "step-3", sample)
-            again.request_id = "retry-of-step-3"
-            return await exchange(c, [c.request("r-1", "step-3", sample), again], all_at_once=False)
+    async with gateway() as c:
+        again = c.request("r-1", "step-3", sample)
+        again.request_id = "retry-of-step-3"
+        first, again = await exchange(
+            c, [c.request("r-1", "step-3", sample), again], all_at_once=False
+        )
 
-    first, again = go(body())
     assert not first.answer.replayed and again.answer.replayed
     assert again.request_id == "retry-of-step-3"
     assert again.answer.output.values == first.answer.output.values
 
 
-def test_a_caller_that_goes_away_leaves_the_gateway_serving_others() -> None:
+async def test_a_caller_that_goes_away_leaves_the_gateway_serving_others() -> None:
     """A stream cancelled with requests outstanding: the gateway drops them quietly (their
     answers are kept for a retry) and goes on answering other callers."""
 
@@ -200,19 +189,17 @@ def test_a_caller_that_goes_away_leaves_the_gateway_serving_others() -> None:
 
     samples = observations(4)
 
-    async def body() -> tuple[Any, Any, str, str]:
-        async with gateway(fault=slow, engine="inline") as c:
-            call = c.stub.InferStream()
-            for i, s in enumerate(samples):
-                await call.write(c.request("r-gone", f"k{i}", s))
-            await asyncio.sleep(0.05)
-            during = c.gateway.metrics_text()
-            call.cancel()
-            after = await c.infer("r-2", "k", samples[0])
-            retried = await c.infer("r-gone", "k3", samples[3])
-            return after, retried, during, c.gateway.metrics_text()
+    async with gateway(fault=slow, engine="inline") as c:
+        call = c.stub.InferStream()
+        for i, s in enumerate(samples):
+            await call.write(c.request("r-gone", f"k{i}", s))
+        await asyncio.sleep(0.05)
+        during = c.gateway.metrics_text()
+        call.cancel()
+        after = await c.infer("r-2", "k", samples[0])
+        retried = await c.infer("r-gone", "k3", samples[3])
+        later = c.gateway.metrics_text()
 
-    after, retried, during, later = go(body())
     assert "fleet_gateway_streams_open 1.0\n" in during
     assert 'fleet_gateway_requests_total{via="grpc_stream"} 4.0\n' in later
     assert 'fleet_gateway_requests_total{via="grpc"} 2.0\n' in later
@@ -224,58 +211,51 @@ def test_a_caller_that_goes_away_leaves_the_gateway_serving_others() -> None:
 # -- InferStreamClient: the caller's side ----------------------------------------------------
 
 
-def test_the_client_shares_one_stream_among_many_concurrent_calls() -> None:
+async def test_the_client_shares_one_stream_among_many_concurrent_calls() -> None:
     samples = observations(48)
 
-    async def body() -> list[inference_pb2.InferResponse]:
-        async with (
-            gateway(batch=BatchConfig(max_batch=16, max_wait_ms=20)) as c,
-            InferStreamClient(c.stub) as client,
-        ):
-            return list(
-                await asyncio.gather(
-                    *(
-                        client.infer(c.request(f"r-{i % 3}", f"k{i}", s))
-                        for i, s in enumerate(samples)
-                    )
-                )
+    async with (
+        gateway(batch=BatchConfig(max_batch=16, max_wait_ms=20)) as c,
+        InferStreamClient(c.stub) as client,
+    ):
+        answers = list(
+            await asyncio.gather(
+                *(client.infer(c.request(f"r-{i % 3}", f"k{i}", s)) for i, s in enumerate(samples))
             )
+        )
 
-    answers = go(body())
     assert max(a.batch_size for a in answers) > 1
     for answer, want in zip(answers, reference(samples), strict=True):
         assert answer.output.values == pytest.approx(want, rel=2e-6, abs=1e-5)
 
 
-def test_the_client_raises_what_the_gateway_refused_with_and_goes_on() -> None:
+async def test_the_client_raises_what_the_gateway_refused_with_and_goes_on() -> None:
     def slow() -> None:
         time.sleep(0.2)
 
     sample = observations(1)[0]
 
-    async def body() -> tuple[list[Any], list[Any]]:
-        config = BatchConfig(max_batch=1, max_wait_ms=1, max_queue=1)
-        async with (
-            gateway(fault=slow, batch=config, engine="inline") as c,
-            InferStreamClient(c.stub) as client,
-        ):
-            other = issue(SECRET, "r-other", time.time() + 60)
-            nameless = c.request("r-1", "k-x", sample)
-            nameless.request_id = ""
-            local = []
-            for request in (nameless, c.request("r-1", "k-1", sample)):
-                try:
-                    await client.infer(request)
-                except FleetError as exc:
-                    local.append(exc)
-            results = await asyncio.gather(
-                client.infer(c.request("r-1", "k-denied", sample, token=other)),
-                *(client.infer(c.request(f"r-{i}", f"k-{i}", sample)) for i in range(2, 8)),
-                return_exceptions=True,
-            )
-            return local, list(results)
+    config = BatchConfig(max_batch=1, max_wait_ms=1, max_queue=1)
+    async with (
+        gateway(fault=slow, batch=config, engine="inline") as c,
+        InferStreamClient(c.stub) as client,
+    ):
+        other = issue(SECRET, "r-other", time.time() + 60)
+        nameless = c.request("r-1", "k-x", sample)
+        nameless.request_id = ""
+        local = []
+        for request in (nameless, c.request("r-1", "k-1", sample)):
+            try:
+                await client.infer(request)
+            except FleetError as exc:
+                local.append(exc)
+        results = await asyncio.gather(
+            client.infer(c.request("r-1", "k-denied", sample, token=other)),
+            *(client.infer(c.request(f"r-{i}", f"k-{i}", sample)) for i in range(2, 8)),
+            return_exceptions=True,
+        )
+        results = list(results)
 
-    local, results = go(body())
     assert isinstance(local[0], InvalidArgument) and "request_id is empty" in local[0].message
     assert len(local) == 1  # the second call was answered
     assert isinstance(results[0], PermissionDenied) and "scoped" in results[0].message
@@ -285,7 +265,7 @@ def test_the_client_raises_what_the_gateway_refused_with_and_goes_on() -> None:
     assert all(e.retry_after_s and e.retry_after_s > 0 for e in full)
 
 
-def test_calls_waiting_on_a_broken_stream_raise_unavailable_and_resume_on_a_new_one() -> None:
+async def test_calls_waiting_on_a_broken_stream_raise_unavailable_and_resume_on_a_new_one() -> None:
     """The channel closes under two waiting calls: both raise Unavailable; the same requests
     on a new stream get the answers the gateway stored meanwhile (replayed), not new ones."""
 
@@ -294,24 +274,22 @@ def test_calls_waiting_on_a_broken_stream_raise_unavailable_and_resume_on_a_new_
 
     samples = observations(2)
 
-    async def body() -> tuple[list[Any], list[inference_pb2.InferResponse]]:
-        async with gateway(fault=slow, engine="inline") as c:
-            requests = [c.request("r-1", f"k{i}", s) for i, s in enumerate(samples)]
-            channel = grpc.aio.insecure_channel(c.address)
-            client = InferStreamClient(inference_pb2_grpc.InferenceServiceStub(channel))
-            await client.__aenter__()
-            calls = [asyncio.create_task(client.infer(r)) for r in requests]
-            await asyncio.sleep(0.05)
-            await channel.close()
-            broken = await asyncio.gather(*calls, return_exceptions=True)
-            with pytest.raises(Unavailable, match="open a new stream"):
-                await client.infer(c.request("r-1", "k-late", samples[0]))
-            await asyncio.sleep(0.7)  # the batches run to the end and their answers are stored
-            async with InferStreamClient(c.stub) as again:
-                resumed = [await again.infer(r) for r in requests]
-            return list(broken), resumed
+    async with gateway(fault=slow, engine="inline") as c:
+        requests = [c.request("r-1", f"k{i}", s) for i, s in enumerate(samples)]
+        channel = grpc.aio.insecure_channel(c.address)
+        client = InferStreamClient(inference_pb2_grpc.InferenceServiceStub(channel))
+        await client.__aenter__()
+        calls = [asyncio.create_task(client.infer(r)) for r in requests]
+        await asyncio.sleep(0.05)
+        await channel.close()
+        broken = await asyncio.gather(*calls, return_exceptions=True)
+        with pytest.raises(Unavailable, match="open a new stream"):
+            await client.infer(c.request("r-1", "k-late", samples[0]))
+        await asyncio.sleep(0.7)  # the batches run to the end and their answers are stored
+        async with InferStreamClient(c.stub) as again:
+            resumed = [await again.infer(r) for r in requests]
+        broken = list(broken)
 
-    broken, resumed = go(body())
     assert all(isinstance(e, Unavailable) and e.retry_after_s for e in broken)
     assert all(r.replayed for r in resumed)
     for answer, want in zip(resumed, reference(samples), strict=True):
