@@ -476,7 +476,7 @@ def test_an_engine_whose_device_raised_an_error_is_replaced_by_a_fresh_one(
         assert got == pytest.approx(want, abs=1e-5)
 
 
-def test_an_engine_that_cannot_start_again_is_retried_with_growing_waits(
+async def test_an_engine_that_cannot_start_again_is_retried_with_growing_waits(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The engine lost and its model unloadable (its weights gone): one failed restart, then
@@ -496,7 +496,7 @@ def test_an_engine_that_cannot_start_again_is_retried_with_growing_waits(
 
     batch = observations(3)
 
-    async def body() -> tuple[list[Any], list[Any], list[str]]:
+    try:
         await asyncio.to_thread(runner.start)
         first = await runner.infer(batch)
         monkeypatch.setattr(runner, "start", counted)
@@ -516,13 +516,11 @@ def test_an_engine_that_cannot_start_again_is_retried_with_growing_waits(
         deadline = time.monotonic() + 60
         while True:
             try:
-                return first, await runner.infer(batch), downs
+                again = await runner.infer(batch)
+                break
             except DeviceFault:
                 assert time.monotonic() < deadline, "the engine did not start again"
                 await asyncio.sleep(0.1)
-
-    try:
-        first, again, downs = go(body())
     finally:
         runner.close()
     assert downs and all("restart failed (1 in a row; next try in 1 s)" in d for d in downs)
@@ -727,7 +725,7 @@ def test_an_unknown_dtype_is_refused_saying_where(tmp_path: Path) -> None:
         Gateway.build(GatewayConfig(secret=SECRET, device="cpu", dtype="fp8"))
 
 
-def test_one_rollout_cannot_hold_every_connection_and_metrics_stay_on_loopback() -> None:
+async def test_one_rollout_cannot_hold_every_connection_and_metrics_stay_on_loopback() -> None:
     """Past MAX_PER_ROLLOUT connections of one rollout (by its token) a new one of that
     rollout gets a 503, while another rollout's is served; a connection that fails to
     authenticate is answered and closed; /metrics answers loopback only."""
@@ -750,37 +748,34 @@ def test_one_rollout_cannot_hold_every_connection_and_metrics_stay_on_loopback()
         await reader.readexactly(length)
         return int(head.split()[1])
 
-    async def body() -> tuple[list[int], int, int, bytes, bytes]:
-        async with gateway() as c:
-            http, port = await serve_http(c.gateway, "127.0.0.1", 0)
-            held = []
-            try:
-                statuses = []
-                for i in range(MAX_PER_ROLLOUT + 1):
-                    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-                    held.append(writer)
-                    writer.write(infer_request("r-greedy", f"k{i}"))
-                    statuses.append(await status_of(reader))
+    async with gateway() as c:
+        http, port = await serve_http(c.gateway, "127.0.0.1", 0)
+        held = []
+        try:
+            statuses = []
+            for i in range(MAX_PER_ROLLOUT + 1):
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
                 held.append(writer)
-                writer.write(infer_request("r-other", "k"))
-                other = await status_of(reader)
-                reader, writer = await asyncio.open_connection("127.0.0.1", port)
-                writer.write(infer_request("r-x", "k", token="v1.forged.token"))
-                forged = await status_of(reader)
-                closed = await asyncio.wait_for(reader.read(), 10)  # EOF: not held open
-                writer.close()
-                reader, writer = await asyncio.open_connection("127.0.0.1", port)
-                writer.write(b"GET /metrics HTTP/1.1\r\nHost: g\r\nConnection: close\r\n\r\n")
-                metrics = await asyncio.wait_for(reader.read(), 10)
-                writer.close()
-                return statuses, other, forged, closed, metrics
-            finally:
-                for w in held:
-                    w.close()
-                http.close()
+                writer.write(infer_request("r-greedy", f"k{i}"))
+                statuses.append(await status_of(reader))
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            held.append(writer)
+            writer.write(infer_request("r-other", "k"))
+            other = await status_of(reader)
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(infer_request("r-x", "k", token="v1.forged.token"))
+            forged = await status_of(reader)
+            closed = await asyncio.wait_for(reader.read(), 10)  # EOF: not held open
+            writer.close()
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /metrics HTTP/1.1\r\nHost: g\r\nConnection: close\r\n\r\n")
+            metrics = await asyncio.wait_for(reader.read(), 10)
+            writer.close()
+        finally:
+            for w in held:
+                w.close()
+            http.close()
 
-    statuses, other, forged, closed, metrics = go(body())
     assert statuses == [200] * MAX_PER_ROLLOUT + [503]
     assert other == 200 and forged == 401 and closed == b""
     assert metrics.startswith(b"HTTP/1.1 200") and b"fleet_gateway" in metrics

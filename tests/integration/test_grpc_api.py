@@ -734,34 +734,31 @@ async def test_put_checkpoints_stores_each_or_refuses_it_alone(
     assert 0 < calls < 9  # the nine puts went in fewer calls than one each
 
 
-def test_a_list_page_ends_before_its_bytes_pass_the_limit(
+async def test_a_list_page_ends_before_its_bytes_pass_the_limit(
     tmp_path: Path, images: ImageStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A page whose rollouts would pass MAX_LIST_BYTES ends early with a token that goes on
     from there: every rollout once, newest first, whatever the page size asked for."""
     from fleet.server import fleet_service
 
-    async def body() -> tuple[list[list[str]], list[str], int]:
-        async with harness(tmp_path, images) as h:
-            await h.register_host("h1")  # (rollouts only queue: nothing claims them)
-            ids = []
-            for i in range(5):
-                big = request('image = "minimal"\n', ["echo", "x" * 2000, str(i)])
-                reply = await h.fleet.SubmitRollout(big)
-                ids.append(reply.rollout.id)
-            one = (await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=ids[0]))).ByteSize()
-            monkeypatch.setattr(fleet_service, "MAX_LIST_BYTES", 2 * one + one // 2)
-            pages, token = [], ""
-            while True:
-                reply = await h.fleet.ListRollouts(
-                    fleet_pb2.ListRolloutsRequest(page_size=500, page_token=token)
-                )
-                pages.append([r.id for r in reply.rollouts])
-                token = reply.next_page_token
-                if not token:
-                    return pages, ids, one
-
-    pages, ids, one = go(body())
+    async with harness(tmp_path, images) as h:
+        await h.register_host("h1")  # (rollouts only queue: nothing claims them)
+        ids = []
+        for i in range(5):
+            big = request('image = "minimal"\n', ["echo", "x" * 2000, str(i)])
+            reply = await h.fleet.SubmitRollout(big)
+            ids.append(reply.rollout.id)
+        one = (await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=ids[0]))).ByteSize()
+        monkeypatch.setattr(fleet_service, "MAX_LIST_BYTES", 2 * one + one // 2)
+        pages, token = [], ""
+        while True:
+            reply = await h.fleet.ListRollouts(
+                fleet_pb2.ListRolloutsRequest(page_size=500, page_token=token)
+            )
+            pages.append([r.id for r in reply.rollouts])
+            token = reply.next_page_token
+            if not token:
+                break
     assert one > 2000
     assert pages == [[ids[4], ids[3]], [ids[2], ids[1]], [ids[0]]]
 
