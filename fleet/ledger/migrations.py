@@ -219,10 +219,9 @@ def migrate(engine: Engine) -> int:
             legacy = int(row[0]) if row else None
             if legacy is not None and legacy > latest:
                 raise _newer(legacy, latest)
-        if "alembic_version" in have:
-            current = MigrationContext.configure(conn).get_current_revision()
-            known = {r.revision for r in script.walk_revisions()}
-            if current is not None and current not in known:
+        current = MigrationContext.configure(conn).get_current_revision()
+        if current is not None:
+            if current not in {r.revision for r in script.walk_revisions()}:
                 raise _newer(current, latest)
         elif legacy is not None:  # made before the baseline: legacy steps, then the stamp
             for version, name, step in LEGACY:
@@ -230,10 +229,10 @@ def migrate(engine: Engine) -> int:
                     step(conn)
                     log.info("ledger_migrated", version=version, name=name)
             command.stamp(config, BASELINE)
-        before = MigrationContext.configure(conn).get_current_revision()
-        command.upgrade(config, "head")
-        if before != head:
-            log.info("ledger_migrated", revision=head, applied_after=before or "nothing")
+            current = BASELINE
+        if current != head:  # (at the head already, as on most opens: nothing to run)
+            command.upgrade(config, "head")
+            log.info("ledger_migrated", revision=head, applied_after=current or "nothing")
         if legacy is None:
             insert = "INSERT INTO schema_info (id, version) VALUES (1, :v)"
             conn.execute(text(insert), {"v": latest})
