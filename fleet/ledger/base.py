@@ -279,7 +279,7 @@ class LedgerBase:
         processes alike. On PostgreSQL it is `_begin`'s pooled connection."""
         if self._pg or self._lock_path is None:
             with self._begin() as conn:
-                yield Raw(conn, self._pg)
+                yield Raw.of(conn, self._pg)
             return
         with self._writer_lock():
             if self._raw_writer is None:
@@ -288,7 +288,7 @@ class LedgerBase:
             connection = self._raw_writer
             connection.execute("BEGIN IMMEDIATE")
             try:
-                yield Raw.over(connection.cursor(), postgres=False)
+                yield Raw(connection.cursor(), postgres=False)
                 connection.execute("COMMIT")
             except BaseException:
                 if connection.in_transaction:  # (some errors end it themselves)
@@ -407,7 +407,7 @@ class LedgerBase:
     ) -> Rollout:
         if history is None:
             history = self._histories(s, [row.id])[row.id]
-        manifest = self._manifest_raw(Raw(s.connection(), self._pg), row.manifest_digest)
+        manifest = self._manifest_raw(Raw.of(s.connection(), self._pg), row.manifest_digest)
         return Rollout(
             priority=row.priority,
             attempt_history=tuple(

@@ -37,7 +37,7 @@ class Checkpoints(LedgerBase):
         that refused it alone."""
         results: list[FleetError | None] = []
         with self._begin() as conn:
-            db = Raw(conn, self._pg)
+            db = Raw.of(conn, self._pg)
             for host_id, work_id, fencing_token, seq, data in items:
                 try:
                     self._put_checkpoint(db, host_id, work_id, fencing_token, seq, data, now)
@@ -108,7 +108,7 @@ class Checkpoints(LedgerBase):
     def checkpoints(self, rollout_id: str) -> list[tuple[int, int, bytes]]:
         """(sequence, attempt, data) of every checkpoint a rollout stored, in order."""
         with self._begin() as conn:
-            rows = Raw(conn, self._pg).all(
+            rows = Raw.of(conn, self._pg).all(
                 "SELECT seq, attempt, data FROM checkpoints WHERE rollout_id = ? ORDER BY seq",
                 (rollout_id,),
             )

@@ -79,7 +79,7 @@ class Hosts(Leases):
         """An agent shutting down drains its host, unless it is drained or draining already
         (an operator's drain keeps its own deadline)."""
         with self._begin() as conn:
-            Raw(conn, self._pg).run(
+            Raw.of(conn, self._pg).run(
                 "UPDATE hosts SET state = ?, drain_deadline = ?, drain_by = ? "
                 "WHERE id = ? AND state NOT IN (?, ?)",
                 (DRAINING, deadline, "agent", host_id, DRAINING, DRAINED),
@@ -90,7 +90,7 @@ class Hosts(Leases):
     def rollback_state(self) -> dict[str, Any] | None:
         """{"since": time, "local_pool": name or ""} while a rollback is in force."""
         with self._begin() as conn:
-            rows = Raw(conn, self._pg).all(
+            rows = Raw.of(conn, self._pg).all(
                 "SELECT value_json FROM settings WHERE key = ?", ("rollback",)
             )
         return dict(json.loads(rows[0][0])) if rows else None
@@ -101,7 +101,7 @@ class Hosts(Leases):
         any host outside it, and the local gpu hosts take cpu-class work too, until
         `undo_rollback`. Returns the hosts set draining."""
         with self._begin() as conn:
-            db = Raw(conn, self._pg)
+            db = Raw.of(conn, self._pg)
             if db.all(f"SELECT key FROM settings WHERE key = ?{db.lock}", ("rollback",)):
                 raise FailedPrecondition("a rollback is in force already: undo it first")
             if local_pool and not db.all("SELECT name FROM pools WHERE name = ?", (local_pool,)):
@@ -128,7 +128,7 @@ class Hosts(Leases):
     def undo_rollback(self) -> list[str]:
         """Ends the rollback: the hosts it drained are ready again; returns them."""
         with self._begin() as conn:
-            db = Raw(conn, self._pg)
+            db = Raw.of(conn, self._pg)
             if not db.run("DELETE FROM settings WHERE key = ?", ("rollback",)):
                 raise FailedPrecondition("no rollback is in force")
             hosts = [row[0] for row in db.all(
@@ -145,7 +145,7 @@ class Hosts(Leases):
     def set_prices(self, prices: Mapping[str, float], now: float) -> None:
         """Prices per host class and hour (`fleet serve --price`), for `fleet report`."""
         with self._begin() as conn:
-            db = Raw(conn, self._pg)
+            db = Raw.of(conn, self._pg)
             db.run("DELETE FROM settings WHERE key = ?", ("prices",))
             db.run(
                 "INSERT INTO settings (key, value_json, updated_at) VALUES (?, ?, ?)",
@@ -154,7 +154,7 @@ class Hosts(Leases):
 
     def prices(self) -> dict[str, float]:
         with self._begin() as conn:
-            rows = Raw(conn, self._pg).all(
+            rows = Raw.of(conn, self._pg).all(
                 "SELECT value_json FROM settings WHERE key = ?", ("prices",)
             )
         return {k: float(v) for k, v in json.loads(rows[0][0]).items()} if rows else {}
@@ -164,7 +164,7 @@ class Hosts(Leases):
         host it ran on (the first pool by name that holds it; "-": none), or by the rollout's
         label `by_label`."""
         with self._begin() as conn:
-            db = Raw(conn, self._pg)
+            db = Raw.of(conn, self._pg)
             hosts = {
                 caps.host_id: caps
                 for caps in (HostCapabilities.model_validate_json(c)
@@ -210,17 +210,17 @@ class Hosts(Leases):
         if pool.max_running < 0:
             raise InvalidArgument(f"max_running must be 0 (no cap) or more, got {pool.max_running}")
         with self._begin() as conn:
-            pool_sql.write(Raw(conn, self._pg), pool, now)
+            pool_sql.write(Raw.of(conn, self._pg), pool, now)
 
     def delete_pool(self, name: str) -> None:
         with self._begin() as conn:
-            if not Raw(conn, self._pg).run("DELETE FROM pools WHERE name = ?", (name,)):
+            if not Raw.of(conn, self._pg).run("DELETE FROM pools WHERE name = ?", (name,)):
                 raise NotFound(f"no pool {name!r}")
 
     def pools(self) -> list[PoolView]:
         """Every pool, with its hosts, the leases they hold now, and its gates' state."""
         with self._begin() as conn:
-            return pool_sql.views(Raw(conn, self._pg))
+            return pool_sql.views(Raw.of(conn, self._pg))
 
     def govern(
         self, now: float, p95_ms: float | None = None, queue_age_ms: float | None = None,
@@ -230,11 +230,11 @@ class Hosts(Leases):
         `fleet.ledger.pools.govern`); the gateway's figures are as the server last read them,
         `saturated` says why it is past its limit ("": it is not)."""
         with self._begin() as conn:
-            return pool_sql.govern(Raw(conn, self._pg), now, p95_ms, queue_age_ms, saturated)
+            return pool_sql.govern(Raw.of(conn, self._pg), now, p95_ms, queue_age_ms, saturated)
 
     def pool_events(self, since: float, pool: str = "", limit: int = 1000) -> list[PoolEvent]:
         with self._begin() as conn:
-            return pool_sql.events(Raw(conn, self._pg), since, pool, limit)
+            return pool_sql.events(Raw.of(conn, self._pg), since, pool, limit)
 
     def add_device_seconds(self, seconds: Mapping[str, float]) -> int:
         """Charges the gateway's device seconds to each rollout's latest attempt (the one that
@@ -244,7 +244,7 @@ class Hosts(Leases):
             return 0
         charged = 0
         with self._begin() as conn:
-            db = Raw(conn, self._pg)
+            db = Raw.of(conn, self._pg)
             for rollout_id, spent in sorted(seconds.items()):
                 charged += db.run(
                     "UPDATE attempts SET device_s = device_s + ? WHERE id = (SELECT a.id FROM "
@@ -260,7 +260,7 @@ class Hosts(Leases):
         and are drained. Returns (host, leases released) for each host drained."""
         done: list[tuple[str, int]] = []
         with self._begin() as conn:
-            db = Raw(conn, self._pg)
+            db = Raw.of(conn, self._pg)
             for host_id, deadline in db.all(
                 f"SELECT id, drain_deadline FROM hosts WHERE state = ?{db.lock}", (DRAINING,)
             ):
@@ -297,7 +297,7 @@ class Hosts(Leases):
         cordoned host that has not beaten for `unresponsive_after_s` shows as unresponsive),
         its agent's version, the slots its leases hold, and its last beat."""
         with self._begin() as conn:
-            db = Raw(conn, self._pg)
+            db = Raw.of(conn, self._pg)
             held = leases_by_host(db)
             revoked = {
                 row[0]

@@ -220,7 +220,7 @@ class Leases(LedgerBase):
         kept: list[Assignment] = []
         released: list[str] = []
         with self._begin() as conn:
-            db = Raw(conn, self._pg)
+            db = Raw.of(conn, self._pg)
             self._host_row(db, host_id)
             expires = now + lease_ttl_s
             for work_id, token in sorted(set(leases)):

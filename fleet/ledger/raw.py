@@ -30,15 +30,15 @@ class Raw:
     there (measured with cProfile: ~70% of a claim+complete before this).
     """
 
-    def __init__(self, conn: Connection | None, postgres: bool, cursor: Any = None) -> None:
-        self._cur: Any = cursor if cursor is not None else conn.connection.cursor()  # type: ignore[union-attr]
+    def __init__(self, cursor: Any, postgres: bool) -> None:
+        """Over a DBAPI cursor of a transaction (`of` takes it from an SQLAlchemy one)."""
+        self._cur = cursor
         self._pg = postgres
         self.lock = " FOR UPDATE" if postgres else ""  # SQLite: BEGIN IMMEDIATE already holds it
 
     @classmethod
-    def over(cls, cursor: Any, *, postgres: bool) -> Raw:
-        """Over a DBAPI cursor of a transaction begun outside SQLAlchemy."""
-        return cls(None, postgres, cursor)
+    def of(cls, conn: Connection, postgres: bool) -> Raw:
+        return cls(conn.connection.cursor(), postgres)
 
     def _q(self, sql: str) -> str:
         return pg_sql(sql) if self._pg else sql

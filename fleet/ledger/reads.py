@@ -148,7 +148,7 @@ class Reads(LedgerBase):
     def figures(self, now: float, window_s: float = 60.0) -> dict[str, float]:
         """The numbers behind the server's metrics: counts by state, throughput, retries, CPU."""
         with self._begin() as conn:
-            db = Raw(conn, self._pg)
+            db = Raw.of(conn, self._pg)
             out: dict[str, float] = {
                 f"state_{state}": float(n)
                 for state, n in db.all("SELECT state, count(*) FROM rollouts GROUP BY state")
@@ -178,7 +178,7 @@ class Reads(LedgerBase):
     def work_lease(self, work_id: str) -> tuple[str, int, Manifest] | None:
         """(lease owner, fencing token, manifest) of a leased work item; None otherwise."""
         with self._begin() as conn:
-            db = Raw(conn, self._pg)
+            db = Raw.of(conn, self._pg)
             rows = db.all(
                 "SELECT w.lease_owner, w.fencing_token, r.manifest_digest FROM work_items w "
                 "JOIN rollouts r ON r.id = w.rollout_id WHERE w.id = ? AND w.state = ?",
@@ -192,7 +192,7 @@ class Reads(LedgerBase):
     def rollout_lease(self, rollout_id: str) -> tuple[str, str] | None:
         """(work id, lease owner) of a rollout's leased work item; None when none is leased."""
         with self._begin() as conn:
-            db = Raw(conn, self._pg)
+            db = Raw.of(conn, self._pg)
             rows = db.all(
                 "SELECT id, lease_owner FROM work_items WHERE rollout_id = ? AND state = ?",
                 (rollout_id, LEASED),
