@@ -31,7 +31,8 @@ from fleet.core.smolfile import parse_smolfile  # noqa: E402
 from fleet.image.store import ImageStore  # noqa: E402
 from fleet.runtime.base import MachineSpec  # noqa: E402
 from fleet.runtime.namespace import NamespaceRuntime  # noqa: E402
-from fleet.runtime.warm import NamespaceParent, WarmChild  # noqa: E402
+from fleet.runtime.warm import NamespaceParent  # noqa: E402
+from fleet.runtime.warm_child import WarmChild  # noqa: E402
 
 GIB = 1 << 30
 PAGE = 4096

@@ -665,7 +665,7 @@ def test_a_child_is_never_taken_for_a_process_in_a_namespace_the_warm_up_nested(
 ) -> None:
     """A child is looked for by its pid in the fork server's own pid namespace: a process the
     warm-up left in a nested one, whose innermost pid may equal a child's, is not it."""
-    from fleet.runtime.warm import host_pid_of, ns_pids
+    from fleet.runtime.warm_child import host_pid_of, ns_pids
 
     async def body(
         parent: NamespaceParent,

@@ -9,7 +9,7 @@ from fleet.agent.agent import parent_key, warm_plan
 from fleet.core.errors import InvalidArgument
 from fleet.core.manifest import Step
 from fleet.core.smolfile import parse_smolfile
-from fleet.runtime.warm import fitted_limit
+from fleet.runtime.warm_child import fitted_limit
 
 BRANCH = 'image = "minimal"\n[branch]\nenabled = true\n'
 WARM = "STATE = 41"
