@@ -38,6 +38,13 @@ from fleet.core.errors import FleetError, InvalidArgument, Unavailable, error_fo
 from fleet.core.smolfile import load_smolfile
 
 DEFAULT_SERVER = "127.0.0.1:50051"
+
+
+def default_server() -> str:
+    """$FLEET_SERVER, else DEFAULT_SERVER: where clients and agents find the server."""
+    return os.environ.get("FLEET_SERVER") or DEFAULT_SERVER
+
+
 CHUNK = 1 << 20
 SUBMIT_BATCH = 1000
 """Submissions per SubmitRollouts call (the server's limit)."""
@@ -153,7 +160,7 @@ class Fleet:
         ca: str | bytes | None = None,
         plaintext: bool = False,
     ) -> None:
-        self.server = server or os.environ.get("FLEET_SERVER", DEFAULT_SERVER)
+        self.server = server or default_server()
         home = Paths.from_env()
         self.key = key if key is not None else os.environ.get("FLEET_KEY", "")
         if not self.key and home.admin_key.exists():

@@ -4,14 +4,13 @@ Light to import: the CLI builds its flags from this model without loading the ag
 
 from __future__ import annotations
 
-import os
 from typing import Annotated, Literal
 
 from annotated_types import Ge, Gt
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from fleet.client import DEFAULT_SERVER
+from fleet.client import default_server
 from fleet.runtime.disk import DEFAULT_DISK_GIB
 from fleet.settings import Flag, Settings
 
@@ -21,10 +20,6 @@ DEFAULT_DRAIN_S = 600.0
 """How long an agent told to stop lets its running work go on."""
 
 
-def _server() -> str:
-    return os.environ.get("FLEET_SERVER") or DEFAULT_SERVER
-
-
 class AgentSettings(Settings):
     """Everything `fleet agent` takes."""
 
@@ -32,7 +27,7 @@ class AgentSettings(Settings):
 
     host_class: Annotated[Literal["gpu", "cpu"], Flag("--class")]
     """What this host offers: gpu (a GPU, or standing in for one) or cpu."""
-    server: str = Field(default_factory=_server)
+    server: str = Field(default_factory=default_server)
     """host:port of the fleet server (default $FLEET_SERVER, else 127.0.0.1:50051)."""
     join: Annotated[str, Flag(metavar="TOKEN")] = ""
     """Enroll with this join token (fleet host token create) unless this host holds a valid

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -20,7 +19,7 @@ from fleet.cli.admin import add_commands as add_admin_commands
 from fleet.cli.daemons import cmd_agent, cmd_gateway, cmd_serve, cmd_up
 from fleet.cli.local import cmd_image, cmd_run
 from fleet.cli.sessions import add_session_command
-from fleet.client import DEFAULT_SERVER
+from fleet.client import DEFAULT_SERVER, default_server
 from fleet.config import Paths
 from fleet.core.errors import FleetError, InvalidArgument
 from fleet.server.settings import ServeSettings
@@ -28,10 +27,6 @@ from fleet.settings import SettingsError
 from gateway.settings import GatewaySettings
 
 STATE_NAMES = {v: k.removeprefix("ROLLOUT_STATE_") for k, v in types_pb2.RolloutState.items()}
-
-
-def _server_default() -> str:
-    return os.environ.get("FLEET_SERVER", DEFAULT_SERVER)
 
 
 # -- client side -------------------------------------------------------------------------------
@@ -323,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     def server_flag(sp: argparse.ArgumentParser, *, client_auth: bool = True) -> None:
         sp.add_argument(
             "--server",
-            default=_server_default(),
+            default=default_server(),
             help=f"fleet server host:port (default $FLEET_SERVER or {DEFAULT_SERVER})",
         )
         if not client_auth:
