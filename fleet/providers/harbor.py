@@ -33,7 +33,7 @@ from harbor.environments.capabilities import (  # type: ignore[import-not-found]
 from harbor.environments.options import EnvironmentOptions  # type: ignore[import-not-found]
 from harbor.models.task.config import NetworkMode  # type: ignore[import-not-found]
 
-from fleet.client import AsyncFleet, AsyncSession
+from fleet.client_async import AsyncFleet, AsyncSession
 from fleet.core.smolfile import parse_smolfile
 
 SMOLFILE_NAMES = ("Smolfile", "fleet.smolfile")

@@ -24,7 +24,7 @@ from inspect_ai.util._sandbox.environment import (
     SandboxUserUnsupportedError,
 )
 
-from fleet.client import AsyncFleet, AsyncSession
+from fleet.client_async import AsyncFleet, AsyncSession
 from fleet.core.errors import FleetError, NotFound, PermissionDenied, Unauthenticated
 
 WORKDIR = "/root"

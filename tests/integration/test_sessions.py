@@ -456,7 +456,7 @@ def test_the_typed_client_drives_rollouts_and_sessions(live_fleet: str, tmp_path
 
 
 async def test_the_async_client_works_the_same_from_an_event_loop(live_fleet: str) -> None:
-    from fleet.client import AsyncFleet
+    from fleet.client_async import AsyncFleet
     from tests.conftest import SMOLFILES
 
     async with AsyncFleet(live_fleet, plaintext=True) as fleet:
