@@ -35,17 +35,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import structlog  # noqa: E402
+from bench_gateway import busy_cpu_s  # noqa: E402  (the same reading the bench takes)
 
 NOOP = 'print("{}")'
 """The step: nothing but its result."""
 FINAL = ("SUCCEEDED", "FAILED", "CANCELLED", "QUARANTINED")
-
-
-def busy_cpu_s() -> float:
-    """The whole machine's non-idle CPU seconds (/proc/stat)."""
-    fields = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + fields[4]
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def own_cpu_s() -> tuple[float, float]:

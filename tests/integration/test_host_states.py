@@ -438,7 +438,7 @@ async def test_the_report_prices_what_the_cgroup_measured(
         [view] = await asyncio.to_thread(ledger.host_table, time.time(), 60.0)
         # The agent said what its disk holds: the image the rollout ran on, among them.
         assert images.record("minimal").digest in view.images  # type: ignore[union-attr]
-        (done, cost), db = (done, cost), Path(str(ledger.engine.url).removeprefix("sqlite:///"))
+        db = Path(str(ledger.engine.url).removeprefix("sqlite:///"))
 
     assert done.state == SUCCEEDED  # type: ignore[attr-defined]
     assert cost.group == "cloud" and cost.final and cost.succeeded  # type: ignore[attr-defined]
