@@ -17,13 +17,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, NamedTuple, Self, TextIO
+from typing import Any, Self, TextIO
 
 import structlog
-from sqlalchemy import Connection, event
+from sqlalchemy import event
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
-from sqlmodel import Session, col, create_engine, select
+from sqlmodel import create_engine
 
 from fleet.core.egress import EffectiveEgress
 from fleet.core.errors import (
@@ -42,15 +42,10 @@ from fleet.core.rollout import (
     StepResult,
 )
 from fleet.ledger import pools as pool_sql
+from fleet.ledger import queries as Q
 from fleet.ledger.migrations import migrate
-from fleet.ledger.raw import Raw, marks
-from fleet.ledger.tables import (
-    AttemptRow,
-    EventRow,
-    HostRow,
-    RolloutRow,
-    WorkItemRow,
-)
+from fleet.ledger.raw import Raw
+from fleet.ledger.records import AttemptRec, Item, RolloutRec
 
 log = structlog.get_logger(__name__)
 CORDONED = "cordoned"
@@ -91,38 +86,6 @@ UNIQUE_CLASH: tuple[type[Exception], ...] = (
 )
 
 
-ITEM_COLS = (
-    "id, rollout_id, tenant, state, host_class, needs_vm, needs_cuda_device, needs_inference, "
-    "priority, attempt, "
-    "max_attempts, not_before, deadline, lease_owner, fencing_token, lease_expires_at, "
-    "cancel_requested, result_fingerprint, claim_request_id"
-)
-
-
-class Item(NamedTuple):
-    """One work_items row as the hot paths read it (columns in ITEM_COLS order)."""
-
-    id: str
-    rollout_id: str
-    tenant: str
-    state: str
-    host_class: str
-    needs_vm: bool
-    needs_cuda_device: bool
-    needs_inference: bool
-    priority: int
-    attempt: int
-    max_attempts: int
-    not_before: float
-    deadline: float
-    lease_owner: str
-    fencing_token: int
-    lease_expires_at: float | None
-    cancel_requested: bool
-    result_fingerprint: str
-    claim_request_id: str
-
-
 MAX_CHECKPOINT_BYTES = 1 << 20
 AVOID_HOST_S = 5.0
 """How long after its backoff a retry waits for other hosts before the one that failed it."""
@@ -150,12 +113,6 @@ def prepare_report(report: Completion) -> tuple[str, dict[str, bytes], str]:
             digests[f"{name}_digest"] = digest
         results.append(result.model_copy(update=digests).model_dump(mode="json"))
     return report.fingerprint(), outputs, json.dumps(results)
-
-
-INSERT_EVENT = (
-    "INSERT INTO events (rollout_id, kind, from_state, to_state, actor, at, message, attempt) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
-)
 
 
 def as_datetime(value: float | None) -> datetime | None:
@@ -232,10 +189,6 @@ class LedgerBase:
             engine.dispose()  # (refused, e.g. a newer schema: its connection is not kept open)
             raise
 
-    @property
-    def _lock_clause(self) -> str:
-        return " FOR UPDATE" if self._pg else ""
-
     @classmethod
     def sqlite(cls, path: Path) -> Self:
         return cls(_sqlite_engine(path))
@@ -256,30 +209,16 @@ class LedgerBase:
         return self.engine.dialect.name
 
     @contextmanager
-    def _tx(self) -> Iterator[Session]:
-        with (
-            self._writer_lock(),
-            Session(self.engine, expire_on_commit=False) as session,
-            session.begin(),
-        ):
-            yield session
-
-    @contextmanager
-    def _begin(self) -> Iterator[Connection]:
-        with self._writer_lock(), self.engine.begin() as conn:
-            yield conn
-
-    @contextmanager
-    def _write(self) -> Iterator[Raw]:
-        """A write transaction for the hot paths (submit, claim, complete), as a Raw cursor.
+    def _tx(self) -> Iterator[Raw]:
+        """One write transaction, as the executor every method runs its statements on.
 
         On SQLite it runs on a connection of this ledger's own, outside SQLAlchemy's pool (its
         checkout, events and reset cost about as much as the durable commit itself: 169 against
-        73 µs for one write, measured); the writer lock serializes its users, threads and
-        processes alike. On PostgreSQL it is `_begin`'s pooled connection."""
+        73 µs for one write, measured), under the writer lock, which serializes its users,
+        threads and processes alike. On PostgreSQL it is a pooled connection's transaction."""
         if self._pg or self._lock_path is None:
-            with self._begin() as conn:
-                yield Raw.of(conn, self._pg)
+            with self.engine.begin() as conn:
+                yield Raw(conn.connection.cursor(), self._pg)
             return
         with self._writer_lock():
             if self._raw_writer is None:
@@ -294,6 +233,23 @@ class LedgerBase:
                 if connection.in_transaction:  # (some errors end it themselves)
                     connection.execute("ROLLBACK")
                 raise
+
+    @contextmanager
+    def _read(self) -> Iterator[Raw]:
+        """One read-only transaction (a consistent snapshot) that waits for no writer: SQLite's
+        WAL lets readers run beside the one writer."""
+        with self.engine.connect() as conn:
+            dbapi = conn.connection
+            cursor = dbapi.cursor()
+            if not self._pg:
+                cursor.execute("BEGIN")
+            try:
+                yield Raw(cursor, self._pg)
+            finally:
+                if self._pg:
+                    dbapi.rollback()
+                else:
+                    cursor.execute("ROLLBACK")
 
     @contextmanager
     def _writer_lock(self) -> Iterator[None]:
@@ -320,94 +276,56 @@ class LedgerBase:
     # -- helpers -----------------------------------------------------------------------------
 
     def _event(
-        self,
-        s: Session,
-        rollout_id: str,
-        kind: str,
-        now: float,
-        *,
-        before: str = "",
-        after: str = "",
-        actor: str = "",
-        message: str = "",
-        attempt: int = 0,
-    ) -> None:
-        s.add(
-            EventRow(
-                rollout_id=rollout_id,
-                kind=kind,
-                from_state=before,
-                to_state=after,
-                actor=actor,
-                at=now,
-                message=message,
-                attempt=attempt,
-            )
-        )
+        self, db: Raw, rollout_id: str, kind: str, now: float, *, before: str = "",
+        after: str = "", actor: str = "", message: str = "", attempt: int = 0,
+    ) -> None:  # fmt: skip
+        db.run(Q.INSERT_EVENT, (rollout_id, kind, before, after, actor, now, message, attempt))
 
     def _move(
-        self,
-        s: Session,
-        row: RolloutRow,
-        target: RolloutState,
-        now: float,
-        *,
-        kind: str,
-        actor: str,
-        message: str = "",
-        attempt: int = 0,
-    ) -> None:
+        self, db: Raw, row: RolloutRec, target: RolloutState, now: float, *, kind: str,
+        actor: str, message: str = "", attempt: int = 0, error: str | None = None,
+    ) -> RolloutRec:  # fmt: skip
+        """Moves a rollout to `target` (a transition its state allows), with its event;
+        `error`: its error from now on (None: unchanged). Returns the row as it is now."""
         current = RolloutState(row.state)
         check_transition(current, target)
-        row.state = target.value
-        row.updated_at = now
-        if target == RolloutState.RUNNING and row.started_at is None:
-            row.started_at = now
-        if target.final:
-            row.finished_at = now
-        s.add(row)
+        moved = row._replace(
+            state=target.value, updated_at=now,
+            started_at=now if target == RolloutState.RUNNING and row.started_at is None
+            else row.started_at,
+            finished_at=now if target.final else row.finished_at,
+            error=row.error if error is None else error,
+        )  # fmt: skip
+        db.run(
+            Q.MOVE_ROLLOUT,
+            (moved.state, moved.updated_at, moved.started_at, moved.finished_at, moved.error,
+             row.id),
+        )  # fmt: skip
         self._event(
-            s,
-            row.id,
-            kind,
-            now,
-            before=current.value,
-            after=target.value,
-            actor=actor,
-            message=message,
-            attempt=attempt,
-        )
+            db, row.id, kind, now, before=current.value, after=target.value, actor=actor,
+            message=message, attempt=attempt,
+        )  # fmt: skip
+        return moved
 
-    def _rollout_row(self, s: Session, rollout_id: str, *, lock: bool = False) -> RolloutRow:
-        query = select(RolloutRow).where(RolloutRow.id == rollout_id)
-        if lock:
-            # Row locks order writers per rollout (item first, then rollout, everywhere), so
-            # a rollout's events get sequence numbers in commit order.
-            query = query.with_for_update()
-        row = s.exec(query).first()
+    def _rollout(self, db: Raw, rollout_id: str, *, lock: bool = False) -> RolloutRec:
+        # Row locks order writers per rollout (item first, then rollout, everywhere), so a
+        # rollout's events get sequence numbers in commit order.
+        row = db.one(Q.ROLLOUT_FOR_UPDATE if lock else Q.ROLLOUT, (rollout_id,))
         if row is None:
             raise NotFound(f"no rollout {rollout_id!r}")
-        return row
+        return RolloutRec(*row)
 
-    def _histories(self, s: Session, rollout_ids: list[str]) -> dict[str, list[AttemptRow]]:
+    def _histories(self, db: Raw, rollout_ids: list[str]) -> dict[str, list[AttemptRec]]:
         """Attempt rows of many rollouts in one query."""
-        out: dict[str, list[AttemptRow]] = {r: [] for r in rollout_ids}
-        rows = s.exec(
-            select(WorkItemRow.rollout_id, AttemptRow)
-            .join(WorkItemRow, col(WorkItemRow.id) == col(AttemptRow.work_id))
-            .where(col(WorkItemRow.rollout_id).in_(rollout_ids))
-            .order_by(col(AttemptRow.attempt))
-        ).all()
-        for rollout_id, attempt in rows:
-            out[rollout_id].append(attempt)
+        out: dict[str, list[AttemptRec]] = {r: [] for r in rollout_ids}
+        for rollout_id, *attempt in db.all(Q.HISTORIES, rollout_ids, n=len(rollout_ids)):
+            out[rollout_id].append(AttemptRec(*attempt))
         return out
 
-    def _view(
-        self, s: Session, row: RolloutRow, history: list[AttemptRow] | None = None
-    ) -> Rollout:
+    def _view(self, db: Raw, row: RolloutRec, history: list[AttemptRec] | None = None) -> Rollout:
         if history is None:
-            history = self._histories(s, [row.id])[row.id]
-        manifest = self._manifest_raw(Raw.of(s.connection(), self._pg), row.manifest_digest)
+            history = self._histories(db, [row.id])[row.id]
+        manifest = self._manifest_raw(db, row.manifest_digest)
         return Rollout(
             priority=row.priority,
             attempt_history=tuple(
@@ -443,37 +361,22 @@ class LedgerBase:
             outputs=tuple(OutputArtifact.model_validate(o) for o in json.loads(row.outputs_json)),
         )
 
-    def _host(self, s: Session, host_id: str) -> HostCapabilities:
-        row = s.get(HostRow, host_id)
-        if row is None:
-            raise FailedPrecondition(f"host {host_id!r} is not registered; call RegisterHost first")
-        return HostCapabilities.model_validate_json(row.capabilities_json)
-
     def _latest_checkpoints(self, db: Raw, rollout_ids: list[str]) -> dict[str, tuple[int, bytes]]:
         """The newest checkpoint of each rollout, in one query."""
         if not rollout_ids:
             return {}
-        rows = db.all(
-            "SELECT c.rollout_id, c.seq, c.data FROM checkpoints c "
-            f"WHERE c.rollout_id IN ({marks(len(rollout_ids))}) AND c.seq = "
-            "(SELECT max(seq) FROM checkpoints m WHERE m.rollout_id = c.rollout_id)",
-            rollout_ids,
-        )
+        rows = db.all(Q.LATEST_CHECKPOINTS, rollout_ids, n=len(rollout_ids))
         return {rid: (int(seq), bytes(data)) for rid, seq, data in rows}
 
     def _host_row(self, db: Raw, host_id: str) -> HostCapabilities:
-        rows = db.all(
-            "SELECT h.capabilities_json, i.revoked_at FROM hosts h "
-            "LEFT JOIN host_identities i ON i.host_id = h.id WHERE h.id = ?",
-            (host_id,),
-        )
-        if not rows:
+        row = db.one(Q.HOST_FOR_CLAIM, (host_id,))
+        if row is None:
             raise FailedPrecondition(f"host {host_id!r} is not registered; call RegisterHost first")
-        if rows[0][1] is not None:
+        if row[1] is not None:
             # Checked here too, in the claim's own transaction: a server's cache of who is
             # revoked may be a moment old, and a revoked host must never take new work.
             raise Unauthenticated(f"host {host_id!r} was revoked")
-        text = rows[0][0]
+        text = row[0]
         caps = self._host_caps.get(text)
         if caps is None:
             caps = HostCapabilities.model_validate_json(text)
@@ -483,9 +386,7 @@ class LedgerBase:
         return caps
 
     def _assignment(self, db: Raw, item: Item) -> Assignment:
-        [(digest,)] = db.all(
-            "SELECT manifest_digest FROM rollouts WHERE id = ?", (item.rollout_id,)
-        )
+        digest = db.value(Q.MANIFEST_DIGEST, (item.rollout_id,))
         return Assignment(
             work_id=item.id,
             rollout_id=item.rollout_id,
@@ -500,23 +401,22 @@ class LedgerBase:
         """Manifests are immutable, so each is parsed once per process."""
         manifest = self._manifests.get(digest)
         if manifest is None:
-            [(body,)] = db.all("SELECT body FROM manifests WHERE digest = ?", (digest,))
-            manifest = Manifest.model_validate_json(body)
+            manifest = Manifest.model_validate_json(db.value(Q.MANIFEST_BODY, (digest,)))
             if len(self._manifests) > 4096:
                 self._manifests.clear()
             self._manifests[digest] = manifest
         return manifest
 
     def get(self, rollout_id: str) -> Rollout:
-        with self._tx() as s:
-            return self._view(s, self._rollout_row(s, rollout_id))
+        with self._read() as db:
+            return self._view(db, self._rollout(db, rollout_id))
 
     def _rollback(self, db: Raw) -> tuple[bool, Pool | None]:
         """(whether a rollback is in force, the pool it keeps: None for the default local
         pool, `is_local`)."""
-        rows = db.all("SELECT value_json FROM settings WHERE key = ?", ("rollback",))
-        if not rows:
+        row = db.one(Q.SETTING, ("rollback",))
+        if row is None:
             return False, None
-        name = json.loads(rows[0][0]).get("local_pool", "")
-        found = pool_sql.read(db, "WHERE name = ?", (name,)) if name else []
+        name = json.loads(row[0]).get("local_pool", "")
+        found = pool_sql.read(db, name) if name else []
         return True, (found[0] if found else None)

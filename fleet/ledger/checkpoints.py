@@ -11,8 +11,10 @@ from fleet.core.errors import (
     NotFound,
     ResourceExhausted,
 )
-from fleet.ledger.base import ITEM_COLS, MAX_CHECKPOINT_BYTES, Item, LedgerBase
+from fleet.ledger import queries as Q
+from fleet.ledger.base import MAX_CHECKPOINT_BYTES, LedgerBase
 from fleet.ledger.raw import LEASED, Raw
+from fleet.ledger.records import Item
 from fleet.ledger.tables import (
     CHECKPOINT_ROW_BYTES,
 )
@@ -36,8 +38,7 @@ class Checkpoints(LedgerBase):
         transaction, one durable commit; each gets None (stored, or already stored) or the error
         that refused it alone."""
         results: list[FleetError | None] = []
-        with self._begin() as conn:
-            db = Raw.of(conn, self._pg)
+        with self._tx() as db:
             for host_id, work_id, fencing_token, seq, data in items:
                 try:
                     self._put_checkpoint(db, host_id, work_id, fencing_token, seq, data, now)
@@ -56,10 +57,10 @@ class Checkpoints(LedgerBase):
             raise ResourceExhausted(
                 f"checkpoint of {len(data)} bytes is over the limit of {MAX_CHECKPOINT_BYTES}"
             )
-        rows = db.all(f"SELECT {ITEM_COLS} FROM work_items WHERE id = ?{db.lock}", (work_id,))
-        if not rows:
+        row = db.one(Q.ITEM_FOR_UPDATE, (work_id,))
+        if row is None:
             raise NotFound(f"no work item {work_id!r}")
-        item = Item(*rows[0])
+        item = Item(*row)
         if (
             item.fencing_token != fencing_token
             or item.state != LEASED
@@ -69,47 +70,27 @@ class Checkpoints(LedgerBase):
                 f"stale lease for {work_id} (token {fencing_token}, current "
                 f"{item.fencing_token}): this attempt may not write checkpoints"
             )
-        stored = db.run(
-            "INSERT INTO checkpoints (rollout_id, seq, attempt, data, created_at) "
-            "VALUES (?, ?, ?, ?, ?) ON CONFLICT (rollout_id, seq) DO NOTHING",
-            (item.rollout_id, seq, item.attempt, data, now),
-        )
+        stored = db.run(Q.INSERT_CHECKPOINT, (item.rollout_id, seq, item.attempt, data, now))
         if stored:
             charge = len(data) + CHECKPOINT_ROW_BYTES
-            [(held,)] = db.all(
-                "INSERT INTO checkpoint_usage (rollout_id, bytes) VALUES (?, ?) "
-                "ON CONFLICT (rollout_id) DO UPDATE SET bytes = checkpoint_usage.bytes + "
-                "excluded.bytes RETURNING bytes",
-                (item.rollout_id, charge),
-            )
+            held = db.value(Q.CHARGE_CHECKPOINT, (item.rollout_id, charge))
             if held <= self.checkpoint_budget_bytes:
                 return
             # Over the budget: this one is not kept (the rest of the batch goes on).
-            db.run(
-                "DELETE FROM checkpoints WHERE rollout_id = ? AND seq = ?", (item.rollout_id, seq)
-            )
-            db.run(
-                "UPDATE checkpoint_usage SET bytes = bytes - ? WHERE rollout_id = ?",
-                (charge, item.rollout_id),
-            )
+            db.run(Q.DELETE_CHECKPOINT, (item.rollout_id, seq))
+            db.run(Q.REFUND_CHECKPOINT, (charge, item.rollout_id))
             raise ResourceExhausted(
                 f"rollout {item.rollout_id}: checkpoint {seq} ({len(data)} bytes) would bring "
                 f"its checkpoints past their limit of {self.checkpoint_budget_bytes} bytes "
                 f"({held - charge} held, each charged its size plus {CHECKPOINT_ROW_BYTES})"
             )
-        have = db.all(
-            "SELECT data FROM checkpoints WHERE rollout_id = ? AND seq = ?",
-            (item.rollout_id, seq),
-        )
-        if bytes(have[0][0]) != data:
+        have = db.value(Q.CHECKPOINT_DATA, (item.rollout_id, seq))
+        if bytes(have) != data:
             raise Aborted(f"rollout {item.rollout_id} already has checkpoint {seq} with other data")
         # else a resend: already stored
 
     def checkpoints(self, rollout_id: str) -> list[tuple[int, int, bytes]]:
         """(sequence, attempt, data) of every checkpoint a rollout stored, in order."""
-        with self._begin() as conn:
-            rows = Raw.of(conn, self._pg).all(
-                "SELECT seq, attempt, data FROM checkpoints WHERE rollout_id = ? ORDER BY seq",
-                (rollout_id,),
-            )
+        with self._read() as db:
+            rows = db.all(Q.CHECKPOINTS, (rollout_id,))
         return [(int(s), int(a), bytes(d)) for s, a, d in rows]

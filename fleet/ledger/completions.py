@@ -23,8 +23,10 @@ from fleet.core.manifest import Manifest
 from fleet.core.rollout import (
     Completion,
 )
-from fleet.ledger.base import INSERT_EVENT, ITEM_COLS, Item, LedgerBase, prepare_report
-from fleet.ledger.raw import DONE, LEASED, QUEUED, marks
+from fleet.ledger import queries as Q
+from fleet.ledger.base import LedgerBase, prepare_report
+from fleet.ledger.raw import DONE, LEASED, QUEUED
+from fleet.ledger.records import Item
 
 log = structlog.get_logger(__name__)
 
@@ -57,25 +59,14 @@ class Completions(LedgerBase):
         # Everything that needs no database is prepared before the write transaction: on
         # SQLite the transaction holds the one write lock, so its length bounds throughput.
         prepared = [prepare_report(report) for _, report in reports]
-        with self._write() as db:
+        with self._tx() as db:
             ids = sorted({r.work_id for _, r in reports})
-            items = {
-                row[0]: Item(*row)
-                for row in db.all(
-                    f"SELECT {ITEM_COLS} FROM work_items WHERE id IN ({marks(len(ids))}) "
-                    f"ORDER BY id{db.lock}",
-                    ids,
-                )
-            }
+            items = {row[0]: Item(*row) for row in db.all(Q.ITEMS_FOR_UPDATE, ids, n=len(ids))}
             rollout_ids = sorted({i.rollout_id for i in items.values()})
             rollouts = {
                 row[0]: row
                 for row in (
-                    db.all(
-                        "SELECT id, state, manifest_digest, error FROM rollouts "
-                        f"WHERE id IN ({marks(len(rollout_ids))}) ORDER BY id{db.lock}",
-                        rollout_ids,
-                    )
+                    db.all(Q.REPORTED_ROLLOUTS, rollout_ids, n=len(rollout_ids))
                     if rollout_ids
                     else []
                 )
@@ -174,33 +165,12 @@ class Completions(LedgerBase):
                 ]  # fmt: skip
                 seen[report.work_id] = (fingerprint, target)
                 out.append(target)
-            db.many(
-                "INSERT INTO artifacts (digest, size_bytes, data, created_at) VALUES (?, ?, ?, ?) "
-                "ON CONFLICT DO NOTHING",
-                [(d, len(b), b, now) for d, b in sorted(artifacts.items())],
-            )
-            db.many(
-                "UPDATE attempts SET ended_at = ?, outcome = ?, error = ?, cpu_s = ?, "
-                "peak_memory_mib = ?, artifact_failed = ? WHERE work_id = ? AND attempt = ?",
-                attempt_rows,
-            )
-            db.many(
-                "UPDATE work_items SET state = ?, lease_owner = ?, lease_expires_at = NULL, "
-                "not_before = ?, result_fingerprint = ?, avoid_host = ? WHERE id = ?",
-                item_rows,
-            )
-            db.many(
-                "UPDATE rollouts SET state = ?, error = ?, host_id = ?, runtime = ?, device = ?, "
-                "results_json = ?, egress_json = ?, updated_at = ?, finished_at = ?, "
-                "cpu_s = cpu_s + ?, outputs_json = ? WHERE id = ?",
-                rollout_rows,
-            )
-            db.many(INSERT_EVENT, event_rows)
-            db.many(
-                "INSERT INTO egress_events (rollout_id, attempt, machine, at, kind, destination, "
-                "decision, reason) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                egress_rows,
-            )
+            db.many(Q.INSERT_ARTIFACT, [(d, len(b), b, now) for d, b in sorted(artifacts.items())])
+            db.many(Q.REPORT_ATTEMPT, attempt_rows)
+            db.many(Q.REPORT_ITEM, item_rows)
+            db.many(Q.REPORT_ROLLOUT, rollout_rows)
+            db.many(Q.INSERT_EVENT, event_rows)
+            db.many(Q.INSERT_EGRESS_EVENT, egress_rows)
         return out
 
     def _judge(

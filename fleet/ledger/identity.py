@@ -11,8 +11,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import text
-
 from fleet.core.credentials import (
     Presented,
     Scope,
@@ -25,6 +23,8 @@ from fleet.core.credentials import (
 )
 from fleet.core.errors import AlreadyExists, InvalidArgument, NotFound, Unauthenticated
 from fleet.core.placement import HostClass
+from fleet.ledger import queries as Q
+from fleet.ledger.raw import LEASED
 
 if TYPE_CHECKING:
     from fleet.ledger.store import Ledger
@@ -78,24 +78,24 @@ def check_labels(labels: dict[str, str]) -> dict[str, str]:
 
 
 def _token(row: Any) -> JoinToken:
-    return JoinToken(
-        row.id, HostClass(row.host_class), json.loads(row.labels_json), row.created_at,
-        row.expires_at, row.uses_left, row.revoked_at,
-    )  # fmt: skip
+    """From a row of `Q.JOIN_TOKEN_COLS`."""
+    token_id, host_class, labels, created_at, expires_at, uses_left, revoked_at = row[:7]
+    return JoinToken(token_id, HostClass(host_class), json.loads(labels), created_at,
+                     expires_at, uses_left, revoked_at)  # fmt: skip
 
 
 def _key(row: Any) -> ApiKey:
-    scopes = frozenset(Scope(s) for s in row.scopes.split(",") if s)
-    return ApiKey(row.id, row.tenant, scopes, row.created_at, row.expires_at, row.last_used_at,
-                  row.revoked_at)  # fmt: skip
+    """From a row of `Q.API_KEY_COLS`."""
+    key_id, tenant, scopes, created_at, expires_at, last_used_at, revoked_at = row[:7]
+    return ApiKey(key_id, tenant, frozenset(Scope(s) for s in scopes.split(",") if s),
+                  created_at, expires_at, last_used_at, revoked_at)  # fmt: skip
 
 
 def _host(row: Any) -> HostIdentity:
-    return HostIdentity(
-        row.host_id, HostClass(row.host_class), json.loads(row.labels_json),
-        row.capabilities_json, row.token_id, row.enrolled_at, row.cert_serial,
-        row.cert_expires_at, row.revoked_at,
-    )  # fmt: skip
+    """From a row of `Q.HOST_IDENTITY_COLS`."""
+    host_id, host_class, labels, caps, token_id, enrolled_at, serial, expires, revoked = row
+    return HostIdentity(host_id, HostClass(host_class), json.loads(labels), caps, token_id,
+                        enrolled_at, serial, expires, revoked)  # fmt: skip
 
 
 class Identities:
@@ -104,13 +104,13 @@ class Identities:
     def __init__(self, ledger: Ledger) -> None:
         self._ledger = ledger
 
-    def _one(self, sql: str, params: dict[str, Any]) -> Any:
-        with self._ledger.engine.connect() as conn:
-            return conn.execute(text(sql), params).first()
+    def _one(self, sql: str, params: tuple[Any, ...]) -> Any:
+        with self._ledger._read() as db:
+            return db.one(sql, params)
 
-    def _all(self, sql: str, params: dict[str, Any] | None = None) -> list[Any]:
-        with self._ledger.engine.connect() as conn:
-            return list(conn.execute(text(sql), params or {}))
+    def _all(self, sql: str, params: tuple[Any, ...] = ()) -> list[Any]:
+        with self._ledger._read() as db:
+            return db.all(sql, params)
 
     # -- join tokens -----------------------------------------------------------------------
 
@@ -122,29 +122,22 @@ class Identities:
         if uses < 1 or uses > 10_000:
             raise InvalidArgument(f"a join token's uses must be 1..10000, got {uses}")
         presented = new_join_token()
-        with self._ledger._begin() as conn:
-            conn.execute(
-                text(
-                    "INSERT INTO join_tokens (id, secret_hash, host_class, labels_json, "
-                    "created_at, expires_at, uses_left) VALUES (:id, :h, :c, :l, :now, :exp, :u)"
-                ),
-                {"id": presented.id, "h": secret_hash(presented.secret), "c": host_class.value,
-                 "l": json.dumps(check_labels(labels), sort_keys=True), "now": now,
-                 "exp": now + ttl_s, "u": uses},
+        with self._ledger._tx() as db:
+            db.run(
+                Q.INSERT_JOIN_TOKEN,
+                (presented.id, secret_hash(presented.secret), host_class.value,
+                 json.dumps(check_labels(labels), sort_keys=True), now, now + ttl_s, uses),
             )  # fmt: skip
         token = JoinToken(presented.id, host_class, labels, now, now + ttl_s, uses, None)
         return token, presented
 
     def join_tokens(self) -> list[JoinToken]:
-        return [_token(r) for r in self._all("SELECT * FROM join_tokens ORDER BY created_at")]
+        return [_token(r) for r in self._all(Q.JOIN_TOKENS)]
 
     def revoke_join_token(self, token_id: str, now: float) -> None:
-        with self._ledger._begin() as conn:
-            done = conn.execute(
-                text("UPDATE join_tokens SET revoked_at = :now WHERE id = :id"),
-                {"now": now, "id": token_id},
-            )
-        if done.rowcount == 0:
+        with self._ledger._tx() as db:
+            done = db.run(Q.REVOKE_JOIN_TOKEN, (now, token_id))
+        if done == 0:
             raise NotFound(f"no join token {token_id!r}")
 
     def enroll(
@@ -155,44 +148,32 @@ class Identities:
         token allows. `capabilities_json(class)` checks and returns the capabilities the host
         enrolls with; `issue()` signs its certificate (serial, expiry). All or nothing."""
         check_host_id(host_id)
-        with self._ledger._begin() as conn:
-            row = conn.execute(
-                text("SELECT * FROM join_tokens WHERE id = :id" + self._ledger._lock_clause),
-                {"id": presented.id},
-            ).first()
-            if row is None or not matches(presented.secret, row.secret_hash):
+        with self._ledger._tx() as db:
+            row = db.one(Q.JOIN_TOKEN_FOR_UPDATE, (presented.id,))
+            if row is None or not matches(presented.secret, row[7]):
                 raise Unauthenticated(f"join token {presented.id}: unknown or wrong secret")
-            if row.revoked_at is not None:
-                raise Unauthenticated(f"join token {presented.id} was revoked")
-            if row.expires_at <= now:
-                raise Unauthenticated(f"join token {presented.id} has expired")
-            if row.uses_left <= 0:
-                raise Unauthenticated(f"join token {presented.id} has been used up")
             token = _token(row)
-            existing = conn.execute(
-                text("SELECT revoked_at FROM host_identities WHERE host_id = :h"), {"h": host_id}
-            ).first()
+            if token.revoked_at is not None:
+                raise Unauthenticated(f"join token {presented.id} was revoked")
+            if token.expires_at <= now:
+                raise Unauthenticated(f"join token {presented.id} has expired")
+            if token.uses_left <= 0:
+                raise Unauthenticated(f"join token {presented.id} has been used up")
+            existing = db.one(Q.HOST_REVOKED_AT, (host_id,))
             if existing is not None:
-                what = "was revoked" if existing.revoked_at is not None else "is enrolled already"
+                what = "was revoked" if existing[0] is not None else "is enrolled already"
                 raise AlreadyExists(
                     f"host id {host_id!r} {what}: enroll under another --host-id"
-                    + ("" if existing.revoked_at is not None else
+                    + ("" if existing[0] is not None else
                        ", or revoke the old one first (fleet host revoke)")
                 )  # fmt: skip
             caps = capabilities_json(token.host_class)
             serial, not_after = issue()
-            conn.execute(
-                text("UPDATE join_tokens SET uses_left = uses_left - 1 WHERE id = :id"),
-                {"id": presented.id},
-            )
-            conn.execute(
-                text(
-                    "INSERT INTO host_identities (host_id, host_class, labels_json, "
-                    "capabilities_json, token_id, enrolled_at, cert_serial, cert_expires_at) "
-                    "VALUES (:h, :c, :l, :caps, :t, :now, :s, :exp)"
-                ),
-                {"h": host_id, "c": token.host_class.value, "l": row.labels_json, "caps": caps,
-                 "t": presented.id, "now": now, "s": serial, "exp": not_after},
+            db.run(Q.SPEND_JOIN_TOKEN, (presented.id,))
+            db.run(
+                Q.INSERT_HOST_IDENTITY,
+                (host_id, token.host_class.value, row[2], caps, presented.id, now, serial,
+                 not_after),
             )  # fmt: skip
         host = HostIdentity(host_id, token.host_class, token.labels, caps, presented.id, now,
                             serial, not_after, None)  # fmt: skip
@@ -205,78 +186,46 @@ class Identities:
         """Records a host the CA's holder enrolled directly (the embedded fleet's agents);
         enrolling the same id again updates it unless it was revoked."""
         check_host_id(host_id)
-        with self._ledger._begin() as conn:
-            existing = conn.execute(
-                text("SELECT revoked_at FROM host_identities WHERE host_id = :h"), {"h": host_id}
-            ).first()
-            if existing is not None and existing.revoked_at is not None:
+        labels_json = json.dumps(check_labels(labels or {}), sort_keys=True)
+        with self._ledger._tx() as db:
+            existing = db.one(Q.HOST_REVOKED_AT, (host_id,))
+            if existing is not None and existing[0] is not None:
                 raise AlreadyExists(f"host id {host_id!r} was revoked")
-            params = {"h": host_id, "c": host_class.value, "caps": capabilities_json,
-                      "now": now, "s": serial, "exp": not_after,
-                      "l": json.dumps(check_labels(labels or {}), sort_keys=True)}  # fmt: skip
             if existing is None:
-                conn.execute(
-                    text(
-                        "INSERT INTO host_identities (host_id, host_class, labels_json, "
-                        "capabilities_json, token_id, enrolled_at, cert_serial, cert_expires_at) "
-                        "VALUES (:h, :c, :l, :caps, '', :now, :s, :exp)"
-                    ),
-                    params,
-                )
+                db.run(
+                    Q.INSERT_HOST_IDENTITY,
+                    (host_id, host_class.value, labels_json, capabilities_json, "", now, serial,
+                     not_after),
+                )  # fmt: skip
             else:
-                conn.execute(
-                    text(
-                        "UPDATE host_identities SET host_class = :c, capabilities_json = :caps, "
-                        "cert_serial = :s, cert_expires_at = :exp, labels_json = :l "
-                        "WHERE host_id = :h"
-                    ),
-                    params,
-                )
+                db.run(
+                    Q.UPDATE_HOST_IDENTITY,
+                    (host_class.value, capabilities_json, serial, not_after, labels_json,
+                     host_id),
+                )  # fmt: skip
 
     def renewed(self, host_id: str, serial: str, not_after: float) -> None:
-        with self._ledger._begin() as conn:
-            conn.execute(
-                text(
-                    "UPDATE host_identities SET cert_serial = :s, cert_expires_at = :exp "
-                    "WHERE host_id = :h AND revoked_at IS NULL"
-                ),
-                {"h": host_id, "s": serial, "exp": not_after},
-            )
+        with self._ledger._tx() as db:
+            db.run(Q.RENEW_HOST_CERTIFICATE, (serial, not_after, host_id))
 
     def host(self, host_id: str) -> HostIdentity | None:
-        row = self._one("SELECT * FROM host_identities WHERE host_id = :h", {"h": host_id})
+        row = self._one(Q.HOST_IDENTITY, (host_id,))
         return None if row is None else _host(row)
 
     def hosts(self) -> list[HostIdentity]:
-        return [_host(r) for r in self._all("SELECT * FROM host_identities ORDER BY host_id")]
+        return [_host(r) for r in self._all(Q.HOST_IDENTITIES)]
 
     def revoke_host(self, host_id: str, now: float) -> int:
         """Refuses the host from now on and ends its leases at once (their work is retried
         elsewhere by the usual rules); returns how many leases it held."""
-        with self._ledger._begin() as conn:
-            done = conn.execute(
-                text(
-                    "UPDATE host_identities SET revoked_at = :now "
-                    "WHERE host_id = :h AND revoked_at IS NULL"
-                ),
-                {"now": now, "h": host_id},
-            )
-            if done.rowcount == 0:
-                found = conn.execute(
-                    text("SELECT revoked_at FROM host_identities WHERE host_id = :h"),
-                    {"h": host_id},
-                ).first()
-                if found is None:
-                    raise NotFound(f"no enrolled host {host_id!r}")
-            leases = conn.execute(
-                text(
-                    "UPDATE work_items SET lease_expires_at = :past "
-                    "WHERE lease_owner = :h AND state = 'LEASED'"
-                ),
-                {"past": now - 1.0, "h": host_id},
-            )
+        with self._ledger._tx() as db:
+            if not db.run(Q.REVOKE_HOST, (now, host_id)) and not db.one(
+                Q.HOST_REVOKED_AT, (host_id,)
+            ):
+                raise NotFound(f"no enrolled host {host_id!r}")
+            leases = db.run(Q.EXPIRE_LEASES_OF_HOST, (now - 1.0, host_id, LEASED))
         self._ledger.sweep(now)
-        return int(leases.rowcount)
+        return leases
 
     # -- API keys --------------------------------------------------------------------------
 
@@ -290,42 +239,28 @@ class Identities:
             raise InvalidArgument("a key's expiry must be in the future")
         presented = new_api_key()
         joined = ",".join(sorted(s.value for s in scopes))
-        with self._ledger._begin() as conn:
-            conn.execute(
-                text(
-                    "INSERT INTO api_keys (id, secret_hash, tenant, scopes, created_at, "
-                    "expires_at) VALUES (:id, :h, :t, :s, :now, :exp)"
-                ),
-                {"id": presented.id, "h": secret_hash(presented.secret), "t": tenant,
-                 "s": joined, "now": now, "exp": expires_at},
-            )  # fmt: skip
+        with self._ledger._tx() as db:
+            db.run(
+                Q.INSERT_API_KEY,
+                (presented.id, secret_hash(presented.secret), tenant, joined, now, expires_at),
+            )
         return ApiKey(presented.id, tenant, scopes, now, expires_at, None, None), presented
 
     def keys(self, tenant: str | None = None) -> list[ApiKey]:
-        if tenant is None:
-            return [_key(r) for r in self._all("SELECT * FROM api_keys ORDER BY created_at")]
-        rows = self._all(
-            "SELECT * FROM api_keys WHERE tenant = :t ORDER BY created_at", {"t": tenant}
-        )
+        rows = self._all(Q.API_KEYS, (tenant is None, tenant or ""))
         return [_key(r) for r in rows]
 
     def key_row(self, key_id: str) -> tuple[ApiKey, str] | None:
         """A key and its secret's hash, for checking a presented key."""
-        row = self._one("SELECT * FROM api_keys WHERE id = :id", {"id": key_id})
-        return None if row is None else (_key(row), row.secret_hash)
+        row = self._one(Q.API_KEY, (key_id,))
+        return None if row is None else (_key(row), row[7])
 
     def key_used(self, key_id: str, now: float) -> None:
-        with self._ledger._begin() as conn:
-            conn.execute(
-                text("UPDATE api_keys SET last_used_at = :now WHERE id = :id"),
-                {"now": now, "id": key_id},
-            )
+        with self._ledger._tx() as db:
+            db.run(Q.API_KEY_USED, (now, key_id))
 
     def revoke_key(self, key_id: str, now: float) -> None:
-        with self._ledger._begin() as conn:
-            done = conn.execute(
-                text("UPDATE api_keys SET revoked_at = :now WHERE id = :id AND revoked_at IS NULL"),
-                {"now": now, "id": key_id},
-            )
-        if done.rowcount == 0 and self.key_row(key_id) is None:
+        with self._ledger._tx() as db:
+            done = db.run(Q.REVOKE_API_KEY, (now, key_id))
+        if done == 0 and self.key_row(key_id) is None:
             raise NotFound(f"no API key {key_id!r}")

@@ -9,7 +9,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 import structlog
-from sqlmodel import col, select
 
 from fleet.core.errors import (
     Aborted,
@@ -22,22 +21,10 @@ from fleet.core.rollout import (
     Assignment,
 )
 from fleet.ledger import pools as pool_sql
-from fleet.ledger.base import (
-    AVOID_HOST_S,
-    FENCING_STEP,
-    INSERT_EVENT,
-    ITEM_COLS,
-    Item,
-    LedgerBase,
-    as_datetime,
-)
-from fleet.ledger.raw import DONE, LEASED, QUEUED, Raw, marks
-from fleet.ledger.tables import (
-    AttemptRow,
-    HostRow,
-    ManifestRow,
-    WorkItemRow,
-)
+from fleet.ledger import queries as Q
+from fleet.ledger.base import AVOID_HOST_S, FENCING_STEP, LedgerBase, as_datetime
+from fleet.ledger.raw import DONE, LEASED, QUEUED
+from fleet.ledger.records import Item
 
 log = structlog.get_logger(__name__)
 
@@ -61,17 +48,13 @@ class Leases(LedgerBase):
         A repeat of a claim (same `request_id`, same host) answers with the leases the first
         one took, so a lost reply never strands work until its lease expires.
         """
-        with self._write() as db:
+        with self._tx() as db:
             host = self._host_row(db, host_id)
             if request_id:
-                again = db.all(
-                    f"SELECT {ITEM_COLS} FROM work_items WHERE lease_owner = ? AND state = ? "
-                    "AND claim_request_id = ?",
-                    (host_id, LEASED, request_id),
-                )
+                again = db.all(Q.LEASES_OF_CLAIM, (host_id, LEASED, request_id))
                 if again:
                     return [self._assignment(db, Item(*row)) for row in again]
-            if db.all("SELECT state FROM hosts WHERE id = ?", (host_id,))[0][0] != "ready":
+            if db.value(Q.HOST_STATE, (host_id,)) != "ready":
                 return []  # (cordoned, draining: checked in the claim's own transaction)
             max_items = min(max_items, pool_sql.room(db, host))
             if max_items <= 0:
@@ -83,53 +66,26 @@ class Leases(LedgerBase):
                     return []  # (rolled back to the local pool: nothing new goes elsewhere)
                 if host.host_class == HostClass.GPU:
                     classes.append(HostClass.CPU.value)  # (the local host has CPUs too)
-            where = (
-                f"state = ? AND host_class IN ({marks(len(classes))}) AND not_before <= ? "
-                "AND deadline > ? AND pin_host IN ('', ?)"
-            )
-            params: list[Any] = [QUEUED, *classes, now, now, host_id]
-            # The host that failed an attempt (a host error, a lost lease) gets its retry only
-            # once others had AVOID_HOST_S to take it, unless no other live host of its class
-            # could (one that beat within the last AVOID_HOST_S): a lone host runs it at once.
-            where += (
-                " AND (avoid_host <> ? OR not_before <= ? OR NOT EXISTS (SELECT 1 FROM hosts "
-                "WHERE hosts.host_class = work_items.host_class AND hosts.id <> ? "
-                "AND hosts.last_heartbeat_at > ?))"
-            )
-            params += [host_id, now - AVOID_HOST_S, host_id, now - AVOID_HOST_S]
-            if host.isolation != Isolation.VM:
-                where += " AND needs_vm = ?"
-                params.append(False)
-            if host.cuda_devices == 0:
-                where += " AND needs_cuda_device = ?"
-                params.append(False)
-            if hold_inference or not host.gateway:
-                # Backpressure (the gateway's queue is over its threshold), or a host whose
-                # agent does not know where the gateway is.
-                where += " AND needs_inference = ?"
-                params.append(False)
             running: dict[str, int] = {}
+            full: list[str] = []
             want = max(1, max_items)
             if max_running_per_tenant:
-                running = {
-                    tenant: int(n)
-                    for tenant, n in db.all(
-                        "SELECT tenant, count(*) FROM work_items WHERE state = ? GROUP BY tenant",
-                        (LEASED,),
-                    )
-                }
+                running = {t: int(n) for t, n in db.all(Q.LEASES_BY_TENANT, (LEASED,))}
                 full = sorted(t for t, n in running.items() if n >= max_running_per_tenant)
-                if full:
-                    where += f" AND tenant NOT IN ({marks(len(full))})"
-                    params += full
                 want *= 4  # room to skip items of tenants that fill up within this batch
+            avoid_until = now - AVOID_HOST_S
+            params: list[Any] = [
+                QUEUED, classes[0], classes[-1], now, now, host_id,
+                host_id, avoid_until, host_id, avoid_until,
+                host.isolation == Isolation.VM, host.cuda_devices > 0,
+                # Backpressure (the gateway's queue is over its threshold), or a host whose
+                # agent does not know where the gateway is: no work that calls the gateway.
+                not hold_inference and bool(host.gateway),
+                *(full or [""]),  # ("": no tenant is called that)
+                want,
+            ]  # fmt: skip
             chosen: list[Item] = []
-            for row in db.all(
-                f"SELECT {ITEM_COLS} FROM work_items WHERE {where} "
-                f"ORDER BY priority DESC, not_before, id LIMIT {int(want)}"
-                + (" FOR UPDATE SKIP LOCKED" if self._pg else ""),
-                params,
-            ):
+            for row in db.all(Q.CLAIMABLE, params, n=len(full) or 1):
                 item = Item(*row)
                 if len(chosen) >= max(1, max_items):
                     break
@@ -141,14 +97,7 @@ class Leases(LedgerBase):
             if not chosen:
                 return []
             ids = sorted({i.rollout_id for i in chosen})
-            rollouts = {
-                row[0]: row
-                for row in db.all(
-                    "SELECT id, state, manifest_digest, started_at FROM rollouts "
-                    f"WHERE id IN ({marks(len(ids))}) ORDER BY id{db.lock}",
-                    ids,
-                )
-            }
+            rollouts = {row[0]: row for row in db.all(Q.CLAIMED_ROLLOUTS, ids, n=len(ids))}
             expires = now + lease_ttl_s
             lease_at = as_datetime(expires) or datetime.now(UTC)
             running_state = RolloutState.RUNNING.value
@@ -172,23 +121,10 @@ class Leases(LedgerBase):
                      f"attempt {attempt} on {host_id}", attempt)
                 )  # fmt: skip
                 leased.append((item, attempt, token, self._manifest_raw(db, digest)))
-            db.many(
-                "UPDATE work_items SET state = 'LEASED', attempt = ?, fencing_token = ?, "
-                "lease_owner = ?, lease_expires_at = ?, claim_request_id = ?, "
-                "result_fingerprint = '' WHERE id = ?",
-                item_rows,
-            )
-            db.many(
-                "INSERT INTO attempts (work_id, attempt, host_id, fencing_token, started_at, "
-                "outcome, error) VALUES (?, ?, ?, ?, ?, '', '')",
-                attempt_rows,
-            )
-            db.many(
-                f"UPDATE rollouts SET state = '{running_state}', attempts = ?, updated_at = ?, "
-                "started_at = ? WHERE id = ?",
-                rollout_rows,
-            )
-            db.many(INSERT_EVENT, event_rows)
+            db.many(Q.LEASE_ITEM, item_rows)
+            db.many(Q.INSERT_ATTEMPT, attempt_rows)
+            db.many(Q.RUN_ROLLOUT, rollout_rows)
+            db.many(Q.INSERT_EVENT, event_rows)
             # Hybrid rollouts resume from their latest checkpoint (only they have any).
             hybrid = sorted({i.rollout_id for i, _, _, m in leased if m.requirements.inference})
             saved = self._latest_checkpoints(db, hybrid)
@@ -219,15 +155,12 @@ class Leases(LedgerBase):
         """
         kept: list[Assignment] = []
         released: list[str] = []
-        with self._begin() as conn:
-            db = Raw.of(conn, self._pg)
+        with self._tx() as db:
             self._host_row(db, host_id)
             expires = now + lease_ttl_s
             for work_id, token in sorted(set(leases)):
-                rows = db.all(
-                    f"SELECT {ITEM_COLS} FROM work_items WHERE id = ?{db.lock}", (work_id,)
-                )
-                item = Item(*rows[0]) if rows else None
+                found = db.one(Q.ITEM_FOR_UPDATE, (work_id,))
+                item = Item(*found) if found else None
                 if (
                     item is None
                     or item.state != LEASED
@@ -238,11 +171,9 @@ class Leases(LedgerBase):
                 ):
                     released.append(work_id)
                     continue
+                db.run(Q.SET_LEASE_EXPIRY, (expires, work_id))
                 db.run(
-                    "UPDATE work_items SET lease_expires_at = ? WHERE id = ?", (expires, work_id)
-                )
-                db.run(
-                    INSERT_EVENT,
+                    Q.INSERT_EVENT,
                     (item.rollout_id, "adopted", RolloutState.RUNNING.value,
                      RolloutState.RUNNING.value, host_id, now,
                      f"attempt {item.attempt} adopted by {host_id} after its agent restarted",
@@ -260,13 +191,10 @@ class Leases(LedgerBase):
             # reported: the sweeper ends those attempts now (retry, cancel or fail) instead of
             # when their leases would have run out.
             adopted = {a.work_id for a in kept}
-            for (work_id,) in db.all(
-                "SELECT id FROM work_items WHERE state = ? AND lease_owner = ? ORDER BY id",
-                (LEASED, host_id),
-            ):
+            for (work_id,) in db.all(Q.LEASED_TO_HOST, (LEASED, host_id)):
                 if work_id in adopted:
                     continue
-                db.run("UPDATE work_items SET lease_expires_at = ? WHERE id = ?", (now, work_id))
+                db.run(Q.SET_LEASE_EXPIRY, (now, work_id))
                 if work_id not in released:
                     released.append(work_id)
         return kept, released
@@ -283,15 +211,12 @@ class Leases(LedgerBase):
         """
         renewed: list[tuple[str, int]] = []
         stop: list[str] = []
-        with self._tx() as s:
-            host = s.get(HostRow, host_id)
-            if host is None:
+        with self._tx() as db:
+            beat = (now, json.dumps(sorted(images)) if images is not None else None, host_id)
+            if not db.run(Q.HOST_BEAT, beat):
                 raise FailedPrecondition(f"host {host_id!r} is not registered")
-            host.last_heartbeat_at = now
-            if images is not None:
-                host.images_json = json.dumps(sorted(images))
-            s.add(host)
-            items = [(s.get(WorkItemRow, w, with_for_update=True), w, t) for w, t in leases]
+            found = [(db.one(Q.ITEM_FOR_UPDATE, (w,)), w, t) for w, t in leases]
+            items = [(Item(*row) if row else None, w, t) for row, w, t in found]
             stale = [
                 w
                 for item, w, t in items
@@ -310,98 +235,58 @@ class Leases(LedgerBase):
                 assert item is not None
                 if item.cancel_requested or item.deadline <= now:
                     stop.append(work_id)
-                item.lease_expires_at = now + lease_ttl_s
-                s.add(item)
+                db.run(Q.SET_LEASE_EXPIRY, (now + lease_ttl_s, work_id))
                 renewed.append((work_id, token))
         return renewed, stop
 
     def sweep(self, now: float) -> int:
         """Expires lost leases (retry or fail) and fails queued work past its deadline."""
         changed = 0
-        with self._tx() as s:
-            expired = s.exec(
-                select(WorkItemRow)
-                .where(WorkItemRow.state == LEASED, col(WorkItemRow.lease_expires_at) < now)
-                .with_for_update(skip_locked=True)
-            ).all()
-            for item in expired:
+        with self._tx() as db:
+            for item in [Item(*r) for r in db.all(Q.EXPIRED_LEASES, (LEASED, now))]:
                 changed += 1
-                row = self._rollout_row(s, item.rollout_id, lock=True)
-                attempt = s.exec(
-                    select(AttemptRow).where(
-                        AttemptRow.work_id == item.id, AttemptRow.attempt == item.attempt
-                    )
-                ).one()
-                attempt.ended_at, attempt.outcome = now, Outcome.LEASE_EXPIRED.value
-                attempt.error = f"lease held by {item.lease_owner} expired"
-                s.add(attempt)
-                owner, item.lease_owner, item.lease_expires_at = item.lease_owner, "", None
-                item.avoid_host = owner
+                row = self._rollout(db, item.rollout_id, lock=True)
+                owner = item.lease_owner
+                db.run(
+                    Q.END_ATTEMPT,
+                    (now, Outcome.LEASE_EXPIRED.value, f"lease held by {owner} expired",
+                     item.id, item.attempt),
+                )  # fmt: skip
                 if item.cancel_requested:
-                    item.state = DONE
+                    state, not_before = DONE, item.not_before
                     self._move(
-                        s,
-                        row,
-                        RolloutState.CANCELLED,
-                        now,
-                        kind="cancelled",
-                        actor="ledger",
+                        db, row, RolloutState.CANCELLED, now, kind="cancelled", actor="ledger",
                         message=row.error or "cancelled",
-                    )
+                    )  # fmt: skip
                 elif item.attempt < item.max_attempts and item.deadline > now:
-                    manifest = Manifest.model_validate_json(
-                        s.get(ManifestRow, row.manifest_digest).body  # type: ignore[union-attr]
-                    )
-                    item.state = QUEUED
-                    item.not_before = now + manifest.retry.backoff_s(item.attempt, self._rng)
+                    manifest = self._manifest_raw(db, row.manifest_digest)
+                    state = QUEUED
+                    not_before = now + manifest.retry.backoff_s(item.attempt, self._rng)
                     self._move(
-                        s,
-                        row,
-                        RolloutState.QUEUED,
-                        now,
-                        kind="lease_expired",
-                        actor="ledger",
-                        attempt=item.attempt,
-                        message=f"lease on {owner} expired; will retry",
-                    )
+                        db, row, RolloutState.QUEUED, now, kind="lease_expired", actor="ledger",
+                        attempt=item.attempt, message=f"lease on {owner} expired; will retry",
+                    )  # fmt: skip
                 else:
-                    item.state = DONE
-                    row.error = (
+                    state, not_before = DONE, item.not_before
+                    error = (
                         f"lease on {owner} expired on attempt {item.attempt} of "
                         f"{item.max_attempts}"
                         + ("" if item.deadline > now else ", and the deadline has passed")
                     )
                     self._move(
-                        s,
-                        row,
-                        RolloutState.FAILED,
-                        now,
-                        kind="failed",
-                        actor="ledger",
-                        message=row.error,
-                        attempt=item.attempt,
-                    )
-                s.add(item)
-            late = s.exec(
-                select(WorkItemRow)
-                .where(WorkItemRow.state == QUEUED, col(WorkItemRow.deadline) <= now)
-                .with_for_update(skip_locked=True)
-            ).all()
-            for item in late:
+                        db, row, RolloutState.FAILED, now, kind="failed", actor="ledger",
+                        message=error, attempt=item.attempt, error=error,
+                    )  # fmt: skip
+                db.run(Q.RELEASE_LEASE, (state, not_before, owner, item.id))
+            for item in [Item(*r) for r in db.all(Q.LATE_ITEMS, (QUEUED, now))]:
                 changed += 1
-                item.state = DONE
-                s.add(item)
-                row = self._rollout_row(s, item.rollout_id, lock=True)
-                row.error = "the deadline passed before the rollout could start"
+                db.run(Q.SET_ITEM_STATE, (DONE, item.id))
+                row = self._rollout(db, item.rollout_id, lock=True)
+                error = "the deadline passed before the rollout could start"
                 self._move(
-                    s,
-                    row,
-                    RolloutState.FAILED,
-                    now,
-                    kind="deadline_exceeded",
-                    actor="ledger",
-                    message=row.error,
-                )
+                    db, row, RolloutState.FAILED, now, kind="deadline_exceeded", actor="ledger",
+                    message=error, error=error,
+                )  # fmt: skip
         if changed:
             log.info("ledger_swept", changed=changed)
         return changed

@@ -15,12 +15,9 @@ from fleet.core.adaptive import Control, Decision, Observation, decide
 from fleet.core.gates import Gates, Signals, judge
 from fleet.core.lifecycle import Outcome
 from fleet.core.placement import HostCapabilities, HostClass, Pool
-from fleet.ledger.raw import QUEUED, Raw, leases_by_host
+from fleet.ledger import queries as Q
+from fleet.ledger.raw import LEASED, QUEUED, Raw
 
-_COLUMNS = (
-    "name, host_class, labels_json, max_running, gates_json, adaptive_json, paused_at, "
-    "paused_why, control_json"
-)
 RETRIED = (Outcome.TRANSIENT_ERROR.value, Outcome.LEASE_EXPIRED.value)
 """Outcomes whose attempt is retried: what a pool's retry rate counts."""
 MAX_EVENTS = 1000
@@ -62,9 +59,15 @@ class _Row:
     control: str
 
 
-def _rows(db: Raw, where: str = "", params: tuple[Any, ...] = (), lock: str = "") -> list[_Row]:
+def leases_by_host(db: Raw) -> dict[str, int]:
+    """How many leases each host holds now."""
+    return {owner: int(n) for owner, n in db.all(Q.LEASES_BY_HOST, (LEASED,))}
+
+
+def _rows(db: Raw, sql: str = Q.POOLS, params: tuple[Any, ...] = ()) -> list[_Row]:
+    """The pools a statement of `Q.POOL_COLS` selects."""
     out = []
-    for row in db.all(f"SELECT {_COLUMNS} FROM pools {where} ORDER BY name{lock}", params):
+    for row in db.all(sql, params):
         name, host_class, labels, cap, gates, adaptive, paused_at, why, control = row
         pool = Pool(
             name=name, host_class=HostClass(host_class), labels=json.loads(labels),
@@ -76,14 +79,17 @@ def _rows(db: Raw, where: str = "", params: tuple[Any, ...] = (), lock: str = ""
     return out
 
 
-def read(db: Raw, where: str = "", params: tuple[Any, ...] = (), lock: str = "") -> list[Pool]:
-    """The pools `where` selects, by name."""
-    return [row.pool for row in _rows(db, where, params, lock)]
+def read(db: Raw, name: str = "") -> list[Pool]:
+    """Every pool by name, or the one named (none: no such pool)."""
+    rows = _rows(db, Q.POOL, (name,)) if name else _rows(db)
+    return [row.pool for row in rows]
 
 
 def _hosts(db: Raw, host_class: HostClass | None = None) -> list[tuple[HostCapabilities, str]]:
-    sql = "SELECT capabilities_json, state FROM hosts"
-    rows = db.all(sql + " WHERE host_class = ?", (host_class.value,)) if host_class else db.all(sql)
+    if host_class is None:
+        rows = db.all(Q.HOSTS_AND_STATES)
+    else:
+        rows = db.all(Q.HOSTS_OF_CLASS_AND_STATES, (host_class.value,))
     return [(HostCapabilities.model_validate_json(caps), state) for caps, state in rows]
 
 
@@ -91,10 +97,7 @@ def room(db: Raw, host: HostCapabilities) -> int:
     """How many more leases `host` may take under the pools it is in: none while one of them
     is paused, else what their caps leave (locked for the rest of the claim's transaction, so
     replicas claiming at once for one pool's hosts take turns and the cap holds across them)."""
-    governed = _rows(
-        db, "WHERE host_class = ? AND (max_running > 0 OR paused_at IS NOT NULL)",
-        (host.host_class.value,), db.lock,
-    )  # fmt: skip
+    governed = _rows(db, Q.POOLS_LIMITING_CLASS_FOR_UPDATE, (host.host_class.value,))
     rows = [row for row in governed if row.pool.holds(host)]
     if not rows:
         return 1 << 30
@@ -131,7 +134,7 @@ def views(db: Raw) -> list[PoolView]:
 def write(db: Raw, pool: Pool, now: float) -> None:
     """Makes or changes a pool. An adaptive pool starts (or starts again) at its `start` cap;
     a change of anything else keeps its controller's cap and memory."""
-    old = _rows(db, "WHERE name = ?", (pool.name,), db.lock)
+    old = _rows(db, Q.POOL_FOR_UPDATE, (pool.name,))
     adaptive = pool.adaptive.model_dump_json() if pool.adaptive else ""
     cap = pool.max_running
     control = Control(since=now).model_dump_json()
@@ -143,21 +146,11 @@ def write(db: Raw, pool: Pool, now: float) -> None:
     values = (pool.host_class.value, json.dumps(pool.labels, sort_keys=True), cap, gates,
               adaptive, control, now)  # fmt: skip
     if old:
-        db.run(
-            "UPDATE pools SET host_class = ?, labels_json = ?, max_running = ?, gates_json = ?, "
-            "adaptive_json = ?, control_json = ?, updated_at = ? WHERE name = ?",
-            (*values, pool.name),
-        )
+        db.run(Q.UPDATE_POOL, (*values, pool.name))
         if not pool.gates.any():
-            db.run(
-                "UPDATE pools SET paused_at = NULL, paused_why = '' WHERE name = ?", (pool.name,)
-            )
+            db.run(Q.RESUME_POOL, (pool.name,))
     else:
-        db.run(
-            "INSERT INTO pools (host_class, labels_json, max_running, gates_json, adaptive_json, "
-            "control_json, updated_at, name, paused_why) VALUES (?, ?, ?, ?, ?, ?, ?, ?, '')",
-            (*values, pool.name),
-        )
+        db.run(Q.INSERT_POOL, (*values, pool.name))
 
 
 def signals(
@@ -169,9 +162,7 @@ def signals(
     attempts = retried = artifacts = 0
     if members:
         for outcome, failed, n in db.all(
-            f"SELECT outcome, artifact_failed, count(*) FROM attempts WHERE ended_at >= ? AND "
-            f"host_id IN ({','.join('?' * len(members))}) GROUP BY outcome, artifact_failed",
-            (now - gates.window_s, *members),
+            Q.OUTCOMES_ON_HOSTS_SINCE, (now - gates.window_s, *members), n=len(members)
         ):
             attempts += int(n)
             retried += int(n) if outcome in RETRIED else 0
@@ -183,21 +174,17 @@ def signals(
 def _completed(db: Raw, members: list[str], since: float) -> int:
     if not members:
         return 0
-    [(n,)] = db.all(
-        f"SELECT count(*) FROM attempts WHERE ended_at >= ? AND outcome = ? AND "
-        f"host_id IN ({','.join('?' * len(members))})",
-        (since, Outcome.SUCCEEDED.value, *members),
-    )
-    return int(n)
+    return int(
+        db.value(Q.OUTCOME_ON_HOSTS_SINCE, (since, Outcome.SUCCEEDED.value, *members),
+                 n=len(members))
+    )  # fmt: skip
 
 
 def record(
     db: Raw, pool: str, kind: str, cap: int, message: str, figures: dict[str, float], now: float
 ) -> PoolEvent:
     db.run(
-        "INSERT INTO pool_events (pool, at, kind, cap, message, figures_json) "
-        "VALUES (?, ?, ?, ?, ?, ?)",
-        (pool, now, kind, cap, message, json.dumps(figures, sort_keys=True)),
+        Q.INSERT_POOL_EVENT, (pool, now, kind, cap, message, json.dumps(figures, sort_keys=True))
     )
     return PoolEvent(0, pool, now, kind, cap, message, figures)
 
@@ -208,7 +195,7 @@ def govern(
     """Judges every governed pool once: pauses or resumes it by its gates, and moves an
     adaptive pool's cap once its interval has passed. Returns the events written."""
     events: list[PoolEvent] = []
-    governed = read(db, "WHERE gates_json != '{}' OR adaptive_json != ''", (), db.lock)
+    governed = [row.pool for row in _rows(db, Q.POOLS_GOVERNED_FOR_UPDATE)]
     if not governed:
         return events
     by_name = {v.pool.name: v for v in views(db)}
@@ -221,8 +208,7 @@ def govern(
             verdict, reasons = judge(pool.gates, seen, paused)
             if verdict == "pause":
                 why = "; ".join(reasons)
-                db.run("UPDATE pools SET paused_at = ?, paused_why = ? WHERE name = ?",
-                       (now, why, pool.name))  # fmt: skip
+                db.run(Q.PAUSE_POOL, (now, why, pool.name))
                 events.append(
                     record(
                         db,
@@ -235,8 +221,7 @@ def govern(
                     )
                 )
             elif verdict == "resume":
-                db.run("UPDATE pools SET paused_at = NULL, paused_why = '' WHERE name = ?",
-                       (pool.name,))  # fmt: skip
+                db.run(Q.RESUME_POOL, (pool.name,))
                 events.append(record(
                     db, pool.name, "resumed", pool.max_running,
                     f"every signal back under its limit after {now - (view.paused_at or now):.1f}s",
@@ -256,17 +241,11 @@ def govern(
         elapsed = max(1e-6, now - control.since) if control.since else pool.adaptive.interval_s
         counted = elapsed * (1 - pool.adaptive.warmup)
         rate = _completed(db, view.members, now - counted) / counted
-        [(queued,)] = db.all(
-            "SELECT count(*) FROM work_items WHERE state = ? AND host_class = ?",
-            (QUEUED, pool.host_class.value),
-        )
+        queued = db.value(Q.QUEUED_OF_CLASS, (QUEUED, pool.host_class.value))
         seen_obs = Observation(rate=rate, ceiling=view.slots, waiting=int(queued) > 0,
                                running=view.running, saturated=saturated_now)  # fmt: skip
         cap, new_control, decision = decide(pool.adaptive, pool.max_running, control, seen_obs, now)
-        db.run(
-            "UPDATE pools SET max_running = ?, control_json = ? WHERE name = ?",
-            (cap, new_control.model_dump_json(), pool.name),
-        )
+        db.run(Q.SET_POOL_CAP, (cap, new_control.model_dump_json(), pool.name))
         if decision.kind != "held" or cap != pool.max_running:
             events.append(_decided(db, pool.name, decision, seen_obs, view.running, now))
     return events
@@ -282,16 +261,7 @@ def _decided(
 
 
 def events(db: Raw, since: float, pool: str = "", limit: int = MAX_EVENTS) -> list[PoolEvent]:
-    where = "WHERE at >= ?"
-    params: list[Any] = [since]
-    if pool:
-        where += " AND pool = ?"
-        params.append(pool)
-    rows = db.all(
-        f"SELECT seq, pool, at, kind, cap, message, figures_json FROM pool_events {where} "
-        f"ORDER BY seq DESC LIMIT ?",
-        (*params, limit),
-    )
+    rows = db.all(Q.POOL_EVENTS_SINCE, (since, not pool, pool, limit))
     return [
         PoolEvent(int(seq), name, float(at), kind, int(cap), message, json.loads(figures))
         for seq, name, at, kind, cap, message, figures in reversed(rows)

@@ -1,66 +1,74 @@
-"""One transaction's DBAPI cursor, and the few reads every part of the ledger shares."""
+"""The ledger's one way to run SQL: `Raw`, a transaction's DBAPI cursor running the named
+statements of `fleet.ledger.queries`."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
-
-from sqlalchemy import Connection
 
 from fleet.core.lifecycle import WorkItemState
 
 QUEUED, LEASED, DONE = (s.value for s in WorkItemState)
 """Work items' states, as the SQL holds them (`fleet.core.lifecycle.WorkItemState`)."""
 
+MARKS = "{marks}"
+"""Where a statement takes a list of values (`IN ({marks})`): `n=len(values)` fills it in."""
 
-@lru_cache(maxsize=256)
-def pg_sql(sql: str) -> str:
-    return sql.replace("?", "%s")
+_ROW_LOCKS = re.compile(r" FOR UPDATE( SKIP LOCKED)?")
 
 
-def marks(n: int) -> str:
-    return ",".join("?" * n)
+@lru_cache(maxsize=512)
+def dialect(sql: str, postgres: bool, n: int) -> str:
+    """A statement as one backend runs it: `?` placeholders (`%s` on PostgreSQL, a literal `%`
+    doubled), `{marks}` as `n` of them; row locks kept on PostgreSQL, dropped on SQLite, where
+    a write transaction holds the whole database from BEGIN IMMEDIATE on."""
+    if n:
+        sql = sql.replace(MARKS, ",".join("?" * n))
+    elif MARKS in sql:
+        raise ValueError(f"a statement that takes a list was given none: {sql[:60]!r}")
+    if postgres:
+        return sql.replace("%", "%%").replace("?", "%s")
+    return _ROW_LOCKS.sub("", sql)
 
 
 class Raw:
-    """The transaction's own DBAPI cursor, for the hot paths (submit, claim, complete).
+    """A transaction's DBAPI cursor, and the only thing in the ledger that runs SQL.
 
-    SQL is written once with `?` placeholders; on PostgreSQL they become `%s`. Skipping
-    SQLAlchemy's statement compilation and parameter processing is most of the per-row cost
-    there (measured with cProfile: ~70% of a claim+complete before this).
+    Skipping SQLAlchemy's statement compilation and parameter processing is most of the per-row
+    cost of the hot paths (measured with cProfile: ~70% of a claim+complete before this); the
+    statements are strings, written once, for both backends (see `dialect`).
     """
 
     def __init__(self, cursor: Any, postgres: bool) -> None:
-        """Over a DBAPI cursor of a transaction (`of` takes it from an SQLAlchemy one)."""
         self._cur = cursor
-        self._pg = postgres
-        self.lock = " FOR UPDATE" if postgres else ""  # SQLite: BEGIN IMMEDIATE already holds it
+        self.postgres = postgres
 
-    @classmethod
-    def of(cls, conn: Connection, postgres: bool) -> Raw:
-        return cls(conn.connection.cursor(), postgres)
+    def _execute(self, sql: str, params: Sequence[Any], n: int) -> None:
+        self._cur.execute(dialect(sql, self.postgres, n), params)
 
-    def _q(self, sql: str) -> str:
-        return pg_sql(sql) if self._pg else sql
-
-    def all(self, sql: str, params: tuple[Any, ...] | list[Any] = ()) -> list[Any]:
-        self._cur.execute(self._q(sql), params)
+    def all(self, sql: str, params: Sequence[Any] = (), *, n: int = 0) -> list[Any]:
+        """Every row of a query (`n`: how many values fill `{marks}`)."""
+        self._execute(sql, params, n)
         return list(self._cur.fetchall())
 
-    def run(self, sql: str, params: tuple[Any, ...] | list[Any] = ()) -> int:
+    def one(self, sql: str, params: Sequence[Any] = (), *, n: int = 0) -> Any:
+        """A query's first row, or None."""
+        self._execute(sql, params, n)
+        return self._cur.fetchone()
+
+    def value(self, sql: str, params: Sequence[Any] = (), *, n: int = 0) -> Any:
+        """The first column of a query's one row (a count, a sum)."""
+        self._execute(sql, params, n)
+        return self._cur.fetchone()[0]
+
+    def run(self, sql: str, params: Sequence[Any] = (), *, n: int = 0) -> int:
         """Runs one statement; how many rows it changed."""
-        self._cur.execute(self._q(sql), params)
+        self._execute(sql, params, n)
         return int(self._cur.rowcount)
 
-    def many(self, sql: str, rows: list[tuple[Any, ...]]) -> None:
+    def many(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+        """Runs one statement once per row of values (nothing for none)."""
         if rows:
-            self._cur.executemany(self._q(sql), rows)
-
-
-def leases_by_host(db: Raw) -> dict[str, int]:
-    """How many leases each host holds now."""
-    rows = db.all(
-        "SELECT lease_owner, count(*) FROM work_items WHERE state = ? GROUP BY lease_owner",
-        (LEASED,),
-    )
-    return {owner: int(n) for owner, n in rows}
+            self._cur.executemany(dialect(sql, self.postgres, 0), rows)

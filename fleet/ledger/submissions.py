@@ -9,7 +9,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 import structlog
-from sqlmodel import select
 
 from fleet.core.errors import (
     AlreadyExists,
@@ -21,11 +20,10 @@ from fleet.core.placement import Isolation
 from fleet.core.rollout import (
     Rollout,
 )
-from fleet.ledger.base import INSERT_EVENT, UNIQUE_CLASH, LedgerBase, as_datetime
-from fleet.ledger.raw import DONE, LEASED, QUEUED, Raw, marks
-from fleet.ledger.tables import (
-    WorkItemRow,
-)
+from fleet.ledger import queries as Q
+from fleet.ledger.base import UNIQUE_CLASH, LedgerBase, as_datetime
+from fleet.ledger.raw import DONE, LEASED, QUEUED, Raw
+from fleet.ledger.records import Item
 
 log = structlog.get_logger(__name__)
 
@@ -65,17 +63,17 @@ class Submissions(LedgerBase):
         """
         for _ in range(3):
             try:
-                with self._write() as db:
+                with self._tx() as db:
                     return self._insert_rollouts(db, batch, now, max_active_per_tenant)
             except UNIQUE_CLASH:
                 continue  # another replica stored one of the keys meanwhile: read it again
-        with self._write() as db:
+        with self._tx() as db:
             return self._insert_rollouts(db, batch, now, max_active_per_tenant)
 
     def _submit(
         self, request: SubmitRequest, manifest: Manifest, now: float, max_active: int
     ) -> tuple[Rollout, bool]:
-        with self._write() as db:
+        with self._tx() as db:
             [(rollout_id, created)] = self._insert_rollouts(
                 db, [(request, manifest)], now, max_active
             )
@@ -103,11 +101,7 @@ class Submissions(LedgerBase):
         known: dict[str, tuple[str, str]] = {}
         for start in range(0, len(keys), 500):
             chunk = keys[start : start + 500]
-            for rid, key, fp in db.all(
-                "SELECT id, idempotency_key, request_fingerprint FROM rollouts "
-                f"WHERE idempotency_key IN ({marks(len(chunk))})",
-                chunk,
-            ):
+            for rid, key, fp in db.all(Q.ROLLOUTS_BY_KEY, chunk, n=len(chunk)):
                 known[key] = (rid, fp)
         active: dict[str, int] = {}
         if max_active:
@@ -115,9 +109,7 @@ class Submissions(LedgerBase):
             active = {
                 tenant: int(n)
                 for tenant, n in db.all(
-                    f"SELECT tenant, count(*) FROM work_items WHERE tenant IN "
-                    f"({marks(len(tenants))}) AND state IN (?, ?) GROUP BY tenant",
-                    [*tenants, QUEUED, LEASED],
+                    Q.ACTIVE_BY_TENANT, [*tenants, QUEUED, LEASED], n=len(tenants)
                 )
             }
         out: list[tuple[str, bool]] = []
@@ -175,61 +167,38 @@ class Submissions(LedgerBase):
             out.append((rollout_id, True))
         if rollouts:
             db.many(
-                "INSERT INTO manifests (digest, body, created_at) VALUES (?, ?, ?) "
-                "ON CONFLICT DO NOTHING",
+                Q.INSERT_MANIFEST,
                 [(d, m.model_dump_json(), now) for d, m in sorted(manifests.items())],
             )
-            db.many(
-                "INSERT INTO rollouts (id, idempotency_key, request_fingerprint, manifest_digest, "
-                "tenant, labels_json, state, priority, attempts, error, host_id, runtime, device, "
-                "results_json, egress_json, cpu_s, created_at, updated_at) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0, '', '', '', '', '[]', '', 0, ?, ?)",
-                rollouts,
-            )
-            db.many("INSERT INTO rollout_labels (rollout_id, key, value) VALUES (?, ?, ?)", labels)
-            db.many(
-                "INSERT INTO work_items (id, rollout_id, tenant, state, host_class, needs_vm, "
-                "needs_cuda_device, needs_inference, priority, attempt, max_attempts, "
-                "not_before, deadline, lease_owner, fencing_token, cancel_requested, "
-                "result_fingerprint, claim_request_id, pin_host) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?, '', 0, ?, '', '', ?)",
-                [(*row[:-1], False, row[-1]) for row in items],
-            )
-            db.many(INSERT_EVENT, events)
+            db.many(Q.INSERT_ROLLOUT, rollouts)
+            db.many(Q.INSERT_LABEL, labels)
+            db.many(Q.INSERT_WORK_ITEM, [(*row[:-1], False, row[-1]) for row in items])
+            db.many(Q.INSERT_EVENT, events)
             self._manifests.update(manifests)
         return out
 
     def cancel(self, rollout_id: str, reason: str, actor: str, now: float) -> Rollout:
         """Queued work ends at once; running work is stopped by its agent at its next beat."""
-        with self._tx() as s:
-            item = s.exec(
-                select(WorkItemRow).where(WorkItemRow.rollout_id == rollout_id).with_for_update()
-            ).first()
-            row = self._rollout_row(s, rollout_id, lock=True)
-            assert item is not None
-            state = RolloutState(row.state)
-            if state.final:
-                return self._view(s, row)
+        with self._tx() as db:
+            found = db.one(Q.ITEM_OF_ROLLOUT_FOR_UPDATE, (rollout_id,))
+            row = self._rollout(db, rollout_id, lock=True)
+            assert found is not None
+            item = Item(*found)
+            if RolloutState(row.state).final:
+                return self._view(db, row)
             why = reason or "cancelled by request"
             if item.state == QUEUED:
-                item.state = DONE
-                s.add(item)
-                row.error = why
-                self._move(
-                    s, row, RolloutState.CANCELLED, now, kind="cancelled", actor=actor, message=why
-                )
+                db.run(Q.SET_ITEM_STATE, (DONE, item.id))
+                row = self._move(
+                    db, row, RolloutState.CANCELLED, now, kind="cancelled", actor=actor,
+                    message=why, error=why,
+                )  # fmt: skip
             elif not item.cancel_requested:
-                item.cancel_requested = True
-                s.add(item)
+                db.run(Q.REQUEST_CANCEL, (item.id,))
                 self._event(
-                    s,
-                    rollout_id,
-                    "cancel_requested",
-                    now,
-                    actor=actor,
-                    message=why,
+                    db, rollout_id, "cancel_requested", now, actor=actor, message=why,
                     attempt=item.attempt,
-                )
-                row.error = why
-                s.add(row)
-            return self._view(s, row)
+                )  # fmt: skip
+                db.run(Q.SET_ROLLOUT_ERROR, (why, rollout_id))
+                row = row._replace(error=why)
+            return self._view(db, row)

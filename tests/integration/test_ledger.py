@@ -22,7 +22,9 @@ from fleet.core.manifest import Step, SubmitRequest, build_manifest, validate_re
 from fleet.core.placement import HostCapabilities, HostClass, Isolation, RuntimeKind
 from fleet.core.retry import RetryPolicy
 from fleet.core.rollout import Completion, StepResult
+from fleet.ledger import queries as Q
 from fleet.ledger.migrations import BASELINE, alembic_config, compared, head_revision
+from fleet.ledger.raw import dialect
 from fleet.ledger.store import CHECKPOINT_ROW_BYTES, Ledger
 from fleet.ledger.tables import SCHEMA_VERSION, SchemaInfo
 
@@ -290,16 +292,17 @@ def test_a_claim_reads_queued_work_in_lease_order_without_sorting(ledger_target:
     from sqlalchemy import text
 
     ledger = Ledger.open(ledger_target)
-    scan = (
-        "SELECT id FROM work_items WHERE state = 'QUEUED' "
-        "ORDER BY priority DESC, not_before, id LIMIT 32"
-    )
     with ledger.engine.connect() as conn:
         if ledger.engine.dialect.name == "sqlite":
             [definition] = conn.execute(
                 text("SELECT sql FROM sqlite_master WHERE name = 'ix_work_items_claim'")
             ).scalars()
-            plan = " ".join(str(r[3]) for r in conn.execute(text(f"EXPLAIN QUERY PLAN {scan}")))
+            # The claim's own statement, as SQLite runs it.
+            scan = dialect(Q.CLAIMABLE, postgres=False, n=1)
+            cursor = conn.connection.cursor()
+            params = ["QUEUED", "cpu", "cpu", 1.0, 1.0, "h", "h", 0.0, "h", 0.0, True, True,
+                      True, "", 32]  # fmt: skip
+            plan = " ".join(str(r[3]) for r in cursor.execute(f"EXPLAIN QUERY PLAN {scan}", params))
             assert "ix_work_items_claim" in plan and "TEMP B-TREE" not in plan, plan
         else:
             [definition] = conn.execute(

@@ -1,0 +1,403 @@
+"""Every statement the ledger runs, by name.
+
+Written once for both backends and run only through `fleet.ledger.raw.Raw`:
+
+- `?` placeholders (PostgreSQL gets `%s`);
+- row locks as PostgreSQL takes them (`FOR UPDATE`, `FOR UPDATE SKIP LOCKED`); SQLite runs
+  without them, its write transaction holding the whole database from BEGIN IMMEDIATE on;
+- `{marks}` where a statement takes a list of values, filled in with as many placeholders as
+  the caller's `n=` says;
+- a flag that turns a condition off is a placeholder of its own: `(? OR tenant = ?)` with True
+  matches every tenant.
+
+The columns a statement selects for a record are the record's fields
+(`fleet.ledger.records`), in order.
+"""
+
+from __future__ import annotations
+
+from fleet.ledger.records import AttemptRec, Item, RolloutRec, columns
+
+ITEM_COLS = columns(Item)
+ROLLOUT_COLS = columns(RolloutRec)
+ATTEMPT_COLS = columns(AttemptRec, "a")
+
+# -- rollouts ------------------------------------------------------------------------------
+
+ROLLOUT = f"SELECT {ROLLOUT_COLS} FROM rollouts WHERE id = ?"
+ROLLOUT_FOR_UPDATE = ROLLOUT + " FOR UPDATE"
+ROLLOUTS_BY_KEY = (
+    "SELECT id, idempotency_key, request_fingerprint FROM rollouts "
+    "WHERE idempotency_key IN ({marks})"
+)
+INSERT_ROLLOUT = (
+    "INSERT INTO rollouts (id, idempotency_key, request_fingerprint, manifest_digest, tenant, "
+    "labels_json, state, priority, attempts, error, host_id, runtime, device, results_json, "
+    "egress_json, cpu_s, created_at, updated_at) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0, '', '', '', '', '[]', '', 0, ?, ?)"
+)
+INSERT_LABEL = "INSERT INTO rollout_labels (rollout_id, key, value) VALUES (?, ?, ?)"
+MOVE_ROLLOUT = (
+    "UPDATE rollouts SET state = ?, updated_at = ?, started_at = ?, finished_at = ?, error = ? "
+    "WHERE id = ?"
+)
+SET_ROLLOUT_ERROR = "UPDATE rollouts SET error = ? WHERE id = ?"
+RUN_ROLLOUT = (
+    "UPDATE rollouts SET state = 'RUNNING', attempts = ?, updated_at = ?, started_at = ? "
+    "WHERE id = ?"
+)
+"""A claim: the rollout runs its next attempt."""
+CLAIMED_ROLLOUTS = (
+    "SELECT id, state, manifest_digest, started_at FROM rollouts WHERE id IN ({marks}) "
+    "ORDER BY id FOR UPDATE"
+)
+REPORTED_ROLLOUTS = (
+    "SELECT id, state, manifest_digest, error FROM rollouts WHERE id IN ({marks}) "
+    "ORDER BY id FOR UPDATE"
+)
+REPORT_ROLLOUT = (
+    "UPDATE rollouts SET state = ?, error = ?, host_id = ?, runtime = ?, device = ?, "
+    "results_json = ?, egress_json = ?, updated_at = ?, finished_at = ?, cpu_s = cpu_s + ?, "
+    "outputs_json = ? WHERE id = ?"
+)
+LABELS = "{labels}"
+"""Where `LIST_ROLLOUTS` takes one `AND_LABELLED` per label it matches."""
+LIST_ROLLOUTS = (
+    f"SELECT {ROLLOUT_COLS} FROM rollouts WHERE seq < ? AND (? OR tenant = ?) "
+    "AND (? OR egress_json <> '')" + LABELS + " ORDER BY seq DESC LIMIT ?"
+)
+"""A page of rollouts, newest first: before a seq, of a tenant (or any), with an effective
+egress (or not), with labels."""
+AND_LABELLED = " AND id IN (SELECT rollout_id FROM rollout_labels WHERE key = ? AND value = ?)"
+ROLLOUTS_IN_STATE = "SELECT id, manifest_digest FROM rollouts WHERE state = ?"
+ROLLOUTS_BY_STATE = "SELECT state, count(*) FROM rollouts GROUP BY state"
+FINISHED_SINCE = "SELECT count(*) FROM rollouts WHERE state = ? AND finished_at >= ?"
+RETRIES_AND_CPU = (
+    "SELECT coalesce(sum(CASE WHEN attempts > 1 THEN attempts - 1 ELSE 0 END), 0), "
+    "coalesce(sum(cpu_s), 0) FROM rollouts WHERE state = ?"
+)
+ROLLOUT_OUTPUTS = "SELECT outputs_json FROM rollouts WHERE outputs_json <> '[]'"
+MANIFEST_DIGEST = "SELECT manifest_digest FROM rollouts WHERE id = ?"
+
+# -- manifests, events, artifacts ----------------------------------------------------------
+
+MANIFEST_BODY = "SELECT body FROM manifests WHERE digest = ?"
+INSERT_MANIFEST = (
+    "INSERT INTO manifests (digest, body, created_at) VALUES (?, ?, ?) ON CONFLICT DO NOTHING"
+)
+MANIFESTS_WITH_INPUTS = "SELECT body FROM manifests WHERE body LIKE '%\"inputs\":[{%'"
+INSERT_EVENT = (
+    "INSERT INTO events (rollout_id, kind, from_state, to_state, actor, at, message, attempt) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+)
+EVENTS_AFTER = (
+    "SELECT seq, kind, from_state, to_state, actor, at, message, attempt FROM events "
+    "WHERE rollout_id = ? AND seq > ? ORDER BY seq LIMIT ?"
+)
+INSERT_EGRESS_EVENT = (
+    "INSERT INTO egress_events (rollout_id, attempt, machine, at, kind, destination, decision, "
+    "reason) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+)
+EGRESS_EVENTS = (
+    "SELECT attempt, at, machine, kind, destination, decision, reason FROM egress_events "
+    "WHERE rollout_id = ? ORDER BY seq"
+)
+ARTIFACT = "SELECT data FROM artifacts WHERE digest = ?"
+INSERT_ARTIFACT = (
+    "INSERT INTO artifacts (digest, size_bytes, data, created_at) VALUES (?, ?, ?, ?) "
+    "ON CONFLICT DO NOTHING"
+)
+
+# -- work items and leases -----------------------------------------------------------------
+
+INSERT_WORK_ITEM = (
+    "INSERT INTO work_items (id, rollout_id, tenant, state, host_class, needs_vm, "
+    "needs_cuda_device, needs_inference, priority, attempt, max_attempts, not_before, deadline, "
+    "lease_owner, fencing_token, cancel_requested, result_fingerprint, claim_request_id, "
+    "pin_host) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?, '', 0, ?, '', '', ?)"
+)
+ITEM_FOR_UPDATE = f"SELECT {ITEM_COLS} FROM work_items WHERE id = ? FOR UPDATE"
+ITEMS_FOR_UPDATE = (
+    f"SELECT {ITEM_COLS} FROM work_items WHERE id IN ({{marks}}) ORDER BY id FOR UPDATE"
+)
+ITEM_OF_ROLLOUT_FOR_UPDATE = f"SELECT {ITEM_COLS} FROM work_items WHERE rollout_id = ? FOR UPDATE"
+CLAIMABLE = (
+    f"SELECT {ITEM_COLS} FROM work_items "
+    "WHERE state = ? AND host_class IN (?, ?) AND not_before <= ? AND deadline > ? "
+    "AND pin_host IN ('', ?) "
+    # The host that failed an attempt (a host error, a lost lease) gets its retry only once
+    # others had AVOID_HOST_S to take it, unless no other live host of its class could (one
+    # that beat within the last AVOID_HOST_S): a lone host runs it at once.
+    "AND (avoid_host <> ? OR not_before <= ? OR NOT EXISTS (SELECT 1 FROM hosts "
+    "WHERE hosts.host_class = work_items.host_class AND hosts.id <> ? "
+    "AND hosts.last_heartbeat_at > ?)) "
+    "AND (? OR NOT needs_vm) AND (? OR NOT needs_cuda_device) AND (? OR NOT needs_inference) "
+    "AND tenant NOT IN ({marks}) "
+    "ORDER BY priority DESC, not_before, id LIMIT ? FOR UPDATE SKIP LOCKED"
+)
+"""What a host may lease, in lease order (ix_work_items_claim): queued, of its classes, due,
+before its deadline, not pinned elsewhere, not avoiding it, needing nothing it lacks (the three
+flags: it has a VM, a CUDA device, the gateway), of no tenant at its cap."""
+LEASES_OF_CLAIM = (
+    f"SELECT {ITEM_COLS} FROM work_items WHERE lease_owner = ? AND state = ? "
+    "AND claim_request_id = ?"
+)
+LEASE_ITEM = (
+    "UPDATE work_items SET state = 'LEASED', attempt = ?, fencing_token = ?, lease_owner = ?, "
+    "lease_expires_at = ?, claim_request_id = ?, result_fingerprint = '' WHERE id = ?"
+)
+SET_LEASE_EXPIRY = "UPDATE work_items SET lease_expires_at = ? WHERE id = ?"
+EXPIRE_LEASES_OF_HOST = (
+    "UPDATE work_items SET lease_expires_at = ? WHERE lease_owner = ? AND state = ?"
+)
+LEASED_TO_HOST = "SELECT id FROM work_items WHERE state = ? AND lease_owner = ? ORDER BY id"
+LEASES_OF_HOST = "SELECT count(*) FROM work_items WHERE lease_owner = ? AND state = ?"
+LEASES_BY_HOST = "SELECT lease_owner, count(*) FROM work_items WHERE state = ? GROUP BY lease_owner"
+LEASES_BY_TENANT = "SELECT tenant, count(*) FROM work_items WHERE state = ? GROUP BY tenant"
+ACTIVE_BY_TENANT = (
+    "SELECT tenant, count(*) FROM work_items WHERE tenant IN ({marks}) AND state IN (?, ?) "
+    "GROUP BY tenant"
+)
+EXPIRED_LEASES = (
+    f"SELECT {ITEM_COLS} FROM work_items WHERE state = ? AND lease_expires_at < ? "
+    "FOR UPDATE SKIP LOCKED"
+)
+LATE_ITEMS = (
+    f"SELECT {ITEM_COLS} FROM work_items WHERE state = ? AND deadline <= ? FOR UPDATE SKIP LOCKED"
+)
+RELEASE_LEASE = (
+    "UPDATE work_items SET state = ?, not_before = ?, lease_owner = '', lease_expires_at = NULL, "
+    "avoid_host = ? WHERE id = ?"
+)
+"""A lost lease: queued again or done; the host that lost it is avoided by the retry."""
+REPORT_ITEM = (
+    "UPDATE work_items SET state = ?, lease_owner = ?, lease_expires_at = NULL, not_before = ?, "
+    "result_fingerprint = ?, avoid_host = ? WHERE id = ?"
+)
+SET_ITEM_STATE = "UPDATE work_items SET state = ? WHERE id = ?"
+REQUEST_CANCEL = "UPDATE work_items SET cancel_requested = TRUE WHERE id = ?"
+WORK_LEASE = (
+    "SELECT w.lease_owner, w.fencing_token, r.manifest_digest FROM work_items w "
+    "JOIN rollouts r ON r.id = w.rollout_id WHERE w.id = ? AND w.state = ?"
+)
+ROLLOUT_LEASE = "SELECT id, lease_owner FROM work_items WHERE rollout_id = ? AND state = ?"
+ITEMS_CALLING_INFERENCE = "SELECT count(*) FROM work_items WHERE needs_inference = ? AND state = ?"
+QUEUED_OF_CLASS = "SELECT count(*) FROM work_items WHERE state = ? AND host_class = ?"
+
+# -- attempts ------------------------------------------------------------------------------
+
+INSERT_ATTEMPT = (
+    "INSERT INTO attempts (work_id, attempt, host_id, fencing_token, started_at, outcome, error) "
+    "VALUES (?, ?, ?, ?, ?, '', '')"
+)
+END_ATTEMPT = (
+    "UPDATE attempts SET ended_at = ?, outcome = ?, error = ? WHERE work_id = ? AND attempt = ?"
+)
+REPORT_ATTEMPT = (
+    "UPDATE attempts SET ended_at = ?, outcome = ?, error = ?, cpu_s = ?, peak_memory_mib = ?, "
+    "artifact_failed = ? WHERE work_id = ? AND attempt = ?"
+)
+HISTORIES = (
+    f"SELECT w.rollout_id, {ATTEMPT_COLS} FROM attempts a "
+    "JOIN work_items w ON w.id = a.work_id WHERE w.rollout_id IN ({marks}) ORDER BY a.attempt"
+)
+ATTEMPTS_FINISHED_SINCE = (
+    "SELECT r.id, r.state, r.labels_json, w.attempt, a.attempt, a.host_id, a.started_at, "
+    "a.ended_at, a.cpu_s, a.peak_memory_mib, a.device_s FROM rollouts r "
+    "JOIN work_items w ON w.rollout_id = r.id JOIN attempts a ON a.work_id = w.id "
+    "WHERE r.finished_at >= ? ORDER BY r.id, a.attempt"
+)
+"""For `fleet report`: every attempt of the rollouts that finished since a time."""
+CHARGE_DEVICE_SECONDS = (
+    "UPDATE attempts SET device_s = device_s + ? WHERE id = (SELECT a.id FROM attempts a "
+    "JOIN work_items w ON w.id = a.work_id WHERE w.rollout_id = ? "
+    "ORDER BY a.started_at DESC, a.id DESC LIMIT 1)"
+)
+"""The gateway's device seconds, to a rollout's latest attempt."""
+OUTCOMES_ON_HOSTS_SINCE = (
+    "SELECT outcome, artifact_failed, count(*) FROM attempts WHERE ended_at >= ? "
+    "AND host_id IN ({marks}) GROUP BY outcome, artifact_failed"
+)
+OUTCOME_ON_HOSTS_SINCE = (
+    "SELECT count(*) FROM attempts WHERE ended_at >= ? AND outcome = ? AND host_id IN ({marks})"
+)
+
+# -- checkpoints ---------------------------------------------------------------------------
+
+INSERT_CHECKPOINT = (
+    "INSERT INTO checkpoints (rollout_id, seq, attempt, data, created_at) "
+    "VALUES (?, ?, ?, ?, ?) ON CONFLICT (rollout_id, seq) DO NOTHING"
+)
+CHARGE_CHECKPOINT = (
+    "INSERT INTO checkpoint_usage (rollout_id, bytes) VALUES (?, ?) ON CONFLICT (rollout_id) "
+    "DO UPDATE SET bytes = checkpoint_usage.bytes + excluded.bytes RETURNING bytes"
+)
+"""Adds a checkpoint's charge to its rollout's; what the rollout holds now."""
+REFUND_CHECKPOINT = "UPDATE checkpoint_usage SET bytes = bytes - ? WHERE rollout_id = ?"
+DELETE_CHECKPOINT = "DELETE FROM checkpoints WHERE rollout_id = ? AND seq = ?"
+CHECKPOINT_DATA = "SELECT data FROM checkpoints WHERE rollout_id = ? AND seq = ?"
+CHECKPOINTS = "SELECT seq, attempt, data FROM checkpoints WHERE rollout_id = ? ORDER BY seq"
+LATEST_CHECKPOINTS = (
+    "SELECT c.rollout_id, c.seq, c.data FROM checkpoints c WHERE c.rollout_id IN ({marks}) "
+    "AND c.seq = (SELECT max(seq) FROM checkpoints m WHERE m.rollout_id = c.rollout_id)"
+)
+
+# -- hosts ---------------------------------------------------------------------------------
+
+REGISTER_HOST = (
+    "INSERT INTO hosts (id, host_class, capabilities_json, last_heartbeat_at, registered_at, "
+    "state, images_json, drain_by) VALUES (?, ?, ?, ?, ?, 'ready', '[]', '')"
+)
+REREGISTER_HOST = (
+    "UPDATE hosts SET host_class = ?, capabilities_json = ?, last_heartbeat_at = ?, "
+    "state = CASE WHEN drain_by = 'agent' THEN 'ready' ELSE state END, "
+    "drain_deadline = CASE WHEN drain_by = 'agent' THEN NULL ELSE drain_deadline END, "
+    "drain_by = CASE WHEN drain_by = 'agent' THEN '' ELSE drain_by END WHERE id = ?"
+)
+"""A host registering again: its own shutdown's drain ends (back in service)."""
+HOST_BEAT = (
+    "UPDATE hosts SET last_heartbeat_at = ?, images_json = coalesce(?, images_json) WHERE id = ?"
+)
+HOST_FOR_CLAIM = (
+    "SELECT h.capabilities_json, i.revoked_at FROM hosts h "
+    "LEFT JOIN host_identities i ON i.host_id = h.id WHERE h.id = ?"
+)
+HOST_STATE = "SELECT state FROM hosts WHERE id = ?"
+HOST_STATES = "SELECT id, state FROM hosts"
+SET_HOST_STATE = "UPDATE hosts SET state = ?, drain_deadline = ?, drain_by = ? WHERE id = ?"
+AGENT_DRAINS = (
+    "UPDATE hosts SET state = ?, drain_deadline = ?, drain_by = ? "
+    "WHERE id = ? AND state NOT IN (?, ?)"
+)
+HOST_DRAINED = "UPDATE hosts SET state = ?, drain_deadline = NULL WHERE id = ?"
+HOSTS_IN_STATE_FOR_UPDATE = "SELECT id, drain_deadline FROM hosts WHERE state = ? FOR UPDATE"
+HOSTS_FOR_UPDATE = "SELECT id, capabilities_json, state FROM hosts ORDER BY id FOR UPDATE"
+HOSTS_DRAINED_BY = "SELECT id FROM hosts WHERE drain_by = ? ORDER BY id"
+READY_HOSTS_DRAINED_BY = (
+    "UPDATE hosts SET state = ?, drain_deadline = NULL, drain_by = '' WHERE drain_by = ?"
+)
+HOSTS_CAPABILITIES = "SELECT capabilities_json FROM hosts"
+HOSTS_AND_STATES = "SELECT capabilities_json, state FROM hosts"
+HOSTS_OF_CLASS_AND_STATES = "SELECT capabilities_json, state FROM hosts WHERE host_class = ?"
+UNREVOKED_HOSTS_CAPABILITIES = (
+    "SELECT capabilities_json FROM hosts WHERE id NOT IN "
+    "(SELECT host_id FROM host_identities WHERE revoked_at IS NOT NULL) ORDER BY id"
+)
+HOST_TABLE = (
+    "SELECT id, capabilities_json, state, last_heartbeat_at, images_json FROM hosts ORDER BY id"
+)
+
+# -- identity ------------------------------------------------------------------------------
+
+JOIN_TOKEN_COLS = (
+    "id, host_class, labels_json, created_at, expires_at, uses_left, revoked_at, secret_hash"
+)
+INSERT_JOIN_TOKEN = (
+    "INSERT INTO join_tokens (id, secret_hash, host_class, labels_json, created_at, expires_at, "
+    "uses_left) VALUES (?, ?, ?, ?, ?, ?, ?)"
+)
+JOIN_TOKENS = f"SELECT {JOIN_TOKEN_COLS} FROM join_tokens ORDER BY created_at"
+JOIN_TOKEN_FOR_UPDATE = f"SELECT {JOIN_TOKEN_COLS} FROM join_tokens WHERE id = ? FOR UPDATE"
+REVOKE_JOIN_TOKEN = "UPDATE join_tokens SET revoked_at = ? WHERE id = ?"
+SPEND_JOIN_TOKEN = "UPDATE join_tokens SET uses_left = uses_left - 1 WHERE id = ?"
+HOST_IDENTITY_COLS = (
+    "host_id, host_class, labels_json, capabilities_json, token_id, enrolled_at, cert_serial, "
+    "cert_expires_at, revoked_at"
+)
+HOST_IDENTITY = f"SELECT {HOST_IDENTITY_COLS} FROM host_identities WHERE host_id = ?"
+HOST_IDENTITIES = f"SELECT {HOST_IDENTITY_COLS} FROM host_identities ORDER BY host_id"
+HOST_REVOKED_AT = "SELECT revoked_at FROM host_identities WHERE host_id = ?"
+REVOKED_HOSTS = "SELECT host_id FROM host_identities WHERE revoked_at IS NOT NULL"
+INSERT_HOST_IDENTITY = (
+    "INSERT INTO host_identities (host_id, host_class, labels_json, capabilities_json, token_id, "
+    "enrolled_at, cert_serial, cert_expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+)
+UPDATE_HOST_IDENTITY = (
+    "UPDATE host_identities SET host_class = ?, capabilities_json = ?, cert_serial = ?, "
+    "cert_expires_at = ?, labels_json = ? WHERE host_id = ?"
+)
+RENEW_HOST_CERTIFICATE = (
+    "UPDATE host_identities SET cert_serial = ?, cert_expires_at = ? "
+    "WHERE host_id = ? AND revoked_at IS NULL"
+)
+REVOKE_HOST = "UPDATE host_identities SET revoked_at = ? WHERE host_id = ? AND revoked_at IS NULL"
+API_KEY_COLS = "id, tenant, scopes, created_at, expires_at, last_used_at, revoked_at, secret_hash"
+INSERT_API_KEY = (
+    "INSERT INTO api_keys (id, secret_hash, tenant, scopes, created_at, expires_at) "
+    "VALUES (?, ?, ?, ?, ?, ?)"
+)
+API_KEYS = f"SELECT {API_KEY_COLS} FROM api_keys WHERE (? OR tenant = ?) ORDER BY created_at"
+API_KEY = f"SELECT {API_KEY_COLS} FROM api_keys WHERE id = ?"
+API_KEY_USED = "UPDATE api_keys SET last_used_at = ? WHERE id = ?"
+REVOKE_API_KEY = "UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL"
+
+# -- pools ---------------------------------------------------------------------------------
+
+POOL_COLS = (
+    "name, host_class, labels_json, max_running, gates_json, adaptive_json, paused_at, "
+    "paused_why, control_json"
+)
+POOLS = f"SELECT {POOL_COLS} FROM pools ORDER BY name"
+POOL = f"SELECT {POOL_COLS} FROM pools WHERE name = ?"
+POOL_FOR_UPDATE = POOL + " FOR UPDATE"
+POOLS_LIMITING_CLASS_FOR_UPDATE = (
+    f"SELECT {POOL_COLS} FROM pools WHERE host_class = ? "
+    "AND (max_running > 0 OR paused_at IS NOT NULL) ORDER BY name FOR UPDATE"
+)
+"""The pools of a class that may hold a claim back: capped, or paused."""
+POOLS_GOVERNED_FOR_UPDATE = (
+    f"SELECT {POOL_COLS} FROM pools WHERE gates_json <> '{{}}' OR adaptive_json <> '' "
+    "ORDER BY name FOR UPDATE"
+)
+"""The pools with gates or an adaptive cap."""
+INSERT_POOL = (
+    "INSERT INTO pools (host_class, labels_json, max_running, gates_json, adaptive_json, "
+    "control_json, updated_at, name, paused_why) VALUES (?, ?, ?, ?, ?, ?, ?, ?, '')"
+)
+UPDATE_POOL = (
+    "UPDATE pools SET host_class = ?, labels_json = ?, max_running = ?, gates_json = ?, "
+    "adaptive_json = ?, control_json = ?, updated_at = ? WHERE name = ?"
+)
+DELETE_POOL = "DELETE FROM pools WHERE name = ?"
+PAUSE_POOL = "UPDATE pools SET paused_at = ?, paused_why = ? WHERE name = ?"
+RESUME_POOL = "UPDATE pools SET paused_at = NULL, paused_why = '' WHERE name = ?"
+SET_POOL_CAP = "UPDATE pools SET max_running = ?, control_json = ? WHERE name = ?"
+INSERT_POOL_EVENT = (
+    "INSERT INTO pool_events (pool, at, kind, cap, message, figures_json) VALUES (?, ?, ?, ?, ?, ?)"
+)
+POOL_EVENTS_SINCE = (
+    "SELECT seq, pool, at, kind, cap, message, figures_json FROM pool_events "
+    "WHERE at >= ? AND (? OR pool = ?) ORDER BY seq DESC LIMIT ?"
+)
+
+# -- settings ------------------------------------------------------------------------------
+
+SETTING = "SELECT value_json FROM settings WHERE key = ?"
+SETTING_FOR_UPDATE = SETTING + " FOR UPDATE"
+INSERT_SETTING = "INSERT INTO settings (key, value_json, updated_at) VALUES (?, ?, ?)"
+DELETE_SETTING = "DELETE FROM settings WHERE key = ?"
+
+# -- retention -----------------------------------------------------------------------------
+
+FINISHED_BEFORE = (
+    "SELECT id FROM rollouts WHERE finished_at IS NOT NULL AND finished_at < ? "
+    "ORDER BY finished_at LIMIT ?"
+)
+PURGE_ROLLOUTS = (
+    "DELETE FROM attempts WHERE work_id IN "
+    "(SELECT id FROM work_items WHERE rollout_id IN ({marks}))",
+    "DELETE FROM work_items WHERE rollout_id IN ({marks})",
+    *(
+        f"DELETE FROM {table} WHERE rollout_id IN ({{marks}})"
+        for table in ("events", "rollout_labels", "egress_events", "checkpoints",
+                      "checkpoint_usage")
+    ),
+    "DELETE FROM rollouts WHERE id IN ({marks})",
+)  # fmt: skip
+"""Everything of these rollouts, in an order their references allow."""
+PURGE_MANIFESTS = "DELETE FROM manifests WHERE digest NOT IN (SELECT manifest_digest FROM rollouts)"
+PURGE_ARTIFACTS = (
+    "DELETE FROM artifacts WHERE created_at < ? AND NOT EXISTS (SELECT 1 FROM rollouts r "
+    "WHERE r.results_json LIKE '%' || artifacts.digest || '%')"
+)
+"""Step output older than a time that no remaining rollout's results name."""
