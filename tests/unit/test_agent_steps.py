@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fleet.agent.agent import with_warm_up
+from fleet.agent.attempt import with_warm_up
 from fleet.core.manifest import Step
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fleet.agent.agent import parent_key, warm_plan
+from fleet.agent.attempt import parent_key, warm_plan
 from fleet.core.errors import InvalidArgument
 from fleet.core.manifest import Step
 from fleet.core.smolfile import parse_smolfile
