@@ -6,7 +6,9 @@ Real torch, the shipped weights, a real in-process gRPC server (the fixtures of 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -23,6 +25,26 @@ from fleet.core.tokens import issue
 from gateway.batcher import BatchConfig
 from gateway.client import InferStreamClient
 from tests.integration.test_gateway import SECRET, Client, gateway, observations, reference
+
+
+class Device:
+    """A device the test holds: a batch waits in the hook (run off the event loop, as the
+    inline runner runs it) while the gate is shut; `until` waits, on the loop, for a state."""
+
+    def __init__(self, *, shut: bool = True) -> None:
+        self.gate = threading.Event()
+        if not shut:
+            self.gate.set()
+
+    def hook(self) -> None:
+        assert self.gate.wait(30), "the test never opened the device's gate"
+
+    @staticmethod
+    async def until(what: str, done: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + 30
+        while not done():
+            assert time.monotonic() < deadline, f"never: {what}"
+            await asyncio.sleep(0.01)
 
 
 async def exchange(
@@ -108,16 +130,22 @@ async def test_refusals_are_answered_in_band_and_the_stream_goes_on() -> None:
 
 
 async def test_a_request_id_already_outstanding_is_refused() -> None:
-    def slow() -> None:
-        time.sleep(0.3)
-
+    device = Device()
     sample = observations(1)[0]
 
-    async with gateway(fault=slow, engine="inline") as c:
+    async with gateway(fault=device.hook, engine="inline") as c:
         first = c.request("r-1", "k-1", sample)
         second = c.request("r-1", "k-2", sample)
         second.request_id = "k-1"
-        responses = await exchange(c, [first, second])
+        call = c.stub.InferStream()
+        await call.write(first)
+        await Device.until("the first admitted", lambda: c.gateway.batcher.outstanding > 0)
+        await call.write(second)
+        await call.done_writing()
+        responses = [await call.read()]  # the refusal, while the first is on the device
+        device.gate.set()
+        while (response := await call.read()) != grpc.aio.EOF:
+            responses.append(response)
 
     assert [(r.request_id, r.WhichOneof("result")) for r in responses] == [
         ("k-1", "error"), ("k-1", "answer"),
@@ -126,15 +154,20 @@ async def test_a_request_id_already_outstanding_is_refused() -> None:
 
 
 async def test_a_full_queue_refuses_on_the_stream_with_a_retry_hint_and_loses_nothing() -> None:
-    def slow() -> None:
-        time.sleep(0.3)
-
+    device = Device()  # held until every request was admitted or refused
     config = BatchConfig(max_batch=2, max_wait_ms=1, max_queue=4)
-    async with gateway(fault=slow, batch=config, engine="inline") as c:
+    async with gateway(fault=device.hook, batch=config, engine="inline") as c:
         requests = [c.request(f"r-{i}", "k", s) for i, s in enumerate(observations(12))]
         for i, request in enumerate(requests):
             request.request_id = f"call-{i}"
-        responses = await exchange(c, requests)
+        exchanged = asyncio.ensure_future(exchange(c, requests))
+        batcher = c.gateway.batcher
+        await Device.until(
+            "every request admitted or refused",
+            lambda: batcher.outstanding + batcher.metrics.refused_full == 12,
+        )
+        device.gate.set()
+        responses = await exchanged
 
     refused = [r for r in responses if r.WhichOneof("result") == "error"]
     answered = [r for r in responses if r.WhichOneof("result") == "answer"]
@@ -184,18 +217,17 @@ async def test_a_caller_that_goes_away_leaves_the_gateway_serving_others() -> No
     """A stream cancelled with requests outstanding: the gateway drops them quietly (their
     answers are kept for a retry) and goes on answering other callers."""
 
-    def slow() -> None:
-        time.sleep(0.2)
-
+    device = Device()
     samples = observations(4)
 
-    async with gateway(fault=slow, engine="inline") as c:
+    async with gateway(fault=device.hook, engine="inline") as c:
         call = c.stub.InferStream()
         for i, s in enumerate(samples):
             await call.write(c.request("r-gone", f"k{i}", s))
-        await asyncio.sleep(0.05)
+        await Device.until("all four admitted", lambda: c.gateway.batcher.outstanding == 4)
         during = c.gateway.metrics_text()
         call.cancel()
+        device.gate.set()
         after = await c.infer("r-2", "k", samples[0])
         retried = await c.infer("r-gone", "k3", samples[3])
         later = c.gateway.metrics_text()
@@ -230,14 +262,12 @@ async def test_the_client_shares_one_stream_among_many_concurrent_calls() -> Non
 
 
 async def test_the_client_raises_what_the_gateway_refused_with_and_goes_on() -> None:
-    def slow() -> None:
-        time.sleep(0.2)
-
+    device = Device(shut=False)
     sample = observations(1)[0]
 
     config = BatchConfig(max_batch=1, max_wait_ms=1, max_queue=1)
     async with (
-        gateway(fault=slow, batch=config, engine="inline") as c,
+        gateway(fault=device.hook, batch=config, engine="inline") as c,
         InferStreamClient(c.stub) as client,
     ):
         other = issue(SECRET, "r-other", time.time() + 60)
@@ -249,12 +279,18 @@ async def test_the_client_raises_what_the_gateway_refused_with_and_goes_on() -> 
                 await client.infer(request)
             except FleetError as exc:
                 local.append(exc)
-        results = await asyncio.gather(
-            client.infer(c.request("r-1", "k-denied", sample, token=other)),
-            *(client.infer(c.request(f"r-{i}", f"k-{i}", sample)) for i in range(2, 8)),
-            return_exceptions=True,
+        device.gate.clear()  # held until all seven calls were refused or admitted
+        calls = [
+            asyncio.ensure_future(client.infer(c.request("r-1", "k-denied", sample, token=other))),
+            *(asyncio.ensure_future(client.infer(c.request(f"r-{i}", f"k-{i}", sample)))
+              for i in range(2, 8)),
+        ]  # fmt: skip
+        await Device.until(
+            "every call refused or admitted",
+            lambda: sum(f.done() for f in calls) + c.gateway.batcher.outstanding == 7,
         )
-        results = list(results)
+        device.gate.set()
+        results = list(await asyncio.gather(*calls, return_exceptions=True))
 
     assert isinstance(local[0], InvalidArgument) and "request_id is empty" in local[0].message
     assert len(local) == 1  # the second call was answered
@@ -269,23 +305,22 @@ async def test_calls_waiting_on_a_broken_stream_raise_unavailable_and_resume_on_
     """The channel closes under two waiting calls: both raise Unavailable; the same requests
     on a new stream get the answers the gateway stored meanwhile (replayed), not new ones."""
 
-    def slow() -> None:
-        time.sleep(0.3)
-
+    device = Device()
     samples = observations(2)
 
-    async with gateway(fault=slow, engine="inline") as c:
+    async with gateway(fault=device.hook, engine="inline") as c:
         requests = [c.request("r-1", f"k{i}", s) for i, s in enumerate(samples)]
         channel = grpc.aio.insecure_channel(c.address)
         client = InferStreamClient(inference_pb2_grpc.InferenceServiceStub(channel))
         await client.__aenter__()
         calls = [asyncio.create_task(client.infer(r)) for r in requests]
-        await asyncio.sleep(0.05)
+        await Device.until("both admitted", lambda: c.gateway.batcher.outstanding == 2)
         await channel.close()
         broken = await asyncio.gather(*calls, return_exceptions=True)
         with pytest.raises(Unavailable, match="open a new stream"):
             await client.infer(c.request("r-1", "k-late", samples[0]))
-        await asyncio.sleep(0.7)  # the batches run to the end and their answers are stored
+        device.gate.set()  # the batches run to the end and their answers are stored
+        await Device.until("both answered", lambda: c.gateway.batcher.metrics.served == 2)
         async with InferStreamClient(c.stub) as again:
             resumed = [await again.infer(r) for r in requests]
         broken = list(broken)
