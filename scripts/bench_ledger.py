@@ -9,6 +9,7 @@ import logging
 import multiprocessing as mp
 import os
 import pstats
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -33,6 +34,7 @@ from fleet.core.manifest import (  # noqa: E402
 )
 from fleet.core.placement import HostCapabilities, HostClass, Isolation, RuntimeKind  # noqa: E402
 from fleet.core.rollout import Completion, StepResult  # noqa: E402
+from fleet.ledger import queries as Q  # noqa: E402
 from fleet.ledger.store import Ledger  # noqa: E402
 from tests.pgserver import create_database, postgres_server  # noqa: E402
 
@@ -96,6 +98,40 @@ def enqueue(target: str, n: int, prefix: str, batch: int) -> float:
             ledger.submit_many(items[start : start + batch], time.time())
     rate = n / (time.perf_counter() - t)
     ledger.engine.dispose()
+    return rate
+
+
+def enqueue_floor(path: str, n: int, batch: int) -> float:
+    """SQLite's own cost of what a batched enqueue writes: the same statements and rows (a
+    rollout, its work item, its event; one manifest), built before the clock starts and written
+    by executemany, `batch` rows per durable commit, on the ledger's schema and pragmas. No
+    fleet code runs: this bounds what any fleet code can reach."""
+    Ledger.open(path).engine.dispose()  # the schema
+    connection = sqlite3.connect(path, isolation_level=None)
+    for pragma in ("journal_mode=WAL", "synchronous=FULL", "foreign_keys=ON"):
+        connection.execute(f"PRAGMA {pragma}")
+    _, manifest = request(0, "floor")
+    now = time.time()
+    digest, deadline = manifest.digest, manifest.deadline.timestamp()
+    rollouts = [(f"r-{i:016x}", f"floor-{i}", f"{i:064x}", digest, "default", "{}", "QUEUED", 0,
+                 now, now) for i in range(n)]  # fmt: skip
+    items = [(f"w-{i:016x}", f"r-{i:016x}", "default", "QUEUED", "cpu", False, False, False, 0, 3,
+              now, deadline, False, "") for i in range(n)]  # fmt: skip
+    events = [(f"r-{i:016x}", "submitted", "", "QUEUED", "tenant:default", now,
+               f"manifest {digest[:19]}, 1 steps, cpu-class", 0) for i in range(n)]  # fmt: skip
+    cursor = connection.cursor()
+    t = time.perf_counter()
+    cursor.execute("BEGIN IMMEDIATE")
+    cursor.execute(Q.INSERT_MANIFEST, (digest, manifest.model_dump_json(), now))
+    cursor.execute("COMMIT")
+    for start in range(0, n, batch):
+        cursor.execute("BEGIN IMMEDIATE")
+        cursor.executemany(Q.INSERT_ROLLOUT, rollouts[start : start + batch])
+        cursor.executemany(Q.INSERT_WORK_ITEM, items[start : start + batch])
+        cursor.executemany(Q.INSERT_EVENT, events[start : start + batch])
+        cursor.execute("COMMIT")
+    rate = n / (time.perf_counter() - t)
+    connection.close()
     return rate
 
 
@@ -355,6 +391,9 @@ def main() -> int:
         results["postgres_jobs_s"] = drain(create_database(server), jobs_n)
         results["enqueue_one_s"] = enqueue(str(Path(tmp) / "e1.sqlite3"), enqueue_n, "one", 1)
         results["enqueue_batch_s"] = enqueue(str(Path(tmp) / "eb.sqlite3"), enqueue_n * 5, "b", 500)
+        results["enqueue_floor_s"] = enqueue_floor(
+            str(Path(tmp) / "ef.sqlite3"), enqueue_n * 5, 500
+        )
         pg_one = enqueue(create_database(server), enqueue_n, "pone", 1)
         pg_batch = enqueue(create_database(server), enqueue_n * 5, "pb", 500)
         b_one, b_batch, b_jobs = baseline(create_database(server), base_n)
@@ -381,6 +420,9 @@ def main() -> int:
         print(
             f"{name:<44}{lite:>14.0f}{pg:>12.0f}{base:>15.0f}{lite / base:>13.1f}x{pg / base:>9.1f}x"
         )
+    floor = results["enqueue_floor_s"]
+    print(f"{'  SQLite alone, the same rows (floor)':<44}{floor:>14.0f}"
+          f"{'':>27}{results['enqueue_batch_s'] / floor:>13.2f}x of it")  # fmt: skip
     print(f"(jobs: {jobs_n} fleet, {2 * base_n} procrastinate; SQLite synchronous=FULL, "
           "PostgreSQL synchronous_commit=on; same machine, one run)")  # fmt: skip
     print()
