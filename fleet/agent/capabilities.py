@@ -13,7 +13,7 @@ from fleet.core.placement import HostCapabilities, HostClass, Isolation, Runtime
 from fleet.image.store import ImageStore
 from fleet.runtime import smol as smol_runtime
 from fleet.runtime.disk import DEFAULT_DISK_GIB
-from fleet.runtime.namespace import missing_tools
+from fleet.runtime.namespace_machine import missing_tools
 from fleet.runtime.netns import NetConfig
 from fleet.runtime.warm import WarmNamespaceRuntime
 

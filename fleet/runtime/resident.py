@@ -34,7 +34,7 @@ from fleet.runtime import users
 from fleet.runtime.output import OutputSink
 
 if TYPE_CHECKING:
-    from fleet.runtime.namespace import NamespaceMachine
+    from fleet.runtime.namespace_machine import NamespaceMachine
 
 log = structlog.get_logger(__name__)
 

@@ -29,12 +29,8 @@ import structlog
 from fleet.core.errors import Internal, InvalidArgument, Unavailable
 from fleet.runtime import cgroups, seccomp
 from fleet.runtime.base import Machine, MachineSpec, machine_env
-from fleet.runtime.namespace import (
-    LAUNCH_ENV,
-    SOCKET_LINKS,
-    NamespaceMachine,
-    NamespaceRuntime,
-)
+from fleet.runtime.namespace import SOCKET_LINKS, NamespaceRuntime
+from fleet.runtime.namespace_machine import LAUNCH_ENV, NamespaceMachine
 from fleet.runtime.warm_child import (
     WarmChild,
     fitted_limit,

@@ -18,7 +18,8 @@ import pytest
 from fleet.core.errors import NotFound
 from fleet.core.smolfile import parse_smolfile
 from fleet.runtime.base import MachineSpec
-from fleet.runtime.namespace import NamespaceMachine, NamespaceRuntime
+from fleet.runtime.namespace import NamespaceRuntime
+from fleet.runtime.namespace_machine import NamespaceMachine
 from fleet.runtime.netns import NetConfig
 from tests.networld import GATEWAY, NetWorld, networld
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from fleet.core.smolfile import parse_smolfile
 from fleet.runtime.base import ExecResult, MachineSpec
-from fleet.runtime.namespace import NamespaceMachine, NamespaceRuntime
+from fleet.runtime.namespace import NamespaceRuntime
+from fleet.runtime.namespace_machine import NamespaceMachine
 
 
 def _caps_mask() -> int:

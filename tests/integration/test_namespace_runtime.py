@@ -12,7 +12,8 @@ import pytest
 from fleet.core.errors import InvalidArgument
 from fleet.core.smolfile import parse_smolfile
 from fleet.runtime.base import MachineSpec
-from fleet.runtime.namespace import NamespaceMachine, NamespaceRuntime
+from fleet.runtime.namespace import NamespaceRuntime
+from fleet.runtime.namespace_machine import NamespaceMachine
 
 CONNECT = """
 import socket, sys
