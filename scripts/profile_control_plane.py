@@ -10,6 +10,9 @@ CPU they cost (measured without the profiler) is split by who spent it:
 - machines: the warm parent and its children (the `fleet` cgroup's account);
 - the rest of the machine's busy time (the kernel's own work, other processes).
 
+The floor beside it: the same machines with no control plane, a child of the same warm parent
+made, running the same step and deleted, one after another, through the runtime alone.
+
 Then a second wave under cProfile: the event loop thread's functions by own CPU time, grouped
 by module, per rollout.
 """
@@ -119,6 +122,7 @@ async def run(rollouts: int, slots: int, profile: cProfile.Profile) -> dict[str,
             elapsed = time.perf_counter() - started
             after = (*own_cpu_s(), all_machines_cpu_seconds(), busy_cpu_s())
             threads_after = threads_cpu_s()
+            floor = await machines_alone(fleet.agents[0], rollouts)
             profile.enable()
             done = await wave(stub, rollouts)  # profiled
             profile.disable()
@@ -133,8 +137,27 @@ async def run(rollouts: int, slots: int, profile: cProfile.Profile) -> dict[str,
     return {"rollouts": rollouts, "elapsed_s": elapsed, "rollouts_per_s": rollouts / elapsed,
             "cpu_ms": {"process": process, "tools": tools, "machines": machines, "rest": rest,
                        "total": busy},
+            "floor_ms": floor,
             "threads_ms": {name: (threads_after[name] - threads_before.get(name, 0.0)) * per
                            for name in threads_after}}  # fmt: skip
+
+
+async def machines_alone(agent: Any, n: int) -> dict[str, float]:
+    """CPU ms per machine of `n` children of the agent's warm parent, each made, running the
+    step and deleted through the runtime alone: (this process, machines, total busy)."""
+    from fleet.runtime.cgroups import all_machines_cpu_seconds
+
+    [parent] = agent.parents()
+    before = (own_cpu_s()[0], all_machines_cpu_seconds() or 0.0, busy_cpu_s())
+    for i in range(n):
+        child = await parent.branch(f"floor-{uuid.uuid4().hex[:8]}-{i}")
+        result = await child.exec(["python3", "-c", NOOP], timeout_s=60)
+        await child.delete()
+        if result.exit_code != 0:
+            raise RuntimeError(f"the floor's step failed: {result.stderr[-300:]!r}")
+    after = (own_cpu_s()[0], all_machines_cpu_seconds() or 0.0, busy_cpu_s())
+    process, machines, busy = ((b - a) * 1000 / n for a, b in zip(before, after, strict=True))
+    return {"process": process, "machines": machines, "total": busy}
 
 
 def by_module(profile: cProfile.Profile, rollouts: int) -> list[tuple[str, float]]:
@@ -173,6 +196,11 @@ def main() -> int:
     for name in ("process", "tools", "machines", "rest", "total"):
         value = cpu[name]
         print(f"  {name:<10}{'n/a' if value is None else f'{value:8.2f}'}")
+    floor = result["floor_ms"]
+    print(f"the floor: the same machines alone (a warm child made, its step run, deleted; no "
+          f"server, agent or ledger): {floor['total']:.2f} CPU ms each (machines "
+          f"{floor['machines']:.2f}, this process {floor['process']:.2f}); the control plane's "
+          f"own share {cpu['total'] - floor['total']:.2f} ms per rollout")  # fmt: skip
     print(
         "this process's CPU ms per rollout, by thread (live threads; those that ended are missing):"
     )

@@ -427,6 +427,10 @@ class Agent:
                           carries_memory=parent.carries_memory)  # fmt: skip
             return parent
 
+    def parents(self) -> list[Parent]:
+        """The warm parents this agent keeps now."""
+        return list(self._parents.values())
+
     def _parent_images(self) -> set[str]:
         return {p.spec.image_digest for p in self._parents.values()}
 
