@@ -53,6 +53,8 @@ def _start(netns: str, argv: list[str]) -> subprocess.Popen[str]:
     line = proc.stdout.readline()
     if line.strip() != "ready":
         proc.kill()
+        proc.wait(timeout=10)
+        proc.stdout.close()
         raise RuntimeError(f"test host in {netns} did not start: {line!r}")
     return proc
 
@@ -87,5 +89,7 @@ def networld() -> Iterator[NetWorld]:
             with suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
+            if proc.stdout is not None:
+                proc.stdout.close()
         for ns in (up, net):
             subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=30)

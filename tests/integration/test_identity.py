@@ -77,7 +77,7 @@ async def test_api_keys_are_required_and_checked(tmp_path: Path, images: ImageSt
         async with h.connect(wrong) as ch:
             e = await refusal(fleet_pb2_grpc.FleetServiceStub(ch).GetRollout(get))
             assert e.code() == grpc.StatusCode.UNAUTHENTICATED
-            assert "wrong secret" in e.details() and wrong.split("_")[2] not in e.details()
+            assert "wrong secret" in e.details() and wrong.split("_", 2)[2] not in e.details()
         unknown = "flt_000000000000_" + "A" * 43
         async with h.connect(unknown) as ch:
             e = await refusal(fleet_pb2_grpc.FleetServiceStub(ch).GetRollout(get))
