@@ -286,6 +286,34 @@ def test_the_revisions_build_exactly_the_tables_fleet_defines(ledger_target: str
     ledger.engine.dispose()
 
 
+def test_legacy_steps_create_the_tables_the_baseline_does(tmp_path: Path) -> None:
+    """A database from before the baseline gets some tables whole from today's definitions, then
+    is stamped 0014: those tables must be the baseline's, or the revisions after it would
+    upgrade a table that is not what they expect."""
+    from alembic import command
+    from alembic.autogenerate import compare_metadata
+    from alembic.runtime.migration import MigrationContext
+    from sqlalchemy import MetaData, create_engine
+    from sqlmodel import SQLModel
+
+    from fleet.ledger.migrations import LEGACY_TABLES
+
+    engine = create_engine(f"sqlite:///{tmp_path / 'baseline.sqlite3'}")
+    legacy = MetaData()
+    for name in sorted(LEGACY_TABLES):
+        SQLModel.metadata.tables[name].to_metadata(legacy)
+
+    def only_legacy(obj: object, name: str | None, type_: str, *rest: object) -> bool:
+        table = getattr(obj, "table", obj)
+        return getattr(table, "name", name) in LEGACY_TABLES
+
+    with engine.begin() as conn:
+        command.upgrade(alembic_config(conn), BASELINE)
+        opts = {"compare_type": True, "include_object": only_legacy}
+        assert compare_metadata(MigrationContext.configure(conn, opts=opts), legacy) == []
+    engine.dispose()
+
+
 def test_a_claim_reads_queued_work_in_lease_order_without_sorting(ledger_target: str) -> None:
     """ix_work_items_claim (written by hand: alembic cannot compare it) holds queued items in
     the order claims lease them, so a claim reads the first few instead of sorting them all."""
