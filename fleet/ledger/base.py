@@ -188,6 +188,9 @@ class LedgerBase:
         except BaseException:
             engine.dispose()  # (refused, e.g. a newer schema: its connection is not kept open)
             raise
+        # A ledger dropped without engine.dispose() closes its pooled connections as it goes,
+        # rather than leaving the driver to find them open.
+        weakref.finalize(self, engine.dispose)
 
     @classmethod
     def sqlite(cls, path: Path) -> Self:

@@ -197,7 +197,7 @@ class NamespaceParent:
             creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
             pid = struct.unpack("3i", creds)[0]
         finally:
-            writer.close()
+            await _closed(writer)
         depth = len(await asyncio.to_thread(ns_pids, pid))
         if depth == 0:
             raise Unavailable(f"warm parent {self.machine.name}: its fork server is gone")
@@ -224,7 +224,7 @@ class NamespaceParent:
                 writer.write((json.dumps(request) + "\n").encode())
                 return dict(json.loads(await reader.readline()))
             finally:
-                writer.close()
+                await _closed(writer)
         async with self._lock:
             try:
                 if self._conn is None:
@@ -234,7 +234,8 @@ class NamespaceParent:
                 line = await reader.readline()
             except OSError:
                 line = b""
-            if not line:
+            if not line and self._conn is not None:
+                await _closed(self._conn[1])
                 self._conn = None  # the next call connects afresh
         if not line:
             raise Unavailable(f"warm parent {self.machine.name}: its fork server is gone")
@@ -314,9 +315,14 @@ class NamespaceParent:
                      wanted_mib=limit >> 20, error=str(exc))  # fmt: skip
 
     def _kill(self) -> None:
+        """Kills the fork server; the connection to it goes too (its transport closes on the
+        loop's next turn)."""
         if self._proc is not None and self._proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self._proc.pid, signal.SIGKILL)
+        if self._conn is not None:
+            self._conn[1].close()
+            self._conn = None
 
     async def delete(self) -> None:
         for task in self._refills:
@@ -326,7 +332,8 @@ class NamespaceParent:
         for child in list(self.children):  # children go before their parent
             await child.delete()
         if self._conn is not None:
-            self._conn[1].close()
+            await _closed(self._conn[1])
+            self._conn = None
         self._kill()
         if self._proc is not None:
             await self._proc.wait()
@@ -352,3 +359,11 @@ class WarmNamespaceRuntime(NamespaceRuntime):
             await machine.delete()
             raise
         return await NamespaceParent.create(self, machine, warmup, pool_size=pool_size)
+
+
+async def _closed(writer: asyncio.StreamWriter) -> None:
+    """Closes a connection to the fork server and waits until it is (a transport left to close
+    after its loop ends leaks its socket)."""
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()

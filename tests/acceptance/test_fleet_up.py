@@ -19,26 +19,25 @@ from tests.conftest import REPO, SMOLFILES
 @pytest.fixture
 def fleet_up(tmp_path: Path):  # type: ignore[no-untyped-def]
     port = free_port()
-    proc = subprocess.Popen(
-        [*FLEET, "up", "--listen", f"127.0.0.1:{port}", "--db", str(tmp_path / "ledger.sqlite3")],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if "fleet up:" not in line:
-        proc.kill()
-        pytest.fail(f"fleet up did not start: {line}{proc.stderr.read() if proc.stderr else ''}")
-    yield f"127.0.0.1:{port}", line
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    assert proc.returncode == 0
+    argv = [*FLEET, "up", "--listen", f"127.0.0.1:{port}", "--db", str(tmp_path / "ledger.sqlite3")]
+    log = tmp_path / "fleet-up.log"  # (a pipe nobody reads could fill and stall it)
+    with (
+        log.open("w") as err,
+        subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True) as proc,
+    ):
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if "fleet up:" not in line:
+            proc.kill()
+            pytest.fail(f"fleet up did not start: {line}{log.read_text()}")
+        yield f"127.0.0.1:{port}", line
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, log.read_text()[-2000:]
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

@@ -615,10 +615,9 @@ def test_the_engine_ends_when_its_gateway_is_killed() -> None:
         "sys.stdin.read()\n"
     )
     root = Path(__file__).resolve().parents[2]
-    proc = subprocess.Popen(
+    with subprocess.Popen(
         [sys.executable, "-c", script], cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE
-    )
-    try:
+    ) as proc:  # (its pipes closed at the end)
         assert proc.stdout is not None
         line = b""
         while not line.startswith(b"engine-pid "):  # (the gateway's log lines come first)
@@ -632,10 +631,6 @@ def test_the_engine_ends_when_its_gateway_is_killed() -> None:
         while not _ended(engine):
             assert time.monotonic() < deadline, f"engine {engine} outlived its gateway"
             time.sleep(0.05)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
 
 
 def _ended(pid: int) -> bool:
