@@ -215,8 +215,10 @@ class Leases(LedgerBase):
             beat = (now, json.dumps(sorted(images)) if images is not None else None, host_id)
             if not db.run(Q.HOST_BEAT, beat):
                 raise FailedPrecondition(f"host {host_id!r} is not registered")
-            found = [(db.one(Q.ITEM_FOR_UPDATE, (w,)), w, t) for w, t in leases]
-            items = [(Item(*row) if row else None, w, t) for row, w, t in found]
+            ids = sorted({w for w, _ in leases})
+            rows = db.all(Q.ITEMS_FOR_UPDATE, ids, n=len(ids)) if ids else []
+            held = {row[0]: Item(*row) for row in rows}  # (one read, locked in id order)
+            items = [(held.get(w), w, t) for w, t in leases]
             stale = [
                 w
                 for item, w, t in items
