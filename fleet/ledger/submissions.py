@@ -4,7 +4,6 @@ cancels."""
 from __future__ import annotations
 
 import json
-import uuid
 from datetime import UTC, datetime
 from typing import Any
 
@@ -21,7 +20,7 @@ from fleet.core.rollout import (
     Rollout,
 )
 from fleet.ledger import queries as Q
-from fleet.ledger.base import UNIQUE_CLASH, LedgerBase, as_datetime
+from fleet.ledger.base import UNIQUE_CLASH, LedgerBase, as_datetime, new_id
 from fleet.ledger.raw import DONE, LEASED, QUEUED, Raw
 from fleet.ledger.records import Item
 
@@ -143,7 +142,7 @@ class Submissions(LedgerBase):
                 active[request.tenant] = count + 1
             digest = manifest.digest
             manifests[digest] = manifest
-            rollout_id = "r-" + uuid.uuid4().hex[:16]
+            rollout_id = new_id("r-")
             known[key] = (rollout_id, fingerprint)
             rollouts.append(
                 (rollout_id, key, fingerprint, digest, request.tenant,
@@ -151,7 +150,7 @@ class Submissions(LedgerBase):
             )  # fmt: skip
             labels += [(rollout_id, k, v) for k, v in request.labels.items()]
             items.append(
-                ("w-" + uuid.uuid4().hex[:16], rollout_id, request.tenant, QUEUED,
+                (new_id("w-"), rollout_id, request.tenant, QUEUED,
                  manifest.host_class.value,
                  manifest.requirements.isolation == Isolation.VM,
                  manifest.requirements.cuda_device, manifest.requirements.inference,
