@@ -11,8 +11,9 @@ from pathlib import Path
 
 import grpc
 
-from fleet.agent.agent import Agent, AgentConfig, default_host_id
+from fleet.agent.agent import Agent, default_host_id
 from fleet.agent.capabilities import RuntimeChoice, capabilities, choose_runtime
+from fleet.agent.config import AgentConfig
 from fleet.cli.client import ClientAuth
 from fleet.config import Paths
 from fleet.core.credentials import format_join_token

@@ -30,8 +30,9 @@ sys.path.insert(0, str(REPO))
 
 import structlog  # noqa: E402
 
-from fleet.agent.agent import Agent, AgentConfig  # noqa: E402
+from fleet.agent.agent import Agent  # noqa: E402
 from fleet.agent.capabilities import RuntimeChoice  # noqa: E402
+from fleet.agent.config import AgentConfig  # noqa: E402
 from fleet.client import Fleet  # noqa: E402
 from fleet.config import Paths  # noqa: E402
 from fleet.core.placement import HostClass, RuntimeKind  # noqa: E402

@@ -8,8 +8,6 @@ import socket
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -19,24 +17,20 @@ import fleet
 from fleet._proto.fleet.v1 import host_pb2, host_pb2_grpc
 from fleet.agent import journal
 from fleet.agent.attempt import INIT_TIMEOUT_S, Attempt, Running, parent_key
-from fleet.agent.capabilities import RuntimeChoice, capabilities, make_runtime
+from fleet.agent.capabilities import capabilities, make_runtime
 from fleet.agent.checkpoints import RETRYABLE, CheckpointSender
+from fleet.agent.config import AgentConfig
 from fleet.agent.images import ImageCache
 from fleet.agent.journal import AttemptJournal
 from fleet.agent.link import Link
 from fleet.agent.sessions import SessionHost
-from fleet.agent.settings import DEFAULT_DRAIN_S, DEFAULT_SLOTS
 from fleet.core.errors import (
     FailedPrecondition,
     Unauthenticated,
 )
 from fleet.core.placement import HostCapabilities, HostClass
 from fleet.core.rollout import Assignment, Completion
-from fleet.identity.tls import HostFiles, HostIdentityMaterial
-from fleet.image.store import ImageStore
 from fleet.runtime.base import Leftover, Machine, MachineSpec, Parent, Runtime
-from fleet.runtime.disk import DEFAULT_DISK_GIB
-from fleet.runtime.netns import NetConfig
 from fleet.server import convert
 
 log = structlog.get_logger(__name__)
@@ -46,47 +40,6 @@ IMAGES_REREAD_S = 10.0
 MAX_IMAGES_REPORTED = 256
 REFUSED = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
 R = TypeVar("R")
-
-
-@dataclass
-class AgentConfig:
-    """One agent's settings."""
-
-    server: str
-    """host:port of a fleet server."""
-    host_id: str
-    """Stable name of this host in the fleet."""
-    host_class: HostClass
-    runtime: RuntimeChoice
-    """The runtime preflight chose, and why."""
-    machines_dir: Path
-    images: ImageStore
-    slots: int = DEFAULT_SLOTS
-    """Work items run at once."""
-    claim_wait_s: float = 5.0
-    """Long-poll wait per ClaimWork call."""
-    net: NetConfig | None = None
-    """Where machine links end and which resolver the DNS forwarder asks (namespace runtime)."""
-    gateway: tuple[str, int] | None = None
-    """The inference gateway's HTTP endpoint as machines reach it ("host": this host)."""
-    identity: HostIdentityMaterial | None = None
-    """This host's certificate and the CA, for a server with TLS (None: a server without)."""
-    identity_files: HostFiles | None = None
-    """Where the identity lives, rewritten at renewal."""
-    gateway_ca: bytes = b""
-    """The fleet CA, when the gateway's HTTP endpoint serves TLS ("https://" given): machines
-    and the warm children's splice verify it against this."""
-    registry_ca: bytes = b""
-    """A CA the image registry's certificate chains to, besides the system's and the fleet's."""
-    image_cache_gib: float | None = None
-    """Bound on the images fetched from the server kept here (None: no bound)."""
-    default_disk_gib: int | None = DEFAULT_DISK_GIB
-    """A namespace machine's writable layer where its Smolfile bounds none (None: unbounded)."""
-    labels: dict[str, str] = field(default_factory=dict)
-    """What pools select this host by (an enrolled host's come from its join token)."""
-    drain_deadline_s: float = DEFAULT_DRAIN_S
-    """On stopping (SIGTERM), how long running work may go on; the host takes no new work
-    meanwhile, and what still runs after it is released for retry elsewhere."""
 
 
 class Agent:
@@ -119,10 +72,10 @@ class Agent:
         self.journal_dir = config.machines_dir.parent / "journal" / config.host_id
         self.sessions = SessionHost(config.host_id)
         self._drain_until = 0.0
+        """When this agent's drain ends (0: it is not draining)."""
         self._images_read_at = -IMAGES_REREAD_S
         self._images_reported: list[str] | None = None
         """What the last beat that carried images said (None: say them on the next)."""
-        """When this agent's drain ends (0: it is not draining)."""
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serves until `stop` is set; running work is finished first."""

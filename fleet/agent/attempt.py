@@ -8,12 +8,12 @@ import hashlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import structlog
 
 from fleet._proto.fleet.v1 import host_pb2
 from fleet.agent.checkpoints import RELAY_ADDRESS, CheckpointRelay
+from fleet.agent.config import AttemptHost
 from fleet.agent.files import (
     InputPlacementFailed,
     StepLog,
@@ -34,12 +34,15 @@ from fleet.core.smolfile import Smolfile
 from fleet.identity.tls import client_ssl_context
 from fleet.image import oci
 from fleet.runtime import disk
-from fleet.runtime.base import ExecResult, Leftover, Machine, MachineSpec, resolve_secrets
+from fleet.runtime.base import (
+    ExecResult,
+    Leftover,
+    Machine,
+    MachineSpec,
+    resolve_secrets,
+)
 from fleet.runtime.cgroups import DEFAULT_PIDS_MAX
 from fleet.server.convert import MAX_EGRESS_EVENTS
-
-if TYPE_CHECKING:
-    from fleet.agent.agent import Agent
 
 INIT_TIMEOUT_S = 300.0
 
@@ -79,7 +82,7 @@ class Finished(Exception):
 class Attempt:
     """Runs one attempt (see the module docstring); `execute` is all of it."""
 
-    def __init__(self, agent: Agent, running: Running, log: structlog.BoundLogger) -> None:
+    def __init__(self, agent: AttemptHost, running: Running, log: structlog.BoundLogger) -> None:
         self.agent = agent
         self.running = running
         self.a = running.assignment

@@ -222,8 +222,9 @@ def gateway_endpoint(text: str) -> tuple[str, int] | None:
 
 
 async def cmd_agent(args: argparse.Namespace) -> int:
-    from fleet.agent.agent import Agent, AgentConfig, default_host_id
+    from fleet.agent.agent import Agent, default_host_id
     from fleet.agent.capabilities import capabilities, choose_runtime
+    from fleet.agent.config import AgentConfig
     from fleet.agent.link import enroll
     from fleet.core.placement import HostClass
     from fleet.identity.tls import HostFiles

@@ -372,7 +372,8 @@ async def test_enrollment_with_join_tokens(tmp_path: Path, images: ImageStore) -
             )
         assert ids.join_tokens()[-1].uses_left == 1  # a refused enrollment spends no use
         # The enrolled host runs work with the identity on its disk (as after a restart).
-        from fleet.agent.agent import Agent, AgentConfig
+        from fleet.agent.agent import Agent
+        from fleet.agent.config import AgentConfig
 
         agent = Agent(
             AgentConfig(
@@ -460,7 +461,8 @@ async def test_an_agent_renews_its_certificate_without_dropping_work(
             h.server.address, format_join_token(token), "cpu-r", caps, files, ca_pem=h.ca.pem
         )
         first = identity.certificate.serial_number
-        from fleet.agent.agent import Agent, AgentConfig
+        from fleet.agent.agent import Agent
+        from fleet.agent.config import AgentConfig
 
         agent = Agent(
             AgentConfig(

@@ -183,7 +183,8 @@ def test_replicas_share_inputs_and_outputs_through_a_registry(
     """Two servers on one PostgreSQL ledger, their blobs in one registry: an input uploaded to
     one is run through the other, and the output is downloaded from the first."""
     from fleet._proto.fleet.v1 import fleet_pb2_grpc
-    from fleet.agent.agent import Agent, AgentConfig
+    from fleet.agent.agent import Agent
+    from fleet.agent.config import AgentConfig
     from fleet.cli import client
     from fleet.ledger.store import Ledger
     from fleet.server.app import FleetServer
