@@ -85,6 +85,8 @@ class Leases(LedgerBase):
                 want,
             ]  # fmt: skip
             chosen: list[Item] = []
+            if db.postgres:
+                db.one(Q.CLAIM_IN_LEASE_ORDER)
             for row in db.all(Q.CLAIMABLE, params, n=len(full) or 1):
                 item = Item(*row)
                 if len(chosen) >= max(1, max_items):

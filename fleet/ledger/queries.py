@@ -138,6 +138,13 @@ CLAIMABLE = (
 """What a host may lease, in lease order (ix_work_items_claim): queued, of its classes, due,
 before its deadline, not pinned elsewhere, not avoiding it, needing nothing it lacks (the three
 flags: it has a VM, a CUDA device, the gateway), of no tenant at its cap."""
+CLAIM_IN_LEASE_ORDER = "SELECT set_config('enable_sort', 'off', true)"
+"""PostgreSQL only, before `CLAIMABLE`, for the rest of the transaction: read the claim index in
+lease order and stop at the LIMIT, never fetch every due item and sort them. The planner picks
+that sort when its statistics say the queue is small: a burst of submissions to a quiet table,
+before autovacuum's next ANALYZE, made every claim of 32 sort the whole queue (3,000 items:
+10 ms instead of 0.2). Reading the index in order is never the worse plan: the sort must read
+every row that the ordered scan may stop before."""
 LEASES_OF_CLAIM = (
     f"SELECT {ITEM_COLS} FROM work_items WHERE lease_owner = ? AND state = ? "
     "AND claim_request_id = ?"

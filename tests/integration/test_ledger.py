@@ -24,7 +24,7 @@ from fleet.core.retry import RetryPolicy
 from fleet.core.rollout import Completion, StepResult
 from fleet.ledger import queries as Q
 from fleet.ledger.migrations import BASELINE, alembic_config, compared, head_revision
-from fleet.ledger.raw import dialect
+from fleet.ledger.raw import QUEUED, dialect
 from fleet.ledger.store import CHECKPOINT_ROW_BYTES, Ledger
 from fleet.ledger.tables import SCHEMA_VERSION, SchemaInfo
 
@@ -336,6 +336,28 @@ def test_a_claim_reads_queued_work_in_lease_order_without_sorting(ledger_target:
             [definition] = conn.execute(
                 text("SELECT indexdef FROM pg_indexes WHERE indexname = 'ix_work_items_claim'")
             ).scalars()
+            # A burst of submissions the planner has no statistics for yet (no ANALYZE has
+            # run): without CLAIM_IN_LEASE_ORDER, PostgreSQL 15 fetches every due item and
+            # sorts them (seen from about 3,000; at 1,000 it reads the index in order anyway).
+            now = datetime.fromtimestamp(T0, UTC)
+            burst = []
+            for i in range(3000):
+                req = SubmitRequest(
+                    idempotency_key=f"burst-{i}", smolfile='image = "minimal"\n',
+                    steps=(Step(argv=("true",)),),
+                )  # fmt: skip
+                burst.append(
+                    (req, build_manifest(req, validate_request(req, now), "sha256:i", now))
+                )
+            ledger.submit_many(burst, T0)
+            cursor = conn.connection.cursor()
+            cursor.execute(Q.CLAIM_IN_LEASE_ORDER)
+            params = [QUEUED, "cpu", "cpu", T0 + 1, T0 + 1, "h", "h", 0.0, "h", 0.0, True, True,
+                      True, "", 32]  # fmt: skip
+            scan = dialect(Q.CLAIMABLE, postgres=True, n=1)
+            plan = "\n".join(str(r[0]) for r in cursor.execute(f"EXPLAIN {scan}", params))
+            assert "Index Scan using ix_work_items_claim" in plan and "Sort" not in plan, plan
+            conn.connection.rollback()
     assert "priority DESC" in definition
     ledger.engine.dispose()
 
