@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import fcntl
 import json
 import logging
 import multiprocessing as mp
@@ -35,6 +36,7 @@ from fleet.core.manifest import (  # noqa: E402
 from fleet.core.placement import HostCapabilities, HostClass, Isolation, RuntimeKind  # noqa: E402
 from fleet.core.rollout import Completion, StepResult  # noqa: E402
 from fleet.ledger import queries as Q  # noqa: E402
+from fleet.ledger.raw import dialect  # noqa: E402
 from fleet.ledger.store import Ledger  # noqa: E402
 from tests.pgserver import create_database, postgres_server  # noqa: E402
 
@@ -190,6 +192,106 @@ def drain(target: str, n: int) -> float:
         p.join()
     elapsed = time.perf_counter() - t
     assert counter.value == n, f"drained {counter.value} of {n}"
+    return n / elapsed
+
+
+def floor_worker(path: str, host_id: str, counter: Synchronized[int], ready: BarrierType) -> None:
+    """The floor's worker: a claim+complete loop of the ledger's own statements, straight on
+    sqlite3, with rows built from what the claim read and nothing else."""
+    quiet()
+    connection = sqlite3.connect(path, isolation_level=None)
+    for pragma in ("journal_mode=WAL", "synchronous=FULL", "busy_timeout=10000",
+                   "foreign_keys=ON"):  # fmt: skip
+        connection.execute(f"PRAGMA {pragma}")
+    cursor = connection.cursor()
+    sql = {name: dialect(getattr(Q, name), False, n) for name, n in (
+        ("CLAIMABLE", 1), ("LEASE_ITEM", 0), ("INSERT_ATTEMPT", 0), ("RUN_ROLLOUT", 0),
+        ("INSERT_EVENT", 0), ("REPORT_ATTEMPT", 0), ("REPORT_ITEM", 0), ("REPORT_ROLLOUT", 0),
+    )}  # fmt: skip
+    results = json.dumps([{"index": 0, "exit_code": 0}])
+    done = 0
+    with open(f"{path}.lock", "a") as lock:
+        ready.wait()
+        while True:
+            now = time.time()
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            cursor.execute("BEGIN IMMEDIATE")
+            items = cursor.execute(sql["CLAIMABLE"], (
+                "QUEUED", "cpu", "cpu", now, now, host_id, host_id, now, host_id, now,
+                False, False, True, "", CLAIM_BATCH)).fetchall()  # fmt: skip
+            ids = [i[0] for i in items]
+            rids = sorted(i[1] for i in items)
+            if items:
+                cursor.execute(dialect(Q.CLAIMED_ROLLOUTS, False, len(rids)), rids).fetchall()
+                cursor.executemany(
+                    sql["LEASE_ITEM"],
+                    [(i[9] + 1, i[14] + 1, host_id, now + 60, "", i[0]) for i in items],
+                )
+                cursor.executemany(
+                    sql["INSERT_ATTEMPT"],
+                    [(i[0], i[9] + 1, host_id, i[14] + 1, now) for i in items],
+                )
+                cursor.executemany(sql["RUN_ROLLOUT"], [(i[9] + 1, now, now, i[1]) for i in items])
+                cursor.executemany(sql["INSERT_EVENT"], [
+                    (i[1], "leased", "QUEUED", "RUNNING", host_id, now, "attempt 1", 1)
+                    for i in items])  # fmt: skip
+            cursor.execute("COMMIT")
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            if not items:
+                break
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            cursor.execute("BEGIN IMMEDIATE")
+            cursor.execute(dialect(Q.ITEMS_FOR_UPDATE, False, len(ids)), sorted(ids)).fetchall()
+            cursor.execute(dialect(Q.REPORTED_ROLLOUTS, False, len(rids)), rids).fetchall()
+            cursor.executemany(
+                sql["REPORT_ATTEMPT"],
+                [(now, "SUCCEEDED", "", 0.0, 0.0, False, i[0], i[9] + 1) for i in items],
+            )
+            cursor.executemany(
+                sql["REPORT_ITEM"],
+                [("DONE", host_id, i[11], "sha256:floor", "", i[0]) for i in items],
+            )
+            cursor.executemany(sql["REPORT_ROLLOUT"], [
+                ("SUCCEEDED", "", host_id, "namespace", "", results, "", now, now, 0.0, "[]", i[1])
+                for i in items])  # fmt: skip
+            cursor.executemany(
+                sql["INSERT_EVENT"],
+                [(i[1], "succeeded", "RUNNING", "SUCCEEDED", host_id, now, "", 1) for i in items],
+            )
+            cursor.execute("COMMIT")
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            done += len(items)
+    with counter.get_lock():
+        counter.value += done
+    connection.close()
+
+
+def drain_floor(path: str, n: int) -> float:
+    """SQLite's own cost of what claim+complete writes: WORKERS processes running the ledger's
+    statements for a claim and a completion of CLAIM_BATCH (the same reads, the same rows
+    written, under the same file lock) with no fleet code around them. It bounds what any
+    fleet code can reach with this schema and this durability."""
+    ledger = Ledger.open(path)
+    for start in range(0, n, 500):
+        ledger.submit_many(
+            [request(i, "floor") for i in range(start, min(n, start + 500))], time.time()
+        )
+    ledger.engine.dispose()
+    ctx = mp.get_context("spawn")
+    counter = ctx.Value("i", 0)
+    ready = ctx.Barrier(WORKERS + 1)
+    procs = [
+        ctx.Process(target=floor_worker, args=(path, f"floor-{i}", counter, ready))
+        for i in range(WORKERS)
+    ]
+    for p in procs:
+        p.start()
+    ready.wait()
+    t = time.perf_counter()
+    for p in procs:
+        p.join()
+    elapsed = time.perf_counter() - t
+    assert counter.value == n, f"the floor drained {counter.value} of {n}"
     return n / elapsed
 
 
@@ -388,6 +490,7 @@ def main() -> int:
         sqlite = str(Path(tmp) / "bench.sqlite3")
         results: dict[str, float] = {}
         results["sqlite_jobs_s"] = drain(sqlite, jobs_n)
+        results["jobs_floor_s"] = drain_floor(str(Path(tmp) / "jf.sqlite3"), jobs_n)
         results["postgres_jobs_s"] = drain(create_database(server), jobs_n)
         results["enqueue_one_s"] = enqueue(str(Path(tmp) / "e1.sqlite3"), enqueue_n, "one", 1)
         results["enqueue_batch_s"] = enqueue(str(Path(tmp) / "eb.sqlite3"), enqueue_n * 5, "b", 500)
@@ -416,13 +519,18 @@ def main() -> int:
     print(
         f"{'':<44}{'fleet/SQLite':>14}{'fleet/PG':>12}{'procrastinate':>15}{'SQLite ratio':>14}{'PG ratio':>10}"
     )
-    for name, lite, pg, base in rows:
+    # The floors: SQLite alone running the same statements (no fleet code), under the rows
+    # they bound.
+    floors = {0: ("the same statements", results["jobs_floor_s"]),
+              2: ("the same rows", results["enqueue_floor_s"])}  # fmt: skip
+    for k, (name, lite, pg, base) in enumerate(rows):
         print(
             f"{name:<44}{lite:>14.0f}{pg:>12.0f}{base:>15.0f}{lite / base:>13.1f}x{pg / base:>9.1f}x"
         )
-    floor = results["enqueue_floor_s"]
-    print(f"{'  SQLite alone, the same rows (floor)':<44}{floor:>14.0f}"
-          f"{'':>27}{results['enqueue_batch_s'] / floor:>13.2f}x of it")  # fmt: skip
+        if k in floors:
+            what, floor = floors[k]
+            print(f"{f'  SQLite alone, {what} (floor)':<44}{floor:>14.0f}"
+                  f"{'':>27}{lite / floor:>13.2f}x of it")  # fmt: skip
     print(f"(jobs: {jobs_n} fleet, {2 * base_n} procrastinate; SQLite synchronous=FULL, "
           "PostgreSQL synchronous_commit=on; same machine, one run)")  # fmt: skip
     print()
