@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from multiprocessing.sharedctypes import Synchronized
 from multiprocessing.synchronize import Barrier as BarrierType
@@ -169,8 +170,9 @@ def worker(target: str, host_id: str, counter: Synchronized[int], ready: Barrier
     ledger.engine.dispose()
 
 
-def drain(target: str, n: int) -> float:
-    """Durable claim+complete jobs/s with WORKERS processes over `n` queued rollouts."""
+def drain(target: str, n: int, work: Callable[..., None] | None = None) -> float:
+    """Durable claim+complete jobs/s with WORKERS processes over `n` queued rollouts (each
+    process runs `work`: fleet's `worker` unless told)."""
     ledger = Ledger.open(target)
     for start in range(0, n, 500):
         ledger.submit_many(
@@ -181,7 +183,7 @@ def drain(target: str, n: int) -> float:
     counter = ctx.Value("i", 0)
     ready = ctx.Barrier(WORKERS + 1)
     procs = [
-        ctx.Process(target=worker, args=(target, f"bench-{i}", counter, ready))
+        ctx.Process(target=work or worker, args=(target, f"bench-{i}", counter, ready))
         for i in range(WORKERS)
     ]
     for p in procs:
@@ -271,28 +273,7 @@ def drain_floor(path: str, n: int) -> float:
     statements for a claim and a completion of CLAIM_BATCH (the same reads, the same rows
     written, under the same file lock) with no fleet code around them. It bounds what any
     fleet code can reach with this schema and this durability."""
-    ledger = Ledger.open(path)
-    for start in range(0, n, 500):
-        ledger.submit_many(
-            [request(i, "floor") for i in range(start, min(n, start + 500))], time.time()
-        )
-    ledger.engine.dispose()
-    ctx = mp.get_context("spawn")
-    counter = ctx.Value("i", 0)
-    ready = ctx.Barrier(WORKERS + 1)
-    procs = [
-        ctx.Process(target=floor_worker, args=(path, f"floor-{i}", counter, ready))
-        for i in range(WORKERS)
-    ]
-    for p in procs:
-        p.start()
-    ready.wait()
-    t = time.perf_counter()
-    for p in procs:
-        p.join()
-    elapsed = time.perf_counter() - t
-    assert counter.value == n, f"the floor drained {counter.value} of {n}"
-    return n / elapsed
+    return drain(path, n, floor_worker)
 
 
 def fsync_rate(directory: str, n: int = 300) -> float:
