@@ -34,13 +34,7 @@ from fleet.core.smolfile import Smolfile
 from fleet.identity.tls import client_ssl_context
 from fleet.image import oci
 from fleet.runtime import disk
-from fleet.runtime.base import (
-    ExecResult,
-    Leftover,
-    Machine,
-    MachineSpec,
-    resolve_secrets,
-)
+from fleet.runtime.base import ExecResult, Leftover, Machine, MachineSpec, resolve_secrets
 from fleet.runtime.cgroups import DEFAULT_PIDS_MAX
 from fleet.server.convert import MAX_EGRESS_EVENTS
 

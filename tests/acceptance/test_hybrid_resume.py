@@ -16,9 +16,8 @@ from fleet.envs.episode import program, source, warm_step
 from fleet.image.store import ImageStore
 from fleet.runtime.namespace import NamespaceRuntime
 from fleet.runtime.netns import NetConfig
-from fleet.server.app import ServerConfig
 from tests.acceptance.procs import Procs
-from tests.integration.harness import SECRET, harness
+from tests.integration.harness import harness
 from tests.integration.test_hybrid import gateway_on_uplink, local_episode
 from tests.networld import GATEWAY, networld
 
@@ -50,8 +49,7 @@ async def test_a_killed_worker_resumes_from_its_last_checkpoint(
             # A restarted agent adopts its machine only while the lease lasts: past 5 s (a
             # slow restart on a loaded machine) it is released, and the test sees a retry.
             ttl = 5.0 if rescue.startswith("another host") else 30.0
-            config = ServerConfig(lease_ttl_s=ttl, heartbeat_interval_s=0.5, token_secret=SECRET)
-            async with harness(tmp_path, images, config) as h:
+            async with harness(tmp_path, images, lease_ttl_s=ttl) as h:
                 flags = (
                     "--egress-uplink",
                     world.uplink,

@@ -179,10 +179,11 @@ def request(
 @contextlib.asynccontextmanager
 async def harness(
     tmp: Path, images: ImageStore, config: ServerConfig | None = None, *, secure: bool = False,
-    host_cert_ttl_s: float = 3600.0,
+    host_cert_ttl_s: float = 3600.0, lease_ttl_s: float = 5.0,
 ) -> AsyncIterator[Harness]:  # fmt: skip
     """A server on loopback; `secure`: with TLS, a CA in `tmp/ca`, API keys and host
-    certificates (`fleet` is then the admin key's stub, `hosts` has no certificate)."""
+    certificates (`fleet` is then the admin key's stub, `hosts` has no certificate);
+    `lease_ttl_s`: the default config's lease (short, so that lost leases expire quickly)."""
     ca = CertificateAuthority.init(tmp / "ca") if secure else None
     security = (
         Security(ca, host_listen="127.0.0.1:0", cache_s=0.2, host_cert_ttl_s=host_cert_ttl_s)
@@ -193,7 +194,8 @@ async def harness(
         Ledger.sqlite(tmp / "ledger.sqlite3"),
         images,
         "127.0.0.1:0",
-        config or ServerConfig(lease_ttl_s=5, heartbeat_interval_s=0.5, token_secret=SECRET),
+        config
+        or ServerConfig(lease_ttl_s=lease_ttl_s, heartbeat_interval_s=0.5, token_secret=SECRET),
         security,
     )
     await server.start()
