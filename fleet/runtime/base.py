@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -16,6 +17,26 @@ from fleet.core.placement import Isolation, RuntimeKind
 from fleet.core.rollout import MAX_OUTPUT_BYTES
 from fleet.core.smolfile import Smolfile
 from fleet.runtime.output import OutputSink
+
+T = TypeVar("T")
+
+
+async def to_thread_to_the_end(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` in a worker thread, waited for to its end even when the caller is cancelled
+    (the cancellation is raised after it). Cancelling `asyncio.to_thread` ends only the wait,
+    not the thread: a cleanup that then runs beside it races it (a machine's disk mounted just
+    after its removal ran stays mounted, its loop device held, for good)."""
+    task = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        while not task.done():
+            try:
+                await asyncio.wait({task})
+            except asyncio.CancelledError:
+                continue  # (cancelled again: the thread still has to end first)
+        raise
+
 
 BASE_ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",

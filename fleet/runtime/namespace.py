@@ -38,6 +38,7 @@ from fleet.runtime.base import (
     Machine,
     MachineSpec,
     Parent,
+    to_thread_to_the_end,
 )
 from fleet.runtime.dnsfwd import DnsForwarder
 from fleet.runtime.namespace_machine import NamespaceMachine, missing_tools
@@ -138,9 +139,12 @@ class NamespaceRuntime:
             memory_mib=spec.smolfile.memory_mib_effective, cpus=spec.smolfile.cpus_effective
         )
         userns: int | None = None
+        # Each step runs to its end even when the creation is cancelled (the claim's work
+        # stopped, the agent refused), so that the cleanup below never races a disk still
+        # being mounted or a cgroup still being made.
         try:
-            layer = root if gib is None else await asyncio.to_thread(disk.make, root, gib)
-            await asyncio.to_thread(
+            layer = root if gib is None else await to_thread_to_the_end(disk.make, root, gib)
+            await to_thread_to_the_end(
                 lay_out,
                 root,
                 layer,
@@ -149,13 +153,13 @@ class NamespaceRuntime:
                 copy_of,
             )
             (root / "seccomp.bpf").write_bytes(self._seccomp)
-            await asyncio.to_thread(cgroup.create, limits)
+            await to_thread_to_the_end(cgroup.create, limits)
             userns = await users.user_namespace()
         except BaseException:
             if userns is not None:
                 os.close(userns)
-            await asyncio.to_thread(cgroup.remove)
-            await asyncio.to_thread(disk.remove, root)
+            await to_thread_to_the_end(cgroup.remove)
+            await to_thread_to_the_end(disk.remove, root)
             shutil.rmtree(root, ignore_errors=True)
             raise
         machine = NamespaceMachine(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import uuid
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 
 from fleet.core.errors import InvalidArgument
 from fleet.core.smolfile import parse_smolfile
+from fleet.runtime import disk
 from fleet.runtime.base import MachineSpec
 from fleet.runtime.namespace import NamespaceRuntime
 from fleet.runtime.namespace_machine import NamespaceMachine
@@ -577,3 +579,42 @@ async def test_a_restarted_agent_adopts_a_machine_with_its_bounded_disk(
     state, big, left = state.stdout, big.stdout, adopted.root.exists()
 
     assert state == b"kept\n" and b"No space left on device" in big and not left
+
+
+def test_a_creation_cancelled_while_its_disk_is_made_leaves_no_mount(
+    rootfs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The work stopped (its host revoked) while its machine's disk was being made: the cleanup
+    waits for the disk to be mounted, then unmounts and removes it, rather than running beside
+    it and leaving a disk mounted (its loop device held) for good."""
+    runtime, spec = make(rootfs, tmp_path, 'image = "minimal"\noverlay = 1\n')
+    started, removing = threading.Event(), threading.Event()
+    make_disk, remove_disk = disk.make, disk.remove
+
+    def slow_make(root: Path, gib: int) -> Path:
+        started.set()
+        removing.wait(2)  # (until the cleanup starts, if it does not wait for this first)
+        return make_disk(root, gib)
+
+    def remove(root: Path) -> None:
+        removing.set()
+        remove_disk(root)
+
+    monkeypatch.setattr(disk, "make", slow_make)
+    monkeypatch.setattr(disk, "remove", remove)
+
+    async def cancelled() -> bool:
+        creating = asyncio.create_task(runtime.create(spec))
+        assert await asyncio.to_thread(started.wait, 30)
+        creating.cancel()
+        try:
+            await creating
+        except asyncio.CancelledError:
+            return True
+        return False
+
+    assert asyncio.run(cancelled())
+    machines = tmp_path / "machines"
+    mounts = Path("/proc/mounts").read_text().splitlines()
+    assert [line for line in mounts if str(machines) in line] == []
+    assert not any(p.name.startswith(spec.name) for p in machines.rglob("*"))
