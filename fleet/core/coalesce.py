@@ -47,6 +47,11 @@ class Coalescer(Generic[T, R]):
         self.batches: list[int] = []
         """The sizes of the batches run so far, in order (for metrics and tests)."""
 
+    @property
+    def waiting(self) -> int:
+        """Items submitted that no batch has taken yet."""
+        return len(self._pending)
+
     async def submit(self, item: T) -> R:
         """`item`'s answer, from the batch it goes in."""
         future: asyncio.Future[R] = asyncio.get_running_loop().create_future()

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 import structlog
 
 from fleet.core.errors import (
     Aborted,
     FailedPrecondition,
+    FleetError,
 )
 from fleet.core.lifecycle import Outcome, RolloutState, check_transition
 from fleet.core.manifest import Manifest
@@ -23,10 +26,46 @@ from fleet.core.rollout import (
 from fleet.ledger import pools as pool_sql
 from fleet.ledger import queries as Q
 from fleet.ledger.base import AVOID_HOST_S, FENCING_STEP, LedgerBase, as_datetime
-from fleet.ledger.raw import DONE, LEASED, QUEUED
+from fleet.ledger.raw import DONE, LEASED, QUEUED, Raw
 from fleet.ledger.records import Item
 
 log = structlog.get_logger(__name__)
+
+
+class Claim(NamedTuple):
+    """One host's claim, as `Leases.claim` takes it (see there)."""
+
+    host_id: str
+    max_items: int
+    lease_ttl_s: float
+    request_id: str = ""
+    max_running_per_tenant: int = 0
+    hold_inference: bool = False
+
+
+class _Taken(NamedTuple):
+    """What one claim took: a repeat's leases as first answered (`again`), or the items it
+    leased now with their manifests and latest checkpoints."""
+
+    again: list[Assignment] | None = None
+    leased: Sequence[tuple[Item, int, int, Manifest]] = ()
+    saved: Mapping[str, tuple[int, bytes]] = MappingProxyType({})
+    expires: float = 0.0
+
+    def assignments(self) -> list[Assignment]:
+        if self.again is not None:
+            return self.again
+        lease_at = as_datetime(self.expires) or datetime.now(UTC)
+        return [
+            Assignment(
+                work_id=item.id, rollout_id=item.rollout_id, attempt=attempt,
+                fencing_token=token, lease_expires_at=lease_at, manifest=manifest,
+                checkpoint_sequence=self.saved.get(item.rollout_id, (0, b""))[0],
+                checkpoint=self.saved.get(item.rollout_id, (0, b""))[1],
+                tenant=item.tenant,
+            )
+            for item, attempt, token, manifest in self.leased
+        ]  # fmt: skip
 
 
 class Leases(LedgerBase):
@@ -48,99 +87,113 @@ class Leases(LedgerBase):
         A repeat of a claim (same `request_id`, same host) answers with the leases the first
         one took, so a lost reply never strands work until its lease expires.
         """
+        claim = Claim(host_id, max_items, lease_ttl_s, request_id, max_running_per_tenant,
+                      hold_inference)  # fmt: skip
         with self._tx() as db:
-            host = self._host_row(db, host_id)
-            if request_id:
-                again = db.all(Q.LEASES_OF_CLAIM, (host_id, LEASED, request_id))
-                if again:
-                    return [self._assignment(db, Item(*row)) for row in again]
-            if db.value(Q.HOST_STATE, (host_id,)) != "ready":
-                return []  # (cordoned, draining: checked in the claim's own transaction)
-            max_items = min(max_items, pool_sql.room(db, host))
-            if max_items <= 0:
-                return []  # (a pool it is in runs its cap already)
-            classes = [host.host_class.value]
-            rolled_back, local = self._rollback(db)
-            if rolled_back:
-                if not is_local(host, local):
-                    return []  # (rolled back to the local pool: nothing new goes elsewhere)
-                if host.host_class == HostClass.GPU:
-                    classes.append(HostClass.CPU.value)  # (the local host has CPUs too)
-            running: dict[str, int] = {}
-            full: list[str] = []
-            want = max(1, max_items)
-            if max_running_per_tenant:
-                running = {t: int(n) for t, n in db.all(Q.LEASES_BY_TENANT, (LEASED,))}
-                full = sorted(t for t, n in running.items() if n >= max_running_per_tenant)
-                want *= 4  # room to skip items of tenants that fill up within this batch
-            avoid_until = now - AVOID_HOST_S
-            params: list[Any] = [
-                QUEUED, classes[0], classes[-1], now, now, host_id,
-                host_id, avoid_until, host_id, avoid_until,
-                host.isolation == Isolation.VM, host.cuda_devices > 0,
-                # Backpressure (the gateway's queue is over its threshold), or a host whose
-                # agent does not know where the gateway is: no work that calls the gateway.
-                not hold_inference and bool(host.gateway),
-                *(full or [""]),  # ("": no tenant is called that)
-                want,
-            ]  # fmt: skip
-            chosen: list[Item] = []
-            if db.postgres:
-                db.one(Q.CLAIM_IN_LEASE_ORDER)
-            for row in db.all(Q.CLAIMABLE, params, n=len(full) or 1):
-                item = Item(*row)
-                if len(chosen) >= max(1, max_items):
-                    break
-                if max_running_per_tenant:
-                    if running.get(item.tenant, 0) >= max_running_per_tenant:
-                        continue
-                    running[item.tenant] = running.get(item.tenant, 0) + 1
-                chosen.append(item)
-            if not chosen:
-                return []
-            ids = sorted({i.rollout_id for i in chosen})
-            rollouts = {row[0]: row for row in db.all(Q.CLAIMED_ROLLOUTS, ids, n=len(ids))}
-            expires = now + lease_ttl_s
-            lease_at = as_datetime(expires) or datetime.now(UTC)
-            running_state = RolloutState.RUNNING.value
-            item_rows, attempt_rows, rollout_rows, event_rows = [], [], [], []
-            leased: list[tuple[Item, int, int, Manifest]] = []
-            for item in chosen:
-                # The token grows at every claim, by a random step: a caller cannot guess the next
-                # attempt's token from the last one it saw.
-                attempt = item.attempt + 1
-                token = item.fencing_token + 1 + secrets.randbelow(FENCING_STEP)
-                rid, state, digest, started_at = rollouts[item.rollout_id]
-                current = RolloutState(state)
-                check_transition(current, RolloutState.RUNNING)
-                item_rows.append((attempt, token, host_id, expires, request_id, item.id))
-                attempt_rows.append((item.id, attempt, host_id, token, now))
-                rollout_rows.append(
-                    (attempt, now, started_at if started_at is not None else now, rid)
-                )
-                event_rows.append(
-                    (rid, "leased", current.value, running_state, host_id, now,
-                     f"attempt {attempt} on {host_id}", attempt)
-                )  # fmt: skip
-                leased.append((item, attempt, token, self._manifest_raw(db, digest)))
-            db.many(Q.LEASE_ITEM, item_rows)
-            db.many(Q.INSERT_ATTEMPT, attempt_rows)
-            db.many(Q.RUN_ROLLOUT, rollout_rows)
-            db.many(Q.INSERT_EVENT, event_rows)
-            # Hybrid rollouts resume from their latest checkpoint (only they have any).
-            hybrid = sorted({i.rollout_id for i, _, _, m in leased if m.requirements.inference})
-            saved = self._latest_checkpoints(db, hybrid)
-        return [
-            Assignment(
-                work_id=item.id, rollout_id=item.rollout_id, attempt=attempt,
-                fencing_token=token, lease_expires_at=lease_at,
-                manifest=manifest,
-                checkpoint_sequence=saved.get(item.rollout_id, (0, b""))[0],
-                checkpoint=saved.get(item.rollout_id, (0, b""))[1],
-                tenant=item.tenant,
-            )
-            for item, attempt, token, manifest in leased
+            taken = self._claim(db, claim, now)
+        return taken.assignments()
+
+    def claim_batch(self, claims: list[Claim], now: float) -> list[list[Assignment] | FleetError]:
+        """Many hosts' claims in one transaction (group commit), each as `claim` would take it,
+        in order: a later one sees what the earlier ones leased (tenants' and pools' caps
+        included). Each is answered on its own: one refused (an unknown host) gets its error
+        and leases nothing, while the others are taken."""
+        taken: list[_Taken | FleetError] = []
+        with self._tx() as db:
+            for claim in claims:
+                # A savepoint each: a claim that fails part way leaves nothing of itself.
+                db.run(Q.SAVEPOINT)
+                try:
+                    taken.append(self._claim(db, claim, now))
+                except FleetError as exc:
+                    db.run(Q.ROLLBACK_TO_SAVEPOINT)
+                    taken.append(exc)
+                db.run(Q.RELEASE_SAVEPOINT)
+        return [t if isinstance(t, FleetError) else t.assignments() for t in taken]
+
+    def _claim(self, db: Raw, claim: Claim, now: float) -> _Taken:
+        """One claim in the caller's transaction: its leases written, its answer not yet
+        built (that needs no database, so it is built after the commit)."""
+        host_id, max_items, lease_ttl_s, request_id = claim[:4]
+        max_running_per_tenant, hold_inference = claim[4:]
+        host = self._host_row(db, host_id)
+        if request_id:
+            again = db.all(Q.LEASES_OF_CLAIM, (host_id, LEASED, request_id))
+            if again:
+                return _Taken(again=[self._assignment(db, Item(*row)) for row in again])
+        if db.value(Q.HOST_STATE, (host_id,)) != "ready":
+            return _Taken()  # (cordoned, draining: checked in the claim's own transaction)
+        max_items = min(max_items, pool_sql.room(db, host))
+        if max_items <= 0:
+            return _Taken()  # (a pool it is in runs its cap already)
+        classes = [host.host_class.value]
+        rolled_back, local = self._rollback(db)
+        if rolled_back:
+            if not is_local(host, local):
+                return _Taken()  # (rolled back to the local pool: nothing new goes elsewhere)
+            if host.host_class == HostClass.GPU:
+                classes.append(HostClass.CPU.value)  # (the local host has CPUs too)
+        running: dict[str, int] = {}
+        full: list[str] = []
+        want = max(1, max_items)
+        if max_running_per_tenant:
+            running = {t: int(n) for t, n in db.all(Q.LEASES_BY_TENANT, (LEASED,))}
+            full = sorted(t for t, n in running.items() if n >= max_running_per_tenant)
+            want *= 4  # room to skip items of tenants that fill up within this batch
+        avoid_until = now - AVOID_HOST_S
+        params: list[Any] = [
+            QUEUED, classes[0], classes[-1], now, now, host_id,
+            host_id, avoid_until, host_id, avoid_until,
+            host.isolation == Isolation.VM, host.cuda_devices > 0,
+            # Backpressure (the gateway's queue is over its threshold), or a host whose
+            # agent does not know where the gateway is: no work that calls the gateway.
+            not hold_inference and bool(host.gateway),
+            *(full or [""]),  # ("": no tenant is called that)
+            want,
         ]  # fmt: skip
+        chosen: list[Item] = []
+        if db.postgres:
+            db.one(Q.CLAIM_IN_LEASE_ORDER)
+        for row in db.all(Q.CLAIMABLE, params, n=len(full) or 1):
+            item = Item(*row)
+            if len(chosen) >= max(1, max_items):
+                break
+            if max_running_per_tenant:
+                if running.get(item.tenant, 0) >= max_running_per_tenant:
+                    continue
+                running[item.tenant] = running.get(item.tenant, 0) + 1
+            chosen.append(item)
+        if not chosen:
+            return _Taken()
+        ids = sorted({i.rollout_id for i in chosen})
+        rollouts = {row[0]: row for row in db.all(Q.CLAIMED_ROLLOUTS, ids, n=len(ids))}
+        expires = now + lease_ttl_s
+        running_state = RolloutState.RUNNING.value
+        item_rows, attempt_rows, rollout_rows, event_rows = [], [], [], []
+        leased: list[tuple[Item, int, int, Manifest]] = []
+        for item in chosen:
+            # The token grows at every claim, by a random step: a caller cannot guess the next
+            # attempt's token from the last one it saw.
+            attempt = item.attempt + 1
+            token = item.fencing_token + 1 + secrets.randbelow(FENCING_STEP)
+            rid, state, digest, started_at = rollouts[item.rollout_id]
+            current = RolloutState(state)
+            check_transition(current, RolloutState.RUNNING)
+            item_rows.append((attempt, token, host_id, expires, request_id, item.id))
+            attempt_rows.append((item.id, attempt, host_id, token, now))
+            rollout_rows.append((attempt, now, started_at if started_at is not None else now, rid))
+            event_rows.append(
+                (rid, "leased", current.value, running_state, host_id, now,
+                 f"attempt {attempt} on {host_id}", attempt)
+            )  # fmt: skip
+            leased.append((item, attempt, token, self._manifest_raw(db, digest)))
+        db.many(Q.LEASE_ITEM, item_rows)
+        db.many(Q.INSERT_ATTEMPT, attempt_rows)
+        db.many(Q.RUN_ROLLOUT, rollout_rows)
+        db.many(Q.INSERT_EVENT, event_rows)
+        # Hybrid rollouts resume from their latest checkpoint (only they have any).
+        hybrid = sorted({i.rollout_id for i, _, _, m in leased if m.requirements.inference})
+        return _Taken(leased=leased, saved=self._latest_checkpoints(db, hybrid), expires=expires)
 
     def reclaim(
         self, host_id: str, leases: list[tuple[str, int]], now: float, lease_ttl_s: float

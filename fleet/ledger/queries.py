@@ -145,6 +145,11 @@ that sort when its statistics say the queue is small: a burst of submissions to 
 before autovacuum's next ANALYZE, made every claim of 32 sort the whole queue (3,000 items:
 10 ms instead of 0.2). Reading the index in order is never the worse plan: the sort must read
 every row that the ordered scan may stop before."""
+SAVEPOINT = "SAVEPOINT one_of_many"
+"""Where one of many changes in a transaction begins (a claim of a batch): `ROLLBACK_TO_SAVEPOINT`
+undoes that one alone, and `RELEASE_SAVEPOINT` ends it either way."""
+ROLLBACK_TO_SAVEPOINT = "ROLLBACK TO SAVEPOINT one_of_many"
+RELEASE_SAVEPOINT = "RELEASE SAVEPOINT one_of_many"
 LEASES_OF_CLAIM = (
     f"SELECT {ITEM_COLS} FROM work_items WHERE lease_owner = ? AND state = ? "
     "AND claim_request_id = ?"

@@ -172,6 +172,8 @@ class FleetServer:
         self.config = config or ServerConfig()
         self.security = security
         self.core = Core(ledger, images, self.config, security)
+        self.host_servicer = HostServicer(self.core)
+        """The host API (its group commits: claims, completions, checkpoints)."""
         self.listen = listen
         self.port = 0
         self.tls: ServerTls | None = None
@@ -216,7 +218,7 @@ class FleetServer:
             interceptors=interceptors,
         )
         fleet_pb2_grpc.add_FleetServiceServicer_to_server(FleetServicer(self.core), server)
-        host_pb2_grpc.add_HostServiceServicer_to_server(HostServicer(self.core), server)
+        host_pb2_grpc.add_HostServiceServicer_to_server(self.host_servicer, server)
         fleet_pb2_grpc.add_SessionServiceServicer_to_server(
             SessionServicer(self.core, self.core.sessions), server
         )

@@ -20,8 +20,9 @@ from fleet.core.errors import (
 )
 from fleet.core.lifecycle import RolloutState
 from fleet.core.placement import HostCapabilities, HostClass, Requirements, unservable_reason
-from fleet.core.rollout import Completion
+from fleet.core.rollout import Assignment, Completion
 from fleet.image.store import ImageStore
+from fleet.ledger.leases import Claim
 from fleet.ledger.store import Ledger
 from fleet.server.auth import Authenticator, Caller, Security, current
 from fleet.server.hub import SessionHub
@@ -182,6 +183,11 @@ class GroupCommit(Generic[T, R]):
     async def submit(self, item: T) -> R:
         return await self._coalescer.submit(item)
 
+    @property
+    def coalescer(self) -> Coalescer[T, R]:
+        """Its batches so far and what waits for the next (`Coalescer.batches`, `.waiting`)."""
+        return self._coalescer
+
 
 class CompletionBatcher(GroupCommit[tuple[str, Completion], RolloutState]):
     """Group commit for CompleteWork."""
@@ -191,6 +197,18 @@ class CompletionBatcher(GroupCommit[tuple[str, Completion], RolloutState]):
 
     async def complete(self, host_id: str, report: Completion) -> RolloutState:
         return await self.submit((host_id, report))
+
+
+class ClaimBatcher(GroupCommit[Claim, list[Assignment]]):
+    """Group commit for ClaimWork: hosts' claims that arrive while one batch is being taken go
+    together into the next transaction, in arrival order (`Leases.claim_batch`). Nothing is
+    woken after a batch: a claim makes no work for another."""
+
+    def __init__(self, core: Core) -> None:
+        super().__init__(core, core.ledger.claim_batch, notify=False)  # type: ignore[arg-type]
+
+    async def claim(self, claim: Claim) -> list[Assignment]:
+        return await self.submit(claim)
 
 
 class CheckpointBatcher(GroupCommit[tuple[str, str, int, int, bytes], None]):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 import time
 from collections.abc import AsyncIterator
@@ -33,12 +32,14 @@ from fleet.core.placement import HostCapabilities, HostClass
 from fleet.core.rollout import Assignment, Completion
 from fleet.core.versions import check_agent
 from fleet.identity.ca import Issued
+from fleet.ledger.leases import Claim
 from fleet.server import convert
 from fleet.server.core import (
     MAX_CHECKPOINTS_PER_CALL,
     MAX_CLAIM_WAIT_S,
     MIB,
     CheckpointBatcher,
+    ClaimBatcher,
     CompletionBatcher,
     Core,
 )
@@ -53,6 +54,7 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
     def __init__(self, core: Core) -> None:
         self.core = core
         self.batcher = CompletionBatcher(core)
+        self.claims = ClaimBatcher(core)
         self.checkpoints = CheckpointBatcher(core)
 
     def _host_id(self, requested: str) -> str:
@@ -204,18 +206,14 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
         host_id = self._host_id(request.host_id)
         give_up = time.monotonic() + wait_s
         while True:
-            items = await self.core.db(
-                functools.partial(
-                    self.core.ledger.claim,
+            items = await self.claims.claim(
+                Claim(
+                    host_id, request.max_items, self.core.config.lease_ttl_s,
                     request_id=request.request_id,
                     max_running_per_tenant=self.core.config.max_running_per_tenant,
                     hold_inference=self.core.hold_inference,
-                ),
-                host_id,
-                request.max_items,
-                time.time(),
-                self.core.config.lease_ttl_s,
-            )
+                )
+            )  # fmt: skip
             if items:
                 self.core.event_pulse.fire()
                 return host_pb2.ClaimWorkResponse(

@@ -18,6 +18,7 @@ import fleet
 from fleet._proto.fleet.v1 import fleet_pb2, host_pb2, types_pb2
 from fleet.core.placement import HostCapabilities, HostClass, Isolation, RuntimeKind
 from fleet.image.store import ImageStore
+from fleet.ledger.leases import Claim
 from fleet.runtime.netns import NetConfig
 from tests.acceptance.procs import FLEET
 from tests.integration.harness import harness, request
@@ -80,19 +81,19 @@ async def test_cuda_rollout_waits_for_and_runs_only_on_a_gpu_agent(
         # The cpu agent's claims, counted as the ledger answers them: three that came after
         # the submission and found nothing it may take (not a sleep that hopes for as many).
         ledger = h.server.core.ledger
-        claim, looked, seen = ledger.claim, threading.Event(), []
+        claim, looked, seen = ledger._claim, threading.Event(), []
 
-        def counting(host_id: str, *args: Any, **kwargs: Any) -> Any:
+        def counting(db: Any, asked: Claim, now: float) -> Any:
             after = submitted.is_set()  # (a claim begun before the submission does not count)
-            leased = claim(host_id, *args, **kwargs)
-            if host_id == "cpu-a" and after:
-                seen.append(len(leased))
+            taken = claim(db, asked, now)
+            if asked.host_id == "cpu-a" and after:
+                seen.append(len(taken.assignments()))
                 if len(seen) >= 3:
                     looked.set()
-            return leased
+            return taken
 
         submitted = threading.Event()
-        ledger.claim = counting  # type: ignore[method-assign]
+        ledger._claim = counting  # type: ignore[method-assign]
         reply = await h.fleet.SubmitRollout(
             request('image = "minimal"\ncuda = true\n', ["sh", "-c", "echo $FLEET_DEVICE"])
         )
@@ -546,6 +547,56 @@ async def test_concurrent_completions_are_group_committed_each_judged_alone(
     assert len(errors) == 1 and errors[0].code() == grpc.StatusCode.ABORTED
     assert states.count(types_pb2.ROLLOUT_STATE_SUCCEEDED) == 11
     assert states.count(types_pb2.ROLLOUT_STATE_RUNNING) == 1
+
+
+async def test_claims_arriving_together_are_taken_in_one_transaction(
+    tmp_path: Path, images: ImageStore
+) -> None:
+    """Six hosts claim while the ledger is busy: their claims wait together and are taken in
+    one or two transactions, not six; each gets its own items, none twice, and an unknown
+    host among them is refused alone."""
+
+    async with harness(tmp_path, images) as h:
+        hosts = [f"h{i}" for i in range(6)]
+        for host in hosts:
+            await h.register_host(host)
+        for _ in range(12):
+            await h.fleet.SubmitRollout(request())
+        claims = h.server.host_servicer.claims.coalescer
+        busy, release = threading.Event(), threading.Event()
+
+        def hold() -> None:  # the ledger's one thread, busy until every claim has arrived
+            busy.set()
+            release.wait(30)
+
+        held = asyncio.ensure_future(h.server.core.db(hold))
+        assert await asyncio.to_thread(busy.wait, 30)
+        calls = [
+            asyncio.ensure_future(
+                h.hosts.ClaimWork(
+                    host_pb2.ClaimWorkRequest(request_id=f"c-{host}", host_id=host, max_items=2)
+                )
+            )
+            for host in [*hosts, "ghost"]
+        ]
+        for _ in range(500):  # (bounded: 10 s)
+            if sum(claims.batches) + claims.waiting == len(calls):
+                break
+            await asyncio.sleep(0.02)
+        release.set()
+        await held
+        answers = await asyncio.gather(*calls, return_exceptions=True)
+        batches = list(claims.batches)
+
+    *taken, ghost = answers
+    assert isinstance(ghost, grpc.aio.AioRpcError)
+    assert ghost.code() == grpc.StatusCode.FAILED_PRECONDITION and "ghost" in (
+        ghost.details() or ""
+    )
+    work = [item.work_id for reply in taken for item in reply.items]  # type: ignore[union-attr]
+    assert all(len(reply.items) == 2 for reply in taken)  # type: ignore[union-attr]
+    assert len(work) == len(set(work)) == 12
+    assert sum(batches) == len(calls) and len(batches) <= 2
 
 
 async def test_refused_egress_reaches_the_ledger_api_and_cli(

@@ -23,6 +23,7 @@ from fleet.core.placement import HostCapabilities, HostClass, Isolation, Runtime
 from fleet.core.retry import RetryPolicy
 from fleet.core.rollout import Completion, StepResult
 from fleet.ledger import queries as Q
+from fleet.ledger.leases import Claim
 from fleet.ledger.migrations import BASELINE, alembic_config, compared, head_revision
 from fleet.ledger.raw import QUEUED, dialect
 from fleet.ledger.store import CHECKPOINT_ROW_BYTES, Ledger
@@ -836,3 +837,81 @@ def test_a_postgresql_ledger_without_its_driver_says_which_extra_to_install(
     )
     with pytest.raises(FailedPrecondition, match=r"pip install 'fleet\[postgres\]'"):
         Ledger.open("postgresql://fleet@127.0.0.1:1/fleet")
+
+
+def test_many_hosts_claims_in_one_transaction(ledger: Ledger) -> None:
+    """A batch of claims is taken in order in one transaction: a later claim sees what the
+    earlier ones leased (a tenant's running cap holds across them), an unknown host's claim is
+    refused alone, and a repeat of a claim in a later batch gets the same leases."""
+    register(ledger, "cpu-1")
+    register(ledger, "cpu-2")
+    for i in range(3):
+        submit(ledger, key=f"a{i}", tenant="team-a")
+    for i in range(2):
+        submit(ledger, key=f"b{i}", tenant="team-b")
+    first, ghost, second = ledger.claim_batch(
+        [
+            Claim("cpu-1", 2, TTL, "claim-1", max_running_per_tenant=2),
+            Claim("ghost", 1, TTL, "claim-g", max_running_per_tenant=2),
+            Claim("cpu-2", 5, TTL, "claim-2", max_running_per_tenant=2),
+        ],
+        T0,
+    )
+    assert isinstance(ghost, FailedPrecondition) and "ghost" in str(ghost)
+    assert not isinstance(first, Exception) and not isinstance(second, Exception)
+    assert len(first) == 2 and len(second) == 2
+    leased = first + second
+    assert len({a.work_id for a in leased}) == 4
+    tenants = [ledger.get(a.rollout_id).tenant for a in leased]
+    assert tenants.count("team-a") == 2 and tenants.count("team-b") == 2
+    for host, assignments in (("cpu-1", first), ("cpu-2", second)):
+        for a in assignments:
+            rollout = ledger.get(a.rollout_id)
+            assert rollout.state == RolloutState.RUNNING
+            assert [e.actor for e in ledger.events(a.rollout_id, 0) if e.kind == "leased"] == [host]
+    queued = [r for r in ledger.list_rollouts(50, "", {})[0] if r.state == RolloutState.QUEUED]
+    assert [r.tenant for r in queued] == ["team-a"]  # its tenant's cap: it waits
+    # A lost reply: the same claim again, in another batch, answers with the same leases.
+    [again] = ledger.claim_batch(
+        [Claim("cpu-2", 5, TTL, "claim-2", max_running_per_tenant=2)], T0 + 1
+    )
+    assert not isinstance(again, Exception)
+    assert [(a.work_id, a.fencing_token) for a in again] == [
+        (a.work_id, a.fencing_token) for a in second
+    ]
+
+
+def test_a_claim_that_fails_part_way_leaves_nothing_of_itself(
+    ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One claim of a batch failing after it wrote its leases is undone alone (a savepoint
+    each): its items stay queued, the batch's other claims are kept."""
+    register(ledger, "cpu-1")
+    register(ledger, "cpu-2")
+    for i in range(4):
+        submit(ledger, key=f"k{i}")
+    real = ledger._latest_checkpoints
+    calls = 0
+
+    def second_one_fails(db, rollout_ids):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1  # (read after each claim's writes)
+        if calls == 2:
+            raise FailedPrecondition("injected after the claim's writes")
+        return real(db, rollout_ids)
+
+    monkeypatch.setattr(ledger, "_latest_checkpoints", second_one_fails)
+    first, failed, third = ledger.claim_batch(
+        [Claim("cpu-1", 1, TTL), Claim("cpu-2", 2, TTL), Claim("cpu-1", 1, TTL)], T0
+    )
+    assert isinstance(failed, FailedPrecondition) and "injected" in str(failed)
+    assert not isinstance(first, Exception) and not isinstance(third, Exception)
+    kept = {a.rollout_id for a in first + third}
+    assert len(kept) == 2
+    for rollout in ledger.list_rollouts(50, "", {})[0]:
+        leased = [e.actor for e in ledger.events(rollout.id, 0) if e.kind == "leased"]
+        if rollout.id in kept:
+            assert rollout.state == RolloutState.RUNNING and len(leased) == 1
+        else:  # what the failed claim had leased is as if it never was
+            assert rollout.state == RolloutState.QUEUED and leased == []
+            assert rollout.attempts == 0
