@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -16,6 +17,29 @@ from tests.pgserver import create_database, drop_database, postgres_server
 
 REPO = Path(__file__).resolve().parent.parent
 SMOLFILES = REPO / "smolfiles"
+
+
+def _mounts_under(root: Path) -> set[str]:
+    prefix = f"{root}/"
+    with open("/proc/mounts") as mounts:
+        points = [line.split()[1] for line in mounts]
+    # (/proc/mounts writes a space in a path as \040)
+    return {p.replace("\\040", " ") for p in points if p.startswith(prefix)}
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_mounted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A test leaves nothing mounted under the tests' temporary directories (a machine's
+    disk, say): what it left is unmounted, and the test fails naming it. Left there, it would
+    hold a loop device for good and fail every later run on the machine, whose clean-up of old
+    temporary directories cannot remove it."""
+    root = tmp_path_factory.getbasetemp()
+    before = _mounts_under(root)
+    yield
+    left = sorted(_mounts_under(root) - before)
+    for point in reversed(left):  # (the deepest first)
+        subprocess.run(["umount", "--lazy", point], capture_output=True, timeout=60)
+    assert not left, f"the test left mounted: {', '.join(left)}"
 
 
 @pytest.fixture(scope="session")
