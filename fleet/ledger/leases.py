@@ -296,8 +296,9 @@ class Leases(LedgerBase):
                 renewed.append((work_id, token))
         return renewed, stop
 
-    def sweep(self, now: float) -> int:
-        """Expires lost leases (retry or fail) and fails queued work past its deadline."""
+    def sweep(self, now: float, *, late: bool = True) -> int:
+        """Expires lost leases (retry or fail) and, with `late`, fails queued work past its
+        deadline (which reads every queued item: a server does it less often)."""
         changed = 0
         with self._tx() as db:
             for item in [Item(*r) for r in db.all(Q.EXPIRED_LEASES, (LEASED, now))]:
@@ -335,7 +336,8 @@ class Leases(LedgerBase):
                         message=error, attempt=item.attempt, error=error,
                     )  # fmt: skip
                 db.run(Q.RELEASE_LEASE, (state, not_before, owner, item.id))
-            for item in [Item(*r) for r in db.all(Q.LATE_ITEMS, (QUEUED, now))]:
+            late_items = db.all(Q.LATE_ITEMS, (QUEUED, now)) if late else []
+            for item in [Item(*r) for r in late_items]:
                 changed += 1
                 db.run(Q.SET_ITEM_STATE, (DONE, item.id))
                 row = self._rollout(db, item.rollout_id, lock=True)

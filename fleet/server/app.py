@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 import grpc
@@ -43,9 +44,13 @@ __all__ = ["Core", "FleetServer", "ServerConfig"]
 
 
 async def _sweeper(core: Core) -> None:
+    late_at = 0.0  # (monotonic: when queued work past its deadline is next looked for)
     while True:
         try:
-            if await core.db(core.ledger.sweep, time.time()):
+            late = time.monotonic() >= late_at
+            if late:
+                late_at = time.monotonic() + core.config.late_sweep_interval_s
+            if await core.db(functools.partial(core.ledger.sweep, late=late), time.time()):
                 core.changed()
             for host_id, released in await core.db(core.ledger.drain_sweep, time.time()):
                 log.info("host_drained", host_id=host_id, leases_released=released)

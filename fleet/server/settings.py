@@ -31,7 +31,11 @@ class ServerConfig(BaseModel):
     heartbeat_interval_s: Annotated[float, Gt(0), Flag("--heartbeat-s")] = 3.0
     """How often agents are told to beat."""
     sweep_interval_s: Positive = 0.5
-    """How often expired leases and missed deadlines are handled."""
+    """How often expired leases (an agent that stopped beating) are released for retry."""
+    late_sweep_interval_s: Positive = 10.0
+    """How often queued work past its deadline is failed. Finding it reads every queued item
+    (50,000 queued: 17 ms of the ledger's one writer), so not at every sweep; until then no
+    host can take it (a claim passes over work past its deadline)."""
     max_message_bytes: Annotated[int, Gt(0)] = MAX_MESSAGE_BYTES
     """Largest request accepted; bigger ones get RESOURCE_EXHAUSTED."""
     max_active_per_tenant: Annotated[int, Gt(0)] = 100_000

@@ -214,7 +214,12 @@ def test_deadline_passed_before_start_fails(ledger: Ledger) -> None:
     register(ledger)
     rollout, _ = submit(ledger, deadline=datetime.fromtimestamp(T0, UTC) + timedelta(seconds=5))
     assert ledger.claim("cpu-1", 1, T0 + 6, TTL) == []
-    ledger.sweep(T0 + 6)
+    # A sweep that does not look for late queued work (a server's, between its less frequent
+    # looks) leaves it queued; no host can take it meanwhile.
+    assert ledger.sweep(T0 + 6, late=False) == 0
+    assert ledger.get(rollout.id).state == RolloutState.QUEUED
+    assert ledger.claim("cpu-1", 1, T0 + 7, TTL) == []
+    assert ledger.sweep(T0 + 8) == 1
     got = ledger.get(rollout.id)
     assert got.state == RolloutState.FAILED and "deadline passed" in got.error
 
