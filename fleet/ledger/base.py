@@ -14,7 +14,8 @@ import sqlite3
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -292,6 +293,13 @@ class LedgerBase:
                 fcntl.flock(self._lock_file, fcntl.LOCK_UN)
 
     # -- helpers -----------------------------------------------------------------------------
+
+    def _count_active(self, db: Raw, tenants: Iterable[str], step: int) -> None:
+        """Each of `tenants` (one entry per item) gained (`step` 1: submitted) or lost (-1:
+        ended) a queued or leased item: `tenant_active` follows, in tenant order (replicas
+        updating the same tenants take their rows in one order)."""
+        counts = Counter(tenants)
+        db.many(Q.COUNT_ACTIVE, [(t, n * step) for t, n in sorted(counts.items())])
 
     def _event(
         self, db: Raw, rollout_id: str, kind: str, now: float, *, before: str = "",

@@ -78,6 +78,7 @@ class Completions(LedgerBase):
             event_rows: list[tuple[Any, ...]] = []
             egress_rows: list[tuple[Any, ...]] = []
             seen: dict[str, tuple[str, RolloutState]] = {}
+            ended: list[str] = []  # (the tenant of each item that is done now)
             for (host_id, report), (fingerprint, outputs, results_json) in zip(
                 reports, prepared, strict=True
             ):
@@ -131,6 +132,8 @@ class Completions(LedgerBase):
                      report.peak_memory_mib, report.artifact_failed, item.id, item.attempt)
                 )  # fmt: skip
                 requeue = target == RolloutState.QUEUED
+                if not requeue:
+                    ended.append(item.tenant)
                 check_item_transition(
                     WorkItemState(item.state),
                     WorkItemState.QUEUED if requeue else WorkItemState.DONE,
@@ -171,6 +174,7 @@ class Completions(LedgerBase):
             db.many(Q.REPORT_ROLLOUT, rollout_rows)
             db.many(Q.INSERT_EVENT, event_rows)
             db.many(Q.INSERT_EGRESS_EVENT, egress_rows)
+            self._count_active(db, ended, -1)
         return out
 
     def _judge(

@@ -301,6 +301,7 @@ class Leases(LedgerBase):
         deadline (which reads every queued item: a server does it less often)."""
         changed = 0
         with self._tx() as db:
+            ended: list[str] = []  # (the tenant of each item that is done now)
             for item in [Item(*r) for r in db.all(Q.EXPIRED_LEASES, (LEASED, now))]:
                 changed += 1
                 row = self._rollout(db, item.rollout_id, lock=True)
@@ -336,16 +337,20 @@ class Leases(LedgerBase):
                         message=error, attempt=item.attempt, error=error,
                     )  # fmt: skip
                 db.run(Q.RELEASE_LEASE, (state, not_before, owner, item.id))
+                if state == DONE:
+                    ended.append(item.tenant)
             late_items = db.all(Q.LATE_ITEMS, (QUEUED, now)) if late else []
             for item in [Item(*r) for r in late_items]:
                 changed += 1
                 db.run(Q.SET_ITEM_STATE, (DONE, item.id))
+                ended.append(item.tenant)
                 row = self._rollout(db, item.rollout_id, lock=True)
                 error = "the deadline passed before the rollout could start"
                 self._move(
                     db, row, RolloutState.FAILED, now, kind="deadline_exceeded", actor="ledger",
                     message=error, error=error,
                 )  # fmt: skip
+            self._count_active(db, ended, -1)
         if changed:
             log.info("ledger_swept", changed=changed)
         return changed

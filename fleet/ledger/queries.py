@@ -166,10 +166,14 @@ LEASED_TO_HOST = "SELECT id FROM work_items WHERE state = ? AND lease_owner = ? 
 LEASES_OF_HOST = "SELECT count(*) FROM work_items WHERE lease_owner = ? AND state = ?"
 LEASES_BY_HOST = "SELECT lease_owner, count(*) FROM work_items WHERE state = ? GROUP BY lease_owner"
 LEASES_BY_TENANT = "SELECT tenant, count(*) FROM work_items WHERE state = ? GROUP BY tenant"
-ACTIVE_BY_TENANT = (
-    "SELECT tenant, count(*) FROM work_items WHERE tenant IN ({marks}) AND state IN (?, ?) "
-    "GROUP BY tenant"
+ACTIVE_OF_TENANTS = "SELECT tenant, active FROM tenant_active WHERE tenant IN ({marks})"
+"""Queued plus leased work items of these tenants (a tenant with none may have no row)."""
+COUNT_ACTIVE = (
+    "INSERT INTO tenant_active (tenant, active) VALUES (?, ?) ON CONFLICT (tenant) "
+    "DO UPDATE SET active = tenant_active.active + excluded.active"
 )
+"""Adds to a tenant's count of queued plus leased items (negative: items that ended), in the
+same transaction as the change, so the count is always the items' own."""
 EXPIRED_LEASES = (
     f"SELECT {ITEM_COLS} FROM work_items WHERE state = ? AND lease_expires_at < ? "
     "FOR UPDATE SKIP LOCKED"

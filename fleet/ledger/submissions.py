@@ -21,7 +21,7 @@ from fleet.core.rollout import (
 )
 from fleet.ledger import queries as Q
 from fleet.ledger.base import UNIQUE_CLASH, LedgerBase, as_datetime, new_id
-from fleet.ledger.raw import DONE, LEASED, QUEUED, Raw
+from fleet.ledger.raw import DONE, QUEUED, Raw
 from fleet.ledger.records import Item
 
 log = structlog.get_logger(__name__)
@@ -106,10 +106,7 @@ class Submissions(LedgerBase):
         if max_active:
             tenants = sorted({req.tenant for req, _ in batch})
             active = {
-                tenant: int(n)
-                for tenant, n in db.all(
-                    Q.ACTIVE_BY_TENANT, [*tenants, QUEUED, LEASED], n=len(tenants)
-                )
+                tenant: int(n) for tenant, n in db.all(Q.ACTIVE_OF_TENANTS, tenants, n=len(tenants))
             }
         out: list[tuple[str, bool]] = []
         manifests: dict[str, Manifest] = {}
@@ -173,6 +170,7 @@ class Submissions(LedgerBase):
             db.many(Q.INSERT_LABEL, labels)
             db.many(Q.INSERT_WORK_ITEM, [(*row[:-1], False, row[-1]) for row in items])
             db.many(Q.INSERT_EVENT, events)
+            self._count_active(db, [row[2] for row in items], 1)
             self._manifests.update(manifests)
         return out
 
@@ -188,6 +186,7 @@ class Submissions(LedgerBase):
             why = reason or "cancelled by request"
             if item.state == QUEUED:
                 db.run(Q.SET_ITEM_STATE, (DONE, item.id))
+                self._count_active(db, [item.tenant], -1)
                 row = self._move(
                     db, row, RolloutState.CANCELLED, now, kind="cancelled", actor=actor,
                     message=why, error=why,

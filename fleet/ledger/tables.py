@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy import BigInteger, Index, text
 from sqlmodel import Field, SQLModel
 
-SCHEMA_VERSION = 15
+SCHEMA_VERSION = 16
 
 CHECKPOINT_ROW_BYTES = 512
 """What each checkpoint is charged besides its data (a row's cost), so that many tiny ones are
@@ -103,6 +103,17 @@ class WorkItemRow(SQLModel, table=True):
     pin_host: str = Field(default="", sa_column_kwargs={"server_default": ""})
     """The only host that may claim it (a session's fork: where its source's machine is;
     schema version 9)."""
+
+
+class TenantActiveRow(SQLModel, table=True):
+    """How many work items each tenant has queued or leased, kept as they change (schema
+    version 16): a submission's admission reads one row per tenant instead of counting every
+    active item of its tenant (50,000 queued: 24 ms a submission, in the writer's transaction)."""
+
+    __tablename__ = "tenant_active"
+
+    tenant: str = Field(primary_key=True)
+    active: int = 0
 
 
 class AttemptRow(SQLModel, table=True):

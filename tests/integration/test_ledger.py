@@ -575,7 +575,7 @@ def test_a_version_2_ledger_is_migrated_in_place(ledger_target: str) -> None:
         conn.execute(text("DROP TABLE pool_events"))
     ledger.engine.dispose()
     reopened = Ledger.open(ledger_target)
-    assert reopened.schema_version == SCHEMA_VERSION == 15
+    assert reopened.schema_version == SCHEMA_VERSION == 16
     register(reopened)
     assert reopened.host_states() == {"cpu-1": "ready"}  # (the column came back, defaulted)
     [a] = reopened.claim("cpu-1", 1, T0, TTL, hold_inference=True)
@@ -920,3 +920,58 @@ def test_a_claim_that_fails_part_way_leaves_nothing_of_itself(
         else:  # what the failed claim had leased is as if it never was
             assert rollout.state == RolloutState.QUEUED and leased == []
             assert rollout.attempts == 0
+
+
+def test_each_tenants_active_count_follows_its_items(ledger: Ledger) -> None:
+    """`tenant_active`, which admission reads, equals each tenant's queued plus leased items
+    through every change: submitted alone and in a batch, leased, succeeded, retried, cancelled
+    queued and running, a lease expired (retried, then failed), a deadline missed in the queue."""
+
+    def counts() -> tuple[dict[str, int], dict[str, int]]:
+        with ledger._read() as db:
+            kept = {t: int(n) for t, n in db.all("SELECT tenant, active FROM tenant_active")}
+            real = db.all(
+                "SELECT tenant, count(*) FROM work_items WHERE state IN ('QUEUED', 'LEASED') "
+                "GROUP BY tenant"
+            )
+        return {t: n for t, n in kept.items() if n}, {t: int(n) for t, n in real}
+
+    def check(expected: dict[str, int]) -> None:
+        kept, real = counts()
+        assert kept == real == expected
+
+    register(ledger)
+    retry = RetryPolicy(max_attempts=2, initial_backoff_s=1, max_backoff_s=1)
+    a = [submit(ledger, key=f"a{i}", tenant="team-a", retry=retry)[0] for i in range(4)]
+    ledger.submit_many([_req_manifest(f"b{i}", tenant="team-b") for i in range(3)], T0)
+    short = datetime.fromtimestamp(T0, UTC) + timedelta(seconds=5)
+    late, _ = submit(ledger, key="late", tenant="team-c", deadline=short)
+    check({"team-a": 4, "team-b": 3, "team-c": 1})
+    assert ledger.cancel(a[3].id, "not needed", "test", T0).state == RolloutState.CANCELLED
+    check({"team-a": 3, "team-b": 3, "team-c": 1})
+    leased = ledger.claim("cpu-1", 3, T0, TTL, max_running_per_tenant=3)
+    assert {ledger.get(x.rollout_id).tenant for x in leased} == {"team-a"}
+    check({"team-a": 3, "team-b": 3, "team-c": 1})  # (leased is still active)
+    first, second, third = leased
+    assert ledger.complete("cpu-1", done(first.work_id, first.fencing_token), T0 + 1) == (
+        RolloutState.SUCCEEDED
+    )
+    retried = done(second.work_id, second.fencing_token, Outcome.TRANSIENT_ERROR)
+    assert ledger.complete("cpu-1", retried, T0 + 1) == RolloutState.QUEUED
+    check({"team-a": 2, "team-b": 3, "team-c": 1})
+    ledger.cancel(third.rollout_id, "stop", "test", T0 + 1)  # (running: its agent stops it)
+    check({"team-a": 2, "team-b": 3, "team-c": 1})
+    stopped = done(third.work_id, third.fencing_token, Outcome.CANCELLED)
+    assert ledger.complete("cpu-1", stopped, T0 + 2) == RolloutState.CANCELLED
+    check({"team-a": 1, "team-b": 3, "team-c": 1})
+    # Every lease lost: team-a's retry fails (its second attempt of 2), team-b's are retried;
+    # team-c's, past its deadline, is not taken.
+    taken = ledger.claim("cpu-1", 10, T0 + 6, TTL)
+    assert sorted(ledger.get(x.rollout_id).tenant for x in taken) == ["team-a"] + ["team-b"] * 3
+    check({"team-a": 1, "team-b": 3, "team-c": 1})
+    assert ledger.sweep(T0 + 6 + TTL + 1, late=False) == 4
+    assert ledger.get(second.rollout_id).state == RolloutState.FAILED
+    check({"team-b": 3, "team-c": 1})
+    assert ledger.sweep(T0 + 6 + TTL + 2) == 1  # (team-c's deadline passed in the queue)
+    assert ledger.get(late.id).state == RolloutState.FAILED
+    check({"team-b": 3})
