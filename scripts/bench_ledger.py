@@ -36,7 +36,7 @@ from fleet.core.manifest import (  # noqa: E402
     validate_request,
 )
 from fleet.core.placement import HostCapabilities, HostClass, Isolation, RuntimeKind  # noqa: E402
-from fleet.core.rollout import Completion, StepResult  # noqa: E402
+from fleet.core.rollout import Assignment, Completion, StepResult  # noqa: E402
 from fleet.image.store import ImageStore  # noqa: E402
 from fleet.ledger import queries as Q  # noqa: E402
 from fleet.ledger.leases import Claim  # noqa: E402
@@ -143,6 +143,16 @@ def enqueue_floor(path: str, n: int, batch: int) -> float:
     return rate
 
 
+def succeeded(a: Assignment) -> Completion:
+    """A no-op step's report of `a`: succeeded."""
+    return Completion(
+        work_id=a.work_id,
+        fencing_token=a.fencing_token,
+        outcome=Outcome.SUCCEEDED,
+        results=(StepResult(index=0, exit_code=0),),
+    )
+
+
 def register(ledger: Ledger, host_id: str) -> None:
     ledger.register_host(
         HostCapabilities(
@@ -180,10 +190,7 @@ def served(target: str, n: int) -> float:
             done = 0
             while batch := await claims.claim(Claim(host_id, CLAIM_BATCH, 60.0)):
                 await asyncio.gather(*(
-                    completions.complete(host_id, Completion(
-                        work_id=a.work_id, fencing_token=a.fencing_token,
-                        outcome=Outcome.SUCCEEDED, results=(StepResult(index=0, exit_code=0),)))
-                    for a in batch
+                    completions.complete(host_id, succeeded(a)) for a in batch
                 ))  # fmt: skip
                 done += len(batch)
             return done
@@ -214,14 +221,7 @@ def worker(target: str, host_id: str, counter: Synchronized[int], ready: Barrier
         if not batch:
             break
         # The batch's completions are group-committed: one durable commit for all of them.
-        reports = [
-            Completion(
-                work_id=a.work_id, fencing_token=a.fencing_token, outcome=Outcome.SUCCEEDED,
-                results=(StepResult(index=0, exit_code=0),),
-            )
-            for a in batch
-        ]  # fmt: skip
-        answers = ledger.complete_many(host_id, reports, time.time())
+        answers = ledger.complete_many(host_id, [succeeded(a) for a in batch], time.time())
         assert all(not isinstance(x, Exception) for x in answers), answers
         done += len(batch)
     with counter.get_lock():
@@ -356,13 +356,7 @@ def where_time_goes(target: str, n: int) -> dict[str, float]:
     profile = cProfile.Profile()
     profile.enable()
     while batch := ledger.claim(host, CLAIM_BATCH, time.time(), 60.0):
-        ledger.complete_many(
-            host,
-            [Completion(work_id=a.work_id, fencing_token=a.fencing_token,
-                        outcome=Outcome.SUCCEEDED, results=(StepResult(index=0, exit_code=0),))
-             for a in batch],
-            time.time(),
-        )  # fmt: skip
+        ledger.complete_many(host, [succeeded(a) for a in batch], time.time())
     profile.disable()
     ledger.engine.dispose()
     stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]

@@ -114,8 +114,8 @@ class Leases(LedgerBase):
     def _claim(self, db: Raw, claim: Claim, now: float) -> _Taken:
         """One claim in the caller's transaction: its leases written, its answer not yet
         built (that needs no database, so it is built after the commit)."""
-        host_id, max_items, lease_ttl_s, request_id = claim[:4]
-        max_running_per_tenant, hold_inference = claim[4:]
+        host_id, max_items, request_id = claim.host_id, claim.max_items, claim.request_id
+        max_running_per_tenant = claim.max_running_per_tenant
         host = self._host_row(db, host_id)
         if request_id:
             again = db.all(Q.LEASES_OF_CLAIM, (host_id, LEASED, request_id))
@@ -147,7 +147,7 @@ class Leases(LedgerBase):
             host.isolation == Isolation.VM, host.cuda_devices > 0,
             # Backpressure (the gateway's queue is over its threshold), or a host whose
             # agent does not know where the gateway is: no work that calls the gateway.
-            not hold_inference and bool(host.gateway),
+            not claim.hold_inference and bool(host.gateway),
             *(full or [""]),  # ("": no tenant is called that)
             want,
         ]  # fmt: skip
@@ -167,7 +167,7 @@ class Leases(LedgerBase):
             return _Taken()
         ids = sorted({i.rollout_id for i in chosen})
         rollouts = {row[0]: row for row in db.all(Q.CLAIMED_ROLLOUTS, ids, n=len(ids))}
-        expires = now + lease_ttl_s
+        expires = now + claim.lease_ttl_s
         running_state = RolloutState.RUNNING.value
         item_rows, attempt_rows, rollout_rows, event_rows = [], [], [], []
         leased: list[tuple[Item, int, int, Manifest]] = []
