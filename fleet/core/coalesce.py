@@ -18,11 +18,16 @@ twice at once). The rules, the same for all:
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+
+RECENT_BATCHES = 1024
+"""How many of its last batches' sizes a coalescer keeps."""
 
 
 class Coalescer(Generic[T, R]):
@@ -44,8 +49,9 @@ class Coalescer(Generic[T, R]):
         self._after_batch = after_batch
         self._pending: list[tuple[T, asyncio.Future[R]]] = []
         self._task: asyncio.Task[None] | None = None
-        self.batches: list[int] = []
-        """The sizes of the batches run so far, in order (for metrics and tests)."""
+        self.batches: deque[int] = deque(maxlen=RECENT_BATCHES)
+        """The sizes of the last RECENT_BATCHES batches, in order (for metrics and tests): a
+        long-lived server runs millions of batches, so older ones are let go."""
 
     @property
     def waiting(self) -> int:

@@ -342,7 +342,8 @@ class SmolParent:
 
     @property
     def batches(self) -> list[int]:
-        return self._coalescer.batches
+        """The sizes of its last branching batches (`Coalescer.batches`)."""
+        return list(self._coalescer.batches)
 
     async def delete(self) -> None:
         """Children first, then the source."""

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from fleet.core.coalesce import Coalescer
+from fleet.core.coalesce import RECENT_BATCHES, Coalescer
 
 
 class Recorder:
@@ -41,7 +41,7 @@ async def test_calls_during_a_batch_go_together_into_the_next_one_each_with_its_
     answers, batches, sizes = (
         [a if isinstance(a, int) else str(a) for a in answers],
         rec.batches,
-        c.batches,
+        list(c.batches),
     )
 
     assert answers == [0, "odd 1", 20, "odd 3", 40, "odd 5", 60]  # refused alone
@@ -87,7 +87,7 @@ async def test_an_abandoned_call_is_carried_out_or_left_out_and_its_result_orpha
     waiting.cancel()
     gate.set()
     assert await kept == 40
-    batches, sizes = rec.batches, c.batches
+    batches, sizes = rec.batches, list(c.batches)
 
     if drop:  # a child nobody waits for is never made
         assert batches == [[0], [4]] and orphans == [0] and sizes == [1, 1]
@@ -107,8 +107,16 @@ async def test_after_batch_runs_once_per_written_batch() -> None:
     failing: Coalescer[int, int] = Coalescer(broken, after_batch=lambda: seen.append(1))
     with pytest.raises(ConnectionError):
         await failing.submit(1)  # nothing written: nobody is woken
-    woken, sizes = len(seen), c.batches
+    woken, sizes = len(seen), list(c.batches)
 
     assert sizes == [4, 1] and woken == 2
     with pytest.raises(ValueError, match="max_batch"):
         Coalescer(Recorder().run, max_batch=0)
+
+
+async def test_only_the_last_batches_sizes_are_kept() -> None:
+    """A long-lived server runs millions of batches: the record of their sizes is bounded."""
+    c: Coalescer[int, int] = Coalescer(Recorder().run)
+    for i in range(RECENT_BATCHES + 5):
+        await c.submit(i * 2)  # (even: the recorder refuses odd items)
+    assert len(c.batches) == RECENT_BATCHES and set(c.batches) == {1}
