@@ -10,7 +10,9 @@ from typing import Any
 import structlog
 
 from fleet.core.errors import (
+    Aborted,
     AlreadyExists,
+    FleetError,
     ResourceExhausted,
 )
 from fleet.core.lifecycle import RolloutState
@@ -41,14 +43,96 @@ class Submissions(LedgerBase):
         With `max_active_per_tenant`, a tenant with that many queued or running rollouts is
         refused with RESOURCE_EXHAUSTED and a retry hint.
         """
+        [answer] = self.submit_batch([(request, manifest)], now, max_active_per_tenant)
+        if isinstance(answer, FleetError):
+            raise answer
+        return answer
+
+    def submit_batch(
+        self,
+        batch: list[tuple[SubmitRequest, Manifest]],
+        now: float,
+        max_active_per_tenant: int = 0,
+    ) -> list[tuple[Rollout, bool] | FleetError]:
+        """Many callers' submissions in one transaction (group commit), each as `submit` takes
+        it and answered on its own: one refused (a key reused with another body, its tenant at
+        its limit) gets its error and stores nothing, the others are stored.
+
+        They are taken in (tenant, key) order, so replicas take tenants' counts and keys in one
+        order (PostgreSQL cannot deadlock on them); answers come in the callers' order. All are
+        first written together (a few statements for the batch); only when one of them is
+        refused are they written again one by one, each under its own savepoint."""
+        order = sorted(
+            range(len(batch)), key=lambda i: (batch[i][0].tenant, batch[i][0].idempotency_key)
+        )
+        ordered = [batch[i] for i in order]
+        max_active = max_active_per_tenant
+        with self._tx() as db:
+            together = None
+            if len(batch) > 1:
+                together = self._submit_together(db, ordered, now, max_active)
+            if together is None:
+                together = [self._submit_one(db, req, m, now, max_active) for req, m in ordered]
+        answers = dict(zip(order, together, strict=True))
+        return [answers[i] for i in range(len(batch))]
+
+    def _submit_together(
+        self, db: Raw, batch: list[tuple[SubmitRequest, Manifest]], now: float, max_active: int
+    ) -> list[tuple[Rollout, bool] | FleetError] | None:
+        """All of a batch written at once, under a savepoint; None (and nothing written) when
+        any of them is refused."""
+        db.run(Q.SAVEPOINT)
+        try:
+            stored = self._insert_rollouts(db, batch, now, max_active)
+        except FleetError:
+            stored = None
+        except UNIQUE_CLASH:
+            stored = None
+        if stored is None:
+            db.run(Q.ROLLBACK_TO_SAVEPOINT)
+            db.run(Q.RELEASE_SAVEPOINT)
+            return None
+        db.run(Q.RELEASE_SAVEPOINT)
+        return [
+            (self._queued(rollout_id, request, manifest, now), True) if created
+            else (self._view(db, self._rollout(db, rollout_id)), False)
+            for (request, manifest), (rollout_id, created) in zip(batch, stored, strict=True)
+        ]  # fmt: skip
+
+    def _submit_one(
+        self, db: Raw, request: SubmitRequest, manifest: Manifest, now: float, max_active: int
+    ) -> tuple[Rollout, bool] | FleetError:
+        """One submission in the caller's transaction, under a savepoint: refused, it leaves
+        nothing of itself."""
         for _ in range(3):
+            db.run(Q.SAVEPOINT)
             try:
-                return self._submit(request, manifest, now, max_active_per_tenant)
+                [(rollout_id, created)] = self._insert_rollouts(
+                    db, [(request, manifest)], now, max_active
+                )
+                if created:
+                    answer: tuple[Rollout, bool] | FleetError = (
+                        self._queued(rollout_id, request, manifest, now),
+                        True,
+                    )
+                else:
+                    answer = self._view(db, self._rollout(db, rollout_id)), False
+            except FleetError as exc:
+                answer = exc
+                db.run(Q.ROLLBACK_TO_SAVEPOINT)
             except UNIQUE_CLASH:
                 # Another replica stored the same key or manifest between our read and insert;
                 # the next try sees its row and answers as for any repeated submission.
+                db.run(Q.ROLLBACK_TO_SAVEPOINT)
+                db.run(Q.RELEASE_SAVEPOINT)
                 continue
-        return self._submit(request, manifest, now, max_active_per_tenant)
+            db.run(Q.RELEASE_SAVEPOINT)
+            return answer
+        return Aborted(
+            f"idempotency key {request.idempotency_key!r}: other submissions of it kept "
+            "clashing with this one; retry",
+            retry_after_s=0.1,
+        )
 
     def submit_many(
         self,
@@ -69,24 +153,14 @@ class Submissions(LedgerBase):
         with self._tx() as db:
             return self._insert_rollouts(db, batch, now, max_active_per_tenant)
 
-    def _submit(
-        self, request: SubmitRequest, manifest: Manifest, now: float, max_active: int
-    ) -> tuple[Rollout, bool]:
-        with self._tx() as db:
-            [(rollout_id, created)] = self._insert_rollouts(
-                db, [(request, manifest)], now, max_active
-            )
-        if not created:
-            return self.get(rollout_id), False
-        at = as_datetime(now) or datetime.now(UTC)
-        return (
-            Rollout(
-                id=rollout_id, state=RolloutState.QUEUED, tenant=request.tenant,
-                idempotency_key=request.idempotency_key, labels=dict(request.labels),
-                manifest=manifest, manifest_digest=manifest.digest, created_at=at,
-                priority=request.priority,
-            ),
-            True,
+    @staticmethod
+    def _queued(rollout_id: str, request: SubmitRequest, manifest: Manifest, now: float) -> Rollout:
+        """A rollout as its submission stored it."""
+        return Rollout(
+            id=rollout_id, state=RolloutState.QUEUED, tenant=request.tenant,
+            idempotency_key=request.idempotency_key, labels=dict(request.labels),
+            manifest=manifest, manifest_digest=manifest.digest,
+            created_at=as_datetime(now) or datetime.now(UTC), priority=request.priority,
         )  # fmt: skip
 
     def _insert_rollouts(

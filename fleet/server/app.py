@@ -178,6 +178,7 @@ class FleetServer:
         self.security = security
         self.core = Core(ledger, images, self.config, security)
         self.host_servicer = HostServicer(self.core)
+        self.fleet_servicer = FleetServicer(self.core)
         """The host API (its group commits: claims, completions, checkpoints)."""
         self.listen = listen
         self.port = 0
@@ -222,7 +223,7 @@ class FleetServer:
             ],
             interceptors=interceptors,
         )
-        fleet_pb2_grpc.add_FleetServiceServicer_to_server(FleetServicer(self.core), server)
+        fleet_pb2_grpc.add_FleetServiceServicer_to_server(self.fleet_servicer, server)
         host_pb2_grpc.add_HostServiceServicer_to_server(self.host_servicer, server)
         fleet_pb2_grpc.add_SessionServiceServicer_to_server(
             SessionServicer(self.core, self.core.sessions), server

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -19,8 +20,9 @@ from fleet.core.errors import (
     Internal,
 )
 from fleet.core.lifecycle import RolloutState
+from fleet.core.manifest import Manifest, SubmitRequest
 from fleet.core.placement import HostCapabilities, HostClass, Requirements, unservable_reason
-from fleet.core.rollout import Assignment, Completion
+from fleet.core.rollout import Assignment, Completion, Rollout
 from fleet.image.store import ImageStore
 from fleet.ledger.leases import Claim
 from fleet.ledger.store import Ledger
@@ -187,6 +189,21 @@ class GroupCommit(Generic[T, R]):
     def coalescer(self) -> Coalescer[T, R]:
         """Its batches so far and what waits for the next (`Coalescer.batches`, `.waiting`)."""
         return self._coalescer
+
+
+class SubmitBatcher(GroupCommit[tuple[SubmitRequest, Manifest], tuple[Rollout, bool]]):
+    """Group commit for SubmitRollout: submissions that arrive while one batch is being stored
+    go together into the next transaction (`Submissions.submit_batch`), each answered on its
+    own. Claims waiting for work are woken after each batch."""
+
+    def __init__(self, core: Core) -> None:
+        write = functools.partial(
+            core.ledger.submit_batch, max_active_per_tenant=core.config.max_active_per_tenant
+        )
+        super().__init__(core, write)  # type: ignore[arg-type]
+
+    async def store(self, submit: SubmitRequest, manifest: Manifest) -> tuple[Rollout, bool]:
+        return await self.submit((submit, manifest))
 
 
 class CompletionBatcher(GroupCommit[tuple[str, Completion], RolloutState]):

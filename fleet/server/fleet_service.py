@@ -39,6 +39,7 @@ from fleet.server.core import (
     MAX_LIST_BYTES,
     MIB,
     Core,
+    SubmitBatcher,
 )
 from fleet.server.status import STATUS_FOR, mapped
 
@@ -51,6 +52,7 @@ MAX_BATCH_SUBMIT = 1000
 class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
     def __init__(self, core: Core) -> None:
         self.core = core
+        self.submits = SubmitBatcher(core)
 
     @mapped
     async def SubmitRollout(
@@ -152,17 +154,7 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
         """A validated submission into the ledger (see `prepare`); (the rollout, whether this
         call created it)."""
         manifest = await self.prepare(submit, parsed, now, image_upload)
-        rollout, created = await self.core.db(
-            functools.partial(
-                self.core.ledger.submit,
-                max_active_per_tenant=self.core.config.max_active_per_tenant,
-            ),
-            submit,
-            manifest,
-            now.timestamp(),
-        )
-        if created:
-            self.core.changed()
+        rollout, created = await self.submits.store(submit, manifest)
         log.info(
             "rollout_submitted",
             rollout_id=rollout.id,

@@ -599,6 +599,50 @@ async def test_claims_arriving_together_are_taken_in_one_transaction(
     assert sum(batches) == len(calls) and len(batches) <= 2
 
 
+async def test_submissions_arriving_together_are_stored_in_one_transaction(
+    tmp_path: Path, images: ImageStore
+) -> None:
+    """Eight submissions arrive while the ledger is busy: they wait together and are stored
+    in one or two transactions, not eight; each gets its own rollout, and one that reuses a
+    key with another body is refused alone."""
+
+    async with harness(tmp_path, images) as h:
+        await h.register_host("h1")
+        first = await h.fleet.SubmitRollout(request(key="taken"))
+        submits = h.server.fleet_servicer.submits.coalescer
+        before = len(submits.batches)
+        busy, release = threading.Event(), threading.Event()
+
+        def hold() -> None:  # the ledger's one thread, busy until every submission has arrived
+            busy.set()
+            release.wait(30)
+
+        held = asyncio.ensure_future(h.server.core.db(hold))
+        assert await asyncio.to_thread(busy.wait, 30)
+        requests = [request(key=f"k{i}") for i in range(7)]
+        requests.insert(3, request('image = "minimal"\n', ["false"], key="taken"))
+        calls = [asyncio.ensure_future(h.fleet.SubmitRollout(r)) for r in requests]
+        for _ in range(500):  # (bounded: 10 s)
+            if sum(submits.batches) + submits.waiting == len(calls):
+                break
+            await asyncio.sleep(0.02)
+        release.set()
+        await held
+        answers = await asyncio.gather(*calls, return_exceptions=True)
+        batches = list(submits.batches)[before:]
+        listed = await h.fleet.ListRollouts(fleet_pb2.ListRolloutsRequest(page_size=50))
+
+    refused = answers.pop(3)
+    assert isinstance(refused, grpc.aio.AioRpcError)
+    assert refused.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert first.rollout.id in (refused.details() or "")
+    assert all(a.created for a in answers)  # type: ignore[union-attr]
+    ids = {a.rollout.id for a in answers}  # type: ignore[union-attr]
+    assert len(ids) == 7 and first.rollout.id not in ids
+    assert {r.id for r in listed.rollouts} == ids | {first.rollout.id}
+    assert sum(batches) == len(calls) and len(batches) <= 2
+
+
 async def test_refused_egress_reaches_the_ledger_api_and_cli(
     tmp_path: Path, images: ImageStore
 ) -> None:

@@ -922,6 +922,84 @@ def test_a_claim_that_fails_part_way_leaves_nothing_of_itself(
             assert rollout.attempts == 0
 
 
+def test_many_callers_submissions_in_one_transaction(ledger: Ledger) -> None:
+    """A batch of callers' submissions is stored in one transaction, each answered on its own
+    in the callers' order: a key reused with another body and a tenant past its limit are
+    refused alone and store nothing; a key twice in a batch is one rollout; the rest are
+    stored, and the tenants' kept counts follow only what was stored."""
+    [(old, _)] = ledger.submit_many([_req_manifest("old", tenant="team-a")], T0)
+    # None refused: written together, answered in the callers' order.
+    z, y, z_again = ledger.submit_batch(
+        [_req_manifest("z", tenant="team-z"), _req_manifest("y", tenant="team-y"),
+         _req_manifest("z", tenant="team-z")], T0,
+    )  # fmt: skip
+    assert not isinstance(z, Exception) and not isinstance(y, Exception)
+    assert not isinstance(z_again, Exception)
+    assert (z[0].idempotency_key, z[1], y[0].idempotency_key, y[1]) == ("z", True, "y", True)
+    assert z_again == (z_again[0], False) and z_again[0].id == z[0].id
+    assert z_again[0].state == RolloutState.QUEUED and z_again[0].tenant == "team-z"
+    batch = [
+        _req_manifest("n1", tenant="team-b"),
+        _req_manifest("old", tenant="team-a", labels={"other": "body"}),
+        _req_manifest("n2", tenant="team-a"),
+        _req_manifest("n3", tenant="team-a"),
+        _req_manifest("n1", tenant="team-b"),
+        _req_manifest("old", tenant="team-a"),
+    ]
+    n1, reused, n2, over, n1_again, old_again = ledger.submit_batch(
+        batch, T0 + 1, max_active_per_tenant=2
+    )
+    assert isinstance(reused, AlreadyExists) and old in str(reused)
+    assert isinstance(over, ResourceExhausted) and "team-a" in str(over)
+    assert not isinstance(n1, Exception) and not isinstance(n2, Exception)
+    assert not isinstance(n1_again, Exception) and not isinstance(old_again, Exception)
+    assert n1[1] and n2[1] and not n1_again[1] and not old_again[1]
+    assert n1_again[0].id == n1[0].id and old_again[0].id == old
+    assert (n1[0].tenant, n2[0].idempotency_key) == ("team-b", "n2")
+    stored = {r.idempotency_key: r for r in ledger.list_rollouts(50, "", {})[0]}
+    assert sorted(stored) == ["n1", "n2", "old", "y", "z"]
+    assert stored["old"].labels == {}  # the refused body changed nothing
+    for key in ("n1", "n2"):
+        assert [e.kind for e in ledger.events(stored[key].id, 0)] == ["submitted"]
+    # The refused submission left the tenant's count as it was: team-a holds two, at its limit.
+    with pytest.raises(ResourceExhausted, match="has 2 rollouts"):
+        ledger.submit(*_req_manifest("n4", tenant="team-a"), T0 + 2, max_active_per_tenant=2)
+    ledger.submit(*_req_manifest("n4", tenant="team-b"), T0 + 2, max_active_per_tenant=2)
+
+
+def test_a_submission_that_fails_part_way_leaves_nothing_of_itself(
+    ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One submission of a batch failing after its rows were written is undone alone (the
+    batch is then written one by one, a savepoint each): no rollout, event or count of it
+    remains; the others are stored."""
+    real = ledger._count_active
+
+    def team_b_fails(db, tenants, step):  # type: ignore[no-untyped-def]
+        if "team-b" in tenants:  # (called after a submission's rows are written)
+            raise FailedPrecondition("injected after the submission's writes")
+        return real(db, tenants, step)
+
+    monkeypatch.setattr(ledger, "_count_active", team_b_fails)
+    first, failed, third = ledger.submit_batch(
+        [_req_manifest("a1", tenant="team-a"), _req_manifest("b1", tenant="team-b"),
+         _req_manifest("c1", tenant="team-c")], T0,
+    )  # fmt: skip
+    monkeypatch.undo()
+    assert isinstance(failed, FailedPrecondition) and "injected" in str(failed)
+    assert not isinstance(first, Exception) and not isinstance(third, Exception)
+    assert (first[0].idempotency_key, third[0].idempotency_key) == ("a1", "c1")
+    stored = sorted(r.idempotency_key for r in ledger.list_rollouts(50, "", {})[0])
+    assert stored == ["a1", "c1"]
+    with pytest.raises(ResourceExhausted, match="has 1 rollouts"):
+        ledger.submit(*_req_manifest("a2", tenant="team-a"), T0, max_active_per_tenant=1)
+    # Nothing of the failed one is counted, and its key is free: a new rollout.
+    again, created = ledger.submit(
+        *_req_manifest("b1", tenant="team-b"), T0, max_active_per_tenant=1
+    )
+    assert created and again.id not in {first[0].id, third[0].id}
+
+
 def test_each_tenants_active_count_follows_its_items(ledger: Ledger) -> None:
     """`tenant_active`, which admission reads, equals each tenant's queued plus leased items
     through every change: submitted alone and in a batch, leased, succeeded, retried, cancelled
