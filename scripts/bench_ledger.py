@@ -42,17 +42,19 @@ from fleet.ledger import queries as Q  # noqa: E402
 from fleet.ledger.leases import Claim  # noqa: E402
 from fleet.ledger.raw import dialect  # noqa: E402
 from fleet.ledger.store import Ledger  # noqa: E402
-from fleet.server.core import ClaimBatcher, CompletionBatcher, Core  # noqa: E402
+from fleet.server.core import ClaimBatcher, CompletionBatcher, Core, SubmitBatcher  # noqa: E402
 from fleet.server.settings import ServerConfig  # noqa: E402
 from tests.pgserver import create_database, postgres_server  # noqa: E402
 
 WORKERS = 4
 CLAIM_BATCH = 32
+CALLERS = 32
+"""Submitters each sending one rollout at a time, in the server-shaped enqueue rows."""
 
 BASELINE = r"""
 import asyncio, sys, time
 import procrastinate
-url, n = sys.argv[1], int(sys.argv[2])
+url, n, CALLERS = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 app = procrastinate.App(connector=procrastinate.PsycopgConnector(conninfo=url))
 
 @app.task(name="noop")
@@ -66,14 +68,23 @@ async def main() -> None:
         for _ in range(n):
             await noop.defer_async()
         one = n / (time.perf_counter() - t)
+        gate = asyncio.Semaphore(CALLERS)
+
+        async def defer() -> None:
+            async with gate:
+                await noop.defer_async()
+
+        t = time.perf_counter()
+        await asyncio.gather(*(defer() for _ in range(n)))
+        callers = n / (time.perf_counter() - t)
         t = time.perf_counter()
         await noop.batch_defer_async(*[{} for _ in range(n)])
         batch = n / (time.perf_counter() - t)
         t = time.perf_counter()
         await app.run_worker_async(concurrency=4, wait=False, listen_notify=False,
                                    install_signal_handlers=False, delete_jobs="never")
-        jobs = 2 * n / (time.perf_counter() - t)
-        print(f"{one} {batch} {jobs}")
+        jobs = 3 * n / (time.perf_counter() - t)
+        print(f"{one} {callers} {batch} {jobs}")
 
 asyncio.run(main())
 """
@@ -199,6 +210,37 @@ def served(target: str, n: int) -> float:
         counts = await asyncio.gather(*(host(h) for h in hosts))
         elapsed = time.perf_counter() - t
         assert sum(counts) == n, f"drained {sum(counts)} of {n}"
+        return n / elapsed
+
+    with tempfile.TemporaryDirectory(prefix="fleet-bench-images-") as images:
+        core = Core(ledger, ImageStore(Path(images), Path(images)), ServerConfig())
+        try:
+            return asyncio.run(run(core))
+        finally:
+            core.close()
+            ledger.engine.dispose()
+
+
+def served_enqueue(target: str, n: int, prefix: str) -> float:
+    """Rollouts stored per second as a server takes submissions: CALLERS submitters each
+    sending one at a time, into the server's ledger thread and its group commit
+    (`SubmitBatcher`; no gRPC)."""
+    ledger = Ledger.open(target)
+    items = [request(i, prefix) for i in range(n)]
+
+    async def run(core: Core) -> float:
+        submits = SubmitBatcher(core)
+        gate = asyncio.Semaphore(CALLERS)
+
+        async def submit(req: SubmitRequest, manifest: Manifest) -> bool:
+            async with gate:
+                _, created = await submits.store(req, manifest)
+                return created
+
+        t = time.perf_counter()
+        created = await asyncio.gather(*(submit(req, m) for req, m in items))
+        elapsed = time.perf_counter() - t
+        assert all(created), "a submission was not stored"
         return n / elapsed
 
     with tempfile.TemporaryDirectory(prefix="fleet-bench-images-") as images:
@@ -487,14 +529,16 @@ def api_rates(tmp: str, n: int) -> dict[str, float]:
     return out
 
 
-def baseline(url: str, n: int) -> tuple[float, float, float]:
+def baseline(url: str, n: int) -> tuple[float, float, float, float]:
+    """procrastinate's (one by one, CALLERS one at a time each, batched, jobs/s); its
+    connector's default pool."""
     env = {**os.environ, "PYTHONPATH": str(REPO / ".bench-deps")}
     out = subprocess.run(
-        [sys.executable, "-c", BASELINE, url, str(n)], env=env, capture_output=True, text=True,
-        check=True, timeout=600,
+        [sys.executable, "-c", BASELINE, url, str(n), str(CALLERS)], env=env,
+        capture_output=True, text=True, check=True, timeout=600,
     )  # fmt: skip
-    one, batch, jobs = (float(x) for x in out.stdout.split()[-3:])
-    return one, batch, jobs
+    one, callers, batch, jobs = (float(x) for x in out.stdout.split()[-4:])
+    return one, callers, batch, jobs
 
 
 def main() -> int:
@@ -517,15 +561,22 @@ def main() -> int:
         results["enqueue_floor_s"] = enqueue_floor(
             str(Path(tmp) / "ef.sqlite3"), enqueue_n * 5, 500
         )
+        results["enqueue_callers_s"] = served_enqueue(str(Path(tmp) / "ec.sqlite3"), enqueue_n, "c")
         pg_one = enqueue(create_database(server), enqueue_n, "pone", 1)
+        pg_callers = served_enqueue(create_database(server), enqueue_n, "pc")
         pg_batch = enqueue(create_database(server), enqueue_n * 5, "pb", 500)
-        b_one, b_batch, b_jobs = baseline(create_database(server), base_n)
+        b_one, b_callers, b_batch, b_jobs = baseline(create_database(server), base_n)
         prof_n = 640 if args.quick else 2000
         lite_prof = where_time_goes(str(Path(tmp) / "prof.sqlite3"), prof_n)
         pg_prof = where_time_goes(create_database(server), prof_n)
         fsyncs = fsync_rate(tmp)
         results.update(api_rates(tmp, 400 if args.quick else 2000))
         results["baseline_jobs_s"] = b_jobs
+        results["postgres_enqueue_one_s"], results["postgres_enqueue_callers_s"] = (
+            pg_one,
+            pg_callers,
+        )
+        results["baseline_enqueue_one_s"], results["baseline_enqueue_callers_s"] = b_one, b_callers
     rows = [
         (
             "claim+complete jobs/s, one server, 4 hosts",
@@ -540,6 +591,12 @@ def main() -> int:
             b_jobs,
         ),
         ("enqueue rows/s, one by one", results["enqueue_one_s"], pg_one, b_one),
+        (
+            f"  one at a time each, {CALLERS} callers",
+            results["enqueue_callers_s"],
+            pg_callers,
+            b_callers,
+        ),
         ("enqueue rows/s, batched", results["enqueue_batch_s"], pg_batch, b_batch),
     ]
     print(
@@ -548,7 +605,7 @@ def main() -> int:
     # The floors: SQLite alone running the same statements (no fleet code), under the rows
     # they bound.
     floors = {1: ("the same statements", results["jobs_floor_s"]),
-              3: ("the same rows", results["enqueue_floor_s"])}  # fmt: skip
+              4: ("the same rows", results["enqueue_floor_s"])}  # fmt: skip
     for k, (name, lite, pg, base) in enumerate(rows):
         print(
             f"{name:<44}{lite:>14.0f}{pg:>12.0f}{base:>15.0f}{lite / base:>13.1f}x{pg / base:>9.1f}x"
@@ -557,7 +614,7 @@ def main() -> int:
             what, floor = floors[k]
             print(f"{f'  SQLite alone, {what} (floor)':<44}{floor:>14.0f}"
                   f"{'':>27}{lite / floor:>13.2f}x of it")  # fmt: skip
-    print(f"(jobs: {jobs_n} fleet, {2 * base_n} procrastinate; SQLite synchronous=FULL, "
+    print(f"(jobs: {jobs_n} fleet, {3 * base_n} procrastinate; SQLite synchronous=FULL, "
           "PostgreSQL synchronous_commit=on; same machine, one run)")  # fmt: skip
     print()
     print(f"where one worker's time goes, per claim+complete job (cProfile, {prof_n} jobs, "
