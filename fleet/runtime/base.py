@@ -21,12 +21,10 @@ from fleet.runtime.output import OutputSink
 T = TypeVar("T")
 
 
-async def to_thread_to_the_end(fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)` in a worker thread, waited for to its end even when the caller is cancelled
-    (the cancellation is raised after it). Cancelling `asyncio.to_thread` ends only the wait,
-    not the thread: a cleanup that then runs beside it races it (a machine's disk mounted just
-    after its removal ran stays mounted, its loop device held, for good)."""
-    task = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+async def to_the_end(work: Awaitable[T]) -> T:
+    """`work` awaited to its end even when the caller is cancelled (the cancellation is raised
+    after it): for steps that a cleanup must never run beside, or stop half way."""
+    task = asyncio.ensure_future(work)
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
@@ -34,8 +32,16 @@ async def to_thread_to_the_end(fn: Callable[..., T], *args: Any) -> T:
             try:
                 await asyncio.wait({task})
             except asyncio.CancelledError:
-                continue  # (cancelled again: the thread still has to end first)
+                continue  # (cancelled again: the work still has to end first)
         raise
+
+
+async def to_thread_to_the_end(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` in a worker thread, waited for to its end even when the caller is cancelled
+    (`to_the_end`). Cancelling `asyncio.to_thread` ends only the wait, not the thread: a
+    cleanup that then runs beside it races it (a machine's disk mounted just after its removal
+    ran stays mounted, its loop device held, for good)."""
+    return await to_the_end(asyncio.to_thread(fn, *args))
 
 
 BASE_ENV = {

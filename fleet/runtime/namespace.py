@@ -196,7 +196,7 @@ class NamespaceRuntime:
             net = MachineNet(self.net, self.machines_dir, spec.name, name)
         else:
             name = existing
-            net = await asyncio.to_thread(
+            net = await to_thread_to_the_end(
                 MachineNet.attach, self.net, self.machines_dir, spec.name, name, rules
             )
         machine.net = net
@@ -246,7 +246,7 @@ class NamespaceRuntime:
         if not leftover.adoptable:
             raise InvalidArgument(f"machine {leftover.name} cannot be adopted: {leftover.why_not}")
         root = self.machines_dir / spec.labels.get("host", "local") / leftover.name
-        layer = await asyncio.to_thread(disk.attach, root) or root
+        layer = await to_thread_to_the_end(disk.attach, root) or root
         if not (layer / "upper").is_dir():
             raise NotFound(f"machine {leftover.name} has no layer at {layer}")
         if not (root / "lower").is_symlink():
@@ -265,8 +265,9 @@ class NamespaceRuntime:
             memory_mib=spec.smolfile.memory_mib_effective, cpus=spec.smolfile.cpus_effective
         )
         try:
-            await asyncio.to_thread(cgroup.kill_all)  # nothing of the old agent's commands runs on
-            await asyncio.to_thread(cgroup.create, limits)
+            # Each step to its end, so the cleanup below never runs beside one.
+            await to_thread_to_the_end(cgroup.kill_all)  # nothing of the old agent's commands runs
+            await to_thread_to_the_end(cgroup.create, limits)
             if not (root / "seccomp.bpf").exists():
                 (root / "seccomp.bpf").write_bytes(self._seccomp)
             machine.userns = await users.user_namespace()

@@ -29,6 +29,7 @@ from fleet.runtime.base import (
     ExecResult,
     MachineSpec,
     machine_env,
+    to_the_end,
 )
 from fleet.runtime.cgroups import MachineCgroup
 from fleet.runtime.dnsfwd import DnsForwarder
@@ -429,6 +430,11 @@ class NamespaceMachine:
         if self._deleted:
             return
         self._deleted = True
+        # To its end even when cancelled: a delete stopped half way (and marked done) would
+        # leave the machine's disk mounted and its cgroup and namespace behind for good.
+        await to_the_end(self._teardown())
+
+    async def _teardown(self) -> None:
         if self.resident is not None:
             await self.resident.close()
         for proc in list(self._running):

@@ -24,7 +24,13 @@ from fleet.core.egress import EgressEvent
 from fleet.core.errors import Internal, InvalidArgument, NotFound, Unavailable
 from fleet.core.rollout import MAX_OUTPUT_BYTES
 from fleet.runtime import cgroups, resident, users
-from fleet.runtime.base import Channel, ExecResult, MachineSpec, machine_env
+from fleet.runtime.base import (
+    Channel,
+    ExecResult,
+    MachineSpec,
+    machine_env,
+    to_thread_to_the_end,
+)
 from fleet.runtime.output import OutputSink
 from fleet.runtime.resident import Resident
 
@@ -410,7 +416,7 @@ class WarmChild:
             os.close(self._sockets_fd)
             self._sockets_fd = None
         self.parent.children.discard(self)
-        await asyncio.to_thread(self._remove)
+        await to_thread_to_the_end(self._remove)  # (a delete marked done must finish)
 
     def _remove(self) -> None:
         self.cgroup.remove()

@@ -618,3 +618,40 @@ def test_a_creation_cancelled_while_its_disk_is_made_leaves_no_mount(
     mounts = Path("/proc/mounts").read_text().splitlines()
     assert [line for line in mounts if str(machines) in line] == []
     assert not any(p.name.startswith(spec.name) for p in machines.rglob("*"))
+
+
+def test_a_delete_cancelled_half_way_still_removes_the_machine(
+    rootfs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A machine's delete is cancelled (its agent shutting down) while its cgroup is being
+    removed: the delete still runs to its end, so its disk is unmounted and its files gone,
+    instead of a delete marked done that never reached them."""
+    from fleet.runtime.cgroups import MachineCgroup
+
+    runtime, spec = make(rootfs, tmp_path, 'image = "minimal"\noverlay = 1\n')
+    started, cancelled = threading.Event(), threading.Event()
+    remove_cgroup = MachineCgroup.remove
+
+    def slow_remove(self: MachineCgroup) -> None:
+        started.set()
+        cancelled.wait(2)  # (until the delete has been cancelled)
+        remove_cgroup(self)
+
+    async def run() -> tuple[bool, NamespaceMachine]:
+        machine = await runtime.create(spec)
+        monkeypatch.setattr(MachineCgroup, "remove", slow_remove)
+        deleting = asyncio.create_task(machine.delete())
+        assert await asyncio.to_thread(started.wait, 30)
+        deleting.cancel()
+        cancelled.set()
+        try:
+            await deleting
+        except asyncio.CancelledError:
+            return True, machine
+        return False, machine
+
+    was_cancelled, machine = asyncio.run(run())
+    mounts = Path("/proc/mounts").read_text().splitlines()
+    assert was_cancelled
+    assert [line for line in mounts if str(machine.root) in line] == []
+    assert not machine.root.exists()
