@@ -36,6 +36,8 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 MAX_CLAIM_WAIT_S = 30.0
+READ_THREADS = 2
+"""Threads for read-only ledger calls, beside the ledger's one writing thread."""
 
 
 MIB = 1 << 20
@@ -92,6 +94,7 @@ class Core:
                 host_port=lambda: self.host_port, cache_s=security.cache_s,
             )  # fmt: skip
         self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger")
+        self._reads = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="ledger-read")
         self._hosts: tuple[float, list[HostCapabilities]] | None = None
         self.work_pulse = Pulse()
         self.event_pulse = Pulse()
@@ -112,7 +115,15 @@ class Core:
         """Running rollouts -> whether they call the gateway, as last told to it."""
 
     async def db(self, fn: Callable[..., T], *args: Any) -> T:
+        """A ledger call on the ledger's one thread, where every write runs in turn."""
         return await asyncio.get_running_loop().run_in_executor(self._db, fn, *args)
+
+    async def read(self, fn: Callable[..., T], *args: Any) -> T:
+        """A read-only ledger call (a rollout, a page, events, the metrics' figures) on the
+        reader threads: it reads a snapshot that waits for no writer (SQLite's WAL,
+        PostgreSQL's MVCC) and keeps no write waiting behind it. What a write committed before
+        it is seen."""
+        return await asyncio.get_running_loop().run_in_executor(self._reads, fn, *args)
 
     def caller(self) -> Caller:
         """Who the current call is from (see `fleet.server.auth`)."""
@@ -147,6 +158,7 @@ class Core:
 
     def close(self) -> None:
         self._db.shutdown(wait=True)
+        self._reads.shutdown(wait=True)
 
 
 DEFAULT_HOST_PORT = 50054

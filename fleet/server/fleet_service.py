@@ -223,7 +223,7 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
         self, request: fleet_pb2.GetArtifactRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[fleet_pb2.ArtifactChunk]:
         try:
-            rollout = await self.core.db(self.core.ledger.get, request.rollout_id)
+            rollout = await self.core.read(self.core.ledger.get, request.rollout_id)
             self.core.caller().check_owner(request.rollout_id, rollout.tenant)
             known = {i.digest for i in rollout.manifest.inputs}
             known |= {o.digest for o in rollout.outputs if o.digest}
@@ -238,14 +238,14 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
     async def GetRollout(
         self, request: fleet_pb2.GetRolloutRequest, context: grpc.aio.ServicerContext
     ) -> types_pb2.Rollout:
-        rollout = await self.core.db(self.core.ledger.get, request.id)
+        rollout = await self.core.read(self.core.ledger.get, request.id)
         self.core.caller().check_owner(request.id, rollout.tenant)
         return convert.rollout_to_pb(rollout)
 
     async def _check_owner(self, rollout_id: str) -> None:
         caller = self.core.caller()
         if not caller.all_tenants:
-            rollout = await self.core.db(self.core.ledger.get, rollout_id)
+            rollout = await self.core.read(self.core.ledger.get, rollout_id)
             caller.check_owner(rollout_id, rollout.tenant)
 
     @mapped
@@ -253,7 +253,7 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
         self, request: fleet_pb2.ListRolloutsRequest, context: grpc.aio.ServicerContext
     ) -> fleet_pb2.ListRolloutsResponse:
         caller = self.core.caller()
-        rollouts, token = await self.core.db(
+        rollouts, token = await self.core.read(
             functools.partial(
                 self.core.ledger.list_rollouts,
                 tenant=None if caller.all_tenants else caller.tenant,
@@ -270,7 +270,7 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
             size += pb.ByteSize()
             if page and size > MAX_LIST_BYTES:
                 # A client's default receive limit is 4 MiB: end the page early instead.
-                token = await self.core.db(self.core.ledger.page_token_at, page[-1].id)
+                token = await self.core.read(self.core.ledger.page_token_at, page[-1].id)
                 break
             page.append(pb)
         return fleet_pb2.ListRolloutsResponse(rollouts=page, next_page_token=token)
@@ -288,8 +288,8 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
             return
         while True:
             try:
-                events = await self.core.db(self.core.ledger.events, request.id, after)
-                rollout = None if events else await self.core.db(self.core.ledger.get, request.id)
+                events = await self.core.read(self.core.ledger.events, request.id, after)
+                rollout = None if events else await self.core.read(self.core.ledger.get, request.id)
             except FleetError as exc:
                 await context.abort(STATUS_FOR[exc.code], exc.message)
                 return
@@ -323,7 +323,7 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
         if not request.rollout_id:
             raise InvalidArgument("rollout_id is empty")
         await self._check_owner(request.rollout_id)
-        rows = await self.core.db(self.core.ledger.egress_events, request.rollout_id)
+        rows = await self.core.read(self.core.ledger.egress_events, request.rollout_id)
         return fleet_pb2.ListEgressEventsResponse(
             events=[convert.egress_event_to_pb(e, request.rollout_id, a) for a, e in rows]
         )

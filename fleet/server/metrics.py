@@ -114,14 +114,14 @@ async def serve_metrics(core: Core, host: str, port: int) -> tuple[asyncio.Serve
     async def route(method: str, target: str, _h: dict[str, str], _body: bytes) -> bytes:
         path = target.split("?")[0]
         if path == "/pools" and method == "GET":
-            pools = await core.db(core.ledger.pools)
-            events = await core.db(core.ledger.pool_events, 0.0, "", RECENT_POOL_EVENTS)
+            pools = await core.read(core.ledger.pools)
+            events = await core.read(core.ledger.pool_events, 0.0, "", RECENT_POOL_EVENTS)
             body = json.dumps(pools_json(pools, events)).encode()
             return reply(200, body, "application/json")
         if path != "/metrics" or method != "GET":
             return reply(404, b"GET /metrics or GET /pools")
-        figures = await core.db(core.ledger.figures, time.time())
-        pools = await core.db(core.ledger.pools)
+        figures = await core.read(core.ledger.figures, time.time())
+        pools = await core.read(core.ledger.pools)
         return reply(200, render(core, figures, pools).encode(), "text/plain; version=0.0.4")
 
     server = await asyncio.start_server(connection_handler(route), host or None, port)

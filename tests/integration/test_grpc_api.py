@@ -643,6 +643,51 @@ async def test_submissions_arriving_together_are_stored_in_one_transaction(
     assert sum(batches) == len(calls) and len(batches) <= 2
 
 
+async def test_reads_are_answered_while_the_ledger_is_writing(
+    tmp_path: Path, images: ImageStore
+) -> None:
+    """GetRollout, ListRollouts, WatchRollout and a /metrics scrape are answered while the
+    ledger's writing thread is busy: reads run on their own threads, never queued behind (or
+    holding up) writes."""
+    import urllib.request
+
+    from fleet.server.app import ServerConfig
+
+    def scrape(url: str) -> str:
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            return str(reply.read().decode())
+
+    async with harness(tmp_path, images, ServerConfig(metrics_listen="127.0.0.1:0")) as h:
+        await h.register_host("h1")
+        submitted = (await h.fleet.SubmitRollout(request())).rollout
+        busy, release = threading.Event(), threading.Event()
+
+        def hold() -> None:  # the ledger's writing thread, busy until the reads are answered
+            busy.set()
+            release.wait(30)
+
+        held = asyncio.ensure_future(h.server.core.db(hold))
+        assert await asyncio.to_thread(busy.wait, 30)
+        try:
+            got = await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=submitted.id), timeout=10)
+            listed = await h.fleet.ListRollouts(fleet_pb2.ListRolloutsRequest(), timeout=10)
+            watch = h.fleet.WatchRollout(fleet_pb2.WatchRolloutRequest(id=submitted.id), timeout=10)
+            first = await watch.read()
+            watch.cancel()
+            text = await asyncio.to_thread(
+                scrape, f"http://127.0.0.1:{h.server.metrics_port}/metrics"
+            )
+            still_busy = not held.done()
+        finally:
+            release.set()
+            await held
+
+    assert still_busy
+    assert got.id == submitted.id and [r.id for r in listed.rollouts] == [submitted.id]
+    assert first.kind == "submitted"
+    assert "fleet_rollouts" in text
+
+
 async def test_refused_egress_reaches_the_ledger_api_and_cli(
     tmp_path: Path, images: ImageStore
 ) -> None:
