@@ -269,18 +269,28 @@ class WarmChild:
         offsets = {"stdout": 0, "stderr": 0}
         while True:
             finished = done.done()
-            for stream in offsets:
-                while chunk := await asyncio.to_thread(self._read_from, stream, offsets[stream]):
-                    offsets[stream] += len(chunk)
-                    sink(stream, chunk)
+            # Both files read in one trip to a worker thread (a no-op step's tail is most of
+            # its thread trips otherwise).
+            for stream, chunk in await asyncio.to_thread(self._read_new, dict(offsets)):
+                offsets[stream] += len(chunk)
+                sink(stream, chunk)
             if finished:
                 return
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(done), TAIL_S)
 
-    def _read_from(self, stream: str, offset: int) -> bytes:
-        parts = ("children", self.cid, stream)
-        return read_step_output(self.parent.ctl, parts, TAIL_CHUNK, offset)[0]
+    def _read_new(self, offsets: dict[str, int]) -> list[tuple[str, bytes]]:
+        """What each output file holds past its offset, in chunks of at most TAIL_CHUNK."""
+        got: list[tuple[str, bytes]] = []
+        for stream, offset in offsets.items():
+            more = True
+            while more:
+                parts = ("children", self.cid, stream)
+                chunk, more = read_step_output(self.parent.ctl, parts, TAIL_CHUNK, offset)
+                if chunk:
+                    got.append((stream, chunk))
+                    offset += len(chunk)
+        return got
 
     async def fork(self, spec: MachineSpec) -> WarmChild:
         """A new child of the same parent whose layer starts as a copy of this child's (its

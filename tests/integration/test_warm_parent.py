@@ -484,6 +484,43 @@ def test_a_childs_output_is_bounded_like_any_machines(rootfs: Path, tmp_path: Pa
     assert with_parent(rootfs, tmp_path, body) == (1000, True, False)
 
 
+def test_a_childs_output_reaches_its_reader_whole_and_in_order_as_it_is_written(
+    rootfs: Path, tmp_path: Path
+) -> None:
+    """`on_output` is handed all a child's step writes to each stream, in order, as it
+    writes it: more than one read's worth at once, a pause, then a line to each."""
+    from fleet.runtime import warm_child
+
+    script = (
+        "import sys, time\n"
+        f"sys.stdout.write('a' * {warm_child.TAIL_CHUNK * 2 + 7}); sys.stdout.flush()\n"
+        "sys.stderr.write('err-1\\n'); sys.stderr.flush()\n"
+        f"time.sleep({warm_child.TAIL_S * 3})\n"
+        "print('late'); sys.stderr.write('err-2\\n')\n"
+    )
+
+    async def body(parent: NamespaceParent) -> tuple[dict[str, bytes], bytes, int]:
+        child = await parent.branch("streams")
+        got: dict[str, bytes] = {"stdout": b"", "stderr": b""}
+        seen_before_end = 0
+
+        def sink(stream: str, chunk: bytes) -> None:
+            nonlocal seen_before_end
+            got[stream] += chunk
+            if b"late" not in got["stdout"]:
+                seen_before_end = len(got["stdout"])
+
+        result = await child.exec(["python3", "-c", script], timeout_s=60, on_output=sink,
+                                  max_output_bytes=1000)  # fmt: skip
+        return got, result.stderr, seen_before_end
+
+    got, stderr, seen_before_end = with_parent(rootfs, tmp_path, body)
+    size = warm_child.TAIL_CHUNK * 2 + 7
+    assert got["stdout"] == b"a" * size + b"late\n"
+    assert got["stderr"] == stderr == b"err-1\nerr-2\n"
+    assert seen_before_end == size  # handed over while the step still ran
+
+
 def test_a_sockets_directory_the_fork_server_swaps_for_a_link_is_refused(
     rootfs: Path, tmp_path: Path
 ) -> None:
