@@ -66,10 +66,7 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
                 f"the plan has {len(request.steps)} steps, over the {MAX_STEPS}"
             )
         request.tenant = self.core.caller().tenant_for(request.tenant)
-        submit = await asyncio.to_thread(convert.submit_from_pb, request)
-        parsed = await asyncio.to_thread(
-            validate_request, submit, now, timedelta(seconds=self.core.config.max_deadline_s)
-        )
+        submit, parsed = await asyncio.to_thread(self._accept, request, now)
         rollout, created = await self.admit(
             submit, parsed, now, request.image_upload, request.request_id
         )
@@ -97,11 +94,7 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
                     raise ResourceExhausted(f"the plan has {len(item.steps)} steps, over the "
                                             f"{MAX_STEPS}")  # fmt: skip
                 item.tenant = caller.tenant_for(item.tenant)
-                submit = await asyncio.to_thread(convert.submit_from_pb, item)
-                parsed = await asyncio.to_thread(
-                    validate_request, submit, now,
-                    timedelta(seconds=self.core.config.max_deadline_s),
-                )  # fmt: skip
+                submit, parsed = await asyncio.to_thread(self._accept, item, now)
                 batch.append((submit, await self.prepare(submit, parsed, now, item.image_upload)))
             except FleetError as exc:
                 raise type(exc)(
@@ -120,6 +113,15 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
         return fleet_pb2.SubmitRolloutsResponse(
             rollouts=[fleet_pb2.SubmittedRollout(id=rid, created=c) for rid, c in stored]
         )
+
+    def _accept(
+        self, request: fleet_pb2.SubmitRolloutRequest, now: datetime
+    ) -> tuple[SubmitRequest, ParsedSmolfile]:
+        """A submission converted and checked (pydantic, its Smolfile's TOML): run off the event
+        loop, so a large request delays no other call."""
+        submit = convert.submit_from_pb(request)
+        max_deadline = timedelta(seconds=self.core.config.max_deadline_s)
+        return submit, validate_request(submit, now, max_deadline)
 
     async def prepare(
         self, submit: SubmitRequest, parsed: ParsedSmolfile, now: datetime, image_upload: str = ""
@@ -140,7 +142,7 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
                 oci.resolve, image, b"".join(cas) or None
             )
         else:
-            image_digest = await self.core.db(self.core.images.resolve, image)
+            image_digest = await asyncio.to_thread(self.core.images.resolve, image)  # (files only)
         manifest = build_manifest(submit, parsed, image_digest, now, pinned)
         reason = await self.core.unservable_reason(manifest.host_class, manifest.requirements)
         if reason:
