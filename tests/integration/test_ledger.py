@@ -1000,6 +1000,36 @@ def test_a_submission_that_fails_part_way_leaves_nothing_of_itself(
     assert created and again.id not in {first[0].id, third[0].id}
 
 
+def test_a_submission_that_keeps_clashing_is_refused_alone_with_a_retry_hint(
+    ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A submission whose key another replica keeps storing between our read and our insert
+    (a unique clash each try) is answered ABORTED with a retry hint after its tries; the
+    batch's others are stored."""
+    import sqlite3
+
+    real = ledger._insert_rollouts
+    tries = 0
+
+    def clashes_on_k2(db, batch, now, max_active):  # type: ignore[no-untyped-def]
+        nonlocal tries
+        if any(req.idempotency_key == "k2" for req, _ in batch):
+            tries += 1
+            raise sqlite3.IntegrityError("UNIQUE constraint failed: rollouts.idempotency_key")
+        return real(db, batch, now, max_active)
+
+    monkeypatch.setattr(ledger, "_insert_rollouts", clashes_on_k2)
+    first, clashed, third = ledger.submit_batch(
+        [_req_manifest("k1"), _req_manifest("k2"), _req_manifest("k3")], T0
+    )
+    monkeypatch.undo()
+    assert isinstance(clashed, Aborted) and clashed.retry_after_s
+    assert "k2" in str(clashed) and tries == 1 + 3  # (the batch together, then its own tries)
+    assert not isinstance(first, Exception) and not isinstance(third, Exception)
+    stored = sorted(r.idempotency_key for r in ledger.list_rollouts(50, "", {})[0])
+    assert stored == ["k1", "k3"]
+
+
 def test_each_tenants_active_count_follows_its_items(ledger: Ledger) -> None:
     """`tenant_active`, which admission reads, equals each tenant's queued plus leased items
     through every change: submitted alone and in a batch, leased, succeeded, retried, cancelled
