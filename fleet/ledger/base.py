@@ -114,7 +114,7 @@ def prepare_report(report: Completion) -> tuple[str, dict[str, bytes], str]:
             digest = blob_digest(data)
             outputs[digest] = data
             digests[f"{name}_digest"] = digest
-        results.append(result.model_copy(update=digests).model_dump(mode="json"))
+        results.append({**result.model_dump(mode="json"), **digests})  # (fields kept in order)
     return report.fingerprint(), outputs, json.dumps(results)
 
 
