@@ -87,7 +87,7 @@ async def _retention(core: Core) -> None:
         try:
             cutoff = time.time() - core.config.retain_days * 86400
             removed = await core.db(purge_finished, core.ledger, cutoff)
-            keep = await core.db(referenced_blobs, core.ledger)
+            keep = await core.read(referenced_blobs, core.ledger)  # (reads every manifest)
             blobs = await asyncio.to_thread(core.blobs.collect_garbage, keep, cutoff)
             if removed or blobs:
                 log.info("retention", rollouts_removed=removed, blobs_removed=blobs,
@@ -104,7 +104,7 @@ async def _status_request(core: Core) -> inference_pb2.GatewayStatusRequest:
     if not secret:
         return inference_pb2.GatewayStatusRequest()
     as_of = time.time()  # before the read: whatever was leased by then is in it
-    running = await core.db(core.ledger.running_rollouts, core.inference_running)
+    running = await core.read(core.ledger.running_rollouts, core.inference_running)
     core.inference_running = running
     ids = sorted(rollout for rollout, uses in running.items() if uses)
     return inference_pb2.GatewayStatusRequest(
