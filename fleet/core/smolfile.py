@@ -7,6 +7,7 @@ line and key in the message.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import ipaddress
 import re
@@ -339,8 +340,13 @@ def _nul_key(data: Any) -> tuple[str | int, ...] | None:
     return None
 
 
+@functools.lru_cache(maxsize=128)
 def parse_smolfile(text: str, name: str = "<smolfile>") -> ParsedSmolfile:
-    """Parses and validates Smolfile text; raises InvalidArgument naming file, line and key."""
+    """Parses and validates Smolfile text; raises InvalidArgument naming file, line and key.
+
+    The result is frozen, so one parse serves every caller of the same text and name (each
+    submission and each attempt of a fleet running one Smolfile asks again; a refusal is not
+    kept: it is parsed again, and refused again, each time)."""
     if len(text.encode()) > MAX_SMOLFILE_BYTES:
         raise InvalidArgument(
             f"{name}: Smolfile is {len(text.encode())} bytes, over the {MAX_SMOLFILE_BYTES} limit"
