@@ -9,6 +9,7 @@ whole group.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import time
@@ -51,6 +52,17 @@ def all_machines_cpu_seconds(root: Path = ROOT) -> float | None:
     return MachineCgroup("", version, root).cpu_seconds()
 
 
+@functools.lru_cache(maxsize=8)
+def _v1_controllers(root: Path) -> tuple[str, ...]:
+    """The v1 hierarchies a machine's group is made in (read once per root: a machine's group
+    is named on the event loop, for every machine)."""
+    controllers: tuple[str, ...] = ("memory", "pids", "cpu")
+    # CPU time is accounted by cpuacct, a hierarchy of its own on some v1 hosts.
+    if (root / "cpuacct").is_dir() and not (root / "cpu" / "cpuacct.usage").exists():
+        controllers += ("cpuacct",)
+    return controllers
+
+
 class MachineCgroup:
     """The cgroup(s) of one machine (`name` empty: the `fleet` group that holds them all)."""
 
@@ -61,11 +73,7 @@ class MachineCgroup:
         if version == "v2":
             self.dirs = {"all": root / "fleet" / name}
         else:
-            controllers = ["memory", "pids", "cpu"]
-            # CPU time is accounted by cpuacct, a hierarchy of its own on some v1 hosts.
-            if (root / "cpuacct").is_dir() and not (root / "cpu" / "cpuacct.usage").exists():
-                controllers.append("cpuacct")
-            self.dirs = {c: root / c / "fleet" / name for c in controllers}
+            self.dirs = {c: root / c / "fleet" / name for c in _v1_controllers(root)}
 
     @property
     def procs_files(self) -> list[Path]:
