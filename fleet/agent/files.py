@@ -193,6 +193,10 @@ async def _upload(
     return OutputArtifact(path=path, digest=reply.digest, size=reply.size, directory=directory)
 
 
+SPOOL_AFTER = 256 * 1024
+"""A step's stream is held in memory up to this many bytes, then spooled to disk."""
+
+
 class StepLog:
     """A step's stdout and stderr as they arrive, spooled to this host's disk: where the step
     printed more than the inline limit keeps, the whole of it is stored as an output named
@@ -203,6 +207,9 @@ class StepLog:
         self.spool = spool
         self.index = index
         self._files: dict[str, Any] = {}
+        self._held: dict[str, bytearray] = {}
+        """What a stream wrote while it was under SPOOL_AFTER: held in memory, not on disk
+        (most steps print little, and nothing of theirs is kept beyond the inline output)."""
 
     def __enter__(self) -> StepLog:
         return self
@@ -215,20 +222,30 @@ class StepLog:
 
     def sink(self, stream: str, chunk: bytes) -> None:
         handle = self._files.get(stream)
-        if handle is None:
-            os.makedirs(self.spool, exist_ok=True)
-            handle = self._files[stream] = tempfile.NamedTemporaryFile(  # noqa: SIM115
-                dir=self.spool, prefix=f"step-{self.index}-{stream}-", delete=False
-            )
-        handle.write(chunk)
+        if handle is not None:
+            handle.write(chunk)
+            return
+        held = self._held.setdefault(stream, bytearray())
+        held += chunk
+        if len(held) > SPOOL_AFTER:
+            self._spool(stream)
+
+    def _spool(self, stream: str) -> Any:
+        """The stream's file on this host's disk, with what was held so far written to it."""
+        os.makedirs(self.spool, exist_ok=True)
+        handle = self._files[stream] = tempfile.NamedTemporaryFile(  # noqa: SIM115
+            dir=self.spool, prefix=f"step-{self.index}-{stream}-", delete=False
+        )
+        handle.write(self._held.pop(stream, b""))
+        return handle
 
     async def keep(self, stub: Any, a: Assignment, result: Any) -> list[OutputArtifact]:
         kept = []
         for stream, truncated in (("stdout", result.stdout_truncated),
                                   ("stderr", result.stderr_truncated)):  # fmt: skip
-            handle = self._files.get(stream)
-            if not truncated or handle is None:
+            if not truncated or (stream not in self._files and stream not in self._held):
                 continue
+            handle = self._files.get(stream) or self._spool(stream)
             handle.flush()
             name = f"step-{self.index}.{stream}"
             try:

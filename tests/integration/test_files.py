@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 import grpc
+import pytest
 
 from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
 from fleet.cli import client
@@ -149,12 +150,14 @@ async def test_limits_bad_input_and_outputs_after_a_failed_step(
     assert by_path["/out/huge.bin"].digest == "" and "1 MiB" in by_path["/out/huge.bin"].error
 
 
+@pytest.mark.parametrize("lines", [25600, 76800], ids=["200KiB-held", "600KiB-spooled"])
 async def test_output_past_the_inline_limit_is_kept_whole(
-    tmp_path: Path, images: ImageStore
+    tmp_path: Path, images: ImageStore, lines: int
 ) -> None:
-    """A step that prints 200 KiB: the result keeps the head inline and the whole of it as an
+    """A step that prints 200 KiB (held in the agent's memory until kept) or 600 KiB (spooled
+    to its disk as it comes): the result keeps the head inline and the whole of it as an
     output, `step-0.stdout`, byte for byte."""
-    code = "import sys; sys.stdout.write(''.join(f'{i:07d}\\n' for i in range(25600)))"
+    code = f"import sys; sys.stdout.write(''.join(f'{{i:07d}}\\n' for i in range({lines})))"
 
     async with harness(tmp_path, images, secure=True) as h:
         await h.start_agent("cpu-a", HostClass.CPU)
@@ -166,7 +169,7 @@ async def test_output_past_the_inline_limit_is_kept_whole(
             await client.download(stub, final, tmp_path / "got")
             whole = (tmp_path / "got" / "step-0.stdout").read_bytes()
 
-    expected = "".join(f"{i:07d}\n" for i in range(25600)).encode()
+    expected = "".join(f"{i:07d}\n" for i in range(lines)).encode()
     assert final.state == types_pb2.ROLLOUT_STATE_SUCCEEDED, final.error
     assert final.results[0].stdout_truncated and expected.startswith(final.results[0].stdout)
     [log] = [o for o in final.outputs if o.path == "step-0.stdout"]
