@@ -16,11 +16,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
 from multiprocessing.sharedctypes import Synchronized
 from multiprocessing.synchronize import Barrier as BarrierType
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -184,6 +185,18 @@ def fill(target: str, n: int, prefix: str) -> Ledger:
     return ledger
 
 
+def in_server(ledger: Ledger, run: Callable[[Core], Coroutine[Any, Any, float]]) -> float:
+    """`run`'s figure, run against a server's core (its ledger thread, an empty image store);
+    the ledger is closed after."""
+    with tempfile.TemporaryDirectory(prefix="fleet-bench-images-") as images:
+        core = Core(ledger, ImageStore(Path(images), Path(images)), ServerConfig())
+        try:
+            return asyncio.run(run(core))
+        finally:
+            core.close()
+            ledger.engine.dispose()
+
+
 def served(target: str, n: int) -> float:
     """Durable claim+complete jobs/s as a server takes them: one process, the server's ledger
     thread and its group commits (`ClaimBatcher`, `CompletionBatcher`), WORKERS hosts each
@@ -212,13 +225,7 @@ def served(target: str, n: int) -> float:
         assert sum(counts) == n, f"drained {sum(counts)} of {n}"
         return n / elapsed
 
-    with tempfile.TemporaryDirectory(prefix="fleet-bench-images-") as images:
-        core = Core(ledger, ImageStore(Path(images), Path(images)), ServerConfig())
-        try:
-            return asyncio.run(run(core))
-        finally:
-            core.close()
-            ledger.engine.dispose()
+    return in_server(ledger, run)
 
 
 def served_enqueue(target: str, n: int, prefix: str) -> float:
@@ -243,13 +250,7 @@ def served_enqueue(target: str, n: int, prefix: str) -> float:
         assert all(created), "a submission was not stored"
         return n / elapsed
 
-    with tempfile.TemporaryDirectory(prefix="fleet-bench-images-") as images:
-        core = Core(ledger, ImageStore(Path(images), Path(images)), ServerConfig())
-        try:
-            return asyncio.run(run(core))
-        finally:
-            core.close()
-            ledger.engine.dispose()
+    return in_server(ledger, run)
 
 
 def worker(target: str, host_id: str, counter: Synchronized[int], ready: BarrierType) -> None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -16,10 +18,12 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import fleet
 from fleet._proto.fleet.v1 import fleet_pb2, host_pb2, types_pb2
+from fleet.core.coalesce import Coalescer
 from fleet.core.placement import HostCapabilities, HostClass, Isolation, RuntimeKind
 from fleet.image.store import ImageStore
 from fleet.ledger.leases import Claim
 from fleet.runtime.netns import NetConfig
+from fleet.server.core import Core
 from tests.acceptance.procs import FLEET
 from tests.integration.harness import harness, request
 from tests.networld import networld
@@ -549,6 +553,34 @@ async def test_concurrent_completions_are_group_committed_each_judged_alone(
     assert states.count(types_pb2.ROLLOUT_STATE_RUNNING) == 1
 
 
+@contextlib.asynccontextmanager
+async def writer_held(core: Core) -> AsyncIterator[asyncio.Future[None]]:
+    """The ledger's one writing thread kept busy until the block ends: what needs it meanwhile
+    waits (yields the holding call, done once released)."""
+    busy, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        busy.set()
+        release.wait(30)
+
+    held = asyncio.ensure_future(core.db(hold))
+    assert await asyncio.to_thread(busy.wait, 30)
+    try:
+        yield held
+    finally:
+        release.set()
+        await held
+
+
+async def arrived(coalescer: Coalescer[Any, Any], n: int) -> None:
+    """Until `n` items have reached the coalescer, in batches or waiting for one (bounded:
+    10 s)."""
+    for _ in range(500):
+        if sum(coalescer.batches) + coalescer.waiting >= n:
+            return
+        await asyncio.sleep(0.02)
+
+
 async def test_claims_arriving_together_are_taken_in_one_transaction(
     tmp_path: Path, images: ImageStore
 ) -> None:
@@ -563,28 +595,16 @@ async def test_claims_arriving_together_are_taken_in_one_transaction(
         for _ in range(12):
             await h.fleet.SubmitRollout(request())
         claims = h.server.host_servicer.claims.coalescer
-        busy, release = threading.Event(), threading.Event()
-
-        def hold() -> None:  # the ledger's one thread, busy until every claim has arrived
-            busy.set()
-            release.wait(30)
-
-        held = asyncio.ensure_future(h.server.core.db(hold))
-        assert await asyncio.to_thread(busy.wait, 30)
-        calls = [
-            asyncio.ensure_future(
-                h.hosts.ClaimWork(
-                    host_pb2.ClaimWorkRequest(request_id=f"c-{host}", host_id=host, max_items=2)
+        async with writer_held(h.server.core):  # until every claim has arrived
+            calls = [
+                asyncio.ensure_future(
+                    h.hosts.ClaimWork(
+                        host_pb2.ClaimWorkRequest(request_id=f"c-{host}", host_id=host, max_items=2)
+                    )
                 )
-            )
-            for host in [*hosts, "ghost"]
-        ]
-        for _ in range(500):  # (bounded: 10 s)
-            if sum(claims.batches) + claims.waiting == len(calls):
-                break
-            await asyncio.sleep(0.02)
-        release.set()
-        await held
+                for host in [*hosts, "ghost"]
+            ]
+            await arrived(claims, len(calls))
         answers = await asyncio.gather(*calls, return_exceptions=True)
         batches = list(claims.batches)
 
@@ -610,26 +630,14 @@ async def test_submissions_arriving_together_are_stored_in_one_transaction(
         await h.register_host("h1")
         first = await h.fleet.SubmitRollout(request(key="taken"))
         submits = h.server.fleet_servicer.submits.coalescer
-        before = len(submits.batches)
-        busy, release = threading.Event(), threading.Event()
-
-        def hold() -> None:  # the ledger's one thread, busy until every submission has arrived
-            busy.set()
-            release.wait(30)
-
-        held = asyncio.ensure_future(h.server.core.db(hold))
-        assert await asyncio.to_thread(busy.wait, 30)
-        requests = [request(key=f"k{i}") for i in range(7)]
-        requests.insert(3, request('image = "minimal"\n', ["false"], key="taken"))
-        calls = [asyncio.ensure_future(h.fleet.SubmitRollout(r)) for r in requests]
-        for _ in range(500):  # (bounded: 10 s)
-            if sum(submits.batches) + submits.waiting == len(calls):
-                break
-            await asyncio.sleep(0.02)
-        release.set()
-        await held
+        before = list(submits.batches)  # (the first submission's)
+        async with writer_held(h.server.core):  # until every submission has arrived
+            requests = [request(key=f"k{i}") for i in range(7)]
+            requests.insert(3, request('image = "minimal"\n', ["false"], key="taken"))
+            calls = [asyncio.ensure_future(h.fleet.SubmitRollout(r)) for r in requests]
+            await arrived(submits, sum(before) + len(calls))
         answers = await asyncio.gather(*calls, return_exceptions=True)
-        batches = list(submits.batches)[before:]
+        batches = list(submits.batches)[len(before) :]
         listed = await h.fleet.ListRollouts(fleet_pb2.ListRolloutsRequest(page_size=50))
 
     refused = answers.pop(3)
@@ -660,15 +668,7 @@ async def test_reads_are_answered_while_the_ledger_is_writing(
     async with harness(tmp_path, images, ServerConfig(metrics_listen="127.0.0.1:0")) as h:
         await h.register_host("h1")
         submitted = (await h.fleet.SubmitRollout(request())).rollout
-        busy, release = threading.Event(), threading.Event()
-
-        def hold() -> None:  # the ledger's writing thread, busy until the reads are answered
-            busy.set()
-            release.wait(30)
-
-        held = asyncio.ensure_future(h.server.core.db(hold))
-        assert await asyncio.to_thread(busy.wait, 30)
-        try:
+        async with writer_held(h.server.core) as held:  # until the reads are answered
             got = await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=submitted.id), timeout=10)
             listed = await h.fleet.ListRollouts(fleet_pb2.ListRolloutsRequest(), timeout=10)
             watch = h.fleet.WatchRollout(fleet_pb2.WatchRolloutRequest(id=submitted.id), timeout=10)
@@ -678,9 +678,6 @@ async def test_reads_are_answered_while_the_ledger_is_writing(
                 scrape, f"http://127.0.0.1:{h.server.metrics_port}/metrics"
             )
             still_busy = not held.done()
-        finally:
-            release.set()
-            await held
 
     assert still_busy
     assert got.id == submitted.id and [r.id for r in listed.rollouts] == [submitted.id]
