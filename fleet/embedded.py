@@ -17,6 +17,7 @@ from fleet.agent.config import AgentConfig
 from fleet.cli.client import ClientAuth
 from fleet.config import Paths
 from fleet.core.credentials import format_join_token
+from fleet.core.errors import Unavailable
 from fleet.core.placement import HostClass
 from fleet.identity.ca import CertificateAuthority
 from fleet.identity.local import ensure_admin_key, local_host_identity
@@ -48,6 +49,33 @@ class Fleet:
             host_class, {}, 3600, 1, time.time()
         )
         return format_join_token(presented)
+
+
+REGISTER_WAIT_S = 60.0
+"""How long the embedded fleet waits for its agents to register before it gives up."""
+
+
+async def until_registered(
+    server: FleetServer, agents: list[Agent], tasks: list[asyncio.Task[None]]
+) -> None:
+    """Until every agent has registered its host: a submission before then finds no host that
+    could serve it and is refused. An agent that stops first raises what stopped it."""
+    want = {agent.config.host_id for agent in agents}
+    deadline = time.monotonic() + REGISTER_WAIT_S
+    while True:
+        for agent, task in zip(agents, tasks, strict=True):
+            if task.done():
+                task.result()  # (its error, if it failed)
+                raise Unavailable(f"agent {agent.config.host_id} stopped before it registered")
+        known = {host.host_id for host in await server.core.read(server.core.ledger.hosts)}
+        if want <= known:
+            return
+        if time.monotonic() > deadline:
+            raise Unavailable(
+                f"agents {', '.join(sorted(want - known))} did not register within "
+                f"{REGISTER_WAIT_S:.0f} s"
+            )
+        await asyncio.sleep(0.05)
 
 
 @contextlib.asynccontextmanager
@@ -108,6 +136,7 @@ async def embedded_fleet(
             )
     tasks = [asyncio.create_task(a.run(stop)) for a in agents]
     try:
+        await until_registered(server, agents, tasks)
         yield Fleet(
             server, agents, choice, ClientAuth.find(paths.home, ca=str(paths.ca / "ca.crt"))
         )

@@ -36,6 +36,7 @@ from fleet.agent.config import AgentConfig  # noqa: E402
 from fleet.client import Fleet  # noqa: E402
 from fleet.config import Paths  # noqa: E402
 from fleet.core.placement import HostClass, RuntimeKind  # noqa: E402
+from fleet.embedded import until_registered  # noqa: E402
 from fleet.image.store import ImageStore  # noqa: E402
 from fleet.ledger.store import Ledger  # noqa: E402
 from fleet.server.app import FleetServer, ServerConfig  # noqa: E402
@@ -85,6 +86,7 @@ class Fleetlet:
             claim_wait_s=1.0,
         ))  # fmt: skip
         task = asyncio.create_task(agent.run(self._stop))
+        await until_registered(server, [agent], [task])
         self.address = server.address
         self.ready.set()
         await self._stop.wait()

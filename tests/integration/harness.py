@@ -120,14 +120,8 @@ class Harness:
             agent.runtime = runtime
         stop = asyncio.Event()
         self.agents[host_id] = (stop, asyncio.create_task(agent.run(stop)))
-        for _ in range(200):
-            if any(
-                h.host_id == host_id
-                for h in await self.server.core.db(self.server.core.ledger.hosts)
-            ):
-                return agent
-            await asyncio.sleep(0.02)
-        raise AssertionError(f"agent {host_id} did not register")
+        await registered(self.server, host_id)
+        return agent
 
     async def register_host(self, host_id: str, gateway: bool = False) -> None:
         """A cpu host registered by hand, for tests that drive HostService themselves."""
@@ -161,6 +155,16 @@ class Harness:
     async def count(self) -> int:
         reply = await self.fleet.ListRollouts(fleet_pb2.ListRolloutsRequest(page_size=500))
         return len(reply.rollouts)
+
+
+async def registered(server: FleetServer, host_id: str) -> None:
+    """Until an agent just started has registered `host_id` with `server` (bounded: 4 s): a
+    submission before then finds no host that could serve it, and is refused."""
+    for _ in range(200):
+        if any(h.host_id == host_id for h in await server.core.read(server.core.ledger.hosts)):
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"agent {host_id} did not register")
 
 
 def request(

@@ -21,7 +21,7 @@ from fleet.identity.ca import CertificateAuthority, csr_for, key_pem, new_key
 from fleet.identity.tls import HostFiles, HostIdentityMaterial
 from fleet.image.store import ImageStore
 from fleet.server import convert
-from tests.integration.harness import FINAL, Harness, harness, request
+from tests.integration.harness import FINAL, Harness, harness, registered, request
 
 SECRET_STEP = ["sh", "-c", "echo secret-output; sleep 1"]
 
@@ -391,6 +391,7 @@ async def test_enrollment_with_join_tokens(tmp_path: Path, images: ImageStore) -
         stop = asyncio.Event()
         task = asyncio.create_task(agent.run(stop))
         try:
+            await registered(h.server, "cloud-1")
             rid = (await h.fleet.SubmitRollout(request())).rollout.id
             r = await h.wait_final(rid)
             assert r.state == types_pb2.ROLLOUT_STATE_SUCCEEDED and r.host_id == "cloud-1"
@@ -480,6 +481,7 @@ async def test_an_agent_renews_its_certificate_without_dropping_work(
         stop = asyncio.Event()
         task = asyncio.create_task(agent.run(stop))
         try:
+            await registered(h.server, "cpu-r")
             rids = []
             for _ in range(4):
                 rids.append(

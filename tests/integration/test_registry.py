@@ -17,7 +17,7 @@ from fleet.identity.ca import CertificateAuthority
 from fleet.image.store import ImageStore
 from fleet.server.app import ServerConfig
 from tests.conftest import REPO
-from tests.integration.harness import SECRET, harness, request
+from tests.integration.harness import SECRET, harness, registered, request
 from tests.registry import PASSWORD, USER, registry
 
 FLEET = [str(REPO / ".venv" / "bin" / "python"), "-m", "fleet.cli.main"]
@@ -213,6 +213,7 @@ def test_replicas_share_inputs_and_outputs_through_a_registry(
                                   images=images, claim_wait_s=1.0))  # fmt: skip
         task = asyncio.create_task(agent.run(stop))
         try:
+            await registered(b, "cpu-b")
             async with grpc_channel(a.address) as ca_, grpc_channel(b.address) as cb:
                 sa, sb = fleet_pb2_grpc.FleetServiceStub(ca_), fleet_pb2_grpc.FleetServiceStub(cb)
                 entry = await client.upload(sa, data, "/in/input.txt", False)
