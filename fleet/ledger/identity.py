@@ -224,7 +224,11 @@ class Identities:
             ):
                 raise NotFound(f"no enrolled host {host_id!r}")
             leases = db.run(Q.EXPIRE_LEASES_OF_HOST, (now - 1.0, host_id, LEASED))
-        self._ledger.sweep(now)
+            # Its work retried (or failed) in the same transaction: a report the host sends
+            # after this finds its lease gone and is refused as stale. (A sweep after the
+            # commit left a window in which the revoked host's report was still taken.)
+            _, ended = self._ledger._expire_lost(db, now)
+            self._ledger._count_active(db, ended, -1)
         return leases
 
     # -- API keys --------------------------------------------------------------------------

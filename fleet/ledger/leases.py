@@ -296,49 +296,55 @@ class Leases(LedgerBase):
                 renewed.append((work_id, token))
         return renewed, stop
 
+    def _expire_lost(self, db: Raw, now: float) -> tuple[int, list[str]]:
+        """Ends the leases past their expiry in the caller's transaction: each item is retried
+        or fails by the usual rules. Returns (how many, the tenant of each item now done)."""
+        changed = 0
+        ended: list[str] = []
+        for item in [Item(*r) for r in db.all(Q.EXPIRED_LEASES, (LEASED, now))]:
+            changed += 1
+            row = self._rollout(db, item.rollout_id, lock=True)
+            owner = item.lease_owner
+            db.run(
+                Q.END_ATTEMPT,
+                (now, Outcome.LEASE_EXPIRED.value, f"lease held by {owner} expired",
+                 item.id, item.attempt),
+            )  # fmt: skip
+            if item.cancel_requested:
+                state, not_before = DONE, item.not_before
+                self._move(
+                    db, row, RolloutState.CANCELLED, now, kind="cancelled", actor="ledger",
+                    message=row.error or "cancelled",
+                )  # fmt: skip
+            elif item.attempt < item.max_attempts and item.deadline > now:
+                manifest = self._manifest_raw(db, row.manifest_digest)
+                state = QUEUED
+                not_before = now + manifest.retry.backoff_s(item.attempt, self._rng)
+                self._move(
+                    db, row, RolloutState.QUEUED, now, kind="lease_expired", actor="ledger",
+                    attempt=item.attempt, message=f"lease on {owner} expired; will retry",
+                )  # fmt: skip
+            else:
+                state, not_before = DONE, item.not_before
+                error = (
+                    f"lease on {owner} expired on attempt {item.attempt} of "
+                    f"{item.max_attempts}"
+                    + ("" if item.deadline > now else ", and the deadline has passed")
+                )
+                self._move(
+                    db, row, RolloutState.FAILED, now, kind="failed", actor="ledger",
+                    message=error, attempt=item.attempt, error=error,
+                )  # fmt: skip
+            db.run(Q.RELEASE_LEASE, (state, not_before, owner, item.id))
+            if state == DONE:
+                ended.append(item.tenant)
+        return changed, ended
+
     def sweep(self, now: float, *, late: bool = True) -> int:
         """Expires lost leases (retry or fail) and, with `late`, fails queued work past its
         deadline (which reads every queued item: a server does it less often)."""
-        changed = 0
         with self._tx() as db:
-            ended: list[str] = []  # (the tenant of each item that is done now)
-            for item in [Item(*r) for r in db.all(Q.EXPIRED_LEASES, (LEASED, now))]:
-                changed += 1
-                row = self._rollout(db, item.rollout_id, lock=True)
-                owner = item.lease_owner
-                db.run(
-                    Q.END_ATTEMPT,
-                    (now, Outcome.LEASE_EXPIRED.value, f"lease held by {owner} expired",
-                     item.id, item.attempt),
-                )  # fmt: skip
-                if item.cancel_requested:
-                    state, not_before = DONE, item.not_before
-                    self._move(
-                        db, row, RolloutState.CANCELLED, now, kind="cancelled", actor="ledger",
-                        message=row.error or "cancelled",
-                    )  # fmt: skip
-                elif item.attempt < item.max_attempts and item.deadline > now:
-                    manifest = self._manifest_raw(db, row.manifest_digest)
-                    state = QUEUED
-                    not_before = now + manifest.retry.backoff_s(item.attempt, self._rng)
-                    self._move(
-                        db, row, RolloutState.QUEUED, now, kind="lease_expired", actor="ledger",
-                        attempt=item.attempt, message=f"lease on {owner} expired; will retry",
-                    )  # fmt: skip
-                else:
-                    state, not_before = DONE, item.not_before
-                    error = (
-                        f"lease on {owner} expired on attempt {item.attempt} of "
-                        f"{item.max_attempts}"
-                        + ("" if item.deadline > now else ", and the deadline has passed")
-                    )
-                    self._move(
-                        db, row, RolloutState.FAILED, now, kind="failed", actor="ledger",
-                        message=error, attempt=item.attempt, error=error,
-                    )  # fmt: skip
-                db.run(Q.RELEASE_LEASE, (state, not_before, owner, item.id))
-                if state == DONE:
-                    ended.append(item.tenant)
+            changed, ended = self._expire_lost(db, now)
             late_items = db.all(Q.LATE_ITEMS, (QUEUED, now)) if late else []
             for item in [Item(*r) for r in late_items]:
                 changed += 1

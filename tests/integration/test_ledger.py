@@ -1030,6 +1030,36 @@ def test_a_submission_that_keeps_clashing_is_refused_alone_with_a_retry_hint(
     assert stored == ["k1", "k3"]
 
 
+def test_a_hosts_revocation_ends_its_leases_in_the_same_transaction(
+    ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Revoking a host retries its work in the revocation's own transaction, so a report the
+    host sends after it is refused and the work waits for another host; a revocation that
+    fails part way leaves the host and its lease as they were."""
+    ids = ledger.identities
+    _, token = ids.create_join_token(HostClass.CPU, {}, 3600, 1, T0)
+    ids.enroll(token, "cpu-1", lambda c: "{}", lambda: ("ab", T0 + 3600), T0)
+    register(ledger, "cpu-1")
+    rollout, _ = submit(ledger)
+    [a] = ledger.claim("cpu-1", 1, T0, TTL)
+
+    def fails(db, now):  # type: ignore[no-untyped-def]
+        raise FailedPrecondition("injected after the leases ended")
+
+    monkeypatch.setattr(ledger, "_expire_lost", fails)
+    with pytest.raises(FailedPrecondition, match="injected"):
+        ids.revoke_host("cpu-1", T0 + 1)
+    monkeypatch.undo()
+    assert ids.host("cpu-1").revoked_at is None  # type: ignore[union-attr]
+    assert ledger.get(rollout.id).state == RolloutState.RUNNING
+    assert ids.revoke_host("cpu-1", T0 + 2) == 1
+    assert ledger.get(rollout.id).state == RolloutState.QUEUED
+    stopped = done(a.work_id, a.fencing_token, Outcome.CANCELLED)
+    with pytest.raises(Aborted, match="not leased to host cpu-1"):
+        ledger.complete("cpu-1", stopped, T0 + 3)
+    assert ledger.get(rollout.id).state == RolloutState.QUEUED
+
+
 def test_each_tenants_active_count_follows_its_items(ledger: Ledger) -> None:
     """`tenant_active`, which admission reads, equals each tenant's queued plus leased items
     through every change: submitted alone and in a batch, leased, succeeded, retried, cancelled
