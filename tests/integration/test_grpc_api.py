@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import threading
 import time
+import urllib.request
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -23,6 +24,7 @@ from fleet.core.placement import HostCapabilities, HostClass, Isolation, Runtime
 from fleet.image.store import ImageStore
 from fleet.ledger.leases import Claim
 from fleet.runtime.netns import NetConfig
+from fleet.server.app import ServerConfig
 from fleet.server.core import Core
 from tests.acceptance.procs import FLEET
 from tests.integration.harness import harness, request
@@ -432,7 +434,6 @@ async def test_tenant_limit_refusal_carries_a_retry_hint(
     tmp_path: Path, images: ImageStore
 ) -> None:
     """Over the tenant's limit: RESOURCE_EXHAUSTED with retry-after-s in trailing metadata."""
-    from fleet.server.app import ServerConfig
 
     config = ServerConfig(max_active_per_tenant=1, lease_ttl_s=5, heartbeat_interval_s=0.5)
     async with harness(tmp_path, images, config) as h:
@@ -657,9 +658,6 @@ async def test_reads_are_answered_while_the_ledger_is_writing(
     """GetRollout, ListRollouts, WatchRollout and a /metrics scrape are answered while the
     ledger's writing thread is busy: reads run on their own threads, never queued behind (or
     holding up) writes."""
-    import urllib.request
-
-    from fleet.server.app import ServerConfig
 
     def scrape(url: str) -> str:
         with urllib.request.urlopen(url, timeout=10) as reply:

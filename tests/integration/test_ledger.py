@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sqlite3
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -1006,8 +1007,6 @@ def test_a_submission_that_keeps_clashing_is_refused_alone_with_a_retry_hint(
     """A submission whose key another replica keeps storing between our read and our insert
     (a unique clash each try) is answered ABORTED with a retry hint after its tries; the
     batch's others are stored."""
-    import sqlite3
-
     real = ledger._insert_rollouts
     tries = 0
 

@@ -14,6 +14,7 @@ from fleet.core.errors import InvalidArgument
 from fleet.core.smolfile import parse_smolfile
 from fleet.runtime import disk
 from fleet.runtime.base import MachineSpec
+from fleet.runtime.cgroups import MachineCgroup
 from fleet.runtime.namespace import NamespaceRuntime
 from fleet.runtime.namespace_machine import NamespaceMachine
 
@@ -626,8 +627,6 @@ def test_a_delete_cancelled_half_way_still_removes_the_machine(
     """A machine's delete is cancelled (its agent shutting down) while its cgroup is being
     removed: the delete still runs to its end, so its disk is unmounted and its files gone,
     instead of a delete marked done that never reached them."""
-    from fleet.runtime.cgroups import MachineCgroup
-
     runtime, spec = make(rootfs, tmp_path, 'image = "minimal"\noverlay = 1\n')
     started, cancelled = threading.Event(), threading.Event()
     remove_cgroup = MachineCgroup.remove

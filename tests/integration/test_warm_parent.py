@@ -15,6 +15,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from fleet.core.smolfile import parse_smolfile
+from fleet.runtime import warm_child
 from fleet.runtime.base import MachineSpec
 from fleet.runtime.cgroups import MachineCgroup
 from fleet.runtime.namespace import NamespaceRuntime
@@ -489,8 +490,6 @@ def test_a_childs_output_reaches_its_reader_whole_and_in_order_as_it_is_written(
 ) -> None:
     """`on_output` is handed all a child's step writes to each stream, in order, as it
     writes it: more than one read's worth at once, a pause, then a line to each."""
-    from fleet.runtime import warm_child
-
     script = (
         "import sys, time\n"
         f"sys.stdout.write('a' * {warm_child.TAIL_CHUNK * 2 + 7}); sys.stdout.flush()\n"
