@@ -219,29 +219,31 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
         key = request.idempotency_key or uuid.uuid4().hex
         deadline = now + timedelta(seconds=lifetime)
         manifest = source.manifest.model_copy(update={"session": spec, "deadline": deadline})
-        ids = []
-        for i in range(count):
-            submit = SubmitRequest(
+        forks = [
+            SubmitRequest(
                 idempotency_key=f"{key}/fork-{i}", smolfile=manifest.smolfile,
                 smolfile_name=manifest.smolfile_name, steps=(), deadline=deadline,
                 retry=manifest.retry, labels=labels, tenant=source.tenant,
                 requirements=manifest.requirements, session=spec,
-            )  # fmt: skip
-            if i == 0:  # (the others differ only by their keys)
-                await asyncio.to_thread(
-                    validate_request, submit, now,
-                    timedelta(seconds=self.core.config.max_deadline_s),
-                )  # fmt: skip
-            rollout, created = await self.core.db(
-                functools.partial(
-                    self.core.ledger.submit,
-                    max_active_per_tenant=self.core.config.max_active_per_tenant,
-                ),
-                submit, manifest, now.timestamp(),
-            )  # fmt: skip
-            if created:
-                self.core.changed()
-            ids.append(rollout.id)
+            )
+            for i in range(count)
+        ]  # fmt: skip
+        # (The forks differ only by their keys: one check is every fork's.)
+        await asyncio.to_thread(
+            validate_request, forks[0], now, timedelta(seconds=self.core.config.max_deadline_s)
+        )
+        # All forks in one transaction: a crash stores all of them or none, and a retry with
+        # the same key finds every one it stored.
+        stored = await self.core.db(
+            functools.partial(
+                self.core.ledger.submit_many,
+                max_active_per_tenant=self.core.config.max_active_per_tenant,
+            ),
+            [(fork, manifest) for fork in forks], now.timestamp(),
+        )  # fmt: skip
+        if any(created for _, created in stored):
+            self.core.changed()
+        ids = [rollout_id for rollout_id, _ in stored]
         log.info("session_fork_submitted", session_id=source.id, forks=ids, host_id=host_id,
                  request_id=request.request_id)  # fmt: skip
         wait = request.ready_timeout_s or DEFAULT_READY_S

@@ -191,10 +191,12 @@ async def test_a_lost_host_fails_the_sessions_next_call_with_unavailable(
 
 
 async def fork(
-    stub: fleet_pb2_grpc.SessionServiceStub, session: str, count: int
+    stub: fleet_pb2_grpc.SessionServiceStub, session: str, count: int, key: str = ""
 ) -> list[fleet_pb2.Session]:
     reply = await stub.ForkSession(
-        fleet_pb2.ForkSessionRequest(session_id=session, count=count, ready_timeout_s=60)
+        fleet_pb2.ForkSessionRequest(
+            session_id=session, count=count, ready_timeout_s=60, idempotency_key=key
+        )
     )
     return list(reply.sessions)
 
@@ -210,7 +212,8 @@ async def test_forks_start_from_the_sessions_files_and_go_their_own_ways(
 ) -> None:
     """ForkSession: each copy sees the source's files as they were, is a session of its own
     (its own machine, name and ledger entry on the same host), and changes in one are seen in
-    no other. A session that is closed cannot be forked."""
+    no other. The same call again (its idempotency key) answers the same forks. A session that
+    is closed cannot be forked."""
 
     async with harness(tmp_path, images) as h:
         await h.start_agent("cpu-a", HostClass.CPU, slots=4)
@@ -222,7 +225,8 @@ async def test_forks_start_from_the_sessions_files_and_go_their_own_ways(
             shell="mkdir -p /srv/w && echo base > /srv/w/state && "
             "ln -s state /srv/w/link && rm /etc/issue; chown 1234:5678 /srv/w/state",
         )
-        a, b = await fork(stub, s.id, 2)
+        a, b = await fork(stub, s.id, 2, key="two-forks")
+        again = [x.id for x in await fork(stub, s.id, 2, key="two-forks")]
         seen = {
             x.id: await out(
                 stub,
@@ -257,8 +261,10 @@ async def test_forks_start_from_the_sessions_files_and_go_their_own_ways(
             "source": s.id,
             "a": a.id,
             "b": b.id,
+            "again": again,
         }
 
+    assert r["again"] == [r["a"], r["b"]]
     assert r["forks"] == [("OPEN", "cpu-a")] * 2 and len(r["ids"]) == 3  # type: ignore[arg-type]
     seen: dict[str, bytes] = r["seen"]  # type: ignore[assignment]
     bodies = {v.rsplit(b"\n", 2)[0] for v in seen.values()}
