@@ -28,6 +28,7 @@ import os
 import pstats
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections import defaultdict
@@ -52,14 +53,17 @@ def own_cpu_s() -> tuple[float, float]:
 
 
 def threads_cpu_s() -> dict[str, float]:
-    """CPU seconds of this process's live threads, by name (the event loop's is `python`, the
-    ledger's and tools' worker threads `asyncio_N`, gRPC's own `grpc_global_ti` and the like)."""
+    """CPU seconds of this process's live threads, by name: Python's name for its own threads
+    (the event loop's `MainThread`, the ledger's writer `ledger`, its readers `ledger-read`,
+    worker threads `asyncio`), the kernel's for the others (gRPC's `event_engine` and the
+    like), numbers dropped so that a pool's threads add up."""
     out: dict[str, float] = defaultdict(float)
     tick = os.sysconf("SC_CLK_TCK")
+    python_names = {t.native_id: t.name for t in threading.enumerate()}
     for task in Path("/proc/self/task").iterdir():
         try:
             stat = (task / "stat").read_text()
-            name = (task / "comm").read_text().strip()
+            name = python_names.get(int(task.name)) or (task / "comm").read_text().strip()
         except OSError:
             continue  # (ended meanwhile)
         fields = stat.rsplit(")", 1)[1].split()

@@ -344,7 +344,9 @@ class Agent:
             self._running.pop(a.work_id, None)
             self._slot_freed.set()
         await self._complete(stub, completion, log_)
-        await asyncio.to_thread(AttemptJournal(self.journal_dir, a.work_id, a.fencing_token).remove)
+        if running.journalled:
+            journal = AttemptJournal(self.journal_dir, a.work_id, a.fencing_token)
+            await asyncio.to_thread(journal.remove)
 
     async def warm_parent(self, a: Assignment, spec: MachineSpec, warmup: str) -> Parent:
         """This host's warm parent for the rollout's tenant, image, Smolfile, warm-up and way

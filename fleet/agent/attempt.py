@@ -62,6 +62,8 @@ class Running:
     """The image digest this attempt holds in the image cache ("": none yet)."""
     logs: list[OutputArtifact] = field(default_factory=list)
     """Steps' whole stdout/stderr where it passed the inline limit (stored already)."""
+    journalled: bool = False
+    """Whether the attempt may have a journal on disk (to remove once it is reported)."""
 
 
 class Finished(Exception):
@@ -216,26 +218,30 @@ class Attempt:
 
     async def _machine(
         self, spec: MachineSpec, steps: Steps, warm: str | None
-    ) -> tuple[Machine, Steps, AttemptJournal]:
+    ) -> tuple[Machine, Steps, AttemptJournal | None]:
         """The attempt's machine (adopted after a restart, a session's fork, a warm parent's
-        child, or a new one), the steps left to run in it, and its journal."""
+        child, or a new one), the steps left to run in it, and its journal (None for a warm
+        parent's child: it is never adopted after a restart, so no journal of it is read)."""
         a, agent, running = self.a, self.agent, self.running
         if running.adopt is not None:  # (a warm parent's children are never adopted)
-            record = await asyncio.to_thread(
+            resumed = await asyncio.to_thread(
                 AttemptJournal.resume, agent.journal_dir, a.work_id, a.fencing_token
             )
+            running.journalled = True
             machine = running.machine = await agent.runtime.adopt(running.adopt, spec)
-            running.results = list(record.results)
-            finished = record.finished
+            running.results = list(resumed.results)
+            finished = resumed.finished
             steps = [(i, step) for i, step in steps if i not in finished]
             self.log.info("attempt_resumed", machine=machine.name, steps_done=sorted(finished),
-                          init_done=record.init_done)  # fmt: skip
-            failed = next((r for r in record.results if not r.ok), None)
+                          init_done=resumed.init_done)  # fmt: skip
+            failed = next((r for r in resumed.results if not r.ok), None)
             if failed is not None:  # the old agent died between that step and its report
                 why = "timed out" if failed.timed_out else f"exited {failed.exit_code}"
                 raise self._ended(Outcome.STEP_FAILED, f"step {failed.index} ({failed.name}) {why}")
-            return machine, steps, record
-        record = AttemptJournal(agent.journal_dir, a.work_id, a.fencing_token)
+            return machine, steps, resumed
+        record: AttemptJournal | None = AttemptJournal(
+            agent.journal_dir, a.work_id, a.fencing_token
+        )
         session = a.manifest.session
         if session is not None and session.fork_of:
             source = agent.sessions.machine_of(session.fork_of)
@@ -250,6 +256,7 @@ class Attempt:
         elif warm is not None:
             parent = await agent.warm_parent(a, spec, warm)
             machine = await parent.branch(spec.name)
+            record = None
             if parent.carries_memory:  # the warm-up ran once, in the parent
                 steps = steps[1:]
             else:  # the parent's disk and memory image carried; not its interpreter
@@ -296,14 +303,15 @@ class Attempt:
             raise self._ended(Outcome.STEP_FAILED, str(exc)) from None
 
     async def _init(
-        self, machine: Machine, smolfile: Smolfile, env: dict[str, str], record: AttemptJournal,
-        warm: str | None,
+        self, machine: Machine, smolfile: Smolfile, env: dict[str, str],
+        record: AttemptJournal | None, warm: str | None,
     ) -> None:  # fmt: skip
         """The Smolfile's `init` commands, unless a parent, a source or an earlier run of this
         attempt ran them."""
         session = self.a.manifest.session
         forked = session is not None and bool(session.fork_of)  # (its source ran them)
-        commands = [] if warm is not None or forked or record.init_done else smolfile.init
+        done = record is not None and record.init_done
+        commands = [] if warm is not None or forked or done else smolfile.init
         for command in commands:
             init = await machine.exec(["/bin/sh", "-c", command], env=env, timeout_s=INIT_TIMEOUT_S)
             if init.exit_code != 0:
@@ -312,14 +320,16 @@ class Attempt:
                     f"init command {command!r} exited {init.exit_code}: "
                     f"{init.stderr.decode(errors='replace')[-500:]}",
                 )
-        if commands:  # journalled only when there was something not to run again
+        if commands and record is not None:  # journalled: something not to run again
+            self.running.journalled = True
             await asyncio.to_thread(record.mark_init_done)
 
     async def _steps(
         self, machine: Machine, smolfile: Smolfile, steps: Steps, env: dict[str, str],
-        record: AttemptJournal,
+        record: AttemptJournal | None,
     ) -> None:  # fmt: skip
-        """The plan's steps in order, each journalled; the first that fails ends the attempt."""
+        """The plan's steps in order, each journalled (where the machine has a journal); the
+        first that fails ends the attempt."""
         a, running = self.a, self.running
         for index, step in steps:
             left = a.manifest.deadline.timestamp() - time.time()
@@ -341,7 +351,9 @@ class Attempt:
                 stderr_truncated=result.stderr_truncated,
             )  # fmt: skip
             running.results.append(step_result)
-            await asyncio.to_thread(record.record, step_result)
+            if record is not None:
+                running.journalled = True
+                await asyncio.to_thread(record.record, step_result)
             seconds = round(result.duration_s, 3)
             self.log.info("step_finished", step=index, exit_code=result.exit_code,
                           timed_out=result.timed_out, seconds=seconds)  # fmt: skip

@@ -33,6 +33,7 @@ from fleet.runtime.namespace import SOCKET_LINKS, NamespaceRuntime
 from fleet.runtime.namespace_machine import LAUNCH_ENV, NamespaceMachine
 from fleet.runtime.warm_child import (
     WarmChild,
+    _closed,
     fitted_limit,
     ns_pids,
 )
@@ -217,9 +218,8 @@ class NamespaceParent:
 
     async def call(self, request: dict[str, Any], fresh: bool = False) -> dict[str, Any]:
         """One request to the fork server (a wait gets a connection of its own)."""
-        sock = str(self._link / "zygote.sock")
         if fresh:
-            reader, writer = await asyncio.open_unix_connection(sock)
+            reader, writer = await self.connect()
             try:
                 writer.write((json.dumps(request) + "\n").encode())
                 return dict(json.loads(await reader.readline()))
@@ -228,7 +228,7 @@ class NamespaceParent:
         async with self._lock:
             try:
                 if self._conn is None:
-                    self._conn = await asyncio.open_unix_connection(sock)
+                    self._conn = await self.connect()
                 reader, writer = self._conn
                 writer.write((json.dumps(request) + "\n").encode())
                 line = await reader.readline()
@@ -237,6 +237,14 @@ class NamespaceParent:
             if not line and self._conn is not None:
                 await _closed(self._conn[1])
                 self._conn = None  # the next call connects afresh
+        return self.reply(line)
+
+    async def connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A connection of its own to the fork server (it serves each in a thread of its own)."""
+        return await asyncio.open_unix_connection(str(self._link / "zygote.sock"))
+
+    def reply(self, line: bytes) -> dict[str, Any]:
+        """A reply of the fork server's, read as a line ("": it is gone, or its connection)."""
         if not line:
             raise Unavailable(f"warm parent {self.machine.name}: its fork server is gone")
         reply = dict(json.loads(line))
@@ -315,14 +323,16 @@ class NamespaceParent:
                      wanted_mib=limit >> 20, error=str(exc))  # fmt: skip
 
     def _kill(self) -> None:
-        """Kills the fork server; the connection to it goes too (its transport closes on the
-        loop's next turn)."""
+        """Kills the fork server; the connections to it go too, its children's waits among
+        them (their transports close on the loop's next turn)."""
         if self._proc is not None and self._proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self._proc.pid, signal.SIGKILL)
         if self._conn is not None:
             self._conn[1].close()
             self._conn = None
+        for child in self.children:
+            child.drop_wait()
 
     async def delete(self) -> None:
         for task in self._refills:
@@ -359,11 +369,3 @@ class WarmNamespaceRuntime(NamespaceRuntime):
             await machine.delete()
             raise
         return await NamespaceParent.create(self, machine, warmup, pool_size=pool_size)
-
-
-async def _closed(writer: asyncio.StreamWriter) -> None:
-    """Closes a connection to the fork server and waits until it is (a transport left to close
-    after its loop ends leaks its socket)."""
-    writer.close()
-    with contextlib.suppress(OSError):
-        await writer.wait_closed()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -84,6 +85,8 @@ class WarmChild:
         self._deleted = False
         self.prepared_pid: int | None = None
         self._sockets_fd: int | None = None
+        self._waiting: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        """The connection on which the fork server answers the wait for the running step."""
         self._oom_kills = 0
         """The cgroup's OOM kills as of the end of the last exec (a new group has none)."""
         self.resident: Resident | None = None
@@ -153,24 +156,62 @@ class WarmChild:
         if self.prepared_pid is not None:
             host_pid, self.prepared_pid = self.prepared_pid, None
             try:
-                await self.parent.call({"op": "go", "id": self.cid, "step": step})
+                await self._go(step)
                 return host_pid
             except Internal:  # the prepared fork died while it waited: fork afresh
-                await self.parent.call({"op": "wait", "id": self.cid}, fresh=True)
+                await self.wait()  # (reaped)
         host_pid = await self._fork(step)
         try:
-            await self.parent.call({"op": "go", "id": self.cid, "step": step})
+            await self._go(step)
         except Internal as exc:
             if "is gone" not in str(exc):
+                await self._stop_waiting()
                 raise
             # Killed in its cgroup before its step began: `wait` reports what it died of, as
             # for a step killed while it ran.
             log.info("warm_child_gone_before_its_step", child=self._name)
         return host_pid
 
+    async def _go(self, step: dict[str, Any]) -> None:
+        """Hands the child its step, and asks, on the same connection, for its end: the fork
+        server answers "go" at once and the wait when the step has ended, which `wait` reads
+        (one connection and one exchange for both)."""
+        await self._stop_waiting()  # (a wait for an earlier step never read)
+        reader, writer = self._waiting = await self.parent.connect()
+        go = {"op": "go", "id": self.cid, "step": step}
+        writer.write((json.dumps(go) + "\n" + json.dumps({"op": "wait", "id": self.cid})
+                      + "\n").encode())  # fmt: skip
+        try:
+            line = await reader.readline()
+        except OSError:
+            line = b""
+        self.parent.reply(line)
+
     async def wait(self) -> int:
-        reply = await self.parent.call({"op": "wait", "id": self.cid}, fresh=True)
-        return os.waitstatus_to_exitcode(int(reply["status"]))
+        """The exit code of the step `start` began (or of the child, where it never ran it)."""
+        if self._waiting is None:
+            reader, writer = await self.parent.connect()
+            writer.write((json.dumps({"op": "wait", "id": self.cid}) + "\n").encode())
+            self._waiting = (reader, writer)
+        reader, writer = self._waiting
+        try:
+            line = await reader.readline()  # (cancelled, the reply stays for the next wait)
+        except OSError:
+            line = b""
+        await self._stop_waiting()
+        return os.waitstatus_to_exitcode(int(self.parent.reply(line)["status"]))
+
+    async def _stop_waiting(self) -> None:
+        if self._waiting is not None:
+            _, writer = self._waiting
+            self._waiting = None
+            await _closed(writer)
+
+    def drop_wait(self) -> None:
+        """Closes the connection a wait would be answered on (its fork server is gone)."""
+        if self._waiting is not None:
+            self._waiting[1].close()
+            self._waiting = None
 
     async def exec(
         self,
@@ -210,9 +251,11 @@ class WarmChild:
                 timed_out=timed_out, duration_s=time.monotonic() - started,
                 oom_killed=self._oom_kills > oom_before,
             )  # fmt: skip
-        # (A pool child's fork opened its output files when it was prepared, empty.)
+        # (A pool child's fork opened its output files when it was prepared, empty, and it has
+        # had no stdin: with none to give it now, there is nothing to clear.)
         clear = ("stdout", "stderr") if self.prepared_pid is None else ()
-        await asyncio.to_thread(self._clear_outputs, stdin, clear)
+        if clear or stdin is not None:
+            await asyncio.to_thread(self._clear_outputs, stdin, clear)
         await self.start(argv, env, workdir, stdin=stdin is not None)
         timed_out = False
         waited = asyncio.ensure_future(self.wait())
@@ -268,6 +311,10 @@ class WarmChild:
         TAIL_S), until the step has ended and all it wrote is handed over."""
         offsets = {"stdout": 0, "stderr": 0}
         while True:
+            # First a wait (the step has only begun: nothing to read yet), so that a step
+            # shorter than TAIL_S is read once, when it has ended.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(done), TAIL_S)
             finished = done.done()
             # Both files read in one trip to a worker thread (a no-op step's tail is most of
             # its thread trips otherwise).
@@ -276,8 +323,6 @@ class WarmChild:
                 sink(stream, chunk)
             if finished:
                 return
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(done), TAIL_S)
 
     def _read_new(self, offsets: dict[str, int]) -> list[tuple[str, bytes]]:
         """What each output file holds past its offset, in chunks of at most TAIL_CHUNK."""
@@ -422,6 +467,7 @@ class WarmChild:
         self._deleted = True
         if self.resident is not None:
             await self.resident.close()
+        await self._stop_waiting()
         if self._sockets_fd is not None:
             os.close(self._sockets_fd)
             self._sockets_fd = None
@@ -432,6 +478,14 @@ class WarmChild:
         self.cgroup.remove()
         shutil.rmtree(self.layer, True)
         self.parent.fit_limit()
+
+
+async def _closed(writer: asyncio.StreamWriter) -> None:
+    """Closes a connection to the fork server and waits until it is (a transport left to close
+    after its loop ends leaks its socket)."""
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
 
 
 def fitted_limit(due: int, held: int | None, now: int | None, room: int) -> int:
