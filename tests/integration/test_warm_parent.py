@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import re
+import signal
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -211,6 +212,41 @@ def test_pool_children_are_forked_ahead_and_run_like_any_other(
 
     outs = with_parent(rootfs, tmp_path, body, pool_size=2)
     assert outs == [f"policy-v1 pooled-{i}\n".encode() for i in range(4)]
+
+
+def process_state(pid: int) -> str:
+    """A process's state letter ("": there is no such process)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return ""
+
+
+def test_a_pool_child_that_died_while_it_waited_is_forked_afresh(
+    rootfs: Path, tmp_path: Path
+) -> None:
+    """A pool child killed before its step (the fork server finds it gone when handed the
+    step) is reaped, and the step runs in a fresh fork in its place."""
+
+    async def body(parent: NamespaceParent) -> tuple[int, bytes, bool]:
+        for _ in range(200):  # the pool is filled in the background
+            if parent._pool and parent._pool[0].prepared_pid is not None:
+                break
+            await asyncio.sleep(0.05)
+        dead = parent._pool[0].prepared_pid
+        assert dead is not None
+        os.kill(dead, signal.SIGKILL)
+        for _ in range(200):  # until it is dead (a zombie, or reaped by the fork server)
+            if await asyncio.to_thread(process_state, dead) in ("Z", ""):
+                break
+            await asyncio.sleep(0.05)
+        child = await parent.branch("revived")
+        result = await child.exec(["python3", "-c", "print(MODEL['name'])"], timeout_s=30)
+        return result.exit_code, result.stdout, await asyncio.to_thread(process_state, dead) != ""
+
+    code, out, dead_left = with_parent(rootfs, tmp_path, body, pool_size=1)
+    assert (code, out) == (0, b"policy-v1\n")
+    assert not dead_left  # reaped
 
 
 FDS = """
