@@ -17,7 +17,7 @@ from fleet.core.egress import EgressEvent
 from fleet.core.errors import FailedPrecondition, NotFound
 from fleet.core.placement import Isolation, RuntimeKind
 from fleet.core.rollout import MAX_OUTPUT_BYTES
-from fleet.runtime.base import Channel, ExecResult, Leftover, Machine, MachineSpec
+from fleet.runtime.base import Channel, ExecResult, Leftover, Machine, MachineSpec, Usage
 from fleet.runtime.output import OutputSink
 
 Script = Callable[[list[str], Mapping[str, str]], Awaitable[ExecResult] | ExecResult]
@@ -90,14 +90,11 @@ class FakeMachine:
     async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
         self.files[path] = bytes(data)
 
-    async def cpu_seconds(self) -> float | None:
-        return None
+    async def usage(self) -> Usage:
+        return Usage()
 
     async def egress_events(self) -> list[EgressEvent]:
         return []
-
-    async def memory_peak_mib(self) -> float | None:
-        return None
 
     async def fork(self, spec: MachineSpec) -> Machine:
         self.runtime.calls.append(("fork", self.name, (spec.name,)))

@@ -387,10 +387,9 @@ class Attempt:
         if machine is None:
             return completion
         try:
-            cpu = await asyncio.shield(machine.cpu_seconds())
+            cpu, peak = await asyncio.shield(machine.usage())
             if cpu is not None:
                 completion = completion.model_copy(update={"cpu_seconds": round(cpu, 6)})
-            peak = await asyncio.shield(machine.memory_peak_mib())
             if peak is not None:
                 completion = completion.model_copy(update={"peak_memory_mib": round(peak, 3)})
         except Exception:

@@ -7,7 +7,7 @@ import os
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Literal, NamedTuple, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -77,6 +77,14 @@ class MachineSpec(BaseModel):
     `mounts_read_only`."""
 
 
+class Usage(NamedTuple):
+    """What a machine used so far, where its runtime can tell (None: it cannot)."""
+
+    cpu_seconds: float | None = None
+    memory_peak_mib: float | None = None
+    """The most memory it held at once."""
+
+
 class ExecResult(BaseModel):
     """One command's result. A non-zero exit code is data, not an error."""
 
@@ -140,16 +148,12 @@ class Machine(Protocol):
 
     async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None: ...
 
-    async def cpu_seconds(self) -> float | None:
-        """CPU time the machine used so far, where the runtime can tell."""
+    async def usage(self) -> Usage:
+        """CPU time and peak memory the machine used so far, read together."""
         ...
 
     async def egress_events(self) -> list[EgressEvent]:
         """Refused DNS queries and connections since the last call."""
-        ...
-
-    async def memory_peak_mib(self) -> float | None:
-        """The most memory the machine held at once so far, where the runtime can tell."""
         ...
 
     async def fork(self, spec: MachineSpec) -> Machine:

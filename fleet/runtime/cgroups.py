@@ -19,6 +19,7 @@ from pathlib import Path
 import structlog
 
 from fleet.core.errors import Unavailable
+from fleet.runtime.base import Usage
 
 log = structlog.get_logger(__name__)
 
@@ -184,6 +185,11 @@ class MachineCgroup:
         except (OSError, TypeError, ValueError):
             pass
         return 0
+
+    def usage(self) -> Usage:
+        """CPU seconds and peak memory (MiB) of the machine so far, read in one go."""
+        peak = self.memory_peak_bytes()
+        return Usage(self.cpu_seconds(), None if peak is None else peak / (1 << 20))
 
     def cpu_seconds(self) -> float | None:
         """CPU time the machine's processes used so far (None where it cannot be read)."""

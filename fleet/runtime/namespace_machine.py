@@ -28,6 +28,7 @@ from fleet.runtime.base import (
     Channel,
     ExecResult,
     MachineSpec,
+    Usage,
     machine_env,
     to_the_end,
 )
@@ -396,12 +397,8 @@ class NamespaceMachine:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
 
-    async def memory_peak_mib(self) -> float | None:
-        peak = await asyncio.to_thread(self.cgroup.memory_peak_bytes)
-        return None if peak is None else peak / (1 << 20)
-
-    async def cpu_seconds(self) -> float | None:
-        return await asyncio.to_thread(self.cgroup.cpu_seconds)
+    async def usage(self) -> Usage:
+        return await asyncio.to_thread(self.cgroup.usage)
 
     def record(self, event: EgressEvent) -> None:
         """A refusal of the DNS forwarder: kept in the machine's directory, so that one made

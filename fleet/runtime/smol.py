@@ -36,7 +36,15 @@ from fleet.core.errors import (
 from fleet.core.placement import Isolation, RuntimeKind
 from fleet.core.rollout import MAX_OUTPUT_BYTES
 from fleet.core.smolfile import Smolfile
-from fleet.runtime.base import Channel, ExecResult, Leftover, Machine, MachineSpec, machine_env
+from fleet.runtime.base import (
+    Channel,
+    ExecResult,
+    Leftover,
+    Machine,
+    MachineSpec,
+    Usage,
+    machine_env,
+)
 from fleet.runtime.branching import BranchCoalescer
 from fleet.runtime.output import OutputSink
 
@@ -182,11 +190,8 @@ class SmolMachine:
     def name(self) -> str:
         return self.spec.name
 
-    async def cpu_seconds(self) -> float | None:
-        return None  # the SDK reports no per-machine CPU time
-
-    async def memory_peak_mib(self) -> float | None:
-        return None  # nor its memory
+    async def usage(self) -> Usage:
+        return Usage()  # the SDK reports no per-machine CPU time, nor memory
 
     async def egress_events(self) -> list[EgressEvent]:
         """The engine's egress denials for this machine (`smol-vmm machine egress-events`)."""

@@ -29,6 +29,7 @@ from fleet.runtime.base import (
     Channel,
     ExecResult,
     MachineSpec,
+    Usage,
     machine_env,
     to_thread_to_the_end,
 )
@@ -438,12 +439,8 @@ class WarmChild:
             why = result.stderr.decode(errors="replace").strip()[-300:]
             raise InvalidArgument(f"{self._name}:{path}: cannot write: {why}")
 
-    async def memory_peak_mib(self) -> float | None:
-        peak = await asyncio.to_thread(self.cgroup.memory_peak_bytes)
-        return None if peak is None else peak / (1 << 20)
-
-    async def cpu_seconds(self) -> float | None:
-        return await asyncio.to_thread(self.cgroup.cpu_seconds)
+    async def usage(self) -> Usage:
+        return await asyncio.to_thread(self.cgroup.usage)
 
     async def egress_events(self) -> list[EgressEvent]:
         """A child's network is its loopback alone: nothing to refuse, nothing to report."""
