@@ -35,6 +35,7 @@ from fleet.core.rollout import Rollout
 from fleet.core.smolfile import ParsedSmolfile
 from fleet.image import oci
 from fleet.server import convert
+from fleet.server.auth import Caller
 from fleet.server.core import (
     MAX_LIST_BYTES,
     MIB,
@@ -47,6 +48,15 @@ log = structlog.get_logger(__name__)
 
 MAX_BATCH_SUBMIT = 1000
 """Submissions one SubmitRollouts call may carry."""
+
+
+def in_batch(exc: FleetError, index: int, item: fleet_pb2.SubmitRolloutRequest) -> FleetError:
+    """A batch item's refusal, named by its place and key: the batch is refused whole."""
+    return type(exc)(
+        f"rollouts[{index}] (idempotency key {item.idempotency_key!r}): {exc.message}; "
+        "nothing was submitted",
+        retry_after_s=exc.retry_after_s,
+    )
 
 
 class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
@@ -87,21 +97,17 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
             )
         now = datetime.now(UTC)
         caller = self.core.caller()
+        items = list(request.rollouts)
+        # Every item converted and checked in one trip off the event loop.
+        accepted = await asyncio.to_thread(self._accept_all, items, caller, now)
         batch: list[tuple[SubmitRequest, Manifest]] = []
-        for index, item in enumerate(request.rollouts):
+        images: dict[str, tuple[str, str]] = {}  # (an image named twice is resolved once)
+        for index, (item, (submit, parsed)) in enumerate(zip(items, accepted, strict=True)):
             try:
-                if len(item.steps) > MAX_STEPS:
-                    raise ResourceExhausted(f"the plan has {len(item.steps)} steps, over the "
-                                            f"{MAX_STEPS}")  # fmt: skip
-                item.tenant = caller.tenant_for(item.tenant)
-                submit, parsed = await asyncio.to_thread(self._accept, item, now)
-                batch.append((submit, await self.prepare(submit, parsed, now, item.image_upload)))
+                manifest = await self.prepare(submit, parsed, now, item.image_upload, images)
             except FleetError as exc:
-                raise type(exc)(
-                    f"rollouts[{index}] (idempotency key {item.idempotency_key!r}): "
-                    f"{exc.message}; nothing was submitted",
-                    retry_after_s=exc.retry_after_s,
-                ) from None
+                raise in_batch(exc, index, item) from None
+            batch.append((submit, manifest))
         stored = await self.core.db(
             self.core.ledger.submit_many, batch, now.timestamp(),
             self.core.config.max_active_per_tenant,
@@ -114,6 +120,23 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
             rollouts=[fleet_pb2.SubmittedRollout(id=rid, created=c) for rid, c in stored]
         )
 
+    def _accept_all(
+        self, items: list[fleet_pb2.SubmitRolloutRequest], caller: Caller, now: datetime
+    ) -> list[tuple[SubmitRequest, ParsedSmolfile]]:
+        """A batch's submissions, each converted and checked (see `_accept`); the first that
+        is refused refuses the batch, named by its place in it."""
+        out = []
+        for index, item in enumerate(items):
+            try:
+                if len(item.steps) > MAX_STEPS:
+                    raise ResourceExhausted(f"the plan has {len(item.steps)} steps, over the "
+                                            f"{MAX_STEPS}")  # fmt: skip
+                item.tenant = caller.tenant_for(item.tenant)
+                out.append(self._accept(item, now))
+            except FleetError as exc:
+                raise in_batch(exc, index, item) from None
+        return out
+
     def _accept(
         self, request: fleet_pb2.SubmitRolloutRequest, now: datetime
     ) -> tuple[SubmitRequest, ParsedSmolfile]:
@@ -124,16 +147,20 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
         return submit, validate_request(submit, now, max_deadline)
 
     async def prepare(
-        self, submit: SubmitRequest, parsed: ParsedSmolfile, now: datetime, image_upload: str = ""
-    ) -> Manifest:
+        self, submit: SubmitRequest, parsed: ParsedSmolfile, now: datetime, image_upload: str = "",
+        images: dict[str, tuple[str, str]] | None = None,
+    ) -> Manifest:  # fmt: skip
         """A validated submission's manifest: its inputs checked, its image pinned, its host
-        class servable."""
+        class servable. `images`: (digest, pinned) of the images this request resolved already,
+        by name (one resolution of an image serves a whole batch)."""
         await self._check_inputs(submit)
         image = image_of(parsed)
         pinned = ""
         if oci.looks_like_archive(image):  # on the submitter's disk: uploaded flattened
             image_digest = await self._import_upload(image_upload, image,
                                                      submit.smolfile_name)  # fmt: skip
+        elif images is not None and image in images:
+            image_digest, pinned = images[image]
         elif oci.looks_like_reference(image):  # a registry's image: pinned by its digests
             cas = [self.core.config.registry_ca]
             if self.core.security is not None:
@@ -143,6 +170,8 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
             )
         else:
             image_digest = await asyncio.to_thread(self.core.images.resolve, image)  # (files only)
+        if images is not None and not oci.looks_like_archive(image):
+            images[image] = (image_digest, pinned)
         manifest = build_manifest(submit, parsed, image_digest, now, pinned)
         reason = await self.core.unservable_reason(manifest.host_class, manifest.requirements)
         if reason:
