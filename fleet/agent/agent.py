@@ -285,15 +285,22 @@ class Agent:
             self.log.info("work_stopping", work_id=work_id, reason=reason)
 
     async def _claim_loop(self, stub: host_pb2_grpc.HostServiceStub, stop: asyncio.Event) -> None:
+        stopper = asyncio.ensure_future(stop.wait())  # (one for the loop, not one per claim)
+        try:
+            await self._claims(stub, stop, stopper)
+        finally:
+            stopper.cancel()
+
+    async def _claims(
+        self, stub: host_pb2_grpc.HostServiceStub, stop: asyncio.Event, stopper: asyncio.Future[Any]
+    ) -> None:
         while not stop.is_set():
             free = self.config.slots - len(self._running)
             if free <= 0:
                 self._slot_freed.clear()
-                waiter = asyncio.create_task(self._slot_freed.wait())
-                stopper = asyncio.create_task(stop.wait())
+                waiter = asyncio.ensure_future(self._slot_freed.wait())
                 await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
                 waiter.cancel()
-                stopper.cancel()
                 continue
             try:
                 claim = asyncio.ensure_future(
@@ -307,9 +314,7 @@ class Agent:
                         timeout=self.config.claim_wait_s + 10,
                     )
                 )
-                stopper = asyncio.create_task(stop.wait())
                 done, _ = await asyncio.wait({claim, stopper}, return_when=asyncio.FIRST_COMPLETED)
-                stopper.cancel()
                 if claim not in done:
                     claim.cancel()
                     break
