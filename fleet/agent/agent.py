@@ -59,6 +59,13 @@ class Agent:
         self.log = log.bind(host_id=config.host_id, host_class=config.host_class.value)
         self._running: dict[str, Running] = {}
         self._slot_freed = asyncio.Event()
+        self._serving: set[asyncio.Task[None]] = set()
+        """Every attempt's task, from its claim to its report (and the claim that report made)."""
+        self._handing_over = 0
+        """Slots whose finished work is being reported, with a claim for the next in the same
+        call: the claim loop leaves them to it."""
+        self._claiming = True
+        """Whether reports also claim the next work (not once the agent is stopping)."""
         self.stub: host_pb2_grpc.HostServiceStub | None = None
         self.checkpoints: CheckpointSender | None = None
         self._parents: dict[str, Parent] = {}
@@ -116,15 +123,19 @@ class Agent:
         """Stopping: the host takes no new work (the server is told at once, and at every beat
         until the end), running work goes on until `drain_deadline_s`, then is stopped; the
         server releases its leases for retry elsewhere at the same deadline."""
-        tasks = [r.task for r in self._running.values() if r.task]
-        if not tasks:
+        self._claiming = False
+        if not self._serving:
             return
         deadline_s = self.config.drain_deadline_s
         self._drain_until = time.time() + deadline_s
-        self.log.info("agent_draining", running=len(tasks), deadline_s=deadline_s)
+        self.log.info("agent_draining", running=len(self._serving), deadline_s=deadline_s)
         with contextlib.suppress(grpc.aio.AioRpcError):
             await stub.Heartbeat(self._beat_request(), timeout=10)
-        _, late = await asyncio.wait(tasks, timeout=deadline_s)
+        end = time.monotonic() + deadline_s
+        # (A report sent before the drain began may still bring work back: it is run too.)
+        while self._serving and (left := end - time.monotonic()) > 0:
+            await asyncio.wait(set(self._serving), timeout=left)
+        late = set(self._serving)
         for work_id, running in list(self._running.items()):
             if running.task in late:
                 self._stop(work_id, f"the agent stopped and its {deadline_s:g} s drain ended")
@@ -239,9 +250,7 @@ class Agent:
             if found is None:  # not one it asked for: leave it to its lease
                 self.log.error("reclaim_unasked", work_id=assignment.work_id)
                 continue
-            running = Running(assignment, adopt=found)
-            self._running[assignment.work_id] = running
-            running.task = asyncio.create_task(self._serve(stub, running))
+            self._start(stub, Running(assignment, adopt=found))
             kept.add(found.name)
             self.log.info("work_adopted", work_id=assignment.work_id,
                           rollout_id=assignment.rollout_id, attempt=assignment.attempt,
@@ -295,7 +304,7 @@ class Agent:
         self, stub: host_pb2_grpc.HostServiceStub, stop: asyncio.Event, stopper: asyncio.Future[Any]
     ) -> None:
         while not stop.is_set():
-            free = self.config.slots - len(self._running)
+            free = self.config.slots - len(self._running) - self._handing_over
             if free <= 0:
                 self._slot_freed.clear()
                 waiter = asyncio.ensure_future(self._slot_freed.wait())
@@ -335,20 +344,35 @@ class Agent:
                 await asyncio.sleep(1.0)
                 continue
             for item in reply.items:
-                assignment = convert.assignment_from_pb(item)
-                running = Running(assignment)
-                self._running[assignment.work_id] = running
-                running.task = asyncio.create_task(self._serve(stub, running))
+                self._start(stub, Running(convert.assignment_from_pb(item)))
+
+    def _start(self, stub: host_pb2_grpc.HostServiceStub, running: Running) -> None:
+        """Runs a leased work item (claimed, or adopted after a restart)."""
+        self._running[running.assignment.work_id] = running
+        task = running.task = asyncio.create_task(self._serve(stub, running))
+        self._serving.add(task)
+        task.add_done_callback(self._serving.discard)
 
     async def _serve(self, stub: host_pb2_grpc.HostServiceStub, running: Running) -> None:
         a = running.assignment
         log_ = self.log.bind(rollout_id=a.rollout_id, work_id=a.work_id, attempt=a.attempt)
         try:
             completion = await Attempt(self, running, log_).execute()
-        finally:
+        except BaseException:
             self._running.pop(a.work_id, None)
             self._slot_freed.set()
-        await self._complete(stub, completion, log_)
+            raise
+        # The report also claims work for the slot it frees (one call for both, where the
+        # server has work queued); the claim loop takes the slot back only if none came.
+        self._running.pop(a.work_id, None)
+        self._handing_over += 1
+        try:
+            claimed = await self._complete(stub, completion, log_, claim=int(self._claiming))
+            for item in claimed:
+                self._start(stub, Running(convert.assignment_from_pb(item)))
+        finally:
+            self._handing_over -= 1
+            self._slot_freed.set()
         if running.journalled:
             journal = AttemptJournal(self.journal_dir, a.work_id, a.fencing_token)
             await asyncio.to_thread(journal.remove)
@@ -399,23 +423,29 @@ class Agent:
         stub: host_pb2_grpc.HostServiceStub,
         completion: Completion,
         log_: structlog.BoundLogger,
-    ) -> None:
+        claim: int = 0,
+    ) -> list[host_pb2.WorkAssignment]:
+        """Reports the attempt; with `claim`, the same call claims up to that many work items
+        (returned, leased to this host)."""
         request = convert.completion_to_pb(self.caps.host_id, completion, uuid.uuid4().hex)
+        request.claim_max_items = claim
         delay = 0.2
         # A completion is idempotent under its fencing token, so resending is safe, also after
-        # an INTERNAL error whose transaction may or may not have committed.
+        # an INTERNAL error whose transaction may or may not have committed; so is its claim
+        # (the same request id answers the leases it took the first time).
         for _ in range(30):
             try:
-                await stub.CompleteWork(request, timeout=10)
-                log_.info("work_reported", outcome=completion.outcome)
-                return
+                reply = await stub.CompleteWork(request, timeout=10)
+                log_.info("work_reported", outcome=completion.outcome, claimed=len(reply.items))
+                return list(reply.items)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in {*RETRYABLE, grpc.StatusCode.INTERNAL}:
                     log_.warning("completion_refused", code=exc.code().name, error=exc.details())
-                    return
+                    return []
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
         log_.error("completion_undelivered", note="the lease will expire and the work rerun")
+        return []
 
 
 def default_host_id(host_class: HostClass, index: int = 0) -> str:

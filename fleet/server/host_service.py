@@ -206,24 +206,29 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
         host_id = self._host_id(request.host_id)
         give_up = time.monotonic() + wait_s
         while True:
-            items = await self.claims.claim(
-                Claim(
-                    host_id, request.max_items, self.core.config.lease_ttl_s,
-                    request_id=request.request_id,
-                    max_running_per_tenant=self.core.config.max_running_per_tenant,
-                    hold_inference=self.core.hold_inference,
-                )
-            )  # fmt: skip
+            items = await self._claim(host_id, request.max_items, request.request_id)
             if items:
-                self.core.event_pulse.fire()
-                return host_pb2.ClaimWorkResponse(
-                    items=[convert.assignment_to_pb(self._with_token(a)) for a in items]
-                )
+                return host_pb2.ClaimWorkResponse(items=items)
             left = give_up - time.monotonic()
             if left <= 0 or context.done():
                 return host_pb2.ClaimWorkResponse()
             # Woken by new work; the timeout also catches retries whose backoff just ended.
             await self.core.work_pulse.wait(min(left, 0.5))
+
+    async def _claim(
+        self, host_id: str, max_items: int, request_id: str
+    ) -> list[host_pb2.WorkAssignment]:
+        """Up to `max_items` work items leased to the host now (none waiting: none)."""
+        items = await self.claims.claim(
+            Claim(
+                host_id, max_items, self.core.config.lease_ttl_s, request_id=request_id,
+                max_running_per_tenant=self.core.config.max_running_per_tenant,
+                hold_inference=self.core.hold_inference,
+            )
+        )  # fmt: skip
+        if items:
+            self.core.event_pulse.fire()
+        return [convert.assignment_to_pb(self._with_token(a)) for a in items]
 
     @mapped
     async def PutCheckpoint(
@@ -420,7 +425,12 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
             state=state,
             request_id=request.request_id,
         )
-        return host_pb2.CompleteWorkResponse(state=convert.STATE_TO_PB[state])
+        # The report is stored: a claim that fails now fails the call, and the host's retry
+        # finds the report stored already (it is idempotent under its fencing token).
+        items = []
+        if request.claim_max_items:
+            items = await self._claim(host_id, request.claim_max_items, request.request_id)
+        return host_pb2.CompleteWorkResponse(state=convert.STATE_TO_PB[state], items=items)
 
 
 def _td(seconds: float) -> timedelta:

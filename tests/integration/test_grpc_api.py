@@ -582,6 +582,53 @@ async def arrived(coalescer: Coalescer[Any, Any], n: int) -> None:
         await asyncio.sleep(0.02)
 
 
+async def test_a_report_claims_the_next_work_for_the_slot_it_frees(
+    tmp_path: Path, images: ImageStore
+) -> None:
+    """CompleteWork with claim_max_items stores the report, then leases the host more work in
+    the same call; the same request again (a retry) answers the same lease, not a second one;
+    with nothing queued it claims nothing, and without claim_max_items nothing is claimed."""
+
+    async with harness(tmp_path, images) as h:
+        await h.register_host("h1")
+        for key in ("a", "b", "c"):
+            await h.fleet.SubmitRollout(request(key=key))
+        first = await h.hosts.ClaimWork(
+            host_pb2.ClaimWorkRequest(request_id="c1", host_id="h1", max_items=1)
+        )
+
+        def report(item: host_pb2.WorkAssignment, rid: str, claim: int) -> Any:
+            return h.hosts.CompleteWork(
+                host_pb2.CompleteWorkRequest(
+                    request_id=rid, host_id="h1", work_id=item.work_id,
+                    fencing_token=item.fencing_token, outcome=types_pb2.OUTCOME_SUCCEEDED,
+                    claim_max_items=claim,
+                )
+            )  # fmt: skip
+
+        done = await report(first.items[0], "r1", 1)
+        again = await report(first.items[0], "r1", 1)  # the reply was lost: sent again
+        [second] = done.items
+        plain = await report(second, "r2", 0)
+        third = await h.hosts.ClaimWork(
+            host_pb2.ClaimWorkRequest(request_id="c2", host_id="h1", max_items=5)
+        )
+        last = await report(third.items[0], "r3", 1)
+        states = {
+            r.idempotency_key: r.state
+            for r in (await h.fleet.ListRollouts(fleet_pb2.ListRolloutsRequest())).rollouts
+        }
+
+    assert done.state == types_pb2.ROLLOUT_STATE_SUCCEEDED
+    assert second.work_id != first.items[0].work_id
+    assert [(i.work_id, i.fencing_token) for i in again.items] == [
+        (second.work_id, second.fencing_token)
+    ]
+    assert list(plain.items) == [] and len(third.items) == 1  # the one left, claimed once
+    assert list(last.items) == []
+    assert states == dict.fromkeys(("a", "b", "c"), types_pb2.ROLLOUT_STATE_SUCCEEDED)
+
+
 async def test_claims_arriving_together_are_taken_in_one_transaction(
     tmp_path: Path, images: ImageStore
 ) -> None:

@@ -311,7 +311,7 @@ class ClaimWorkResponse(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[WorkAssignment, _Mapping]]] = ...) -> None: ...
 
 class CompleteWorkRequest(_message.Message):
-    __slots__ = ("request_id", "host_id", "work_id", "fencing_token", "outcome", "results", "error", "runtime", "device", "egress", "egress_events", "cpu_seconds", "outputs", "peak_memory_mib", "artifact_failed")
+    __slots__ = ("request_id", "host_id", "work_id", "fencing_token", "outcome", "results", "error", "runtime", "device", "egress", "egress_events", "cpu_seconds", "outputs", "peak_memory_mib", "artifact_failed", "claim_max_items")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     WORK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -327,6 +327,7 @@ class CompleteWorkRequest(_message.Message):
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     PEAK_MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
     ARTIFACT_FAILED_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_MAX_ITEMS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     host_id: str
     work_id: str
@@ -342,13 +343,16 @@ class CompleteWorkRequest(_message.Message):
     outputs: _containers.RepeatedCompositeFieldContainer[_types_pb2.OutputArtifact]
     peak_memory_mib: float
     artifact_failed: bool
-    def __init__(self, request_id: _Optional[str] = ..., host_id: _Optional[str] = ..., work_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., outcome: _Optional[_Union[_types_pb2.Outcome, str]] = ..., results: _Optional[_Iterable[_Union[_types_pb2.StepResult, _Mapping]]] = ..., error: _Optional[str] = ..., runtime: _Optional[_Union[_types_pb2.RuntimeKind, str]] = ..., device: _Optional[str] = ..., egress: _Optional[_Union[_types_pb2.EgressPolicy, _Mapping]] = ..., egress_events: _Optional[_Iterable[_Union[_types_pb2.EgressEvent, _Mapping]]] = ..., cpu_seconds: _Optional[float] = ..., outputs: _Optional[_Iterable[_Union[_types_pb2.OutputArtifact, _Mapping]]] = ..., peak_memory_mib: _Optional[float] = ..., artifact_failed: _Optional[bool] = ...) -> None: ...
+    claim_max_items: int
+    def __init__(self, request_id: _Optional[str] = ..., host_id: _Optional[str] = ..., work_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., outcome: _Optional[_Union[_types_pb2.Outcome, str]] = ..., results: _Optional[_Iterable[_Union[_types_pb2.StepResult, _Mapping]]] = ..., error: _Optional[str] = ..., runtime: _Optional[_Union[_types_pb2.RuntimeKind, str]] = ..., device: _Optional[str] = ..., egress: _Optional[_Union[_types_pb2.EgressPolicy, _Mapping]] = ..., egress_events: _Optional[_Iterable[_Union[_types_pb2.EgressEvent, _Mapping]]] = ..., cpu_seconds: _Optional[float] = ..., outputs: _Optional[_Iterable[_Union[_types_pb2.OutputArtifact, _Mapping]]] = ..., peak_memory_mib: _Optional[float] = ..., artifact_failed: _Optional[bool] = ..., claim_max_items: _Optional[int] = ...) -> None: ...
 
 class CompleteWorkResponse(_message.Message):
-    __slots__ = ("state",)
+    __slots__ = ("state", "items")
     STATE_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
     state: _types_pb2.RolloutState
-    def __init__(self, state: _Optional[_Union[_types_pb2.RolloutState, str]] = ...) -> None: ...
+    items: _containers.RepeatedCompositeFieldContainer[WorkAssignment]
+    def __init__(self, state: _Optional[_Union[_types_pb2.RolloutState, str]] = ..., items: _Optional[_Iterable[_Union[WorkAssignment, _Mapping]]] = ...) -> None: ...
 
 class EnrollHostRequest(_message.Message):
     __slots__ = ("join_token", "host_id", "csr_pem", "capabilities")
