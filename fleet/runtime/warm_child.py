@@ -261,8 +261,9 @@ class WarmChild:
         timed_out = False
         waited = asyncio.ensure_future(self.wait())
         tail = None
+        offsets = {"stdout": 0, "stderr": 0}  # (what the tail handed over of each)
         if on_output is not None:
-            tail = asyncio.ensure_future(self._tail(on_output, waited))
+            tail = asyncio.ensure_future(self._tail(on_output, waited, offsets))
         try:
             code = await asyncio.wait_for(asyncio.shield(waited), timeout_s)
         except TimeoutError:
@@ -274,7 +275,13 @@ class WarmChild:
                 await tail
             if stdin is not None:
                 await asyncio.to_thread(self._clear_outputs, None, ())
-        (out, out_cut), (err, err_cut) = await asyncio.to_thread(self._outputs, max_output_bytes)
+        # The rest of the output for the tail and the result's output, read in one trip.
+        rest, ((out, out_cut), (err, err_cut)) = await asyncio.to_thread(
+            self._last_read, offsets if on_output is not None else None, max_output_bytes
+        )
+        if on_output is not None:
+            for stream, chunk in rest:
+                on_output(stream, chunk)
         return ExecResult(
             exit_code=-int(signal.SIGKILL) if timed_out else code, stdout=out, stderr=err,
             stdout_truncated=out_cut, stderr_truncated=err_cut,
@@ -307,23 +314,31 @@ class WarmChild:
         finally:
             os.close(sockets)
 
-    async def _tail(self, sink: OutputSink, done: asyncio.Future[int]) -> None:
+    async def _tail(
+        self, sink: OutputSink, done: asyncio.Future[int], offsets: dict[str, int]
+    ) -> None:
         """Hands `sink` what the step writes, as it writes it (read from its output files every
-        TAIL_S), until the step has ended and all it wrote is handed over."""
-        offsets = {"stdout": 0, "stderr": 0}
+        TAIL_S), until the step has ended; `offsets` is how much of each file it handed over
+        (the rest is read with the result, `_last_read`)."""
         while True:
             # First a wait (the step has only begun: nothing to read yet), so that a step
-            # shorter than TAIL_S is read once, when it has ended.
+            # shorter than TAIL_S is read only with its result.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(done), TAIL_S)
-            finished = done.done()
-            # Both files read in one trip to a worker thread (a no-op step's tail is most of
-            # its thread trips otherwise).
+            if done.done():
+                return
+            # Both files read in one trip to a worker thread.
             for stream, chunk in await asyncio.to_thread(self._read_new, dict(offsets)):
                 offsets[stream] += len(chunk)
                 sink(stream, chunk)
-            if finished:
-                return
+
+    def _last_read(
+        self, offsets: dict[str, int] | None, limit: int
+    ) -> tuple[list[tuple[str, bytes]], tuple[tuple[bytes, bool], tuple[bytes, bool]]]:
+        """Once the step has ended: what its tail has not handed over yet (None: no tail), and
+        its output as the result holds it (`_outputs`)."""
+        rest = self._read_new(dict(offsets)) if offsets is not None else []
+        return rest, self._outputs(limit)
 
     def _read_new(self, offsets: dict[str, int]) -> list[tuple[str, bytes]]:
         """What each output file holds past its offset, in chunks of at most TAIL_CHUNK."""
