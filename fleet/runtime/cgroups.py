@@ -71,10 +71,12 @@ class MachineCgroup:
         self.name = name
         self.version = version
         self._root = root
+        # (Each path made from one string: a machine's group is named on the event loop, and
+        # pathlib's `/` parses at every step.)
         if version == "v2":
-            self.dirs = {"all": root / "fleet" / name}
+            self.dirs = {"all": Path(f"{root}/fleet/{name}")}
         else:
-            self.dirs = {c: root / c / "fleet" / name for c in _v1_controllers(root)}
+            self.dirs = {c: Path(f"{root}/{c}/fleet/{name}") for c in _v1_controllers(root)}
 
     @property
     def procs_files(self) -> list[Path]:
