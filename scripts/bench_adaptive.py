@@ -142,7 +142,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 async def feed() -> None:  # keeps work waiting for the pool, all run long
                     nonlocal submitted
                     while True:
-                        figures = await core.db(ledger.figures, time.time())
+                        figures = await core.read(ledger.figures, time.time())
                         queued = int(figures.get("state_QUEUED", 0))
                         for _ in range(max(0, 2 * args.slots - queued)):
                             seed = submitted
@@ -162,7 +162,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
                 async def measure(window_s: float) -> tuple[float, float]:
                     await asyncio.sleep(window_s)
-                    figures = await core.db(ledger.figures, time.time(), window_s)
+                    figures = await core.read(ledger.figures, time.time(), window_s)
                     return figures["trajectories_per_second"], await gateway_p95_ms(address)
 
                 feeder = asyncio.create_task(feed())

@@ -707,7 +707,7 @@ async def fleet_pipeline(
             names = [f"state_{types_pb2.RolloutState.Name(s).removeprefix('ROLLOUT_STATE_')}"
                      for s in final]  # fmt: skip
             while True:  # counts by state (this ledger holds only these): a cheap query
-                figures = await core.db(core.ledger.figures, time.time())
+                figures = await core.read(core.ledger.figures, time.time())
                 if sum(figures.get(name, 0.0) for name in names) >= episodes:
                     break
                 if time.monotonic() > deadline:

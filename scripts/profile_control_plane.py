@@ -101,7 +101,7 @@ async def run(rollouts: int, slots: int, profile: cProfile.Profile) -> dict[str,
         finished.append(len(reply.rollouts))
         deadline = time.monotonic() + 600
         while True:  # (counted in the ledger directly: polling over the API would be counted)
-            figures = await core.db(core.ledger.figures, time.time())
+            figures = await core.read(core.ledger.figures, time.time())
             counts = {name: int(figures.get(f"state_{name}", 0)) for name in FINAL}
             if sum(counts.values()) >= sum(finished):
                 return counts
