@@ -16,6 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from structlog.testing import capture_logs
 
 import fleet
 from fleet._proto.fleet.v1 import fleet_pb2, host_pb2, types_pb2
@@ -627,6 +628,36 @@ async def test_a_report_claims_the_next_work_for_the_slot_it_frees(
     assert list(plain.items) == [] and len(third.items) == 1  # the one left, claimed once
     assert list(last.items) == []
     assert states == dict.fromkeys(("a", "b", "c"), types_pb2.ROLLOUT_STATE_SUCCEEDED)
+
+
+async def test_an_agent_takes_its_next_work_in_the_report_of_the_last(
+    tmp_path: Path, images: ImageStore
+) -> None:
+    """An agent with one slot and three rollouts queued: each report brings the next rollout
+    back with it (no claim of its own in between); the last report, with nothing queued,
+    brings none, and the agent's claim loop takes the slot back."""
+
+    async with harness(tmp_path, images) as h:
+        await h.start_agent("cpu-a", HostClass.CPU, slots=1)
+        with capture_logs() as logs:
+            reply = await h.fleet.SubmitRollouts(
+                fleet_pb2.SubmitRolloutsRequest(
+                    rollouts=[request('image = "minimal"\n', ["sleep", "0.2"]) for _ in range(3)]
+                )
+            )
+            done = [await h.wait_final(r.id) for r in reply.rollouts]
+            for _ in range(100):  # (the last report's log line follows its rollout's end)
+                if sum(e["event"] == "work_reported" for e in logs) == 3:
+                    break
+                await asyncio.sleep(0.05)
+        reported = [e["claimed"] for e in logs if e["event"] == "work_reported"]
+        # Then a fourth rollout is taken by the claim loop, the slot being free again.
+        fourth = await h.fleet.SubmitRollout(request())
+        last = await h.wait_final(fourth.rollout.id)
+
+    assert [r.state for r in done] == [types_pb2.ROLLOUT_STATE_SUCCEEDED] * 3
+    assert reported == [1, 1, 0]
+    assert last.state == types_pb2.ROLLOUT_STATE_SUCCEEDED
 
 
 async def test_claims_arriving_together_are_taken_in_one_transaction(
