@@ -205,6 +205,11 @@ def main() -> int:
           f"server, agent or ledger): {floor['total']:.2f} CPU ms each (machines "
           f"{floor['machines']:.2f}, this process {floor['process']:.2f}); the control plane's "
           f"own share {cpu['total'] - floor['total']:.2f} ms per rollout")  # fmt: skip
+    # The machine's speed drifts between runs; this process's time over the floor's own (the
+    # same runtime calls, measured minutes apart at most) compares trees run at other times.
+    if floor["process"] > 0:
+        print(f"this process's CPU per rollout over the floor's own: "
+              f"{cpu['process'] / floor['process']:.2f}x (compare trees by this, alternating)")  # fmt: skip
     print(
         "this process's CPU ms per rollout, by thread (live threads; those that ended are missing):"
     )
