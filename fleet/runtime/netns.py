@@ -26,6 +26,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -102,7 +103,6 @@ def _run_in(netns_path: str, *argv: str, stdin: bytes | None = None) -> str:
     A child inherits its creating thread's network namespace, so this is `ip netns exec`
     without its mount namespace and sysfs remount: what an nft call needs, at half the cost.
     """
-    import subprocess
 
     def run() -> subprocess.CompletedProcess[bytes]:
         return subprocess.run(argv, input=stdin, capture_output=True, check=False)
@@ -468,8 +468,6 @@ def release_leases(state_dir: Path, netns: str) -> None:
 
 def host_addresses(uplink_netns: str | None) -> list[str]:
     """Every address configured in the uplink namespace (the floor's "host's own addresses")."""
-    import subprocess
-
     argv = ["ip", *(["-n", uplink_netns] if uplink_netns else []), "-j", "addr", "show"]
     out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=30).stdout
     found = []

@@ -9,10 +9,21 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
-from fleet._proto.fleet.v1 import host_pb2, types_pb2
+import fleet
+from fleet._proto.fleet.v1 import fleet_pb2, host_pb2, types_pb2
+from fleet.core.placement import (
+    LOCAL_LABEL,
+    HostCapabilities,
+    HostClass,
+    Isolation,
+    Pool,
+    RuntimeKind,
+)
 from fleet.image.store import ImageStore
+from fleet.ledger.store import Ledger
 from tests.integration.harness import harness, request
 
 SUCCEEDED = types_pb2.ROLLOUT_STATE_SUCCEEDED
@@ -49,9 +60,6 @@ async def test_a_cordoned_host_takes_no_new_work_and_others_do(
 
 async def test_fleet_host_cordon_and_list(tmp_path: Path, images: ImageStore) -> None:
     db = tmp_path / "ledger.sqlite3"
-
-    from fleet.core.placement import HostCapabilities, HostClass, Isolation, RuntimeKind
-    from fleet.ledger.store import Ledger
 
     ledger = Ledger.open(str(db))
     caps = HostCapabilities(
@@ -98,10 +106,6 @@ async def test_agents_of_another_version_are_refused_saying_which_to_upgrade(
     """A server serves agents of its own minor version and the one before: a newer agent, or
     one that reports no version, is refused with FAILED_PRECONDITION; a real agent registers,
     and `fleet host list` shows its version and the slots its leases hold."""
-    import grpc
-
-    import fleet
-    from fleet.core.placement import HostClass
 
     async with harness(tmp_path, images) as h:
         refused = []
@@ -147,8 +151,6 @@ async def test_a_drain_lets_work_finish_until_its_deadline_then_releases_the_res
     """`fleet host drain`: the host takes no new work; what finishes before the deadline
     finishes there; what still runs at the deadline is released and retried elsewhere, and
     finishes exactly once (its first attempt fenced off); then the host is drained."""
-    from fleet._proto.fleet.v1 import fleet_pb2
-    from fleet.core.placement import HostClass
 
     slow = ["sh", "-c", 'if [ "$FLEET_ATTEMPT" = 1 ]; then sleep 120; fi; echo done']
 
@@ -206,8 +208,6 @@ async def test_an_agent_told_to_stop_drains_its_host_first(
 ) -> None:
     """SIGTERM (the agent's stop): the server hears at once that the host drains, the running
     step finishes, the agent exits, the host is drained; registered again, it takes work."""
-    from fleet._proto.fleet.v1 import fleet_pb2
-    from fleet.core.placement import HostClass
 
     async with harness(tmp_path, images) as h:
         await h.start_agent("cpu-a", HostClass.CPU, slots=2, drain_deadline_s=60)
@@ -253,8 +253,6 @@ async def test_an_agent_told_to_stop_drains_its_host_first(
 def test_fleet_pool_set_list_and_delete(tmp_path: Path) -> None:
     """Pools from the CLI: made, listed with their hosts and what they run against the cap,
     changed, deleted; a malformed label is refused."""
-    from fleet.core.placement import HostCapabilities, HostClass, Isolation, RuntimeKind
-    from fleet.ledger.store import Ledger
 
     db = tmp_path / "ledger.sqlite3"
     ledger = Ledger.open(str(db))
@@ -318,8 +316,6 @@ async def test_a_rollback_to_local_only_with_work_in_flight_loses_nothing(
     drains, what it still runs at the deadline is retried on the local gpu host, queued and new
     cpu work runs there too; every rollout finishes exactly once. Undone, the cloud host takes
     cpu work again and the gpu host no longer does."""
-    from fleet._proto.fleet.v1 import fleet_pb2
-    from fleet.core.placement import HostClass
 
     slow = ["sh", "-c", 'if [ "$FLEET_ATTEMPT" = 1 ]; then sleep 120; fi; echo done']
 
@@ -370,14 +366,6 @@ async def test_a_rollback_to_local_only_with_work_in_flight_loses_nothing(
 def test_the_rollback_cli(tmp_path: Path) -> None:
     """fleet rollback: status, --to local-only (the cloud host drains, the gpu host and
     fleet up's agents stay), a second rollback refused, --undo, and undo with none refused."""
-    from fleet.core.placement import (
-        LOCAL_LABEL,
-        HostCapabilities,
-        HostClass,
-        Isolation,
-        RuntimeKind,
-    )
-    from fleet.ledger.store import Ledger
 
     db = tmp_path / "ledger.sqlite3"
     ledger = Ledger.open(str(db))
@@ -418,7 +406,6 @@ async def test_the_report_prices_what_the_cgroup_measured(
     """A known load (a second of CPU, 64 MiB touched): its attempt records the CPU seconds
     and peak memory its machine's cgroup measured, and `fleet report` prices its wall time
     as one slot of its host at the class's price, by pool."""
-    from fleet.core.placement import HostClass, Pool
 
     code = (
         "import time\nb = bytearray(64 << 20)\nfor i in range(0, len(b), 4096): b[i] = 1\n"
