@@ -177,30 +177,24 @@ class WarmChild:
         """Hands the child its step, and asks, on the same connection, for its end: the fork
         server answers "go" at once and the wait when the step has ended, which `wait` reads
         (one connection and one exchange for both)."""
-        await self._stop_waiting()  # (a wait for an earlier step never read)
-        reader, writer = self._waiting = await self.parent.connect()
-        go = {"op": "go", "id": self.cid, "step": step}
-        writer.write((json.dumps(go) + "\n" + json.dumps({"op": "wait", "id": self.cid})
-                      + "\n").encode())  # fmt: skip
-        try:
-            line = await reader.readline()
-        except OSError:
-            line = b""
-        self.parent.reply(line)
+        reader = await self._asking_wait({"op": "go", "id": self.cid, "step": step})
+        self.parent.reply(await _line(reader))
 
     async def wait(self) -> int:
         """The exit code of the step `start` began (or of the child, where it never ran it)."""
-        if self._waiting is None:
-            reader, writer = await self.parent.connect()
-            writer.write((json.dumps({"op": "wait", "id": self.cid}) + "\n").encode())
-            self._waiting = (reader, writer)
-        reader, writer = self._waiting
-        try:
-            line = await reader.readline()  # (cancelled, the reply stays for the next wait)
-        except OSError:
-            line = b""
+        reader = self._waiting[0] if self._waiting is not None else await self._asking_wait()
+        line = await _line(reader)  # (cancelled, the reply stays for the next wait)
         await self._stop_waiting()
         return os.waitstatus_to_exitcode(int(self.parent.reply(line)["status"]))
+
+    async def _asking_wait(self, *first: dict[str, Any]) -> asyncio.StreamReader:
+        """A connection of its own to the fork server, carrying `first`, then the wait for this
+        child's end (kept until `wait` reads its answer)."""
+        await self._stop_waiting()  # (a wait for an earlier step never read)
+        reader, writer = self._waiting = await self.parent.connect()
+        requests = [*first, {"op": "wait", "id": self.cid}]
+        writer.write("".join(json.dumps(r) + "\n" for r in requests).encode())
+        return reader
 
     async def _stop_waiting(self) -> None:
         if self._waiting is not None:
@@ -490,6 +484,14 @@ class WarmChild:
         self.cgroup.remove()
         shutil.rmtree(self.layer, True)
         self.parent.fit_limit()
+
+
+async def _line(reader: asyncio.StreamReader) -> bytes:
+    """The fork server's next answer ("": its connection is gone)."""
+    try:
+        return await reader.readline()
+    except OSError:
+        return b""
 
 
 async def _closed(writer: asyncio.StreamWriter) -> None:

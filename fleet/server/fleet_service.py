@@ -161,22 +161,24 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
                                                      submit.smolfile_name)  # fmt: skip
         elif images is not None and image in images:
             image_digest, pinned = images[image]
-        elif oci.looks_like_reference(image):  # a registry's image: pinned by its digests
-            cas = [self.core.config.registry_ca]
-            if self.core.security is not None:
-                cas.append(self.core.security.ca.pem)
-            image_digest, pinned = await asyncio.to_thread(
-                oci.resolve, image, b"".join(cas) or None
-            )
         else:
-            image_digest = await asyncio.to_thread(self.core.images.resolve, image)  # (files only)
-        if images is not None and not oci.looks_like_archive(image):
-            images[image] = (image_digest, pinned)
+            image_digest, pinned = await self._resolve(image)
+            if images is not None:
+                images[image] = (image_digest, pinned)
         manifest = build_manifest(submit, parsed, image_digest, now, pinned)
         reason = await self.core.unservable_reason(manifest.host_class, manifest.requirements)
         if reason:
             raise FailedPrecondition(reason)
         return manifest
+
+    async def _resolve(self, image: str) -> tuple[str, str]:
+        """(digest, pinned reference) of an image a registry or this server's store holds."""
+        if oci.looks_like_reference(image):  # a registry's image: pinned by its digests
+            cas = [self.core.config.registry_ca]
+            if self.core.security is not None:
+                cas.append(self.core.security.ca.pem)
+            return await asyncio.to_thread(oci.resolve, image, b"".join(cas) or None)
+        return await asyncio.to_thread(self.core.images.resolve, image), ""  # (files only)
 
     async def admit(
         self, submit: SubmitRequest, parsed: ParsedSmolfile, now: datetime, image_upload: str = "",
