@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import cProfile
 import fcntl
 import json
@@ -16,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from datetime import UTC, datetime
 from multiprocessing.sharedctypes import Synchronized
 from multiprocessing.synchronize import Barrier as BarrierType
@@ -121,37 +122,86 @@ def enqueue(target: str, n: int, prefix: str, batch: int) -> float:
     return rate
 
 
-def enqueue_floor(path: str, n: int, batch: int) -> float:
-    """SQLite's own cost of what a batched enqueue writes: the same statements and rows (a
-    rollout, its work item, its event; one manifest), built before the clock starts and written
-    by executemany, `batch` rows per durable commit, on the ledger's schema and pragmas. No
-    fleet code runs: this bounds what any fleet code can reach."""
-    Ledger.open(path).engine.dispose()  # the schema
-    connection = sqlite3.connect(path, isolation_level=None)
-    for pragma in ("journal_mode=WAL", "synchronous=FULL", "foreign_keys=ON"):
-        connection.execute(f"PRAGMA {pragma}")
+class _FloorDb:
+    """A floor worker's connection: sqlite3 under the ledger's pragmas and file lock, or
+    psycopg, each running the ledger's statements in its own dialect (no fleet code)."""
+
+    def __init__(self, target: str) -> None:
+        self.postgres = target.startswith("postgresql")
+        if self.postgres:
+            import psycopg  # (the postgres extra; only the PostgreSQL floor needs it)
+
+            self.pg = psycopg.connect(target.replace("postgresql+psycopg://", "postgresql://"))
+            self.cursor: Any = self.pg.cursor()
+        else:
+            self.lite = sqlite3.connect(target, isolation_level=None)
+            for pragma in ("journal_mode=WAL", "synchronous=FULL", "busy_timeout=10000",
+                           "foreign_keys=ON"):  # fmt: skip
+                self.lite.execute(f"PRAGMA {pragma}")
+            self.cursor = self.lite.cursor()
+            self.lock = open(f"{target}.lock", "a")  # noqa: SIM115 (closed in close())
+
+    def sql(self, name: str, n: int = 0) -> str:
+        return dialect(getattr(Q, name), self.postgres, n)
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[Any]:
+        """One durable transaction, as the ledger takes it (SQLite: the file lock and BEGIN
+        IMMEDIATE; PostgreSQL: its implicit BEGIN)."""
+        if self.postgres:
+            yield self.cursor
+            self.pg.commit()
+            return
+        fcntl.flock(self.lock, fcntl.LOCK_EX)
+        try:
+            self.cursor.execute("BEGIN IMMEDIATE")
+            yield self.cursor
+            self.cursor.execute("COMMIT")
+        finally:
+            fcntl.flock(self.lock, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        if self.postgres:
+            self.pg.close()
+        else:
+            self.lite.close()
+            self.lock.close()
+
+
+def enqueue_floor(target: str, n: int, batch: int) -> float:
+    """The database's own cost of what an enqueue writes: the statements the ledger runs for
+    `batch` submissions (the keys looked up, the manifest, each rollout, its work item and
+    event, the tenant's count), with rows built before the clock starts, `batch` per durable
+    commit, on the ledger's schema, pragmas and lock. No fleet code runs: this bounds what any
+    fleet code can reach."""
+    Ledger.open(target).engine.dispose()  # the schema
+    db = _FloorDb(target)
     _, manifest = request(0, "floor")
     now = time.time()
     digest, deadline = manifest.digest, manifest.deadline.timestamp()
-    rollouts = [(f"r-{i:016x}", f"floor-{i}", f"{i:064x}", digest, "default", "{}", "QUEUED", 0,
+    keys = [f"floor-{i}" for i in range(n)]
+    rollouts = [(f"r-{i:016x}", keys[i], f"{i:064x}", digest, "default", "{}", "QUEUED", 0,
                  now, now) for i in range(n)]  # fmt: skip
     items = [(f"w-{i:016x}", f"r-{i:016x}", "default", "QUEUED", "cpu", False, False, False, 0, 3,
               now, deadline, False, "") for i in range(n)]  # fmt: skip
     events = [(f"r-{i:016x}", "submitted", "", "QUEUED", "tenant:default", now,
                f"manifest {digest[:19]}, 1 steps, cpu-class", 0) for i in range(n)]  # fmt: skip
-    cursor = connection.cursor()
+    body = manifest.model_dump_json()
+    sql = {name: db.sql(name) for name in (
+        "INSERT_MANIFEST", "INSERT_ROLLOUT", "INSERT_WORK_ITEM", "INSERT_EVENT", "COUNT_ACTIVE",
+    )}  # fmt: skip
     t = time.perf_counter()
-    cursor.execute("BEGIN IMMEDIATE")
-    cursor.execute(Q.INSERT_MANIFEST, (digest, manifest.model_dump_json(), now))
-    cursor.execute("COMMIT")
     for start in range(0, n, batch):
-        cursor.execute("BEGIN IMMEDIATE")
-        cursor.executemany(Q.INSERT_ROLLOUT, rollouts[start : start + batch])
-        cursor.executemany(Q.INSERT_WORK_ITEM, items[start : start + batch])
-        cursor.executemany(Q.INSERT_EVENT, events[start : start + batch])
-        cursor.execute("COMMIT")
+        end = min(n, start + batch)
+        with db.transaction() as cursor:
+            cursor.execute(db.sql("ROLLOUTS_BY_KEY", end - start), keys[start:end]).fetchall()
+            cursor.execute(sql["INSERT_MANIFEST"], (digest, body, now))
+            cursor.executemany(sql["INSERT_ROLLOUT"], rollouts[start:end])
+            cursor.executemany(sql["INSERT_WORK_ITEM"], items[start:end])
+            cursor.executemany(sql["INSERT_EVENT"], events[start:end])
+            cursor.execute(sql["COUNT_ACTIVE"], ("default", end - start))
     rate = n / (time.perf_counter() - t)
-    connection.close()
+    db.close()
     return rate
 
 
@@ -294,34 +344,30 @@ def drain(target: str, n: int, work: Callable[..., None] | None = None) -> float
     return n / elapsed
 
 
-def floor_worker(path: str, host_id: str, counter: Synchronized[int], ready: BarrierType) -> None:
+def floor_worker(target: str, host_id: str, counter: Synchronized[int], ready: BarrierType) -> None:
     """The floor's worker: a claim+complete loop of the ledger's own statements, straight on
-    sqlite3, with rows built from what the claim read and nothing else."""
+    sqlite3 or psycopg, with rows built from what the claim read and nothing else."""
     quiet()
-    connection = sqlite3.connect(path, isolation_level=None)
-    for pragma in ("journal_mode=WAL", "synchronous=FULL", "busy_timeout=10000",
-                   "foreign_keys=ON"):  # fmt: skip
-        connection.execute(f"PRAGMA {pragma}")
-    cursor = connection.cursor()
-    sql = {name: dialect(getattr(Q, name), False, n) for name, n in (
+    db = _FloorDb(target)
+    sql = {name: db.sql(name, n) for name, n in (
         ("CLAIMABLE", 1), ("LEASE_ITEM", 0), ("INSERT_ATTEMPT", 0), ("RUN_ROLLOUT", 0),
         ("INSERT_EVENT", 0), ("REPORT_ATTEMPT", 0), ("REPORT_ITEM", 0), ("REPORT_ROLLOUT", 0),
     )}  # fmt: skip
     results = json.dumps([{"index": 0, "exit_code": 0}])
     done = 0
-    with open(f"{path}.lock", "a") as lock:
-        ready.wait()
-        while True:
-            now = time.time()
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            cursor.execute("BEGIN IMMEDIATE")
+    ready.wait()
+    while True:
+        now = time.time()
+        with db.transaction() as cursor:
+            if db.postgres:
+                cursor.execute(Q.CLAIM_IN_LEASE_ORDER)
             items = cursor.execute(sql["CLAIMABLE"], (
                 "QUEUED", "cpu", "cpu", now, now, host_id, host_id, now, host_id, now,
                 False, False, True, "", CLAIM_BATCH)).fetchall()  # fmt: skip
-            ids = [i[0] for i in items]
+            ids = sorted(i[0] for i in items)
             rids = sorted(i[1] for i in items)
             if items:
-                cursor.execute(dialect(Q.CLAIMED_ROLLOUTS, False, len(rids)), rids).fetchall()
+                cursor.execute(db.sql("CLAIMED_ROLLOUTS", len(rids)), rids).fetchall()
                 cursor.executemany(
                     sql["LEASE_ITEM"],
                     [(i[9] + 1, i[14] + 1, host_id, now + 60, "", i[0]) for i in items],
@@ -334,14 +380,11 @@ def floor_worker(path: str, host_id: str, counter: Synchronized[int], ready: Bar
                 cursor.executemany(sql["INSERT_EVENT"], [
                     (i[1], "leased", "QUEUED", "RUNNING", host_id, now, "attempt 1", 1)
                     for i in items])  # fmt: skip
-            cursor.execute("COMMIT")
-            fcntl.flock(lock, fcntl.LOCK_UN)
-            if not items:
-                break
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            cursor.execute("BEGIN IMMEDIATE")
-            cursor.execute(dialect(Q.ITEMS_FOR_UPDATE, False, len(ids)), sorted(ids)).fetchall()
-            cursor.execute(dialect(Q.REPORTED_ROLLOUTS, False, len(rids)), rids).fetchall()
+        if not items:
+            break
+        with db.transaction() as cursor:
+            cursor.execute(db.sql("ITEMS_FOR_UPDATE", len(ids)), ids).fetchall()
+            cursor.execute(db.sql("REPORTED_ROLLOUTS", len(rids)), rids).fetchall()
             cursor.executemany(
                 sql["REPORT_ATTEMPT"],
                 [(now, "SUCCEEDED", "", 0.0, 0.0, False, i[0], i[9] + 1) for i in items],
@@ -357,20 +400,18 @@ def floor_worker(path: str, host_id: str, counter: Synchronized[int], ready: Bar
                 sql["INSERT_EVENT"],
                 [(i[1], "succeeded", "RUNNING", "SUCCEEDED", host_id, now, "", 1) for i in items],
             )
-            cursor.execute("COMMIT")
-            fcntl.flock(lock, fcntl.LOCK_UN)
-            done += len(items)
+        done += len(items)
     with counter.get_lock():
         counter.value += done
-    connection.close()
+    db.close()
 
 
-def drain_floor(path: str, n: int) -> float:
-    """SQLite's own cost of what claim+complete writes: WORKERS processes running the ledger's
-    statements for a claim and a completion of CLAIM_BATCH (the same reads, the same rows
-    written, under the same file lock) with no fleet code around them. It bounds what any
+def drain_floor(target: str, n: int) -> float:
+    """The database's own cost of what claim+complete writes: WORKERS processes running the
+    ledger's statements for a claim and a completion of CLAIM_BATCH (the same reads, the same
+    rows written, under the same lock) with no fleet code around them. It bounds what any
     fleet code can reach with this schema and this durability."""
-    return drain(path, n, floor_worker)
+    return drain(target, n, floor_worker)
 
 
 def fsync_rate(directory: str, n: int = 300) -> float:
@@ -562,6 +603,14 @@ def main() -> int:
         results["enqueue_floor_s"] = enqueue_floor(
             str(Path(tmp) / "ef.sqlite3"), enqueue_n * 5, 500
         )
+        results["enqueue_one_floor_s"] = enqueue_floor(str(Path(tmp) / "e1f.sqlite3"), enqueue_n, 1)
+        results["postgres_jobs_floor_s"] = drain_floor(create_database(server), jobs_n)
+        results["postgres_enqueue_one_floor_s"] = enqueue_floor(
+            create_database(server), enqueue_n, 1
+        )
+        results["postgres_enqueue_floor_s"] = enqueue_floor(
+            create_database(server), enqueue_n * 5, 500
+        )
         results["enqueue_callers_s"] = served_enqueue(str(Path(tmp) / "ec.sqlite3"), enqueue_n, "c")
         pg_one = enqueue(create_database(server), enqueue_n, "pone", 1)
         pg_callers = served_enqueue(create_database(server), enqueue_n, "pc")
@@ -603,18 +652,20 @@ def main() -> int:
     print(
         f"{'':<44}{'fleet/SQLite':>14}{'fleet/PG':>12}{'procrastinate':>15}{'SQLite ratio':>14}{'PG ratio':>10}"
     )
-    # The floors: SQLite alone running the same statements (no fleet code), under the rows
-    # they bound.
-    floors = {1: ("the same statements", results["jobs_floor_s"]),
-              4: ("the same rows", results["enqueue_floor_s"])}  # fmt: skip
+    # The floors: the database alone running the same statements (no fleet code), under the
+    # rows they bound, and fleet's share of each.
+    floors = {1: (results["jobs_floor_s"], results["postgres_jobs_floor_s"]),
+              2: (results["enqueue_one_floor_s"], results["postgres_enqueue_one_floor_s"]),
+              4: (results["enqueue_floor_s"], results["postgres_enqueue_floor_s"])}  # fmt: skip
     for k, (name, lite, pg, base) in enumerate(rows):
         print(
             f"{name:<44}{lite:>14.0f}{pg:>12.0f}{base:>15.0f}{lite / base:>13.1f}x{pg / base:>9.1f}x"
         )
         if k in floors:
-            what, floor = floors[k]
-            print(f"{f'  SQLite alone, {what} (floor)':<44}{floor:>14.0f}"
-                  f"{'':>27}{lite / floor:>13.2f}x of it")  # fmt: skip
+            lite_floor, pg_floor = floors[k]
+            print(f"{'  the database alone, same statements (floor)':<44}{lite_floor:>14.0f}"
+                  f"{pg_floor:>12.0f}{'fleet / floor':>15}{lite / lite_floor:>13.2f}x"
+                  f"{pg / pg_floor:>9.2f}x")  # fmt: skip
     print(f"(jobs: {jobs_n} fleet, {3 * base_n} procrastinate; SQLite synchronous=FULL, "
           "PostgreSQL synchronous_commit=on; same machine, one run)")  # fmt: skip
     print()
