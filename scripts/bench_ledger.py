@@ -41,6 +41,7 @@ from fleet.core.placement import HostCapabilities, HostClass, Isolation, Runtime
 from fleet.core.rollout import Assignment, Completion, StepResult  # noqa: E402
 from fleet.image.store import ImageStore  # noqa: E402
 from fleet.ledger import queries as Q  # noqa: E402
+from fleet.ledger.base import new_id  # noqa: E402
 from fleet.ledger.leases import Claim  # noqa: E402
 from fleet.ledger.raw import dialect  # noqa: E402
 from fleet.ledger.store import Ledger  # noqa: E402
@@ -170,23 +171,27 @@ class _FloorDb:
 
 def enqueue_floor(target: str, n: int, batch: int) -> float:
     """The database's own cost of what an enqueue writes: the statements the ledger runs for
-    `batch` submissions (the keys looked up, the manifest, each rollout, its work item and
-    event, the tenant's count), with rows built before the clock starts, `batch` per durable
+    `batch` submissions (the keys looked up, each one's manifest, rollout, work item and event,
+    the tenant's count), with rows built before the clock starts, `batch` per durable
     commit, on the ledger's schema, pragmas and lock. No fleet code runs: this bounds what any
     fleet code can reach."""
     Ledger.open(target).engine.dispose()  # the schema
     db = _FloorDb(target)
-    _, manifest = request(0, "floor")
     now = time.time()
-    digest, deadline = manifest.digest, manifest.deadline.timestamp()
-    keys = [f"floor-{i}" for i in range(n)]
-    rollouts = [(f"r-{i:016x}", keys[i], f"{i:064x}", digest, "default", "{}", "QUEUED", 0,
-                 now, now) for i in range(n)]  # fmt: skip
-    items = [(f"w-{i:016x}", f"r-{i:016x}", "default", "QUEUED", "cpu", False, False, False, 0, 3,
-              now, deadline, False, "") for i in range(n)]  # fmt: skip
-    events = [(f"r-{i:016x}", "submitted", "", "QUEUED", "tenant:default", now,
-               f"manifest {digest[:19]}, 1 steps, cpu-class", 0) for i in range(n)]  # fmt: skip
-    body = manifest.model_dump_json()
+    # The same submissions as `enqueue` stores, each with its own manifest (its deadline makes
+    # it one of a kind, as every real submission's is), ids made as fleet makes them.
+    submissions = [request(i, "floor") for i in range(n)]
+    keys = [req.idempotency_key for req, _ in submissions]
+    ids = [(new_id("r-"), new_id("w-")) for _ in range(n)]
+    manifests = [(m.digest, m.model_dump_json(), now) for _, m in submissions]
+    rollouts = [(r, req.idempotency_key, req.fingerprint(), m.digest, "default", "{}", "QUEUED",
+                 0, now, now) for (req, m), (r, _) in zip(submissions, ids, strict=True)]  # fmt: skip
+    items = [(w, r, "default", "QUEUED", "cpu", False, False, False, 0, 3, now,
+              m.deadline.timestamp(), False, "")
+             for (_, m), (r, w) in zip(submissions, ids, strict=True)]  # fmt: skip
+    events = [(r, "submitted", "", "QUEUED", "tenant:default", now,
+               f"manifest {m.digest[:19]}, 1 steps, cpu-class", 0)
+              for (_, m), (r, _) in zip(submissions, ids, strict=True)]  # fmt: skip
     sql = {name: db.sql(name) for name in (
         "INSERT_MANIFEST", "INSERT_ROLLOUT", "INSERT_WORK_ITEM", "INSERT_EVENT", "COUNT_ACTIVE",
     )}  # fmt: skip
@@ -195,7 +200,7 @@ def enqueue_floor(target: str, n: int, batch: int) -> float:
         end = min(n, start + batch)
         with db.transaction() as cursor:
             cursor.execute(db.sql("ROLLOUTS_BY_KEY", end - start), keys[start:end]).fetchall()
-            cursor.execute(sql["INSERT_MANIFEST"], (digest, body, now))
+            cursor.executemany(sql["INSERT_MANIFEST"], sorted(manifests[start:end]))
             cursor.executemany(sql["INSERT_ROLLOUT"], rollouts[start:end])
             cursor.executemany(sql["INSERT_WORK_ITEM"], items[start:end])
             cursor.executemany(sql["INSERT_EVENT"], events[start:end])
