@@ -24,7 +24,7 @@ import tarfile
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import TracebackType
@@ -34,6 +34,7 @@ import grpc
 
 from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
 from fleet.config import Paths
+from fleet.connect import ClientAuth
 from fleet.core.errors import FleetError, InvalidArgument, Unavailable, error_for
 from fleet.core.smolfile import load_smolfile
 
@@ -161,27 +162,15 @@ class Fleet:
         plaintext: bool = False,
     ) -> None:
         self.server = server or default_server()
-        home = Paths.from_env()
-        self.key = key if key is not None else os.environ.get("FLEET_KEY", "")
-        if not self.key and home.admin_key.exists():
-            self.key = home.admin_key.read_text().strip()
-        pem: bytes | None = None
+        auth = ClientAuth.find(
+            Paths.from_env().home, ca=ca if isinstance(ca, str) else "", key=key or "",
+            plaintext=plaintext or isinstance(ca, bytes),
+        )  # fmt: skip
         if isinstance(ca, bytes):
-            pem = ca
-        elif not plaintext:
-            path = ca or os.environ.get("FLEET_CA", "")
-            if path:
-                pem = Path(path).read_bytes()
-            elif (home.ca / "ca.crt").exists():
-                pem = (home.ca / "ca.crt").read_bytes()
-        if pem is None:
-            self._channel = grpc.insecure_channel(self.server)
-        else:
-            credentials = grpc.ssl_channel_credentials(root_certificates=pem)
-            self._channel = grpc.secure_channel(self.server, credentials)
-        self._md: tuple[tuple[str, str], ...] = (
-            (("authorization", f"Bearer {self.key}"),) if self.key else ()
-        )
+            auth = replace(auth, ca_pem=ca)
+        self.key = auth.key
+        self._channel = auth.blocking_channel(self.server)
+        self._md = auth.metadata
         self._rollouts = fleet_pb2_grpc.FleetServiceStub(self._channel)
         self._sessions = fleet_pb2_grpc.SessionServiceStub(self._channel)
 

@@ -14,8 +14,8 @@ import grpc
 from fleet.agent.agent import Agent, default_host_id
 from fleet.agent.capabilities import RuntimeChoice, capabilities, choose_runtime
 from fleet.agent.config import AgentConfig
-from fleet.cli.client import ClientAuth
 from fleet.config import Paths
+from fleet.connect import ClientAuth
 from fleet.core.credentials import format_join_token
 from fleet.core.errors import Unavailable
 from fleet.core.placement import HostClass

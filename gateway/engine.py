@@ -47,7 +47,7 @@ from pathlib import Path
 
 import structlog
 
-from fleet.cli import logs
+from fleet import logs
 from fleet.core.errors import FailedPrecondition, InvalidArgument
 from gateway.model import DeviceFault, ModelSpec, TorchRunner, memory_model
 from gateway.nvml import UtilizationProbe

@@ -656,8 +656,8 @@ async def fleet_pipeline(
     process's polling, the kernel). With `noop` (and `warm`), each episode's step does nothing
     but print its result: rollouts/s and CPU per rollout are then the fleet's own."""
     from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
-    from fleet.cli.client import list_all
     from fleet.config import Paths
+    from fleet.connect import list_all
     from fleet.embedded import embedded_fleet
     from fleet.envs.episode import program, source, warm_step
     from fleet.runtime.cgroups import all_machines_cpu_seconds

@@ -476,8 +476,8 @@ async def api_round(tmp: str, secure: bool, n: int) -> tuple[float, float]:
 
     from fleet import __version__
     from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, host_pb2, host_pb2_grpc, types_pb2
-    from fleet.cli.client import ClientAuth
     from fleet.config import Paths
+    from fleet.connect import ClientAuth
     from fleet.core.credentials import Scope, format_api_key
     from fleet.identity.ca import CertificateAuthority
     from fleet.identity.local import local_host_identity

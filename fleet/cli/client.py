@@ -9,15 +9,11 @@ import tarfile
 import tempfile
 import tomllib
 import uuid
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import grpc
-
 from fleet._proto.fleet.v1 import fleet_pb2, types_pb2
-from fleet.config import Paths
 from fleet.core.errors import InvalidArgument
 from fleet.core.manifest import image_of
 from fleet.core.smolfile import load_smolfile
@@ -149,106 +145,6 @@ def rollout_dict(r: types_pb2.Rollout) -> dict[str, Any]:
 
     out: dict[str, Any] = MessageToDict(r, preserving_proto_field_name=True)
     return out
-
-
-async def list_all(stub: Any, labels: dict[str, str]) -> list[types_pb2.Rollout]:
-    """Every rollout carrying `labels`, newest first, page after page (a page ends early when
-    its results pass the server's byte limit)."""
-    rollouts: list[types_pb2.Rollout] = []
-    token = ""
-    while True:
-        reply = await stub.ListRollouts(
-            fleet_pb2.ListRolloutsRequest(page_size=500, page_token=token, labels=labels)
-        )
-        rollouts += list(reply.rollouts)
-        token = reply.next_page_token
-        if not token:
-            return rollouts
-
-
-# -- credentials -------------------------------------------------------------------------------
-
-
-class _WithKey:
-    """A method of a stub whose every call carries the API key."""
-
-    def __init__(self, call: Any, pair: tuple[str, str]) -> None:
-        self._call = call
-        self._pair = pair
-
-    def __call__(self, request: Any, *, metadata: Any = None, **kwargs: Any) -> Any:
-        return self._call(request, metadata=(*(metadata or ()), self._pair), **kwargs)
-
-
-class _KeyedChannel:
-    """A channel whose calls carry `authorization: Bearer <API key>`. (A client interceptor
-    does the same at about 120 us of Python per call; this costs one function call.)"""
-
-    def __init__(self, channel: grpc.aio.Channel, key: str) -> None:
-        self._channel = channel
-        self._pair = ("authorization", f"Bearer {key}")
-
-    def unary_unary(self, *args: Any, **kwargs: Any) -> _WithKey:
-        return _WithKey(self._channel.unary_unary(*args, **kwargs), self._pair)
-
-    def unary_stream(self, *args: Any, **kwargs: Any) -> _WithKey:
-        return _WithKey(self._channel.unary_stream(*args, **kwargs), self._pair)
-
-    def stream_unary(self, *args: Any, **kwargs: Any) -> _WithKey:
-        return _WithKey(self._channel.stream_unary(*args, **kwargs), self._pair)
-
-    def stream_stream(self, *args: Any, **kwargs: Any) -> _WithKey:
-        return _WithKey(self._channel.stream_stream(*args, **kwargs), self._pair)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._channel, name)
-
-    async def __aenter__(self) -> _KeyedChannel:
-        await self._channel.__aenter__()
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self._channel.__aexit__(*exc)
-
-
-@dataclass(frozen=True)
-class ClientAuth:
-    """How the CLI reaches a server: its CA (None: no TLS) and an API key ("": none)."""
-
-    ca_pem: bytes | None
-    key: str
-
-    @classmethod
-    def find(
-        cls, home: Path, *, ca: str = "", key: str = "", plaintext: bool = False
-    ) -> ClientAuth:
-        """--ca, else $FLEET_CA, else `$FLEET_HOME/ca/ca.crt` when it exists (no TLS without
-        one, or with --plaintext); --key, else $FLEET_KEY, else `$FLEET_HOME/admin.key` when it
-        exists (written by `fleet up` and by `fleet serve` on first start)."""
-        paths = Paths(home, home)
-        ca_pem: bytes | None = None
-        if not plaintext:
-            path = ca or os.environ.get("FLEET_CA", "")
-            if path:
-                try:
-                    ca_pem = Path(path).read_bytes()
-                except OSError as exc:
-                    raise InvalidArgument(f"--ca {path}: cannot read: {exc}") from None
-            elif (paths.ca / "ca.crt").exists():
-                ca_pem = (paths.ca / "ca.crt").read_bytes()
-        key = key or os.environ.get("FLEET_KEY", "")
-        admin = paths.admin_key
-        if not key and admin.exists():
-            key = admin.read_text().strip()
-        return cls(ca_pem, key)
-
-    def channel(self, address: str) -> grpc.aio.Channel:
-        if self.ca_pem is None:
-            channel = grpc.aio.insecure_channel(address)
-        else:
-            credentials = grpc.ssl_channel_credentials(root_certificates=self.ca_pem)
-            channel = grpc.aio.secure_channel(address, credentials)
-        return _KeyedChannel(channel, self.key) if self.key else channel
 
 
 # -- files -------------------------------------------------------------------------------------

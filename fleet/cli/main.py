@@ -12,15 +12,17 @@ from typing import Any
 
 import grpc
 
+from fleet import logs
 from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
 from fleet.agent.settings import AgentSettings
-from fleet.cli import client, logs
+from fleet.cli import client
 from fleet.cli.admin import add_commands as add_admin_commands
 from fleet.cli.daemons import cmd_agent, cmd_gateway, cmd_serve, cmd_up
 from fleet.cli.local import cmd_image, cmd_run
 from fleet.cli.sessions import add_session_command
 from fleet.client import DEFAULT_SERVER, default_server
 from fleet.config import Paths
+from fleet.connect import ClientAuth
 from fleet.core.errors import FleetError, InvalidArgument
 from fleet.server.settings import ServeSettings
 from fleet.settings import SettingsError
@@ -33,7 +35,7 @@ STATE_NAMES = {v: k.removeprefix("ROLLOUT_STATE_") for k, v in types_pb2.Rollout
 
 
 def _stub(args: argparse.Namespace) -> tuple[grpc.aio.Channel, fleet_pb2_grpc.FleetServiceStub]:
-    auth = client.ClientAuth.find(
+    auth = ClientAuth.find(
         Paths.from_env().home, ca=args.ca, key=args.key, plaintext=args.plaintext
     )
     channel = auth.channel(args.server)

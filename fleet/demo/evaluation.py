@@ -23,8 +23,8 @@ from typing import Any
 import grpc
 
 from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
-from fleet.cli.client import list_all
 from fleet.config import Paths
+from fleet.connect import list_all
 from fleet.demo.chart import line_chart
 from fleet.demo.common import FINAL, print_table
 from fleet.envs.episode import source, warm_step

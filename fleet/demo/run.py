@@ -14,8 +14,8 @@ from typing import Any
 from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
 from fleet.agent.agent import default_host_id
 from fleet.agent.capabilities import make_runtime
-from fleet.cli.client import list_all
 from fleet.config import Paths
+from fleet.connect import list_all
 from fleet.core.placement import HostClass
 from fleet.demo.common import FINAL, print_table
 from fleet.demo.evaluation import evaluate, start_gateway

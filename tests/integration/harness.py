@@ -19,7 +19,7 @@ from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, host_pb2, host_pb2_
 from fleet.agent.agent import Agent
 from fleet.agent.capabilities import RuntimeChoice, capabilities
 from fleet.agent.config import AgentConfig
-from fleet.cli.client import ClientAuth
+from fleet.connect import ClientAuth
 from fleet.core.credentials import Scope, format_api_key, parse_scopes
 from fleet.core.placement import HostClass, RuntimeKind
 from fleet.identity.ca import CertificateAuthority

@@ -9,7 +9,7 @@ import logging
 import pytest
 import structlog
 
-from fleet.cli import logs
+from fleet import logs
 
 
 @pytest.fixture(autouse=True)
