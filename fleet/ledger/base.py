@@ -191,6 +191,9 @@ class LedgerBase:
         self.engine = engine
         self._rng = rng or random.Random()
         self._manifests: dict[str, Manifest] = {}
+        self._settled: Any = None
+        """The metrics' settled figures (`reads.Settled`), kept between calls of `figures`."""
+        self._settled_lock = threading.Lock()
         self._pg = engine.dialect.name == "postgresql"
         self._host_caps: dict[str, HostCapabilities] = {}
         database = engine.url.database if engine.dialect.name == "sqlite" else None

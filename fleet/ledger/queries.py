@@ -70,12 +70,23 @@ LIST_ROLLOUTS = (
 egress (or not), with labels."""
 AND_LABELLED = " AND id IN (SELECT rollout_id FROM rollout_labels WHERE key = ? AND value = ?)"
 ROLLOUTS_IN_STATE = "SELECT id, manifest_digest FROM rollouts WHERE state = ?"
-ROLLOUTS_BY_STATE = "SELECT state, count(*) FROM rollouts GROUP BY state"
 FINISHED_SINCE = "SELECT count(*) FROM rollouts WHERE state = ? AND finished_at >= ?"
-RETRIES_AND_CPU = (
-    "SELECT coalesce(sum(CASE WHEN attempts > 1 THEN attempts - 1 ELSE 0 END), 0), "
-    "coalesce(sum(cpu_s), 0) FROM rollouts WHERE state = ?"
+UNFINISHED_BY_STATE = "SELECT state, count(*) FROM rollouts WHERE state IN ({marks}) GROUP BY state"
+"""Rollouts not final yet, by state (the states listed; ix_rollouts_state_finished)."""
+FINISHED_FIGURES = (
+    "SELECT state, count(*), "
+    "coalesce(sum(CASE WHEN attempts > 1 THEN attempts - 1 ELSE 0 END), 0), "
+    "coalesce(sum(cpu_s), 0) FROM rollouts "
+    "WHERE state IN ({marks}) AND finished_at >= ? AND finished_at < ? GROUP BY state"
 )
+"""Final rollouts that finished in [from, until), by state: how many, their attempts beyond
+the first, their CPU seconds (the final states listed; ix_rollouts_state_finished)."""
+FINISHED_CALLING_INFERENCE = (
+    "SELECT count(*) FROM rollouts r JOIN work_items w ON w.rollout_id = r.id "
+    "WHERE r.state IN ({marks}) AND r.finished_at >= ? AND r.finished_at < ? "
+    "AND w.needs_inference = ?"
+)
+"""Of those, how many called the gateway (their work items, done with them)."""
 ROLLOUT_OUTPUTS = "SELECT outputs_json FROM rollouts WHERE outputs_json <> '[]'"
 MANIFEST_DIGEST = "SELECT manifest_digest FROM rollouts WHERE id = ?"
 
@@ -197,7 +208,6 @@ WORK_LEASE = (
     "JOIN rollouts r ON r.id = w.rollout_id WHERE w.id = ? AND w.state = ?"
 )
 ROLLOUT_LEASE = "SELECT id, lease_owner FROM work_items WHERE rollout_id = ? AND state = ?"
-ITEMS_CALLING_INFERENCE = "SELECT count(*) FROM work_items WHERE needs_inference = ? AND state = ?"
 QUEUED_OF_CLASS = "SELECT count(*) FROM work_items WHERE state = ? AND host_class = ?"
 
 # -- attempts ------------------------------------------------------------------------------

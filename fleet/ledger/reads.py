@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import structlog
@@ -11,7 +12,7 @@ from fleet.core.errors import (
     InvalidArgument,
     NotFound,
 )
-from fleet.core.lifecycle import RolloutState
+from fleet.core.lifecycle import FINAL_STATES, RolloutState
 from fleet.core.manifest import Manifest
 from fleet.core.rollout import (
     Rollout,
@@ -19,13 +20,53 @@ from fleet.core.rollout import (
 )
 from fleet.ledger import queries as Q
 from fleet.ledger.base import LedgerBase, as_datetime
-from fleet.ledger.raw import DONE, LEASED
+from fleet.ledger.raw import LEASED, Raw
 from fleet.ledger.records import AttemptRec, RolloutRec
 
 log = structlog.get_logger(__name__)
 
 _SCAN = 500
 """Rows a listing filtered by egress reads at a time."""
+SETTLE_S = 300.0
+"""How long after a rollout finished its figures are settled (kept, not read again): longer
+than a transaction takes to commit and than replicas' clocks differ, so that no rollout
+finishes, as its row says, before a time whose figures were already summed."""
+_FINALS = sorted(state.value for state in FINAL_STATES)
+_UNFINISHED = sorted(state.value for state in RolloutState if not state.final)
+_LATER = 1e18
+"""An end of time for `finished_at`: the recent rows' range is open above."""
+
+
+@dataclass(frozen=True)
+class Settled:
+    """The figures of the rollouts that finished before `until`."""
+
+    until: float = 0.0
+    by_state: dict[str, int] = field(default_factory=dict)
+    retries: int = 0
+    cpu_s: float = 0.0
+    inference: int = 0
+
+    def plus(self, more: Settled) -> Settled:
+        """These figures and `more`'s, which follow them (until `more.until`)."""
+        states = {s: self.by_state.get(s, 0) + more.by_state.get(s, 0)
+                  for s in {*self.by_state, *more.by_state}}  # fmt: skip
+        return Settled(more.until, states, self.retries + more.retries, self.cpu_s + more.cpu_s,
+                       self.inference + more.inference)  # fmt: skip
+
+
+def _finished(db: Raw, since: float, until: float) -> Settled:
+    """The figures of the rollouts that finished in [since, until)."""
+    marks = len(_FINALS)
+    by_state: dict[str, int] = {}
+    retries, cpu_s = 0, 0.0
+    for state, n, beyond_first, cpu in db.all(Q.FINISHED_FIGURES, (*_FINALS, since, until),
+                                              n=marks):  # fmt: skip
+        by_state[state] = int(n)
+        if state == RolloutState.SUCCEEDED.value:
+            retries, cpu_s = int(beyond_first), float(cpu)
+    inference = db.value(Q.FINISHED_CALLING_INFERENCE, (*_FINALS, since, until, True), n=marks)
+    return Settled(until, by_state, retries, cpu_s, int(inference))
 
 
 class Reads(LedgerBase):
@@ -110,21 +151,33 @@ class Reads(LedgerBase):
         ]  # fmt: skip
 
     def figures(self, now: float, window_s: float = 60.0) -> dict[str, float]:
-        """The numbers behind the server's metrics: counts by state, throughput, retries, CPU."""
+        """The numbers behind the server's metrics: counts by state, throughput, retries, CPU.
+
+        Rollouts that finished more than SETTLE_S ago are settled: a final rollout never
+        changes, so their sums are kept from one call to the next and only the rows that
+        settled since are read, with the recent and unfinished ones. A scrape reads what
+        changed lately, not the whole history (a million finished rollouts: 0.8 s a scrape
+        read in full)."""
         succeeded = RolloutState.SUCCEEDED.value
-        with self._read() as db:
-            out: dict[str, float] = {
-                f"state_{state}": float(n) for state, n in db.all(Q.ROLLOUTS_BY_STATE)
-            }
-            recent = db.value(Q.FINISHED_SINCE, (succeeded, now - window_s))
-            retries, cpu = db.one(Q.RETRIES_AND_CPU, (succeeded,))
-            inference = db.value(Q.ITEMS_CALLING_INFERENCE, (True, DONE))
-        done = out.get(f"state_{succeeded}", 0.0)
+        settle = now - SETTLE_S
+        with self._settled_lock, self._read() as db:
+            settled = self._settled
+            if settled is None or settle < settled.until:  # (first call, or the clock went back)
+                settled = Settled()
+            if settle > settled.until:
+                settled = settled.plus(_finished(db, settled.until, settle))
+            recent = settled.plus(_finished(db, settle, _LATER))
+            unfinished = db.all(Q.UNFINISHED_BY_STATE, _UNFINISHED, n=len(_UNFINISHED))
+            last_window = db.value(Q.FINISHED_SINCE, (succeeded, now - window_s))
+            self._settled = settled
+        out = {f"state_{state}": float(n) for state, n in sorted(recent.by_state.items())}
+        out.update({f"state_{state}": float(n) for state, n in unfinished})
+        done = recent.by_state.get(succeeded, 0)
         out.update(
-            trajectories_per_second=float(recent) / window_s,
-            retries=float(retries),
-            cpu_seconds_per_trajectory=float(cpu) / done if done else 0.0,
-            inference_trajectories=float(inference),
+            trajectories_per_second=float(last_window) / window_s,
+            retries=float(recent.retries),
+            cpu_seconds_per_trajectory=recent.cpu_s / done if done else 0.0,
+            inference_trajectories=float(recent.inference),
         )
         return out
 

@@ -23,6 +23,9 @@ def purge_finished(ledger: Ledger, before: float) -> int:
         with ledger._tx() as db:
             ids = [row[0] for row in db.all(Q.FINISHED_BEFORE, (before, BATCH))]
             if not ids:
+                if removed:
+                    with ledger._settled_lock:
+                        ledger._settled = None  # (the metrics' settled figures counted them)
                 return removed
             for sql in Q.PURGE_ROLLOUTS:
                 db.run(sql, ids, n=len(ids))

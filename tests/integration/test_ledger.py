@@ -1112,3 +1112,80 @@ def test_each_tenants_active_count_follows_its_items(ledger: Ledger) -> None:
     assert ledger.sweep(T0 + 6 + TTL + 2) == 1  # (team-c's deadline passed in the queue)
     assert ledger.get(late.id).state == RolloutState.FAILED
     check({"team-b": 3})
+
+
+def figures_in_full(ledger: Ledger, now: float, window_s: float = 60.0) -> dict[str, float]:
+    """The metrics' figures read from every row, the plain way: what `figures` must equal."""
+    from sqlalchemy import text
+
+    with ledger.engine.connect() as conn:
+        out = {f"state_{s}": float(n) for s, n in conn.execute(
+            text("SELECT state, count(*) FROM rollouts GROUP BY state"))}  # fmt: skip
+        retries, cpu, done_n = conn.execute(text(
+            "SELECT coalesce(sum(attempts - 1), 0), coalesce(sum(cpu_s), 0), count(*) "
+            "FROM rollouts WHERE state = 'SUCCEEDED'")).one()  # fmt: skip
+        recent = conn.execute(text(
+            "SELECT count(*) FROM rollouts WHERE state = 'SUCCEEDED' AND finished_at >= :t"),
+            {"t": now - window_s}).scalar_one()  # fmt: skip
+        inference = conn.execute(text(
+            "SELECT count(*) FROM work_items WHERE needs_inference AND state = 'DONE'")
+        ).scalar_one()  # fmt: skip
+    out.update(
+        trajectories_per_second=float(recent) / window_s,
+        retries=float(retries),
+        cpu_seconds_per_trajectory=float(cpu) / done_n if done_n else 0.0,
+        inference_trajectories=float(inference),
+    )
+    return out
+
+
+def test_the_metrics_figures_keep_settled_rollouts_and_read_only_what_changed(
+    ledger: Ledger,
+) -> None:
+    """Rollouts that finished SETTLE_S ago are summed once and kept: each call's figures equal
+    a read of every row, as rollouts finish, settle and are purged, while a settled row is not
+    read again (a change to one, which fleet never makes, does not show until a purge)."""
+    from fleet.core.placement import Requirements
+    from fleet.ledger.reads import SETTLE_S
+    from fleet.ledger.retention import purge_finished
+
+    register(ledger, gateway=True)
+
+    def run(key: str, at: float, *outcomes: Outcome, **kw: object) -> str:
+        rollout, _ = submit(ledger, key, retry=RetryPolicy(max_attempts=3, initial_backoff_s=0,
+                                                           max_backoff_s=0), **kw)  # fmt: skip
+        for k, outcome in enumerate(outcomes):
+            [a] = ledger.claim("cpu-1", 1, at + k, TTL)
+            report = done(a.work_id, a.fencing_token, outcome)
+            ledger.complete("cpu-1", report.model_copy(update={"cpu_seconds": 1.5}), at + k)
+        return rollout.id
+
+    first = run("a", T0 + 1, Outcome.SUCCEEDED)
+    run("b", T0 + 2, Outcome.TRANSIENT_ERROR, Outcome.TRANSIENT_ERROR, Outcome.SUCCEEDED)
+    run("c", T0 + 6, Outcome.SUCCEEDED, requirements=Requirements(inference=True))
+    run("d", T0 + 7, Outcome.STEP_FAILED)
+    cancelled, _ = submit(ledger, "e")
+    ledger.cancel(cancelled.id, "", "test", T0 + 8)
+    run("running", T0 + 9)
+    ledger.claim("cpu-1", 1, T0 + 9, TTL)
+    submit(ledger, "queued")
+
+    later = T0 + 9 + SETTLE_S + 1  # all of them settled
+    assert ledger.figures(later) == figures_in_full(ledger, later)
+    assert ledger.figures(later)["retries"] == 2.0
+    run(
+        "f", later, Outcome.SUCCEEDED, requirements=Requirements(inference=True), priority=1
+    )  # recent (claimed before the queued one)
+    assert ledger.figures(later + 1) == figures_in_full(ledger, later + 1)
+    much_later = later + 2 * SETTLE_S  # f settled too, summed onto what was
+    assert ledger.figures(much_later) == figures_in_full(ledger, much_later)
+    assert ledger.figures(much_later)["inference_trajectories"] == 2.0
+
+    with ledger.engine.begin() as conn:
+        from sqlalchemy import text
+
+        conn.execute(text("UPDATE rollouts SET cpu_s = cpu_s + 100 WHERE id = :i"), {"i": first})
+    assert ledger.figures(much_later + 1) != figures_in_full(ledger, much_later + 1)
+    assert purge_finished(ledger, T0 + 2) == 1  # the first one goes; the figures read anew
+    assert ledger.figures(much_later + 2) == figures_in_full(ledger, much_later + 2)
+    assert ledger.figures(much_later + 2)["state_SUCCEEDED"] == 3.0
