@@ -99,7 +99,9 @@ class ClientAuth:
                 try:
                     ca_pem = Path(path).read_bytes()
                 except OSError as exc:
-                    raise InvalidArgument(f"--ca {path}: cannot read: {exc}") from None
+                    raise InvalidArgument(
+                        f"the CA certificate {path} (--ca, ca= or $FLEET_CA): cannot read: {exc}"
+                    ) from None
             elif (paths.ca / "ca.crt").exists():
                 ca_pem = (paths.ca / "ca.crt").read_bytes()
         key = key or os.environ.get("FLEET_KEY", "")
