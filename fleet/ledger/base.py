@@ -8,8 +8,8 @@ import fcntl
 import hashlib
 import importlib.util
 import json
+import os
 import random
-import secrets
 import sqlite3
 import threading
 import time
@@ -128,7 +128,7 @@ def new_id(prefix: str) -> str:
     completion of 32 jobs wrote 104 pages to SQLite's log, with these 38, and its durable
     commit took half as long. The random part keeps two ids made in the same microsecond
     apart; an id is a name, not a secret (a rollout is guarded by its tenant)."""
-    return f"{prefix}{time.time_ns() // 1000:013x}{secrets.token_hex(6)}"
+    return f"{prefix}{time.time_ns() // 1000:013x}{os.urandom(6).hex()}"
 
 
 def as_datetime(value: float | None) -> datetime | None:

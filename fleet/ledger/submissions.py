@@ -62,6 +62,8 @@ class Submissions(LedgerBase):
         order (PostgreSQL cannot deadlock on them); answers come in the callers' order. All are
         first written together (a few statements for the batch); only when one of them is
         refused are they written again one by one, each under its own savepoint."""
+        if len(batch) == 1:
+            return [self._submit_alone(*batch[0], now, max_active_per_tenant)]
         order = sorted(
             range(len(batch)), key=lambda i: (batch[i][0].tenant, batch[i][0].idempotency_key)
         )
@@ -75,6 +77,27 @@ class Submissions(LedgerBase):
                 together = [self._submit_one(db, req, m, now, max_active) for req, m in ordered]
         answers = dict(zip(order, together, strict=True))
         return [answers[i] for i in range(len(batch))]
+
+    def _submit_alone(
+        self, request: SubmitRequest, manifest: Manifest, now: float, max_active: int
+    ) -> tuple[Rollout, bool] | FleetError:
+        """One submission in a transaction of its own, with no savepoint: refused, it has
+        written nothing (refusals come before the first write); clashing with another replica's
+        same key or manifest, the transaction is undone and the next try reads that row."""
+        for _ in range(3):
+            try:
+                with self._tx() as db:
+                    [(rollout_id, created)] = self._insert_rollouts(
+                        db, [(request, manifest)], now, max_active
+                    )
+                    if created:
+                        return self._queued(rollout_id, request, manifest, now), True
+                    return self._view(db, self._rollout(db, rollout_id)), False
+            except FleetError as exc:
+                return exc
+            except UNIQUE_CLASH:
+                continue
+        return _clashing(request)
 
     def _submit_together(
         self, db: Raw, batch: list[tuple[SubmitRequest, Manifest]], now: float, max_active: int
@@ -128,11 +151,7 @@ class Submissions(LedgerBase):
                 continue
             db.run(Q.RELEASE_SAVEPOINT)
             return answer
-        return Aborted(
-            f"idempotency key {request.idempotency_key!r}: other submissions of it kept "
-            "clashing with this one; retry",
-            retry_after_s=0.1,
-        )
+        return _clashing(request)
 
     def submit_many(
         self,
@@ -217,7 +236,8 @@ class Submissions(LedgerBase):
             known[key] = (rollout_id, fingerprint)
             rollouts.append(
                 (rollout_id, key, fingerprint, digest, request.tenant,
-                 json.dumps(request.labels, sort_keys=True), queued, request.priority, now, now)
+                 json.dumps(request.labels, sort_keys=True) if request.labels else "{}",
+                 queued, request.priority, now, now)
             )  # fmt: skip
             labels += [(rollout_id, k, v) for k, v in request.labels.items()]
             items.append(
@@ -274,3 +294,12 @@ class Submissions(LedgerBase):
                 db.run(Q.SET_ROLLOUT_ERROR, (why, rollout_id))
                 row = row._replace(error=why)
             return self._view(db, row)
+
+
+def _clashing(request: SubmitRequest) -> Aborted:
+    """The answer to a submission that other submissions of its key kept clashing with."""
+    return Aborted(
+        f"idempotency key {request.idempotency_key!r}: other submissions of it kept "
+        "clashing with this one; retry",
+        retry_after_s=0.1,
+    )

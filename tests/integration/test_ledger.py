@@ -1189,3 +1189,38 @@ def test_the_metrics_figures_keep_settled_rollouts_and_read_only_what_changed(
     assert purge_finished(ledger, T0 + 2) == 1  # the first one goes; the figures read anew
     assert ledger.figures(much_later + 2) == figures_in_full(ledger, much_later + 2)
     assert ledger.figures(much_later + 2)["state_SUCCEEDED"] == 3.0
+
+
+def test_replicas_submitting_the_same_keys_at_once_store_each_once(ledger_target: str) -> None:
+    """Two ledgers on one database (two server replicas) take the same submissions at the same
+    time, one at a time each: every key is stored once, both answer with its one rollout, and
+    exactly one of them says it created it (on PostgreSQL the loser of a race hits the unique
+    key, undoes its transaction and reads the winner's row)."""
+    import threading
+
+    replicas = [Ledger.open(ledger_target), Ledger.open(ledger_target)]
+    keys = [f"race-{i}" for i in range(40)]
+    answers: list[list[tuple[str, bool]]] = [[], []]
+    start = threading.Barrier(2)
+
+    def take(k: int) -> None:
+        start.wait()
+        for key in keys:
+            rollout, created = submit(replicas[k], key)
+            answers[k].append((rollout.id, created))
+
+    threads = [threading.Thread(target=take, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    try:
+        assert [len(a) for a in answers] == [len(keys), len(keys)]
+        for (id_a, created_a), (id_b, created_b) in zip(*answers, strict=True):
+            assert id_a == id_b
+            assert created_a != created_b  # one replica created it, the other found it
+        listed, _ = replicas[0].list_rollouts(500, "", {})
+        assert sorted(r.idempotency_key for r in listed) == sorted(keys)
+    finally:
+        for replica in replicas:
+            replica.engine.dispose()
