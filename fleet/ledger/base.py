@@ -237,24 +237,36 @@ class LedgerBase:
         On SQLite it runs on a connection of this ledger's own, outside SQLAlchemy's pool (its
         checkout, events and reset cost about as much as the durable commit itself: 169 against
         73 µs for one write, measured), under the writer lock, which serializes its users,
-        threads and processes alike. On PostgreSQL it is a pooled connection's transaction."""
+        threads and processes alike: one writer at a time, queued on a file lock. (SQLite's own
+        busy handler makes a waiting writer sleep in growing steps, so several processes
+        contending for the write lock spend most of their time asleep; a blocking flock wakes
+        the next writer the moment the last one commits.) On PostgreSQL it is a pooled
+        connection's transaction."""
         if self._pg or self._lock_path is None:
             with self.engine.begin() as conn:
                 yield Raw(conn.connection.cursor(), self._pg)
             return
-        with self._writer_lock():
-            if self._raw_writer is None:
-                self._raw_writer = _sqlite_connect(self.engine.url.database or "")
-                weakref.finalize(self, self._raw_writer.close)
-            connection = self._raw_writer
-            connection.execute("BEGIN IMMEDIATE")
+        with self._thread_lock:
+            if self._lock_file is None:
+                self._lock_file = open(self._lock_path, "a")  # noqa: SIM115 - held for life
+                # ...of this ledger: closed when it goes.
+                weakref.finalize(self, self._lock_file.close)
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX)
             try:
-                yield Raw(connection.cursor(), postgres=False)
-                connection.execute("COMMIT")
-            except BaseException:
-                if connection.in_transaction:  # (some errors end it themselves)
-                    connection.execute("ROLLBACK")
-                raise
+                if self._raw_writer is None:  # (made under the lock: it sets the journal mode)
+                    self._raw_writer = _sqlite_connect(self.engine.url.database or "")
+                    weakref.finalize(self, self._raw_writer.close)
+                connection = self._raw_writer
+                connection.execute("BEGIN IMMEDIATE")
+                try:
+                    yield Raw(connection.cursor(), postgres=False)
+                    connection.execute("COMMIT")
+                except BaseException:
+                    if connection.in_transaction:  # (some errors end it themselves)
+                        connection.execute("ROLLBACK")
+                    raise
+            finally:
+                fcntl.flock(self._lock_file, fcntl.LOCK_UN)
 
     @contextmanager
     def _read(self) -> Iterator[Raw]:
@@ -272,28 +284,6 @@ class LedgerBase:
                     dbapi.rollback()
                 else:
                     cursor.execute("ROLLBACK")
-
-    @contextmanager
-    def _writer_lock(self) -> Iterator[None]:
-        """On SQLite, one writer at a time across processes, queued on a file lock.
-
-        SQLite's own busy handler makes a waiting writer sleep in growing steps, so several
-        processes contending for the write lock spend most of their time asleep; a blocking
-        flock wakes the next writer the moment the last one commits.
-        """
-        if self._lock_path is None:
-            yield
-            return
-        with self._thread_lock:
-            if self._lock_file is None:
-                self._lock_file = open(self._lock_path, "a")  # noqa: SIM115 - held for life
-                # ...of this ledger: closed when it goes.
-                weakref.finalize(self, self._lock_file.close)
-            fcntl.flock(self._lock_file, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(self._lock_file, fcntl.LOCK_UN)
 
     # -- helpers -----------------------------------------------------------------------------
 
