@@ -24,7 +24,7 @@ import tarfile
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import TracebackType
@@ -163,11 +163,8 @@ class Fleet:
     ) -> None:
         self.server = server or default_server()
         auth = ClientAuth.find(
-            Paths.from_env().home, ca=ca if isinstance(ca, str) else "", key=key or "",
-            plaintext=plaintext or isinstance(ca, bytes),
-        )  # fmt: skip
-        if isinstance(ca, bytes):
-            auth = replace(auth, ca_pem=ca)
+            Paths.from_env().home, ca=ca or "", key=key or "", plaintext=plaintext
+        )
         self.key = auth.key
         self._channel = auth.blocking_channel(self.server)
         self._md = auth.metadata

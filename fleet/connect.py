@@ -79,21 +79,24 @@ class _KeyedChannel:
 
 @dataclass(frozen=True)
 class ClientAuth:
-    """How the CLI reaches a server: its CA (None: no TLS) and an API key ("": none)."""
+    """How a client reaches a server: its CA (None: no TLS) and an API key ("": none)."""
 
     ca_pem: bytes | None
     key: str
 
     @classmethod
     def find(
-        cls, home: Path, *, ca: str = "", key: str = "", plaintext: bool = False
+        cls, home: Path, *, ca: str | bytes = "", key: str = "", plaintext: bool = False
     ) -> ClientAuth:
-        """--ca, else $FLEET_CA, else `$FLEET_HOME/ca/ca.crt` when it exists (no TLS without
-        one, or with --plaintext); --key, else $FLEET_KEY, else `$FLEET_HOME/admin.key` when it
-        exists (written by `fleet up` and by `fleet serve` on first start)."""
+        """--ca (a path, or the PEM itself), else $FLEET_CA, else `$FLEET_HOME/ca/ca.crt` when
+        it exists (no TLS without one, or with --plaintext); --key, else $FLEET_KEY, else
+        `$FLEET_HOME/admin.key` when it exists (written by `fleet up` and by `fleet serve` on
+        first start)."""
         paths = Paths(home, home)
         ca_pem: bytes | None = None
-        if not plaintext:
+        if isinstance(ca, bytes):
+            ca_pem = ca
+        elif not plaintext:
             path = ca or os.environ.get("FLEET_CA", "")
             if path:
                 try:
@@ -115,18 +118,24 @@ class ClientAuth:
         """What every call carries: the API key, when there is one."""
         return (("authorization", f"Bearer {self.key}"),) if self.key else ()
 
+    def _credentials(self) -> grpc.ChannelCredentials | None:
+        """TLS credentials trusting the CA; None without one (no TLS)."""
+        if self.ca_pem is None:
+            return None
+        return grpc.ssl_channel_credentials(root_certificates=self.ca_pem)
+
     def channel(self, address: str) -> grpc.aio.Channel:
         """An asyncio channel to `address` whose every call carries the key."""
-        if self.ca_pem is None:
-            channel = grpc.aio.insecure_channel(address)
-        else:
-            credentials = grpc.ssl_channel_credentials(root_certificates=self.ca_pem)
-            channel = grpc.aio.secure_channel(address, credentials)
+        credentials = self._credentials()
+        channel = (
+            grpc.aio.insecure_channel(address) if credentials is None
+            else grpc.aio.secure_channel(address, credentials)
+        )  # fmt: skip
         return _KeyedChannel(channel, self.key) if self.key else channel
 
     def blocking_channel(self, address: str) -> grpc.Channel:
         """A blocking channel to `address` (its calls pass `metadata` themselves)."""
-        if self.ca_pem is None:
+        credentials = self._credentials()
+        if credentials is None:
             return grpc.insecure_channel(address)
-        credentials = grpc.ssl_channel_credentials(root_certificates=self.ca_pem)
         return grpc.secure_channel(address, credentials)

@@ -48,7 +48,7 @@ from fleet.ledger import pools as pool_sql
 from fleet.ledger import queries as Q
 from fleet.ledger.migrations import migrate
 from fleet.ledger.raw import Raw
-from fleet.ledger.records import AttemptRec, Item, RolloutRec
+from fleet.ledger.records import AttemptRec, Item, RolloutRec, Settled
 
 log = structlog.get_logger(__name__)
 CORDONED = "cordoned"
@@ -191,8 +191,8 @@ class LedgerBase:
         self.engine = engine
         self._rng = rng or random.Random()
         self._manifests: dict[str, Manifest] = {}
-        self._settled: Any = None
-        """The metrics' settled figures (`reads.Settled`), kept between calls of `figures`."""
+        self._settled: Settled | None = None
+        """The metrics' settled figures, kept between calls of `figures` (see `reads`)."""
         self._settled_lock = threading.Lock()
         self._pg = engine.dialect.name == "postgresql"
         self._host_caps: dict[str, HostCapabilities] = {}

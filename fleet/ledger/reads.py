@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import structlog
@@ -21,7 +20,7 @@ from fleet.core.rollout import (
 from fleet.ledger import queries as Q
 from fleet.ledger.base import LedgerBase, as_datetime
 from fleet.ledger.raw import LEASED, Raw
-from fleet.ledger.records import AttemptRec, RolloutRec
+from fleet.ledger.records import AttemptRec, RolloutRec, Settled
 
 log = structlog.get_logger(__name__)
 
@@ -35,24 +34,6 @@ _FINALS = sorted(state.value for state in FINAL_STATES)
 _UNFINISHED = sorted(state.value for state in RolloutState if not state.final)
 _LATER = 1e18
 """An end of time for `finished_at`: the recent rows' range is open above."""
-
-
-@dataclass(frozen=True)
-class Settled:
-    """The figures of the rollouts that finished before `until`."""
-
-    until: float = 0.0
-    by_state: dict[str, int] = field(default_factory=dict)
-    retries: int = 0
-    cpu_s: float = 0.0
-    inference: int = 0
-
-    def plus(self, more: Settled) -> Settled:
-        """These figures and `more`'s, which follow them (until `more.until`)."""
-        states = {s: self.by_state.get(s, 0) + more.by_state.get(s, 0)
-                  for s in {*self.by_state, *more.by_state}}  # fmt: skip
-        return Settled(more.until, states, self.retries + more.retries, self.cpu_s + more.cpu_s,
-                       self.inference + more.inference)  # fmt: skip
 
 
 def _finished(db: Raw, since: float, until: float) -> Settled:
@@ -180,6 +161,12 @@ class Reads(LedgerBase):
             inference_trajectories=float(recent.inference),
         )
         return out
+
+    def forget_settled_figures(self) -> None:
+        """Rows were deleted (retention): the kept sums counted them, so the next `figures`
+        sums from the start again."""
+        with self._settled_lock:
+            self._settled = None
 
     def work_lease(self, work_id: str) -> tuple[str, int, Manifest] | None:
         """(lease owner, fencing token, manifest) of a leased work item; None otherwise."""

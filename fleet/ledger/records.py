@@ -1,8 +1,9 @@
 """Rows as the ledger's statements read them: named tuples over a table's columns, in order
-(`fleet.ledger.queries` selects exactly these columns)."""
+(`fleet.ledger.queries` selects exactly these columns); and the metrics' settled figures."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 
@@ -77,3 +78,21 @@ def columns(record: type[tuple[object, ...]], alias: str = "") -> str:
     """A record's columns as a select list (`alias.` before each, with an alias)."""
     prefix = f"{alias}." if alias else ""
     return ", ".join(prefix + name for name in record._fields)  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class Settled:
+    """The figures of the rollouts that finished before `until`."""
+
+    until: float = 0.0
+    by_state: dict[str, int] = field(default_factory=dict)
+    retries: int = 0
+    cpu_s: float = 0.0
+    inference: int = 0
+
+    def plus(self, more: Settled) -> Settled:
+        """These figures and `more`'s, which follow them (until `more.until`)."""
+        states = {s: self.by_state.get(s, 0) + more.by_state.get(s, 0)
+                  for s in {*self.by_state, *more.by_state}}  # fmt: skip
+        return Settled(more.until, states, self.retries + more.retries, self.cpu_s + more.cpu_s,
+                       self.inference + more.inference)  # fmt: skip

@@ -24,8 +24,7 @@ def purge_finished(ledger: Ledger, before: float) -> int:
             ids = [row[0] for row in db.all(Q.FINISHED_BEFORE, (before, BATCH))]
             if not ids:
                 if removed:
-                    with ledger._settled_lock:
-                        ledger._settled = None  # (the metrics' settled figures counted them)
+                    ledger.forget_settled_figures()
                 return removed
             for sql in Q.PURGE_ROLLOUTS:
                 db.run(sql, ids, n=len(ids))
