@@ -61,6 +61,7 @@ import structlog  # noqa: E402
 
 import gateway  # noqa: E402,F401  (its __init__ quiets torch's numpy warning in every process)
 from fleet._proto.fleet.v1 import inference_pb2, inference_pb2_grpc  # noqa: E402
+from fleet.connect import list_all  # noqa: E402
 from fleet.core.tokens import issue  # noqa: E402
 from fleet.envs.gridworld import GridWorld, argmax  # noqa: E402
 
@@ -657,7 +658,6 @@ async def fleet_pipeline(
     but print its result: rollouts/s and CPU per rollout are then the fleet's own."""
     from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
     from fleet.config import Paths
-    from fleet.connect import list_all
     from fleet.embedded import embedded_fleet
     from fleet.envs.episode import program, source, warm_step
     from fleet.runtime.cgroups import all_machines_cpu_seconds

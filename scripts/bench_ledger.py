@@ -12,7 +12,6 @@ import logging
 import multiprocessing as mp
 import os
 import pstats
-import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ sys.path.insert(0, str(REPO))
 
 import structlog  # noqa: E402
 
+from fleet.connect import ClientAuth  # noqa: E402
 from fleet.core.lifecycle import Outcome  # noqa: E402
 from fleet.core.manifest import (  # noqa: E402
     Manifest,
@@ -41,6 +41,7 @@ from fleet.core.placement import HostCapabilities, HostClass, Isolation, Runtime
 from fleet.core.rollout import Assignment, Completion, StepResult  # noqa: E402
 from fleet.image.store import ImageStore  # noqa: E402
 from fleet.ledger import queries as Q  # noqa: E402
+from fleet.ledger.base import _sqlite_connect as sqlite_connect  # noqa: E402
 from fleet.ledger.base import new_id  # noqa: E402
 from fleet.ledger.leases import Claim  # noqa: E402
 from fleet.ledger.raw import dialect  # noqa: E402
@@ -135,10 +136,7 @@ class _FloorDb:
             self.pg = psycopg.connect(target.replace("postgresql+psycopg://", "postgresql://"))
             self.cursor: Any = self.pg.cursor()
         else:
-            self.lite = sqlite3.connect(target, isolation_level=None)
-            for pragma in ("journal_mode=WAL", "synchronous=FULL", "busy_timeout=10000",
-                           "foreign_keys=ON"):  # fmt: skip
-                self.lite.execute(f"PRAGMA {pragma}")
+            self.lite = sqlite_connect(target)  # (the ledger's own: its pragmas, autocommit)
             self.cursor = self.lite.cursor()
             self.lock = open(f"{target}.lock", "a")  # noqa: SIM115 (closed in close())
 
@@ -477,7 +475,6 @@ async def api_round(tmp: str, secure: bool, n: int) -> tuple[float, float]:
     from fleet import __version__
     from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, host_pb2, host_pb2_grpc, types_pb2
     from fleet.config import Paths
-    from fleet.connect import ClientAuth
     from fleet.core.credentials import Scope, format_api_key
     from fleet.identity.ca import CertificateAuthority
     from fleet.identity.local import local_host_identity

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sqlite3
+import threading
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from sqlmodel import Session
+from alembic import command
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import MetaData, create_engine, text
+from sqlmodel import Session, SQLModel
 
+from fleet.artifacts.store import BlobStore
+from fleet.core.egress import EffectiveEgress, EgressEvent, EgressMode
 from fleet.core.errors import (
     Aborted,
     AlreadyExists,
@@ -19,15 +27,32 @@ from fleet.core.errors import (
     ResourceExhausted,
 )
 from fleet.core.lifecycle import Outcome, RolloutState
-from fleet.core.manifest import Step, SubmitRequest, build_manifest, validate_request
-from fleet.core.placement import HostCapabilities, HostClass, Isolation, RuntimeKind
+from fleet.core.manifest import (
+    InputFile,
+    OutputArtifact,
+    SessionSpec,
+    Step,
+    SubmitRequest,
+    build_manifest,
+    validate_request,
+)
+from fleet.core.placement import (
+    HostCapabilities,
+    HostClass,
+    Isolation,
+    Pool,
+    Requirements,
+    RuntimeKind,
+)
 from fleet.core.retry import RetryPolicy
 from fleet.core.rollout import Completion, StepResult
 from fleet.ledger import queries as Q
 from fleet.ledger.leases import Claim
-from fleet.ledger.migrations import BASELINE, alembic_config, compared, head_revision
+from fleet.ledger.migrations import BASELINE, LEGACY_TABLES, alembic_config, compared, head_revision
 from fleet.ledger.raw import QUEUED, dialect
-from fleet.ledger.store import CHECKPOINT_ROW_BYTES, Ledger
+from fleet.ledger.reads import SETTLE_S
+from fleet.ledger.retention import purge_finished, referenced_blobs
+from fleet.ledger.store import AVOID_HOST_S, CHECKPOINT_ROW_BYTES, Ledger
 from fleet.ledger.tables import SCHEMA_VERSION, SchemaInfo
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC).timestamp()
@@ -264,7 +289,6 @@ def test_a_newer_schema_is_refused(ledger_target: str) -> None:
 
 def test_a_revision_this_fleet_does_not_know_is_refused(ledger_target: str) -> None:
     """A database a newer fleet upgraded (its alembic revision unknown here) is refused."""
-    from sqlalchemy import text
 
     ledger = Ledger.open(ledger_target)
     with ledger.engine.begin() as conn:
@@ -280,9 +304,6 @@ def test_a_revision_this_fleet_does_not_know_is_refused(ledger_target: str) -> N
 def test_the_revisions_build_exactly_the_tables_fleet_defines(ledger_target: str) -> None:
     """alembic's comparison of the upgraded database with the table definitions finds nothing
     (`alembic check`, which scripts/test also runs, on SQLite and PostgreSQL)."""
-    from alembic.autogenerate import compare_metadata
-    from alembic.runtime.migration import MigrationContext
-    from sqlmodel import SQLModel
 
     ledger = Ledger.open(ledger_target)
     assert int(head_revision()) == SCHEMA_VERSION == ledger.schema_version
@@ -297,13 +318,6 @@ def test_legacy_steps_create_the_tables_the_baseline_does(tmp_path: Path) -> Non
     """A database from before the baseline gets some tables whole from today's definitions, then
     is stamped 0014: those tables must be the baseline's, or the revisions after it would
     upgrade a table that is not what they expect."""
-    from alembic import command
-    from alembic.autogenerate import compare_metadata
-    from alembic.runtime.migration import MigrationContext
-    from sqlalchemy import MetaData, create_engine
-    from sqlmodel import SQLModel
-
-    from fleet.ledger.migrations import LEGACY_TABLES
 
     engine = create_engine(f"sqlite:///{tmp_path / 'baseline.sqlite3'}")
     legacy = MetaData()
@@ -324,7 +338,6 @@ def test_legacy_steps_create_the_tables_the_baseline_does(tmp_path: Path) -> Non
 def test_a_claim_reads_queued_work_in_lease_order_without_sorting(ledger_target: str) -> None:
     """ix_work_items_claim (written by hand: alembic cannot compare it) holds queued items in
     the order claims lease them, so a claim reads the first few instead of sorting them all."""
-    from sqlalchemy import text
 
     ledger = Ledger.open(ledger_target)
     with ledger.engine.connect() as conn:
@@ -468,7 +481,6 @@ def _req_manifest(key: str, **kw: object):  # type: ignore[no-untyped-def]
 
 def test_reviewers_can_ask_which_rollouts_could_reach_a_host(ledger: Ledger) -> None:
     """Each rollout keeps the egress its machine had; could_reach filters on it."""
-    from fleet.core.egress import EffectiveEgress, EgressMode
 
     register(ledger)
     policies = {
@@ -494,7 +506,6 @@ def test_reviewers_can_ask_which_rollouts_could_reach_a_host(ledger: Ledger) -> 
 
 def test_egress_events_are_kept_per_attempt_and_never_twice(ledger: Ledger) -> None:
     """Refusals arrive with the completion; a resent completion adds none."""
-    from fleet.core.egress import EgressEvent
 
     register(ledger)
     rollout, _ = submit(ledger, key="egress")
@@ -518,7 +529,6 @@ def test_egress_events_are_kept_per_attempt_and_never_twice(ledger: Ledger) -> N
 
 def test_backpressure_holds_only_rollouts_that_call_the_gateway(ledger: Ledger) -> None:
     """With hold_inference, CPU-only work is claimed and gateway work waits; then it goes."""
-    from fleet.core.placement import Requirements
 
     register(ledger)
     register(ledger, "cpu-gw", gateway=True)
@@ -534,7 +544,6 @@ def test_backpressure_holds_only_rollouts_that_call_the_gateway(ledger: Ledger) 
 
 def test_a_pinned_item_is_claimed_by_its_host_only(ledger: Ledger) -> None:
     """A session's fork runs where its source's machine is: no other host may take it."""
-    from fleet.core.manifest import SessionSpec
 
     register(ledger)
     register(ledger, "cpu-2")
@@ -551,8 +560,6 @@ def before_alembic(ledger: Ledger, version: int) -> None:
     """Makes `ledger`'s database one from before the alembic baseline, rows kept: the revisions
     after the baseline undone (their own downgrades), alembic's table gone, `schema_info` at
     `version` (the caller drops what that version lacked)."""
-    from alembic import command
-    from sqlalchemy import text
 
     with ledger.engine.begin() as conn:
         command.downgrade(alembic_config(conn), BASELINE)
@@ -562,7 +569,6 @@ def before_alembic(ledger: Ledger, version: int) -> None:
 
 def test_a_version_2_ledger_is_migrated_in_place(ledger_target: str) -> None:
     """Opening an older database adds what the newer schema has and keeps its rows."""
-    from sqlalchemy import text
 
     ledger = Ledger.open(ledger_target)
     rollout, _ = submit(ledger)
@@ -587,7 +593,6 @@ def test_a_version_2_ledger_is_migrated_in_place(ledger_target: str) -> None:
 def test_a_version_3_ledger_gets_its_checkpoints_charged(ledger_target: str) -> None:
     """Schema 4 counts the checkpoints a version 3 database already holds against their
     rollouts' budgets."""
-    from sqlalchemy import text
 
     ledger = Ledger.open(ledger_target)
     register(ledger)
@@ -713,7 +718,6 @@ def test_checkpoints_are_written_together_and_refused_one_by_one(ledger: Ledger)
 def test_a_retry_goes_first_to_another_host(ledger: Ledger) -> None:
     """After a host error on cpu-1 the retry waits for other live hosts of its class for a
     while; a lone host gets it back at once."""
-    from fleet.ledger.store import AVOID_HOST_S
 
     register(ledger, "cpu-1")
     register(ledger, "cpu-2")
@@ -737,9 +741,6 @@ def test_retention_deletes_old_finished_rollouts_with_everything_of_theirs(
 ) -> None:
     """A rollout that ended before the cutoff goes, with its rows; a recent one and a running
     one stay; blobs only deleted ones named are collected, others are kept."""
-    from fleet.artifacts.store import BlobStore
-    from fleet.core.manifest import InputFile, OutputArtifact
-    from fleet.ledger.retention import purge_finished, referenced_blobs
 
     register(ledger)
     old, _ = submit(ledger, "old", inputs=(InputFile(path="/in", digest="sha256:" + "a" * 64,
@@ -762,8 +763,6 @@ def test_retention_deletes_old_finished_rollouts_with_everything_of_theirs(
     assert ledger.get(running.id).state == RolloutState.RUNNING
     assert referenced_blobs(ledger) == {"sha256:" + "c" * 64}
     with ledger.engine.connect() as conn:
-        from sqlalchemy import text
-
         for table in ("events", "work_items", "rollout_labels", "egress_events"):
             ids = {r[0] for r in conn.execute(text(f"SELECT rollout_id FROM {table}"))}
             assert old.id not in ids, table
@@ -783,9 +782,6 @@ def test_a_pools_cap_holds_across_replicas_claiming_at_once(ledger_target: str) 
     """Two ledgers on one database (two server replicas) claim for the hosts of a capped pool
     from many threads at once: the pool never holds more leases than its cap; a host outside
     it is not held back; a raised cap is seen by the next claim."""
-    import threading
-
-    from fleet.core.placement import Pool
 
     replicas = [Ledger.open(ledger_target), Ledger.open(ledger_target)]
     first = replicas[0]
@@ -835,7 +831,6 @@ def test_a_pools_cap_holds_across_replicas_claiming_at_once(ledger_target: str) 
 def test_a_postgresql_ledger_without_its_driver_says_which_extra_to_install(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import importlib.util
 
     real = importlib.util.find_spec
     monkeypatch.setattr(
@@ -1116,7 +1111,6 @@ def test_each_tenants_active_count_follows_its_items(ledger: Ledger) -> None:
 
 def figures_in_full(ledger: Ledger, now: float, window_s: float = 60.0) -> dict[str, float]:
     """The metrics' figures read from every row, the plain way: what `figures` must equal."""
-    from sqlalchemy import text
 
     with ledger.engine.connect() as conn:
         out = {f"state_{s}": float(n) for s, n in conn.execute(
@@ -1145,9 +1139,6 @@ def test_the_metrics_figures_keep_settled_rollouts_and_read_only_what_changed(
     """Rollouts that finished SETTLE_S ago are summed once and kept: each call's figures equal
     a read of every row, as rollouts finish, settle and are purged, while a settled row is not
     read again (a change to one, which fleet never makes, does not show until a purge)."""
-    from fleet.core.placement import Requirements
-    from fleet.ledger.reads import SETTLE_S
-    from fleet.ledger.retention import purge_finished
 
     register(ledger, gateway=True)
 
@@ -1182,8 +1173,6 @@ def test_the_metrics_figures_keep_settled_rollouts_and_read_only_what_changed(
     assert ledger.figures(much_later)["inference_trajectories"] == 2.0
 
     with ledger.engine.begin() as conn:
-        from sqlalchemy import text
-
         conn.execute(text("UPDATE rollouts SET cpu_s = cpu_s + 100 WHERE id = :i"), {"i": first})
     assert ledger.figures(much_later + 1) != figures_in_full(ledger, much_later + 1)
     assert purge_finished(ledger, T0 + 2) == 1  # the first one goes; the figures read anew
@@ -1196,7 +1185,6 @@ def test_replicas_submitting_the_same_keys_at_once_store_each_once(ledger_target
     time, one at a time each: every key is stored once, both answer with its one rollout, and
     exactly one of them says it created it (on PostgreSQL the loser of a race hits the unique
     key, undoes its transaction and reads the winner's row)."""
-    import threading
 
     replicas = [Ledger.open(ledger_target), Ledger.open(ledger_target)]
     keys = [f"race-{i}" for i in range(40)]
