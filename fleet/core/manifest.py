@@ -43,6 +43,11 @@ class Step(BaseModel):
     name: str = ""
 
 
+_CANONICAL_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":"), check_circular=False)
+"""What a request's fingerprint is the digest of: `json.dumps(body, sort_keys=True,
+separators=(",", ":"))`, byte for byte (one encoder for every call, not one made per call; a
+model's dump holds no cycles to look for)."""
+
 DEFAULT_IMAGE = "minimal"
 """What a Smolfile that names no image runs on (smolvm, too, runs one without)."""
 MAX_FILES = 64
@@ -210,7 +215,7 @@ class SubmitRequest(BaseModel):
             # A session's deadline is the time of the call plus its lifetime: a repeat of the
             # call (to wait longer for its machine) comes later with the same body otherwise.
             del body["deadline"]
-        blob = json.dumps(body, sort_keys=True, separators=(",", ":"))
+        blob = _CANONICAL_JSON.encode(body)
         return "sha256:" + hashlib.sha256(blob.encode()).hexdigest()
 
 

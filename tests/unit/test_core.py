@@ -99,6 +99,34 @@ def test_fingerprint_covers_the_body_but_not_the_key() -> None:
     assert first.model_copy(update={"priority": 5}).fingerprint() != first.fingerprint()
 
 
+def test_fingerprints_stay_byte_for_byte_what_stored_rollouts_hold() -> None:
+    """A retry of a key stored by an earlier fleet must match its stored fingerprint: the
+    digests of these bodies (text beyond ASCII, escapes, floats written with exponents, maps in
+    no order, a deadline) are the ones fleet has always written."""
+    plain = SubmitRequest(idempotency_key="a", smolfile=SMOL, steps=(Step(argv=("true",)),))
+    full = SubmitRequest(
+        idempotency_key="b",
+        smolfile='image = "python"\n[network]\nallow = ["pypi.org"]\n',
+        steps=(
+            Step(argv=("python3", "-c", "print('\u00e9 \u2713')"), env={"Z": "1", "A": "\u00fc"},
+                 timeout_s=1e-5, name="run"),
+            Step(argv=("sh",), workdir="/w", timeout_s=12345678901234567.0),
+        ),
+        deadline=datetime(2031, 2, 3, 4, 5, 6, 789000, tzinfo=UTC),
+        retry=RetryPolicy(max_attempts=5, initial_backoff_s=0.25, max_backoff_s=1e3),
+        labels={"zeta": "1", "alpha": "\u2713", "mid": 'x"y\\z\n'},
+        tenant="team-b",
+        priority=-3,
+        outputs=("/out",),
+    )  # fmt: skip
+    assert plain.fingerprint() == (
+        "sha256:26900823c65aa493299d6faca713c4a462d0689b1d249635286ab5f9f83146cb"
+    )
+    assert full.fingerprint() == (
+        "sha256:2338af99db25df1504cccf32a7aaccd2c1217d958cb6642d8ae01d742791bf25"
+    )
+
+
 def test_manifest_pins_everything_a_retry_reuses() -> None:
     """The manifest digest changes with the image, versions or plan; not with the file name."""
     req = request(versions=Versions(policy="p1", environment="e1", evaluator="s1"))
