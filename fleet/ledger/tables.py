@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy import BigInteger, Index, text
 from sqlmodel import Field, SQLModel
 
-SCHEMA_VERSION = 17
+SCHEMA_VERSION = 18
 
 CHECKPOINT_ROW_BYTES = 512
 """What each checkpoint is charged besides its data (a row's cost), so that many tiny ones are
@@ -83,7 +83,7 @@ class WorkItemRow(SQLModel, table=True):
 
     id: str = Field(primary_key=True)
     rollout_id: str = Field(index=True)
-    tenant: str = Field(default="default", index=True)
+    tenant: str = Field(default="default")
     state: str  # QUEUED, LEASED, DONE (looked up through ix_work_items_claim)
     host_class: str
     needs_vm: bool = False
