@@ -159,6 +159,16 @@ class _FloorDb:
         finally:
             fcntl.flock(self.lock, fcntl.LOCK_UN)
 
+    @contextlib.contextmanager
+    def writes(self) -> Iterator[None]:
+        """Row writes sent as the ledger sends them (`Raw.pipeline`: one psycopg pipeline on
+        PostgreSQL, answered at its end)."""
+        if not self.postgres:
+            yield
+            return
+        with self.pg.pipeline():
+            yield
+
     def close(self) -> None:
         if self.postgres:
             self.pg.close()
@@ -198,11 +208,12 @@ def enqueue_floor(target: str, n: int, batch: int) -> float:
         end = min(n, start + batch)
         with db.transaction() as cursor:
             cursor.execute(db.sql("ROLLOUTS_BY_KEY", end - start), keys[start:end]).fetchall()
-            cursor.executemany(sql["INSERT_MANIFEST"], sorted(manifests[start:end]))
-            cursor.executemany(sql["INSERT_ROLLOUT"], rollouts[start:end])
-            cursor.executemany(sql["INSERT_WORK_ITEM"], items[start:end])
-            cursor.executemany(sql["INSERT_EVENT"], events[start:end])
-            cursor.execute(sql["COUNT_ACTIVE"], ("default", end - start))
+            with db.writes():
+                cursor.executemany(sql["INSERT_MANIFEST"], sorted(manifests[start:end]))
+                cursor.executemany(sql["INSERT_ROLLOUT"], rollouts[start:end])
+                cursor.executemany(sql["INSERT_WORK_ITEM"], items[start:end])
+                cursor.executemany(sql["INSERT_EVENT"], events[start:end])
+                cursor.executemany(sql["COUNT_ACTIVE"], [("default", end - start)])
     rate = n / (time.perf_counter() - t)
     db.close()
     return rate
@@ -371,38 +382,42 @@ def floor_worker(target: str, host_id: str, counter: Synchronized[int], ready: B
             rids = sorted(i[1] for i in items)
             if items:
                 cursor.execute(db.sql("CLAIMED_ROLLOUTS", len(rids)), rids).fetchall()
-                cursor.executemany(
-                    sql["LEASE_ITEM"],
-                    [(i[9] + 1, i[14] + 1, host_id, now + 60, "", i[0]) for i in items],
-                )
-                cursor.executemany(
-                    sql["INSERT_ATTEMPT"],
-                    [(i[0], i[9] + 1, host_id, i[14] + 1, now) for i in items],
-                )
-                cursor.executemany(sql["RUN_ROLLOUT"], [(i[9] + 1, now, now, i[1]) for i in items])
-                cursor.executemany(sql["INSERT_EVENT"], [
-                    (i[1], "leased", "QUEUED", "RUNNING", host_id, now, "attempt 1", 1)
-                    for i in items])  # fmt: skip
+                with db.writes():
+                    cursor.executemany(
+                        sql["LEASE_ITEM"],
+                        [(i[9] + 1, i[14] + 1, host_id, now + 60, "", i[0]) for i in items],
+                    )
+                    cursor.executemany(
+                        sql["INSERT_ATTEMPT"],
+                        [(i[0], i[9] + 1, host_id, i[14] + 1, now) for i in items],
+                    )
+                    cursor.executemany(
+                        sql["RUN_ROLLOUT"], [(i[9] + 1, now, now, i[1]) for i in items]
+                    )
+                    cursor.executemany(sql["INSERT_EVENT"], [
+                        (i[1], "leased", "QUEUED", "RUNNING", host_id, now, "attempt 1", 1)
+                        for i in items])  # fmt: skip
         if not items:
             break
         with db.transaction() as cursor:
             cursor.execute(db.sql("ITEMS_FOR_UPDATE", len(ids)), ids).fetchall()
             cursor.execute(db.sql("REPORTED_ROLLOUTS", len(rids)), rids).fetchall()
-            cursor.executemany(
-                sql["REPORT_ATTEMPT"],
-                [(now, "SUCCEEDED", "", 0.0, 0.0, False, i[0], i[9] + 1) for i in items],
-            )
-            cursor.executemany(
-                sql["REPORT_ITEM"],
-                [("DONE", host_id, i[11], "sha256:floor", "", i[0]) for i in items],
-            )
-            cursor.executemany(sql["REPORT_ROLLOUT"], [
-                ("SUCCEEDED", "", host_id, "namespace", "", results, "", now, now, 0.0, "[]", i[1])
-                for i in items])  # fmt: skip
-            cursor.executemany(
-                sql["INSERT_EVENT"],
-                [(i[1], "succeeded", "RUNNING", "SUCCEEDED", host_id, now, "", 1) for i in items],
-            )
+            with db.writes():
+                cursor.executemany(
+                    sql["REPORT_ATTEMPT"],
+                    [(now, "SUCCEEDED", "", 0.0, 0.0, False, i[0], i[9] + 1) for i in items],
+                )
+                cursor.executemany(
+                    sql["REPORT_ITEM"],
+                    [("DONE", host_id, i[11], "sha256:floor", "", i[0]) for i in items],
+                )
+                cursor.executemany(sql["REPORT_ROLLOUT"], [
+                    ("SUCCEEDED", "", host_id, "namespace", "", results, "", now, now, 0.0, "[]",
+                     i[1])
+                    for i in items])  # fmt: skip
+                cursor.executemany(sql["INSERT_EVENT"], [
+                    (i[1], "succeeded", "RUNNING", "SUCCEEDED", host_id, now, "", 1)
+                    for i in items])  # fmt: skip
         done += len(items)
     with counter.get_lock():
         counter.value += done

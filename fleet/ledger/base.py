@@ -7,6 +7,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import importlib.util
+import itertools
 import json
 import os
 import random
@@ -90,6 +91,8 @@ UNIQUE_CLASH: tuple[type[Exception], ...] = (
 
 
 MAX_CHECKPOINT_BYTES = 1 << 20
+MANIFESTS_KEPT = 4096
+"""Parsed manifests a ledger keeps in memory (the newest stored or read)."""
 AVOID_HOST_S = 5.0
 """How long after its backoff a retry waits for other hosts before the one that failed it."""
 FENCING_STEP = 1 << 31
@@ -135,8 +138,21 @@ def as_datetime(value: float | None) -> datetime | None:
     return None if value is None else datetime.fromtimestamp(value, UTC)
 
 
+SQLITE_PAGE_BYTES = 2048
+"""The page size of a SQLite ledger made new (one made before keeps its own: 4096).
+
+A submission alone in its transaction writes about 16 pages to the log (a row and index entries
+in five tables), and its durable commit waits for them. Measured on our machines, 2,048-byte
+pages against 4,096: one by one, 2,043 to 2,135 rollouts/s against 1,903 to 1,944 (8 to 10%
+more); claims and completions from four hosts unchanged (8,272 to 8,324 against 8,364 to 8,418
+jobs/s); 500 per transaction, 8% fewer (10,900 against 11,670 to 12,000 rows/s: more pages per
+row). The ledger's transactions are mostly small ones, and each waits for its commit."""
+
+
 def _sqlite_pragmas(connection: sqlite3.Connection) -> None:
     cursor = connection.cursor()
+    # Before anything is written (it takes effect when the file is made, and not after).
+    cursor.execute(f"PRAGMA page_size={SQLITE_PAGE_BYTES}")
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA synchronous=FULL")  # an acknowledged write survives power loss
     cursor.execute("PRAGMA busy_timeout=10000")
@@ -191,6 +207,8 @@ class LedgerBase:
         self.engine = engine
         self._rng = rng or random.Random()
         self._manifests: dict[str, Manifest] = {}
+        """Manifests by digest, oldest first (see `_keep_manifests`)."""
+        self._manifests_lock = threading.Lock()
         self._settled: Settled | None = None
         """The metrics' settled figures, kept between calls of `figures` (see `reads`)."""
         self._settled_lock = threading.Lock()
@@ -387,7 +405,8 @@ class LedgerBase:
         rows = db.all(Q.LATEST_CHECKPOINTS, rollout_ids, n=len(rollout_ids))
         return {rid: (int(seq), bytes(data)) for rid, seq, data in rows}
 
-    def _host_row(self, db: Raw, host_id: str) -> HostCapabilities:
+    def _host_row(self, db: Raw, host_id: str) -> tuple[HostCapabilities, str]:
+        """A registered, unrevoked host's capabilities and state (`HOST_STATES`)."""
         row = db.one(Q.HOST_FOR_CLAIM, (host_id,))
         if row is None:
             raise FailedPrecondition(f"host {host_id!r} is not registered; call RegisterHost first")
@@ -402,7 +421,7 @@ class LedgerBase:
             if len(self._host_caps) > 1024:
                 self._host_caps.clear()
             self._host_caps[text] = caps
-        return caps
+        return caps, row[2]
 
     def _assignment(self, db: Raw, item: Item) -> Assignment:
         digest = db.value(Q.MANIFEST_DIGEST, (item.rollout_id,))
@@ -417,14 +436,43 @@ class LedgerBase:
         )
 
     def _manifest_raw(self, db: Raw, digest: str) -> Manifest:
-        """Manifests are immutable, so each is parsed once per process."""
-        manifest = self._manifests.get(digest)
-        if manifest is None:
-            manifest = Manifest.model_validate_json(db.value(Q.MANIFEST_BODY, (digest,)))
-            if len(self._manifests) > 4096:
-                self._manifests.clear()
-            self._manifests[digest] = manifest
-        return manifest
+        """One manifest (see `_manifests_raw`)."""
+        return self._manifests_raw(db, (digest,))[digest]
+
+    def _manifests_raw(self, db: Raw, digests: Iterable[str]) -> dict[str, Manifest]:
+        """Manifests by digest. They are immutable, so each is parsed once per process (while
+        it is among the last `MANIFESTS_KEPT` stored or read); those not in memory are read in
+        one statement, not one each (a claim or completion of many items after a restart, or
+        of rollouts another replica stored)."""
+        found: dict[str, Manifest] = {}
+        missing: list[str] = []
+        for digest in set(digests):
+            manifest = self._manifests.get(digest)
+            if manifest is None:
+                missing.append(digest)
+            else:
+                found[digest] = manifest
+        if missing:
+            read: dict[str, Manifest] = {}
+            missing.sort()
+            for start in range(0, len(missing), 500):
+                chunk = missing[start : start + 500]
+                for digest, body in db.all(Q.MANIFEST_BODIES, chunk, n=len(chunk)):
+                    read[digest] = Manifest.model_validate_json(body)
+            self._keep_manifests(read)
+            found.update(read)
+        return found
+
+    def _keep_manifests(self, manifests: dict[str, Manifest]) -> None:
+        """Remembers manifests just stored or read, forgetting the oldest beyond
+        `MANIFESTS_KEPT`: a server that stores a million rollouts keeps a few thousand."""
+        with self._manifests_lock:  # (threads store and read at once)
+            kept = self._manifests
+            kept.update(manifests)
+            over = len(kept) - MANIFESTS_KEPT
+            if over > 0:
+                for digest in list(itertools.islice(kept, over)):
+                    del kept[digest]
 
     def get(self, rollout_id: str) -> Rollout:
         with self._read() as db:

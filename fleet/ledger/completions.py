@@ -71,6 +71,7 @@ class Completions(LedgerBase):
                     else []
                 )
             }
+            manifests = self._manifests_raw(db, (row[2] for row in rollouts.values()))
             artifacts: dict[str, bytes] = {}
             attempt_rows: list[tuple[Any, ...]] = []
             item_rows: list[tuple[Any, ...]] = []
@@ -121,7 +122,7 @@ class Completions(LedgerBase):
                     )
                     continue
                 artifacts.update(outputs)
-                manifest = self._manifest_raw(db, digest)
+                manifest = manifests[digest]
                 target, kind, error, not_before = self._judge(item, report, manifest, now)
                 if target == RolloutState.CANCELLED:
                     error = rollout_error or error  # the reason given with the cancel request
@@ -168,13 +169,16 @@ class Completions(LedgerBase):
                 ]  # fmt: skip
                 seen[report.work_id] = (fingerprint, target)
                 out.append(target)
-            db.many(Q.INSERT_ARTIFACT, [(d, len(b), b, now) for d, b in sorted(artifacts.items())])
-            db.many(Q.REPORT_ATTEMPT, attempt_rows)
-            db.many(Q.REPORT_ITEM, item_rows)
-            db.many(Q.REPORT_ROLLOUT, rollout_rows)
-            db.many(Q.INSERT_EVENT, event_rows)
-            db.many(Q.INSERT_EGRESS_EVENT, egress_rows)
-            self._count_active(db, ended, -1)
+            with db.pipeline():
+                db.many(
+                    Q.INSERT_ARTIFACT, [(d, len(b), b, now) for d, b in sorted(artifacts.items())]
+                )
+                db.many(Q.REPORT_ATTEMPT, attempt_rows)
+                db.many(Q.REPORT_ITEM, item_rows)
+                db.many(Q.REPORT_ROLLOUT, rollout_rows)
+                db.many(Q.INSERT_EVENT, event_rows)
+                db.many(Q.INSERT_EGRESS_EVENT, egress_rows)
+                self._count_active(db, ended, -1)
         return out
 
     def _judge(

@@ -247,11 +247,11 @@ class Hosts(Leases):
         """Every running rollout -> whether it calls the inference gateway; `known` holds
         answers already read (manifests never change), so only new rollouts' are parsed."""
         with self._read() as db:
-            out: dict[str, bool] = {}
-            for rollout_id, digest in db.all(Q.ROLLOUTS_IN_STATE, (RolloutState.RUNNING.value,)):
-                if rollout_id in known:
-                    out[rollout_id] = known[rollout_id]
-                    continue
-                manifest = self._manifest_raw(db, digest)
-                out[rollout_id] = manifest.requirements.inference
-            return out
+            running = db.all(Q.ROLLOUTS_IN_STATE, (RolloutState.RUNNING.value,))
+            new = {digest for rollout_id, digest in running if rollout_id not in known}
+            manifests = self._manifests_raw(db, new)  # (those not in memory: one statement)
+            return {
+                rollout_id: known[rollout_id] if rollout_id in known
+                else manifests[digest].requirements.inference
+                for rollout_id, digest in running
+            }  # fmt: skip

@@ -116,12 +116,12 @@ class Leases(LedgerBase):
         built (that needs no database, so it is built after the commit)."""
         host_id, max_items, request_id = claim.host_id, claim.max_items, claim.request_id
         max_running_per_tenant = claim.max_running_per_tenant
-        host = self._host_row(db, host_id)
+        host, state = self._host_row(db, host_id)
         if request_id:
             again = db.all(Q.LEASES_OF_CLAIM, (host_id, LEASED, request_id))
             if again:
                 return _Taken(again=[self._assignment(db, Item(*row)) for row in again])
-        if db.value(Q.HOST_STATE, (host_id,)) != "ready":
+        if state != "ready":
             return _Taken()  # (cordoned, draining: checked in the claim's own transaction)
         max_items = min(max_items, pool_sql.room(db, host))
         if max_items <= 0:
@@ -167,6 +167,7 @@ class Leases(LedgerBase):
             return _Taken()
         ids = sorted({i.rollout_id for i in chosen})
         rollouts = {row[0]: row for row in db.all(Q.CLAIMED_ROLLOUTS, ids, n=len(ids))}
+        manifests = self._manifests_raw(db, (row[2] for row in rollouts.values()))
         expires = now + claim.lease_ttl_s
         running_state = RolloutState.RUNNING.value
         item_rows, attempt_rows, rollout_rows, event_rows = [], [], [], []
@@ -186,11 +187,12 @@ class Leases(LedgerBase):
                 (rid, "leased", current.value, running_state, host_id, now,
                  f"attempt {attempt} on {host_id}", attempt)
             )  # fmt: skip
-            leased.append((item, attempt, token, self._manifest_raw(db, digest)))
-        db.many(Q.LEASE_ITEM, item_rows)
-        db.many(Q.INSERT_ATTEMPT, attempt_rows)
-        db.many(Q.RUN_ROLLOUT, rollout_rows)
-        db.many(Q.INSERT_EVENT, event_rows)
+            leased.append((item, attempt, token, manifests[digest]))
+        with db.pipeline():
+            db.many(Q.LEASE_ITEM, item_rows)
+            db.many(Q.INSERT_ATTEMPT, attempt_rows)
+            db.many(Q.RUN_ROLLOUT, rollout_rows)
+            db.many(Q.INSERT_EVENT, event_rows)
         # Hybrid rollouts resume from their latest checkpoint (only they have any).
         hybrid = sorted({i.rollout_id for i, _, _, m in leased if m.requirements.inference})
         return _Taken(leased=leased, saved=self._latest_checkpoints(db, hybrid), expires=expires)

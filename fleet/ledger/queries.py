@@ -92,7 +92,7 @@ MANIFEST_DIGEST = "SELECT manifest_digest FROM rollouts WHERE id = ?"
 
 # -- manifests, events, artifacts ----------------------------------------------------------
 
-MANIFEST_BODY = "SELECT body FROM manifests WHERE digest = ?"
+MANIFEST_BODIES = "SELECT digest, body FROM manifests WHERE digest IN ({marks})"
 INSERT_MANIFEST = (
     "INSERT INTO manifests (digest, body, created_at) VALUES (?, ?, ?) ON CONFLICT DO NOTHING"
 )
@@ -285,10 +285,9 @@ HOST_BEAT = (
     "UPDATE hosts SET last_heartbeat_at = ?, images_json = coalesce(?, images_json) WHERE id = ?"
 )
 HOST_FOR_CLAIM = (
-    "SELECT h.capabilities_json, i.revoked_at FROM hosts h "
+    "SELECT h.capabilities_json, i.revoked_at, h.state FROM hosts h "
     "LEFT JOIN host_identities i ON i.host_id = h.id WHERE h.id = ?"
 )
-HOST_STATE = "SELECT state FROM hosts WHERE id = ?"
 HOST_STATES = "SELECT id, state FROM hosts"
 SET_HOST_STATE = "UPDATE hosts SET state = ?, drain_deadline = ?, drain_by = ? WHERE id = ?"
 AGENT_DRAINS = (

@@ -256,16 +256,17 @@ class Submissions(LedgerBase):
             )  # fmt: skip
             out.append((rollout_id, True))
         if rollouts:
-            db.many(
-                Q.INSERT_MANIFEST,
-                [(d, m.model_dump_json(), now) for d, m in sorted(manifests.items())],
-            )
-            db.many(Q.INSERT_ROLLOUT, rollouts)
-            db.many(Q.INSERT_LABEL, labels)
-            db.many(Q.INSERT_WORK_ITEM, [(*row[:-1], False, row[-1]) for row in items])
-            db.many(Q.INSERT_EVENT, events)
-            self._count_active(db, [row[2] for row in items], 1)
-            self._manifests.update(manifests)
+            with db.pipeline():
+                db.many(
+                    Q.INSERT_MANIFEST,
+                    [(d, m.model_dump_json(), now) for d, m in sorted(manifests.items())],
+                )
+                db.many(Q.INSERT_ROLLOUT, rollouts)
+                db.many(Q.INSERT_LABEL, labels)
+                db.many(Q.INSERT_WORK_ITEM, [(*row[:-1], False, row[-1]) for row in items])
+                db.many(Q.INSERT_EVENT, events)
+                self._count_active(db, [row[2] for row in items], 1)
+            self._keep_manifests(manifests)
         return out
 
     def cancel(self, rollout_id: str, reason: str, actor: str, now: float) -> Rollout:

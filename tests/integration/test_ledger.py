@@ -8,6 +8,7 @@ import sqlite3
 import threading
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from alembic import command
@@ -47,13 +48,15 @@ from fleet.core.placement import (
 from fleet.core.retry import RetryPolicy
 from fleet.core.rollout import Completion, StepResult
 from fleet.ledger import queries as Q
+from fleet.ledger.base import SQLITE_PAGE_BYTES
 from fleet.ledger.leases import Claim
 from fleet.ledger.migrations import BASELINE, LEGACY_TABLES, alembic_config, compared, head_revision
-from fleet.ledger.raw import QUEUED, dialect
+from fleet.ledger.raw import QUEUED, Raw, dialect
 from fleet.ledger.reads import SETTLE_S
 from fleet.ledger.retention import purge_finished, referenced_blobs
 from fleet.ledger.store import AVOID_HOST_S, CHECKPOINT_ROW_BYTES, Ledger
 from fleet.ledger.tables import SCHEMA_VERSION, SchemaInfo
+from tests.pgserver import create_database, drop_database
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC).timestamp()
 TTL = 10.0
@@ -1212,3 +1215,102 @@ def test_replicas_submitting_the_same_keys_at_once_store_each_once(ledger_target
     finally:
         for replica in replicas:
             replica.engine.dispose()
+
+
+def test_a_batch_that_clashes_with_another_replica_mid_write_stores_each_key_once(
+    postgres: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another replica stores one of a batch's keys after this one has looked its keys up and
+    before it writes them (PostgreSQL: SQLite's writers take turns, so there it cannot happen):
+    the clash, raised when the batch's writes are answered together, undoes the batch's
+    savepoint; each submission is then taken on its own, the raced key answered with the other
+    replica's rollout, the rest stored once."""
+    target = create_database(postgres)
+    ours, theirs = Ledger.open(target), Ledger.open(target)
+    now = datetime.fromtimestamp(T0, UTC)
+    batch = []
+    for key in ("b0", "b1", "b2", "b3"):
+        req = SubmitRequest(
+            idempotency_key=key, smolfile='image = "minimal"\n', steps=(Step(argv=("true",)),)
+        )
+        batch.append((req, build_manifest(req, validate_request(req, now), "sha256:img", now)))
+    raced: list[str] = []
+    all_rows = Raw.all
+
+    def racing(self: Raw, sql: str, params: Any = (), *, n: int = 0) -> list[Any]:
+        rows = all_rows(self, sql, params, n=n)
+        if sql == Q.ROLLOUTS_BY_KEY and len(params) == len(batch) and not raced:
+            raced.append("")  # (the other replica's own lookup below is not raced again)
+            raced[0] = theirs.submit(*batch[2], T0)[0].id  # (its own connection, committed)
+        return rows
+
+    monkeypatch.setattr(Raw, "all", racing)
+    try:
+        answers = ours.submit_batch(batch, T0)
+        assert raced, "the other replica did not store its key in between"
+        created = [a if isinstance(a, Exception) else a[1] for a in answers]
+        assert created == [True, True, False, True]
+        assert not isinstance(answers[2], Exception) and answers[2][0].id == raced[0]
+        listed, _ = ours.list_rollouts(50, "", {})
+        assert sorted(r.idempotency_key for r in listed) == ["b0", "b1", "b2", "b3"]
+    finally:
+        ours.engine.dispose()
+        theirs.engine.dispose()
+        drop_database(postgres, target)
+
+
+def test_parsed_manifests_kept_in_memory_stay_bounded(
+    ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server that stores rollouts and claims them keeps only the newest parsed manifests:
+    storing a manifest remembers it as reading one does, and the oldest are forgotten (read
+    from the database again when needed, all of a claim's in one statement)."""
+    monkeypatch.setattr("fleet.ledger.base.MANIFESTS_KEPT", 5)
+    register(ledger)
+    stored = [submit(ledger, f"k{i}", smolfile=f'image = "minimal"\n# {i}\n')[0] for i in range(12)]
+    assert len(ledger._manifests) == 5
+    assert set(ledger._manifests) == {r.manifest_digest for r in stored[-5:]}
+    reads: list[int] = []
+    all_rows = Raw.all
+
+    def counted(self: Raw, sql: str, params: Any = (), *, n: int = 0) -> list[Any]:
+        if sql == Q.MANIFEST_BODIES:
+            reads.append(n)
+        return all_rows(self, sql, params, n=n)
+
+    monkeypatch.setattr(Raw, "all", counted)
+    claimed = ledger.claim("cpu-1", 12, T0, TTL)
+    assert len(claimed) == 12
+    assert reads == [7]  # (the seven forgotten, in one statement)
+    assert {a.rollout_id: a.manifest.digest for a in claimed} == {
+        r.id: r.manifest_digest for r in stored
+    }
+    assert {a.manifest.smolfile for a in claimed} == {r.manifest.smolfile for r in stored}
+    assert len(ledger._manifests) == 5
+
+
+def test_a_new_sqlite_ledger_has_small_pages_and_an_older_one_keeps_its_own(
+    tmp_path: Path,
+) -> None:
+    """A ledger's database made new has `SQLITE_PAGE_BYTES` pages; a database made with the
+    old 4,096-byte pages opens, stores and reads as before, and keeps them."""
+    fresh = Ledger.open(str(tmp_path / "new.sqlite3"))
+    rollout, _ = submit(fresh)
+    assert fresh.get(rollout.id).state == RolloutState.QUEUED
+    fresh.engine.dispose()
+    with sqlite3.connect(tmp_path / "new.sqlite3") as conn:
+        assert conn.execute("PRAGMA page_size").fetchone()[0] == SQLITE_PAGE_BYTES == 2048
+    older = tmp_path / "old.sqlite3"
+    with sqlite3.connect(older) as conn:
+        conn.execute("PRAGMA page_size=4096")
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("CREATE TABLE made_before (x INTEGER)")
+    ledger = Ledger.open(str(older))
+    first, _ = submit(ledger, "k-old")
+    assert ledger.get(first.id).idempotency_key == "k-old"
+    ledger.engine.dispose()
+    reopened = Ledger.open(str(older))
+    assert reopened.get(first.id).manifest_digest == first.manifest_digest
+    reopened.engine.dispose()
+    with sqlite3.connect(older) as conn:
+        assert conn.execute("PRAGMA page_size").fetchone()[0] == 4096
