@@ -41,8 +41,8 @@ from fleet.core.placement import HostCapabilities, HostClass, Isolation, Runtime
 from fleet.core.rollout import Assignment, Completion, StepResult  # noqa: E402
 from fleet.image.store import ImageStore  # noqa: E402
 from fleet.ledger import queries as Q  # noqa: E402
-from fleet.ledger.base import _sqlite_connect as sqlite_connect  # noqa: E402
 from fleet.ledger.base import new_id  # noqa: E402
+from fleet.ledger.engines import sqlite_connect  # noqa: E402
 from fleet.ledger.leases import Claim  # noqa: E402
 from fleet.ledger.raw import dialect  # noqa: E402
 from fleet.ledger.store import Ledger  # noqa: E402

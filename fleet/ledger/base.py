@@ -1,12 +1,12 @@
-"""The ledger's foundation: its engine and transactions, the rows' shared helpers, and the
-constants every part uses. The methods, by verb, are in `submissions`, `reads`, `hosts`,
-`leases`, `completions` and `checkpoints`; `fleet.ledger.store.Ledger` is all of them."""
+"""The ledger's foundation: its transactions (its engines are made in `engines`), the rows'
+shared helpers, and the constants every part uses. The methods, by verb, are in `submissions`,
+`reads`, `hosts`, `leases`, `completions` and `checkpoints`; `fleet.ledger.store.Ledger` is all
+of them."""
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
-import importlib.util
 import itertools
 import json
 import os
@@ -21,13 +21,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Self, TextIO
+from typing import Self, TextIO
 
 import structlog
-from sqlalchemy import event
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import IntegrityError
-from sqlmodel import create_engine
 
 from fleet.core.egress import EffectiveEgress
 from fleet.core.errors import (
@@ -47,6 +44,7 @@ from fleet.core.rollout import (
 )
 from fleet.ledger import pools as pool_sql
 from fleet.ledger import queries as Q
+from fleet.ledger.engines import postgres_engine, sqlite_connect, sqlite_engine
 from fleet.ledger.migrations import migrate
 from fleet.ledger.raw import Raw
 from fleet.ledger.records import AttemptRec, Item, RolloutRec, Settled
@@ -70,24 +68,6 @@ class HostView:
 
 
 HOST_STATES = ("ready", CORDONED, DRAINING, DRAINED)
-
-
-# A concurrent insert of the same key, from SQLAlchemy or (hot paths) straight from the driver.
-def _driver_clashes() -> tuple[type[Exception], ...]:
-    """psycopg's own integrity error, where psycopg is installed (the `postgres` extra): the
-    hot paths' cursor raises it unwrapped."""
-    if importlib.util.find_spec("psycopg") is None:
-        return ()
-    import psycopg
-
-    return (psycopg.errors.IntegrityError,)
-
-
-UNIQUE_CLASH: tuple[type[Exception], ...] = (
-    IntegrityError,
-    sqlite3.IntegrityError,
-    *_driver_clashes(),
-)
 
 
 MAX_CHECKPOINT_BYTES = 1 << 20
@@ -138,68 +118,6 @@ def as_datetime(value: float | None) -> datetime | None:
     return None if value is None else datetime.fromtimestamp(value, UTC)
 
 
-SQLITE_PAGE_BYTES = 2048
-"""The page size of a SQLite ledger made new (one made before keeps its own: 4096).
-
-A submission alone in its transaction writes about 16 pages to the log (a row and index entries
-in five tables), and its durable commit waits for them. Measured on our machines, 2,048-byte
-pages against 4,096: one by one, 2,043 to 2,135 rollouts/s against 1,903 to 1,944 (8 to 10%
-more); claims and completions from four hosts unchanged (8,272 to 8,324 against 8,364 to 8,418
-jobs/s); 500 per transaction, 8% fewer (10,900 against 11,670 to 12,000 rows/s: more pages per
-row). The ledger's transactions are mostly small ones, and each waits for its commit."""
-
-
-def _sqlite_pragmas(connection: sqlite3.Connection) -> None:
-    cursor = connection.cursor()
-    # Before anything is written (it takes effect when the file is made, and not after).
-    cursor.execute(f"PRAGMA page_size={SQLITE_PAGE_BYTES}")
-    cursor.execute("PRAGMA journal_mode=WAL")
-    cursor.execute("PRAGMA synchronous=FULL")  # an acknowledged write survives power loss
-    cursor.execute("PRAGMA busy_timeout=10000")
-    cursor.execute("PRAGMA foreign_keys=ON")
-    cursor.close()
-
-
-def _sqlite_connect(database: str) -> sqlite3.Connection:
-    """A connection in autocommit mode (transactions are begun explicitly), set up as the
-    engine's are."""
-    connection = sqlite3.connect(database, isolation_level=None, check_same_thread=False)
-    _sqlite_pragmas(connection)
-    return connection
-
-
-def _sqlite_engine(path: Path) -> Engine:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    engine = create_engine(f"sqlite:///{path}", connect_args={"check_same_thread": False})
-
-    @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
-        # Let SQLAlchemy's "begin" hook below issue BEGIN IMMEDIATE: a writer takes the lock up
-        # front instead of failing to upgrade a read lock under contention.
-        dbapi_conn.isolation_level = None
-        _sqlite_pragmas(dbapi_conn)
-
-    @event.listens_for(engine, "begin")
-    def _on_begin(conn: Any) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
-
-    return engine
-
-
-def _postgres_engine(url: str) -> Engine:
-    if importlib.util.find_spec("psycopg") is None:
-        raise FailedPrecondition(
-            "a PostgreSQL ledger needs the psycopg driver, which this installation lacks: "
-            "pip install 'fleet[postgres]'"
-        )
-    url = url.replace("postgres://", "postgresql://", 1)
-    if url.startswith("postgresql://"):
-        url = "postgresql+psycopg://" + url.removeprefix("postgresql://")
-    # READ COMMITTED with explicit row locks (FOR UPDATE, SKIP LOCKED for claims and sweeps);
-    # synchronous_commit stays on: an acknowledged write is on disk.
-    return create_engine(url, pool_pre_ping=True, pool_size=4, max_overflow=4)
-
-
 class LedgerBase:
     """The work ledger over one database."""
 
@@ -231,11 +149,11 @@ class LedgerBase:
 
     @classmethod
     def sqlite(cls, path: Path) -> Self:
-        return cls(_sqlite_engine(path))
+        return cls(sqlite_engine(path))
 
     @classmethod
     def postgres(cls, url: str) -> Self:
-        return cls(_postgres_engine(url))
+        return cls(postgres_engine(url))
 
     @classmethod
     def open(cls, target: str) -> Self:
@@ -272,7 +190,7 @@ class LedgerBase:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX)
             try:
                 if self._raw_writer is None:  # (made under the lock: it sets the journal mode)
-                    self._raw_writer = _sqlite_connect(self.engine.url.database or "")
+                    self._raw_writer = sqlite_connect(self.engine.url.database or "")
                     weakref.finalize(self, self._raw_writer.close)
                 connection = self._raw_writer
                 connection.execute("BEGIN IMMEDIATE")

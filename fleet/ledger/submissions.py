@@ -22,7 +22,8 @@ from fleet.core.rollout import (
     Rollout,
 )
 from fleet.ledger import queries as Q
-from fleet.ledger.base import UNIQUE_CLASH, LedgerBase, as_datetime, new_id
+from fleet.ledger.base import LedgerBase, as_datetime, new_id
+from fleet.ledger.engines import UNIQUE_CLASH
 from fleet.ledger.raw import DONE, QUEUED, Raw
 from fleet.ledger.records import Item
 

@@ -48,7 +48,7 @@ from fleet.core.placement import (
 from fleet.core.retry import RetryPolicy
 from fleet.core.rollout import Completion, StepResult
 from fleet.ledger import queries as Q
-from fleet.ledger.base import SQLITE_PAGE_BYTES
+from fleet.ledger.engines import SQLITE_PAGE_BYTES
 from fleet.ledger.leases import Claim
 from fleet.ledger.migrations import BASELINE, LEGACY_TABLES, alembic_config, compared, head_revision
 from fleet.ledger.raw import QUEUED, Raw, dialect
