@@ -23,6 +23,7 @@ from fleet.core import tokens
 from fleet.core.errors import (
     FailedPrecondition,
 )
+from fleet.core.sweep_clock import SweepClock
 from fleet.identity.tls import ServerTls, is_loopback, server_names, split_address
 from fleet.image.store import ImageStore
 from fleet.ledger.retention import purge_finished, referenced_blobs
@@ -45,14 +46,20 @@ __all__ = ["Core", "FleetServer", "ServerConfig"]
 
 async def _sweeper(core: Core) -> None:
     late_at = 0.0  # (monotonic: when queued work past its deadline is next looked for)
+    clock = SweepClock(core.config.sweep_interval_s, core.config.lease_ttl_s)
     while True:
         try:
             late = time.monotonic() >= late_at
             if late:
                 late_at = time.monotonic() + core.config.late_sweep_interval_s
-            if await core.db(functools.partial(core.ledger.sweep, late=late), time.time()):
+            behind = clock.paused_s
+            now = clock.now(time.time())  # (not counting a pause of this server: see SweepClock)
+            if clock.paused_s > behind:
+                log.warning("sweeper_resumed_late", late_s=round(clock.paused_s, 3),
+                            hold_s=core.config.lease_ttl_s)  # fmt: skip
+            if await core.db(functools.partial(core.ledger.sweep, late=late), now):
                 core.changed()
-            for host_id, released in await core.db(core.ledger.drain_sweep, time.time()):
+            for host_id, released in await core.db(core.ledger.drain_sweep, now):
                 log.info("host_drained", host_id=host_id, leases_released=released)
                 if released:
                     core.changed()

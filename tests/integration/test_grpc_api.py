@@ -492,6 +492,41 @@ async def test_stale_heartbeat_is_aborted_naming_the_work(
     assert rollout.attempts == 1 and len(rollout.attempt_history) == 1
 
 
+async def test_a_paused_server_keeps_the_leases_of_hosts_that_could_not_reach_it(
+    tmp_path: Path, images: ImageStore
+) -> None:
+    """The server stops for longer than a lease (its event loop blocked: a VM paused, a stopped
+    process) and its sweeper runs first on resuming, before any host could beat: the lease is
+    kept, the host's next beat renews it, and a host that then stays silent still loses it."""
+    config = ServerConfig(lease_ttl_s=2.0, heartbeat_interval_s=0.5, sweep_interval_s=0.1)
+    async with harness(tmp_path, images, config) as h:
+        await h.register_host("h1")
+        reply = await h.fleet.SubmitRollout(request())
+        claim = await h.hosts.ClaimWork(
+            host_pb2.ClaimWorkRequest(request_id="c", host_id="h1", max_items=1, wait_s=1)
+        )
+        [item] = claim.items
+        lease = host_pb2.LeaseRef(work_id=item.work_id, fencing_token=item.fencing_token)
+        with capture_logs() as logs:
+            # Blocks the loop on purpose: the server, its sweeper and this client all stop.
+            time.sleep(5.0)  # noqa: ASYNC251
+            await asyncio.sleep(0.5)  # the sweeper runs first, five times
+        beat = await h.hosts.Heartbeat(
+            host_pb2.HeartbeatRequest(request_id="b1", host_id="h1", leases=[lease])
+        )
+        assert [(r.work_id, r.fencing_token) for r in beat.renewed] == [
+            (item.work_id, item.fencing_token)
+        ]
+        assert any(e["event"] == "sweeper_resumed_late" and e["late_s"] > 4 for e in logs)
+        for _ in range(200):  # silent from now on: the lease expires (bounded: 10 s)
+            rollout = await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=reply.rollout.id))
+            if rollout.attempt_history and rollout.attempt_history[0].outcome == "LEASE_EXPIRED":
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError(f"the silent host's lease never expired: {rollout}")
+
+
 async def test_malformed_input_is_quarantined_not_retried(
     tmp_path: Path, images: ImageStore
 ) -> None:
