@@ -373,10 +373,8 @@ class LedgerBase:
         if missing:
             read: dict[str, Manifest] = {}
             missing.sort()
-            for start in range(0, len(missing), 500):
-                chunk = missing[start : start + 500]
-                for digest, body in db.all(Q.MANIFEST_BODIES, chunk, n=len(chunk)):
-                    read[digest] = Manifest.model_validate_json(body)
+            for digest, body in db.all_in(Q.MANIFEST_BODIES, missing):
+                read[digest] = Manifest.model_validate_json(body)
             self._keep_manifests(read)
             found.update(read)
         return found

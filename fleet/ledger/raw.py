@@ -55,6 +55,15 @@ class Raw:
         self._execute(sql, params, n)
         return list(self._cur.fetchall())
 
+    def all_in(self, sql: str, values: Sequence[Any], chunk: int = 500) -> list[Any]:
+        """Every row of a query whose `IN ({marks})` takes `values`, `chunk` at a time (a
+        statement's bound values are limited)."""
+        rows: list[Any] = []
+        for start in range(0, len(values), chunk):
+            part = values[start : start + chunk]
+            rows += self.all(sql, part, n=len(part))
+        return rows
+
     def one(self, sql: str, params: Sequence[Any] = (), *, n: int = 0) -> Any:
         """A query's first row, or None."""
         self._execute(sql, params, n)

@@ -192,10 +192,8 @@ class Submissions(LedgerBase):
     ) -> list[tuple[str, bool]]:
         keys = sorted({req.idempotency_key for req, _ in batch})
         known: dict[str, tuple[str, str]] = {}
-        for start in range(0, len(keys), 500):
-            chunk = keys[start : start + 500]
-            for rid, key, fp in db.all(Q.ROLLOUTS_BY_KEY, chunk, n=len(chunk)):
-                known[key] = (rid, fp)
+        for rid, key, fp in db.all_in(Q.ROLLOUTS_BY_KEY, keys):
+            known[key] = (rid, fp)
         active: dict[str, int] = {}
         if max_active:
             tenants = sorted({req.tenant for req, _ in batch})
