@@ -32,6 +32,7 @@ from typing import TypeVar
 
 import grpc
 
+from fleet import safepath
 from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
 from fleet.config import Paths
 from fleet.connect import ClientAuth
@@ -445,13 +446,13 @@ class Session:
 
     def download_dir(self, path: str, local: str | Path) -> list[str]:
         """Copies the directory `path` from the machine into `local` (made as needed); returns
-        the names unpacked. Nothing is unpacked outside `local` (tarfile's `data` filter)."""
+        the names unpacked. The archive is unpacked by `fleet.safepath`, not tarfile's filter:
+        nothing is written outside `local` and no link there is followed; no owners, setuid
+        bits or device nodes are kept, and no symlink pointing out of `local` is made. An
+        archive that tries is refused with `UnsafeArchive`, naming the member."""
         data = self._read(path, tar=True)
         Path(local).mkdir(parents=True, exist_ok=True)
-        with tarfile.open(fileobj=io.BytesIO(data), mode="r") as archive:
-            names = archive.getnames()
-            archive.extractall(str(local), filter="data")
-        return names
+        return safepath.extract_tar(io.BytesIO(data), Path(local), safepath.ExtractPolicy())
 
     def fork(
         self,

@@ -3,8 +3,15 @@ after the last one (also after a failed or timed-out step) and stored on the ser
 
 Inputs come from the server by digest (`GetBlob` with the work id: only the host holding the
 lease may read them) and are verified before a machine sees them; a directory travels as one
-tar. Both directions use the machine's own `tar`, `cat` and `sh` through `exec`, so they work
-the same on every runtime; inputs are made read-only (mode a-w) once placed.
+tar. Where the runtime mounts host paths, a directory input is unpacked on this host by
+`fleet.safepath` (never `tarfile.extractall`: nothing in a tenant's tar can name a host path);
+elsewhere it is unpacked inside the machine by the machine's own `tar`.
+
+Outputs are read with the machine's own `tar` and `cat` through `exec`, so they work the same
+on every runtime; but the workload chose what `tar` is (it controls the machine's PATH and
+files), so a directory's stream is only input to `safepath.repack_tar`: what is stored is an
+archive fleet wrote (normalised names, no links out of the tree, no devices, no setuid bits, no
+owners), or the output carries an error saying why not.
 """
 
 from __future__ import annotations
@@ -15,7 +22,6 @@ import hashlib
 import io
 import os
 import shutil
-import tarfile
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -24,6 +30,7 @@ from typing import Any
 import grpc
 import structlog
 
+from fleet import safepath
 from fleet._proto.fleet.v1 import host_pb2
 from fleet.core.errors import InvalidArgument, Unavailable
 from fleet.core.manifest import InputFile, OutputArtifact
@@ -36,6 +43,12 @@ PLACE_TIMEOUT_S = 600.0
 COLLECT_TIMEOUT_S = 600.0
 MAX_IN_MEMORY_OUTPUT = 1 << 30
 """A machine that cannot stream its output (a warm parent's child) returns it whole."""
+MAX_OUTPUT_BYTES = 4 << 30
+"""An output's stream from the machine is spooled on this host's disk up to this many bytes;
+a larger one is not collected (the server's own bound, `fleet serve --max-output-mib`, is
+usually lower)."""
+INPUT_LIMITS = safepath.Limits()
+OUTPUT_LIMITS = safepath.Limits(max_bytes=MAX_OUTPUT_BYTES)
 UPLOAD_CHUNK = 1 << 20
 
 PLACE_FILE = 'mkdir -p "$(dirname "$1")" && cat > "$1" && chmod a-w "$1"'
@@ -80,25 +93,25 @@ async def stage_inputs(stub: Any, a: Assignment, directory: Path) -> tuple[tuple
         target = directory / str(index)
         try:
             await asyncio.to_thread(_unpack, data, target, item.directory)
-        except (tarfile.TarError, ValueError) as exc:
-            raise InputPlacementFailed(f"input {item.path}: not a usable tar: {exc}") from None
+        except (safepath.UnsafeArchive, safepath.UnsafePath) as exc:
+            raise InputPlacementFailed(f"input {item.path}: refused: {exc.message}") from None
         staged.append((str(target), item.path))
         log.info("input_staged", path=item.path, digest=item.digest, bytes=len(data))
     return tuple(staged)
 
 
 def _unpack(data: bytes, target: Path, directory: bool) -> None:
+    """A file's bytes, or a directory's tar unpacked by fleet's own code: no member can be
+    placed outside `target`, hard links only join files of the same archive, and no owners,
+    setuid bits or device nodes are kept. (`target` is this agent's own staging path.)"""
     target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    if target.is_dir():
-        shutil.rmtree(target)
-    elif target.exists():
-        target.unlink()
+    safepath.remove(target.parent, target.name)
     if not directory:
-        target.write_bytes(data)
+        safepath.write_bytes(target.parent, target.name, data)
         return
-    target.mkdir()
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
-        tar.extractall(target, filter="data")
+    target.mkdir(mode=0o755)
+    policy = safepath.ExtractPolicy(limits=INPUT_LIMITS)
+    safepath.extract_tar(io.BytesIO(data), target, policy)
 
 
 def remove_staged(directory: Path) -> None:
@@ -146,15 +159,20 @@ async def _collect(
     argv = ["tar", "-cf", "-", "-C", path, "."] if directory else ["cat", path]
     os.makedirs(spool, exist_ok=True)
     fd, name = tempfile.mkstemp(dir=spool, prefix="output-")
+    made = ""
     try:
         with os.fdopen(fd, "wb") as out:
-            streamed = 0
+            streamed = over = 0
 
             def sink(stream: str, chunk: bytes) -> None:
-                nonlocal streamed
-                if stream == "stdout":
-                    out.write(chunk)
-                    streamed += len(chunk)
+                nonlocal streamed, over
+                if stream != "stdout":
+                    return
+                if streamed + len(chunk) > MAX_OUTPUT_BYTES:
+                    over += len(chunk)  # the rest is counted, not written
+                    return
+                out.write(chunk)
+                streamed += len(chunk)
 
             result = await machine.exec(
                 argv, timeout_s=COLLECT_TIMEOUT_S, on_output=sink,
@@ -166,12 +184,37 @@ async def _collect(
                     error=f"reading it failed (exit {result.exit_code}): "
                     f"{result.stderr.decode(errors='replace')[-300:]}",
                 )  # fmt: skip
+            if over or len(result.stdout) > MAX_OUTPUT_BYTES:
+                return OutputArtifact(
+                    path=path, directory=directory,
+                    error=f"not collected: larger than this host's bound of "
+                    f"{MAX_OUTPUT_BYTES} bytes for one output",
+                )  # fmt: skip
             if streamed == 0 and result.stdout:  # a machine that returns output whole
                 out.write(result.stdout)
-        return await _upload(stub, a, path, directory, Path(name))
+        if not directory:
+            return await _upload(stub, a, path, directory, Path(name))
+        fd, made = tempfile.mkstemp(dir=spool, prefix="output-fleet-")
+        os.close(fd)
+        try:
+            size = await asyncio.to_thread(_repack, Path(name), Path(made))
+        except safepath.UnsafeArchive as exc:
+            log.warning("output_refused", path=path, why=exc.message)
+            return OutputArtifact(path=path, directory=True, error=f"refused: {exc.message}")
+        log.info("output_repacked", path=path, streamed=streamed, bytes=size)
+        return await _upload(stub, a, path, directory, Path(made))
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(name)
+        for leftover in (name, made):
+            with contextlib.suppress(FileNotFoundError):
+                if leftover:
+                    os.unlink(leftover)
+
+
+def _repack(raw: Path, made: Path) -> int:
+    """The machine's tar stream at `raw`, read strictly and written anew at `made` by fleet
+    (device nodes and fifos left out, as a fleet-made archive of the tree would)."""
+    with raw.open("rb") as src, made.open("wb") as out:
+        return safepath.repack_tar(src, out, OUTPUT_LIMITS, devices="skip")
 
 
 async def _upload(
@@ -195,21 +238,31 @@ async def _upload(
 
 SPOOL_AFTER = 256 * 1024
 """A step's stream is held in memory up to this many bytes, then spooled to disk."""
+MAX_STEP_STREAM_BYTES = 256 << 20
+"""What one stream (stdout or stderr) of one step keeps on this host's disk: past it the rest
+is counted, not kept, and the kept output says where it was cut. A step that prints without
+end cannot fill the host's disk."""
 
 
 class StepLog:
     """A step's stdout and stderr as they arrive, spooled to this host's disk: where the step
-    printed more than the inline limit keeps, the whole of it is stored as an output named
-    `step-N.stdout` / `step-N.stderr`. (A warm parent's child returns its output whole, up to
-    the inline limit: it is not spooled.)"""
+    printed more than the inline limit keeps, what it printed (up to MAX_STEP_STREAM_BYTES a
+    stream) is stored as an output named `step-N.stdout` / `step-N.stderr`; one cut at the
+    bound ends with a line saying so, and its `error` says it too. (A warm parent's child
+    returns its output whole, up to the inline limit: it is not spooled.)"""
 
-    def __init__(self, spool: Path, index: int) -> None:
+    def __init__(self, spool: Path, index: int, *, limit: int | None = None) -> None:
         self.spool = spool
         self.index = index
+        self.limit = MAX_STEP_STREAM_BYTES if limit is None else limit
         self._files: dict[str, Any] = {}
         self._held: dict[str, bytearray] = {}
         """What a stream wrote while it was under SPOOL_AFTER: held in memory, not on disk
         (most steps print little, and nothing of theirs is kept beyond the inline output)."""
+        self._size: dict[str, int] = {}
+        """Bytes of each stream kept (held or spooled)."""
+        self._cut: dict[str, int] = {}
+        """Bytes of each stream past the bound, not kept."""
 
     def __enter__(self) -> StepLog:
         return self
@@ -221,6 +274,14 @@ class StepLog:
                 os.unlink(handle.name)
 
     def sink(self, stream: str, chunk: bytes) -> None:
+        size = self._size.get(stream, 0)
+        room = self.limit - size
+        if len(chunk) > room:
+            self._cut[stream] = self._cut.get(stream, 0) + len(chunk) - max(room, 0)
+            chunk = chunk[: max(room, 0)]
+            if not chunk:
+                return
+        self._size[stream] = size + len(chunk)
         handle = self._files.get(stream)
         if handle is not None:
             handle.write(chunk)
@@ -229,6 +290,10 @@ class StepLog:
         held += chunk
         if len(held) > SPOOL_AFTER:
             self._spool(stream)
+
+    def cut(self, stream: str) -> int:
+        """Bytes of `stream` past the bound that were not kept (0: it was kept whole)."""
+        return self._cut.get(stream, 0)
 
     def _spool(self, stream: str) -> Any:
         """The stream's file on this host's disk, with what was held so far written to it."""
@@ -246,10 +311,21 @@ class StepLog:
             if not truncated or (stream not in self._files and stream not in self._held):
                 continue
             handle = self._files.get(stream) or self._spool(stream)
-            handle.flush()
             name = f"step-{self.index}.{stream}"
+            note = ""
+            if cut := self.cut(stream):
+                note = (
+                    f"cut at {self.limit} bytes (fleet keeps at most that much of a step's "
+                    f"stream): {cut} more bytes were not kept"
+                )
+                handle.write(f"\n[fleet: {note}]\n".encode())
+            handle.flush()
             try:
-                kept.append(await _upload(stub, a, name, False, Path(handle.name)))
+                stored = await _upload(stub, a, name, False, Path(handle.name))
             except Unavailable as exc:
                 kept.append(OutputArtifact(path=name, error=f"not stored: {exc}"))
+                continue
+            if note and stored.digest:
+                stored = stored.model_copy(update={"error": note})
+            kept.append(stored)
         return kept

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shlex
+import stat
 import tarfile
 import tempfile
 import tomllib
@@ -13,6 +15,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from fleet import safepath
 from fleet._proto.fleet.v1 import fleet_pb2, types_pb2
 from fleet.core.errors import InvalidArgument
 from fleet.core.manifest import image_of
@@ -204,14 +207,25 @@ async def upload(stub: Any, src: Path, dest: str, directory: bool) -> types_pb2.
 
 async def download(stub: Any, rollout: types_pb2.Rollout, into: Path) -> list[str]:
     """Writes each stored output of `rollout` under `into` (a directory's tar unpacked into a
-    folder of its name); returns what it wrote."""
+    folder of its name); returns what it wrote.
+
+    A directory's archive is unpacked by `fleet.safepath` (never tarfile's filter): nothing is
+    written outside its folder, no link is followed, and no owners, setuid bits, device nodes
+    or symlinks pointing out of the folder are made. An output that cannot be written so is
+    skipped, the others are still written, and then `UnsafeArchive` names each one refused."""
 
     written = []
+    refused = []
     os.makedirs(into, exist_ok=True)
     for output in rollout.outputs:
         if not output.digest:
             continue
-        name = Path(output.path).name
+        try:
+            name = str(safepath.member_name(Path(output.path).name))
+        except safepath.UnsafePath as exc:
+            refused.append(f"output {output.path!r}: {exc.message}")
+            continue
+        target = into / name
         with tempfile.TemporaryFile() as spool:
             call = stub.GetArtifact(
                 fleet_pb2.GetArtifactRequest(rollout_id=rollout.id, digest=output.digest)
@@ -219,18 +233,38 @@ async def download(stub: Any, rollout: types_pb2.Rollout, into: Path) -> list[st
             async for chunk in call:
                 await asyncio.to_thread(spool.write, chunk.data)
             spool.seek(0)
-            if output.directory:
-                target = into / name
-                target.mkdir(parents=True, exist_ok=True)
-                with tarfile.open(fileobj=spool, mode="r") as tar:
-                    tar.extractall(target, filter="data")
-            else:
-                target = into / name
-                with target.open("wb") as out:
-                    while data := spool.read(UPLOAD_CHUNK):
-                        out.write(data)
+            try:
+                await asyncio.to_thread(_write_output, spool, into, name, output.directory)
+            except (safepath.UnsafeArchive, safepath.UnsafePath) as exc:
+                refused.append(f"output {output.path!r}: {exc.message}")
+                continue
         written.append(str(target))
+    if refused:
+        raise safepath.UnsafeArchive(
+            f"{len(refused)} output(s) not written under {into} "
+            f"({len(written)} written): " + "; ".join(refused)
+        )
     return written
+
+
+def _write_output(spool: Any, into: Path, name: str, directory: bool) -> None:
+    """One output at `into/name`: a directory's archive unpacked there, a file's bytes written
+    there; never through a link already at that name, never over a directory."""
+    if directory:
+        fd = safepath.open_dir(into, name, create=True)
+        try:
+            safepath.extract_tar(spool, fd, safepath.ExtractPolicy())
+        finally:
+            os.close(fd)
+        return
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISDIR(os.lstat(into / name).st_mode):
+            raise safepath.UnsafePath(f"{into / name}: is a directory")
+        os.unlink(into / name)
+    fd = safepath.open_file(into, name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    with os.fdopen(fd, "wb") as out:
+        while data := spool.read(UPLOAD_CHUNK):
+            out.write(data)
 
 
 def archive_path(smolfile: str, image: str) -> Path:

@@ -68,7 +68,8 @@ def _print_rollout(r: types_pb2.Rollout, as_json: bool) -> None:
     for o in r.outputs:
         what = "directory (tar)" if o.directory else "file"
         if o.digest:
-            print(f"output    {o.path}: {what}, {o.size} bytes, {o.digest}")
+            note = f" ({o.error})" if o.error else ""  # e.g. a step's log cut at its bound
+            print(f"output    {o.path}: {what}, {o.size} bytes, {o.digest}{note}")
         else:
             print(f"output    {o.path}: not stored: {o.error}")
     for s in r.results:
