@@ -1,20 +1,47 @@
 """Images teams already have: a `docker save` archive or an OCI image layout in a tar,
-flattened into one rootfs archive (layers applied in order, whiteouts honoured)."""
+flattened into one rootfs archive (layers applied in order, whiteouts honoured).
+
+The archive is the tenant's and is flattened on whatever machine runs `fleet run`, `fleet
+submit` or `fleet image build`, as whoever runs it: every layer is unpacked by
+`fleet.safepath`, so no member name, whiteout or symlink of a lower layer can make it create,
+remove or follow anything outside the tree it builds. What a rootfs needs is kept (numeric
+owners, modes, symlinks that point anywhere: they are never followed here); what would give a
+machine's files power on the host is not (setuid/setgid bits, device nodes, fifos).
+"""
 
 from __future__ import annotations
 
 import json
-import shutil
+import os
 import subprocess
 import tarfile
 import tempfile
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, BinaryIO, cast
 
+from fleet import safepath
 from fleet.core.errors import InvalidArgument
 
-WHITEOUT = ".wh."
-OPAQUE = ".wh..wh..opq"
+IMAGE_LIMITS = safepath.Limits(max_members=1_000_000, max_bytes=64 << 30)
+"""Bounds on one image archive or layer: generous for real images (a CUDA image holds some
+100,000 files in a few GiB), a stop for a crafted one."""
+
+
+def image_policy(*, whiteouts: bool = False) -> safepath.ExtractPolicy:
+    """How an image's tree (or, with `whiteouts`, one of its layers over the lower ones) is
+    unpacked on a host.
+
+    Numeric owners are kept where this process may set them (as root: a rootfs needs them, a
+    machine's ids being the host's; anyone else gets their own files, as `tar` gives them).
+    Setuid/setgid bits are dropped: the tree lies on the host's disk as root's files, and in a
+    machine (no new privileges) they would do nothing anyway. Device nodes and fifos are
+    skipped rather than refused: debootstrap-made images carry /dev/null and its kind, and
+    every machine gets its own /dev from the runtime. Symlinks may point anywhere (absolute
+    ones are a rootfs's norm): nothing on the host follows them."""
+    return safepath.ExtractPolicy(
+        owners=os.geteuid() == 0, setuid=False, devices="skip", whiteouts=whiteouts,
+        links_out=True, limits=IMAGE_LIMITS,
+    )  # fmt: skip
 
 
 def _layers(archive: tarfile.TarFile, where: str) -> list[str]:
@@ -55,32 +82,13 @@ def _layers(archive: tarfile.TarFile, where: str) -> list[str]:
     )
 
 
-def _apply(layer: IO[bytes], root: Path) -> None:
-    """Unpacks one layer over `root`: whiteouts remove what lower layers put there."""
-    with tarfile.open(fileobj=layer, mode="r:*") as tar:
-        members = []
-        for member in tar.getmembers():
-            path = Path(member.name)
-            if path.name == OPAQUE:
-                target = root / path.parent
-                if target.is_dir():
-                    for child in target.iterdir():
-                        _remove(child)
-                continue
-            if path.name.startswith(WHITEOUT):
-                _remove(root / path.parent / path.name[len(WHITEOUT) :])
-                continue
-            members.append(member)
-        # "tar": owners and modes kept (a rootfs needs them), paths and links that would
-        # leave the tree refused.
-        tar.extractall(root, members=members, filter="tar", numeric_owner=True)
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
+def _apply(layer: IO[bytes], root: Path, where: str, name: str) -> None:
+    """Unpacks one layer over `root`; its whiteouts remove what lower layers put there, never
+    through a link (a whiteout beneath a lower layer's symlink is refused)."""
+    try:
+        safepath.extract_tar(cast(BinaryIO, layer), root, image_policy(whiteouts=True))
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{where}: layer {name}: {exc.message}") from None
 
 
 def flatten(archive: Path, out: Path) -> None:
@@ -98,7 +106,7 @@ def flatten(archive: Path, out: Path) -> None:
                 member = source.extractfile(name)
                 if member is None:
                     raise InvalidArgument(f"{where}: layer {name} is missing")
-                _apply(member, root)
+                _apply(member, root, where, name)
         except (KeyError, tarfile.TarError, ValueError) as exc:
             raise InvalidArgument(f"{where}: not a usable image archive: {exc}") from None
         subprocess.run(

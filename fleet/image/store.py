@@ -1,7 +1,15 @@
-"""The image store: rootfs archives addressed by sha256, named refs, unpacked trees."""
+"""The image store: rootfs archives addressed by sha256, named refs, unpacked trees.
+
+An archive may be a tenant's (uploaded, pulled from a registry): it is unpacked by
+`fleet.safepath` with the image policy of `fleet.image.archive` (owners kept; no setuid/setgid
+bits, device nodes or fifos; nothing placed, followed or written outside the tree). An archive
+that policy refuses is the tenant's error (`InvalidArgument`: the rollout is quarantined, not
+retried on other hosts); a failure of the host itself (a full disk) stays a host error.
+"""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
@@ -17,14 +25,32 @@ from pathlib import Path
 import structlog
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from fleet import safepath
 from fleet.core.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from fleet.core.manifest import is_digest
 from fleet.core.smolfile import check_store_name
-from fleet.image.archive import flatten
+from fleet.image.archive import flatten, image_policy
 
 log = structlog.get_logger(__name__)
 
 _CHUNK = 1 << 20
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+MARKER = ".fleet-image-digest"
+"""The file in an unpacked tree that says which archive it is (and how it was unpacked)."""
+UNPACK_FORMAT = "safepath-1"
+"""Bumped when the way trees are unpacked changes: a tree an older way made (GNU tar, which
+kept setuid bits and device nodes) is unpacked again."""
+
+
+def check_image_digest(value: str, field: str = "image") -> str:
+    """`value` if it is a well-formed image digest (sha256: and 64 lower-case hex digits),
+    else `InvalidArgument` naming `field` (a Smolfile's `image = "sha256:..."`). A digest names
+    files in the store: nothing else may reach a path."""
+    if not is_digest(value):
+        raise InvalidArgument(
+            f"{field} = {value[:100]!r} is not a digest (sha256: and 64 lower-case hex digits)"
+        )
+    return value
 
 
 class Recipe(BaseModel):
@@ -72,13 +98,16 @@ class ImageStore:
         self.root = root
         self.recipes = recipes
         self._verified: set[str] = set()
+        self._refused: dict[str, str] = {}
+        """Digests whose archive fleet refused to unpack, with why (the same bytes are refused
+        the same way: not read again)."""
 
     def _dirs(self) -> None:
         for sub in ("blobs", "refs", "rootfs", "tmp"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
 
     def blob_path(self, digest: str) -> Path:
-        return self.root / "blobs" / f"{_blob_name(digest)}.tar"
+        return self.root / "blobs" / f"{_blob_name(check_image_digest(digest))}.tar"
 
     def load_recipe(self, name: str) -> tuple[Recipe, str]:
         path = self.recipes / check_store_name(name) / "recipe.toml"
@@ -222,7 +251,7 @@ class ImageStore:
     def resolve(self, ref: str) -> str:
         """Image ref (a store name or sha256:...) -> digest of a stored, readable archive."""
         if ref.startswith("sha256:"):
-            digest = ref
+            digest = check_image_digest(ref)
         else:
             record = self.record(ref)
             if record is None:
@@ -312,31 +341,70 @@ class ImageStore:
         return blob
 
     def rootfs(self, digest: str) -> Path:
-        """The unpacked tree of a verified archive, unpacked once and shared read-only."""
-        target = self.root / "rootfs" / _blob_name(digest)
-        marker = target / ".fleet-image-digest"
-        if marker.exists() and marker.read_text() == digest:
+        """The unpacked tree of a verified archive, unpacked once and shared read-only.
+
+        An archive fleet will not unpack raises `InvalidArgument` (the image's fault); one the
+        host could not unpack (its disk) `FailedPrecondition`."""
+        target = self.root / "rootfs" / _blob_name(check_image_digest(digest))
+        if self._unpacked(target, digest):
             return target
+        if digest in self._refused:
+            raise InvalidArgument(self._refused[digest])
         blob = self.verify(digest)
         self._dirs()
+        started = time.monotonic()
         staging = Path(tempfile.mkdtemp(dir=self.root / "tmp", prefix="unpack-"))
         try:
-            proc = subprocess.run(
-                ["tar", "-xf", str(blob), "-C", str(staging), "--numeric-owner"],
-                capture_output=True,
-                text=True,
-                check=False,
-            )
-            if proc.returncode != 0:
-                raise FailedPrecondition(f"image {digest}: cannot unpack: {proc.stderr.strip()}")
-            (staging / ".fleet-image-digest").write_text(digest)
-            try:
-                os.rename(staging, target)
-            except OSError:
-                # Another process unpacked the same digest first; theirs is identical.
-                if not (marker.exists() and marker.read_text() == digest):
-                    raise
+            with blob.open("rb") as source:
+                members = safepath.extract_tar(source, staging, image_policy())
+            os.chmod(staging, 0o755)  # (the archive's "./" is not applied to the root)
+            safepath.write_bytes(staging, MARKER, self._marker(digest))
+            self._install(staging, target, digest)
+        except InvalidArgument as exc:
+            why = f"image {digest} cannot be unpacked: {exc.message}"
+            self._refused[digest] = why
+            log.warning("image_refused", digest=digest, error=exc.message)
+            raise InvalidArgument(why) from None
+        except OSError as exc:
+            raise FailedPrecondition(f"image {digest}: cannot unpack on this host: {exc}") from exc
         finally:
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
+        log.info("image_unpacked", digest=digest, members=len(members),
+                 seconds=round(time.monotonic() - started, 1))  # fmt: skip
         return target
+
+    @staticmethod
+    def _marker(digest: str) -> bytes:
+        return f"{digest}\n{UNPACK_FORMAT}\n".encode()
+
+    def _unpacked(self, target: Path, digest: str) -> bool:
+        """Whether `target` is this archive's tree, unpacked the current way (its marker read
+        beneath it: a tree's own link there is not followed)."""
+        try:
+            return safepath.read_bytes(target, MARKER, 4096) == self._marker(digest)
+        except (OSError, InvalidArgument):
+            return False
+
+    def _install(self, staging: Path, target: Path, digest: str) -> None:
+        """Moves an unpacked tree into place. Another process may have unpacked the same
+        digest first (theirs is identical); a tree unpacked an older way is moved aside and
+        removed."""
+        for _ in range(3):
+            try:
+                os.rename(staging, target)
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+            if self._unpacked(target, digest):
+                return
+            aside = Path(tempfile.mkdtemp(dir=self.root / "tmp", prefix="stale-"))
+            try:
+                os.rename(target, aside / "tree")
+                log.info("image_tree_replaced", digest=digest, reason="unpacked an older way")
+            except FileNotFoundError:
+                pass  # (another process moved it first)
+            finally:
+                shutil.rmtree(aside, ignore_errors=True)
+        raise FailedPrecondition(f"image {digest}: {target} keeps being replaced; not installed")

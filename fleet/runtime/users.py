@@ -6,6 +6,10 @@ program (`stepexec.c`) that runs a machine's commands as that user.
 host's); the user's supplementary groups are those `/etc/group` lists it in, and its home is the
 machine's `HOME`. A name the image does not have, or an id outside the machine's id range, is
 refused when the machine is made.
+
+The image's tree is the tenant's and is read here on the host, as root: the two files are read
+beneath the tree's root without following a link (an `/etc` or `/etc/passwd` that is a symlink
+is refused, not followed to the host's), and bounded in size.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from fleet import safepath
 from fleet.core.errors import FailedPrecondition, InvalidArgument
 
 ID_RANGE = 2**32 - 1
@@ -27,6 +32,9 @@ container: root owns its files and can give them to any id (the last id, 2^32-1,
 kernel's "no id" and cannot be mapped)."""
 
 SOURCE = Path(__file__).with_name("stepexec.c")
+
+TABLE_MAX_BYTES = 4 << 20
+"""The most of an image's /etc/passwd or /etc/group read (real ones are kilobytes)."""
 
 
 @dataclass(frozen=True)
@@ -50,11 +58,19 @@ class StepUser:
 ROOT = StepUser(0, 0, (), "/root")
 
 
-def _table(path: Path) -> list[list[str]]:
+def _table(rootfs: Path, rel: str, value: str) -> list[list[str]]:
+    """The entries of the image's `/rel` (none where it has no such file)."""
     try:
-        text = path.read_text(errors="replace")
-    except OSError:
+        data = safepath.read_bytes(rootfs, rel, TABLE_MAX_BYTES)
+    except FileNotFoundError:
         return []
+    except safepath.UnsafePath as exc:
+        raise InvalidArgument(
+            f"user = {value!r}: the image's /{rel} cannot be read: {exc.message} (it must be a "
+            f"regular file within the image, at most {TABLE_MAX_BYTES} bytes, reached through "
+            "no symlink)"
+        ) from None
+    text = data.decode(errors="replace")
     return [line.split(":") for line in text.splitlines() if line and not line.startswith("#")]
 
 
@@ -74,8 +90,8 @@ def resolve(value: str | None, rootfs: Path) -> StepUser:
     if value is None or value in ("", "root", "0", "root:root", "0:0"):
         return ROOT
     name, _, group = value.partition(":")
-    passwd = _table(rootfs / "etc" / "passwd")
-    groups = _table(rootfs / "etc" / "group")
+    passwd = _table(rootfs, "etc/passwd", value)
+    groups = _table(rootfs, "etc/group", value)
     uid = _id(name, "uid", value)
     entry = next(
         (e for e in passwd if len(e) >= 7 and (e[0] == name or (uid is not None and e[2] == name))),
