@@ -13,8 +13,9 @@ import os
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any, Literal, Self, get_args, get_origin
+from typing import Annotated, Any, Literal, Self, get_args, get_origin
 
+from annotated_types import Ge, Gt
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -138,3 +139,49 @@ def _kind(info: FieldInfo, flag: Flag) -> dict[str, Any]:
     if annotation in (int, float):
         return {"type": annotation, **extra}
     return extra
+
+
+class RegistrySettings(Settings):
+    """How this process talks to OCI registries, from `FLEET_REGISTRY_*` (the server, agents
+    and the CLI read the same variables). A tenant's Smolfile may name a registry image, so
+    what is reached, with which credentials and over what, is the operator's to say."""
+
+    model_config = SettingsConfigDict(env_prefix="FLEET_REGISTRY_")
+
+    auth: str = ""
+    """Registry credentials: `user:password` for the registries this process was configured
+    with (`fleet serve --registry`/`--artifacts-registry`, the registry an agent is pointed at,
+    the one a `fleet image` command names), or `HOST[:PORT]=user:password` entries separated
+    by spaces, each sent to that registry only."""
+    allow: str = ""
+    """Registries a Smolfile may name besides the configured one: `HOST[:PORT][/REPO]`
+    entries separated by commas or spaces (a REPO limits the entry to repositories under it).
+    Also the hosts a registry may redirect to besides its own."""
+    insecure: str = ""
+    """`HOST[:PORT]` entries (commas or spaces) that may be reached over plain HTTP; every other
+    registry over HTTPS only."""
+    timeout_s: Annotated[float, Gt(0)] = 60.0
+    """How long one registry request may wait to connect or for the next bytes."""
+    max_blob_gib: Annotated[float, Gt(0)] = 64.0
+    """The largest layer pulled from a registry (and its unpacked size), past which the pull
+    stops and what it wrote is deleted."""
+    pull_timeout_s: Annotated[float, Gt(0)] = 3600.0
+    """How long one blob download may take in all."""
+    resolve_timeout_s: Annotated[float, Gt(0)] = 30.0
+    """How long the server spends resolving a Smolfile's registry image at submission
+    (waiting for a slot included), after which the submission is refused as unavailable."""
+    resolves_per_tenant: Annotated[int, Gt(0)] = 2
+    """Registry resolutions one tenant's submissions run at once on the server (the others
+    wait for a slot)."""
+    resolve_cache_s: Annotated[float, Ge(0)] = 30.0
+    """How long the server reuses a registry image's resolution (0: never)."""
+
+
+class ArtifactSettings(Settings):
+    """Bounds of the server's artifact store, from `FLEET_ARTIFACTS_*`."""
+
+    model_config = SettingsConfigDict(env_prefix="FLEET_ARTIFACTS_")
+
+    tenant_quota_gib: Annotated[float, Ge(0)] = 20.0
+    """Bytes one tenant's uploads (PutBlob) may hold in the store at once, until retention
+    frees those no rollout names (0: no quota)."""

@@ -26,6 +26,7 @@ import structlog
 
 from fleet._proto.fleet.v1 import host_pb2
 from fleet.core.errors import FailedPrecondition, Unavailable
+from fleet.core.manifest import is_digest
 from fleet.image import oci
 from fleet.image.store import ImageStore
 
@@ -95,7 +96,10 @@ class ImageCache:
             started = time.monotonic()
             target = self.images.blob_path(digest)
             target.parent.mkdir(parents=True, exist_ok=True)
-            size = await asyncio.to_thread(oci.fetch, reference, digest, target, self._registry_ca)
+            configured = (self.registry,) if self.registry else ()
+            size = await asyncio.to_thread(
+                oci.fetch, reference, digest, target, self._registry_ca, configured
+            )
             await self._fetched(digest, size, started, source=reference)
             return
         if self.registry:
@@ -191,6 +195,9 @@ class ImageCache:
         entries = []
         for marker in fetched_dir.iterdir():
             digest = marker.read_text().strip()
+            if not is_digest(digest):  # (not one this agent wrote: nothing it names is ours)
+                log.warning("image_marker_ignored", marker=str(marker))
+                continue
             blob = self.images.blob_path(digest)
             size = blob.stat().st_size if blob.exists() else 0
             entries.append((marker.stat().st_mtime, digest, size, marker))

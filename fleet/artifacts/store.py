@@ -3,6 +3,11 @@
 A blob arrives as a stream, is hashed while it is written to a temporary file, and is renamed
 into place under its digest (the same content twice is stored once). A stream past its limit is
 refused and leaves nothing behind.
+
+Content is stored once, but who may name it is not shared: each tenant's upload leaves an
+ownership record, `<root>/owners/<tenant hash>/<2 hex>/<64 hex>` (holding the blob's size), and
+a tenant names only blobs it holds a record of, so knowing another tenant's digest reads
+nothing of its data. The records are also what a tenant's upload quota counts.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import json
 import os
 import tempfile
 import time
+from collections import defaultdict
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import BinaryIO
@@ -24,6 +30,12 @@ from fleet.image import oci
 
 CHUNK_BYTES = 3 << 20
 """Under a client's default 4 MiB receive limit."""
+MIB = 1 << 20
+
+
+def tenant_dir(tenant: str) -> str:
+    """A tenant's directory name: a hash, whatever characters the name holds."""
+    return hashlib.sha256(tenant.encode()).hexdigest()[:32]
 
 
 async def file_chunks(handle: BinaryIO, offset: int) -> AsyncIterator[tuple[int, bytes, int]]:
@@ -46,6 +58,10 @@ class BlobStore:
 
     def __init__(self, root: Path) -> None:
         self.root = root
+        self._usage: dict[str, int] = {}
+        """Bytes each tenant's records hold, once counted (cleared by garbage collection)."""
+        self._streaming: defaultdict[str, int] = defaultdict(int)
+        """Bytes of each tenant's uploads still arriving (counted against its quota)."""
 
     def path(self, digest: str) -> Path:
         if not is_digest(digest):
@@ -55,6 +71,37 @@ class BlobStore:
 
     def exists(self, digest: str) -> bool:
         return self.path(digest).exists()
+
+    def owner_path(self, tenant: str, digest: str) -> Path:
+        hexdigest = self.path(digest).name
+        return self.root / "owners" / tenant_dir(tenant) / hexdigest[:2] / hexdigest
+
+    def owns(self, tenant: str, digest: str) -> bool:
+        """`tenant` uploaded the blob and it is still here."""
+        return self.owner_path(tenant, digest).exists() and self.exists(digest)
+
+    def record_owner(self, tenant: str, digest: str, size: int) -> None:
+        """Notes that `tenant` uploaded the blob (written whole, or not at all)."""
+        record = self.owner_path(tenant, digest)
+        if record.exists():
+            return
+        record.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=record.parent, prefix=".owner-")
+        with os.fdopen(fd, "w") as out:
+            out.write(str(size))
+        os.replace(name, record)
+        if tenant in self._usage:
+            self._usage[tenant] += size
+
+    def usage(self, tenant: str) -> int:
+        """Bytes the blobs `tenant` uploaded hold (each counted once for it)."""
+        if tenant not in self._usage:
+            total = 0
+            for record in (self.root / "owners" / tenant_dir(tenant)).glob("*/*"):
+                with contextlib.suppress(OSError, ValueError):
+                    total += int(record.read_text() or 0)
+            self._usage[tenant] = total
+        return self._usage[tenant]
 
     def local_path(self, digest: str) -> Path:
         """The blob as a file on this host (NotFound: there is no such blob)."""
@@ -76,10 +123,14 @@ class BlobStore:
             raise NotFound(f"no blob {digest}") from None
 
     async def put(
-        self, chunks: AsyncIterator[bytes], limit_bytes: int, what: str
-    ) -> tuple[str, int]:
+        self, chunks: AsyncIterator[bytes], limit_bytes: int, what: str, *, owner: str = "",
+        quota_bytes: int = 0,
+    ) -> tuple[str, int]:  # fmt: skip
         """Stores what `chunks` yields; returns (digest, size). Past `limit_bytes` it is refused
-        with RESOURCE_EXHAUSTED naming `what` and the limit, and nothing is kept."""
+        with RESOURCE_EXHAUSTED naming `what` and the limit, and nothing is kept. An upload
+        of tenant `owner` is recorded as its own, and refused the same way where what its
+        uploads hold (those still arriving included) would pass `quota_bytes` (0: none)."""
+        used = await asyncio.to_thread(self.usage, owner) if owner and quota_bytes else 0
         tmp_dir = self.root / "tmp"
         tmp_dir.mkdir(parents=True, exist_ok=True)
         fd, name = tempfile.mkstemp(dir=tmp_dir, prefix="put-")
@@ -91,8 +142,17 @@ class BlobStore:
                     size += len(data)
                     if size > limit_bytes:
                         raise ResourceExhausted(
-                            f"{what} is over its limit of {limit_bytes / (1 << 20):g} MiB"
+                            f"{what} is over its limit of {limit_bytes / MIB:g} MiB"
                         )
+                    if quota_bytes:
+                        self._streaming[owner] += len(data)
+                        if used + self._streaming[owner] > quota_bytes:
+                            raise ResourceExhausted(
+                                f"tenant {owner!r}'s uploads would hold over its quota of "
+                                f"{quota_bytes / MIB:g} MiB ({used / MIB:.1f} MiB stored; "
+                                "$FLEET_ARTIFACTS_TENANT_QUOTA_GIB): uploads are freed when "
+                                "no rollout names them any longer"
+                            )
                     hasher.update(data)
                     await asyncio.to_thread(out.write, data)
                 await asyncio.to_thread(out.flush)
@@ -104,11 +164,18 @@ class BlobStore:
                 os.unlink(name)
             else:
                 os.replace(name, target)
+            if owner:
+                await asyncio.to_thread(self.record_owner, owner, digest, size)
             return digest, size
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(name)
             raise
+        finally:
+            if quota_bytes:
+                self._streaming[owner] -= size
+                if self._streaming[owner] <= 0:
+                    del self._streaming[owner]
 
     async def chunks(self, digest: str, offset: int = 0) -> AsyncIterator[tuple[int, bytes, int]]:
         """(offset, data, total size) from `offset` to the end."""
@@ -136,7 +203,17 @@ class BlobStore:
                     removed += 1
             except FileNotFoundError:
                 continue
+        self._forget_owners()
         return removed
+
+    def _forget_owners(self) -> None:
+        """Drops ownership records whose blob is gone from this store (its bytes no longer
+        count against the tenant's quota)."""
+        for record in (self.root / "owners").glob("*/*/*"):
+            with contextlib.suppress(FileNotFoundError):
+                if not (self.root / "sha256" / record.parent.name / record.name).exists():
+                    record.unlink()
+        self._usage.clear()
 
 
 EMPTY_CONFIG = b"{}"
@@ -163,7 +240,12 @@ class RegistryBlobStore(BlobStore):
     def _tag(digest: str) -> str:
         return digest.replace(":", "-")
 
-    def _push(self, digest: str, path: Path) -> None:
+    @staticmethod
+    def _owner_tag(tenant: str, digest: str) -> str:
+        """The tag that records, for every replica, that `tenant` uploaded the blob."""
+        return f"owner-{tenant_dir(tenant)[:24]}-{digest.removeprefix('sha256:')}"
+
+    def _push(self, digest: str, path: Path, owner: str = "") -> None:
         empty = "sha256:" + hashlib.sha256(EMPTY_CONFIG).hexdigest()
         manifest = json.dumps({
             "schemaVersion": 2, "mediaType": oci.OCI_MANIFEST,
@@ -178,6 +260,8 @@ class RegistryBlobStore(BlobStore):
             registry.put_blob(digest, path=path)
             registry.put_blob(empty, data=EMPTY_CONFIG)
             registry.put_manifest(self._tag(digest), manifest)
+            if owner:
+                registry.put_manifest(self._owner_tag(owner, digest), manifest)
 
     def _fetch(self, digest: str) -> None:
         target = self.path(digest)
@@ -188,11 +272,31 @@ class RegistryBlobStore(BlobStore):
             registry.download_blob(digest, target)
 
     async def put(
-        self, chunks: AsyncIterator[bytes], limit_bytes: int, what: str
-    ) -> tuple[str, int]:
-        digest, size = await super().put(chunks, limit_bytes, what)
-        await asyncio.to_thread(self._push, digest, self.path(digest))
+        self, chunks: AsyncIterator[bytes], limit_bytes: int, what: str, *, owner: str = "",
+        quota_bytes: int = 0,
+    ) -> tuple[str, int]:  # fmt: skip
+        """As the disk store's (the quota counted on this replica's records), then pushed
+        with its owner's tag."""
+        digest, size = await super().put(chunks, limit_bytes, what, owner=owner,
+                                         quota_bytes=quota_bytes)  # fmt: skip
+        await asyncio.to_thread(self._push, digest, self.path(digest), owner)
         return digest, size
+
+    def owns(self, tenant: str, digest: str) -> bool:
+        """From this replica's record, else from the owner's tag in the registry (an upload
+        through another replica), which is then recorded here."""
+        if super().owns(tenant, digest):
+            return True
+        with self._registry() as registry:
+            try:
+                registry.manifest_digest(self._owner_tag(tenant, digest))
+            except NotFound:
+                return False
+            size = registry.blob_size(digest)
+        if size is None:
+            return False
+        self.record_owner(tenant, digest, size)
+        return True
 
     def local_path(self, digest: str) -> Path:
         self._fetch(digest)
@@ -225,13 +329,18 @@ class RegistryBlobStore(BlobStore):
         removed = super().collect_garbage(keep, older_than)
         with self._registry() as registry:
             for tag in registry.tags():
-                digest = tag.replace("-", ":", 1)
-                if not tag.startswith("sha256-") or digest in keep:
+                # A blob's own tag, and its owners' (which may hold an older manifest).
+                owned = tag.startswith("owner-")
+                digest = "sha256:" + tag.rpartition("-")[2]
+                if not (owned or tag.startswith("sha256-")) or digest in keep:
                     continue
-                manifest_digest, manifest = registry.manifest_digest(tag)
-                created = float(manifest.get("annotations", {}).get(
-                    "org.opencontainers.image.created", "0"))  # fmt: skip
-                if created < older_than:
-                    registry.delete_manifest(manifest_digest)
-                    removed += 1
+                try:
+                    manifest_digest, manifest = registry.manifest_digest(tag)
+                    created = float(manifest.get("annotations", {}).get(
+                        "org.opencontainers.image.created", "0"))  # fmt: skip
+                    if created < older_than:
+                        registry.delete_manifest(manifest_digest)
+                        removed += 0 if owned else 1
+                except NotFound:  # deleted with another tag of its manifest
+                    continue
         return removed

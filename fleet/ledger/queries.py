@@ -204,7 +204,7 @@ REPORT_ITEM = (
 SET_ITEM_STATE = "UPDATE work_items SET state = ? WHERE id = ?"
 REQUEST_CANCEL = "UPDATE work_items SET cancel_requested = TRUE WHERE id = ?"
 WORK_LEASE = (
-    "SELECT w.lease_owner, w.fencing_token, r.manifest_digest FROM work_items w "
+    "SELECT w.lease_owner, w.fencing_token, r.manifest_digest, r.tenant FROM work_items w "
     "JOIN rollouts r ON r.id = w.rollout_id WHERE w.id = ? AND w.state = ?"
 )
 ROLLOUT_LEASE = "SELECT id, lease_owner FROM work_items WHERE rollout_id = ? AND state = ?"

@@ -168,14 +168,15 @@ class Reads(LedgerBase):
         with self._settled_lock:
             self._settled = None
 
-    def work_lease(self, work_id: str) -> tuple[str, int, Manifest] | None:
-        """(lease owner, fencing token, manifest) of a leased work item; None otherwise."""
+    def work_lease(self, work_id: str) -> tuple[str, int, Manifest, str] | None:
+        """(lease owner, fencing token, manifest, tenant) of a leased work item; None
+        otherwise."""
         with self._read() as db:
             row = db.one(Q.WORK_LEASE, (work_id, LEASED))
             if row is None:
                 return None
-            owner, token, digest = row
-            return str(owner), int(token), self._manifest_raw(db, digest)
+            owner, token, digest, tenant = row
+            return str(owner), int(token), self._manifest_raw(db, digest), str(tenant)
 
     def rollout_lease(self, rollout_id: str) -> tuple[str, str] | None:
         """(work id, lease owner) of a rollout's leased work item; None when none is leased."""

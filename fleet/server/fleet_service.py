@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import collections
 import functools
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 import grpc
@@ -21,7 +25,9 @@ from fleet.core.errors import (
     FleetError,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
+    Unavailable,
 )
 from fleet.core.manifest import (
     MAX_STEPS,
@@ -43,11 +49,125 @@ from fleet.server.core import (
     SubmitBatcher,
 )
 from fleet.server.status import STATUS_FOR, mapped
+from fleet.settings import ArtifactSettings, RegistrySettings, SettingsError
 
 log = structlog.get_logger(__name__)
 
 MAX_BATCH_SUBMIT = 1000
 """Submissions one SubmitRollouts call may carry."""
+RESOLVE_THREADS = 16
+"""Registry resolutions running at once in this process, all tenants together."""
+RESOLVE_CACHE_ENTRIES = 1024
+_resolve_pool: ThreadPoolExecutor | None = None
+
+
+def resolve_pool() -> ThreadPoolExecutor:
+    """The threads registry resolutions run on: their own, so that registries that answer
+    slowly hold none of the threads every other call's work runs on."""
+    global _resolve_pool
+    if _resolve_pool is None:
+        _resolve_pool = ThreadPoolExecutor(RESOLVE_THREADS, thread_name_prefix="registry-resolve")
+    return _resolve_pool
+
+
+@dataclass
+class _Slots:
+    """One tenant's resolutions: a few at a time, the rest wait."""
+
+    free: asyncio.Semaphore
+    users: int = 0
+
+
+@dataclass
+class ImageResolver:
+    """Registry images a Smolfile names, resolved to digests without holding the submission
+    path: on threads of their own, at most `per_tenant` at once for one tenant (one tenant's
+    slow registry takes that tenant's slots, not everyone's), each within `timeout_s` (a wait
+    for a slot included), and a result reused for `cache_s`."""
+
+    configured: str
+    """The operator's image registry (`fleet serve --registry`)."""
+    private: str
+    """The artifacts repository, which no Smolfile may name."""
+    ca_pem: bytes | None
+    timeout_s: float
+    per_tenant: int
+    cache_s: float
+    _slots: dict[str, _Slots] = field(default_factory=dict, init=False)
+    _cache: collections.OrderedDict[str, tuple[float, tuple[str, str]]] = field(
+        default_factory=collections.OrderedDict, init=False
+    )
+
+    async def resolve(self, tenant: str, image: str) -> tuple[str, str]:
+        """(digest, pinned reference); refused at once where the registry is not allowed,
+        UNAVAILABLE (with a retry hint) past the time bound."""
+        policy = oci.RegistryPolicy.from_env([self.configured], [self.private])  # (no I/O)
+        policy.check_tenant(oci.Reference.parse(image))
+        loop = asyncio.get_running_loop()
+        cached = self._cache.get(image)
+        if cached is not None and loop.time() - cached[0] < self.cache_s:
+            return cached[1]
+        deadline = loop.time() + self.timeout_s
+        slots = self._slots.setdefault(tenant, _Slots(asyncio.Semaphore(self.per_tenant)))
+        slots.users += 1
+        handed = acquired = False
+        try:
+            try:
+                await asyncio.wait_for(slots.free.acquire(), self.timeout_s)
+            except TimeoutError:
+                raise self._late(image, "its other registry images still resolving") from None
+            acquired = True
+            call = functools.partial(oci.resolve, image, self.ca_pem, policy,
+                                     max(deadline - loop.time(), 0.0))  # fmt: skip
+            future = loop.run_in_executor(resolve_pool(), call)
+            future.add_done_callback(lambda f: self._done(tenant, f))
+            handed = True  # the slot is the thread's until it ends, answered or not
+            try:
+                result = await asyncio.wait_for(asyncio.shield(future),
+                                                max(deadline - loop.time(), 0.0))  # fmt: skip
+            except TimeoutError:
+                raise self._late(image, "its registry did not answer") from None
+        finally:
+            if not handed:
+                if acquired:
+                    slots.free.release()
+                self._leave(tenant)
+        self._cache[image] = (loop.time(), result)
+        self._cache.move_to_end(image)
+        while len(self._cache) > RESOLVE_CACHE_ENTRIES:
+            self._cache.popitem(last=False)
+        return result
+
+    def _late(self, image: str, why: str) -> Unavailable:
+        log.info("image_resolve_late", image=image, why=why, timeout_s=self.timeout_s)
+        return Unavailable(
+            f"image {image!r}: not resolved in {self.timeout_s:g} s ({why}; "
+            "$FLEET_REGISTRY_RESOLVE_TIMEOUT_S): submit again later",
+            retry_after_s=self.timeout_s,
+        )
+
+    def _done(self, tenant: str, future: asyncio.Future[tuple[str, str]]) -> None:
+        if not future.cancelled():
+            future.exception()  # seen here, raised to the waiter if it still waits
+        self._slots[tenant].free.release()
+        self._leave(tenant)
+
+    def _leave(self, tenant: str) -> None:
+        slots = self._slots[tenant]
+        slots.users -= 1
+        if slots.users == 0:
+            del self._slots[tenant]
+
+
+def check_priority(caller: Caller, priority: int) -> None:
+    """Work is leased by priority across every tenant, so only an admin key (or a server
+    without identity) may raise work above the default 0: a tenant may lower its own work's
+    priority, never jump the other tenants' queue."""
+    if priority > 0 and not caller.all_tenants:
+        raise PermissionDenied(
+            f"priority {priority}: a tenant key may submit at priority 0 or below; "
+            "a higher priority needs an admin key"
+        )
 
 
 def in_batch(exc: FleetError, index: int, item: fleet_pb2.SubmitRolloutRequest) -> FleetError:
@@ -63,6 +183,20 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
     def __init__(self, core: Core) -> None:
         self.core = core
         self.submits = SubmitBatcher(core)
+        try:
+            registry = RegistrySettings.from_args(argparse.Namespace())
+            artifacts = ArtifactSettings.from_args(argparse.Namespace())
+        except SettingsError as exc:
+            raise FailedPrecondition(str(exc)) from None
+        cas = [core.config.registry_ca]
+        if core.security is not None:
+            cas.append(core.security.ca.pem)
+        self.resolver = ImageResolver(
+            core.config.registry, core.config.artifacts_registry, b"".join(cas) or None,
+            registry.resolve_timeout_s, registry.resolves_per_tenant, registry.resolve_cache_s,
+        )  # fmt: skip
+        self.quota_bytes = int(artifacts.tenant_quota_gib * (1 << 30))
+        """What one tenant's uploads may hold (0: no quota)."""
 
     @mapped
     async def SubmitRollout(
@@ -75,7 +209,9 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
             raise ResourceExhausted(
                 f"the plan has {len(request.steps)} steps, over the {MAX_STEPS}"
             )
-        request.tenant = self.core.caller().tenant_for(request.tenant)
+        caller = self.core.caller()
+        request.tenant = caller.tenant_for(request.tenant)
+        check_priority(caller, request.priority)
         submit, parsed = await asyncio.to_thread(self._accept, request, now)
         rollout, created = await self.admit(
             submit, parsed, now, request.image_upload, request.request_id
@@ -132,6 +268,7 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
                     raise ResourceExhausted(f"the plan has {len(item.steps)} steps, over the "
                                             f"{MAX_STEPS}")  # fmt: skip
                 item.tenant = caller.tenant_for(item.tenant)
+                check_priority(caller, item.priority)
                 out.append(self._accept(item, now))
             except FleetError as exc:
                 raise in_batch(exc, index, item) from None
@@ -153,16 +290,17 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
         """A validated submission's manifest: its inputs checked, its image pinned, its host
         class servable. `images`: (digest, pinned) of the images this request resolved already,
         by name (one resolution of an image serves a whole batch)."""
-        await self._check_inputs(submit)
+        owner = self._owner(submit.tenant)
+        await self._check_inputs(submit, owner)
         image = image_of(parsed)
         pinned = ""
         if oci.looks_like_archive(image):  # on the submitter's disk: uploaded flattened
             image_digest = await self._import_upload(image_upload, image,
-                                                     submit.smolfile_name)  # fmt: skip
+                                                     submit.smolfile_name, owner)  # fmt: skip
         elif images is not None and image in images:
             image_digest, pinned = images[image]
         else:
-            image_digest, pinned = await self._resolve(image)
+            image_digest, pinned = await self._resolve(image, submit.tenant)
             if images is not None:
                 images[image] = (image_digest, pinned)
         manifest = build_manifest(submit, parsed, image_digest, now, pinned)
@@ -171,14 +309,23 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
             raise FailedPrecondition(reason)
         return manifest
 
-    async def _resolve(self, image: str) -> tuple[str, str]:
+    async def _resolve(self, image: str, tenant: str) -> tuple[str, str]:
         """(digest, pinned reference) of an image a registry or this server's store holds."""
         if oci.looks_like_reference(image):  # a registry's image: pinned by its digests
-            cas = [self.core.config.registry_ca]
-            if self.core.security is not None:
-                cas.append(self.core.security.ca.pem)
-            return await asyncio.to_thread(oci.resolve, image, b"".join(cas) or None)
+            return await self.resolver.resolve(tenant, image)
         return await asyncio.to_thread(self.core.images.resolve, image), ""  # (files only)
+
+    def _owner(self, tenant: str) -> str:
+        """The tenant whose uploads a call may name ("": any, for an admin key or a server
+        without authentication, which act for every tenant)."""
+        return "" if self.core.caller().all_tenants else tenant
+
+    async def _owned(self, owner: str, digest: str) -> bool:
+        """Where `owner` is given, that tenant uploaded the blob: a tenant names only what it
+        sent (knowing another's digest reads nothing of it)."""
+        if not owner:
+            return True  # (whether it is there at all is the caller's next question)
+        return await asyncio.to_thread(self.core.blobs.owns, owner, digest)
 
     async def admit(
         self, submit: SubmitRequest, parsed: ParsedSmolfile, now: datetime, image_upload: str = "",
@@ -197,7 +344,7 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
         )
         return rollout, created
 
-    async def _import_upload(self, digest: str, image: str, where: str) -> str:
+    async def _import_upload(self, digest: str, image: str, where: str, owner: str) -> str:
         """The image a submitter flattened from an archive and uploaded (PutBlob), stored in
         the image store under its digest."""
         if not digest:
@@ -205,24 +352,31 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
                 f"{where}: image {image!r} is an archive on the submitter's disk: submit with "
                 "the fleet CLI (it uploads the archive), or push the image to a registry"
             )
+        missing = FailedPrecondition(f"image_upload {digest} was not uploaded (PutBlob)")
+        if not await self._owned(owner, digest):
+            raise missing
         try:
             blob = await asyncio.to_thread(self.core.blobs.local_path, digest)
         except NotFound:
-            raise FailedPrecondition(f"image_upload {digest} was not uploaded (PutBlob)") from None
+            raise missing from None
         await asyncio.to_thread(self.core.images.add_blob, digest, blob)
         return digest
 
-    async def _check_inputs(self, submit: SubmitRequest) -> None:
-        """Every input was uploaded, with the size the request states, within the limit."""
+    async def _check_inputs(self, submit: SubmitRequest, owner: str) -> None:
+        """Every input was uploaded (by `owner`, where given), with the size the request
+        states, within the limit. Another tenant's blob answers as a missing one does."""
         total = 0
         for index, item in enumerate(submit.inputs):
+            missing = FailedPrecondition(
+                f"inputs[{index}] ({item.path}): blob {item.digest} was not uploaded "
+                "(PutBlob it first)"
+            )
+            if not await self._owned(owner, item.digest):
+                raise missing
             try:
                 size = await asyncio.to_thread(self.core.blobs.size, item.digest)
             except NotFound:
-                raise FailedPrecondition(
-                    f"inputs[{index}] ({item.path}): blob {item.digest} was not uploaded "
-                    "(PutBlob it first)"
-                ) from None
+                raise missing from None
             if size != item.size:
                 raise InvalidArgument(
                     f"inputs[{index}] ({item.path}): size {item.size} but the blob holds {size}"
@@ -239,7 +393,8 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
     async def PutBlob(
         self, requests: AsyncIterator[fleet_pb2.BlobPart], context: grpc.aio.ServicerContext
     ) -> fleet_pb2.PutBlobResponse:
-        self.core.caller()
+        caller = self.core.caller()
+        owner = "" if caller.all_tenants else caller.tenant
 
         async def parts() -> AsyncIterator[bytes]:
             async for part in requests:
@@ -247,9 +402,10 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
 
         limit = int(self.core.config.max_input_mib * MIB)
         digest, size = await self.core.blobs.put(
-            parts(), limit, "an input (fleet serve --max-input-mib)"
-        )
-        log.info("blob_stored", digest=digest, size=size, key_id=self.core.caller().key_id)
+            parts(), limit, "an input (fleet serve --max-input-mib)", owner=owner,
+            quota_bytes=self.quota_bytes if owner else 0,
+        )  # fmt: skip
+        log.info("blob_stored", digest=digest, size=size, key_id=caller.key_id, tenant=owner)
         return fleet_pb2.PutBlobResponse(digest=digest, size=size)
 
     async def GetArtifact(

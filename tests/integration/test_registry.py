@@ -141,6 +141,10 @@ def test_a_smolfile_may_name_a_registry_image(
             return await h.wait_final(rid), agent.images.sources
 
     with registry(tmp_path / "registry", ca) as reg:
+        # A tenant may name only a registry the operator allowed, and the fleet's credentials
+        # go only to the registry they were given for.
+        monkeypatch.setenv("FLEET_REGISTRY_ALLOW", reg.address)
+        monkeypatch.setenv("FLEET_REGISTRY_AUTH", f"{reg.address}={USER}:{PASSWORD}")
         pushed = fleet_cli(images.root.parent, "image", "push", "minimal", "--registry",
                            reg.repo("team/env"), "--tag", "v1", "--ca",
                            str(tmp_path / "ca" / "ca.crt"))  # fmt: skip
