@@ -32,7 +32,7 @@ from fleet.core.errors import (
     Unavailable,
 )
 from fleet.core.placement import Isolation, RuntimeKind
-from fleet.runtime import cgroups, disk, seccomp, users
+from fleet.runtime import capabilities, cgroups, disk, seccomp, users
 from fleet.runtime.base import (
     Leftover,
     Machine,
@@ -121,9 +121,14 @@ class NamespaceRuntime:
             return user, None
         return user, await asyncio.to_thread(users.helper, self.machines_dir / ".tools")
 
+    async def _bounder(self) -> Path:
+        """The helper that cuts every command's bounding set (built once, on first use)."""
+        return await asyncio.to_thread(capabilities.bounder, self.machines_dir / ".tools")
+
     async def create(self, spec: MachineSpec, copy_of: Path | None = None) -> NamespaceMachine:
         """A new machine; its writable layer starts as a copy of `copy_of` (a fork) or empty."""
         user, helper = await self._user(spec)  # refused before anything is made
+        bounder = await self._bounder()
         # Grouped by host, so a reaper finds even a machine whose creation a kill interrupted.
         host = spec.labels.get("host", "local")
         root = self.machines_dir / host / f"{spec.name}-{uuid.uuid4().hex[:8]}"
@@ -163,8 +168,9 @@ class NamespaceRuntime:
             shutil.rmtree(root, ignore_errors=True)
             raise
         machine = NamespaceMachine(
-            spec, root, cgroup, layer=layer, userns=userns, user=user, helper=helper, disk_gib=gib
-        )
+            spec, root, cgroup, layer=layer, userns=userns, user=user, helper=helper,
+            disk_gib=gib, bounder=bounder,
+        )  # fmt: skip
         machine.runtime = self
         if networked:
             try:
@@ -252,10 +258,11 @@ class NamespaceRuntime:
         if not (root / "lower").is_symlink():
             raise NotFound(f"machine {leftover.name} has no link to its image")
         user, helper = await self._user(spec)
+        bounder = await self._bounder()
         cgroup = cgroups.MachineCgroup(root.name, self.cgroup_version)
         machine = NamespaceMachine(
             spec, root, cgroup, layer=layer, user=user, helper=helper,
-            disk_gib=None if layer == root else disk.size_gib(root),
+            disk_gib=None if layer == root else disk.size_gib(root), bounder=bounder,
         )  # fmt: skip
         machine.runtime = self
         netns = None

@@ -23,7 +23,7 @@ from fleet.core.errors import (
     Unavailable,
 )
 from fleet.core.rollout import MAX_OUTPUT_BYTES
-from fleet.runtime import disk, users
+from fleet.runtime import capabilities, disk, users
 from fleet.runtime.base import (
     Channel,
     ExecResult,
@@ -83,6 +83,11 @@ async def _feed_then_wait(proc: asyncio.subprocess.Process, data: bytes | None) 
 
 MAX_FILE_BYTES = 64 * 1024 * 1024
 DNS_EVENTS = "dns-events.jsonl"
+PROC_ALSO_MASKED = ("config.gz",)
+"""Under a machine's /proc, /dev/null in their place besides `view.PROC_MASKED`: the kernel's
+build configuration, which names every driver and option an attacker would look for."""
+KEPT = capabilities.mask()
+"""The capabilities a machine's root keeps, as a mask (its bounding set is cut to them)."""
 DISK_FULL_BYTES = 4 << 20
 """A bounded disk with less than this left is full, as a failed step's cause."""
 
@@ -102,6 +107,7 @@ class NamespaceMachine:
         user: StepUser = users.ROOT,
         helper: Path | None = None,
         disk_gib: int | None = None,
+        bounder: Path | None = None,
     ) -> None:
         self.spec = spec
         self.root = root
@@ -118,6 +124,8 @@ class NamespaceMachine:
         """Whom `exec` runs commands as (the Smolfile's `user`)."""
         self.disk_gib = disk_gib
         self._helper = helper
+        self._bounder = bounder
+        """The program that cuts each command's bounding set (`fleet.runtime.capabilities`)."""
         self._dns_read = 0  # how far DNS_EVENTS was reported
         self._name = spec.name
         self._deleted = False
@@ -176,6 +184,8 @@ class NamespaceMachine:
             "--bind", str(self.root / "merged"), "/",
             "--proc", "/proc",
             *proc_cover(),
+            *[arg for name in PROC_ALSO_MASKED if os.path.exists(f"/proc/{name}")
+              for arg in ("--dev-bind", "/dev/null", f"/proc/{name}")],
             "--dev", "/dev",
             "--perms", "1777", "--tmpfs", "/dev/shm",
             "--perms", "1777", "--tmpfs", "/tmp",
@@ -217,6 +227,10 @@ class NamespaceMachine:
                     raise Unavailable(f"machine {self._name} has no user-switching helper")
                 fds.append(os.open(self._helper, os.O_RDONLY))
                 argv = [*self.user.argv(fds[-1]), *argv]
+            if self._bounder is None:
+                raise Unavailable(f"machine {self._name} has no capability-bounding helper")
+            fds.append(os.open(self._bounder, os.O_RDONLY))
+            argv = [*capabilities.bounder_argv(fds[-1], KEPT), *argv]  # first, still as root
             args = os.memfd_create("bwrap-args", 0)
             fds.append(args)
             words = self._bwrap(env, workdir, fds[0], extra)

@@ -7,8 +7,13 @@ rebooting, io_uring, whose requests bypass this filter) fails with EPERM; every 
 allowed. The filter is argument-aware where a call is dangerous only with some arguments:
 `clone` is refused when it asks for a new namespace, and `clone3`, whose flags live in memory a
 filter cannot read, fails with ENOSYS, so C libraries fall back to `clone` (as Docker's profile
-does). libseccomp knows every architecture's numbers; calls of another ABI than the host's (32-bit
-or x32 on a 64-bit host) are refused outright, since their numbers would slip past the list.
+does). `socket` is refused for the families a machine has no use for and whose kernel code is
+a known way in: AF_VSOCK (the hypervisor's sockets) and AF_PACKET (raw frames, also reached as
+AF_INET's obsolete SOCK_PACKET) fail with EAFNOSUPPORT, and netlink's NETLINK_NETFILTER (nf_tables,
+the firewall's own interface) with EPERM. Integer arguments are compared on their low 32 bits
+only, as the kernel reads them: high bits set by the caller change nothing. libseccomp knows every
+architecture's numbers; calls of another ABI than the host's (32-bit or x32 on a 64-bit host) are
+refused outright, since their numbers would slip past the list.
 """
 
 from __future__ import annotations
@@ -39,6 +44,14 @@ NAMESPACE_FLAGS: dict[str, int] = {
     "CLONE_NEWPID": 0x20000000, "CLONE_NEWNET": 0x40000000,
 }  # fmt: skip
 """`clone` with any of these fails with EPERM: a step makes no namespaces (as `unshare`)."""
+
+AF_INET, AF_NETLINK, AF_PACKET, AF_VSOCK = 2, 16, 17, 40
+SOCK_PACKET, SOCK_TYPE_MASK = 10, 0xF
+NETLINK_NETFILTER = 12
+INT_MASK = 0xFFFF_FFFF
+"""An `int` argument's bits: the kernel ignores the rest of the register."""
+REFUSED_FAMILIES: tuple[int, ...] = (AF_VSOCK, AF_PACKET)
+"""`socket` with these families fails with EAFNOSUPPORT."""
 
 ZYGOTE_ALLOWS = frozenset({"unshare", "mount", "umount2", "pivot_root"})
 """What a warm parent's fork server may still call, to put each child into its own namespaces
@@ -73,7 +86,26 @@ def _filter(allow: Iterable[str]) -> Any:
     for bit in NAMESPACE_FLAGS.values():
         f.add_rule(sc.ERRNO(errno.EPERM), "clone", sc.Arg(flags, sc.MASKED_EQ, bit, bit))
     f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+    _socket_rules(f, sc)
     return f
+
+
+def _socket_rules(f: Any, sc: Any) -> None:
+    """The families and protocols `socket` refuses (see the module's text)."""
+    no_family = sc.ERRNO(errno.EAFNOSUPPORT)
+    for family in REFUSED_FAMILIES:
+        f.add_rule(no_family, "socket", sc.Arg(0, sc.MASKED_EQ, INT_MASK, family))
+    # The kernel hands socket(AF_INET, SOCK_PACKET, ...) to AF_PACKET.
+    f.add_rule(
+        no_family, "socket",
+        sc.Arg(0, sc.MASKED_EQ, INT_MASK, AF_INET),
+        sc.Arg(1, sc.MASKED_EQ, SOCK_TYPE_MASK, SOCK_PACKET),
+    )  # fmt: skip
+    f.add_rule(
+        sc.ERRNO(errno.EPERM), "socket",
+        sc.Arg(0, sc.MASKED_EQ, INT_MASK, AF_NETLINK),
+        sc.Arg(2, sc.MASKED_EQ, INT_MASK, NETLINK_NETFILTER),
+    )  # fmt: skip
 
 
 def program(allow: Iterable[str] = ()) -> bytes:

@@ -4,9 +4,9 @@ The parent is a namespace machine whose one long-running process is `zygote.py` 
 server): it runs the warm-up once, then forks a child per step. Each child shares the parent's
 memory pages until it writes them, runs in its own user/mount/UTS/IPC namespaces on its own
 overlay layer (over the parent's layer and the image: branching copies no files), under the
-full system-call filter, and in its own cgroup, which the agent moves it into before it may
-start. Deleting a child kills its cgroup and removes its layer; children go before their
-parent.
+full system-call filter with a cold machine's capabilities (as the warm-up runs too), and in
+its own cgroup, which the agent moves it into before it may start. Deleting a child kills its
+cgroup and removes its layer; children go before their parent.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from fleet.core.errors import Internal, InvalidArgument, Unavailable
 from fleet.runtime import cgroups, seccomp
 from fleet.runtime.base import Machine, MachineSpec, machine_env
 from fleet.runtime.namespace import SOCKET_LINKS, NamespaceRuntime
-from fleet.runtime.namespace_machine import LAUNCH_ENV, NamespaceMachine
+from fleet.runtime.namespace_machine import KEPT, LAUNCH_ENV, NamespaceMachine
 from fleet.runtime.warm_child import (
     WarmChild,
     _closed,
@@ -205,7 +205,8 @@ class NamespaceParent:
         return depth
 
     def _prepare(self, warmup: str) -> None:
-        """The fork server's files: itself, the warm-up, and both system-call filters."""
+        """The fork server's files: itself, the warm-up, both system-call filters and the
+        capabilities a machine keeps."""
         ctl, root = self.ctl, self.machine.root
         for sub in ("children", "lower", "parent-upper"):
             (ctl / sub).mkdir(parents=True, exist_ok=True)
@@ -214,6 +215,7 @@ class NamespaceParent:
         shutil.copyfile(ZYGOTE, ctl / "zygote.py")
         (ctl / "warmup.py").write_text(warmup)
         (ctl / "child.bpf").write_bytes(seccomp.program())
+        (ctl / "caps").write_text(f"{KEPT:x}\n")
         (root / "zygote.bpf").write_bytes(seccomp.program(allow=seccomp.ZYGOTE_ALLOWS))
 
     async def call(self, request: dict[str, Any], fresh: bool = False) -> dict[str, Any]:

@@ -1,10 +1,13 @@
 """The warm parent's fork server. Runs inside the sandbox with the image's python3 (stdlib only).
 
 At start it locks the sandbox's mounts (a user and mount namespace of its own: what the sandbox
-made read-only, /proc/sys among it, stays so although this process may mount), then runs the
-warm-up (`/run/fleet/warmup.py`) into its own globals: imports, weights, whatever the children
-should find already in memory. Then it serves JSON lines on
-`/run/fleet/zygote.sock`:
+made read-only, /proc/sys among it, stays so although this process may mount), drops to a cold
+machine's capabilities (`/run/fleet/caps`; its new user namespace gave it every one), then runs
+the warm-up (`/run/fleet/warmup.py`) into its own globals: imports, weights, whatever the
+children should find already in memory. The warm-up runs on the main thread under the full
+system-call filter, as a cold machine's command would; the threads that fork children were
+started before it was installed and keep the looser one their children need to set up (a
+filter belongs to a thread). Then it serves JSON lines on `/run/fleet/zygote.sock`:
 
     {"op": "spawn", "id": ID, "argv": [...], "env": {...}, "workdir": DIR}
         -> {"id": ID, "pid": PID}   the child is forked and waits: the agent moves it into its
@@ -31,10 +34,11 @@ mounts its own overlay (its writable layer over the parent's layer and the image
 of its own, makes the overlay the root with pivot_root (the fork server's root, and all in it,
 detached), forks the first process of its PID namespace and exits (this process, a subreaper,
 adopts that fork and reaps it: the step can signal no sibling and not this process), and
-installs the full system-call filter (this process runs under a looser one that still allows the
-namespace and mount calls it needs). Then `["python3", "-c", CODE]` runs CODE in the child's
-copy of the warm interpreter, so everything the warm-up loaded is there; any other argv is
-exec'd.
+installs the full system-call filter (the forking threads run under a looser one that still
+allows the namespace and mount calls it needs); last, once it has named itself, it drops to a
+cold machine's capabilities, bounding set included. Then `["python3", "-c", CODE]` runs CODE
+in the child's copy of the warm interpreter, so everything the warm-up loaded is there; any
+other argv is exec'd.
 """
 
 from __future__ import annotations
@@ -69,6 +73,8 @@ MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC = 1, 32, 4096, 16384
 STATVFS_TO_MS = ((2, 2), (4, 4), (8, 8), (1024, 1024), (2048, 2048), (4096, 1 << 21))
 PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
 PR_SET_CHILD_SUBREAPER = 36
+PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE = 24, 47, 2
+CAPABILITY_VERSION_3 = 0x20080522
 SYS_PIVOT_ROOT, MNT_DETACH, MS_PRIVATE = 155, 2, 1 << 18
 MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
@@ -86,12 +92,46 @@ STEP_KEYS = ("argv", "env", "workdir", "hostname", "stdin")
 lock = threading.Lock()
 spawned = threading.Semaphore(0)
 WARM_FDS: set[int] = set()  # descriptors the warm-up left open (children keep them)
+KEEP = 0  # the capabilities a machine keeps, as a mask (CTL/caps, written by the agent)
 
 
 def check(result: int, what: str) -> None:
     if result != 0:
         err = ctypes.get_errno()
         raise OSError(err, what + ": " + os.strerror(err))
+
+
+class CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class CapData(ctypes.Structure):
+    _fields_ = [
+        ("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+        ("inheritable", ctypes.c_uint32),
+    ]  # fmt: skip
+
+
+def keep_capabilities(keep: int) -> None:
+    """This thread's capabilities become a cold machine's: `keep` (a mask) in its effective,
+    permitted, inheritable, ambient and bounding sets, as bwrap and `capbound` leave them, and
+    nothing else. A user namespace of its own gave it every one; dropped here, nothing this
+    thread or a process it starts runs can take them back (the bounding set limits what an
+    `execve` grants, and the filter refuses new user namespaces)."""
+    for cap in range(64):  # the bounding set first: dropping needs CAP_SETPCAP, which is kept
+        if not keep & (1 << cap) and libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            if ctypes.get_errno() == errno.EINVAL:
+                break  # past the last capability this kernel has
+            check(-1, f"drop capability {cap} from the bounding set")
+    header = CapHeader(CAPABILITY_VERSION_3, 0)
+    data = (CapData * 2)()
+    for word in range(2):
+        bits = (keep >> (32 * word)) & 0xFFFFFFFF
+        data[word].effective = data[word].permitted = data[word].inheritable = bits
+    check(libc.capset(ctypes.byref(header), data), "capset")
+    for cap in range(64):
+        if keep & (1 << cap):
+            check(libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, cap, 0, 0), "ambient")
 
 
 def install_filter(program: bytes) -> None:
@@ -251,6 +291,7 @@ def run_child(cid: str, request: dict[str, Any], go_read: int, report: int, prog
     name = (request.get("hostname") or cid).encode()[:63]
     check(libc.sethostname(name, len(name)), "hostname")
     own_name(name.decode(errors="replace"))
+    keep_capabilities(KEEP)  # (naming itself was the last thing that needed more)
     os.chdir(request.get("workdir") or "/")
     os.environ.clear()
     os.environ.update(request.get("env") or {})
@@ -492,9 +533,30 @@ def lock_mounts() -> None:
 
 
 def main() -> None:
+    """Runs the warm-up on this thread, then serves forks from another.
+
+    Both drop to a cold machine's capabilities first, but the fork server's threads keep the
+    looser filter its children need (they unshare and mount, then install the full one), while
+    this thread installs the full filter before the warm-up runs: the warm-up, and every thread
+    and process it starts, can make no namespace, mount nothing and open no io_uring, as in a
+    cold machine. (Seccomp filters, capabilities and no-new-privs belong to each thread.)
+
+    The threads share this process's memory, so a warm-up written to rewrite the fork server's
+    code can still reach the looser filter through it; what it reaches there is no more than
+    a child gets while it sets up (new namespaces, mounts in them), and never nf_tables,
+    AF_PACKET or AF_VSOCK, which both filters refuse.
+    """
+    global KEEP
     with open(CTL + "/child.bpf", "rb") as f:
         program = f.read()
-    lock_mounts()
+    with open(CTL + "/caps") as f:
+        KEEP = int(f.read().strip(), 16)
+    lock_mounts()  # (while this process has one thread: a user namespace needs that)
+    keep_capabilities(KEEP)  # the fork server's threads, started next, inherit the drop
+    warmed = threading.Event()
+    forks = threading.Thread(target=serve_forks, args=(program, warmed), daemon=True)
+    forks.start()
+    install_filter(program)
     try:
         with open(CTL + "/warmup.py") as f:
             exec(compile(f.read(), "<warm-up>", "exec"), WARM)
@@ -511,6 +573,14 @@ def main() -> None:
     gc.collect()
     gc.freeze()
     WARM_FDS.update(open_fds() - {0, 1, 2})
+    warmed.set()
+    forks.join()  # (it serves for as long as the parent lives)
+    os._exit(1)
+
+
+def serve_forks(program: bytes, warmed: threading.Event) -> None:
+    """The fork server, once the warm-up has run: children are forked from its threads."""
+    warmed.wait()
     # A child's step runs in a fork of the child's first process, which exits at once: this
     # process adopts and waits for it.
     check(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "subreaper")

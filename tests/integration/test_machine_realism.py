@@ -118,8 +118,9 @@ NFT = r"""
 import ctypes, json, os, socket
 out = {}
 # An nf_tables "new table" request over netlink needs CAP_NET_ADMIN: refused.
-s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 12)  # NETLINK_NETFILTER
 try:
+    # The filter refuses the socket itself now; where it did not, nf_tables refuses the table.
+    s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 12)  # NETLINK_NETFILTER
     import struct
     NFNL_SUBSYS_NFTABLES, NFT_MSG_NEWTABLE = 10, 0
     def msg(kind, flags, seq, payload=b""):
