@@ -27,7 +27,10 @@ from fleet.runtime.base import Machine
 log = structlog.get_logger(__name__)
 
 MAX_SESSION_OUTPUT_BYTES = 256 << 20
-"""A call's stdout (a file read) or stderr, at most."""
+"""A call's stdout (a file read) or stderr, or its stdin (a file written), at most."""
+MAX_PENDING_STDIN_BYTES = 512 << 20
+"""The stdin of all calls still arriving on this host together, at most: each is held whole
+until its last piece, so this bounds what many calls at once (file writes) hold here."""
 RECONNECT_S = 1.0
 
 
@@ -91,7 +94,12 @@ class SessionHost:
         while not stop.is_set():
             call = None
             try:
-                call = stub.SessionCommands(self._outgoing())
+                # Each stream its own queue: a stream that ended may still have its reader
+                # waiting on the old one, which would take (and lose) the next reply, such as
+                # the ready of the first session opened after the server restarted.
+                self._replies = asyncio.Queue()
+                self._stdin.clear()  # (calls of a stream that ended: their server gave up)
+                call = stub.SessionCommands(self._outgoing(self._replies))
                 async for command in call:
                     self._start(command)
             except grpc.aio.AioRpcError as exc:
@@ -106,12 +114,17 @@ class SessionHost:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), RECONNECT_S)
 
-    async def _outgoing(self) -> AsyncIterator[host_pb2.SessionReply]:
+    async def _outgoing(
+        self, replies: asyncio.Queue[host_pb2.SessionReply]
+    ) -> AsyncIterator[host_pb2.SessionReply]:
+        """One stream's replies: who this is, the sessions held now (again, after a
+        reconnect), then what `replies` gets. A session held from here on says it is ready
+        on this queue too (at worst twice, which is harmless)."""
         yield host_pb2.SessionReply(host_id=self.host_id)
-        for work_id in list(self._held):  # (again, after a reconnect)
+        for work_id in list(self._held):
             yield host_pb2.SessionReply(work_id=work_id, ready=True)
         while True:
-            yield await self._replies.get()
+            yield await replies.get()
 
     def _start(self, command: host_pb2.SessionCommand) -> None:
         op = command.WhichOneof("op")
@@ -123,10 +136,27 @@ class SessionHost:
             if pending is None:
                 self._reply(command, error="stdin for a call that is not waiting for it")
                 return
+            held = sum(len(data) for _, data in self._stdin.values())
+            if held + len(command.stdin.data) > MAX_PENDING_STDIN_BYTES:
+                del self._stdin[command.call_id]
+                self.log.warning("session_stdin_refused", work_id=command.work_id,
+                                 held_bytes=held, bound=MAX_PENDING_STDIN_BYTES)  # fmt: skip
+                self._reply(
+                    command,
+                    error=f"resource exhausted: this host holds {held >> 20} MiB of stdin for "
+                    "calls still arriving, and this call's next piece would take it over its "
+                    f"bound of {MAX_PENDING_STDIN_BYTES >> 20} MiB: retry when fewer calls "
+                    "write at once",
+                )
+                return
             pending[1].extend(command.stdin.data)
             if len(pending[1]) > MAX_SESSION_OUTPUT_BYTES:
                 del self._stdin[command.call_id]
-                self._reply(command, error=f"stdin over {MAX_SESSION_OUTPUT_BYTES >> 20} MiB")
+                self._reply(
+                    command,
+                    error=f"resource exhausted: stdin over {MAX_SESSION_OUTPUT_BYTES >> 20} MiB, "
+                    "the bound per call",
+                )
                 return
             if not command.stdin.eof:
                 return

@@ -11,15 +11,19 @@ elsewhere behind its caller's back (its retry policy allows one attempt).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
+import tempfile
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime, timedelta
+from typing import BinaryIO, cast
 
 import grpc
 import structlog
 
+from fleet import safepath
 from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, host_pb2, types_pb2
 from fleet.core.errors import (
     FailedPrecondition,
@@ -39,6 +43,7 @@ from fleet.core.manifest import (
 )
 from fleet.core.retry import RetryPolicy
 from fleet.core.rollout import Rollout
+from fleet.core.smolfile import is_env_name
 from fleet.server import convert
 from fleet.server.core import Core
 from fleet.server.fleet_service import FleetServicer
@@ -55,6 +60,54 @@ DEFAULT_READY_S = 300.0
 MAX_FILE_BYTES = 256 << 20
 """A file written or read through a session, at most."""
 CHUNK = 1 << 20
+FILE_CALLS_PER_SESSION = 4
+FILE_CALLS_PER_TENANT = 8
+FILE_CALLS_PER_SERVER = 16
+"""File calls (WriteFile, ReadFile) in flight at once: each holds up to MAX_FILE_BYTES on its
+way through the server and the session's host, so these bound what they hold together."""
+SPOOL_BYTES = 1 << 20
+"""What of a file call's data the server keeps in memory; the rest waits in a temporary file."""
+TAR_LIMITS = safepath.Limits(max_members=200_000, max_bytes=MAX_FILE_BYTES)
+"""A directory read from a session: the bounds of the archive fleet makes of it."""
+
+
+class FileCalls:
+    """The session file calls in flight on this server, by session and by tenant, each count
+    under its bound (RESOURCE_EXHAUSTED names the one reached)."""
+
+    def __init__(self) -> None:
+        self.by_session: collections.Counter[str] = collections.Counter()
+        self.by_tenant: collections.Counter[str] = collections.Counter()
+        self.total = 0
+
+    @contextlib.contextmanager
+    def hold(self, session_id: str, tenant: str) -> Iterator[None]:
+        if self.by_session[session_id] >= FILE_CALLS_PER_SESSION:
+            raise ResourceExhausted(
+                f"session {session_id} has {FILE_CALLS_PER_SESSION} file calls in flight, "
+                "the bound per session: retry when one ends"
+            )
+        if self.by_tenant[tenant] >= FILE_CALLS_PER_TENANT:
+            raise ResourceExhausted(
+                f"tenant {tenant} has {FILE_CALLS_PER_TENANT} session file calls in flight, "
+                "the bound per tenant: retry when one ends"
+            )
+        if self.total >= FILE_CALLS_PER_SERVER:
+            raise ResourceExhausted(
+                f"this server has {FILE_CALLS_PER_SERVER} session file calls in flight, its "
+                "bound: retry when one ends"
+            )
+        self.by_session[session_id] += 1
+        self.by_tenant[tenant] += 1
+        self.total += 1
+        try:
+            yield
+        finally:
+            self.total -= 1
+            for counter, key in ((self.by_session, session_id), (self.by_tenant, tenant)):
+                counter[key] -= 1
+                if counter[key] <= 0:
+                    del counter[key]
 
 
 def exec_commands(
@@ -73,6 +126,12 @@ def exec_commands(
         for offset in range(CHUNK, len(stdin), CHUNK)
     ]
     return host_pb2.SessionCommand(work_id=work_id, exec=ex), more
+
+
+def _check_read(path: str, done: types_pb2.ExecExit, err: bytearray) -> None:
+    """A read whose command failed: NOT_FOUND with what the machine said."""
+    if done.exit_code != 0:
+        raise NotFound(f"{path}: {err.decode(errors='replace').strip()[-500:]}")
 
 
 def session_state(rollout: Rollout) -> str:
@@ -101,6 +160,7 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
         self.fleet = FleetServicer(core)
         self._known: dict[str, tuple[str, str, str]] = {}
         """Open sessions: id -> (tenant, work id, host id)."""
+        self.files = FileCalls()
 
     def _lifetime(self, asked: float) -> float:
         """A session's lifetime in seconds (0: the default), within the server's deadline cap."""
@@ -257,10 +317,13 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
             argv = list(request.argv) or (["/bin/sh", "-c", request.shell] if request.shell else [])
             if not argv or not argv[0]:
                 raise InvalidArgument("exec: give argv or shell")
-            if any("\0" in a for a in argv) or any(
-                "\0" in k or "\0" in v or "=" in k for k, v in request.env.items()
-            ):
-                raise InvalidArgument("exec: a NUL in argv or env, or '=' in an env name")
+            if any("\0" in a for a in argv) or any("\0" in v for v in request.env.values()):
+                raise InvalidArgument("exec: a NUL in argv or in an env value")
+            for k in request.env:
+                if not is_env_name(k):
+                    raise InvalidArgument(
+                        f"exec: env name {k[:100]!r} is not [A-Za-z_][A-Za-z0-9_]*"
+                    )
             work_id, host_id = await self._holder(request.session_id)
             command, more = exec_commands(
                 work_id,
@@ -281,26 +344,44 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
         except FleetError as exc:
             await context.abort(STATUS_FOR[exc.code], exc.message)
 
-    async def _run(
-        self, session_id: str, argv: list[str], stdin: bytes = b""
-    ) -> tuple[bytes, bytes, types_pb2.ExecExit]:
+    async def _file_call(self, session_id: str) -> tuple[str, str, str]:
+        """(work id, host id, tenant) of the open session a file call goes to."""
         work_id, host_id = await self._holder(session_id)
+        known = self._known.get(session_id)
+        tenant = known[0] if known is not None else (await self._session(session_id)).tenant
+        return work_id, host_id, tenant
+
+    async def _output(
+        self, session_id: str, holder: tuple[str, str, str], argv: list[str], err: bytearray,
+        stdin: bytes = b"",
+    ) -> AsyncIterator[bytes | types_pb2.ExecExit]:  # fmt: skip
+        """A command's stdout as it arrives, then its exit; the tail of its stderr is kept in
+        `err` for the error a failed command gives. More stdout than MAX_FILE_BYTES is
+        RESOURCE_EXHAUSTED."""
+        work_id, host_id, _ = holder
         command, more = exec_commands(
             work_id,
-            host_pb2.SessionExec(argv=argv, timeout_s=600, max_output_bytes=MAX_FILE_BYTES),
+            host_pb2.SessionExec(argv=argv, timeout_s=600, max_output_bytes=MAX_FILE_BYTES + 1),
             stdin,
         )
-        out, err = bytearray(), bytearray()
-        done = types_pb2.ExecExit()
-        async for reply in self.hub.call(host_id, session_id, command, more):
-            kind = reply.WhichOneof("kind")
-            if kind == "stdout":
-                out += reply.stdout
-            elif kind == "stderr":
-                err += reply.stderr
-            elif kind == "exit":
-                done = reply.exit
-        return bytes(out), bytes(err), done
+        seen = 0
+        try:
+            async for reply in self.hub.call(host_id, session_id, command, more):
+                kind = reply.WhichOneof("kind")
+                if kind == "stdout":
+                    seen += len(reply.stdout)
+                    if seen > MAX_FILE_BYTES:
+                        raise ResourceExhausted(f"over {MAX_FILE_BYTES >> 20} MiB")
+                    yield reply.stdout
+                elif kind == "stderr":
+                    err += reply.stderr
+                    del err[:-4096]
+                elif kind == "exit":
+                    yield reply.exit
+        except FailedPrecondition as exc:  # (the host refused it: one of its bounds, say)
+            if ": resource exhausted: " in exc.message:
+                raise ResourceExhausted(exc.message) from None
+            raise
 
     @mapped
     async def WriteFile(
@@ -309,49 +390,95 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
         session_id = path = ""
         mode = 0o644
         tar = False
-        data = bytearray()
-        async for chunk in requests:
+        size = 0
+        with contextlib.ExitStack() as stack:
+            spool = stack.enter_context(tempfile.SpooledTemporaryFile(SPOOL_BYTES))
+            holder = ("", "", "")
+            async for chunk in requests:
+                if not session_id:
+                    session_id, path, mode = chunk.session_id, chunk.path, chunk.mode or 0o644
+                    tar = chunk.tar
+                    check_machine_path(path, "path")
+                    holder = await self._file_call(session_id)  # before any data is taken
+                    stack.enter_context(self.files.hold(session_id, holder[2]))
+                size += len(chunk.data)
+                if size > MAX_FILE_BYTES:
+                    raise ResourceExhausted(f"{path}: over {MAX_FILE_BYTES >> 20} MiB")
+                spool.write(chunk.data)
             if not session_id:
-                session_id, path, mode = chunk.session_id, chunk.path, chunk.mode or 0o644
-                tar = chunk.tar
-                check_machine_path(path, "path")
-                await self._session(session_id)  # refused before any data is taken
-            data += chunk.data
-            if len(data) > MAX_FILE_BYTES:
-                raise ResourceExhausted(f"{path}: over {MAX_FILE_BYTES >> 20} MiB")
-        if not session_id:
-            raise InvalidArgument("WriteFile: no chunk named a session and a path")
-        if tar:
-            script = 'mkdir -p -- "$1" && exec tar -x -f - -C "$1"'
-            argv = ["/bin/sh", "-c", script, "unpack", path]
-        else:
-            script = 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1" && chmod "$2" "$1"'
-            argv = ["/bin/sh", "-c", script, "write", path, f"{mode & 0o7777:o}"]
-        _, err, done = await self._run(session_id, argv, bytes(data))
+                raise InvalidArgument("WriteFile: no chunk named a session and a path")
+            if tar:
+                script = 'mkdir -p -- "$1" && exec tar -x -f - -C "$1"'
+                argv = ["/bin/sh", "-c", script, "unpack", path]
+            else:
+                script = 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1" && chmod "$2" "$1"'
+                argv = ["/bin/sh", "-c", script, "write", path, f"{mode & 0o7777:o}"]
+            spool.seek(0)
+            done, err = types_pb2.ExecExit(), bytearray()
+            async for part in self._output(session_id, holder, argv, err, spool.read()):
+                if isinstance(part, types_pb2.ExecExit):
+                    done = part
         if done.exit_code != 0:
             why = err.decode(errors="replace")[-500:]
             if tar and done.exit_code == 127:
                 why = f"the machine's image has no tar ({why.strip()})"
             raise FailedPrecondition(f"{path}: cannot {'unpack' if tar else 'write'}: {why}")
-        return fleet_pb2.WriteFileResponse(size=len(data))
+        return fleet_pb2.WriteFileResponse(size=size)
 
     async def ReadFile(
         self, request: fleet_pb2.ReadFileRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[fleet_pb2.FileChunk]:
+        """The file streamed as the machine sends it (never held whole here), or a directory
+        as a tar archive fleet makes anew from what the machine's `tar` sent (a program the
+        workload may have replaced): only fleet's archive reaches the caller."""
         try:
             check_machine_path(request.path, "path")
-            argv = ["cat", "--", request.path]
-            if request.tar:
-                argv = ["tar", "-c", "-f", "-", "-C", request.path, "."]
-            out, err, done = await self._run(request.session_id, argv)
-            if done.exit_code != 0:
-                raise NotFound(f"{request.path}: {err.decode(errors='replace').strip()[-500:]}")
-            if done.stdout_truncated:
-                raise ResourceExhausted(f"{request.path}: over {MAX_FILE_BYTES >> 20} MiB")
-            for offset in range(0, max(len(out), 1), CHUNK):
-                yield fleet_pb2.FileChunk(data=out[offset : offset + CHUNK])
+            holder = await self._file_call(request.session_id)
+            with self.files.hold(request.session_id, holder[2]):
+                if request.tar:
+                    async for data in self._read_tree(request.session_id, holder, request.path):
+                        yield fleet_pb2.FileChunk(data=data)
+                    return
+                argv = ["head", "-c", str(MAX_FILE_BYTES + 1), "--", request.path]
+                sent, err = False, bytearray()
+                async for part in self._output(request.session_id, holder, argv, err):
+                    if isinstance(part, types_pb2.ExecExit):
+                        _check_read(request.path, part, err)
+                    elif part:
+                        sent = True
+                        yield fleet_pb2.FileChunk(data=part)
+                if not sent:
+                    yield fleet_pb2.FileChunk()
         except FleetError as exc:
             await context.abort(STATUS_FOR[exc.code], exc.message)
+
+    async def _read_tree(
+        self, session_id: str, holder: tuple[str, str, str], path: str
+    ) -> AsyncIterator[bytes]:
+        argv = ["tar", "-c", "-f", "-", "-C", path, "."]
+        with (
+            tempfile.SpooledTemporaryFile(SPOOL_BYTES) as sent,
+            tempfile.SpooledTemporaryFile(SPOOL_BYTES) as made,
+        ):
+            err = bytearray()
+            async for part in self._output(session_id, holder, argv, err):
+                if isinstance(part, types_pb2.ExecExit):
+                    _check_read(path, part, err)
+                else:
+                    sent.write(part)
+            sent.seek(0)
+            try:
+                await asyncio.to_thread(
+                    safepath.repack_tar, cast(BinaryIO, sent), cast(BinaryIO, made), TAR_LIMITS,
+                    devices="skip",
+                )  # fmt: skip
+            except safepath.UnsafeArchive as exc:
+                raise FailedPrecondition(
+                    f"{path}: the archive the machine sent is refused: {exc.message}"
+                ) from None
+            made.seek(0)
+            while data := made.read(CHUNK):
+                yield data
 
     @mapped
     async def CloseSession(
