@@ -46,7 +46,7 @@ class Fleet:
     def join_token(self, host_class: HostClass) -> str:
         """A one-use join token, for an agent started as a process of its own."""
         _, presented = self.server.core.ledger.identities.create_join_token(
-            host_class, {}, 3600, 1, time.time()
+            host_class, {}, 3600, 1, time.time(), runtimes=frozenset({self.runtime.kind})
         )
         return format_join_token(presented)
 

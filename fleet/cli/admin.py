@@ -68,6 +68,8 @@ async def cmd_ca(args: argparse.Namespace) -> int:
 
 
 async def cmd_host(args: argparse.Namespace) -> int:
+    from fleet.identity.bounds import parse_runtimes, runtimes_text
+
     ledger = _ledger(args)
     ids = ledger.identities
     now = time.time()
@@ -76,24 +78,27 @@ async def cmd_host(args: argparse.Namespace) -> int:
             ca = CertificateAuthority.load(Paths.from_env().ca)
             token, presented = ids.create_join_token(
                 HostClass(args.host_class), parse_labels(args.label), duration_s(args.ttl),
-                args.uses, now,
+                args.uses, now, runtimes=parse_runtimes(args.runtime),
             )  # fmt: skip
             uses = "once" if token.uses_left == 1 else f"{token.uses_left} times"
-            print(f"join token {token.id}: {token.host_class}-class hosts, usable {uses}, "
+            runtimes = runtimes_text(token.runtimes)
+            print(f"join token {token.id}: {token.host_class}-class hosts, labels "
+                  f"{_labels(token.labels) or '(none)'}, runtime {runtimes}, usable {uses}, "
                   f"until {_when(token.expires_at)}")  # fmt: skip
             print(f"CA fingerprint: {ca.fingerprint}")
             print("on the new host:")
-            print(f"  fleet agent --class {token.host_class} --server SERVER:PORT "
-                  f"--ca-fingerprint {ca.fingerprint} --join TOKEN")  # fmt: skip
+            runtime = runtimes if len(token.runtimes) == 1 else "auto"
+            print(f"  fleet agent --class {token.host_class} --runtime {runtime} --server "
+                  f"SERVER:PORT --ca-fingerprint {ca.fingerprint} --join TOKEN")  # fmt: skip
             print(format_join_token(presented))
         elif args.token_cmd == "list":
-            print(
-                f"{'id':<8} {'class':<5} {'uses left':>9}  {'expires':<20} {'revoked':<20} labels"
-            )
+            print(f"{'id':<8} {'class':<5} {'runtimes':<15} {'uses left':>9}  {'expires':<20} "
+                  f"{'revoked':<20} labels")  # fmt: skip
             for t in ids.join_tokens():
                 labels = ",".join(f"{k}={v}" for k, v in sorted(t.labels.items()))
-                print(f"{t.id:<8} {t.host_class.value:<5} {t.uses_left:>9}  "
-                      f"{_when(t.expires_at):<20} {_when(t.revoked_at):<20} {labels}")  # fmt: skip
+                print(f"{t.id:<8} {t.host_class.value:<5} {runtimes_text(t.runtimes):<15} "
+                      f"{t.uses_left:>9}  {_when(t.expires_at):<20} {_when(t.revoked_at):<20} "
+                      f"{labels}")  # fmt: skip
         else:
             ids.revoke_join_token(args.id, now)
             print(f"join token {args.id} revoked")
@@ -342,11 +347,22 @@ def add_commands(
     hsub = sp.add_subparsers(dest="host_cmd", required=True)
     t = hsub.add_parser("token", help="join tokens new hosts enroll with")
     tsub = t.add_subparsers(dest="token_cmd", required=True)
-    c = tsub.add_parser("create", help="a join token; printed on the last line")
-    c.add_argument("--class", dest="host_class", choices=["cpu", "gpu"], required=True)
+    c = tsub.add_parser(
+        "create",
+        help="a join token; printed on the last line. It bounds what its hosts may be: their "
+        "class, labels and runtimes, as given here, ever after",
+    )  # fmt: skip
+    c.add_argument("--class", dest="host_class", choices=["cpu", "gpu"], default="cpu",
+                   help="the class its hosts enroll as (default cpu)")  # fmt: skip
     c.add_argument("--ttl", default="1h", help="how long it can be used (default 1h)")
     c.add_argument("--uses", type=int, default=1, help="how many hosts may use it (default 1)")
-    c.add_argument("--label", action="append", default=[], help="KEY=VALUE (repeatable)")
+    c.add_argument("--label", action="append", default=[],
+                   help="KEY=VALUE its hosts carry (repeatable; they claim no other)")  # fmt: skip
+    c.add_argument(
+        "--runtime", default="namespace",
+        help="comma-separated runtimes its hosts may run: namespace, smol (default namespace: "
+        "a smol host claims VM isolation, which only an operator may grant)",
+    )  # fmt: skip
     db_flag(c)
     db_flag(tsub.add_parser("list", help="join tokens, without their secrets"))
     r = tsub.add_parser("revoke", help="a token no host may use any more")

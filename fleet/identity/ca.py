@@ -22,8 +22,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from fleet.core.credentials import check_host_id, host_id_from_uri, host_uri
+from fleet.core.credentials import HOST_ID_RE, host_id_from_uri, host_uri
 from fleet.core.errors import FailedPrecondition, InvalidArgument, Unauthenticated
+from fleet.identity.bounds import strict_host_id
 
 CA_TTL = dt.timedelta(days=3650)
 SERVER_TTL = dt.timedelta(days=30)
@@ -83,7 +84,7 @@ def host_id_of(cert: x509.Certificate) -> str | None:
         return None
     for uri in sans.get_values_for_type(x509.UniformResourceIdentifier):
         found = host_id_from_uri(uri)
-        if found is not None:
+        if found is not None and HOST_ID_RE.fullmatch(found) is not None:
             return found
     return None
 
@@ -263,7 +264,7 @@ class CertificateAuthority:
         """A client certificate for `host_id` over the CSR's key. The CSR must be well formed
         and signed by the key it carries (the host holds it); its subject is ignored: the
         host id is what the server decided."""
-        check_host_id(host_id)
+        strict_host_id(host_id)  # (never one with a newline after it)
         if len(csr_pem) > MAX_CSR_BYTES:
             raise InvalidArgument(f"csr: {len(csr_pem)} bytes, at most {MAX_CSR_BYTES}")
         try:

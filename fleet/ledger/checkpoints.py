@@ -67,8 +67,8 @@ class Checkpoints(LedgerBase):
             or item.lease_owner != host_id
         ):
             raise Aborted(
-                f"stale lease for {work_id} (token {fencing_token}, current "
-                f"{item.fencing_token}): this attempt may not write checkpoints"
+                f"stale lease for {work_id} (token {fencing_token}): this attempt may not "
+                "write checkpoints"
             )
         stored = db.run(Q.INSERT_CHECKPOINT, (item.rollout_id, seq, item.attempt, data, now))
         if stored:

@@ -98,9 +98,8 @@ class Completions(LedgerBase):
                 if item.fencing_token != report.fencing_token:
                     out.append(
                         Aborted(
-                            f"stale fencing token {report.fencing_token} for {report.work_id} "
-                            f"(current {item.fencing_token}): the lease was lost and the work "
-                            "leased again"
+                            f"stale fencing token {report.fencing_token} for {report.work_id}: "
+                            "the lease was lost and the work leased again"
                         )
                     )
                     continue

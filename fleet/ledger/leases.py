@@ -68,8 +68,23 @@ class _Taken(NamedTuple):
         ]  # fmt: skip
 
 
+LEASED_MANIFESTS = (
+    "SELECT DISTINCT r.manifest_digest FROM work_items w JOIN rollouts r ON r.id = w.rollout_id "
+    "WHERE w.state = ? AND w.lease_owner = ?"
+)
+"""The manifests of the work a host holds leases on (what it may read from the server)."""
+
+
 class Leases(LedgerBase):
     # -- agents ------------------------------------------------------------------------------
+
+    def leases_image(self, host_id: str, digest: str) -> bool:
+        """Whether `host_id` holds a lease whose manifest names the image `digest`: the one
+        reason a host reads an image from the server's store (images are tenants' data)."""
+        with self._read() as db:
+            rows = db.all(LEASED_MANIFESTS, (LEASED, host_id))
+            manifests = self._manifests_raw(db, (row[0] for row in rows))
+        return any(m.image_digest == digest for m in manifests.values())
 
     def claim(
         self,

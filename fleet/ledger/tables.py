@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy import BigInteger, Index, text
 from sqlmodel import Field, SQLModel
 
-SCHEMA_VERSION = 18
+SCHEMA_VERSION = 19
 
 CHECKPOINT_ROW_BYTES = 512
 """What each checkpoint is charged besides its data (a row's cost), so that many tiny ones are
@@ -296,6 +296,9 @@ class JoinTokenRow(SQLModel, table=True):
     expires_at: float
     uses_left: int = 1
     revoked_at: float | None = None
+    runtimes: str = Field(default="namespace", sa_column_kwargs={"server_default": "namespace"})
+    """Comma-separated RuntimeKind values a host may enroll with (revision 0019; a token made
+    before it allows the namespace runtime only, as one made without `--runtime` does)."""
 
 
 class ApiKeyRow(SQLModel, table=True):
@@ -329,3 +332,6 @@ class HostIdentityRow(SQLModel, table=True):
     cert_serial: str = ""
     cert_expires_at: float = 0.0
     revoked_at: float | None = None
+    runtimes: str = Field(default="", sa_column_kwargs={"server_default": ""})
+    """Comma-separated RuntimeKind values it may register with: its join token's (revision
+    0019; "": the runtime it enrolled with, as for hosts enrolled before it)."""

@@ -11,11 +11,16 @@ every caller is `OPEN`, and the tenant is the request's, as before identity exis
 
 What the ledger says of keys and hosts is kept for `cache_s` (1 s by default), so a revoked key
 or host is refused at most that long after its revocation, on every server replica.
+
+EnrollHost, which anyone may call, is refused at a bounded rate (`RefusalLimiter`): per peer
+address and overall, so that a flood of bad join tokens is answered RESOURCE_EXHAUSTED before
+it reaches the ledger.
 """
 
 from __future__ import annotations
 
 import contextvars
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -25,7 +30,15 @@ import grpc
 import structlog
 
 from fleet.core.credentials import Scope, bearer, host_id_from_uri, matches
-from fleet.core.errors import FleetError, NotFound, PermissionDenied, Unauthenticated
+from fleet.core.errors import (
+    FleetError,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    Unauthenticated,
+)
+from fleet.identity.bounds import no_control, strict_host_id
 from fleet.identity.ca import CertificateAuthority
 from fleet.ledger.identity import ApiKey, HostIdentity
 from fleet.server.status import STATUS_FOR
@@ -57,6 +70,7 @@ SCOPE_OF = {
     "WriteFile": Scope.ROLLOUTS_WRITE,
     "ReadFile": Scope.ROLLOUTS_WRITE,
     "CloseSession": Scope.ROLLOUTS_WRITE,
+    "ForkSession": Scope.ROLLOUTS_WRITE,
     "ListSessions": Scope.ROLLOUTS_READ,
 }
 KEY_TOUCH_S = 60.0
@@ -85,9 +99,10 @@ class Caller:
 
     def tenant_for(self, requested: str) -> str:
         """The tenant a submission is for: the key's; a request naming another is refused
-        (an admin key may name any)."""
+        (an admin key, or anyone on a server without identity, may name any tenant whose name
+        holds no control character)."""
         if self.all_tenants:
-            return requested or self.tenant or "default"
+            return no_control(requested, "tenant") if requested else self.tenant or "default"
         if requested and requested != self.tenant:
             raise PermissionDenied(
                 f"this key is tenant {self.tenant!r}'s; it cannot act for tenant {requested!r}"
@@ -206,6 +221,10 @@ class Authenticator:
             )
         if len(host_ids) != 1:
             raise Unauthenticated("the client certificate names no fleet host")
+        try:
+            strict_host_id(host_ids[0])
+        except InvalidArgument:
+            raise Unauthenticated("the client certificate names no fleet host") from None
         host: HostIdentity | None = await self._cached(self._hosts, host_ids[0], self._host_row)
         if host is None:
             raise Unauthenticated(f"host {host_ids[0]!r} is not enrolled in this fleet")
@@ -351,3 +370,81 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 response_serializer=handler.response_serializer,
             )  # fmt: skip
         raise PermissionDenied(f"{method}: this kind of call is not served")
+
+
+@dataclass
+class _Bucket:
+    tokens: float
+    at: float
+
+
+class RefusalLimiter:
+    """Token buckets for refusals of a call anyone may make: each peer address may be refused
+    `per_peer` times at once, refilled at `per_peer_per_s`, and all peers together `overall`
+    times, refilled at `overall_per_s`. A call takes one refusal from both before it is
+    checked (`take`) and gives it back if it was not refused (`refund`), so however many run
+    at once, no more than the buckets hold are ever checked and refused."""
+
+    MAX_PEERS = 10_000
+
+    def __init__(
+        self, per_peer: int = 20, per_peer_per_s: float = 0.5, overall: int = 200,
+        overall_per_s: float = 10.0, clock: Callable[[], float] = time.monotonic,
+    ) -> None:  # fmt: skip
+        self.per_peer, self.per_peer_per_s = per_peer, per_peer_per_s
+        self.overall, self.overall_per_s = overall, overall_per_s
+        self._clock = clock
+        self._all = _Bucket(float(overall), clock())
+        self._peers: dict[str, _Bucket] = {}
+        self.limited = 0
+        """Calls answered RESOURCE_EXHAUSTED (metrics and tests read it)."""
+
+    @staticmethod
+    def peer_address(peer: str) -> str:
+        """`ipv4:10.0.0.7:51234` -> `ipv4:10.0.0.7` (a new port is the same peer)."""
+        address, _, port = peer.rpartition(":")
+        return address if address and port.isdigit() else peer
+
+    def _refill(self, bucket: _Bucket, size: int, rate: float, now: float) -> _Bucket:
+        bucket.tokens = min(float(size), bucket.tokens + (now - bucket.at) * rate)
+        bucket.at = now
+        return bucket
+
+    def take(self, peer: str, what: str) -> None:
+        """One refusal taken from the peer's and the overall bucket; RESOURCE_EXHAUSTED when
+        either is empty, saying when one will be back."""
+        now = self._clock()
+        address = self.peer_address(peer)
+        overall = self._refill(self._all, self.overall, self.overall_per_s, now)
+        mine = self._peers.get(address)
+        if mine is None:
+            if len(self._peers) >= self.MAX_PEERS:
+                self._forget_full(now)
+            mine = self._peers[address] = _Bucket(float(self.per_peer), now)
+        self._refill(mine, self.per_peer, self.per_peer_per_s, now)
+        for bucket, rate, whose in ((mine, self.per_peer_per_s, f"from {address}"),
+                                    (overall, self.overall_per_s, "from all peers")):  # fmt: skip
+            if bucket.tokens < 1.0:
+                self.limited += 1
+                wait = (1.0 - bucket.tokens) / rate if rate > 0 else math.inf
+                raise ResourceExhausted(
+                    f"too many refused {what} calls {whose}: try again in {wait:.0f} s",
+                    retry_after_s=wait if math.isfinite(wait) else None,
+                )
+        mine.tokens -= 1.0
+        overall.tokens -= 1.0
+
+    def refund(self, peer: str) -> None:
+        """The call `take` was made for was not refused: its refusal is given back."""
+        mine = self._peers.get(self.peer_address(peer))
+        if mine is not None:
+            mine.tokens = min(float(self.per_peer), mine.tokens + 1.0)
+        self._all.tokens = min(float(self.overall), self._all.tokens + 1.0)
+
+    def _forget_full(self, now: float) -> None:
+        """Peers whose buckets have refilled are the same as peers never seen: dropped (all of
+        them, if none has refilled), so that the table stays bounded."""
+        full = [a for a, b in self._peers.items()
+                if b.tokens + (now - b.at) * self.per_peer_per_s >= self.per_peer]  # fmt: skip
+        for address in full or list(self._peers):
+            del self._peers[address]

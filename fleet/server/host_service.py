@@ -1,8 +1,14 @@
-"""HostService: enrollment, leases, checkpoints, images and artifacts for host agents."""
+"""HostService: enrollment, leases, checkpoints, images and artifacts for host agents.
+
+What a host is may not grow past its join token (`HostBound`: class, labels, runtimes), at
+enrollment or at any registration after it. A host reads an image only while it holds a lease
+whose manifest names it, and a rollout's input only with that rollout's lease.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 from collections.abc import AsyncIterator
@@ -26,14 +32,17 @@ from fleet.core.errors import (
     InvalidArgument,
     NotFound,
     PermissionDenied,
+    ResourceExhausted,
 )
 from fleet.core.manifest import is_digest
-from fleet.core.placement import HostCapabilities, HostClass
+from fleet.core.placement import HostCapabilities
 from fleet.core.rollout import Assignment, Completion
 from fleet.core.versions import check_agent
 from fleet.identity.ca import Issued
+from fleet.ledger.identity import JoinToken
 from fleet.ledger.leases import Claim
 from fleet.server import convert
+from fleet.server.auth import RefusalLimiter, Security
 from fleet.server.core import (
     MAX_CHECKPOINTS_PER_CALL,
     MAX_CLAIM_WAIT_S,
@@ -48,6 +57,10 @@ from fleet.server.status import STATUS_FOR, mapped
 log = structlog.get_logger(__name__)
 MAX_IMAGES_REPORTED = 256
 """Image digests a heartbeat may say a host holds."""
+OVER_LIMIT_DRAIN_BYTES = 4 << 30
+"""What the server still reads (and drops) of an output past its limit before it answers: a
+host still sending when the call ends sees gRPC's INTERNAL instead of the refusal, so the rest
+is read first, up to this much."""
 
 
 class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
@@ -56,6 +69,8 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
         self.batcher = CompletionBatcher(core)
         self.claims = ClaimBatcher(core)
         self.checkpoints = CheckpointBatcher(core)
+        self.enroll_refusals = RefusalLimiter()
+        """Bounds refused enrollments, per peer address and overall (anyone may call)."""
 
     def _host_id(self, requested: str) -> str:
         return self.core.caller().host_id_for(requested)
@@ -70,17 +85,45 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
                 "this server has no TLS, so hosts cannot enroll: start it with a CA "
                 "(fleet ca init; fleet serve --tls)"
             )
+        # A refusal is taken before anything is checked and given back if there was none:
+        # past the bound, bad tokens are answered here, before the ledger is read at all.
+        peer = context.peer()
+        self.enroll_refusals.take(peer, "EnrollHost")
+        try:
+            reply = await self._enroll(request, context, security)
+        except FleetError:
+            raise  # a refusal: it stays counted
+        except BaseException:
+            self.enroll_refusals.refund(peer)  # (not a refusal: the server's own failure)
+            raise
+        self.enroll_refusals.refund(peer)
+        return reply
+
+    async def _enroll(
+        self, request: host_pb2.EnrollHostRequest, context: grpc.aio.ServicerContext,
+        security: Security,
+    ) -> host_pb2.EnrollHostResponse:  # fmt: skip
         presented = parse_join_token(request.join_token)
         ttl = security.host_cert_ttl_s
 
-        def caps_json(host_class: HostClass) -> str:
+        def caps_json(token: JoinToken) -> str:
             caps = convert.capabilities_from_pb(
                 host_pb2.RegisterHostRequest(
-                    host_id=request.host_id, host_class=convert.HOST_CLASS_TO_PB[host_class],
+                    host_id=request.host_id, host_class=convert.HOST_CLASS_TO_PB[token.host_class],
                     capabilities=request.capabilities,
                 )
             )  # fmt: skip
-            return caps.model_dump_json()
+            token.bound.check(caps)
+            # The host's labels are its token's, those it named being among them.
+            return caps.model_copy(update={"labels": dict(token.labels)}).model_dump_json()
+
+        # Everything that refuses an enrollment is found on a read first (the bound too): only
+        # an enrollment that will be taken waits for the ledger's writer.
+        now = time.time()
+        token = await self.core.read(
+            self.core.ledger.identities.admit, presented, request.host_id, now
+        )
+        caps_json(token)
 
         signed: list[Issued] = []
 
@@ -89,9 +132,8 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
             return signed[0].serial, signed[0].not_after
 
         host, token = await self.core.db(
-            self.core.ledger.identities.enroll, presented, request.host_id, caps_json, issue,
-            time.time(),
-        )  # fmt: skip
+            self.core.ledger.identities.enroll, presented, request.host_id, caps_json, issue, now
+        )
         issued = signed[0]
         log.info("host_enrolled", host_id=host.host_id, host_class=host.host_class,
                  token_id=token.id, serial=issued.serial, peer=context.peer())  # fmt: skip
@@ -134,6 +176,7 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
         )
         enrolled = self.core.caller().host
         if enrolled is not None:
+            enrolled.bound.check(caps)
             check_within(caps, HostCapabilities.model_validate_json(enrolled.capabilities_json))
             caps = caps.model_copy(update={"labels": dict(enrolled.labels)})
         await self.core.db(self.core.ledger.register_host, caps, time.time())
@@ -202,7 +245,12 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
     ) -> host_pb2.ClaimWorkResponse:
         if request.max_items < 1:
             raise InvalidArgument("max_items must be at least 1")
-        wait_s = min(max(request.wait_s, 0.0), MAX_CLAIM_WAIT_S)
+        if not math.isfinite(request.wait_s) or request.wait_s < 0:
+            raise InvalidArgument(
+                f"wait_s must be a finite number of seconds, 0 or more, got {request.wait_s!r} "
+                f"(the server waits at most {MAX_CLAIM_WAIT_S:g})"
+            )
+        wait_s = min(request.wait_s, MAX_CLAIM_WAIT_S)
         host_id = self._host_id(request.host_id)
         give_up = time.monotonic() + wait_s
         while True:
@@ -337,13 +385,27 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
             await context.abort(STATUS_FOR[exc.code], exc.message)
         log.info("blob_served", digest=request.digest, offset=request.offset, host_id=host_id,
                  work_id=request.work_id)  # fmt: skip
+        open_server = self.core.caller().kind == "open"  # no identity: no host to check
         if not request.work_id:
+            # An image: only to a host that holds a lease whose manifest names it.
+            if not is_digest(request.digest):
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"digest {request.digest[:80]!r} is not sha256:<64 hex digits>",
+                )
+            if not open_server and not await self.core.read(
+                self.core.ledger.leases_image, host_id, request.digest
+            ):
+                await context.abort(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"host {host_id} holds no lease whose rollout runs image "
+                    f"{request.digest[:80]}: it may not read it",
+                )
             async for chunk in stream_blob(self.core, request, context):
                 yield chunk
             return
         try:  # a rollout's input: only to the host that holds its lease
             lease = await self.core.db(self.core.ledger.work_lease, request.work_id)
-            open_server = self.core.caller().kind == "open"  # no identity: no host to check
             if lease is None or (lease[0] != host_id and not open_server):
                 raise Aborted(f"work item {request.work_id} is not leased to host {host_id}")
             if request.digest not in {i.digest for i in lease[2].inputs}:
@@ -381,9 +443,22 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
                 yield part.data
 
         limit = int(self.core.config.max_output_mib * MIB)
-        digest, size = await self.core.blobs.put(
-            parts(), limit, "an output (fleet serve --max-output-mib)"
-        )
+        try:
+            # Recorded as the rollout's tenant's own, so it may name the output as an input of
+            # a later rollout (outputs are bounded per rollout, not by the upload quota).
+            digest, size = await self.core.blobs.put(
+                parts(), limit, "an output (fleet serve --max-output-mib)", owner=lease[3]
+            )
+        except ResourceExhausted as exc:
+            # The refusal reaches the host only if the host is no longer sending when the
+            # call ends (else gRPC answers it INTERNAL): the rest is read and dropped first.
+            drained = await _drain(iterator, OVER_LIMIT_DRAIN_BYTES)
+            log.info("artifact_refused", work_id=first.work_id, limit=limit, drained=drained)
+            raise ResourceExhausted(
+                f"not stored: {exc.message}",
+                retry_after_s=exc.retry_after_s,
+                details=exc.details,
+            ) from exc
         log.info("artifact_stored", work_id=first.work_id, digest=digest, size=size)
         return host_pb2.PutArtifactResponse(digest=digest, size=size)
 
@@ -431,6 +506,17 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
         if request.claim_max_items:
             items = await self._claim(host_id, request.claim_max_items, request.request_id)
         return host_pb2.CompleteWorkResponse(state=convert.STATE_TO_PB[state], items=items)
+
+
+async def _drain(parts: AsyncIterator[host_pb2.ArtifactPart], max_bytes: int) -> int:
+    """Reads what is left of a call's parts, up to `max_bytes`, keeping none; returns how
+    many bytes were read."""
+    read = 0
+    async for part in parts:
+        read += len(part.data)
+        if read > max_bytes:
+            break
+    return read
 
 
 def _td(seconds: float) -> timedelta:

@@ -11,15 +11,33 @@ from pathlib import Path
 
 import grpc
 
+import fleet
 from fleet._proto.fleet.v1 import host_pb2, host_pb2_grpc, types_pb2
 from fleet.agent.images import ImageCache
 from fleet.core.placement import HostClass
 from fleet.image.store import ImageStore
-from tests.integration.harness import harness, request
+from tests.integration.harness import Harness, harness, request
 
 
 def go(coro):  # type: ignore[no-untyped-def]
     return asyncio.run(coro)
+
+
+async def lease_work(h: Harness, stub: host_pb2_grpc.HostServiceStub) -> None:
+    """Registers the host behind `stub` and leases it one rollout on the default image: a host
+    reads an image only while it leases work that runs it."""
+    caps = host_pb2.Capabilities(
+        runtime=types_pb2.RUNTIME_KIND_NAMESPACE, isolation=types_pb2.ISOLATION_NAMESPACE, cpus=1
+    )
+    await stub.RegisterHost(
+        host_pb2.RegisterHostRequest(
+            host_class=types_pb2.HOST_CLASS_CPU, capabilities=caps,
+            agent_version=fleet.__version__,
+        )
+    )  # fmt: skip
+    await h.fleet.SubmitRollout(request())
+    claimed = await stub.ClaimWork(host_pb2.ClaimWorkRequest(max_items=1, wait_s=5))
+    assert len(claimed.items) == 1
 
 
 def empty_store(tmp: Path, name: str, images: ImageStore) -> ImageStore:
@@ -101,8 +119,10 @@ def test_an_interrupted_download_resumes_from_what_it_has(
             cache = ImageCache(store, None)
             creds = identity.channel_credentials()
             async with grpc.aio.secure_channel(identity.host_address, creds) as channel:
+                stub = host_pb2_grpc.HostServiceStub(channel)
+                await lease_work(h, stub)
                 try:
-                    await cache.acquire(host_pb2_grpc.HostServiceStub(channel), record.digest)
+                    await cache.acquire(stub, record.digest)
                 except Exception as exc:
                     return str(exc)
             cache.release(record.digest)
@@ -134,22 +154,33 @@ async def test_blobs_are_served_to_hosts_only_and_checked(
         creds = identity.channel_credentials()
         async with grpc.aio.secure_channel(identity.host_address, creds) as channel:
             stub = host_pb2_grpc.HostServiceStub(channel)
-            asks = [
+
+            async def ask_each(asks: list[host_pb2.GetBlobRequest]) -> None:
+                for bad in asks:
+                    try:
+                        async for _ in stub.GetBlob(bad):
+                            pass
+                    except grpc.aio.AioRpcError as exc:
+                        codes.append(exc.code())
+
+            # Holding no lease: no image at all.
+            await ask_each([
                 host_pb2.GetBlobRequest(digest="../../etc/passwd"),
                 host_pb2.GetBlobRequest(digest="sha256:" + "0" * 64),
+                host_pb2.GetBlobRequest(digest=record.digest),
+            ])  # fmt: skip
+            # Leasing work on the default image: that image only, and within its size.
+            await lease_work(h, stub)
+            await ask_each([
+                host_pb2.GetBlobRequest(digest="sha256:" + "0" * 64),
                 host_pb2.GetBlobRequest(digest=record.digest, offset=1 << 40),
-            ]
-            for bad in asks:
-                try:
-                    async for _ in stub.GetBlob(bad):
-                        pass
-                except grpc.aio.AioRpcError as exc:
-                    codes.append(exc.code())
+            ])  # fmt: skip
         result = codes
 
     assert result == [
         grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT,
-        grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.OUT_OF_RANGE,
     ]  # fmt: skip
 
 
