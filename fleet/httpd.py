@@ -104,8 +104,13 @@ def connection_handler(
 ) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]:
     """An asyncio.start_server callback that serves requests with `handler`.
 
-    A connection past `max_connections` open at once gets a 503 to retry; one whose first
-    request `key_of` names, past `max_per_key` open for that key, likewise. A connection from
+    A connection past `max_connections` open at once gets a 503 to retry. With `key_of` and
+    `max_per_key`, a connection counts against the key its first request names (`key_of` is
+    asked once per connection, off the hot path of the requests after it), for as long as it
+    stays open: past `max_per_key` open for that key it gets a 503 to retry. A first request
+    that names no key (a health check, a refused token) is answered and the connection closed,
+    so that no connection is held open uncounted: kept alive, it could carry a key's requests
+    past the key's bound. A connection from
     outside `allow` is closed unanswered (unless it comes from the endpoint's own address: this
     host itself). Headers must arrive within `header_timeout_s` of their first byte, the next
     request within `idle_timeout_s`, a body within `body_timeout_s`; past them the connection
@@ -163,9 +168,12 @@ def connection_handler(
                     )
                 except TimeoutError:
                     return
-                if first and key_of is not None and max_per_key:
-                    key = key_of(headers, body)
-                    if key is not None:
+                unkeyed = False
+                if key is None and key_of is not None and max_per_key:
+                    key = key_of(headers, body)  # (counted from here until it closes)
+                    if key is None:
+                        unkeyed = True
+                    else:
                         per_key[key] = per_key.get(key, 0) + 1
                         if per_key[key] > max_per_key:
                             writer.write(retry_later(
@@ -176,10 +184,14 @@ def connection_handler(
                 first = False
                 headers[":peer"] = peer
                 response = await handler(method, target, headers, body)
+                if unkeyed:
+                    response = _closing(response)
                 writer.write(response)
                 await writer.drain()
-                if headers.get("connection", "").lower() == "close" or _status(response) in (
-                    CLOSE_AFTER
+                if (
+                    unkeyed
+                    or headers.get("connection", "").lower() == "close"
+                    or _status(response) in CLOSE_AFTER
                 ):
                     return
         except (ConnectionError, asyncio.IncompleteReadError, ValueError):
@@ -217,6 +229,14 @@ def _allowed(peer: str, allow: Sequence[IPNetwork]) -> bool:
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         address = address.ipv4_mapped
     return any(address.version == net.version and address in net for net in allow)
+
+
+def _closing(response: bytes) -> bytes:
+    """`response` saying `Connection: close` (the server closes the connection after it)."""
+    head, sep, body = response.partition(b"\r\n\r\n")
+    if not sep or b"\r\nconnection:" in head.lower():
+        return response
+    return head + b"\r\nConnection: close" + sep + body
 
 
 def _status(response: bytes) -> int:

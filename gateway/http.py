@@ -13,7 +13,10 @@ Machines run the image's python3 without gRPC, so a step calls the gateway with 
 HTTP/1.1 with keep-alive, parsed strictly (`fleet.httpd`); bodies over 1 MiB are refused;
 headers must arrive within 10 s and a next request within 60 s. Past `connection_limit()` open
 connections a new one gets a 503 to retry, and so does one past `MAX_PER_ROLLOUT` connections of
-one rollout (by its token), so that one machine cannot hold them all. Only loopback and the
+one rollout (by its token), so that one machine cannot hold them all. A connection counts against
+the rollout of the token its first request carries, until it closes; one whose first request
+carries no good token (`/healthz`, `/metrics`, a refused token) is closed after its answer, so
+that no connection is held open uncounted. Only loopback and the
 machines' address pool are answered unless told otherwise (`fleet gateway --http-allow`); other
 peers are closed unanswered. Errors map from fleet's codes.
 """

@@ -24,6 +24,7 @@ from fleet.core.errors import (
     InvalidArgument,
     NotFound,
     PermissionDenied,
+    Unavailable,
 )
 from fleet.core.tokens import check_running, verify
 from fleet.prom import CounterMetricFamily, exposition, gauge
@@ -78,9 +79,12 @@ def _check_limits(config: GatewayConfig) -> None:
 
 
 RUNNING_STALE_S = 10.0
-"""A list of running rollouts older than this is not acted on (the server stopped polling)."""
+"""A list of running rollouts older than this cannot be trusted (the server stopped polling):
+tokens are refused until a fresh one arrives."""
 RUNNING_GRACE_S = 1.0
 """A token issued this close before the list was read may belong to an attempt it missed."""
+STALE_RETRY_S = 1.0
+"""The retry hint of a request refused while the list is stale."""
 
 
 @dataclass
@@ -97,7 +101,8 @@ class Gateway:
     running: frozenset[str] = frozenset()
     """The rollouts the fleet server last said are running (`note_running`)."""
     running_as_of: float = 0.0
-    """When the server read them (0: it never said; tokens are then checked alone)."""
+    """When the server read them (0: no server ever said; tokens are then checked alone, as
+    for a gateway that no server polls)."""
     running_received: float = 0.0
     """When they arrived here (monotonic)."""
 
@@ -105,24 +110,34 @@ class Gateway:
         """The server's list of running rollouts, signed with the token secret."""
         check_running(self.config.secret, ids, as_of, signature)
         if as_of >= self.running_as_of:  # (an older poll arriving late changes nothing)
+            if self._stale_said:
+                log.info("running_rollouts_fresh", effect="tokens are served again")
             self.running, self.running_as_of = frozenset(ids), as_of
             self.running_received = time.monotonic()
+            self._stale_said = False
 
     def check_running(self, rollout_id: str, issued_at: float) -> None:
-        """PermissionDenied for a rollout the server no longer runs, when the server's list
-        is fresh and the token is older than it (a token issued since the list was read
-        belongs to an attempt the list could not yet hold)."""
+        """PermissionDenied for a rollout the server no longer runs, when the token is older
+        than the server's list (a token issued since the list was read belongs to an attempt
+        the list could not yet hold). Once a server has sent a list, the gateway fails closed:
+        while the newest is over RUNNING_STALE_S old (the server stopped polling, or cannot
+        reach this gateway) every token is refused, Unavailable with a retry hint, since which
+        rollouts have ended can no longer be learned and a token must not outlive its rollout."""
         if not self.running_as_of:
             return
-        if time.monotonic() - self.running_received > RUNNING_STALE_S:
+        quiet_s = time.monotonic() - self.running_received
+        if quiet_s > RUNNING_STALE_S:
             if not self._stale_said:
                 log.warning(
                     "running_rollouts_stale", seconds=RUNNING_STALE_S,
-                    effect="tokens are checked alone until the server polls again",
+                    effect="tokens are refused until the server polls again",
                 )  # fmt: skip
                 self._stale_said = True
-            return
-        self._stale_said = False
+            raise Unavailable(
+                f"the fleet server has not said which rollouts are running for {quiet_s:.0f} s "
+                f"(over {RUNNING_STALE_S:g} s): tokens are refused until it does",
+                retry_after_s=STALE_RETRY_S,
+            )
         if rollout_id not in self.running and issued_at < self.running_as_of - RUNNING_GRACE_S:
             raise PermissionDenied(
                 f"rollout {rollout_id} is not running: its inference token ended with it"

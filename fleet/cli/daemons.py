@@ -127,9 +127,12 @@ async def cmd_gateway(args: argparse.Namespace) -> int:
     from gateway.http import serve_http
     from gateway.service import Gateway, serve
 
-    settings = GatewaySettings.from_args(args)
+    # The global --log-level (None unless given) shares its name with the engine's setting:
+    # the engine logs at the level the gateway itself runs at.
+    log_level = args.log_level or args.default_log_level
+    settings = GatewaySettings.from_args(args, log_level=log_level)
     paths = Paths.from_env()
-    config = settings.gateway_config(paths.token_secret(), args.log_level or args.default_log_level)
+    config = settings.gateway_config(paths.token_secret(), log_level)
     grpc_tls, http_tls, ca = gateway_tls(settings, paths)
     gw = Gateway.build(config)
     server, port = await serve(gw, settings.listen, grpc_tls)

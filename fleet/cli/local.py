@@ -101,17 +101,43 @@ async def cmd_run(args: argparse.Namespace) -> int:
             res = await machine.exec(
                 ["/bin/sh", "-c", init], env=dev_env, timeout_s=args.timeout_s, on_output=show
             )
-            if res.exit_code != 0:
-                print(f"fleet run: init {init!r} exited {res.exit_code}", file=sys.stderr)
-                return res.exit_code
+            if res.exit_code != 0 or res.oom_killed:
+                said = ended_badly(res, smolfile.memory_mib_effective, args.timeout_s)
+                print(f"fleet run: init {init!r} {said or f'exited {res.exit_code}'}",
+                      file=sys.stderr)  # fmt: skip
+                return exit_status(res)
         result = await machine.exec(command, env=dev_env, workdir=workdir,
                                     timeout_s=args.timeout_s, on_output=show)  # fmt: skip
     finally:
         await machine.delete()
+    said = ended_badly(result, smolfile.memory_mib_effective, args.timeout_s)
+    if said:
+        print(f"fleet run: {said}", file=sys.stderr)
+    return exit_status(result)
+
+
+def ended_badly(result: Any, memory_mib: int, timeout_s: float) -> str:
+    """Why a command ended that its own output may not say ("": it ended by itself): killed
+    for memory (the kernel's OOM killer leaves no message), or past its timeout."""
+    if result.oom_killed:
+        return (
+            f"killed: out of memory (exit code {result.exit_code}; the Smolfile's memory "
+            f"limit is {memory_mib} MiB)"
+        )
     if result.timed_out:
-        print(f"fleet run: timed out after {args.timeout_s:g}s", file=sys.stderr)
+        return f"timed out after {timeout_s:g}s"
+    return ""
+
+
+def exit_status(result: Any) -> int:
+    """`fleet run`'s own exit status for a command's result: its exit code, 124 past its
+    timeout, and 137 (killed) for one killed for memory that reported none."""
+    if result.timed_out and not result.oom_killed:
         return 124
-    return result.exit_code
+    code = int(result.exit_code)
+    if result.oom_killed and code == 0:
+        return 137
+    return code if 0 <= code <= 255 else min(255, 128 + abs(code))  # (-9: killed, 137)
 
 
 async def cmd_image(args: argparse.Namespace) -> int:

@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from fleet.core.smolfile import Smolfile
+from fleet.core.smolfile import Smolfile, allow_cidr
 
 # What no allowlist lifts: cloud metadata, link-local, loopback, and the host itself.
 _FLOOR_BASE = (
@@ -46,13 +46,15 @@ def ipv6_forms(cidr: str, what: str) -> list[tuple[str, str]]:
 FLOOR = (*_FLOOR_BASE, *[form for c, w in _FLOOR_BASE for form in ipv6_forms(c, w)])
 """Never reachable, whatever a Smolfile allows: in every spelling, IPv6 forms of the IPv4
 ranges included."""
-PRIVATE = (
+_PRIVATE_BASE = (
     ("10.0.0.0/8", "private range"),
     ("172.16.0.0/12", "private range"),
     ("192.168.0.0/16", "private range"),
     ("100.64.0.0/10", "carrier-grade NAT range"),
     ("fc00::/7", "IPv6 unique-local range"),
 )
+PRIVATE = (*_PRIVATE_BASE, *[form for c, w in _PRIVATE_BASE for form in ipv6_forms(c, w)])
+"""Reachable only where allow_cidrs lists them: in every spelling, as the floor."""
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -132,6 +134,24 @@ class EgressEvent(BaseModel):
     reason: str
 
 
+def as_ipv4(ip: Address) -> Address:
+    """An IPv4-mapped IPv6 address (::ffff:a.b.c.d) as the IPv4 address it reaches; any other
+    address as it is. Every check reads an address through this, so that no spelling of an
+    IPv4 address is judged apart from it."""
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def reserved_range(ip: Address) -> tuple[Network, str] | None:
+    """The floor or private range `ip` falls in, and what it is (None: a public address)."""
+    ip = as_ipv4(ip)
+    for net, what in (*_FLOOR, *_NEVER, *_PRIVATE):
+        if ip.version == net.version and ip in net:
+            return net, what
+    return None
+
+
 def covers(name: str, pattern: str) -> bool:
     """Whether allowing `pattern` allows `name` (a name and its subdomains)."""
     name, pattern = name.lower().rstrip("."), pattern.lower().removeprefix("*.").rstrip(".")
@@ -160,7 +180,7 @@ class EgressRules(BaseModel):
     @cached_property
     def networks(self) -> tuple[Network, ...]:
         """allow_cidrs, parsed once (the rules are frozen)."""
-        return tuple(ipaddress.ip_network(c) for c in self.allow_cidrs)
+        return tuple(allow_cidr(c) for c in self.allow_cidrs)
 
     def name_refusal(self, name: str) -> str | None:
         """Why a DNS query for `name` is refused, or None when it may be resolved."""
@@ -177,7 +197,7 @@ class EgressRules(BaseModel):
 
         A private range is refused unless an `allow_cidrs` entry covers the address.
         """
-        ip = ipaddress.ip_address(address)
+        ip = as_ipv4(ipaddress.ip_address(address))
         if address in self.host_addresses or str(ip) in self.host_addresses:
             return "the host's own address"
         for net, what in (*_FLOOR, *_NEVER):
@@ -197,7 +217,7 @@ class EgressRules(BaseModel):
         floor = self.floor_refusal(address)
         if floor is not None:
             return floor
-        ip = ipaddress.ip_address(address)
+        ip = as_ipv4(ipaddress.ip_address(address))
         if self.mode == EgressMode.OPEN:
             return None
         if any(ip.version == c.version and ip in c for c in self.networks):

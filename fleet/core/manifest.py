@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from fleet.core.errors import InvalidArgument, ResourceExhausted
 from fleet.core.placement import HostClass, Requirements, host_class_for
 from fleet.core.retry import RetryPolicy
-from fleet.core.smolfile import ParsedSmolfile, parse_smolfile
+from fleet.core.smolfile import ENV_NAME_RULE, ParsedSmolfile, is_env_name, parse_smolfile
 
 MAX_STEPS = 256
 MAX_PLAN_BYTES = 256 * 1024
@@ -29,6 +29,8 @@ MAX_STEP_TIMEOUT_S = 7 * 24 * 3600.0
 DEFAULT_DEADLINE = timedelta(hours=1)
 MAX_DEADLINE = timedelta(days=7)
 """How far ahead a deadline may be, by default (`fleet serve --max-deadline`)."""
+MIN_PRIORITY, MAX_PRIORITY = -100, 100
+"""The range of a submission's `priority` (higher is leased first; 0 by default)."""
 
 
 class Step(BaseModel):
@@ -269,6 +271,18 @@ def check_steps(steps: tuple[Step, ...]) -> None:
                 raise InvalidArgument(f"{where}: env {key[:100]}'s value holds a NUL character")
 
 
+def check_env_names(steps: tuple[Step, ...]) -> None:
+    """Every step's env names portable variable names, checked at submission (agents run
+    plans accepted before this rule as they were)."""
+    for index, step in enumerate(steps):
+        for key in step.env:
+            if not is_env_name(key):
+                where = f"step {index} ({step.name[:64]})" if step.name else f"step {index}"
+                raise InvalidArgument(
+                    f"{where}: env name {key[:100]!r} is not a variable name ({ENV_NAME_RULE})"
+                )
+
+
 def validate_request(
     request: SubmitRequest, now: datetime, max_deadline: timedelta = MAX_DEADLINE
 ) -> ParsedSmolfile:
@@ -285,8 +299,14 @@ def validate_request(
     for key, value in request.labels.items():
         check_text(key, f"labels key {key[:64]!r}", MAX_LABEL_KEY)
         check_text(value, f"labels[{key[:64]!r}]", MAX_LABEL_VALUE)
+    if not MIN_PRIORITY <= request.priority <= MAX_PRIORITY:
+        raise InvalidArgument(
+            f"priority {request.priority} is out of range: it must be from {MIN_PRIORITY} to "
+            f"{MAX_PRIORITY} (higher is leased first; 0 by default)"
+        )
     if request.session is None:
         check_steps(request.steps)  # counts and sizes before the Smolfile's parse
+        check_env_names(request.steps)
     else:
         idle = request.session.idle_timeout_s
         if request.steps:

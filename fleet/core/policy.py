@@ -17,9 +17,10 @@ from typing import Any
 from publicsuffixlist import PublicSuffixList
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from fleet.core.egress import FLOOR, PRIVATE, covers
+from fleet.core.egress import FLOOR, PRIVATE, Address, covers, reserved_range
 from fleet.core.errors import InvalidArgument
-from fleet.core.smolfile import check_host_name, key_lines, parse_smolfile
+from fleet.core.hostnames import embedded_addresses, numeric_ipv4, special_name, wildcard_service
+from fleet.core.smolfile import allow_cidr, check_host_name, key_lines, parse_smolfile
 
 
 class Severity(enum.IntEnum):
@@ -106,6 +107,17 @@ RULES = {
             summary="more allowlist entries than the organisation allows",
         ),
         RuleInfo(id="FLEET014", severity=Severity.HIGH, summary="the Smolfile is not valid"),
+        RuleInfo(
+            id="FLEET015",
+            severity=Severity.HIGH,
+            summary="allowlist name that stands for loopback, link-local, metadata or a private "
+            "address",
+        ),
+        RuleInfo(
+            id="FLEET016",
+            severity=Severity.HIGH,
+            summary="allowlist name under a wildcard DNS service (resolves to any address)",
+        ),
     )
 }
 
@@ -156,12 +168,17 @@ def load_org_policy(path: str) -> OrgPolicy:
         raise InvalidArgument(f"{path}: bad org policy: {exc}") from exc
 
 
-def _is_ip(value: str) -> bool:
+def _address_of(value: str) -> Address | None:
+    """The address an allow_hosts entry is, in any spelling a resolver reads as one."""
     try:
-        ipaddress.ip_address(value)
+        return ipaddress.ip_address(value)
     except ValueError:
-        return False
-    return True
+        return numeric_ipv4(value)
+
+
+def _reserved(ip: Address) -> str | None:
+    found = reserved_range(ip)
+    return None if found is None else f"{found[0]}, {found[1]}"
 
 
 def audit_text(text: str, name: str, org: OrgPolicy | None = None) -> list[Finding]:
@@ -200,19 +217,26 @@ def audit_text(text: str, name: str, org: OrgPolicy | None = None) -> list[Findi
             "net = true with no allow_hosts or allow_cidrs: the machine can reach anything",
         )
 
-    seen: set[str] = set()
+    seen: dict[str, str] = {}
     for host in hosts:
         low = host.lower().rstrip(".")
         if low in seen:
-            add("FLEET009", hpath, f"{host!r} is listed twice")
+            first = seen[low]
+            why = "" if first == host else f" (as {first!r}: case and a trailing dot aside)"
+            add("FLEET009", hpath, f"{host!r} is listed twice{why}")
             continue
-        seen.add(low)
-        if _is_ip(low):
+        seen[low] = host
+        address = _address_of(low)
+        if address is not None:
+            spelled = "" if str(address) == low else f" (spelled as a number: {address})"
             add(
                 "FLEET003",
                 hpath,
-                f"{host!r} is an IP address; list it in allow_cidrs as /32 or /128",
+                f"{host!r} is an IP address{spelled}; list it in allow_cidrs as /32 or /128",
             )
+            reserved = _reserved(address)
+            if reserved:
+                add("FLEET015", hpath, f"{host!r} is {address} ({reserved})")
             continue
         try:
             check_host_name(host)
@@ -226,7 +250,23 @@ def audit_text(text: str, name: str, org: OrgPolicy | None = None) -> list[Findi
                 hpath,
                 f"{host!r} is a public suffix: it allows every domain registered under it",
             )
-        shadow = next((o for o in hosts if o.lower() != low and covers(low, o)), None)
+        special = special_name(low)
+        if special:
+            add("FLEET015", hpath, f"{host!r} reaches {special}")
+        service = wildcard_service(low)
+        if service:
+            add(
+                "FLEET016",
+                hpath,
+                f"{host!r} is under {service}, a wildcard DNS service: it and its subdomains "
+                f"resolve to whatever address their names spell (10.0.0.1.{service} is "
+                "10.0.0.1)",
+            )
+            for embedded in embedded_addresses(low.removesuffix(service)):
+                reserved = _reserved(embedded)
+                if reserved:
+                    add("FLEET015", hpath, f"{host!r} resolves to {embedded} ({reserved})")
+        shadow = next((o for o in hosts if o.lower().rstrip(".") != low and covers(low, o)), None)
         if shadow:
             add(
                 "FLEET009",
@@ -255,10 +295,12 @@ def audit_text(text: str, name: str, org: OrgPolicy | None = None) -> list[Findi
     listed: set[ipaddress.IPv4Network | ipaddress.IPv6Network] = set()
     for cidr in cidrs:
         try:
-            net = ipaddress.ip_network(cidr, strict=False)
+            net = allow_cidr(cidr)
         except ValueError:
             add("FLEET014", cpath, f"{cidr[:100]!r} is not a CIDR range")
             continue
+        if str(net) != cidr:  # (an IPv4-mapped range: judged, and enforced, as IPv4)
+            cidr = f"{cidr} (that is, {net})"
         if net in listed:
             add("FLEET009", cpath, f"{cidr!r} is listed twice")
             continue

@@ -25,7 +25,8 @@ MAX_IMAGE_CHARS = 512
 DEFAULT_CPUS = 4
 DEFAULT_MEMORY_MIB = 8192
 
-_ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+ENV_NAME_RULE = "a letter or _, then letters, digits and _ (POSIX)"
 _HOST_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
 _DURATION = re.compile(r"^\d+(ms|s|m|h)$")
 _PORT = re.compile(r"^\d{1,5}:\d{1,5}$")
@@ -35,11 +36,22 @@ class _Section(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
 
+def is_env_name(name: str) -> bool:
+    """Whether `name` is a portable environment variable name (`[A-Za-z_][A-Za-z0-9_]*`):
+    shells and programs cannot read others, and a newline or `=` in one would let it stand
+    for other variables."""
+    return _ENV_KEY.fullmatch(name) is not None
+
+
 def _check_env(items: list[str]) -> list[str]:
     for item in items:
         key, sep, _ = item.partition("=")
-        if not sep or not _ENV_KEY.match(key):
-            raise ValueError(f"{item!r} is not KEY=VALUE with a valid variable name")
+        if not sep:
+            raise ValueError(f"{item[:100]!r} is not KEY=VALUE")
+        if not is_env_name(key):
+            raise ValueError(
+                f"{item[:100]!r}: {key[:100]!r} is not a variable name ({ENV_NAME_RULE})"
+            )
     return items
 
 
@@ -60,18 +72,21 @@ def _check_volumes(items: list[str]) -> list[str]:
     return items
 
 
-_IMAGE = re.compile(r"^[A-Za-z0-9./_][A-Za-z0-9._:/@+-]*$")
+_IMAGE = re.compile(r"[A-Za-z0-9./_][A-Za-z0-9._:/@+-]*")
+_IMAGE_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 _STORE_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
 
 
 def check_image_field(value: str) -> str:
     """A Smolfile `image`: a store name, a registry reference, an archive path or a digest, in
     the characters those use (no spaces, no control characters, no NUL)."""
-    if not value or len(value) > MAX_IMAGE_CHARS or not _IMAGE.match(value):
+    if not value or len(value) > MAX_IMAGE_CHARS or not _IMAGE.fullmatch(value):
         raise ValueError(
             f"{value[:100]!r} is not an image name, reference, archive path or digest "
             f"(letters, digits and ._:/@+- only, at most {MAX_IMAGE_CHARS} characters)"
         )
+    if value.startswith("sha256:") and not _IMAGE_DIGEST.fullmatch(value):
+        raise ValueError(f"{value[:100]!r} is not a digest (sha256: and 64 lower-case hex digits)")
     return value
 
 
@@ -95,6 +110,19 @@ def check_host_name(name: str) -> str:
     return name
 
 
+def allow_cidr(text: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
+    """An `allow_cidrs` entry as fleet reads it everywhere: an IPv4-mapped IPv6 range
+    (`::ffff:10.0.0.0/104`) is the IPv4 range it reaches (`10.0.0.0/8`), so that the entry
+    means the same to the audit, the firewall and the DNS forwarder. Host bits must be zero.
+    Raises ValueError."""
+    net = ipaddress.ip_network(text, strict=True)
+    if isinstance(net, ipaddress.IPv6Network) and net.prefixlen >= 96:
+        mapped = net.network_address.ipv4_mapped
+        if mapped is not None:
+            return ipaddress.IPv4Network((int(mapped), net.prefixlen - 96))
+    return net
+
+
 class Credential(_Section):
     """A secret the guest sees only as a placeholder, substituted for the listed hosts."""
 
@@ -105,7 +133,7 @@ class Credential(_Section):
     @field_validator("environment_variable")
     @classmethod
     def _env_name(cls, value: str) -> str:
-        if not _ENV_KEY.match(value):
+        if not _ENV_KEY.fullmatch(value):
             raise ValueError(f"{value!r} is not a valid environment variable name")
         return value
 
@@ -130,12 +158,13 @@ class Network(_Section):
     @field_validator("allow_cidrs")
     @classmethod
     def _cidrs(cls, value: list[str]) -> list[str]:
+        out = []
         for item in value:
             try:
-                ipaddress.ip_network(item, strict=True)
+                out.append(str(allow_cidr(item)))
             except ValueError as exc:
                 raise ValueError(f"{item!r} is not a CIDR range: {exc}") from None
-        return value
+        return out
 
 
 class Dev(_Section):
@@ -159,7 +188,7 @@ class SecretRef(_Section):
     @field_validator("from_env")
     @classmethod
     def _env_name(cls, value: str) -> str:
-        if not _ENV_KEY.match(value):
+        if not _ENV_KEY.fullmatch(value):
             raise ValueError(f"{value!r} is not a valid environment variable name")
         return value
 
@@ -245,7 +274,7 @@ class Smolfile(_Section):
     @classmethod
     def _secret_names(cls, value: dict[str, SecretRef]) -> dict[str, SecretRef]:
         for name in value:
-            if not _ENV_KEY.match(name):
+            if not _ENV_KEY.fullmatch(name):
                 raise ValueError(f"secret name {name!r} is not a valid environment variable name")
         return value
 

@@ -69,6 +69,8 @@ CASES: list[tuple[str, fleet_pb2.SubmitRolloutRequest, str]] = [
     ("nul in smolfile env", request('env = ["A=\\u0000"]\n'), "key 'env.0': a NUL"),
     ("image not a name", request('image = "mini mal"\n'), "is not an image name"),
     ("image escaping the store", request('image = "minimal/../../x"\n'), "not an image name"),
+    ("malformed image digest", request('image = "sha256:../../x"\n'), "is not a digest"),
+    ("image name with a newline", request('image = "minimal\\n"\n'), "is not an image name"),
     ("year 9999 deadline", _deadline(253402300000 - 100), "more than 7 days"),
     ("deadline out of range", _deadline(2**62), "deadline:"),
     ("label value too long", _with(request(), labels={"k": "v" * 5000}), "over the limit of 256"),
