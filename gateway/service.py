@@ -1,7 +1,8 @@
 """InferenceService over gRPC, plus the gateway's assembly and its Prometheus metrics.
 
 A thin servicer: check the token, the model, the revision and the input, then hand the sample
-to the batcher. Errors leave through fleet's one chokepoint (`fleet.server.status.mapped`).
+to the batcher. Errors leave through fleet's one chokepoint, the server interceptor of
+`fleet.api.interceptor` (InferStream answers each request's refusal in-band instead).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import grpc
 import structlog
 
 from fleet._proto.fleet.v1 import inference_pb2, inference_pb2_grpc
+from fleet.api.interceptor import ApiInterceptor
+from fleet.api.status import as_refusal
 from fleet.core.errors import (
     FailedPrecondition,
     FleetError,
@@ -28,7 +31,6 @@ from fleet.core.errors import (
 )
 from fleet.core.tokens import check_running, verify
 from fleet.prom import CounterMetricFamily, exposition, gauge
-from fleet.server.status import as_refusal, mapped
 from gateway.batcher import Answer, Batcher
 from gateway.breaker import CircuitBreaker
 from gateway.engine import EngineRunner
@@ -252,7 +254,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
 
-    @mapped
     async def Infer(
         self, request: inference_pb2.InferRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.InferResponse:
@@ -279,7 +280,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
                         request_id=request.request_id,
                         answer=await self._answer(request, "grpc_stream"),
                     )
-                except Exception as exc:  # answered in-band, as `mapped` would end a call
+                except Exception as exc:  # answered in-band, as the interceptor would end a call
                     response = _refusal(request.request_id, as_refusal(exc, "InferStream"))
                 try:
                     await write(response)
@@ -332,7 +333,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
             degraded=answer.degraded or answer.replayed, replayed=answer.replayed,
         )  # fmt: skip
 
-    @mapped
     async def Status(
         self, request: inference_pb2.GatewayStatusRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.GatewayStatus:
@@ -377,7 +377,8 @@ async def serve(
         options=[
             ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
             ("grpc.max_send_message_length", MAX_REQUEST_BYTES),
-        ]
+        ],
+        interceptors=[ApiInterceptor()],  # (the token is checked per request, not per call)
     )
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(gateway), server)
     if credentials is None:

@@ -11,6 +11,7 @@ FleetError (code: ErrorCode)
 ├── Unavailable          a runtime or dependency is not there (retryable)
 ├── Unauthenticated      no or unverifiable credentials (an inference token)
 ├── PermissionDenied     a valid credential that does not cover this request
+├── OutOfRange           a read past the end (of a blob)
 └── Internal
 
 Foreign exceptions are translated into these once, at the adapter that caught them; the server
@@ -34,6 +35,7 @@ class ErrorCode(enum.StrEnum):
     CANCELLED = "CANCELLED"
     UNAUTHENTICATED = "UNAUTHENTICATED"
     PERMISSION_DENIED = "PERMISSION_DENIED"
+    OUT_OF_RANGE = "OUT_OF_RANGE"
     INTERNAL = "INTERNAL"
 
 
@@ -99,6 +101,10 @@ class Unauthenticated(FleetError):
 
 class PermissionDenied(FleetError):
     code = ErrorCode.PERMISSION_DENIED
+
+
+class OutOfRange(FleetError):
+    code = ErrorCode.OUT_OF_RANGE
 
 
 class Internal(FleetError):

@@ -1,4 +1,5 @@
-"""The fleet server: FleetService and HostService over one ledger, health and reflection on."""
+"""The fleet server: FleetService, SessionService and HostService over one ledger, health and
+reflection on."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from fleet._proto.fleet.v1 import (
     inference_pb2,
     inference_pb2_grpc,
 )
+from fleet.api.interceptor import ApiInterceptor
 from fleet.core import tokens
 from fleet.core.errors import (
     FailedPrecondition,
@@ -28,7 +30,7 @@ from fleet.identity.tls import ServerTls, is_loopback, server_names, split_addre
 from fleet.image.store import ImageStore
 from fleet.ledger.retention import purge_finished, referenced_blobs
 from fleet.ledger.store import Ledger
-from fleet.server.auth import AuthInterceptor, Security
+from fleet.server.auth import Security
 from fleet.server.core import (
     DEFAULT_HOST_PORT,
     Core,
@@ -170,6 +172,16 @@ async def _watch_gateway(core: Core) -> None:
             await asyncio.sleep(config.gateway_poll_s)
 
 
+def fleet_services() -> list[str]:
+    """The full names of the services a fleet server serves: each is in reflection, and each
+    answers health checks by its name."""
+    return [
+        fleet_pb2.DESCRIPTOR.services_by_name["FleetService"].full_name,
+        fleet_pb2.DESCRIPTOR.services_by_name["SessionService"].full_name,
+        host_pb2.DESCRIPTOR.services_by_name["HostService"].full_name,
+    ]
+
+
 class FleetServer:
     """A running server: `await start()`, then `await stop()`."""
 
@@ -220,9 +232,9 @@ class FleetServer:
 
     async def start(self) -> None:
         limit = self.config.max_message_bytes
-        interceptors = []
-        if self.core.auth is not None:
-            interceptors.append(AuthInterceptor(self.core.auth))
+        # One interceptor names, authenticates and maps the errors of every call.
+        auth = self.core.auth
+        interceptors = [ApiInterceptor(auth.authenticate if auth is not None else None)]
         server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", limit),
@@ -237,13 +249,12 @@ class FleetServer:
         )
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        names = [
-            fleet_pb2.DESCRIPTOR.services_by_name["FleetService"].full_name,
-            host_pb2.DESCRIPTOR.services_by_name["HostService"].full_name,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        ]
-        reflection.enable_server_reflection(names, server)
+        services = fleet_services()
+        reflection.enable_server_reflection(
+            [*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME],
+            server,
+        )  # fmt: skip
         if self.security is None:
             self.port = server.add_insecure_port(self.listen)
             log.warning(
@@ -267,7 +278,7 @@ class FleetServer:
         if self.port == 0:
             raise FailedPrecondition(f"cannot listen on {self.listen}")
         await server.start()
-        for name in ["", *names[:2]]:
+        for name in ["", *services]:
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._server = server
         self._sweeper = asyncio.create_task(_sweeper(self.core))

@@ -1,4 +1,5 @@
-"""Who is calling, checked on every call before the servicer sees it.
+"""Who is calling, checked on every call before the servicer sees it (the server's
+interceptor, `fleet.api.interceptor`, calls `Authenticator.authenticate` first).
 
 - HostService (but EnrollHost): the caller's client certificate, verified by TLS against the
   fleet CA, names a host (`spiffe://fleet/host/<id>`); that host must be enrolled and not
@@ -22,7 +23,7 @@ from __future__ import annotations
 import contextvars
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +42,6 @@ from fleet.core.errors import (
 from fleet.identity.bounds import no_control, strict_host_id
 from fleet.identity.ca import CertificateAuthority
 from fleet.ledger.identity import ApiKey, HostIdentity
-from fleet.server.status import STATUS_FOR
 
 log = structlog.get_logger(__name__)
 
@@ -199,6 +199,20 @@ class Authenticator:
         table[key] = _Cached(now, value)
         return value
 
+    async def authenticate(self, method: str, context: grpc.aio.ServicerContext) -> None:
+        """The server interceptor's hook (`fleet.api.interceptor`): makes the caller of
+        `method` current for the servicer, or refuses the call (counted, and logged with the
+        key it presented)."""
+        try:
+            CALLER.set(await self.caller(method, context))
+        except FleetError as exc:
+            self.refusals += 1
+            log.info(
+                "auth_refused", method=method, code=str(exc.code), reason=exc.message,
+                key_id=exc.details.get("key-id", ""), peer=context.peer(),
+            )  # fmt: skip
+            raise
+
     async def caller(self, method: str, context: grpc.aio.ServicerContext) -> Caller:
         if method.startswith(PUBLIC):
             return PUBLIC_CALLER
@@ -280,96 +294,6 @@ class Authenticator:
             except Exception:
                 log.exception("key_touch_failed", key_id=key.id)
         return Caller("tenant", tenant=key.tenant, scopes=key.scopes, key_id=key.id)
-
-
-class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Authenticates each call and makes its `Caller` current for the servicer."""
-
-    def __init__(self, auth: Authenticator) -> None:
-        self.auth = auth
-        self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
-
-    async def _check(self, method: str, context: grpc.aio.ServicerContext) -> None:
-        try:
-            CALLER.set(await self.auth.caller(method, context))
-        except FleetError as exc:
-            self.auth.refusals += 1
-            log.info(
-                "auth_refused", rpc=method, code=str(exc.code), reason=exc.message,
-                key_id=exc.details.get("key-id", ""), peer=context.peer(),
-            )  # fmt: skip
-            await context.abort(STATUS_FOR[exc.code], exc.message)
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        method: str = details.method
-        wrapped = self._wrapped.get(method)
-        if wrapped is not None:
-            return wrapped
-        handler = await continuation(details)
-        if handler is None:
-            return handler
-        wrapped = self._wrap(method, handler)
-        self._wrapped[method] = wrapped
-        return wrapped
-
-    def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        """The method's handler, authenticating each call first (made once per method)."""
-        check = self._check
-        if handler.unary_unary is not None:
-            inner_uu = handler.unary_unary
-
-            async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                await check(method, context)
-                return await inner_uu(request, context)
-
-            return grpc.unary_unary_rpc_method_handler(
-                unary_unary, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )  # fmt: skip
-        if handler.unary_stream is not None:
-            inner_us = handler.unary_stream
-
-            async def unary_stream(
-                request: Any, context: grpc.aio.ServicerContext
-            ) -> AsyncIterator[Any]:
-                await check(method, context)
-                async for item in inner_us(request, context):
-                    yield item
-
-            return grpc.unary_stream_rpc_method_handler(
-                unary_stream, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )  # fmt: skip
-        if handler.stream_unary is not None:
-            inner_su = handler.stream_unary
-
-            async def stream_unary(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-                await check(method, context)
-                return await inner_su(requests, context)
-
-            return grpc.stream_unary_rpc_method_handler(
-                stream_unary, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )  # fmt: skip
-        if handler.stream_stream is not None:
-            inner_ss = handler.stream_stream
-
-            async def stream_stream(
-                requests: Any, context: grpc.aio.ServicerContext
-            ) -> AsyncIterator[Any]:
-                await check(method, context)
-                async for item in inner_ss(requests, context):
-                    yield item
-
-            return grpc.stream_stream_rpc_method_handler(
-                stream_stream, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )  # fmt: skip
-        raise PermissionDenied(f"{method}: this kind of call is not served")
 
 
 @dataclass

@@ -48,7 +48,6 @@ from fleet.server.core import (
     Core,
     SubmitBatcher,
 )
-from fleet.server.status import STATUS_FOR, mapped
 from fleet.settings import ArtifactSettings, RegistrySettings, SettingsError
 
 log = structlog.get_logger(__name__)
@@ -198,7 +197,6 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
         self.quota_bytes = int(artifacts.tenant_quota_gib * (1 << 30))
         """What one tenant's uploads may hold (0: no quota)."""
 
-    @mapped
     async def SubmitRollout(
         self, request: fleet_pb2.SubmitRolloutRequest, context: grpc.aio.ServicerContext
     ) -> fleet_pb2.SubmitRolloutResponse:
@@ -220,7 +218,6 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
             rollout=convert.rollout_to_pb(rollout), created=created
         )
 
-    @mapped
     async def SubmitRollouts(
         self, request: fleet_pb2.SubmitRolloutsRequest, context: grpc.aio.ServicerContext
     ) -> fleet_pb2.SubmitRolloutsResponse:
@@ -389,7 +386,6 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
                 f"{self.core.config.max_input_mib:g} MiB (fleet serve --max-input-mib)"
             )
 
-    @mapped
     async def PutBlob(
         self, requests: AsyncIterator[fleet_pb2.BlobPart], context: grpc.aio.ServicerContext
     ) -> fleet_pb2.PutBlobResponse:
@@ -411,19 +407,15 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
     async def GetArtifact(
         self, request: fleet_pb2.GetArtifactRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[fleet_pb2.ArtifactChunk]:
-        try:
-            rollout = await self.core.read(self.core.ledger.get, request.rollout_id)
-            self.core.caller().check_owner(request.rollout_id, rollout.tenant)
-            known = {i.digest for i in rollout.manifest.inputs}
-            known |= {o.digest for o in rollout.outputs if o.digest}
-            if request.digest not in known:
-                raise NotFound(f"rollout {request.rollout_id} has no artifact {request.digest}")
-            async for offset, data, total in self.core.blobs.chunks(request.digest, request.offset):
-                yield fleet_pb2.ArtifactChunk(offset=offset, data=data, total_size=total)
-        except FleetError as exc:
-            await context.abort(STATUS_FOR[exc.code], exc.message)
+        rollout = await self.core.read(self.core.ledger.get, request.rollout_id)
+        self.core.caller().check_owner(request.rollout_id, rollout.tenant)
+        known = {i.digest for i in rollout.manifest.inputs}
+        known |= {o.digest for o in rollout.outputs if o.digest}
+        if request.digest not in known:
+            raise NotFound(f"rollout {request.rollout_id} has no artifact {request.digest}")
+        async for offset, data, total in self.core.blobs.chunks(request.digest, request.offset):
+            yield fleet_pb2.ArtifactChunk(offset=offset, data=data, total_size=total)
 
-    @mapped
     async def GetRollout(
         self, request: fleet_pb2.GetRolloutRequest, context: grpc.aio.ServicerContext
     ) -> types_pb2.Rollout:
@@ -437,7 +429,6 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
             rollout = await self.core.read(self.core.ledger.get, rollout_id)
             caller.check_owner(rollout_id, rollout.tenant)
 
-    @mapped
     async def ListRollouts(
         self, request: fleet_pb2.ListRolloutsRequest, context: grpc.aio.ServicerContext
     ) -> fleet_pb2.ListRolloutsResponse:
@@ -469,19 +460,11 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
     ) -> AsyncIterator[types_pb2.RolloutEvent]:
         after = request.after_sequence
         if after < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "after_sequence is negative")
-        try:
-            await self._check_owner(request.id)
-        except FleetError as exc:
-            await context.abort(STATUS_FOR[exc.code], exc.message)
-            return
+            raise InvalidArgument("after_sequence is negative")
+        await self._check_owner(request.id)
         while True:
-            try:
-                events = await self.core.read(self.core.ledger.events, request.id, after)
-                rollout = None if events else await self.core.read(self.core.ledger.get, request.id)
-            except FleetError as exc:
-                await context.abort(STATUS_FOR[exc.code], exc.message)
-                return
+            events = await self.core.read(self.core.ledger.events, request.id, after)
+            rollout = None if events else await self.core.read(self.core.ledger.get, request.id)
             for e in events:
                 after = e.sequence
                 yield convert.event_to_pb(e)
@@ -490,7 +473,6 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
             if not events:
                 await self.core.event_pulse.wait(1.0)
 
-    @mapped
     async def CancelRollout(
         self, request: fleet_pb2.CancelRolloutRequest, context: grpc.aio.ServicerContext
     ) -> types_pb2.Rollout:
@@ -505,7 +487,6 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
         self.core.changed()
         return convert.rollout_to_pb(rollout)
 
-    @mapped
     async def ListEgressEvents(
         self, request: fleet_pb2.ListEgressEventsRequest, context: grpc.aio.ServicerContext
     ) -> fleet_pb2.ListEgressEventsResponse:

@@ -31,6 +31,7 @@ from fleet.core.errors import (
     FleetError,
     InvalidArgument,
     NotFound,
+    OutOfRange,
     PermissionDenied,
     ResourceExhausted,
 )
@@ -52,7 +53,6 @@ from fleet.server.core import (
     CompletionBatcher,
     Core,
 )
-from fleet.server.status import STATUS_FOR, mapped
 
 log = structlog.get_logger(__name__)
 MAX_IMAGES_REPORTED = 256
@@ -75,7 +75,6 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
     def _host_id(self, requested: str) -> str:
         return self.core.caller().host_id_for(requested)
 
-    @mapped
     async def EnrollHost(
         self, request: host_pb2.EnrollHostRequest, context: grpc.aio.ServicerContext
     ) -> host_pb2.EnrollHostResponse:
@@ -146,7 +145,6 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
             expires_at=convert.ts(datetime.fromtimestamp(issued.not_after, UTC)),
         )
 
-    @mapped
     async def RenewCertificate(
         self, request: host_pb2.RenewCertificateRequest, context: grpc.aio.ServicerContext
     ) -> host_pb2.RenewCertificateResponse:
@@ -165,7 +163,6 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
             expires_at=convert.ts(datetime.fromtimestamp(issued.not_after, UTC)),
         )
 
-    @mapped
     async def RegisterHost(
         self, request: host_pb2.RegisterHostRequest, context: grpc.aio.ServicerContext
     ) -> host_pb2.RegisterHostResponse:
@@ -196,7 +193,6 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
             registry=self.core.config.registry,
         )
 
-    @mapped
     async def Heartbeat(
         self, request: host_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> host_pb2.HeartbeatResponse:
@@ -239,7 +235,6 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
         token = tokens.issue(secret, a.rollout_id, a.manifest.deadline.timestamp(), time.time())
         return a.model_copy(update={"inference_token": token})
 
-    @mapped
     async def ClaimWork(
         self, request: host_pb2.ClaimWorkRequest, context: grpc.aio.ServicerContext
     ) -> host_pb2.ClaimWorkResponse:
@@ -278,7 +273,6 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
             self.core.event_pulse.fire()
         return [convert.assignment_to_pb(self._with_token(a)) for a in items]
 
-    @mapped
     async def PutCheckpoint(
         self, request: host_pb2.PutCheckpointRequest, context: grpc.aio.ServicerContext
     ) -> host_pb2.PutCheckpointResponse:
@@ -288,7 +282,6 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
         )
         return host_pb2.PutCheckpointResponse()
 
-    @mapped
     async def PutCheckpoints(
         self, request: host_pb2.PutCheckpointsRequest, context: grpc.aio.ServicerContext
     ) -> host_pb2.PutCheckpointsResponse:
@@ -316,7 +309,6 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
                 outcomes.append(host_pb2.CheckpointOutcome())
         return host_pb2.PutCheckpointsResponse(outcomes=outcomes)
 
-    @mapped
     async def ReclaimWork(
         self, request: host_pb2.ReclaimWorkRequest, context: grpc.aio.ServicerContext
     ) -> host_pb2.ReclaimWorkResponse:
@@ -344,13 +336,11 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
         iterator = replies.__aiter__()
         try:
             first = await iterator.__anext__()
-            if first.WhichOneof("kind") != "host_id":
-                raise InvalidArgument("the session stream's first message names the host")
-            host_id = self._host_id(first.host_id)
-        except FleetError as exc:
-            await context.abort(STATUS_FOR[exc.code], exc.message)
         except StopAsyncIteration:
             return
+        if first.WhichOneof("kind") != "host_id":
+            raise InvalidArgument("the session stream's first message names the host")
+        host_id = self._host_id(first.host_id)
         hub = self.core.sessions
         link = hub.attach(host_id)
         log.info("session_stream_open", host_id=host_id)
@@ -379,43 +369,35 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
     async def GetBlob(
         self, request: host_pb2.GetBlobRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[host_pb2.BlobChunk]:
-        try:
-            host_id = self._host_id("")
-        except FleetError as exc:
-            await context.abort(STATUS_FOR[exc.code], exc.message)
+        host_id = self._host_id("")
         log.info("blob_served", digest=request.digest, offset=request.offset, host_id=host_id,
                  work_id=request.work_id)  # fmt: skip
         open_server = self.core.caller().kind == "open"  # no identity: no host to check
         if not request.work_id:
             # An image: only to a host that holds a lease whose manifest names it.
             if not is_digest(request.digest):
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"digest {request.digest[:80]!r} is not sha256:<64 hex digits>",
+                raise InvalidArgument(
+                    f"digest {request.digest[:80]!r} is not sha256:<64 hex digits>"
                 )
             if not open_server and not await self.core.read(
                 self.core.ledger.leases_image, host_id, request.digest
             ):
-                await context.abort(
-                    grpc.StatusCode.PERMISSION_DENIED,
+                raise PermissionDenied(
                     f"host {host_id} holds no lease whose rollout runs image "
-                    f"{request.digest[:80]}: it may not read it",
+                    f"{request.digest[:80]}: it may not read it"
                 )
             async for chunk in stream_blob(self.core, request, context):
                 yield chunk
             return
-        try:  # a rollout's input: only to the host that holds its lease
-            lease = await self.core.db(self.core.ledger.work_lease, request.work_id)
-            if lease is None or (lease[0] != host_id and not open_server):
-                raise Aborted(f"work item {request.work_id} is not leased to host {host_id}")
-            if request.digest not in {i.digest for i in lease[2].inputs}:
-                raise NotFound(f"work item {request.work_id} has no input {request.digest}")
-            async for offset, data, total in self.core.blobs.chunks(request.digest, request.offset):
-                yield host_pb2.BlobChunk(offset=offset, data=data, total_size=total)
-        except FleetError as exc:
-            await context.abort(STATUS_FOR[exc.code], exc.message)
+        # A rollout's input: only to the host that holds its lease.
+        lease = await self.core.db(self.core.ledger.work_lease, request.work_id)
+        if lease is None or (lease[0] != host_id and not open_server):
+            raise Aborted(f"work item {request.work_id} is not leased to host {host_id}")
+        if request.digest not in {i.digest for i in lease[2].inputs}:
+            raise NotFound(f"work item {request.work_id} has no input {request.digest}")
+        async for offset, data, total in self.core.blobs.chunks(request.digest, request.offset):
+            yield host_pb2.BlobChunk(offset=offset, data=data, total_size=total)
 
-    @mapped
     async def PutArtifact(
         self, requests: AsyncIterator[host_pb2.ArtifactPart], context: grpc.aio.ServicerContext
     ) -> host_pb2.PutArtifactResponse:
@@ -484,7 +466,6 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
             kept.append(output)
         return report.model_copy(update={"outputs": tuple(kept)})
 
-    @mapped
     async def CompleteWork(
         self, request: host_pb2.CompleteWorkRequest, context: grpc.aio.ServicerContext
     ) -> host_pb2.CompleteWorkResponse:
@@ -550,24 +531,15 @@ async def stream_blob(
 ) -> AsyncIterator[host_pb2.BlobChunk]:
     """An image archive of the server's store, from `offset`, in chunks."""
     if not is_digest(request.digest):
-        await context.abort(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"digest {request.digest[:80]!r} is not sha256:<64 hex digits>",
-        )
+        raise InvalidArgument(f"digest {request.digest[:80]!r} is not sha256:<64 hex digits>")
     path = core.images.blob_path(request.digest)
     try:
         handle = await asyncio.to_thread(path.open, "rb")
     except OSError:
-        await context.abort(
-            grpc.StatusCode.NOT_FOUND, f"image {request.digest} is not in this server's store"
-        )
-        return
+        raise NotFound(f"image {request.digest} is not in this server's store") from None
     with handle:
         size = os.fstat(handle.fileno()).st_size
         if request.offset > size:
-            await context.abort(
-                grpc.StatusCode.OUT_OF_RANGE,
-                f"offset {request.offset} is past the blob's end ({size} bytes)",
-            )
+            raise OutOfRange(f"offset {request.offset} is past the blob's end ({size} bytes)")
         async for offset, data, total in file_chunks(handle, request.offset):
             yield host_pb2.BlobChunk(offset=offset, data=data, total_size=total)

@@ -48,7 +48,6 @@ from fleet.server import convert
 from fleet.server.core import Core
 from fleet.server.fleet_service import FleetServicer
 from fleet.server.hub import SessionHub
-from fleet.server.status import STATUS_FOR, mapped
 
 log = structlog.get_logger(__name__)
 
@@ -211,7 +210,6 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
         self._known[session_id] = (rollout.tenant, *lease)
         return lease
 
-    @mapped
     async def OpenSession(
         self, request: fleet_pb2.OpenSessionRequest, context: grpc.aio.ServicerContext
     ) -> fleet_pb2.Session:
@@ -259,7 +257,6 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), min(left, 0.5))
 
-    @mapped
     async def ForkSession(
         self, request: fleet_pb2.ForkSessionRequest, context: grpc.aio.ServicerContext
     ) -> fleet_pb2.ForkSessionResponse:
@@ -313,36 +310,30 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
     async def Exec(
         self, request: fleet_pb2.ExecRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[fleet_pb2.ExecOutput]:
-        try:
-            argv = list(request.argv) or (["/bin/sh", "-c", request.shell] if request.shell else [])
-            if not argv or not argv[0]:
-                raise InvalidArgument("exec: give argv or shell")
-            if any("\0" in a for a in argv) or any("\0" in v for v in request.env.values()):
-                raise InvalidArgument("exec: a NUL in argv or in an env value")
-            for k in request.env:
-                if not is_env_name(k):
-                    raise InvalidArgument(
-                        f"exec: env name {k[:100]!r} is not [A-Za-z_][A-Za-z0-9_]*"
-                    )
-            work_id, host_id = await self._holder(request.session_id)
-            command, more = exec_commands(
-                work_id,
-                host_pb2.SessionExec(
-                    argv=argv, env=dict(request.env), cwd=request.cwd,
-                    timeout_s=request.timeout_s,
-                ),
-                request.stdin,
-            )  # fmt: skip
-            async for reply in self.hub.call(host_id, request.session_id, command, more):
-                kind = reply.WhichOneof("kind")
-                if kind == "stdout":
-                    yield fleet_pb2.ExecOutput(stdout=reply.stdout)
-                elif kind == "stderr":
-                    yield fleet_pb2.ExecOutput(stderr=reply.stderr)
-                elif kind == "exit":
-                    yield fleet_pb2.ExecOutput(exit=reply.exit)
-        except FleetError as exc:
-            await context.abort(STATUS_FOR[exc.code], exc.message)
+        argv = list(request.argv) or (["/bin/sh", "-c", request.shell] if request.shell else [])
+        if not argv or not argv[0]:
+            raise InvalidArgument("exec: give argv or shell")
+        if any("\0" in a for a in argv) or any("\0" in v for v in request.env.values()):
+            raise InvalidArgument("exec: a NUL in argv or in an env value")
+        for k in request.env:
+            if not is_env_name(k):
+                raise InvalidArgument(f"exec: env name {k[:100]!r} is not [A-Za-z_][A-Za-z0-9_]*")
+        work_id, host_id = await self._holder(request.session_id)
+        command, more = exec_commands(
+            work_id,
+            host_pb2.SessionExec(
+                argv=argv, env=dict(request.env), cwd=request.cwd, timeout_s=request.timeout_s,
+            ),
+            request.stdin,
+        )  # fmt: skip
+        async for reply in self.hub.call(host_id, request.session_id, command, more):
+            kind = reply.WhichOneof("kind")
+            if kind == "stdout":
+                yield fleet_pb2.ExecOutput(stdout=reply.stdout)
+            elif kind == "stderr":
+                yield fleet_pb2.ExecOutput(stderr=reply.stderr)
+            elif kind == "exit":
+                yield fleet_pb2.ExecOutput(exit=reply.exit)
 
     async def _file_call(self, session_id: str) -> tuple[str, str, str]:
         """(work id, host id, tenant) of the open session a file call goes to."""
@@ -383,7 +374,6 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
                 raise ResourceExhausted(exc.message) from None
             raise
 
-    @mapped
     async def WriteFile(
         self, requests: AsyncIterator[fleet_pb2.WriteFileChunk], context: grpc.aio.ServicerContext
     ) -> fleet_pb2.WriteFileResponse:
@@ -431,26 +421,23 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
         """The file streamed as the machine sends it (never held whole here), or a directory
         as a tar archive fleet makes anew from what the machine's `tar` sent (a program the
         workload may have replaced): only fleet's archive reaches the caller."""
-        try:
-            check_machine_path(request.path, "path")
-            holder = await self._file_call(request.session_id)
-            with self.files.hold(request.session_id, holder[2]):
-                if request.tar:
-                    async for data in self._read_tree(request.session_id, holder, request.path):
-                        yield fleet_pb2.FileChunk(data=data)
-                    return
-                argv = ["head", "-c", str(MAX_FILE_BYTES + 1), "--", request.path]
-                sent, err = False, bytearray()
-                async for part in self._output(request.session_id, holder, argv, err):
-                    if isinstance(part, types_pb2.ExecExit):
-                        _check_read(request.path, part, err)
-                    elif part:
-                        sent = True
-                        yield fleet_pb2.FileChunk(data=part)
-                if not sent:
-                    yield fleet_pb2.FileChunk()
-        except FleetError as exc:
-            await context.abort(STATUS_FOR[exc.code], exc.message)
+        check_machine_path(request.path, "path")
+        holder = await self._file_call(request.session_id)
+        with self.files.hold(request.session_id, holder[2]):
+            if request.tar:
+                async for data in self._read_tree(request.session_id, holder, request.path):
+                    yield fleet_pb2.FileChunk(data=data)
+                return
+            argv = ["head", "-c", str(MAX_FILE_BYTES + 1), "--", request.path]
+            sent, err = False, bytearray()
+            async for part in self._output(request.session_id, holder, argv, err):
+                if isinstance(part, types_pb2.ExecExit):
+                    _check_read(request.path, part, err)
+                elif part:
+                    sent = True
+                    yield fleet_pb2.FileChunk(data=part)
+            if not sent:
+                yield fleet_pb2.FileChunk()
 
     async def _read_tree(
         self, session_id: str, holder: tuple[str, str, str], path: str
@@ -480,7 +467,6 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
             while data := made.read(CHUNK):
                 yield data
 
-    @mapped
     async def CloseSession(
         self, request: fleet_pb2.CloseSessionRequest, context: grpc.aio.ServicerContext
     ) -> fleet_pb2.Session:
@@ -517,7 +503,6 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
                 return rollout
             await self.core.event_pulse.wait(0.2)
 
-    @mapped
     async def ListSessions(
         self, request: fleet_pb2.ListSessionsRequest, context: grpc.aio.ServicerContext
     ) -> fleet_pb2.ListSessionsResponse:

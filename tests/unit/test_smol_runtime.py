@@ -7,6 +7,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from fleet.api.status import STATUS_FOR
 from fleet.core.errors import (
     ErrorCode,
     FailedPrecondition,
@@ -17,7 +18,6 @@ from fleet.core.errors import (
 from fleet.core.smolfile import parse_smolfile
 from fleet.runtime import smol as smol_runtime
 from fleet.runtime.base import MachineSpec
-from fleet.server.status import STATUS_FOR
 from tests.unit.test_smolfile import EVERY_KEY
 
 SDK_CODES = [
