@@ -16,10 +16,18 @@ from fleet._proto.fleet.v1 import fleet_pb2, types_pb2
 from fleet.config import Paths
 from fleet.core.errors import InvalidArgument
 
+DEFAULT_SERVER = "127.0.0.1:50051"
+
+
+def default_server() -> str:
+    """$FLEET_SERVER, else DEFAULT_SERVER: where clients and agents find the server."""
+    return os.environ.get("FLEET_SERVER") or DEFAULT_SERVER
+
 
 async def list_all(stub: Any, labels: dict[str, str]) -> list[types_pb2.Rollout]:
     """Every rollout carrying `labels`, newest first, page after page (a page ends early when
-    its results pass the server's byte limit)."""
+    its results pass the server's byte limit). For code that holds a raw stub; clients call
+    `fleet.client.AsyncFleet.list`."""
     rollouts: list[types_pb2.Rollout] = []
     token = ""
     while True:

@@ -10,7 +10,7 @@ from annotated_types import Ge, Gt
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from fleet.client import default_server
+from fleet.connect import default_server
 from fleet.runtime.disk import DEFAULT_DISK_GIB
 from fleet.settings import Flag, Settings
 

@@ -1,32 +1,29 @@
-"""Building submissions from files and flags, and talking to a server, for the CLI."""
+"""What the command line reads from files and flags to talk to a server: plans, labels, inputs,
+and the connection itself (`fleet.client.AsyncFleet`, the one way in)."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import os
+import argparse
 import shlex
-import stat
-import tarfile
-import tempfile
 import tomllib
-import uuid
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from fleet import safepath
-from fleet._proto.fleet.v1 import fleet_pb2, types_pb2
+from fleet.client import AsyncFleet, Step, transfer, wire
 from fleet.core.errors import InvalidArgument
-from fleet.core.manifest import image_of
-from fleet.core.smolfile import load_smolfile
-from fleet.image.archive import flatten
-from fleet.image.oci import looks_like_archive
 
 PLAN_KEYS = {"argv", "env", "workdir", "timeout_s", "name"}
 
 
-def load_plan(path: str) -> list[types_pb2.Step]:
+def connect(args: argparse.Namespace) -> AsyncFleet:
+    """The client for a command's --server, --key, --ca and --plaintext: one channel, opened
+    on its first call, for everything the command asks the server."""
+    return AsyncFleet(
+        args.server, key=args.key or None, ca=args.ca or None, plaintext=args.plaintext
+    )
+
+
+def load_plan(path: str) -> list[Step]:
     """A plan file: TOML with [[steps]] tables (argv, env, workdir, timeout_s, name)."""
     try:
         text = Path(path).read_text()
@@ -35,7 +32,7 @@ def load_plan(path: str) -> list[types_pb2.Step]:
     return parse_plan(text, path)
 
 
-def parse_plan(text: str, path: str = "<plan>") -> list[types_pb2.Step]:
+def parse_plan(text: str, path: str = "<plan>") -> list[Step]:
     """A plan's text as steps; anything else is refused with InvalidArgument saying where."""
     try:
         data = tomllib.loads(text)
@@ -77,13 +74,13 @@ def parse_plan(text: str, path: str = "<plan>") -> list[types_pb2.Step]:
         if isinstance(timeout, bool) or not isinstance(timeout, int | float):
             raise InvalidArgument(f"{where}.timeout_s must be a number of seconds")
         try:
-            pb = types_pb2.Step(
-                argv=argv, env={str(k): str(v) for k, v in env.items()}, workdir=workdir,
-                timeout_s=float(timeout), name=name,
-            )  # fmt: skip
-        except (ValueError, OverflowError) as exc:  # (a string protobuf cannot hold)
-            raise InvalidArgument(f"{where}: {exc}") from None
-        out.append(pb)
+            timeout_s = float(timeout)
+        except OverflowError:
+            raise InvalidArgument(f"{where}.timeout_s is out of range") from None
+        planned = Step(argv=argv, env={str(k): str(v) for k, v in env.items()},
+                       workdir=workdir, timeout_s=timeout_s, name=name)  # fmt: skip
+        wire.step(planned, index)  # (refused here, naming the step, if the wire cannot hold it)
+        out.append(planned)
     return out
 
 
@@ -97,62 +94,15 @@ def parse_labels(items: list[str]) -> dict[str, str]:
     return labels
 
 
-def submit_request(
-    smolfile_path: str,
-    steps: list[types_pb2.Step],
-    *,
-    key: str | None = None,
-    labels: dict[str, str] | None = None,
-    deadline_s: float | None = None,
-    max_attempts: int = 0,
-    require_vm: bool = False,
-    require_cuda_device: bool = False,
-    inference: bool = False,
-    versions: dict[str, str] | None = None,
-    tenant: str = "",
-    inputs: list[types_pb2.InputFile] | None = None,
-    outputs: list[str] | None = None,
-) -> fleet_pb2.SubmitRolloutRequest:
-    parsed = load_smolfile(smolfile_path)  # fail fast, locally, with file and line
-    if not steps and (parsed.spec.entrypoint or parsed.spec.cmd):
-        steps = [types_pb2.Step(argv=[*parsed.spec.entrypoint, *parsed.spec.cmd], name="main")]
-    request = fleet_pb2.SubmitRolloutRequest(
-        request_id=uuid.uuid4().hex,
-        idempotency_key=key or uuid.uuid4().hex,
-        smolfile=parsed.text,
-        smolfile_name=smolfile_path,
-        steps=steps,
-        labels=labels or {},
-        tenant=tenant,
-        retry=types_pb2.RetryPolicy(max_attempts=max_attempts),
-        requirements=types_pb2.Requirements(
-            isolation=types_pb2.ISOLATION_VM if require_vm else types_pb2.ISOLATION_UNSPECIFIED,
-            cuda_device=require_cuda_device,
-            inference=inference,
-        ),
-        versions=types_pb2.Versions(**(versions or {})),
-        inputs=inputs or [],
-        outputs=outputs or [],
-    )
-    if deadline_s is not None:
-        request.deadline.FromDatetime(datetime.now(UTC) + timedelta(seconds=deadline_s))
-    return request
-
-
-def steps_from_flags(step_flags: list[str]) -> list[types_pb2.Step]:
-    return [types_pb2.Step(argv=shlex.split(s), name=f"step-{i}") for i, s in enumerate(step_flags)]
-
-
-def rollout_dict(r: types_pb2.Rollout) -> dict[str, Any]:
-    from google.protobuf.json_format import MessageToDict
-
-    out: dict[str, Any] = MessageToDict(r, preserving_proto_field_name=True)
-    return out
-
-
-# -- files -------------------------------------------------------------------------------------
-
-UPLOAD_CHUNK = 1 << 20
+def steps_from_flags(step_flags: list[str]) -> list[Step]:
+    steps = []
+    for index, flag in enumerate(step_flags):
+        try:
+            argv = shlex.split(flag)
+        except ValueError as exc:
+            raise InvalidArgument(f"--step {flag!r}: {exc}") from None
+        steps.append(Step(argv=argv, name=f"step-{index}"))
+    return steps
 
 
 def parse_input(spec: str) -> tuple[Path, str, bool]:
@@ -167,121 +117,28 @@ def parse_input(spec: str) -> tuple[Path, str, bool]:
     return path, dest, path.is_dir()
 
 
-def tar_directory(src: Path, out: Any) -> None:
-    """A directory as a tar whose bytes depend on its content only (sorted entries, owner 0),
-    so the same tree uploaded twice is stored once."""
-
-    def reset(info: tarfile.TarInfo) -> tarfile.TarInfo:
-        info.uid = info.gid = 0
-        info.uname = info.gname = ""
-        return info
-
-    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for path in sorted(src.rglob("*")):
-            tar.add(path, arcname=str(path.relative_to(src)), recursive=False, filter=reset)
+def parse_inputs(specs: list[str]) -> dict[str, Path]:
+    """--input flags as the client takes them: path in the machine -> local source; two for
+    one path are refused (one would be lost)."""
+    inputs: dict[str, Path] = {}
+    for spec in specs:
+        src, dest, _ = parse_input(spec)
+        if dest in inputs:
+            raise InvalidArgument(f"--input {spec!r}: {dest} is given twice")
+        inputs[dest] = src
+    return inputs
 
 
-async def upload(stub: Any, src: Path, dest: str, directory: bool) -> types_pb2.InputFile:
-    """Uploads a file, or a directory as one tar, with PutBlob; returns the manifest entry."""
-
-    with tempfile.TemporaryFile() as spool:
-        if directory:
-            await asyncio.to_thread(tar_directory, src, spool)
-            spool.seek(0)
-            handle: Any = spool
-        else:
-            handle = src.open("rb")
-
-        async def parts() -> Any:
-            while data := await asyncio.to_thread(handle.read, UPLOAD_CHUNK):
-                yield fleet_pb2.BlobPart(data=data)
-
-        try:
-            reply = await stub.PutBlob(parts(), timeout=3600)
-        finally:
-            if handle is not spool:
-                handle.close()
-    return types_pb2.InputFile(path=dest, digest=reply.digest, size=reply.size,
-                               directory=directory)  # fmt: skip
+# -- for code that holds a raw FleetService stub -----------------------------------------------
 
 
-async def download(stub: Any, rollout: types_pb2.Rollout, into: Path) -> list[str]:
-    """Writes each stored output of `rollout` under `into` (a directory's tar unpacked into a
-    folder of its name); returns what it wrote.
-
-    A directory's archive is unpacked by `fleet.safepath` (never tarfile's filter): nothing is
-    written outside its folder, no link is followed, and no owners, setuid bits, device nodes
-    or symlinks pointing out of the folder are made. An output that cannot be written so is
-    skipped, the others are still written, and then `UnsafeArchive` names each one refused."""
-
-    written = []
-    refused = []
-    os.makedirs(into, exist_ok=True)
-    for output in rollout.outputs:
-        if not output.digest:
-            continue
-        try:
-            name = str(safepath.member_name(Path(output.path).name))
-        except safepath.UnsafePath as exc:
-            refused.append(f"output {output.path!r}: {exc.message}")
-            continue
-        target = into / name
-        with tempfile.TemporaryFile() as spool:
-            call = stub.GetArtifact(
-                fleet_pb2.GetArtifactRequest(rollout_id=rollout.id, digest=output.digest)
-            )
-            async for chunk in call:
-                await asyncio.to_thread(spool.write, chunk.data)
-            spool.seek(0)
-            try:
-                await asyncio.to_thread(_write_output, spool, into, name, output.directory)
-            except (safepath.UnsafeArchive, safepath.UnsafePath) as exc:
-                refused.append(f"output {output.path!r}: {exc.message}")
-                continue
-        written.append(str(target))
-    if refused:
-        raise safepath.UnsafeArchive(
-            f"{len(refused)} output(s) not written under {into} "
-            f"({len(written)} written): " + "; ".join(refused)
-        )
-    return written
+async def upload(stub: Any, src: Path, dest: str, directory: bool) -> Any:
+    """`AsyncFleet.upload` for a caller holding a raw stub: the input as the wire's
+    InputFile, gRPC's own errors let through."""
+    return wire.input_file_pb(await transfer.upload(stub, src, dest, directory))
 
 
-def _write_output(spool: Any, into: Path, name: str, directory: bool) -> None:
-    """One output at `into/name`: a directory's archive unpacked there, a file's bytes written
-    there; never through a link already at that name, never over a directory."""
-    if directory:
-        fd = safepath.open_dir(into, name, create=True)
-        try:
-            safepath.extract_tar(spool, fd, safepath.ExtractPolicy())
-        finally:
-            os.close(fd)
-        return
-    with contextlib.suppress(FileNotFoundError):
-        if stat.S_ISDIR(os.lstat(into / name).st_mode):
-            raise safepath.UnsafePath(f"{into / name}: is a directory")
-        os.unlink(into / name)
-    fd = safepath.open_file(into, name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    with os.fdopen(fd, "wb") as out:
-        while data := spool.read(UPLOAD_CHUNK):
-            out.write(data)
-
-
-def archive_path(smolfile: str, image: str) -> Path:
-    """An `image` archive path as the Smolfile means it: relative to the Smolfile."""
-    return Path(smolfile).resolve().parent / image
-
-
-async def upload_image_archive(stub: Any, smolfile: str) -> str:
-    """When the Smolfile's `image` is an archive path (relative to the Smolfile): the image
-    flattened here and uploaded; its digest ("" for any other `image`)."""
-
-    image = image_of(load_smolfile(smolfile))
-    if not looks_like_archive(image):
-        return ""
-    archive = archive_path(smolfile, image)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "rootfs.tar"
-        await asyncio.to_thread(flatten, archive, out)
-        entry = await upload(stub, out, "/", False)
-    return str(entry.digest)
+async def download(stub: Any, rollout: Any, into: Path) -> list[str]:
+    """`AsyncFleet.download_outputs` for a caller holding a raw stub and a wire Rollout."""
+    done = wire.rollout(rollout)
+    return await transfer.download_outputs(stub, done.id, done.outputs, into)

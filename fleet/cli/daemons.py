@@ -7,19 +7,33 @@ import asyncio
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from fleet.agent.settings import AgentSettings
 from fleet.cli.admin import duration_s
 from fleet.cli.client import parse_labels
 from fleet.config import Paths
 from fleet.core.cost import parse_prices
+from fleet.core.errors import InvalidArgument
 from fleet.identity.local import ensure_admin_key
 from fleet.runtime.netns import NetConfig
 from fleet.server.auth import Security
 from fleet.server.settings import ServeSettings
+from fleet.settings import SettingsError
 from gateway.settings import GatewaySettings
+
+S = TypeVar("S")
+
+
+def settings_of(read: Callable[[], S]) -> S:
+    """A daemon's settings from its flags and environment; a bad value is fleet's own
+    InvalidArgument (the message names the flag or variable it came from)."""
+    try:
+        return read()
+    except SettingsError as exc:
+        raise InvalidArgument(str(exc)) from None
 
 
 def default_db(paths: Paths) -> Path:
@@ -38,7 +52,7 @@ async def cmd_serve(args: argparse.Namespace) -> int:
     from fleet.ledger.store import Ledger
     from fleet.server.app import FleetServer
 
-    settings = ServeSettings.from_args(args)
+    settings = settings_of(lambda: ServeSettings.from_args(args))
     paths = Paths.from_env()
     security = serve_security(settings, paths)
     registry_ca = (
@@ -130,7 +144,7 @@ async def cmd_gateway(args: argparse.Namespace) -> int:
     # The global --log-level (None unless given) shares its name with the engine's setting:
     # the engine logs at the level the gateway itself runs at.
     log_level = args.log_level or args.default_log_level
-    settings = GatewaySettings.from_args(args, log_level=log_level)
+    settings = settings_of(lambda: GatewaySettings.from_args(args, log_level=log_level))
     paths = Paths.from_env()
     config = settings.gateway_config(paths.token_secret(), log_level)
     grpc_tls, http_tls, ca = gateway_tls(settings, paths)
@@ -233,7 +247,7 @@ async def cmd_agent(args: argparse.Namespace) -> int:
     from fleet.identity.tls import HostFiles
     from fleet.image.store import ImageStore
 
-    settings = AgentSettings.from_args(args)
+    settings = settings_of(lambda: AgentSettings.from_args(args))
     paths = Paths.from_env()
     images = ImageStore(paths.images, paths.recipes)
     choice = choose_runtime(settings.runtime, paths.home, images)

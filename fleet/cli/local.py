@@ -9,8 +9,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fleet.cli import client
+from fleet.client import Smolfile
+from fleet.client.transfer import archive_path
 from fleet.config import Paths
+from fleet.core.manifest import image_of
 
 
 def dev_volumes(
@@ -33,14 +35,12 @@ def dev_volumes(
 async def cmd_run(args: argparse.Namespace) -> int:
     """One machine from a Smolfile, the command's output streamed to this terminal."""
     from fleet.agent.capabilities import choose_runtime, make_runtime
-    from fleet.core.manifest import image_of
-    from fleet.core.smolfile import load_smolfile
-    from fleet.image.oci import looks_like_archive
     from fleet.image.store import ImageStore
     from fleet.runtime.base import MachineSpec, resolve_secrets
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    parsed = load_smolfile(args.smolfile)
+    loaded = Smolfile.load(args.smolfile)
+    parsed = loaded.parsed
     if not command:
         command = [*parsed.spec.entrypoint, *parsed.spec.cmd]
     if not command:
@@ -67,12 +67,11 @@ async def cmd_run(args: argparse.Namespace) -> int:
                   f"{choice.kind} runtime; remove it to run here", file=sys.stderr)  # fmt: skip
             return 2
         read_only, writable = await asyncio.to_thread(dev_volumes, args.smolfile, dev.volumes)
-    image = image_of(parsed)
-    if looks_like_archive(image):
-        archive = client.archive_path(args.smolfile, image)
+    archive = archive_path(loaded)
+    if archive is not None:
         digest = (await asyncio.to_thread(images.import_archive, archive)).digest
     else:
-        digest = images.resolve(image)
+        digest = images.resolve(image_of(parsed))
     smolfile = parsed.spec
     if dev is not None and dev.user:  # [dev] user stands for the Smolfile's own
         smolfile = smolfile.model_copy(update={"user": dev.user})

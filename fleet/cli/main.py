@@ -10,239 +10,31 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-import grpc
-
 from fleet import logs
-from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
 from fleet.agent.settings import AgentSettings
-from fleet.cli import client
 from fleet.cli.admin import add_commands as add_admin_commands
 from fleet.cli.daemons import cmd_agent, cmd_gateway, cmd_serve, cmd_up
 from fleet.cli.local import cmd_image, cmd_run
+from fleet.cli.rollouts import (
+    cmd_cancel,
+    cmd_egress_events,
+    cmd_get,
+    cmd_list,
+    cmd_submit,
+    cmd_watch,
+)
 from fleet.cli.sessions import add_session_command
-from fleet.client import DEFAULT_SERVER, default_server
 from fleet.config import Paths
-from fleet.connect import ClientAuth
+from fleet.connect import DEFAULT_SERVER, default_server
 from fleet.core.errors import FleetError, InvalidArgument
 from fleet.server.settings import ServeSettings
-from fleet.settings import SettingsError
 from gateway.settings import GatewaySettings
-
-STATE_NAMES = {v: k.removeprefix("ROLLOUT_STATE_") for k, v in types_pb2.RolloutState.items()}
-
-
-# -- client side -------------------------------------------------------------------------------
-
-
-def _stub(args: argparse.Namespace) -> tuple[grpc.aio.Channel, fleet_pb2_grpc.FleetServiceStub]:
-    auth = ClientAuth.find(
-        Paths.from_env().home, ca=args.ca, key=args.key, plaintext=args.plaintext
-    )
-    channel = auth.channel(args.server)
-    return channel, fleet_pb2_grpc.FleetServiceStub(channel)
-
-
-def _print_rollout(r: types_pb2.Rollout, as_json: bool) -> None:
-    if as_json:
-        print(json.dumps(client.rollout_dict(r), indent=2))
-        return
-    print(f"rollout   {r.id}")
-    print(f"state     {STATE_NAMES[r.state]}")
-    print(f"class     {types_pb2.HostClass.Name(r.host_class).removeprefix('HOST_CLASS_').lower()}")
-    print(f"attempts  {r.attempts}")
-    if r.host_id:
-        runtime = types_pb2.RuntimeKind.Name(r.runtime).removeprefix("RUNTIME_KIND_").lower()
-        print(f"served by {r.host_id} (runtime {runtime}, device {r.device})")
-    if r.error:
-        print(f"error     {r.error}")
-    if r.HasField("egress"):
-        mode = types_pb2.EgressPolicy.Mode.Name(r.egress.mode).removeprefix("MODE_").lower()
-        allowed = ", ".join([*r.egress.allow_hosts, *r.egress.allow_cidrs])
-        print(f"egress    {mode}{': ' + allowed if allowed else ''} ({r.egress.enforced_by})")
-    for a in r.attempt_history:
-        ended = f"{a.ended_at.ToDatetime():%H:%M:%S}" if a.HasField("ended_at") else "running"
-        print(
-            f"attempt {a.attempt} on {a.host_id}: {a.started_at.ToDatetime():%H:%M:%S} -> {ended} "
-            f"{a.outcome} {a.error}".rstrip()
-        )
-    for o in r.outputs:
-        what = "directory (tar)" if o.directory else "file"
-        if o.digest:
-            note = f" ({o.error})" if o.error else ""  # e.g. a step's log cut at its bound
-            print(f"output    {o.path}: {what}, {o.size} bytes, {o.digest}{note}")
-        else:
-            print(f"output    {o.path}: not stored: {o.error}")
-    for s in r.results:
-        flag = " (timed out)" if s.timed_out else ""
-        print(f"-- step {s.index} {s.name}: exit {s.exit_code}{flag}, {s.duration_s:.3f}s")
-        if s.stdout:
-            print(s.stdout.decode(errors="replace").rstrip())
-        if s.stderr:
-            print("[stderr] " + s.stderr.decode(errors="replace").rstrip())
-
-
-async def cmd_submit(args: argparse.Namespace) -> int:
-    from fleet.core.smolfile import load_smolfile
-
-    steps = client.load_plan(args.plan) if args.plan else client.steps_from_flags(args.step)
-    if load_smolfile(args.smolfile).spec.dev is not None:
-        print(
-            f"fleet submit: {args.smolfile}'s [dev] section is for local runs (fleet run) and "
-            "is ignored here; send data with --input SRC:/path",
-            file=sys.stderr,
-        )
-    sources = [client.parse_input(spec) for spec in args.input]
-    channel, stub = _stub(args)
-    inputs = []
-    image_upload = ""
-    async with channel:
-        for src, dest, directory in sources:
-            inputs.append(await client.upload(stub, src, dest, directory))
-        image_upload = await client.upload_image_archive(stub, args.smolfile)
-    request = client.submit_request(
-        args.smolfile,
-        steps,
-        key=args.idempotency_key,
-        labels=client.parse_labels(args.label),
-        deadline_s=args.deadline_s,
-        max_attempts=args.max_attempts,
-        require_vm=args.require_vm,
-        require_cuda_device=args.require_cuda_device,
-        inference=args.inference,
-        tenant=args.tenant,
-        inputs=inputs,
-        outputs=args.output,
-    )
-    request.image_upload = image_upload
-    channel, stub = _stub(args)
-    async with channel:
-        reply = await stub.SubmitRollout(request, timeout=30)
-        print(
-            reply.rollout.id
-            if args.quiet
-            else f"{reply.rollout.id} "
-            + ("submitted" if reply.created else "already submitted (same key)")
-        )
-        if args.wait:
-            await _watch(stub, reply.rollout.id, 0)
-            final = await stub.GetRollout(fleet_pb2.GetRolloutRequest(id=reply.rollout.id))
-            _print_rollout(final, False)
-            return 0 if final.state == types_pb2.ROLLOUT_STATE_SUCCEEDED else 1
-    return 0
-
-
-async def _watch(stub: fleet_pb2_grpc.FleetServiceStub, rollout_id: str, after: int) -> None:
-    # Reconnects after a dropped stream and resumes after the last sequence seen.
-    for _ in range(100):
-        try:
-            call = stub.WatchRollout(
-                fleet_pb2.WatchRolloutRequest(id=rollout_id, after_sequence=after)
-            )
-            async for e in call:
-                after = e.sequence
-                move = ""
-                if e.to_state:
-                    before = STATE_NAMES[e.from_state] if e.from_state else "-"
-                    move = f"{before} -> {STATE_NAMES[e.to_state]}"
-                print(
-                    f"#{e.sequence:<6} {e.at.ToDatetime():%H:%M:%S} {e.kind:<18} {move:<22} "
-                    f"{e.actor} {e.message}".rstrip(),
-                    flush=True,
-                )
-            return
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.UNAVAILABLE:
-                raise
-            await asyncio.sleep(1.0)
-
-
-async def cmd_watch(args: argparse.Namespace) -> int:
-    channel, stub = _stub(args)
-    async with channel:
-        await _watch(stub, args.id, args.after)
-    return 0
-
-
-async def cmd_get(args: argparse.Namespace) -> int:
-    channel, stub = _stub(args)
-    async with channel:
-        rollout = await stub.GetRollout(fleet_pb2.GetRolloutRequest(id=args.id))
-        _print_rollout(rollout, args.json)
-        if args.download:
-            written = await client.download(stub, rollout, Path(args.download))
-            print(f"downloaded {len(written)} outputs to {args.download}", file=sys.stderr)
-    return 0
-
-
-async def cmd_list(args: argparse.Namespace) -> int:
-    channel, stub = _stub(args)
-    async with channel:
-        reply = await stub.ListRollouts(
-            fleet_pb2.ListRolloutsRequest(
-                page_size=args.page_size,
-                page_token=args.page_token,
-                labels=client.parse_labels(args.label),
-                could_reach=args.could_reach,
-            )
-        )
-    for r in reply.rollouts:
-        labels = ",".join(f"{k}={v}" for k, v in sorted(r.labels.items()))
-        print(f"{r.id}  {STATE_NAMES[r.state]:<10} attempts={r.attempts} {labels}")
-    if reply.next_page_token:
-        print(f"next page: --page-token {reply.next_page_token}")
-    return 0
-
-
-async def cmd_cancel(args: argparse.Namespace) -> int:
-    import uuid
-
-    channel, stub = _stub(args)
-    async with channel:
-        r = await stub.CancelRollout(
-            fleet_pb2.CancelRolloutRequest(
-                request_id=uuid.uuid4().hex, id=args.id, reason=args.reason
-            )
-        )
-    print(
-        f"{r.id} {STATE_NAMES[r.state]}"
-        + (" (stop requested)" if r.state == types_pb2.ROLLOUT_STATE_RUNNING else "")
-    )
-    return 0
 
 
 async def cmd_top(args: argparse.Namespace) -> int:
     from fleet.cli.top import run_top
 
     return await run_top(args.metrics, args.gateway_metrics, args.interval_s, args.once)
-
-
-async def cmd_egress_events(args: argparse.Namespace) -> int:
-    """What a rollout's machines were refused: DNS queries and connections, oldest first."""
-    import json
-    from datetime import UTC, datetime
-
-    channel, stub = _stub(args)
-    async with channel:
-        reply = await stub.ListEgressEvents(
-            fleet_pb2.ListEgressEventsRequest(rollout_id=args.rollout_id)
-        )
-    if args.json:
-        for e in reply.events:
-            print(json.dumps({
-                "rollout_id": e.rollout_id, "attempt": e.attempt, "machine": e.machine,
-                "at": e.at.ToDatetime(tzinfo=UTC).isoformat(), "kind": e.kind,
-                "destination": e.destination, "decision": e.decision, "reason": e.reason,
-            }))  # fmt: skip
-        return 0
-    if not reply.events:
-        print(f"{args.rollout_id}: no refused DNS queries or connections")
-        return 0
-    print(f"{'time (UTC)':<24} {'try':>3}  {'kind':<7}  {'destination':<40}  reason")
-    for e in reply.events:
-        at = e.at.ToDatetime(tzinfo=UTC)
-        when = datetime.strftime(at, "%Y-%m-%d %H:%M:%S.%f")[:23]
-        print(f"{when:<24} {e.attempt:>3}  {e.kind:<7}  {e.destination:<40}  {e.reason}")
-    return 0
 
 
 # -- local -------------------------------------------------------------------------------------
@@ -487,25 +279,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs one command; a refusal (fleet's own error, whoever raised it) is printed with its
+    code, and a retry hint where it has one, and exits 2. Anything else is a bug and keeps its
+    traceback."""
     args = build_parser().parse_args(argv)
     logs.configure(args.log_level or args.default_log_level)
     try:
         code: int = asyncio.run(args.fn(args))
         return code
     except FleetError as exc:
-        print(f"fleet {args.cmd}: {exc.code}: {exc.message}", file=sys.stderr)
-        return 2
-    except SettingsError as exc:
-        print(f"fleet {args.cmd}: {exc}", file=sys.stderr)
-        return 2
-    except grpc.aio.AioRpcError as exc:
-        print(f"fleet {args.cmd}: {exc.code().name}: {exc.details()}", file=sys.stderr)
-        if exc.code() == grpc.StatusCode.UNAVAILABLE and "ssl" in (exc.details() or "").lower():
-            print(
-                "  (TLS failed: a server started without TLS, on loopback without --tls, needs "
-                "--plaintext; one with TLS needs the fleet CA: --ca FILE or $FLEET_CA)",
-                file=sys.stderr,
-            )
+        hint = f" (retry after {exc.retry_after_s:g}s)" if exc.retry_after_s is not None else ""
+        print(f"fleet {args.cmd}: {exc.code}: {exc.message}{hint}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

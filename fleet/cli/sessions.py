@@ -15,76 +15,75 @@ import asyncio
 import sys
 from pathlib import Path
 
-from fleet.client import Fleet, Session
+from fleet.cli.client import connect
+from fleet.client import AsyncFleet
 from fleet.core.errors import InvalidArgument
 
 
-def _fleet(args: argparse.Namespace) -> Fleet:
-    return Fleet(args.server, key=args.key or None, ca=args.ca or None, plaintext=args.plaintext)
-
-
 async def cmd_session(args: argparse.Namespace) -> int:
-    return await asyncio.to_thread(_session, args)
+    async with connect(args) as fleet:
+        return await _session(fleet, args)
 
 
-def _session(args: argparse.Namespace) -> int:
-    with _fleet(args) as fleet:
-        if args.action == "open":
-            box = fleet.session(
-                args.smolfile, idle_timeout_s=args.idle_timeout_s,
-                max_lifetime_s=args.max_lifetime_s, require_vm=args.require_vm,
-            )  # fmt: skip
-            print(box.id)
-            return 0
-        if args.action == "list":
-            for session_id, state, host in fleet.sessions():
-                print(f"{session_id}  {state:<7} {host}")
-            return 0
-        if args.action == "fork":
-            for fork in Session(fleet, args.id).fork(args.count):
-                print(fork.id)
-            return 0
-        if args.action == "close":
-            print(f"{args.id} {Session(fleet, args.id).close()}")
-            return 0
-        if args.action == "exec":
-            command = args.command[1:] if args.command[:1] == ["--"] else args.command
-            if not command:
-                raise InvalidArgument("fleet session exec ID -- COMMAND [ARG...]")
+async def _session(fleet: AsyncFleet, args: argparse.Namespace) -> int:
+    if args.action == "open":
+        box = await fleet.session(
+            args.smolfile, idle_timeout_s=args.idle_timeout_s,
+            max_lifetime_s=args.max_lifetime_s, require_vm=args.require_vm,
+        )  # fmt: skip
+        print(box.id)
+        return 0
+    if args.action == "list":
+        for session_id, state, host in await fleet.sessions():
+            print(f"{session_id}  {state:<7} {host}")
+        return 0
+    if args.action == "fork":
+        for fork in await fleet.attach(args.id).fork(args.count):
+            print(fork.id)
+        return 0
+    if args.action == "close":
+        print(f"{args.id} {await fleet.attach(args.id).close()}")
+        return 0
+    if args.action == "exec":
+        command = args.command[1:] if args.command[:1] == ["--"] else args.command
+        if not command:
+            raise InvalidArgument("fleet session exec ID -- COMMAND [ARG...]")
 
-            def show(stream: str, chunk: bytes) -> None:
-                out = sys.stdout.buffer if stream == "stdout" else sys.stderr.buffer
-                out.write(chunk)
-                out.flush()
+        def show(stream: str, chunk: bytes) -> None:
+            out = sys.stdout.buffer if stream == "stdout" else sys.stderr.buffer
+            out.write(chunk)
+            out.flush()
 
-            result = Session(fleet, args.id).exec(
-                command, timeout_s=args.timeout_s, on_output=show,
-                stdin=sys.stdin.buffer.read() if args.stdin else b"",
-            )  # fmt: skip
-            if result.timed_out:
-                print(f"fleet session exec: timed out after {args.timeout_s:g} s", file=sys.stderr)
-            return result.exit_code if 0 <= result.exit_code < 256 else 124
-        # cp
-        src, dst = args.src, args.dst
-        if ":/" in dst and ":/" not in src:
-            session_id, _, path = dst.partition(":")
-            if Path(src).is_dir():  # (as one tar archive, unpacked into PATH)
-                size = Session(fleet, session_id).upload_dir(src, path)
-            else:
-                size = Session(fleet, session_id).write_file(path, Path(src).read_bytes())
-            print(f"{size} bytes -> {session_id}:{path}", file=sys.stderr)
+        stdin = await asyncio.to_thread(sys.stdin.buffer.read) if args.stdin else b""
+        result = await fleet.attach(args.id).exec(
+            command, timeout_s=args.timeout_s, on_output=show, stdin=stdin
+        )
+        if result.timed_out:
+            print(f"fleet session exec: timed out after {args.timeout_s:g} s", file=sys.stderr)
+        return result.exit_code if 0 <= result.exit_code < 256 else 124
+    # cp
+    src, dst = args.src, args.dst
+    if ":/" in dst and ":/" not in src:
+        session_id, _, path = dst.partition(":")
+        box = fleet.attach(session_id)
+        if await asyncio.to_thread(Path(src).is_dir):  # (as one tar archive, unpacked in PATH)
+            size = await box.upload_dir(src, path)
+        else:
+            size = await box.write_file(path, await asyncio.to_thread(Path(src).read_bytes))
+        print(f"{size} bytes -> {session_id}:{path}", file=sys.stderr)
+        return 0
+    if ":/" in src and ":/" not in dst:
+        session_id, _, path = src.partition(":")
+        box = fleet.attach(session_id)
+        if args.recursive:
+            names = await box.download_dir(path, dst)
+            print(f"{session_id}:{path} -> {dst} ({len(names)} entries)", file=sys.stderr)
             return 0
-        if ":/" in src and ":/" not in dst:
-            session_id, _, path = src.partition(":")
-            if args.recursive:
-                names = Session(fleet, session_id).download_dir(path, dst)
-                print(f"{session_id}:{path} -> {dst} ({len(names)} entries)", file=sys.stderr)
-                return 0
-            data = Session(fleet, session_id).read_file(path)
-            Path(dst).write_bytes(data)
-            print(f"{session_id}:{path} -> {dst} ({len(data)} bytes)", file=sys.stderr)
-            return 0
-        raise InvalidArgument("fleet session cp: one side is a local file, the other ID:/PATH")
+        data = await box.read_file(path)
+        await asyncio.to_thread(Path(dst).write_bytes, data)
+        print(f"{session_id}:{path} -> {dst} ({len(data)} bytes)", file=sys.stderr)
+        return 0
+    raise InvalidArgument("fleet session cp: one side is a local file, the other ID:/PATH")
 
 
 def add_session_command(sub: argparse._SubParsersAction, server_flag: object) -> None:  # type: ignore[type-arg]

@@ -29,6 +29,19 @@ FINAL_STATES = frozenset(
     }
 )
 
+FINAL = FINAL_STATES
+"""The states a rollout ends in: nothing moves it on from them (the one definition)."""
+
+
+def is_final(state: str | RolloutState) -> bool:
+    """Whether `state` (a RolloutState or its name, as the wire and the client spell it) is
+    one a rollout ends in; an unknown name is not."""
+    try:
+        return RolloutState(state) in FINAL_STATES
+    except ValueError:
+        return False
+
+
 TRANSITIONS: dict[RolloutState, frozenset[RolloutState]] = {
     RolloutState.QUEUED: frozenset(
         {RolloutState.RUNNING, RolloutState.FAILED, RolloutState.CANCELLED}

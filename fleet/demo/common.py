@@ -1,15 +1,6 @@
-"""What the demo's parts share: the final rollout states and the summary tables."""
+"""What the demo's parts share: the summary tables."""
 
 from __future__ import annotations
-
-from fleet._proto.fleet.v1 import types_pb2
-
-FINAL = {
-    types_pb2.ROLLOUT_STATE_SUCCEEDED,
-    types_pb2.ROLLOUT_STATE_FAILED,
-    types_pb2.ROLLOUT_STATE_CANCELLED,
-    types_pb2.ROLLOUT_STATE_QUARANTINED,
-}
 
 
 def print_table(title: str, rows: list[tuple[str, str]], value_width: int) -> None:

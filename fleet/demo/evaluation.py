@@ -20,13 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
-
-from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
+from fleet.client import AsyncFleet, Rollout, Smolfile, Step
 from fleet.config import Paths
-from fleet.connect import list_all
+from fleet.core.lifecycle import RolloutState
 from fleet.demo.chart import line_chart
-from fleet.demo.common import FINAL, print_table
+from fleet.demo.common import print_table
 from fleet.envs.episode import source, warm_step
 from fleet.identity.ca import CertificateAuthority
 from fleet.identity.tls import ServerTls, server_names, server_ssl_context
@@ -87,7 +85,7 @@ def _bar(done: int, total: int, extra: str, width: int = 32) -> str:
 
 
 async def evaluate(
-    connect: Callable[[], grpc.aio.Channel], handle: GatewayHandle, run_id: str, out_dir: Path,
+    connect: Callable[[], AsyncFleet], handle: GatewayHandle, run_id: str, out_dir: Path,
     episodes: int, timeout_s: float,
 ) -> int:  # fmt: skip
     gw = handle.gateway
@@ -102,38 +100,30 @@ async def evaluate(
     samples: list[tuple[float, int, int]] = []
     served_before, busy_before = gw.batcher.metrics.served, gw.batcher.metrics.busy_s
     sizes_before = dict(gw.batcher.metrics.batch_sizes)
-    async with connect() as channel:
-        stub = fleet_pb2_grpc.FleetServiceStub(channel)
+    async with connect() as client:
         ids: dict[str, int] = {}
         started = time.monotonic()
         # The first `near` episodes ask to run next to the gateway (on the GPU host's agent);
         # the rest run on CPU-class hosts, as cloud hosts would.
         near = min(NEAR_GATEWAY, episodes // 4)
+        smolfile = await asyncio.to_thread(Smolfile.load, SMOLFILE, f"smolfiles/{SMOLFILE.name}")
+        warm_up = Step(name="warm-up", argv=["python3", "-c", source()], timeout_s=120)
         for seed in range(episodes):
-            reply = await stub.SubmitRollout(
-                fleet_pb2.SubmitRolloutRequest(
-                    request_id=f"eval-{run_id}-{seed}", idempotency_key=f"eval-{run_id}-{seed}",
-                    smolfile=SMOLFILE.read_text(),
-                    smolfile_name=f"smolfiles/{SMOLFILE.name}",
-                    steps=[types_pb2.Step(name="warm-up", argv=["python3", "-c", source()],
-                                          timeout_s=120),
-                           types_pb2.Step(name="episode", argv=warm_step(seed), timeout_s=300)],
-                    labels={"demo": run_id, "suite": "gridworld-eval", "seed": str(seed)},
-                    versions=types_pb2.Versions(
-                        policy=f"{spec.name}@{spec.revision}", environment="gridworld-7x7",
-                        evaluator="episode-return-v1",
-                    ),
-                    requirements=types_pb2.Requirements(inference=True, near_gateway=seed < near),
-                    tenant="demo",
-                ),
-                timeout=30,
+            submitted = await client.submit(
+                smolfile,
+                [warm_up, Step(name="episode", argv=warm_step(seed), timeout_s=300)],
+                idempotency_key=f"eval-{run_id}-{seed}",
+                labels={"demo": run_id, "suite": "gridworld-eval", "seed": str(seed)},
+                versions={"policy": f"{spec.name}@{spec.revision}",
+                          "environment": "gridworld-7x7", "evaluator": "episode-return-v1"},
+                inference=True, near_gateway=seed < near, tenant="demo",
             )  # fmt: skip
-            ids[reply.rollout.id] = seed
-        rollouts: list[types_pb2.Rollout] = []
+            ids[submitted.id] = seed
+        rollouts: list[Rollout] = []
         last = ""
         while True:
-            rollouts = await list_all(stub, {"demo": run_id, "suite": "gridworld-eval"})
-            done = sum(1 for r in rollouts if r.state in FINAL)
+            rollouts = await client.list({"demo": run_id, "suite": "gridworld-eval"})
+            done = sum(1 for r in rollouts if r.final)
             samples.append((time.monotonic() - started, done, gw.batcher.queue_depth))
             line = _bar(done, episodes, f"gateway queue {gw.batcher.queue_depth:>3}")
             if tty:
@@ -152,12 +142,12 @@ async def evaluate(
     wall = time.monotonic() - started
     results = []
     for r in rollouts:
-        if r.state == types_pb2.ROLLOUT_STATE_SUCCEEDED and r.results:
+        if r.state == RolloutState.SUCCEEDED and r.results:
             results.append(json.loads(r.results[-1].stdout))
     by_place: dict[str, list[float]] = {}
     for r in rollouts:
-        if r.state == types_pb2.ROLLOUT_STATE_SUCCEEDED and r.results:
-            place = "gpu" if r.host_class == types_pb2.HOST_CLASS_GPU else "cpu"
+        if r.state == RolloutState.SUCCEEDED and r.results:
+            place = "gpu" if r.host_class == "gpu" else "cpu"
             by_place.setdefault(place, []).append(json.loads(r.results[-1].stdout)["action_ms"])
     m = gw.batcher.metrics
     sizes = {k: v - sizes_before.get(k, 0) for k, v in m.batch_sizes.items()}

@@ -11,13 +11,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
 from fleet.agent.agent import default_host_id
 from fleet.agent.capabilities import make_runtime
+from fleet.client import AsyncFleet, Rollout, Smolfile, Step
 from fleet.config import Paths
-from fleet.connect import list_all
+from fleet.core.lifecycle import FINAL, RolloutState
 from fleet.core.placement import HostClass
-from fleet.demo.common import FINAL, print_table
+from fleet.demo.common import print_table
 from fleet.demo.evaluation import evaluate, start_gateway
 from fleet.demo.suite import suite
 from fleet.embedded import Fleet, embedded_fleet
@@ -144,40 +144,36 @@ async def _run(
             await _wait_hosts(fleet.server.core, len(fleet.agents) + 1, 60)
             items = suite()
             started = time.monotonic()
-            async with fleet.channel() as channel:
-                stub = fleet_pb2_grpc.FleetServiceStub(channel)
+            async with AsyncFleet(fleet.address, auth=fleet.auth) as client:
                 ids: dict[str, str] = {}
+                smolfiles = {
+                    name: Smolfile.load(SMOLFILES / name, f"smolfiles/{name}")
+                    for name in sorted({item.smolfile for item in items})
+                }
                 for item in items:
-                    path = SMOLFILES / item.smolfile
-                    request = fleet_pb2.SubmitRolloutRequest(
-                        request_id=uuid.uuid4().hex,
+                    submitted = await client.submit(
+                        smolfiles[item.smolfile],
+                        [Step(argv=argv, env=env, timeout_s=t, name=n)
+                         for n, argv, env, t in item.steps],
                         idempotency_key=f"demo-{run_id}-{item.name}",
-                        smolfile=path.read_text(),
-                        smolfile_name=str(path.relative_to(SMOLFILES.parent)),
-                        steps=[
-                            types_pb2.Step(name=n, argv=argv, env=env, timeout_s=t)
-                            for n, argv, env, t in item.steps
-                        ],
                         labels={"demo": run_id, "suite": "demo", "name": item.name},
-                        versions=types_pb2.Versions(
-                            policy="scripted-v1", environment="gridworld-8x8", evaluator="score-v1"
-                        ),
+                        versions={"policy": "scripted-v1", "environment": "gridworld-8x8",
+                                  "evaluator": "score-v1"},
                         tenant="demo",
-                    )
-                    reply = await stub.SubmitRollout(request, timeout=30)
-                    ids[reply.rollout.id] = item.name
+                    )  # fmt: skip
+                    ids[submitted.id] = item.name
                 loss = asyncio.create_task(_lose_a_host(fleet, doomed, machines))
                 print(
                     f"submitted {len(ids)} rollouts "
                     f"({sum(1 for i in items if 'gpu' in i.smolfile)} need the gpu class)"
                 )
                 last_line = ""
-                rollouts: list[types_pb2.Rollout] = []
+                rollouts: list[Rollout] = []
                 while True:
-                    rollouts = await list_all(stub, {"demo": run_id})
-                    done = sum(1 for r in rollouts if r.state in FINAL)
-                    failed = sum(1 for r in rollouts if r.state == types_pb2.ROLLOUT_STATE_FAILED)
-                    running = sum(1 for r in rollouts if r.state == types_pb2.ROLLOUT_STATE_RUNNING)
+                    rollouts = await client.list({"demo": run_id})
+                    done = sum(1 for r in rollouts if r.final)
+                    failed = sum(1 for r in rollouts if r.state == RolloutState.FAILED)
+                    running = sum(1 for r in rollouts if r.state == RolloutState.RUNNING)
                     line = _bar(done, len(ids), failed, running)
                     if tty:
                         print("\r" + line, end="", flush=True)
@@ -196,27 +192,30 @@ async def _run(
                 print(f"host loss: {await loss}")
             _summary(rollouts, ids, wall)
             left = max(60.0, timeout_s - wall)
-            return int(await evaluate(fleet.channel, gateway, run_id, out_dir, episodes, left))
+            return int(await evaluate(
+                lambda: AsyncFleet(fleet.address, auth=fleet.auth), gateway, run_id, out_dir,
+                episodes, left,
+            ))  # fmt: skip
 
 
-def _summary(rollouts: list[types_pb2.Rollout], names: dict[str, str], wall_s: float) -> None:
+def _summary(rollouts: list[Rollout], names: dict[str, str], wall_s: float) -> None:
     by_state = {s: sum(1 for r in rollouts if r.state == s) for s in FINAL}
     latencies = [
-        r.finished_at.ToDatetime().timestamp() - r.created_at.ToDatetime().timestamp()
+        (r.finished_at - r.created_at).total_seconds()
         for r in rollouts
+        if r.finished_at is not None and r.created_at is not None
     ]
     retried = sum(1 for r in rollouts if r.attempts > 1)
     served: dict[str, int] = {}
     for r in rollouts:
-        runtime = types_pb2.RuntimeKind.Name(r.runtime).removeprefix("RUNTIME_KIND_").lower()
-        klass = types_pb2.HostClass.Name(r.host_class).removeprefix("HOST_CLASS_").lower()
+        klass, runtime = r.host_class or "unspecified", r.runtime or "unspecified"
         key = f"{klass}-class on {runtime} runtime, device {r.device}"
         served[key] = served.get(key, 0) + 1
     rows = [
         ("rollouts", str(len(rollouts))),
-        ("completed (succeeded)", str(by_state[types_pb2.ROLLOUT_STATE_SUCCEEDED])),
-        ("failed", str(by_state[types_pb2.ROLLOUT_STATE_FAILED])),
-        ("cancelled", str(by_state[types_pb2.ROLLOUT_STATE_CANCELLED])),
+        ("completed (succeeded)", str(by_state[RolloutState.SUCCEEDED])),
+        ("failed", str(by_state[RolloutState.FAILED])),
+        ("cancelled", str(by_state[RolloutState.CANCELLED])),
         ("retried (more than one attempt)", str(retried)),
         ("p50 rollout latency", f"{_pct(latencies, 0.5):.2f} s"),
         ("p95 rollout latency", f"{_pct(latencies, 0.95):.2f} s"),
@@ -228,9 +227,8 @@ def _summary(rollouts: list[types_pb2.Rollout], names: dict[str, str], wall_s: f
     print("served by")
     for key, count in sorted(served.items()):
         print(f"  {count:>3}  {key}")
-    failures = [r for r in rollouts if r.state != types_pb2.ROLLOUT_STATE_SUCCEEDED]
+    failures = [r for r in rollouts if r.state != RolloutState.SUCCEEDED]
     if failures:
         print("not succeeded:")
         for r in sorted(failures, key=lambda r: names.get(r.id, r.id)):
-            state = types_pb2.RolloutState.Name(r.state).removeprefix("ROLLOUT_STATE_")
-            print(f"  {names.get(r.id, r.id):<24} {state}: {r.error}")
+            print(f"  {names.get(r.id, r.id):<24} {r.state}: {r.error}")

@@ -77,7 +77,7 @@ class FleetSandboxEnvironment(SandboxEnvironment):
                 except FleetError:
                     pass  # already closed (idle) or its host is gone: nothing left to free
                 finally:
-                    await asyncio.to_thread(environment.session.sync.fleet.close)
+                    await environment.session.fleet.close()
 
     async def exec(
         self,

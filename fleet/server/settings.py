@@ -11,7 +11,7 @@ from annotated_types import Ge, Gt
 from pydantic import BaseModel, ConfigDict
 from pydantic_settings import SettingsConfigDict
 
-from fleet.client import DEFAULT_SERVER
+from fleet.connect import DEFAULT_SERVER
 from fleet.core.manifest import MAX_DEADLINE
 from fleet.settings import NO_FLAG, Flag, Settings
 
