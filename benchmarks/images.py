@@ -1,4 +1,4 @@
-"""The image and file benchmark behind scripts/bench-images (see there). One table, side by side.
+"""The image and file benchmark (`scripts/bench-images`). One table, side by side.
 
 (1) The first rollout of an image on a host whose store is empty (it fetches the image from the
     server by digest, verifies and unpacks it) against the same rollout on a host that has it.
@@ -8,44 +8,38 @@
     output by the step, collected, and downloaded again, byte for byte.
 """
 
+# ruff: noqa: T201 (a benchmark's output is what it prints)
+
 from __future__ import annotations
 
 import argparse
 import asyncio
 import hashlib
 import http.server
-import json
-import logging
 import os
 import shutil
-import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 import uuid
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import grpc
 
-import grpc  # noqa: E402
-import structlog  # noqa: E402
-
-from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, host_pb2_grpc, types_pb2  # noqa: E402
-from fleet.agent.images import ImageCache  # noqa: E402
-from fleet.cli import client  # noqa: E402
-from fleet.config import Paths  # noqa: E402
-from fleet.core.placement import HostClass  # noqa: E402
-from fleet.image.store import ImageStore  # noqa: E402
-from tests.integration.harness import FINAL, harness, request  # noqa: E402
+import fleet
+from benchmarks.harness import Table, minimal_image, percentile, print_json, quiet
+from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, host_pb2, host_pb2_grpc, types_pb2
+from fleet.agent.images import ImageCache
+from fleet.cli import client
+from fleet.core.placement import HostClass
+from fleet.identity.ca import CertificateAuthority
+from fleet.image import oci
+from fleet.image.store import ImageStore
+from tests.integration.harness import FINAL, harness, request
+from tests.registry import PASSWORD, USER, registry
 
 MIB = 1 << 20
-
-
-def quiet() -> None:
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
 
 
 async def first_vs_cached(tmp: Path, images: ImageStore, repeats: int) -> dict[str, float]:
@@ -65,19 +59,33 @@ async def first_vs_cached(tmp: Path, images: ImageStore, repeats: int) -> dict[s
             raise AssertionError("rollout did not finish")
 
         first = await one()
-        cached = statistics.median([await one() for _ in range(repeats)])
+        cached = percentile([await one() for _ in range(repeats)], 0.5)
     return {"first_rollout_s": first, "cached_rollout_s": cached}
 
 
 async def fetch_rate(tmp: Path, images: ImageStore, digest: str) -> float:
+    """MiB/s of one image fetch, server to host: a host reads an image only while it leases
+    work that runs it, so the fetcher registers and leases a rollout of `minimal` first (before
+    the clock starts)."""
     async with harness(tmp / f"fetch-{uuid.uuid4().hex[:6]}", images, secure=True) as h:
         identity = h.identity("fetcher")
         store = ImageStore(tmp / f"fetch-{uuid.uuid4().hex[:6]}", images.recipes)
         cache = ImageCache(store, None)
         creds = identity.channel_credentials()
         async with grpc.aio.secure_channel(identity.host_address, creds) as channel:
+            stub = host_pb2_grpc.HostServiceStub(channel)
+            await stub.RegisterHost(host_pb2.RegisterHostRequest(
+                host_class=types_pb2.HOST_CLASS_CPU, agent_version=fleet.__version__,
+                capabilities=host_pb2.Capabilities(runtime=types_pb2.RUNTIME_KIND_NAMESPACE,
+                                                   isolation=types_pb2.ISOLATION_NAMESPACE,
+                                                   cpus=1),
+            ))  # fmt: skip
+            await h.fleet.SubmitRollout(request('image = "minimal"\n', ["true"]))
+            claimed = await stub.ClaimWork(host_pb2.ClaimWorkRequest(max_items=1, wait_s=5))
+            if len(claimed.items) != 1:
+                raise RuntimeError(f"the fetcher leased {len(claimed.items)} rollouts, not 1")
             started = time.perf_counter()
-            await cache.acquire(host_pb2_grpc.HostServiceStub(channel), digest)
+            await cache.acquire(stub, digest)
             seconds = time.perf_counter() - started
         cache.release(digest)
         size = store.blob_path(digest).stat().st_size
@@ -115,10 +123,6 @@ def curl_rate(blob: Path, tmp: Path) -> float:
 
 def registry_rates(tmp: Path, images: ImageStore, digest: str, repeats: int) -> tuple[float, float]:
     """Pull throughput from a real registry (TLS, htpasswd) vs curl of the same blob from it."""
-    from fleet.identity.ca import CertificateAuthority
-    from fleet.image import oci
-    from tests.registry import PASSWORD, USER, registry
-
     ca = CertificateAuthority.init(tmp / "registry-ca")
     blob = images.blob_path(digest)
     size = blob.stat().st_size
@@ -143,7 +147,7 @@ def registry_rates(tmp: Path, images: ImageStore, digest: str, repeats: int) -> 
                            check=True, timeout=600)  # fmt: skip
             curls.append(size / MIB / (time.perf_counter() - started))
             out.unlink()
-    return statistics.median(ours), statistics.median(curls)
+    return percentile(ours, 0.5), percentile(curls, 0.5)
 
 
 async def round_trip(tmp: Path, images: ImageStore, mib: int) -> float:
@@ -176,11 +180,7 @@ async def round_trip(tmp: Path, images: ImageStore, mib: int) -> float:
 
 
 async def run(args: argparse.Namespace) -> dict[str, float]:
-    paths = Paths.from_env()
-    images = ImageStore(paths.images, paths.recipes)
-    record = images.record("minimal")
-    if record is None:
-        raise SystemExit("the minimal image is not built: run scripts/setup")
+    images, record = minimal_image()
     out: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="fleet-bench-images-") as tmp_name:
         tmp = Path(tmp_name)
@@ -190,8 +190,8 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
         ]
         curls = [curl_rate(images.blob_path(record.digest), tmp)
                  for _ in range(1 if args.quick else 3)]  # fmt: skip
-        out["fetch_mib_s"] = statistics.median(rates)
-        out["curl_mib_s"] = statistics.median(curls)
+        out["fetch_mib_s"] = percentile(rates, 0.5)
+        out["curl_mib_s"] = percentile(curls, 0.5)
         out["image_mib"] = images.blob_path(record.digest).stat().st_size / MIB
         pull, curl = registry_rates(tmp, images, record.digest, 1 if args.quick else 3)
         out["registry_pull_mib_s"], out["registry_curl_mib_s"] = pull, curl
@@ -207,32 +207,32 @@ def main() -> int:
     args = parser.parse_args()
     quiet()
     r = asyncio.run(run(args))
-    w = 56
-    print(f"{'':<{w}}{'fleet':>12}{'baseline':>12}{'ratio':>9}")
-    print(f"{'(1) a rollout of `true`, s: empty host vs host with it':<{w}}"
-          f"{r['first_rollout_s']:>12.2f}{r['cached_rollout_s']:>12.2f}"
-          f"{r['first_rollout_s'] / r['cached_rollout_s']:>8.1f}x")  # fmt: skip
-    print(f"{'(2) fetch MiB/s, gRPC+TLS vs curl over plain HTTP':<{w}}"
-          f"{r['fetch_mib_s']:>12.0f}{r['curl_mib_s']:>12.0f}"
-          f"{r['fetch_mib_s'] / r['curl_mib_s']:>8.2f}x")  # fmt: skip
-    print(f"{'(2) pull MiB/s from a registry (TLS, htpasswd) vs curl':<{w}}"
-          f"{r['registry_pull_mib_s']:>12.0f}{r['registry_curl_mib_s']:>12.0f}"
-          f"{r['registry_pull_mib_s'] / r['registry_curl_mib_s']:>8.2f}x")  # fmt: skip
+    table = Table(56, (("fleet", 12), ("baseline", 12), ("ratio", 9)))
+    table.print_header()
+    table.print_row("(1) a rollout of `true`, s: empty host vs host with it",
+                    f"{r['first_rollout_s']:.2f}", f"{r['cached_rollout_s']:.2f}",
+                    f"{r['first_rollout_s'] / r['cached_rollout_s']:.1f}x")  # fmt: skip
+    table.print_row("(2) fetch MiB/s, gRPC+TLS vs curl over plain HTTP",
+                    f"{r['fetch_mib_s']:.0f}", f"{r['curl_mib_s']:.0f}",
+                    f"{r['fetch_mib_s'] / r['curl_mib_s']:.2f}x")  # fmt: skip
+    table.print_row("(2) pull MiB/s from a registry (TLS, htpasswd) vs curl",
+                    f"{r['registry_pull_mib_s']:.0f}", f"{r['registry_curl_mib_s']:.0f}",
+                    f"{r['registry_pull_mib_s'] / r['registry_curl_mib_s']:.2f}x")  # fmt: skip
     trips = [k for k in r if k.startswith("round_trip_")]
     for key in sorted(
         trips, key=lambda k: int(k.removeprefix("round_trip_").removesuffix("mib_s"))
     ):
         mib = int(key.removeprefix("round_trip_").removesuffix("mib_s"))
-        print(f"{f'(3) {mib} MiB directory in, copied, out, downloaded (s)':<{w}}{r[key]:>12.2f}"
-              f"{'':>12}{mib / r[key]:>7.1f} MiB/s")  # fmt: skip
+        table.print_row(f"(3) {mib} MiB directory in, copied, out, downloaded (s)",
+                        f"{r[key]:.2f}", "", tail=f"{mib / r[key]:>7.1f} MiB/s")  # fmt: skip
     print(
         f"(the image is {r['image_mib']:.0f} MiB; (1) includes fetching, verifying and "
         "unpacking it; the host with it runs the same rollout, its median)"
     )
     if args.json:
-        print(json.dumps({k: round(v, 3) for k, v in r.items()}))
+        print_json(r, 3)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

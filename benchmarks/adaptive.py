@@ -1,4 +1,4 @@
-"""The adaptive-concurrency benchmark behind scripts/bench-adaptive. Prints one table.
+"""The adaptive-concurrency benchmark (`scripts/bench-adaptive`). Prints one table.
 
 A pipeline whose inference side saturates at a known rate: a gateway (its own process, the
 shipped gridworld policy) whose device takes a fixed time per batch of at most `--max-batch`
@@ -16,24 +16,40 @@ Reported: the cap it settled at, its throughput vs the sweep's best fixed cap (t
 its p95 gateway latency vs the largest cap's (target: lower), seconds to settle.
 """
 
+# ruff: noqa: T201 (a benchmark's output is what it prints)
+
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import multiprocessing as mp
 import sys
-import tempfile
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-from bench_gateway import SECRET, quiet  # noqa: E402
+import grpc
 
-import gateway  # noqa: E402,F401  (its __init__ quiets torch's numpy warning in every process)
+import gateway  # noqa: F401  (its __init__ quiets torch's numpy warning in every process)
+from benchmarks.harness import (
+    SECRET,
+    ServerProcess,
+    Table,
+    cpu_fleet,
+    minimal_smolfile,
+    print_json,
+    quiet,
+)
+from fleet._proto.fleet.v1 import (
+    fleet_pb2,
+    fleet_pb2_grpc,
+    inference_pb2,
+    inference_pb2_grpc,
+    types_pb2,
+)
+from fleet.core.adaptive import Adaptive
+from fleet.core.placement import LOCAL_LABEL, HostClass, Pool
+from fleet.envs.episode import source, warm_step
+from fleet.server.settings import ServerConfig
 
 MODEL = "gridworld-policy"
 POOL = "bench"
@@ -68,33 +84,15 @@ def _gateway_main(settings: dict[str, Any], port: Any, http_port: Any) -> None:
     asyncio.run(main())
 
 
-class RateLimitedGateway:
+class RateLimitedGateway(ServerProcess):
+    """The gateway whose device takes `batch_s` per batch of at most `max_batch`, in a process of
+    its own."""
+
     def __init__(self, **settings: Any) -> None:
-        ctx = mp.get_context("spawn")
-        self.port, self.http_port = ctx.Value("i", 0), ctx.Value("i", 0)
-        self.proc = ctx.Process(target=_gateway_main, args=(settings, self.port, self.http_port),
-                                daemon=True)  # fmt: skip
-
-    def __enter__(self) -> RateLimitedGateway:
-        self.proc.start()
-        deadline = time.monotonic() + 120
-        while self.port.value == 0:
-            if time.monotonic() > deadline or not self.proc.is_alive():
-                raise RuntimeError("benchmark gateway did not start")
-            time.sleep(0.05)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join(10)
+        super().__init__(_gateway_main, settings)
 
 
 async def gateway_p95_ms(address: str) -> float:
-    import grpc
-
-    from fleet._proto.fleet.v1 import inference_pb2, inference_pb2_grpc
-
     async with grpc.aio.insecure_channel(address) as channel:
         stub = inference_pb2_grpc.InferenceServiceStub(channel)
         status = await stub.Status(inference_pb2.GatewayStatusRequest(), timeout=5)
@@ -102,34 +100,19 @@ async def gateway_p95_ms(address: str) -> float:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
-    from fleet.config import Paths
-    from fleet.core.adaptive import Adaptive
-    from fleet.core.placement import LOCAL_LABEL, HostClass, Pool
-    from fleet.embedded import embedded_fleet
-    from fleet.envs.episode import source, warm_step
-    from fleet.server.app import ServerConfig
-
     rate = args.max_batch / args.batch_s
-    paths = Paths.from_env()
-    smolfile = (REPO / "smolfiles" / "minimal.smolfile").read_text()
-    smolfile += f"\n[branch]\nenabled = true\npool_size = {min(args.slots, 16)}\n"
+    smolfile = minimal_smolfile(min(args.slots, 16))
     env = {"FLEET_MODEL": MODEL}
     run_id = uuid.uuid4().hex[:8]
     out: dict[str, Any] = {"gateway_actions_per_s": rate, "slots": args.slots}
-    with (
-        RateLimitedGateway(batch_s=args.batch_s, max_batch=args.max_batch,
-                           window_s=args.window_s) as gw,
-        tempfile.TemporaryDirectory(prefix="fleet-bench-adaptive-") as tmp,
-    ):  # fmt: skip
-        address = f"127.0.0.1:{gw.port.value}"
+    with RateLimitedGateway(batch_s=args.batch_s, max_batch=args.max_batch,
+                            window_s=args.window_s) as gw:  # fmt: skip
+        address = gw.address
         config = ServerConfig(token_secret=SECRET, gateway_address=address, gateway_poll_s=0.25,
                               govern_interval_s=0.5)  # fmt: skip
-        async with embedded_fleet(
-            paths, Path(tmp) / "ledger.sqlite3", gpu_agents=0, cpu_agents=1,
-            runtime="namespace", slots=args.slots, config=config,
-            gateway=("host", gw.http_port.value),
-        ) as fleet:  # fmt: skip
+        async with cpu_fleet(
+            "fleet-bench-adaptive-", args.slots, config, ("host", gw.http_port.value)
+        ) as fleet:
             core = fleet.server.core
             ledger = core.ledger
             fixed = Pool(name=POOL, host_class=HostClass.CPU, labels={LOCAL_LABEL: "1"},
@@ -235,20 +218,30 @@ def main() -> int:
         ("controller settled at cap", str(out["settled_cap"]),
          f"after {out['settle_s']:.1f} s" if out["settle_s"] is not None else "did not settle"),
     ]  # fmt: skip
-    print(f"{'':<34} {'':>16} {'':>16}")
+    cells = Table(34, (("", 16), ("", 16)), sep=" ")
+    cells.print_header()
     for name, a, b in rows:
-        print(f"{name:<34} {a:>16} {b:>16}")
+        cells.print_row(name, a, b)
     print()
-    print(f"{'':<34} {'adaptive':>10} {'baseline':>10} {'ratio':>8}")
-    print(f"{'throughput vs best fixed (traj/s)':<34} {out['settled_traj_s']:>10.2f} "
-          f"{out['best_fixed_traj_s']:>10.2f} {out['throughput_vs_best']:>8.2f}")  # fmt: skip
-    print(f"{'p95 gateway ms vs largest cap':<34} {out['settled_p95_ms']:>10.1f} "
-          f"{out['largest_cap_p95_ms']:>10.1f} {out['p95_vs_largest']:>8.2f}")  # fmt: skip
+    versus = Table(34, (("adaptive", 10), ("baseline", 10), ("ratio", 8)), sep=" ")
+    versus.print_header()
+    versus.print_row(
+        "throughput vs best fixed (traj/s)",
+        f"{out['settled_traj_s']:.2f}",
+        f"{out['best_fixed_traj_s']:.2f}",
+        f"{out['throughput_vs_best']:.2f}",
+    )
+    versus.print_row(
+        "p95 gateway ms vs largest cap",
+        f"{out['settled_p95_ms']:.1f}",
+        f"{out['largest_cap_p95_ms']:.1f}",
+        f"{out['p95_vs_largest']:.2f}",
+    )
     print(f"targets: throughput >= 90% of the best fixed cap ({out['best_fixed_cap']}); p95 "
           f"lower than at the largest cap ({out['largest_cap']})")  # fmt: skip
     print("decisions (s, kind, cap, traj/s):", out["decisions"])
     if args.json:
-        print(json.dumps(out))
+        print_json(out)
     return 0
 
 

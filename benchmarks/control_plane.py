@@ -1,4 +1,5 @@
-"""Where the CPU of a no-op warm rollout goes: fleet's own cost per rollout, by part.
+"""Where the CPU of a no-op warm rollout goes (`scripts/profile-control-plane`): fleet's own
+cost per rollout, by part.
 
 The embedded fleet (server and one CPU agent in this process, SQLite ledger, TLS and keys, the
 namespace runtime) runs `--rollouts` warm rollouts whose step does nothing (a copy-on-write
@@ -17,17 +18,15 @@ Then a second wave under cProfile: the event loop thread's functions by own CPU 
 by module, per rollout.
 """
 
+# ruff: noqa: T201 (a benchmark's output is what it prints)
+
 from __future__ import annotations
 
 import argparse
 import asyncio
 import cProfile
-import json
-import logging
 import os
 import pstats
-import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -35,15 +34,20 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-import structlog  # noqa: E402
-from bench_gateway import busy_cpu_s  # noqa: E402  (the same reading the bench takes)
+from benchmarks.harness import (
+    busy_cpu_s,
+    cpu_fleet,
+    minimal_smolfile,
+    print_json,
+    quiet,
+    stat_cpu_s,
+    until_final,
+)
+from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
+from fleet.runtime.cgroups import all_machines_cpu_seconds
 
 NOOP = 'print("{}")'
 """The step: nothing but its result."""
-FINAL = ("SUCCEEDED", "FAILED", "CANCELLED", "QUARANTINED")
 
 
 def own_cpu_s() -> tuple[float, float]:
@@ -58,33 +62,27 @@ def threads_cpu_s() -> dict[str, float]:
     worker threads `asyncio`), the kernel's for the others (gRPC's `event_engine` and the
     like), numbers dropped so that a pool's threads add up."""
     out: dict[str, float] = defaultdict(float)
-    tick = os.sysconf("SC_CLK_TCK")
     python_names = {t.native_id: t.name for t in threading.enumerate()}
     for task in Path("/proc/self/task").iterdir():
         try:
-            stat = (task / "stat").read_text()
+            cpu_s = stat_cpu_s(task / "stat")
             name = python_names.get(int(task.name)) or (task / "comm").read_text().strip()
         except OSError:
             continue  # (ended meanwhile)
-        fields = stat.rsplit(")", 1)[1].split()
-        out[name.rstrip("0123456789_") or name] += (int(fields[11]) + int(fields[12])) / tick
+        out[name.rstrip("0123456789_") or name] += cpu_s
     return out
 
 
 async def run(rollouts: int, slots: int, profile: cProfile.Profile) -> dict[str, Any]:
-    from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
-    from fleet.config import Paths
-    from fleet.embedded import embedded_fleet
-    from fleet.runtime.cgroups import all_machines_cpu_seconds
-
-    smolfile = (REPO / "smolfiles" / "minimal.smolfile").read_text()
-    smolfile += f"\n[branch]\nenabled = true\npool_size = {slots}\n"
+    smolfile = minimal_smolfile(slots)
     finished: list[int] = []
 
     async def wave(stub: Any, n: int) -> dict[str, int]:
         run_id = uuid.uuid4().hex[:8]
-        steps = [types_pb2.Step(name="warm-up", argv=["python3", "-c", "pass"], timeout_s=60),
-                 types_pb2.Step(name="step", argv=["python3", "-c", NOOP], timeout_s=60)]  # fmt: skip
+        steps = [
+            types_pb2.Step(name="warm-up", argv=["python3", "-c", "pass"], timeout_s=60),
+            types_pb2.Step(name="step", argv=["python3", "-c", NOOP], timeout_s=60),
+        ]
         reply = await stub.SubmitRollouts(
             fleet_pb2.SubmitRolloutsRequest(
                 request_id=run_id,
@@ -99,37 +97,26 @@ async def run(rollouts: int, slots: int, profile: cProfile.Profile) -> dict[str,
             timeout=60,
         )  # fmt: skip
         finished.append(len(reply.rollouts))
-        deadline = time.monotonic() + 600
-        while True:  # (counted in the ledger directly: polling over the API would be counted)
-            figures = await core.read(core.ledger.figures, time.time())
-            counts = {name: int(figures.get(f"state_{name}", 0)) for name in FINAL}
-            if sum(counts.values()) >= sum(finished):
-                return counts
-            if time.monotonic() > deadline:
-                raise RuntimeError("rollouts did not finish in 600 s")
-            await asyncio.sleep(0.2)
+        return await until_final(core, sum(finished), poll_s=0.2)
 
-    paths = Paths.from_env()
-    with tempfile.TemporaryDirectory(prefix="fleet-profile-") as tmp:
-        async with (
-            embedded_fleet(paths, Path(tmp) / "ledger.sqlite3", gpu_agents=0, cpu_agents=1,
-                           runtime="namespace", slots=slots) as fleet,
-            fleet.channel() as channel,
-        ):  # fmt: skip
-            stub = fleet_pb2_grpc.FleetServiceStub(channel)
-            core = fleet.server.core
-            await wave(stub, slots)  # the warm parent is made
-            before = (*own_cpu_s(), all_machines_cpu_seconds(), busy_cpu_s())
-            threads_before = threads_cpu_s()
-            started = time.perf_counter()
-            await wave(stub, rollouts)  # measured: no profiler
-            elapsed = time.perf_counter() - started
-            after = (*own_cpu_s(), all_machines_cpu_seconds(), busy_cpu_s())
-            threads_after = threads_cpu_s()
-            floor = await machines_alone(fleet.agents[0], rollouts)
-            profile.enable()
-            done = await wave(stub, rollouts)  # profiled
-            profile.disable()
+    async with (
+        cpu_fleet("fleet-profile-", slots) as fleet,
+        fleet.channel() as channel,
+    ):
+        stub = fleet_pb2_grpc.FleetServiceStub(channel)
+        core = fleet.server.core
+        await wave(stub, slots)  # the warm parent is made
+        before = (*own_cpu_s(), all_machines_cpu_seconds(), busy_cpu_s())
+        threads_before = threads_cpu_s()
+        started = time.perf_counter()
+        await wave(stub, rollouts)  # measured: no profiler
+        elapsed = time.perf_counter() - started
+        after = (*own_cpu_s(), all_machines_cpu_seconds(), busy_cpu_s())
+        threads_after = threads_cpu_s()
+        floor = await machines_alone(fleet.agents[0], rollouts)
+        profile.enable()
+        done = await wave(stub, rollouts)  # profiled
+        profile.disable()
     if done["SUCCEEDED"] != slots + 2 * rollouts:
         raise RuntimeError(f"not every rollout succeeded: {done}")
     per = 1000 / rollouts
@@ -149,8 +136,6 @@ async def run(rollouts: int, slots: int, profile: cProfile.Profile) -> dict[str,
 async def machines_alone(agent: Any, n: int) -> dict[str, float]:
     """CPU ms per machine of `n` children of the agent's warm parent, each made, running the
     step and deleted through the runtime alone: (this process, machines, total busy)."""
-    from fleet.runtime.cgroups import all_machines_cpu_seconds
-
     [parent] = agent.parents()
     before = (own_cpu_s()[0], all_machines_cpu_seconds() or 0.0, busy_cpu_s())
     for i in range(n):
@@ -189,7 +174,7 @@ def main() -> int:
     parser.add_argument("--top", type=int, default=25, help="modules and functions shown")
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
     args = parser.parse_args()
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+    quiet()
     # CPU time of the thread the event loop (server and agent) runs on, not wall time.
     profile = cProfile.Profile(time.thread_time)
     result = asyncio.run(run(args.rollouts, args.slots, profile))
@@ -209,7 +194,8 @@ def main() -> int:
     # same runtime calls, measured minutes apart at most) compares trees run at other times.
     if floor["process"] > 0:
         print(f"this process's CPU per rollout over the floor's own: "
-              f"{cpu['process'] / floor['process']:.2f}x (compare trees by this, alternating)")  # fmt: skip
+              f"{cpu['process'] / floor['process']:.2f}x "
+              "(compare trees by this, alternating)")  # fmt: skip
     print(
         "this process's CPU ms per rollout, by thread (live threads; those that ended are missing):"
     )
@@ -231,9 +217,9 @@ def main() -> int:
         print(f"  {tottime * 1000 / args.rollouts:8.3f}  {calls / args.rollouts:7.1f}/r  "
               f"{name} ({where}:{line})")  # fmt: skip
     if args.json:
-        print(json.dumps({**result, "modules_ms": dict(modules[: args.top])}))
+        print_json({**result, "modules_ms": dict(modules[: args.top])})
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

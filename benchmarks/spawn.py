@@ -1,4 +1,4 @@
-"""The spawn benchmark behind scripts/bench-spawn: cold machines vs copy-on-write children.
+"""The spawn benchmark (`scripts/bench-spawn`): cold machines vs copy-on-write children.
 
 On the namespace runtime, in one run: (1) cold start of a machine from the image, and (2) a
 child of a warm parent holding 1 GiB of state in memory (anonymous memory the warm-up wrote,
@@ -9,30 +9,23 @@ parent's memory: their memory (PSS, and the private bytes each adds) against the
 last 50 passes 100 ms, memory use passes 80%, or the cap is reached.
 """
 
+# ruff: noqa: T201 (a benchmark's output is what it prints)
+
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import logging
 import statistics
-import sys
 import time
 import uuid
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-import structlog  # noqa: E402
-
-from fleet.config import Paths  # noqa: E402
-from fleet.core.smolfile import parse_smolfile  # noqa: E402
-from fleet.image.store import ImageStore  # noqa: E402
-from fleet.runtime.base import MachineSpec  # noqa: E402
-from fleet.runtime.namespace import NamespaceRuntime  # noqa: E402
-from fleet.runtime.warm import NamespaceParent  # noqa: E402
-from fleet.runtime.warm_child import WarmChild  # noqa: E402
+from benchmarks.harness import Table, minimal_image, percentile, print_json, quiet
+from fleet.core.smolfile import parse_smolfile
+from fleet.runtime.base import MachineSpec
+from fleet.runtime.namespace import NamespaceRuntime
+from fleet.runtime.warm import NamespaceParent
+from fleet.runtime.warm_child import WarmChild
 
 GIB = 1 << 30
 PAGE = 4096
@@ -55,15 +48,6 @@ time.sleep(600)
 """
 )
 IDLE = STAMP + "\ntime.sleep(600)\n"
-
-
-def quiet() -> None:
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def smaps(pid: int) -> dict[str, int]:
@@ -103,10 +87,7 @@ async def spawn(parent: NamespaceParent, code: str) -> tuple[WarmChild, float, i
 
 
 async def run(args: argparse.Namespace) -> dict[str, float]:
-    paths = Paths.from_env()
-    images = ImageStore(paths.images, paths.recipes)
-    record = images.record("minimal")
-    assert record is not None, "build the default image first (scripts/setup)"
+    images, record = minimal_image()
     rootfs = images.rootfs(record.digest)
     runtime = NamespaceRuntime(Path(args.dir) / "machines")
 
@@ -163,7 +144,7 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
             idle.append(child)
             recent = [*recent[-49:], latency]
             density += 1
-            if len(recent) >= 20 and pct(recent, 0.99) > 0.1:
+            if len(recent) >= 20 and percentile(recent, 0.99) > 0.1:
                 break
             if mem_used_fraction() > 0.8:
                 break
@@ -172,10 +153,10 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
     finally:
         await parent.delete()
     return {
-        "cold_p50_ms": statistics.median(cold) * 1000,
-        "cold_p99_ms": pct(cold, 0.99) * 1000,
-        "fork_p50_ms": statistics.median(forks) * 1000,
-        "fork_p99_ms": pct(forks, 0.99) * 1000,
+        "cold_p50_ms": percentile(cold, 0.5) * 1000,
+        "cold_p99_ms": percentile(cold, 0.99) * 1000,
+        "fork_p50_ms": percentile(forks, 0.5) * 1000,
+        "fork_p99_ms": percentile(forks, 0.99) * 1000,
         "child_pss_mib": pss / 2**20,
         "child_private_mib": private / 2**20,
         "dirtied_mib": GIB / 100 / 2**20,
@@ -199,17 +180,20 @@ def main() -> int:
     )
     quiet()
     r = asyncio.run(run(args))
-    w = 52
-    print(f"{'':<{w}}{'CoW child':>12}{'cold start':>12}{'ratio':>9}")
-    print(f"{'spawn latency p50 (ms)':<{w}}{r['fork_p50_ms']:>12.2f}{r['cold_p50_ms']:>12.2f}"
-          f"{r['cold_p50_ms'] / r['fork_p50_ms']:>8.1f}x")  # fmt: skip
-    print(f"{'spawn latency p99 (ms)':<{w}}{r['fork_p99_ms']:>12.2f}{r['cold_p99_ms']:>12.2f}"
-          f"{r['cold_p99_ms'] / r['fork_p99_ms']:>8.1f}x")  # fmt: skip
-    print(f"{'memory per child, 100 live, 1% dirtied: PSS (MiB)':<{w}}{r['child_pss_mib']:>12.1f}"
-          f"{r['naive_child_mib']:>12.1f}{r['naive_child_mib'] / r['child_pss_mib']:>8.1f}x")  # fmt: skip
-    print(f"{'   private bytes each adds (MiB); it dirtied':<{w}}{r['child_private_mib']:>12.1f}"
-          f"{r['dirtied_mib']:>12.1f}{r['child_private_mib'] / r['dirtied_mib']:>8.2f}x")  # fmt: skip
-    print(f"{'density: live children before p99 > 100 ms or 80% memory':<{w}}{r['density']:>12.0f}")
+    table = Table(52, (("CoW child", 12), ("cold start", 12), ("ratio", 9)))
+    table.print_header()
+    table.print_row("spawn latency p50 (ms)", f"{r['fork_p50_ms']:.2f}", f"{r['cold_p50_ms']:.2f}",
+                    f"{r['cold_p50_ms'] / r['fork_p50_ms']:.1f}x")  # fmt: skip
+    table.print_row("spawn latency p99 (ms)", f"{r['fork_p99_ms']:.2f}", f"{r['cold_p99_ms']:.2f}",
+                    f"{r['cold_p99_ms'] / r['fork_p99_ms']:.1f}x")  # fmt: skip
+    table.print_row("memory per child, 100 live, 1% dirtied: PSS (MiB)",
+                    f"{r['child_pss_mib']:.1f}", f"{r['naive_child_mib']:.1f}",
+                    f"{r['naive_child_mib'] / r['child_pss_mib']:.1f}x")  # fmt: skip
+    table.print_row("   private bytes each adds (MiB); it dirtied", f"{r['child_private_mib']:.1f}",
+                    f"{r['dirtied_mib']:.1f}",
+                    f"{r['child_private_mib'] / r['dirtied_mib']:.2f}x")  # fmt: skip
+    table.print_row("density: live children before p99 > 100 ms or 80% memory",
+                    f"{r['density']:.0f}")  # fmt: skip
     print(
         f"(parent: 1 GiB written by its warm-up; pool of {args.pool} children forked ahead; "
         f"naive = a full copy of the parent per child; the cap on density was {args.density_cap})"
@@ -217,9 +201,9 @@ def main() -> int:
     if args.json:
         keys = ("cold_p50_ms", "fork_p50_ms", "fork_p99_ms", "child_pss_mib",
                 "naive_child_mib", "density")  # fmt: skip
-        print(json.dumps({k: round(r[k], 3) for k in keys}))
+        print_json({k: r[k] for k in keys}, 3)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

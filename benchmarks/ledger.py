@@ -1,4 +1,8 @@
-"""The ledger benchmark behind scripts/bench-ledger (see there). Prints one table, side by side."""
+"""The ledger benchmark (`scripts/bench-ledger`, which installs procrastinate first): fleet on
+SQLite and PostgreSQL against procrastinate on the same PostgreSQL. Prints one table, side by
+side, then where one worker's time goes and what TLS and keys cost through the gRPC API."""
+
+# ruff: noqa: T201 (a benchmark's output is what it prints)
 
 from __future__ import annotations
 
@@ -8,7 +12,6 @@ import contextlib
 import cProfile
 import fcntl
 import json
-import logging
 import multiprocessing as mp
 import os
 import pstats
@@ -16,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Coroutine, Iterator
 from datetime import UTC, datetime
 from multiprocessing.sharedctypes import Synchronized
@@ -23,32 +27,39 @@ from multiprocessing.synchronize import Barrier as BarrierType
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import grpc
 
-import structlog  # noqa: E402
-
-from fleet.connect import ClientAuth  # noqa: E402
-from fleet.core.lifecycle import Outcome  # noqa: E402
-from fleet.core.manifest import (  # noqa: E402
+from benchmarks.harness import REPO, Table, print_json, quiet
+from fleet import __version__
+from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, host_pb2, host_pb2_grpc, types_pb2
+from fleet.config import Paths
+from fleet.connect import ClientAuth
+from fleet.core.credentials import Scope, format_api_key
+from fleet.core.lifecycle import Outcome
+from fleet.core.manifest import (
     Manifest,
     Step,
     SubmitRequest,
     build_manifest,
     validate_request,
 )
-from fleet.core.placement import HostCapabilities, HostClass, Isolation, RuntimeKind  # noqa: E402
-from fleet.core.rollout import Assignment, Completion, StepResult  # noqa: E402
-from fleet.image.store import ImageStore  # noqa: E402
-from fleet.ledger import queries as Q  # noqa: E402
-from fleet.ledger.base import new_id  # noqa: E402
-from fleet.ledger.engines import sqlite_connect  # noqa: E402
-from fleet.ledger.leases import Claim  # noqa: E402
-from fleet.ledger.raw import dialect  # noqa: E402
-from fleet.ledger.store import Ledger  # noqa: E402
-from fleet.server.core import ClaimBatcher, CompletionBatcher, Core, SubmitBatcher  # noqa: E402
-from fleet.server.settings import ServerConfig  # noqa: E402
-from tests.pgserver import create_database, postgres_server  # noqa: E402
+from fleet.core.placement import HostCapabilities, HostClass, Isolation, RuntimeKind
+from fleet.core.rollout import Assignment, Completion, StepResult
+from fleet.identity.ca import CertificateAuthority
+from fleet.identity.local import local_host_identity
+from fleet.image.store import ImageStore
+from fleet.ledger import queries as Q
+from fleet.ledger.base import new_id
+from fleet.ledger.engines import sqlite_connect
+from fleet.ledger.leases import Claim
+from fleet.ledger.raw import dialect
+from fleet.ledger.store import Ledger
+from fleet.server import convert
+from fleet.server.app import FleetServer
+from fleet.server.auth import Security
+from fleet.server.core import ClaimBatcher, CompletionBatcher, Core, SubmitBatcher
+from fleet.server.settings import ServerConfig
+from tests.pgserver import create_database, postgres_server
 
 WORKERS = 4
 CLAIM_BATCH = 32
@@ -92,10 +103,6 @@ async def main() -> None:
 
 asyncio.run(main())
 """
-
-
-def quiet() -> None:
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
 
 
 def request(i: int, prefix: str) -> tuple[SubmitRequest, Manifest]:
@@ -193,7 +200,8 @@ def enqueue_floor(target: str, n: int, batch: int) -> float:
     ids = [(new_id("r-"), new_id("w-")) for _ in range(n)]
     manifests = [(m.digest, m.model_dump_json(), now) for _, m in submissions]
     rollouts = [(r, req.idempotency_key, req.fingerprint(), m.digest, "default", "{}", "QUEUED",
-                 0, now, now) for (req, m), (r, _) in zip(submissions, ids, strict=True)]  # fmt: skip
+                 0, now, now)
+                for (req, m), (r, _) in zip(submissions, ids, strict=True)]  # fmt: skip
     items = [(w, r, "default", "QUEUED", "cpu", False, False, False, 0, 3, now,
               m.deadline.timestamp(), False, "")
              for (_, m), (r, w) in zip(submissions, ids, strict=True)]  # fmt: skip
@@ -483,21 +491,6 @@ async def api_round(tmp: str, secure: bool, n: int) -> tuple[float, float]:
     """Submit and claim+complete through a real gRPC server (SQLite ledger): plaintext with no
     identity, or TLS with an API key for the submitter and a client certificate for the host.
     Returns (submits/s, jobs/s)."""
-    import uuid
-
-    import grpc
-
-    from fleet import __version__
-    from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, host_pb2, host_pb2_grpc, types_pb2
-    from fleet.config import Paths
-    from fleet.core.credentials import Scope, format_api_key
-    from fleet.identity.ca import CertificateAuthority
-    from fleet.identity.local import local_host_identity
-    from fleet.image.store import ImageStore
-    from fleet.server import convert
-    from fleet.server.app import FleetServer, ServerConfig
-    from fleet.server.auth import Security
-
     paths = Paths.from_env()
     where = Path(tempfile.mkdtemp(dir=tmp))
     ledger = Ledger.sqlite(where / "api.sqlite3")
@@ -552,8 +545,12 @@ async def api_round(tmp: str, secure: bool, n: int) -> tuple[float, float]:
             async def poller() -> int:
                 done = 0
                 while True:
-                    reply = await hosts.ClaimWork(host_pb2.ClaimWorkRequest(
-                        host_id="bench-host", max_items=CLAIM_BATCH, wait_s=0), timeout=60)  # fmt: skip
+                    reply = await hosts.ClaimWork(
+                        host_pb2.ClaimWorkRequest(
+                            host_id="bench-host", max_items=CLAIM_BATCH, wait_s=0
+                        ),
+                        timeout=60,
+                    )
                     if not reply.items:
                         return done
                     await asyncio.gather(*(
@@ -666,36 +663,36 @@ def main() -> int:
         ),
         ("enqueue rows/s, batched", results["enqueue_batch_s"], pg_batch, b_batch),
     ]
-    print(
-        f"{'':<44}{'fleet/SQLite':>14}{'fleet/PG':>12}{'procrastinate':>15}{'SQLite ratio':>14}{'PG ratio':>10}"
-    )
+    table = Table(44, (("fleet/SQLite", 14), ("fleet/PG", 12), ("procrastinate", 15),
+                       ("SQLite ratio", 14), ("PG ratio", 10)))  # fmt: skip
+    table.print_header()
     # The floors: the database alone running the same statements (no fleet code), under the
     # rows they bound, and fleet's share of each.
     floors = {1: (results["jobs_floor_s"], results["postgres_jobs_floor_s"]),
               2: (results["enqueue_one_floor_s"], results["postgres_enqueue_one_floor_s"]),
               4: (results["enqueue_floor_s"], results["postgres_enqueue_floor_s"])}  # fmt: skip
     for k, (name, lite, pg, base) in enumerate(rows):
-        print(
-            f"{name:<44}{lite:>14.0f}{pg:>12.0f}{base:>15.0f}{lite / base:>13.1f}x{pg / base:>9.1f}x"
-        )
+        table.print_row(name, f"{lite:.0f}", f"{pg:.0f}", f"{base:.0f}", f"{lite / base:.1f}x",
+                        f"{pg / base:.1f}x")  # fmt: skip
         if k in floors:
             lite_floor, pg_floor = floors[k]
-            print(f"{'  the database alone, same statements (floor)':<44}{lite_floor:>14.0f}"
-                  f"{pg_floor:>12.0f}{'fleet / floor':>15}{lite / lite_floor:>13.2f}x"
-                  f"{pg / pg_floor:>9.2f}x")  # fmt: skip
+            table.print_row("  the database alone, same statements (floor)", f"{lite_floor:.0f}",
+                            f"{pg_floor:.0f}", "fleet / floor", f"{lite / lite_floor:.2f}x",
+                            f"{pg / pg_floor:.2f}x")  # fmt: skip
     print(f"(jobs: {jobs_n} fleet, {3 * base_n} procrastinate; SQLite synchronous=FULL, "
           "PostgreSQL synchronous_commit=on; same machine, one run)")  # fmt: skip
     print()
     print(f"where one worker's time goes, per claim+complete job (cProfile, {prof_n} jobs, "
           f"batches of {CLAIM_BATCH}):")  # fmt: skip
-    print(f"{'':<44}{'fleet/SQLite':>14}{'fleet/PG':>12}")
+    profiled = Table(44, (("fleet/SQLite", 14), ("fleet/PG", 12)))
+    profiled.print_header()
     for key, name in (("total_us", "all (us/job)"), ("driver_us", "inside the driver (us/job)"),
                       ("commit_us", "  of which BEGIN and COMMIT (us/job)")):  # fmt: skip
-        print(f"{name:<44}{lite_prof[key]:>14.0f}{pg_prof[key]:>12.0f}")
+        profiled.print_row(name, f"{lite_prof[key]:.0f}", f"{pg_prof[key]:.0f}")
     own = [(p["total_us"] - p["driver_us"]) for p in (lite_prof, pg_prof)]
-    print(f"{'fleet Python (us/job)':<44}{own[0]:>14.0f}{own[1]:>12.0f}")
-    print(f"{'CPU ceiling on 2 cores (jobs/s)':<44}{2e6 / lite_prof['total_us']:>14.0f}"
-          f"{2e6 / pg_prof['total_us']:>12.0f}")  # fmt: skip
+    profiled.print_row("fleet Python (us/job)", f"{own[0]:.0f}", f"{own[1]:.0f}")
+    profiled.print_row("CPU ceiling on 2 cores (jobs/s)", f"{2e6 / lite_prof['total_us']:.0f}",
+                       f"{2e6 / pg_prof['total_us']:.0f}")  # fmt: skip
     print(
         f"bare write+fsync on this disk: {fsyncs:.0f}/s (the ceiling for durable one-by-one "
         "commits from one client)"
@@ -703,17 +700,18 @@ def main() -> int:
     print()
     print("through the gRPC API (a real server, SQLite, client and server in one process; "
           "rounds A B B A):")  # fmt: skip
-    print(f"{'':<44}{'plaintext':>14}{'TLS+keys':>12}{'TLS/plain':>11}")
+    api = Table(44, (("plaintext", 14), ("TLS+keys", 12), ("TLS/plain", 11)))
+    api.print_header()
     for key, name in (("submit", f"submit rollouts/s, {API_CONCURRENCY} in flight"),
                       ("jobs", f"claim+complete jobs/s, {API_POLLERS} pollers")):  # fmt: skip
         plain, tls = results[f"api_{key}_plain_s"], results[f"api_{key}_tls_s"]
-        print(f"{name:<44}{plain:>14.0f}{tls:>12.0f}{tls / plain:>10.2f}x")
+        api.print_row(name, f"{plain:.0f}", f"{tls:.0f}", f"{tls / plain:.2f}x")
     print(
         "(TLS+keys: the submitter sends an API key checked on every call, the host calls "
         "with its client certificate over mutual TLS)"
     )
     if args.json:
-        print(json.dumps({k: round(v, 1) for k, v in results.items()}))
+        print_json(results, 1)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The session benchmark behind scripts/bench-sessions.
+"""The session benchmark (`scripts/bench-sessions`).
 
 fleet side: an in-process server (SQLite ledger, loopback, no TLS) and one agent on the
 namespace runtime with 64 slots, driven through the typed client over gRPC. Baseline: the
@@ -11,47 +11,32 @@ threads running 20 bwrap `true` each; (4) the time to fork an open session. Each
 session (a machine of its own) and a warm one (a warm parent's copy-on-write child).
 """
 
+# ruff: noqa: T201 (a benchmark's output is what it prints)
+
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import logging
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-import structlog  # noqa: E402
-
-from fleet.agent.agent import Agent  # noqa: E402
-from fleet.agent.capabilities import RuntimeChoice  # noqa: E402
-from fleet.agent.config import AgentConfig  # noqa: E402
-from fleet.client import Fleet  # noqa: E402
-from fleet.config import Paths  # noqa: E402
-from fleet.core.placement import HostClass, RuntimeKind  # noqa: E402
-from fleet.embedded import until_registered  # noqa: E402
-from fleet.image.store import ImageStore  # noqa: E402
-from fleet.ledger.store import Ledger  # noqa: E402
-from fleet.server.app import FleetServer, ServerConfig  # noqa: E402
+from benchmarks.harness import Table, minimal_image, percentile, print_json, quiet
+from fleet.agent.agent import Agent
+from fleet.agent.capabilities import RuntimeChoice
+from fleet.agent.config import AgentConfig
+from fleet.client import Fleet
+from fleet.core.placement import HostClass, RuntimeKind
+from fleet.embedded import until_registered
+from fleet.image.store import ImageStore
+from fleet.ledger.store import Ledger
+from fleet.server.app import FleetServer, ServerConfig
 
 SMOLFILE = 'image = "minimal"\n'
 WARM_SMOLFILE = 'image = "minimal"\n\n[branch]\nenabled = true\npool_size = 4\n'
-
-
-def quiet() -> None:
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def bwrap_true(rootfs: Path) -> float:
@@ -109,10 +94,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     quiet()
-    paths = Paths.from_env()
-    images = ImageStore(paths.images, paths.recipes)
-    record = images.record("minimal")
-    assert record is not None, "build the default image first (scripts/setup)"
+    images, record = minimal_image()
     rootfs = images.rootfs(record.digest)
     opens, rounds, sessions, per = (10, 100, 16, 10) if args.quick else (30, 300, 64, 20)
     r: dict[str, float] = {}
@@ -147,13 +129,13 @@ def main() -> None:
                     forks.append((time.perf_counter() - started) * 1000)
                     copy.close()
                 box.close()
-                r[f"{kind}_open_first_exec_p50_ms"] = pct(first, 0.5)
-                r[f"{kind}_open_first_exec_p99_ms"] = pct(first, 0.99)
-                r[f"{kind}_exec_p50_ms"] = pct(trips, 0.5)
-                r[f"{kind}_exec_p99_ms"] = pct(trips, 0.99)
-                r[f"{kind}_fork_p50_ms"] = pct(forks, 0.5)
+                r[f"{kind}_open_first_exec_p50_ms"] = percentile(first, 0.5)
+                r[f"{kind}_open_first_exec_p99_ms"] = percentile(first, 0.99)
+                r[f"{kind}_exec_p50_ms"] = percentile(trips, 0.5)
+                r[f"{kind}_exec_p99_ms"] = percentile(trips, 0.99)
+                r[f"{kind}_fork_p50_ms"] = percentile(forks, 0.5)
             bw = [bwrap_true(rootfs) for _ in range(rounds)]
-            r.update(bwrap_p50_ms=pct(bw, 0.5), bwrap_p99_ms=pct(bw, 0.99))
+            r.update(bwrap_p50_ms=percentile(bw, 0.5), bwrap_p99_ms=percentile(bw, 0.99))
             for kind, smolfile in (("cold", cold_file), ("warm", warm_file)):
                 boxes = [f.session(smolfile) for _ in range(sessions)]
 
@@ -177,27 +159,27 @@ def main() -> None:
         r[f"{kind}_concurrent_per_s"] = n / r[f"{kind}_concurrent_s"]
     for kind in ("cold", "warm"):
         r[f"{kind}_added_p50_ms"] = r[f"{kind}_exec_p50_ms"] - r["bwrap_p50_ms"]
-    w = 54
-    print(f"{'':<{w}}{'cold':>9}{'warm':>9}{'bwrap':>9}{'cold/bw':>9}{'warm/bw':>9}")
+    table = Table(54, (("cold", 9), ("warm", 9), ("bwrap", 9), ("cold/bw", 9), ("warm/bw", 9)))
+    table.print_header()
     for q in ("p50", "p99"):
-        label = f"open a session + first exec {q} (ms)"
-        print(f"{label:<{w}}{r[f'cold_open_first_exec_{q}_ms']:>9.1f}"
-              f"{r[f'warm_open_first_exec_{q}_ms']:>9.1f}")  # fmt: skip
-    print(f"{'fork an open session, copy ready (p50, ms)':<{w}}{r['cold_fork_p50_ms']:>9.1f}"
-          f"{r['warm_fork_p50_ms']:>9.1f}")  # fmt: skip
+        table.print_row(f"open a session + first exec {q} (ms)",
+                        f"{r[f'cold_open_first_exec_{q}_ms']:.1f}",
+                        f"{r[f'warm_open_first_exec_{q}_ms']:.1f}")  # fmt: skip
+    table.print_row("fork an open session, copy ready (p50, ms)", f"{r['cold_fork_p50_ms']:.1f}",
+                    f"{r['warm_fork_p50_ms']:.1f}")  # fmt: skip
     for q in ("p50", "p99"):
         cold, warm, base = r[f"cold_exec_{q}_ms"], r[f"warm_exec_{q}_ms"], r[f"bwrap_{q}_ms"]
-        label = f"exec `true` round trip {q} (ms)"
-        print(f"{label:<{w}}{cold:>9.2f}{warm:>9.2f}{base:>9.2f}{cold / base:>9.2f}"
-              f"{warm / base:>9.2f}")  # fmt: skip
+        table.print_row(f"exec `true` round trip {q} (ms)", f"{cold:.2f}", f"{warm:.2f}",
+                        f"{base:.2f}", f"{cold / base:.2f}", f"{warm / base:.2f}")  # fmt: skip
     cold, warm, base = (r[f"{k}_concurrent_per_s"] for k in ("cold", "warm", "bwrap"))
-    label = f"{sessions} sessions x {per} commands at once (cmd/s)"
-    print(f"{label:<{w}}{cold:>9.1f}{warm:>9.1f}{base:>9.1f}{cold / base:>9.2f}{warm / base:>9.2f}")
+    table.print_row(f"{sessions} sessions x {per} commands at once (cmd/s)", f"{cold:.1f}",
+                    f"{warm:.1f}", f"{base:.1f}", f"{cold / base:.2f}",
+                    f"{warm / base:.2f}")  # fmt: skip
     print(f"targets: warm open + first exec p50 {r['warm_open_first_exec_p50_ms']:.1f} ms "
           f"(<= 50); fleet adds {r['cold_added_p50_ms']:.2f} ms (cold) and "
           f"{r['warm_added_p50_ms']:.2f} ms (warm) p50 per exec over bwrap (<= 3)")  # fmt: skip
     if args.json:
-        print(json.dumps({k: round(v, 3) for k, v in r.items()}))
+        print_json(r, 3)
 
 
 if __name__ == "__main__":
