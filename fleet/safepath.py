@@ -25,14 +25,15 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import shutil
 import stat
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import IO, BinaryIO, Literal, cast
+from typing import IO, BinaryIO, Literal, TypeVar, cast
 
 from fleet.core.errors import InvalidArgument
 
@@ -47,6 +48,7 @@ MAX_LINK_TARGET = 4095
 _CHUNK = 1 << 20
 _OPAQUE = ".wh..wh..opq"
 _WHITEOUT = ".wh."
+_T = TypeVar("_T")
 
 
 class UnsafePath(InvalidArgument):
@@ -194,15 +196,17 @@ class _Chain:
     """The open fds of one directory beneath a root and of its ancestors, kept between calls:
     an archive lists a directory's members together, so the next member's directory is
     mostly this one or shares a long prefix with it, and walking from the root each time
-    (one open per component per member) would dominate an unpack.
+    (one open per component per member) would cost more than placing the members.
 
     Every fd here was opened by `_step`, one component at a time from the root or from an
-    ancestor's fd already held, exactly as `_walk` opens them; reusing one is reusing that
-    walk's result. A held fd names its directory, not a path: while it is held, only a
-    removal of the directory (or of an ancestor) can make it wrong (entries would land in an
-    unlinked directory), and whoever removes or replaces an entry beneath the root calls
-    `forget` with its path first. Renames cannot move it anywhere the root's own fd could not
-    be moved, so holding it reaches nothing a fresh walk from the root would not."""
+    ancestor's fd already held, exactly as `_walk` opens them: a link or a non-directory on
+    the way is refused the same, and reusing an fd reuses that walk's result. A held fd names
+    its directory, not a path, so only removing or replacing the directory (or an ancestor)
+    makes it wrong: entries would land in an unlinked directory, still nowhere outside. Who
+    removes or replaces an entry calls `forget` with its path first. (For the trees this
+    unpacks into, which nothing else writes meanwhile, that is all; a directory that another
+    writer renamed away would keep receiving the members under its old path, in the place
+    that writer could already write to, never through a link.)"""
 
     def __init__(self, top: int, *, create: bool, mode: int) -> None:
         self.top = top
@@ -228,11 +232,12 @@ class _Chain:
 
     @property
     def fd(self) -> int:
+        """The chain's end: the directory last opened (the root when the chain is empty)."""
         return self.fds[-1] if self.fds else self.top
 
     def adopt(self, parts: tuple[str, ...], fd: int) -> None:
-        """Takes `fd`, opened by `_step` as `parts`' last component in `parts[:-1]`' fd,
-        which must be the chain's end."""
+        """Takes `fd` as the chain's new end: the directory `parts`, just opened by `_step`
+        in the chain's end, which must be `parts[:-1]`."""
         if tuple(self.names) != parts[:-1]:
             os.close(fd)
             raise ValueError(f"{_show('/'.join(parts))}: not a child of the chain's end")
@@ -454,12 +459,9 @@ def _copy_dir(
         budget.member(shown)
         keep = _keep_mode(st.st_mode, setuid)
         if stat.S_ISDIR(st.st_mode):
-            existing = _lstat(dst, name)
-            if existing is not None and not stat.S_ISDIR(existing.st_mode):
-                os.unlink(name, dir_fd=dst)
             child_src = _step(src, name, shown, create=False, mode=0o700)
             try:
-                child_dst = _step(dst, name, shown, create=True, mode=0o700)
+                child_dst = _place_dir(dst, name, shown)
                 try:
                     _copy_dir(child_src, child_dst, (*at, name), limits, budget, owners, setuid)
                     if owners:
@@ -471,13 +473,12 @@ def _copy_dir(
             finally:
                 os.close(child_src)
         elif stat.S_ISLNK(st.st_mode):
-            _clear(dst, name, shown)
-            os.symlink(os.readlink(name, dir_fd=src), name, dir_fd=dst)
+            link = functools.partial(os.symlink, os.readlink(name, dir_fd=src), name, dir_fd=dst)
+            _replacing(link, dst, name, shown, dirs=False)
             if owners:
                 os.chown(name, st.st_uid, st.st_gid, dir_fd=dst, follow_symlinks=False)
         elif stat.S_ISREG(st.st_mode):
             budget.content(shown, st.st_size)
-            _clear(dst, name, shown)
             _copy_file(src, dst, name, shown, st, keep, owners)
 
 
@@ -490,21 +491,25 @@ def _copy_file(
         rfd = os.open(name, rflags, dir_fd=src)
     except OSError as exc:
         raise _refusal(exc, src, name, shown) from None
-    with os.fdopen(rfd, "rb") as reader:
+    try:
         if not stat.S_ISREG(os.fstat(rfd).st_mode):
             raise UnsafePath(f"{_show(shown)}: changed while it was copied")
         os.set_blocking(rfd, True)
-        wfd = os.open(name, wflags, 0o600, dir_fd=dst)
-        with os.fdopen(wfd, "wb") as writer:
+        create = functools.partial(os.open, name, wflags, 0o600, dir_fd=dst)
+        wfd = _replacing(create, dst, name, shown, dirs=False)
+        try:
             copied = 0
-            while copied < st.st_size and (chunk := reader.read(min(_CHUNK, st.st_size - copied))):
-                writer.write(chunk)
+            while copied < st.st_size and (chunk := os.read(rfd, min(_CHUNK, st.st_size - copied))):
+                _write_all(wfd, chunk)
                 copied += len(chunk)
             if owners:
                 os.fchown(wfd, st.st_uid, st.st_gid)
             os.fchmod(wfd, mode)
-            writer.flush()
             os.utime(wfd, ns=(st.st_atime_ns, st.st_mtime_ns))
+        finally:
+            os.close(wfd)
+    finally:
+        os.close(rfd)
 
 
 def _clear(parent: int, name: str, shown: str, *, dirs: bool = False) -> None:
@@ -526,6 +531,14 @@ def _utime(fd: int, mtime: float) -> None:
     """Sets an archive's mtime; one the host cannot represent is left as it is."""
     with contextlib.suppress(OverflowError, ValueError, OSError):
         os.utime(fd, (mtime, mtime))
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Writes all of `data` to `fd` (unbuffered: most members are one chunk, and a file
+    object per member would cost more than its content)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def _keep_mode(mode: int, setuid: bool) -> int:
@@ -745,16 +758,14 @@ def extract_tar(fileobj: BinaryIO, root: Root, policy: ExtractPolicy) -> list[st
                     chain.forget(parts)
                     if m.issym():
                         _replacing(
-                            lambda: os.symlink(m.linkname, name, dir_fd=parent),
+                            functools.partial(os.symlink, m.linkname, name, dir_fd=parent),
                             parent, name, shown, dirs=policy.whiteouts,
                         )  # fmt: skip
                         if policy.owners:
                             os.chown(name, m.uid, m.gid, dir_fd=parent, follow_symlinks=False)
                     elif m.islnk():
                         target = check.hardlink_target(m, shown)
-                        _place_hardlink(
-                            top, parent, name, shown, target, inodes, policy.whiteouts
-                        )
+                        _place_hardlink(top, parent, name, shown, target, inodes, policy.whiteouts)
                         inodes[parts] = inodes[target]
                     else:
                         source = tar.extractfile(m)
@@ -771,9 +782,7 @@ def extract_tar(fileobj: BinaryIO, root: Root, policy: ExtractPolicy) -> list[st
     return placed
 
 
-def _apply_dir_modes(
-    top: int, dirs: dict[tuple[str, ...], tarfile.TarInfo], check: _Check
-) -> None:
+def _apply_dir_modes(top: int, dirs: dict[tuple[str, ...], tarfile.TarInfo], check: _Check) -> None:
     """Gives each directory the archive listed its owner, mode and mtime, once nothing more is
     written into it. In reverse name order every directory comes before its ancestors (a
     stricter mode set on one never stops the walk to another) and after its later siblings
@@ -821,14 +830,14 @@ def _place_file(
 ) -> tuple[int, int]:
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = _replacing(
-        lambda: os.open(name, flags, 0o600, dir_fd=parent),
+        functools.partial(os.open, name, flags, 0o600, dir_fd=parent),
         parent, name, shown, dirs=check.policy.whiteouts,
     )  # fmt: skip
-    with os.fdopen(fd, "wb") as out:
+    try:
         left = m.size
         try:
             while left > 0 and (chunk := source.read(min(_CHUNK, left))):
-                out.write(chunk)
+                _write_all(fd, chunk)
                 left -= len(chunk)
         except tarfile.TarError as exc:
             raise UnsafeArchive(f"member {_show(shown)}: {exc}") from None
@@ -837,9 +846,10 @@ def _place_file(
         if check.policy.owners:
             os.fchown(fd, m.uid, m.gid)
         os.fchmod(fd, check.mode(m))
-        out.flush()
         _utime(fd, m.mtime)
         st = os.fstat(fd)
+    finally:
+        os.close(fd)
     return st.st_dev, st.st_ino
 
 
@@ -864,12 +874,10 @@ def _place_hardlink(
             raise UnsafeArchive(
                 f"member {_show(shown)}: hard link target changed since it was placed"
             )
-        _replacing(
-            lambda: os.link(
-                target[-1], name, src_dir_fd=tdir, dst_dir_fd=parent, follow_symlinks=False
-            ),
-            parent, name, shown, dirs=dirs,
-        )  # fmt: skip
+        link = functools.partial(
+            os.link, target[-1], name, src_dir_fd=tdir, dst_dir_fd=parent, follow_symlinks=False
+        )
+        _replacing(link, parent, name, shown, dirs=dirs)
     finally:
         os.close(tdir)
 

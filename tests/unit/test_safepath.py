@@ -14,7 +14,7 @@ import tarfile
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import cast
+from typing import TypeVar, cast
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -374,3 +374,196 @@ def test_member_name_is_lexical_and_never_leaves(rel: str) -> None:
         return
     assert not name.is_absolute() and ".." not in name.parts and "\0" not in str(name)
     assert str(name) not in ("", ".")
+
+
+# -- unpacking keeps directories open between members -------------------------------------------
+
+
+Tree = dict[tuple[str, ...], object]
+V = TypeVar("V")
+
+
+def drop(table: dict[tuple[str, ...], V], gone: tuple[str, ...]) -> None:
+    """Removes `gone` and what lies beneath it from `table`."""
+    for key in [k for k in table if k[: len(gone)] == gone]:
+        del table[key]
+
+
+def placed_tree(root: Path) -> Tree:
+    """What is beneath `root`: "dir", ("file", content) or ("link", target) by path."""
+    found: Tree = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            full = Path(dirpath) / name
+            parts = full.relative_to(root).parts
+            mode = full.lstat().st_mode
+            if stat.S_ISLNK(mode):
+                found[parts] = ("link", os.readlink(full))
+            elif stat.S_ISDIR(mode):
+                found[parts] = "dir"
+            else:
+                found[parts] = ("file", full.read_bytes())
+    return found
+
+
+def model_layer(tree: Tree, members: list[Entry]) -> bool:
+    """Applies one layer (whiteouts kept) to `tree` the way it is meant to be unpacked: missing
+    parents made, an entry replaced whole (a directory with its contents), whiteouts removing
+    what is there, an opaque one what this layer did not list. False where the layer is refused
+    (a parent that is not a directory, by what the layer itself listed or by what is there);
+    `tree` then holds what was placed before."""
+    listed: dict[tuple[str, ...], str] = {}
+
+    for e in members:
+        parts = tuple(e.name.split("/"))
+        if any(listed.get(parts[:depth], "dir") != "dir" for depth in range(1, len(parts))):
+            return False
+        for depth in range(1, len(parts)):
+            have = tree.setdefault(parts[:depth], "dir")
+            if have != "dir":
+                return False
+        at, name = parts[:-1], parts[-1]
+        if name == ".wh..wh..opq":
+            for key in [k for k in tree if k[:-1] == at and k not in listed]:
+                drop(tree, key)
+            continue
+        if name.startswith(".wh."):
+            drop(tree, (*at, name[4:]))
+            drop(listed, (*at, name[4:]))
+            continue
+        kind = {tarfile.DIRTYPE: "dir", tarfile.SYMTYPE: "link"}.get(e.kind, "file")
+        if listed.get(parts) == "dir" and kind != "dir":
+            drop(listed, parts)
+        listed[parts] = kind
+        if kind == "dir":
+            if tree.get(parts) != "dir":
+                drop(tree, parts)
+                tree[parts] = "dir"
+        else:
+            drop(tree, parts)
+            tree[parts] = ("link", e.link) if kind == "link" else ("file", e.data)
+    return True
+
+
+@st.composite
+def layer(draw: st.DrawFn, tag: str) -> list[Entry]:
+    """A layer over a tiny name space, so that members keep replacing, whiting out and
+    re-making each other's directories (and the directories lower layers made)."""
+    out: list[Entry] = []
+    for i in range(draw(st.integers(0, 12))):
+        parts = draw(st.lists(st.sampled_from(["a", "b"]), min_size=1, max_size=3))
+        kind = draw(st.sampled_from(["dir", "dir", "file", "file", "link", "wh", "opq"]))
+        if kind == "wh":
+            parts[-1] = ".wh." + parts[-1]
+        elif kind == "opq":
+            parts[-1] = ".wh..wh..opq"
+        name = "/".join(parts)
+        if kind == "dir":
+            out.append(Entry(name, tarfile.DIRTYPE, mode=0o755))
+        elif kind == "link":
+            out.append(Entry(name, tarfile.SYMTYPE, link=f"t{tag}{i}"))
+        else:
+            out.append(Entry(name, data=f"{tag}{i}".encode()))
+    return out
+
+
+@SETTINGS
+@given(lower=layer("lower"), upper=layer("upper"))
+def test_layers_place_what_a_model_of_them_places(lower: list[Entry], upper: list[Entry]) -> None:
+    """Members after a directory was replaced, whited out or emptied land in what is at that
+    path now, never in a directory the layer removed (whose fd an unpack might still hold)."""
+    layers = ExtractPolicy(whiteouts=True, links_out=True)
+    with playground() as base:
+        root = base / "root"
+        expected: Tree = {}
+        for members in (lower, upper):
+            ok = model_layer(expected, members)
+            if ok:
+                safepath.extract_tar(io.BytesIO(tar_bytes(members)), root, layers)
+            else:
+                with pytest.raises(REFUSED, match=r"not a directory|is a symlink|its parent"):
+                    safepath.extract_tar(io.BytesIO(tar_bytes(members)), root, layers)
+            assert placed_tree(root) == expected
+            if not ok:
+                break
+
+
+def test_members_after_a_replaced_directory_land_in_the_new_one() -> None:
+    layers = ExtractPolicy(whiteouts=True, links_out=True)
+    with playground() as base:
+        root = base / "root"
+        lower = [
+            Entry("d", tarfile.DIRTYPE, mode=0o755), Entry("d/e", tarfile.DIRTYPE, mode=0o755),
+            Entry("d/e/old"), Entry("w", tarfile.DIRTYPE, mode=0o755), Entry("w/x/old"),
+        ]  # fmt: skip
+        safepath.extract_tar(io.BytesIO(tar_bytes(lower)), root, layers)
+        upper = [
+            Entry("d/e/mine", data=b"1"),  # the unpack now holds d and d/e open
+            Entry("d", tarfile.SYMTYPE, link="elsewhere"),  # d goes, with e
+            Entry("d", tarfile.DIRTYPE, mode=0o755),
+            Entry("d/e/new", data=b"2"),
+            Entry("w/x/mine", data=b"3"),  # w and w/x open
+            Entry(".wh.w"),
+            Entry("w/x/new", data=b"4"),
+            Entry("w/x/more", data=b"5"),
+            Entry("w/.wh..wh..opq"),  # x was made by a parent walk, not listed: it goes
+            Entry("w/x/last", data=b"6"),
+        ]  # fmt: skip
+        placed = safepath.extract_tar(io.BytesIO(tar_bytes(upper)), root, layers)
+        assert ".wh.w" not in placed
+        assert placed_tree(root) == {
+            ("d",): "dir", ("d", "e"): "dir", ("d", "e", "new"): ("file", b"2"),
+            ("w",): "dir", ("w", "x"): "dir", ("w", "x", "last"): ("file", b"6"),
+        }  # fmt: skip
+
+
+def test_an_archive_opens_each_directory_once_not_once_per_member(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A directory's members are placed through one fd of it, opened once, not through a walk
+    from the root per member (which made unpacking an image several times slower)."""
+    deep = ["d1", "d1/d2", "d1/d2/d3", "d1/d2/d3/d4", "d1/d2/d3/d4/d5"]
+    members = [Entry(d, tarfile.DIRTYPE, mode=0o755) for d in deep]
+    members += [Entry(f"{deep[-1]}/f{i}", data=b"x") for i in range(100)]
+    members += [Entry(f"{deep[1]}/g{i}", data=b"y") for i in range(100)]
+    real_open = os.open
+    opened: list[int] = []
+
+    def counting_open(path: object, flags: int, *args: object, **kwargs: object) -> int:
+        if flags & os.O_DIRECTORY:
+            opened.append(flags)
+        return real_open(path, flags, *args, **kwargs)  # type: ignore[arg-type]
+
+    with playground() as base:
+        monkeypatch.setattr(os, "open", counting_open)
+        placed = safepath.extract_tar(
+            io.BytesIO(tar_bytes(members)), base / "root", ExtractPolicy()
+        )
+        monkeypatch.undo()
+        assert len(placed) == len(members)
+        assert (base / "root" / deep[-1] / "f99").read_bytes() == b"x"
+        # the root, each directory as it is made, and each again to set its mode at the end
+        assert len(opened) <= 1 + 2 * len(deep), len(opened)
+
+
+def test_a_directory_forgotten_by_the_chain_is_walked_again() -> None:
+    """`_Chain.forget` drops the fds of a path and beneath it: after the directory there was
+    replaced, the next open finds the new one instead of looking in the removed one."""
+    with playground() as base:
+        root = base / "root"
+        (root / "a" / "b").mkdir(parents=True)
+        top = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+        chain = safepath._Chain(top, create=False, mode=0o755)
+        try:
+            chain.open(("a", "b"))
+            os.rename(root / "a", base / "gone")
+            (root / "a" / "c").mkdir(parents=True)
+            with pytest.raises(FileNotFoundError):  # still the old a, which has no c
+                chain.open(("a", "c"))
+            chain.forget(("a",))
+            assert chain.names == []
+            fd = chain.open(("a", "c"))
+            assert os.fstat(fd).st_ino == (root / "a" / "c").stat().st_ino
+        finally:
+            chain.close()
+            os.close(top)
