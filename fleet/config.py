@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-_REPO_ROOT = Path(__file__).resolve().parent.parent
+from fleet import resources
 
 
 @dataclass(frozen=True)
@@ -16,7 +16,7 @@ class Paths:
     home: Path
     """Fleet's data directory: image store, ledgers, machines ($FLEET_HOME)."""
     recipes: Path
-    """Folder of image recipes ($FLEET_RECIPES, default: the repository's images/)."""
+    """Folder of image recipes ($FLEET_RECIPES, default: the shipped ones, `fleet.resources`)."""
 
     @property
     def images(self) -> Path:
@@ -25,6 +25,12 @@ class Paths:
     @property
     def machines(self) -> Path:
         return self.home / "machines"
+
+    @property
+    def tools(self) -> Path:
+        """The namespace runtime's C helpers, built once per host by `fleet host prepare`
+        (`fleet.runtime.helpers`), not by an agent while it runs work."""
+        return self.home / "tools"
 
     @property
     def ca(self) -> Path:
@@ -75,5 +81,5 @@ class Paths:
     @classmethod
     def from_env(cls) -> Paths:
         home = os.environ.get("FLEET_HOME") or str(Path.home() / ".local" / "share" / "fleet")
-        recipes = os.environ.get("FLEET_RECIPES") or str(_REPO_ROOT / "images")
-        return cls(home=Path(home), recipes=Path(recipes))
+        recipes = os.environ.get("FLEET_RECIPES")
+        return cls(home=Path(home), recipes=Path(recipes) if recipes else resources.recipes())

@@ -10,6 +10,11 @@ Machines run the image's python3 without gRPC, so a step calls the gateway with 
     GET /metrics     Prometheus text (to this host's loopback only: machines get a 404)
     GET /healthz     "ok"
 
+and, beside it, the OpenAI-compatible API of the gateway's language model
+(`gateway.llm.openai_api`): GET /v1/models, POST /v1/chat/completions, POST /v1/completions,
+authorized by the same token as `Authorization: Bearer TOKEN`. Streamed answers are
+server-sent events in a chunked body, written as they are made.
+
 HTTP/1.1 with keep-alive, parsed strictly (`fleet.httpd`); bodies over 1 MiB are refused;
 headers must arrive within 10 s and a next request within 60 s. Past `connection_limit()` open
 connections a new one gets a 503 to retry, and so does one past `MAX_PER_ROLLOUT` connections of
@@ -24,6 +29,7 @@ peers are closed unanswered. Errors map from fleet's codes.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import ipaddress
 import json
 import resource
@@ -36,8 +42,10 @@ import structlog
 
 from fleet.core.errors import ErrorCode, FleetError
 from fleet.core.tokens import verify
-from fleet.httpd import IPNetwork, connection_handler, is_loopback, reply
+from fleet.httpd import REASONS, IPNetwork, connection_handler, is_loopback, reply
 from fleet.runtime.netns import NetConfig
+from gateway.llm.openai_api import ROUTES, OpenAIApi
+from gateway.llm.openai_schema import Reply
 from gateway.service import Gateway
 
 log = structlog.get_logger(__name__)
@@ -56,6 +64,7 @@ HTTP_STATUS = {
     ErrorCode.UNAUTHENTICATED: 401,
     ErrorCode.PERMISSION_DENIED: 403,
     ErrorCode.NOT_FOUND: 404,
+    ErrorCode.OUT_OF_RANGE: 400,
     ErrorCode.ALREADY_EXISTS: 409,
     ErrorCode.ABORTED: 409,
     ErrorCode.FAILED_PRECONDITION: 412,
@@ -71,9 +80,15 @@ def _json(status: int, payload: dict[str, Any], extra: dict[str, str] | None = N
     return reply(status, json.dumps(payload).encode(), "application/json", extra)
 
 
+_writer: contextvars.ContextVar[asyncio.StreamWriter] = contextvars.ContextVar("http_writer")
+"""The connection a request came on, for answers written as they are made (`fleet.httpd`
+handlers return whole responses); set per connection by `serve_http`."""
+
+
 class HttpEndpoint:
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
+        self.openai = OpenAIApi(gateway.llm, gateway.authorize)
 
     async def _route(self, method: str, path: str, _h: dict[str, str], body: bytes) -> bytes:
         if path == "/healthz":
@@ -81,6 +96,16 @@ class HttpEndpoint:
         if path == "/metrics" and method == "GET" and is_loopback(_h.get(":peer", "")):
             text = self.gateway.metrics_text().encode()
             return reply(200, text, "text/plain; version=0.0.4")
+        if path.partition("?")[0] in ROUTES:
+            self.gateway.requests["openai"] += 1
+            api = await self.openai.handle(method, path.partition("?")[0], _h, body)
+            try:
+                if api.events is None:
+                    return _json(api.status, api.body or {}, api.headers)
+                await _stream(api)
+                return b""  # (written already)
+            finally:
+                await api.close()
         if path != "/v1/infer":
             return _json(404, {"code": "NOT_FOUND", "message": f"no route {path}"})
         if method != "POST":
@@ -118,6 +143,27 @@ class HttpEndpoint:
         })  # fmt: skip
 
 
+async def _stream(answer: Reply) -> None:
+    """Writes a streamed answer on the request's connection: its head, then each event as a
+    chunk of a chunked body, as it is made. A client that goes away ends the writes (a
+    ConnectionError, which closes the connection), and with them the generation."""
+    assert answer.events is not None
+    writer = _writer.get()
+    head = [
+        f"HTTP/1.1 {answer.status} {REASONS.get(answer.status, 'OK')}",
+        "Content-Type: text/event-stream", "Cache-Control: no-cache", "Transfer-Encoding: chunked",
+        *(f"{k}: {v}" for k, v in answer.headers.items()),
+    ]  # fmt: skip
+    writer.write(("\r\n".join(head) + "\r\n\r\n").encode())
+    await writer.drain()
+    async for data in answer.events:
+        event = f"data: {data}\n\n".encode()
+        writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+        await writer.drain()
+    writer.write(b"0\r\n\r\n")
+    await writer.drain()
+
+
 def connection_limit() -> int:
     """Connections the endpoint holds open at once: what this process may open, less room for
     the rest of the gateway (gRPC, its engine, a restart), so that machines that open too many
@@ -140,17 +186,26 @@ async def serve_http(
     at most `max_connections` open at once (0: `connection_limit()`); over TLS with `tls`;
     answering only peers in `allow` (None: any)."""
 
-    def rollout_of(_headers: dict[str, str], body: bytes) -> str | None:
+    def rollout_of(headers: dict[str, str], body: bytes) -> str | None:
         try:
-            token = json.loads(body).get("token", "")
+            scheme, _, bearer = headers.get("authorization", "").partition(" ")
+            if scheme.lower() == "bearer":  # (the OpenAI-compatible endpoints)
+                token = bearer.strip()
+            else:
+                token = json.loads(body).get("token", "")
             return verify(gateway.config.secret, str(token), time.time()).rollout_id
         except (FleetError, ValueError, TypeError, AttributeError):
             return None  # refused by the endpoint itself, and the connection closed
 
-    handle = connection_handler(
+    serve_connection = connection_handler(
         HttpEndpoint(gateway)._route, MAX_BODY_BYTES, max_connections or connection_limit(),
         allow=allow, key_of=rollout_of, max_per_key=max_per_rollout,
     )  # fmt: skip
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        _writer.set(writer)  # (in the connection's own task, so in a context of its own)
+        await serve_connection(reader, writer)
+
     if sock is not None:
         server = await asyncio.start_server(handle, sock=sock, ssl=tls)
     else:

@@ -29,11 +29,12 @@ from fleet.core.errors import (
     PermissionDenied,
     Unavailable,
 )
-from fleet.core.tokens import check_running, verify
+from fleet.core.tokens import TokenClaims, check_running, verify
 from fleet.prom import CounterMetricFamily, exposition, gauge
 from gateway.batcher import Answer, Batcher
 from gateway.breaker import CircuitBreaker
 from gateway.engine import EngineRunner
+from gateway.llm.serving import LanguageModel, open_language_model
 from gateway.model import (
     DeviceFault,
     ModelSpec,
@@ -107,6 +108,9 @@ class Gateway:
     for a gateway that no server polls)."""
     running_received: float = 0.0
     """When they arrived here (monotonic)."""
+    llm: LanguageModel | None = None
+    """The language model served through the OpenAI-compatible endpoints (`gateway.http`);
+    None when the gateway serves none."""
 
     def note_running(self, ids: list[str], as_of: float, signature: str) -> None:
         """The server's list of running rollouts, signed with the token secret."""
@@ -160,6 +164,9 @@ class Gateway:
                 f"gateway engine {config.engine!r} is not one of {', '.join(ENGINES)}"
             )
         device = _primary_device(config.device)
+        # The gateway's `llm` setting where it has one, else FLEET_GATEWAY_LLM (serving); its
+        # manifest and checksums are checked before any engine starts.
+        llm = open_language_model(config.llm, device, config.dtype)
         # Both replicas load the same checksum-verified file.
         stored = replace(spec, dtype="float32")
         fallback = TorchRunner(
@@ -192,7 +199,21 @@ class Gateway:
         log.info("gateway_model_loaded", model=spec.name, revision=spec.revision,
                  sha256=spec.sha256[:16], device=device, dtype=spec.dtype,
                  engine=config.engine, fallback="cpu float32")  # fmt: skip
-        return cls(config, spec, Batcher(primary, fallback, config.batch, breaker))
+        return cls(config, spec, Batcher(primary, fallback, config.batch, breaker), llm=llm)
+
+    def authorize(self, token: str, rollout_id: str = "") -> TokenClaims:
+        """The claims of a request's token, checked as every inference request's are: its
+        signature and expiry (and its rollout, when the request names one), then the server's
+        list of running rollouts."""
+        claims = verify(self.config.secret, token, time.time(), rollout_id)
+        self.check_running(claims.rollout_id, claims.issued_at)
+        return claims
+
+    async def stop(self) -> None:
+        """Stops the batcher and the language model's engine."""
+        await self.batcher.stop()
+        if self.llm is not None:
+            await asyncio.to_thread(self.llm.close)
 
     async def infer(
         self,
@@ -211,8 +232,7 @@ class Gateway:
         `via`: how it came (one of `VIA`), for the metrics."""
         self.requests[via] += 1
         now = time.time()
-        claims = verify(self.config.secret, token, now, rollout_id)
-        self.check_running(claims.rollout_id, claims.issued_at)
+        self.authorize(token, rollout_id)
         if not rollout_id:
             raise InvalidArgument("rollout_id is empty")
         if model != self.spec.name:
@@ -238,7 +258,8 @@ class Gateway:
         """Prometheus text: the batcher's figures and how requests reach this gateway."""
         requests = CounterMetricFamily(
             "fleet_gateway_requests_total", "Inference requests received, by how they came: "
-            "grpc (Infer), grpc_stream (InferStream), http (POST /v1/infer).", labels=["via"],
+            "grpc (Infer), grpc_stream (InferStream), http (POST /v1/infer), openai (the "
+            "OpenAI-compatible endpoints).", labels=["via"],
         )  # fmt: skip
         for via in VIA:
             requests.add_metric([via], self.requests[via])
@@ -247,7 +268,7 @@ class Gateway:
         return exposition([*self.batcher.metric_families(), requests, streams])
 
 
-VIA = ("grpc", "grpc_stream", "http")
+VIA = ("grpc", "grpc_stream", "http", "openai")
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: ignore[misc]

@@ -14,9 +14,11 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict
 from pydantic_settings import SettingsConfigDict
 
+from fleet import resources
 from fleet.settings import NO_FLAG, Flag, Settings
 
-WEIGHTS_DIR = Path(__file__).parent / "weights"
+WEIGHTS_DIR = resources.weights()
+"""The shipped models: the repository's gateway/weights/, or their copy in an installed wheel."""
 
 
 class BatchConfig(BaseModel):
@@ -76,6 +78,9 @@ class GatewayConfig(BaseModel):
     engine: str = "process"
     """Where the primary's model runs: "process" (an engine process of its own, restarted
     after a device error; `gateway.engine`) or "inline" (a thread of the gateway's process)."""
+    llm: str = ""
+    """The language model of the OpenAI-compatible API: a model directory, "auto" (the shipped
+    fleet-tiny-chat-v1 when present) or "none"; empty: $FLEET_GATEWAY_LLM, else "auto"."""
     engine_threads: int = 0
     """torch's CPU threads in the engine process (0: as many as this process uses)."""
     engine_answer_timeout_s: float = 60.0

@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from fleet.cli.client import parse_labels
+from fleet.cli.prepare import add_prepare_command
 from fleet.config import Paths
 from fleet.core.adaptive import Adaptive
 from fleet.core.cost import parse_prices, pauses, tally, timeline
@@ -345,6 +346,7 @@ def add_commands(
 
     sp = add("host", cmd_host, "join tokens and enrolled hosts")
     hsub = sp.add_subparsers(dest="host_cmd", required=True)
+    add_prepare_command(hsub)
     t = hsub.add_parser("token", help="join tokens new hosts enroll with")
     tsub = t.add_subparsers(dest="token_cmd", required=True)
     c = tsub.add_parser(

@@ -167,7 +167,7 @@ async def cmd_gateway(args: argparse.Namespace) -> int:
     )
     await _until_signalled(asyncio.Event())
     http.close()
-    await gw.batcher.stop()
+    await gw.stop()
     await server.stop(5)
     return 0
 

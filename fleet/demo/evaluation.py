@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fleet import resources
 from fleet.client import AsyncFleet, Rollout, Smolfile, Step
 from fleet.config import Paths
 from fleet.core.lifecycle import RolloutState
@@ -31,7 +32,7 @@ from fleet.identity.tls import ServerTls, server_names, server_ssl_context
 
 NEAR_GATEWAY = 8
 """Episodes that ask to run on the GPU host, next to the gateway, for the latency comparison."""
-SMOLFILE = Path(__file__).resolve().parents[2] / "smolfiles" / "gridworld-episode.smolfile"
+SMOLFILE = resources.smolfile("gridworld-episode")
 
 
 @dataclass
@@ -44,7 +45,7 @@ class GatewayHandle:
 
     async def stop(self) -> None:
         self.http_server.close()
-        await self.gateway.batcher.stop()
+        await self.gateway.stop()
         await self.grpc_server.stop(1)
 
 

@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from fleet import resources
 from fleet.agent.agent import default_host_id
 from fleet.agent.capabilities import make_runtime
 from fleet.client import AsyncFleet, Rollout, Smolfile, Step
@@ -24,7 +25,7 @@ from fleet.embedded import Fleet, embedded_fleet
 from fleet.server.core import Core
 from fleet.server.settings import ServerConfig
 
-SMOLFILES = Path(__file__).resolve().parent.parent.parent / "smolfiles"
+SMOLFILES = resources.smolfiles()
 
 
 def _bar(done: int, total: int, failed: int, running: int, width: int = 32) -> str:

@@ -44,7 +44,8 @@ def mask(names: Iterable[str] = CAPABILITIES) -> int:
 
 
 def bounder(cache: Path) -> Path:
-    """The compiled bounding-set helper in `cache` (built on first use, see `users.tool`)."""
+    """The compiled bounding-set helper in `cache` (built by `fleet.runtime.helpers` when the
+    host is prepared or the runtime is made; `users.tool`)."""
     return users.tool(cache, SOURCE, "the namespace runtime", "capability-bounding helper")
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import structlog
 
+from fleet.config import Paths
 from fleet.core.egress import EgressRules, effective_egress
 from fleet.core.errors import (
     FailedPrecondition,
@@ -32,7 +33,7 @@ from fleet.core.errors import (
     Unavailable,
 )
 from fleet.core.placement import Isolation, RuntimeKind
-from fleet.runtime import capabilities, cgroups, disk, seccomp, users
+from fleet.runtime import capabilities, cgroups, disk, helpers, seccomp, users
 from fleet.runtime.base import (
     Leftover,
     Machine,
@@ -94,6 +95,7 @@ class NamespaceRuntime:
         machines_dir: Path,
         net: NetConfig | None = None,
         default_disk_gib: int | None = disk.DEFAULT_DISK_GIB,
+        tools: Path | None = None,
     ) -> None:
         self.machines_dir = machines_dir
         self.net = net or NetConfig()
@@ -113,17 +115,21 @@ class NamespaceRuntime:
             )
         self.cgroup_version = version
         self._seccomp = seccomp.program()
+        self.tools = tools or Paths.from_env().tools
+        """The C helpers' programs, one per host (`fleet.runtime.helpers`): those `fleet host
+        prepare` did not build are built here, when an agent starts, never during a rollout."""
+        helpers.ensure(self.tools)
 
     async def _user(self, spec: MachineSpec) -> tuple[StepUser, Path | None]:
         """Whom the machine's commands run as, and the helper that switches to them."""
         user = await asyncio.to_thread(users.resolve, spec.smolfile.user, spec.rootfs)
         if user.is_root:
             return user, None
-        return user, await asyncio.to_thread(users.helper, self.machines_dir / ".tools")
+        return user, await asyncio.to_thread(users.helper, self.tools)
 
     async def _bounder(self) -> Path:
-        """The helper that cuts every command's bounding set (built once, on first use)."""
-        return await asyncio.to_thread(capabilities.bounder, self.machines_dir / ".tools")
+        """The helper that cuts every command's bounding set (built when the runtime was made)."""
+        return await asyncio.to_thread(capabilities.bounder, self.tools)
 
     async def create(self, spec: MachineSpec, copy_of: Path | None = None) -> NamespaceMachine:
         """A new machine; its writable layer starts as a copy of `copy_of` (a fork) or empty."""

@@ -152,7 +152,7 @@ class NamespaceMachine:
             if self.resident is not None:
                 log.warning("resident_restarting", machine=self._name, why=self.resident.gone)
                 await self.resident.close()
-            self.resident = await Resident.start(self, self.runtime.machines_dir / ".tools")
+            self.resident = await Resident.start(self, self.runtime.tools)
 
     async def fork(self, spec: MachineSpec) -> NamespaceMachine:
         """A new machine made from `spec` whose layer starts as a copy of this one's (its files
@@ -310,6 +310,11 @@ class NamespaceMachine:
         if self.gateway is not None:
             scheme = "https://" if self.spec.gateway_tls else ""
             environment["FLEET_GATEWAY"] = f"{scheme}{self.gateway[0]}:{self.gateway[1]}"
+            if "FLEET_INFERENCE_TOKEN" in environment:  # (read by the official `openai` client)
+                environment["OPENAI_BASE_URL"] = (
+                    f"{scheme or 'http://'}{self.gateway[0]}:{self.gateway[1]}/v1"
+                )
+                environment["OPENAI_API_KEY"] = environment["FLEET_INFERENCE_TOKEN"]
         if self.resident is not None and as_user:
             if not self.resident.alive:  # (a command killed it: `kill -9 -1` as root)
                 await self.stay_resident()

@@ -48,7 +48,8 @@ background can hold its pipes open for as long as it runs."""
 
 
 async def program(tools: Path) -> Path:
-    """The server's program, built in `tools` on first use (`users.tool`)."""
+    """The server's program in `tools` (built by `fleet.runtime.helpers` when the host is
+    prepared or the runtime is made; `users.tool`)."""
     return await asyncio.to_thread(
         users.tool, tools, SOURCE, "a session on the namespace runtime", "resident command server"
     )

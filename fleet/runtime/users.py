@@ -145,8 +145,9 @@ def helper(cache: Path) -> Path:
 
 
 def tool(cache: Path, source: Path, needed_by: str, what: str) -> Path:
-    """The program built from `source` in `cache` (on first use, with the host's C compiler,
-    statically linked so that it runs in any image)."""
+    """The program built from `source` in `cache` (with the host's C compiler, statically
+    linked so that it runs in any image; `fleet.runtime.helpers` builds each once per host, when
+    the host is prepared or the runtime is made)."""
     digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
     binary = cache / f"{source.stem}-{digest}"
     if binary.exists():

@@ -381,7 +381,7 @@ class WarmChild:
                 return
             await self.resident.close()  # (its process ended: the child may run one again)
             self.resident = None
-        binary = await resident.program(self.parent.runtime.machines_dir / ".tools")
+        binary = await resident.program(self.parent.runtime.tools)
         await asyncio.to_thread(self._place, binary)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:

@@ -1,0 +1,514 @@
+"""OpenAI-compatible endpoints on the gateway's language model, so an agent in a machine uses
+the official `openai` package as it would against OpenAI:
+
+    GET  /v1/models             the language models served, with their context length and limits
+    POST /v1/chat/completions   messages by the model's chat template; tools and tool calls;
+                                `stream` as server-sent events ending with `data: [DONE]`
+    POST /v1/completions        plain prompts (text or token ids), streamed the same way
+
+Every request carries the rollout's inference token as `Authorization: Bearer TOKEN` and is
+checked as `/v1/infer` is (its signature, its expiry, the server's list of running rollouts);
+an optional `x-fleet-rollout` header must then name the token's own rollout. Requests are
+checked strictly, field by field; a field OpenAI defines that this gateway cannot honour (a
+penalty, a JSON response format, alternatives' logprobs) is refused by name rather than
+ignored, since an answer that silently differs from what was asked is worse than none.
+
+Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 naming the
+field for bad input, 401 for a token that is not one, 403 for another rollout's or an ended
+rollout's token, 429 / 503 with `Retry-After` when refused for capacity. Every answer says who
+served it: the `x-fleet-served-by` header and a `fleet` object in the JSON and in each chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from contextlib import ExitStack, aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from fleet.core.errors import FleetError, Unauthenticated
+from fleet.core.tokens import TokenClaims
+from gateway.llm.chat import AnswerStream, ChatPrompt, parse_answer, render_prompt
+from gateway.llm.engine import LLMEngine, TokenEvent
+from gateway.llm.openai_schema import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    Reply,
+    Request,
+    bad_field,
+    from_fleet,
+    parse_request,
+)
+from gateway.llm.sampling import SamplingParams
+from gateway.llm.serving import LanguageModel
+from gateway.model import DeviceFault
+
+log = structlog.get_logger(__name__)
+
+ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions")
+ROLLOUT_HEADER = "x-fleet-rollout"
+
+
+@dataclass
+class _Job:
+    """One sequence to generate: a choice of a request."""
+
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class _Choice:
+    events: list[TokenEvent] = field(default_factory=list)
+    text: str = ""
+
+
+class OpenAIApi:
+    """The endpoints' semantics; the HTTP framing is `gateway.http`'s."""
+
+    def __init__(
+        self,
+        llm: LanguageModel | None,
+        authorize: Callable[[str, str], TokenClaims],
+    ) -> None:
+        self.llm = llm
+        self.authorize = authorize
+        self.created = int(time.time())
+
+    def served_by(self) -> dict[str, str]:
+        """The headers that say who serves answers here."""
+        if self.llm is None:
+            return {}
+        lm = self.llm
+        return {"x-fleet-served-by": f"{lm.device}; model={lm.model_id}; dtype={lm.dtype}",
+                "x-fleet-degraded": "0"}  # fmt: skip
+
+    async def handle(self, method: str, path: str, headers: dict[str, str], body: bytes) -> Reply:
+        """One request to one of `ROUTES`, answered in OpenAI's terms whatever goes wrong."""
+        holds = ExitStack()
+        try:
+            want = "GET" if path == "/v1/models" else "POST"
+            if method != want:
+                raise ApiError(405, f"{path} takes {want}, not {method}", code="method_not_allowed")
+            claims = self._claims(headers)
+            log.debug("openai_request", path=path, rollout_id=claims.rollout_id)
+            if path == "/v1/models":
+                reply = self.models()
+            elif path == "/v1/chat/completions":
+                reply = await self.chat(claims, parse_request(ChatRequest, body), holds)
+            else:
+                reply = await self.completions(
+                    claims, parse_request(CompletionRequest, body), holds
+                )
+        except ApiError as exc:
+            holds.close()
+            reply = exc.reply()
+        except FleetError as exc:
+            holds.close()
+            reply = from_fleet(exc).reply()
+        except DeviceFault as exc:
+            holds.close()
+            reply = ApiError(503, f"the model's device failed: {exc}", "service_unavailable_error",
+                             code=exc.kind, retry_after_s=1.0).reply()  # fmt: skip
+        except Exception:
+            holds.close()
+            log.exception("openai_request_crashed", path=path)
+            reply = ApiError(500, "internal error; see the gateway's log", "server_error",
+                             code="internal_error").reply()  # fmt: skip
+        reply.holds = holds
+        reply.headers.update(self.served_by())
+        return reply
+
+    def _claims(self, headers: dict[str, str]) -> TokenClaims:
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise Unauthenticated(
+                "no API key: send the rollout's inference token as 'Authorization: Bearer TOKEN'"
+            )
+        return self.authorize(token.strip(), headers.get(ROLLOUT_HEADER, ""))
+
+    def _model(self, name: str) -> LanguageModel:
+        lm = self.llm
+        if lm is None or name != lm.model_id:
+            served = f"serving {lm.model_id}" if lm else "no language model is served here"
+            raise bad_field("model", f"{name!r} is not served here ({served})", "model_not_found")
+        return lm
+
+    # -- GET /v1/models --------------------------------------------------------------------
+
+    def models(self) -> Reply:
+        data = []
+        if self.llm is not None:
+            lm, lim = self.llm, self.llm.limits
+            data.append({
+                "id": lm.model_id, "object": "model", "created": self.created, "owned_by": "fleet",
+                "context_length": lm.manifest.context_length,
+                "limits": {
+                    "context_length": lm.manifest.context_length, "max_n": lim.max_n,
+                    "max_prompts": lim.max_prompts, "max_batch": lim.max_batch,
+                    "max_waiting": lim.max_waiting,
+                    "max_inflight_per_rollout": lim.max_inflight_per_rollout,
+                },
+                "fleet": lm.served_by(),
+            })  # fmt: skip
+        return Reply(200, {"object": "list", "data": data})
+
+    # -- shared checks ---------------------------------------------------------------------
+
+    def _refuse_unsupported(self, req: Request) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(req, name):
+                raise bad_field(name, "penalties are not applied here; send 0 or leave it out",
+                           "unsupported_value")  # fmt: skip
+        if req.logit_bias:
+            raise bad_field("logit_bias", "not applied here; leave it out", "unsupported_value")
+        if req.n > self._model(req.model).limits.max_n:
+            raise bad_field("n", f"{req.n} choices; at most {self._model(req.model).limits.max_n}")
+        if req.stream_options is not None and not req.stream:
+            raise bad_field("stream_options", "only taken with stream: true")
+
+    def _sampling(
+        self, lm: LanguageModel, prompt_tokens: int, req: Request, max_tokens: int | None,
+        logprobs: bool, prompt_field: str, choices: int,
+    ) -> list[SamplingParams]:  # fmt: skip
+        """Each choice's sampling parameters; the context checked with the prompt's size."""
+        context = lm.manifest.context_length
+        if prompt_tokens >= context:
+            raise bad_field(
+                prompt_field, f"the prompt is {prompt_tokens} tokens; the model's context is "
+                f"{context}, and at least one token must be left to generate",
+                "context_length_exceeded",
+            )  # fmt: skip
+        if max_tokens is None:
+            max_tokens = context - prompt_tokens
+        elif prompt_tokens + max_tokens > context:
+            name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else (
+                "max_tokens")  # fmt: skip
+            raise bad_field(name, f"a prompt of {prompt_tokens} tokens plus {max_tokens} to "
+                       f"generate is {prompt_tokens + max_tokens} tokens, over the model's "
+                       f"context of {context}", "context_length_exceeded")  # fmt: skip
+        stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        temperature = 1.0 if req.temperature is None else req.temperature
+        return [
+            SamplingParams(
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                seed=None if req.seed is None else req.seed + i,
+                stop=stop,
+                logprobs=logprobs,
+            )
+            for i in range(choices)
+        ]
+
+    async def _admit(
+        self, lm: LanguageModel, claims: TokenClaims, jobs: list[_Job], holds: ExitStack
+    ) -> LLMEngine:
+        """The engine, with the jobs checked against it and their places held."""
+        engine = await lm.engine()
+        for job in jobs:
+            engine.check(job.prompt, job.params)
+        holds.enter_context(lm.admitted(claims.rollout_id, len(jobs)))
+        return engine
+
+    def _base(self, lm: LanguageModel, kind: str, prefix: str) -> dict[str, Any]:
+        return {"id": prefix + secrets.token_hex(12), "object": kind, "created": int(time.time()),
+                "model": lm.model_id, "fleet": lm.served_by()}  # fmt: skip
+
+    @staticmethod
+    def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+
+    def _token(self, lm: LanguageModel, token_id: int) -> str:
+        return str(lm.tokenizer.decode([token_id], skip_special_tokens=False))
+
+    def _ends_unseen(self, lm: LanguageModel, event: TokenEvent) -> bool:
+        """A stop token: generated, counted, but not part of the answer's text or logprobs."""
+        m = lm.manifest
+        return event.finish_reason == "stop" and (
+            event.token_id in m.stop_token_ids or event.token_id == m.eos_token_id
+        )
+
+    # -- POST /v1/chat/completions ---------------------------------------------------------
+
+    async def chat(self, claims: TokenClaims, req: ChatRequest, holds: ExitStack) -> Reply:
+        lm = self._model(req.model)
+        self._refuse_unsupported(req)
+        if req.top_logprobs:
+            raise bad_field("top_logprobs", "only the chosen tokens' logprobs are reported here; "
+                       "send 0 or leave it out", "unsupported_value")  # fmt: skip
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_field("top_logprobs", "only taken with logprobs: true")
+        if req.response_format is not None and req.response_format.get("type") != "text":
+            raise bad_field("response_format", "only {\"type\": \"text\"} is served here",
+                       "unsupported_value")  # fmt: skip
+        if (req.max_tokens is not None and req.max_completion_tokens is not None
+                and req.max_tokens != req.max_completion_tokens):  # fmt: skip
+            raise bad_field("max_completion_tokens", "differs from max_tokens; send one of them")
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        prompt = render_prompt(lm.manifest, messages, req.tools, req.tool_choice)
+        ids = list(lm.tokenizer.encode(prompt.text, add_special_tokens=False).ids)
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        params = self._sampling(lm, len(ids), req, max_tokens, bool(req.logprobs), "messages",
+                                req.n)  # fmt: skip
+        jobs = [_Job(i, ids, p) for i, p in enumerate(params)]
+        engine = await self._admit(lm, claims, jobs, holds)
+        base = self._base(lm, "chat.completion", "chatcmpl-")
+        if req.stream:
+            usage = bool(req.stream_options and req.stream_options.include_usage)
+            events = self._chat_stream(lm, engine, jobs, prompt, base, usage, bool(req.logprobs))
+            return Reply(200, events=events)
+        choices = await _run(engine, jobs, base["id"])
+        completion = 0
+        out = []
+        for job, choice in zip(jobs, choices, strict=True):
+            completion += len(choice.events)
+            parsed = parse_answer(lm.manifest, prompt, choice.text)
+            message: dict[str, Any] = {"role": "assistant", "content": parsed.content,
+                                       "refusal": None}  # fmt: skip
+            if parsed.tool_calls:
+                message["tool_calls"] = parsed.tool_calls
+            reason = choice.events[-1].finish_reason
+            out.append({
+                "index": job.index, "message": message,
+                "logprobs": {"content": self._chat_logprobs(lm, choice.events), "refusal": None}
+                if req.logprobs else None,
+                "finish_reason": "tool_calls" if parsed.tool_calls and reason == "stop" else reason,
+            })  # fmt: skip
+        return Reply(200, {**base, "choices": out, "usage": self._usage(len(ids), completion)})
+
+    def _chat_logprobs(self, lm: LanguageModel, events: Sequence[TokenEvent]) -> list[Any]:
+        entries = []
+        for e in events:
+            if self._ends_unseen(lm, e) or e.logprob is None:
+                continue
+            token = self._token(lm, e.token_id)
+            entries.append({"token": token, "logprob": e.logprob,
+                            "bytes": list(token.encode()), "top_logprobs": []})  # fmt: skip
+        return entries
+
+    async def _chat_stream(
+        self, lm: LanguageModel, engine: LLMEngine, jobs: list[_Job], prompt: ChatPrompt,
+        base: dict[str, Any], include_usage: bool, logprobs: bool,
+    ) -> AsyncIterator[str]:  # fmt: skip
+        def chunk(index: int, delta: dict[str, Any], reason: str | None = None,
+                  lp: list[Any] | None = None) -> str:  # fmt: skip
+            choice = {"index": index, "delta": delta, "finish_reason": reason,
+                      "logprobs": {"content": lp, "refusal": None} if lp else None}  # fmt: skip
+            return json.dumps({**base, "object": "chat.completion.chunk", "choices": [choice]})
+
+        streams = {job.index: AnswerStream(lm.manifest, prompt) for job in jobs}
+        completion = 0
+        for job in jobs:
+            yield chunk(job.index, {"role": "assistant", "content": ""})
+        try:
+            async with aclosing(_merged(engine, jobs, base["id"])) as merged:
+                async for index, event in merged:
+                    completion += 1
+                    stream = streams[index]
+                    released = stream.push(event.text)
+                    lp = self._chat_logprobs(lm, [event]) if logprobs else None
+                    if released or lp:
+                        yield chunk(index, {"content": released}, lp=lp)
+                    if event.finish_reason is None:
+                        continue
+                    rest = stream.finish()
+                    delta: dict[str, Any] = {}
+                    if rest.content:
+                        delta["content"] = rest.content
+                    if rest.tool_calls:
+                        delta["tool_calls"] = [{"index": k, **c}
+                                               for k, c in enumerate(rest.tool_calls)]  # fmt: skip
+                    reason = event.finish_reason
+                    yield chunk(
+                        index,
+                        delta,
+                        "tool_calls" if rest.tool_calls and reason == "stop" else reason,
+                    )
+        except Exception as exc:  # after the answer began: an error event ends the stream
+            yield json.dumps(_stream_error(exc))
+            return
+        if include_usage:
+            usage = self._usage(len(jobs[0].prompt), completion)
+            yield json.dumps({**base, "object": "chat.completion.chunk", "choices": [],
+                              "usage": usage})  # fmt: skip
+        yield "[DONE]"
+
+    # -- POST /v1/completions --------------------------------------------------------------
+
+    async def completions(
+        self, claims: TokenClaims, req: CompletionRequest, holds: ExitStack
+    ) -> Reply:
+        lm = self._model(req.model)
+        self._refuse_unsupported(req)
+        if req.echo:
+            raise bad_field(
+                "echo", "the prompt is not echoed here; send false", "unsupported_value"
+            )
+        if req.suffix:
+            raise bad_field("suffix", "insertion is not served here", "unsupported_value")
+        if req.best_of is not None and req.best_of != req.n:
+            raise bad_field(
+                "best_of", "only best_of equal to n is served (every choice is returned)"
+            )
+        if req.logprobs:
+            raise bad_field(
+                "logprobs", "only the chosen tokens' logprobs are reported here; send 0",
+                "unsupported_value",
+            )  # fmt: skip
+        prompts = self._prompts(lm, req.prompt)
+        jobs: list[_Job] = []
+        prompt_tokens = 0
+        for p, ids in enumerate(prompts):
+            field_name = "prompt" if len(prompts) == 1 else f"prompt[{p}]"
+            params = self._sampling(lm, len(ids), req, req.max_tokens, req.logprobs is not None,
+                                    field_name, req.n)  # fmt: skip
+            jobs += [_Job(p * req.n + i, ids, sp) for i, sp in enumerate(params)]
+            prompt_tokens += len(ids)
+        engine = await self._admit(lm, claims, jobs, holds)
+        base = self._base(lm, "text_completion", "cmpl-")
+        want_logprobs = req.logprobs is not None
+        if req.stream:
+            usage = bool(req.stream_options and req.stream_options.include_usage)
+            events = self._completion_stream(lm, engine, jobs, base, usage, prompt_tokens,
+                                             want_logprobs)  # fmt: skip
+            return Reply(200, events=events)
+        choices = await _run(engine, jobs, base["id"])
+        out = [
+            {"index": job.index, "text": choice.text,
+             "logprobs": self._completion_logprobs(lm, choice.events) if want_logprobs else None,
+             "finish_reason": choice.events[-1].finish_reason}
+            for job, choice in zip(jobs, choices, strict=True)
+        ]  # fmt: skip
+        completion = sum(len(c.events) for c in choices)
+        return Reply(200, {**base, "choices": out, "usage": self._usage(prompt_tokens, completion)})
+
+    def _prompts(self, lm: LanguageModel, prompt: object) -> list[list[int]]:
+        """Each prompt as token ids: text is encoded as it stands (no template)."""
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if not isinstance(prompt, list) or not prompt:
+            raise bad_field("prompt", "expected text, token ids, or a non-empty list of either")
+        if all(isinstance(t, int) for t in prompt):
+            prompt = [prompt]
+        limit = lm.limits.max_prompts
+        if len(prompt) > limit:
+            raise bad_field("prompt", f"{len(prompt)} prompts; at most {limit} in one request")
+        out = []
+        for p, item in enumerate(prompt):
+            ids = (list(lm.tokenizer.encode(item, add_special_tokens=False).ids)
+                   if isinstance(item, str) else list(item))  # fmt: skip
+            if not ids:
+                raise bad_field(f"prompt[{p}]" if len(prompt) > 1 else "prompt", "is empty")
+            vocab = lm.tokenizer.get_vocab_size()
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise bad_field("prompt", f"{bad} is not a token id below {vocab}")
+            out.append(ids)
+        return out
+
+    def _completion_logprobs(self, lm: LanguageModel, events: Sequence[TokenEvent]) -> Any:
+        tokens, logprobs, offsets = [], [], []
+        at = 0
+        for e in events:
+            if self._ends_unseen(lm, e) or e.logprob is None:
+                continue
+            token = self._token(lm, e.token_id)
+            tokens.append(token)
+            logprobs.append(e.logprob)
+            offsets.append(at)
+            at += len(token)
+        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None,
+                "text_offset": offsets}  # fmt: skip
+
+    async def _completion_stream(
+        self, lm: LanguageModel, engine: LLMEngine, jobs: list[_Job], base: dict[str, Any],
+        include_usage: bool, prompt_tokens: int, logprobs: bool,
+    ) -> AsyncIterator[str]:  # fmt: skip
+        completion = 0
+        try:
+            async with aclosing(_merged(engine, jobs, base["id"])) as merged:
+                async for index, event in merged:
+                    completion += 1
+                    lp = self._completion_logprobs(lm, [event]) if logprobs else None
+                    if not event.text and event.finish_reason is None and not (lp and lp["tokens"]):
+                        continue
+                    choice = {"index": index, "text": event.text, "logprobs": lp,
+                              "finish_reason": event.finish_reason}  # fmt: skip
+                    yield json.dumps({**base, "choices": [choice]})
+        except Exception as exc:
+            yield json.dumps(_stream_error(exc))
+            return
+        if include_usage:
+            yield json.dumps({**base, "choices": [],
+                              "usage": self._usage(prompt_tokens, completion)})  # fmt: skip
+        yield "[DONE]"
+
+
+def _stream_error(exc: Exception) -> dict[str, Any]:
+    """The event that ends a stream that failed after it began (its status already sent)."""
+    if isinstance(exc, FleetError):
+        error = from_fleet(exc)
+    elif isinstance(exc, DeviceFault):
+        error = ApiError(503, f"the model's device failed: {exc}", "service_unavailable_error",
+                         code=exc.kind)  # fmt: skip
+    else:
+        log.exception("openai_stream_crashed", exc_info=exc)
+        error = ApiError(500, "internal error; see the gateway's log", "server_error",
+                         code="internal_error")  # fmt: skip
+    body = error.reply().body
+    assert body is not None
+    return body
+
+
+async def _merged(
+    engine: LLMEngine, jobs: list[_Job], request_id: str
+) -> AsyncGenerator[tuple[int, TokenEvent], None]:
+    """The jobs' events as they come, tagged with each job's index; the first failure ends it.
+    Leaving early (the client went away) cancels every job, which aborts its sequence."""
+    queue: asyncio.Queue[tuple[int, TokenEvent | Exception | None]] = asyncio.Queue()
+
+    async def one(job: _Job) -> None:
+        try:
+            events = engine.generate(job.prompt, job.params, request_id=f"{request_id}-{job.index}")
+            async with aclosing(events) as generated:
+                async for event in generated:
+                    queue.put_nowait((job.index, event))
+            queue.put_nowait((job.index, None))
+        except Exception as exc:
+            queue.put_nowait((job.index, exc))
+
+    tasks = [asyncio.create_task(one(job)) for job in jobs]
+    try:
+        left = len(tasks)
+        while left:
+            index, item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _run(engine: LLMEngine, jobs: list[_Job], request_id: str) -> list[_Choice]:
+    """Every job to its end; their events and text, in the jobs' order."""
+    choices = {job.index: _Choice() for job in jobs}
+    async with aclosing(_merged(engine, jobs, request_id)) as merged:
+        async for index, event in merged:
+            choices[index].events.append(event)
+            choices[index].text += event.text
+    return [choices[job.index] for job in jobs]
