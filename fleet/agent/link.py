@@ -27,6 +27,11 @@ from fleet.server import convert
 log = structlog.get_logger(__name__)
 
 OLD_CHANNEL_GRACE_S = 60.0
+RECONNECT_BACKOFF_MAX_MS = 1000
+"""The longest wait between the channel's attempts to reach a server that went away. gRPC's
+default grows to two minutes, so a host could come back to a restarted server only after its
+leases (15 s by default), which the server holds for one lease after it starts, had expired."""
+CHANNEL_OPTIONS = [("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MAX_MS)]
 RENEW_AT = 2 / 3
 """Renew when this fraction of the certificate's life has passed."""
 
@@ -86,11 +91,12 @@ class Link:
 
     def _open(self) -> None:
         if self.identity is None:
-            self._channel = grpc.aio.insecure_channel(self.server)
+            self._channel = grpc.aio.insecure_channel(self.server, options=CHANNEL_OPTIONS)
         else:
             self._channel = grpc.aio.secure_channel(
-                self.identity.host_address, self.identity.channel_credentials()
-            )
+                self.identity.host_address, self.identity.channel_credentials(),
+                options=CHANNEL_OPTIONS,
+            )  # fmt: skip
         self._stub = host_pb2_grpc.HostServiceStub(self._channel)
 
     async def __aenter__(self) -> Link:

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import grp
 import json
 import os
+import stat
 import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -526,6 +529,80 @@ def static_kvm_verdict(
     return None
 
 
+KVM_DEVICE = Path("/dev/kvm")
+VM_UID_BASE = 2_000_000
+"""The first of the uids a smol engine running as root gives its microVMs, one each."""
+
+
+@dataclass(frozen=True)
+class VmmIdentity:
+    """Who a microVM's VMM process runs as: what decides whether it may open /dev/kvm."""
+
+    uid: int
+    gids: frozenset[int]
+    who: str
+    """In words, for a reason given to an operator."""
+    own: bool = False
+    """Whether that is this process's own user (its access can then be asked of the kernel)."""
+
+
+def kvm_group() -> int | None:
+    """The gid of the host's `kvm` group, if it has one."""
+    try:
+        return grp.getgrnam("kvm").gr_gid
+    except KeyError:
+        return None
+
+
+def vmm_identity(
+    euid: int | None = None,
+    env: Mapping[str, str] | None = None,
+    kvm_gid: Callable[[], int | None] = kvm_group,
+) -> VmmIdentity:
+    """Who the SDK will run each microVM's VMM as. An engine running as root drops every VMM
+    to a uid of its own (2000000 and up, not a user of this host) that keeps only the host's
+    `kvm` group, unless SMOLVM_VM_UID_DROP=off; one not running as root cannot drop, and its
+    VMMs run as the engine's own user, with that user's groups."""
+    euid = os.geteuid() if euid is None else euid
+    env = os.environ if env is None else env
+    if euid == 0 and env.get("SMOLVM_VM_UID_DROP", "").strip().lower() != "off":
+        gid = kvm_gid()
+        kept = "in group kvm" if gid is not None else "in no group: this host has no kvm group"
+        who = f"the per-VM uids ({VM_UID_BASE} and up, {kept}) the smol engine runs VMMs as"
+        return VmmIdentity(VM_UID_BASE, frozenset(() if gid is None else (gid,)), who)
+    groups = frozenset({os.getegid(), *os.getgroups()})
+    return VmmIdentity(euid, groups, f"uid {euid}, the agent's own, which runs the VMMs", True)
+
+
+def kvm_access_verdict(vmm: VmmIdentity, kvm: Path = KVM_DEVICE) -> str | None:
+    """Why `vmm` could not open `kvm` read-write (the SDK's boot would then fail with
+    `KvmOpen(Error(13))`), read from its owner, group and mode; None if it could."""
+    try:
+        st = kvm.stat()
+    except OSError as exc:
+        return f"{kvm} cannot be inspected: {exc.strerror or exc}"
+    if vmm.uid == 0:
+        return None
+    if vmm.own:  # (the kernel's answer for this process: ACLs and all)
+        allowed = os.access(kvm, os.R_OK | os.W_OK)
+    else:  # (the permission class that applies is the first that matches, as in the kernel)
+        if st.st_uid == vmm.uid:
+            need = stat.S_IRUSR | stat.S_IWUSR
+        elif st.st_gid in vmm.gids:
+            need = stat.S_IRGRP | stat.S_IWGRP
+        else:
+            need = stat.S_IROTH | stat.S_IWOTH
+        allowed = st.st_mode & need == need
+    if allowed:
+        return None
+    return (
+        f"{kvm} (owner uid {st.st_uid}, group gid {st.st_gid}, mode "
+        f"{stat.S_IMODE(st.st_mode):04o}) cannot be opened read-write by {vmm.who}: "
+        "microVMs would fail to boot with KvmOpen(Error(13)); make it mode 0666, or give it "
+        "the group kvm with mode 0660"
+    )
+
+
 def canary_boot(image: Path, deadline_s: float = 60.0) -> tuple[bool, str]:
     """Boots one machine in a killable child process with a hard deadline."""
     code = (
@@ -562,12 +639,14 @@ def preflight(cache_dir: Path, canary_image: Callable[[], Path | None]) -> tuple
     """Can microVMs boot on this host? Cached per host boot; never makes a user wait.
 
     `canary_image` is asked for only when a canary boot is really needed, so a host that the
-    static check rules out never unpacks an image for it.
+    static checks rule out never unpacks an image for it. Those checks (the hardware, and
+    whether the engine's VMMs may open /dev/kvm) are cheap and run every time: a udev rule
+    can change /dev/kvm's mode between two agent starts of the same boot.
     """
     ok, reason = sdk_availability()
     if not ok:
         return False, reason
-    static = static_kvm_verdict()
+    static = static_kvm_verdict() or kvm_access_verdict(vmm_identity(), KVM_DEVICE)
     if static:
         return False, static
     cache = cache_dir / f"smol-preflight-{boot_id()}.txt"

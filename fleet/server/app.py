@@ -49,16 +49,20 @@ __all__ = ["Core", "FleetServer", "ServerConfig"]
 async def _sweeper(core: Core) -> None:
     late_at = 0.0  # (monotonic: when queued work past its deadline is next looked for)
     clock = SweepClock(core.config.sweep_interval_s, core.config.lease_ttl_s)
+    hold_s = core.config.lease_ttl_s
+    # Its hosts get a lease of this server's own time to reach it before any lease is judged.
+    log.info("sweeper_holding_after_start", hold_s=hold_s)
     while True:
         try:
+            now = clock.now(time.time())  # (not counting time this server was not running)
+            if clock.late_s:
+                log.warning("sweeper_resumed_late", late_s=round(clock.late_s, 3), hold_s=hold_s)
+            if now is None:  # (holding: see SweepClock)
+                await asyncio.sleep(core.config.sweep_interval_s)
+                continue
             late = time.monotonic() >= late_at
             if late:
                 late_at = time.monotonic() + core.config.late_sweep_interval_s
-            behind = clock.paused_s
-            now = clock.now(time.time())  # (not counting a pause of this server: see SweepClock)
-            if clock.paused_s > behind:
-                log.warning("sweeper_resumed_late", late_s=round(clock.paused_s, 3),
-                            hold_s=core.config.lease_ttl_s)  # fmt: skip
             if await core.db(functools.partial(core.ledger.sweep, late=late), now):
                 core.changed()
             for host_id, released in await core.db(core.ledger.drain_sweep, now):

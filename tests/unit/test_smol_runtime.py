@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import grpc
 import pytest
 
+from fleet.agent.capabilities import choose_runtime
 from fleet.api.status import STATUS_FOR
 from fleet.core.errors import (
     ErrorCode,
@@ -15,9 +17,12 @@ from fleet.core.errors import (
     InvalidArgument,
     Unavailable,
 )
+from fleet.core.placement import RuntimeKind
 from fleet.core.smolfile import parse_smolfile
+from fleet.image.store import ImageStore
 from fleet.runtime import smol as smol_runtime
 from fleet.runtime.base import MachineSpec
+from fleet.runtime.namespace_machine import missing_tools
 from tests.unit.test_smolfile import EVERY_KEY
 
 SDK_CODES = [
@@ -182,6 +187,7 @@ def test_preflight_verdict_is_cached_per_boot(
 
     monkeypatch.setattr(smol_runtime, "sdk_availability", lambda: (True, ""))
     monkeypatch.setattr(smol_runtime, "static_kvm_verdict", lambda: None)
+    monkeypatch.setattr(smol_runtime, "kvm_access_verdict", lambda vmm, kvm: None)
     monkeypatch.setattr(smol_runtime, "canary_boot", canary)
     first = smol_runtime.preflight(tmp_path, lambda: Path("/img"))
     second = smol_runtime.preflight(tmp_path, lambda: Path("/img"))
@@ -196,6 +202,91 @@ def test_preflight_on_this_host_matches_the_static_check() -> None:
         pytest.skip("this host has hardware virtualization; the canary decides here")
     ok, reason = smol_runtime.preflight(Path("/nonexistent-cache"), lambda: None)
     assert not ok and reason == static
+
+
+PER_VM = smol_runtime.VmmIdentity(
+    smol_runtime.VM_UID_BASE, frozenset(), "the per-VM uids the smol engine runs VMMs as"
+)
+
+
+def fake_kvm(tmp_path: Path, mode: int) -> Path:
+    """A stand-in for /dev/kvm: a file of this user's (root's, where tests run as root)."""
+    kvm = tmp_path / "kvm"
+    kvm.touch()
+    kvm.chmod(mode)
+    return kvm
+
+
+def test_the_engine_runs_vmms_under_per_vm_uids_when_it_runs_as_root() -> None:
+    """As root the SDK drops each VMM to a uid of its own, keeping only the kvm group (if the
+    host has one), unless told not to; not as root, the VMMs run as the engine's own user."""
+    dropped = smol_runtime.vmm_identity(0, {}, lambda: 36)
+    assert (dropped.uid, dropped.gids, dropped.own) == (2_000_000, frozenset({36}), False)
+    assert "2000000 and up, in group kvm" in dropped.who
+    no_group = smol_runtime.vmm_identity(0, {}, lambda: None)
+    assert no_group.gids == frozenset() and "no kvm group" in no_group.who
+    kept = smol_runtime.vmm_identity(0, {"SMOLVM_VM_UID_DROP": "off"}, lambda: 36)
+    assert (kept.uid, kept.own) == (0, True)
+    user = smol_runtime.vmm_identity(1000, {}, lambda: 36)
+    assert (user.uid, user.own) == (1000, True) and "uid 1000" in user.who
+
+
+def test_a_kvm_device_only_its_owner_may_open_rules_out_per_vm_uids(tmp_path: Path) -> None:
+    """/dev/kvm mode 0600 (owned by root): the engine's per-VM uids cannot open it, so boots
+    would fail with KvmOpen(Error(13)); the verdict says so, naming the device and its mode."""
+    kvm = fake_kvm(tmp_path, 0o600)
+    why = smol_runtime.kvm_access_verdict(PER_VM, kvm)
+    assert why is not None
+    assert why.startswith(f"{kvm} (owner uid {kvm.stat().st_uid}, ")
+    assert "mode 0600" in why and "KvmOpen(Error(13))" in why and PER_VM.who in why
+    assert (
+        smol_runtime.kvm_access_verdict(smol_runtime.VmmIdentity(0, frozenset(), "root"), kvm)
+        is None
+    )  # (root opens it whatever its mode)
+
+
+def test_kvm_access_follows_the_owner_group_and_other_bits(tmp_path: Path) -> None:
+    kvm = fake_kvm(tmp_path, 0o666)
+    assert smol_runtime.kvm_access_verdict(PER_VM, kvm) is None
+    kvm.chmod(0o660)
+    gid = kvm.stat().st_gid
+    in_group = smol_runtime.VmmIdentity(smol_runtime.VM_UID_BASE, frozenset({gid}), "kvm")
+    assert smol_runtime.kvm_access_verdict(in_group, kvm) is None
+    assert "mode 0660" in (smol_runtime.kvm_access_verdict(PER_VM, kvm) or "")
+    kvm.chmod(0o640)  # (read-only for the group: a VMM opens it read-write)
+    assert "mode 0640" in (smol_runtime.kvm_access_verdict(in_group, kvm) or "")
+    gone = smol_runtime.kvm_access_verdict(PER_VM, tmp_path / "absent")
+    assert gone is not None and "absent cannot be inspected" in gone
+
+
+def test_preflight_falls_back_without_booting_when_vmms_cannot_open_kvm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hardware would do, but the VMMs could not open /dev/kvm: no canary boot, and an
+    earlier verdict cached for this boot does not hide it; the agent falls back with why."""
+    kvm = fake_kvm(tmp_path, 0o600)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / f"smol-preflight-{smol_runtime.boot_id()}.txt").write_text("ok\nbooted earlier")
+
+    def canary(image: Path, deadline_s: float = 60.0) -> tuple[bool, str]:
+        raise AssertionError("no canary boot may be tried")
+
+    monkeypatch.setattr(smol_runtime, "sdk_availability", lambda: (True, ""))
+    monkeypatch.setattr(smol_runtime, "static_kvm_verdict", lambda: None)
+    monkeypatch.setattr(smol_runtime, "vmm_identity", lambda: PER_VM)
+    monkeypatch.setattr(smol_runtime, "KVM_DEVICE", kvm)
+    monkeypatch.setattr(smol_runtime, "canary_boot", canary)
+    ok, why = smol_runtime.preflight(cache, lambda: None)
+    assert not ok and why == smol_runtime.kvm_access_verdict(PER_VM, kvm)
+    kvm.chmod(0o666)  # put right: the verdict cached for this boot stands again
+    assert smol_runtime.preflight(cache, lambda: None) == (True, "booted earlier")
+    kvm.chmod(0o600)
+    if missing_tools():
+        pytest.skip(f"the namespace runtime cannot run here either: {missing_tools()}")
+    choice = choose_runtime("auto", cache, cast(ImageStore, None))
+    assert choice.kind == RuntimeKind.NAMESPACE
+    assert choice.reason == f"microVMs cannot boot here: {why}"
 
 
 def test_errors_subclass_root() -> None:
