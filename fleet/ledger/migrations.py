@@ -22,8 +22,9 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Connection, inspect, text
+from sqlalchemy import Connection, MetaData, Table, inspect, text
 from sqlalchemy.engine import Engine
+from sqlmodel import SQLModel
 
 from fleet.core.errors import FailedPrecondition
 from fleet.ledger import tables
@@ -61,9 +62,30 @@ def _checkpoint_budget(conn: Connection) -> None:
     )
 
 
+ADDED_AFTER_BASELINE: dict[str, frozenset[str]] = {
+    "join_tokens": frozenset({"runtimes"}),  # revision 0019
+    "host_identities": frozenset({"runtimes"}),  # revision 0019
+}
+"""Columns of the legacy tables that revisions after the baseline added: a legacy step creates
+those tables without them (their schema-14 form), and the revision adds them."""
+
+
+def legacy_table(name: str, into: MetaData | None = None) -> Table:
+    """The legacy table `name` as schema 14 had it: today's definition less the columns added
+    after the baseline."""
+    today = SQLModel.metadata.tables[name]
+    later = ADDED_AFTER_BASELINE.get(name, frozenset())
+    if not later:  # (indexes and all, as today)
+        return today.to_metadata(into if into is not None else MetaData())
+    return Table(
+        name, into if into is not None else MetaData(),
+        *(column._copy() for column in today.columns if column.name not in later),
+    )  # fmt: skip
+
+
 def _identity(conn: Connection) -> None:
-    for table in (tables.JoinTokenRow, tables.ApiKeyRow, tables.HostIdentityRow):
-        table.__table__.create(conn, checkfirst=True)  # type: ignore[union-attr]
+    for name in ("join_tokens", "api_keys", "host_identities"):
+        legacy_table(name).create(conn, checkfirst=True)
 
 
 def _avoid_host(conn: Connection) -> None:

@@ -50,7 +50,14 @@ from fleet.core.rollout import Completion, StepResult
 from fleet.ledger import queries as Q
 from fleet.ledger.engines import SQLITE_PAGE_BYTES
 from fleet.ledger.leases import Claim
-from fleet.ledger.migrations import BASELINE, LEGACY_TABLES, alembic_config, compared, head_revision
+from fleet.ledger.migrations import (
+    BASELINE,
+    LEGACY_TABLES,
+    alembic_config,
+    compared,
+    head_revision,
+    legacy_table,
+)
 from fleet.ledger.raw import QUEUED, Raw, dialect
 from fleet.ledger.reads import SETTLE_S
 from fleet.ledger.retention import purge_finished, referenced_blobs
@@ -325,7 +332,7 @@ def test_legacy_steps_create_the_tables_the_baseline_does(tmp_path: Path) -> Non
     engine = create_engine(f"sqlite:///{tmp_path / 'baseline.sqlite3'}")
     legacy = MetaData()
     for name in sorted(LEGACY_TABLES):
-        SQLModel.metadata.tables[name].to_metadata(legacy)
+        legacy_table(name, legacy)
 
     def only_legacy(obj: object, name: str | None, type_: str, *rest: object) -> bool:
         table = getattr(obj, "table", obj)
