@@ -79,6 +79,7 @@ def _gateway_main(settings: dict[str, Any], fault: Any, port: Any, http_port: An
             engine=settings.get("engine", "process"), engine_threads=settings.get("threads", 1),
             pack_weights=settings.get("pack_weights", True), log_level="error",
             reserve_device_memory=settings.get("reserve", True),
+            tokens_without_server=True,  # (no fleet server polls a benchmark's gateway)
         )  # fmt: skip
         gw = Gateway.build(config, fault_primary=hook)
         servers: list[Any] = []  # held: a gRPC server that nothing references stops

@@ -104,8 +104,8 @@ class Gateway:
     running: frozenset[str] = frozenset()
     """The rollouts the fleet server last said are running (`note_running`)."""
     running_as_of: float = 0.0
-    """When the server read them (0: no server ever said; tokens are then checked alone, as
-    for a gateway that no server polls)."""
+    """When the server read them (0: no server has said yet; tokens are then refused, unless
+    the gateway runs standalone: `GatewayConfig.tokens_without_server`)."""
     running_received: float = 0.0
     """When they arrived here (monotonic)."""
     llm: LanguageModel | None = None
@@ -116,7 +116,7 @@ class Gateway:
         """The server's list of running rollouts, signed with the token secret."""
         check_running(self.config.secret, ids, as_of, signature)
         if as_of >= self.running_as_of:  # (an older poll arriving late changes nothing)
-            if self._stale_said:
+            if self._stale_said or (self._unknown_said and not self.running_as_of):
                 log.info("running_rollouts_fresh", effect="tokens are served again")
             self.running, self.running_as_of = frozenset(ids), as_of
             self.running_received = time.monotonic()
@@ -125,12 +125,27 @@ class Gateway:
     def check_running(self, rollout_id: str, issued_at: float) -> None:
         """PermissionDenied for a rollout the server no longer runs, when the token is older
         than the server's list (a token issued since the list was read belongs to an attempt
-        the list could not yet hold). Once a server has sent a list, the gateway fails closed:
-        while the newest is over RUNNING_STALE_S old (the server stopped polling, or cannot
-        reach this gateway) every token is refused, Unavailable with a retry hint, since which
-        rollouts have ended can no longer be learned and a token must not outlive its rollout."""
+        the list could not yet hold). The gateway fails closed: until a server sends a first
+        list (a gateway started while its server is down), and while the newest is over
+        RUNNING_STALE_S old (the server stopped polling, or cannot reach this gateway), every
+        token is refused, Unavailable with a retry hint, since which rollouts have ended cannot
+        be learned and a token must not outlive its rollout. A gateway run standalone
+        (`tokens_without_server`) serves tokens on their own until a server sends a list."""
         if not self.running_as_of:
-            return
+            if self.config.tokens_without_server:
+                return
+            if not self._unknown_said:
+                log.warning(
+                    "running_rollouts_unknown",
+                    effect="tokens are refused until a fleet server polls this gateway",
+                )
+                self._unknown_said = True
+            raise Unavailable(
+                "no fleet server has said yet which rollouts are running: tokens are refused "
+                "until one polls this gateway (a gateway run without one: "
+                "--tokens-without-server)",
+                retry_after_s=STALE_RETRY_S,
+            )
         quiet_s = time.monotonic() - self.running_received
         if quiet_s > RUNNING_STALE_S:
             if not self._stale_said:
@@ -150,6 +165,7 @@ class Gateway:
             )
 
     _stale_said: bool = False
+    _unknown_said: bool = False
 
     @classmethod
     def build(cls, config: GatewayConfig, fault_primary: object | None = None) -> Gateway:

@@ -97,6 +97,11 @@ class GatewayConfig(BaseModel):
     stream_outstanding: int = 256
     """Requests one InferStream may have outstanding; at this many the gateway stops reading
     from it (gRPC's flow control then holds the caller back) until one is answered."""
+    tokens_without_server: bool = False
+    """Serve tokens before any fleet server has sent its list of running rollouts, on their
+    signature and deadline alone (a gateway run standalone, that no server polls). Off, the
+    gateway fails closed: until a first list arrives, every token is refused (UNAVAILABLE),
+    since a token must not outlive its rollout and only the server knows which have ended."""
 
 
 class GatewaySettings(GatewayConfig, BatchConfig, Settings):

@@ -65,7 +65,9 @@ class Client:
 
 @asynccontextmanager
 async def gateway(fault: Any = None, **overrides: Any) -> AsyncIterator[Client]:
-    config = GatewayConfig(secret=SECRET, device="cpu").model_copy(update=overrides)
+    """A bare gateway (no fleet server polls it: it serves tokens on their own)."""
+    config = GatewayConfig(secret=SECRET, device="cpu", tokens_without_server=True)
+    config = config.model_copy(update=overrides)
     gw = Gateway.build(config, fault_primary=fault)
     server, port = await serve(gw, "127.0.0.1:0")
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")

@@ -33,7 +33,7 @@ class Client:
 @asynccontextmanager
 async def gateway() -> AsyncIterator[Client]:
     """A gateway on the CPU with its gRPC server on loopback, and a stub that calls it."""
-    gw = Gateway.build(GatewayConfig(secret=SECRET, device="cpu"))
+    gw = Gateway.build(GatewayConfig(secret=SECRET, device="cpu", tokens_without_server=True))
     server, port = await serve(gw, "127.0.0.1:0")
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:

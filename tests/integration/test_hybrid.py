@@ -48,7 +48,7 @@ async def gateway_on_uplink(
 ) -> AsyncIterator[int]:
     """The shipped policy's gateway, its HTTP endpoint on the uplink's own address (over TLS
     with `tls`); yields the port machines reach it on."""
-    gateway = Gateway.build(GatewayConfig(secret=SECRET, device="cpu"))
+    gateway = Gateway.build(GatewayConfig(secret=SECRET, device="cpu", tokens_without_server=True))
     gateway.batcher.start()
 
     def bind() -> socket.socket:
@@ -208,6 +208,7 @@ async def test_a_deep_gateway_queue_holds_inference_rollouts_while_cpu_work_goes
             device="cpu",
             engine="inline",  # (a blocking hook)
             batch=BatchConfig(max_batch=1, max_wait_ms=0.5),
+            tokens_without_server=True,  # (its flood may come before the server's first poll)
         ),
         fault_primary=slow,
     )
@@ -285,7 +286,7 @@ async def test_server_and_gateway_metrics_and_fleet_top(tmp_path: Path, images: 
         with urllib.request.urlopen(url, timeout=10) as reply:
             return str(reply.read().decode())
 
-    gateway = Gateway.build(GatewayConfig(secret=SECRET, device="cpu"))
+    gateway = Gateway.build(GatewayConfig(secret=SECRET, device="cpu", tokens_without_server=True))
     gateway.batcher.start()
     http, port = await serve_http(gateway, "127.0.0.1", 0)
     config = ServerConfig(

@@ -93,7 +93,9 @@ def _serve(model: str) -> Iterator[Served]:
     async def start() -> None:
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv(ENV, model)
-            config = GatewayConfig(secret=SECRET, device="cpu", engine="inline")
+            config = GatewayConfig(
+                secret=SECRET, device="cpu", engine="inline", tokens_without_server=True
+            )
             gateway = await asyncio.to_thread(Gateway.build, config)
         server, port = await serve_http(gateway, "127.0.0.1", 0)
         ready.set_result((gateway, server, port))

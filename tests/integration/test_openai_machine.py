@@ -70,7 +70,9 @@ async def test_a_machine_streams_a_chat_completion_with_its_environment(
     model = write_tiny_model(tmp_path / "tiny-llm")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(ENV, str(model))
-        gateway = Gateway.build(GatewayConfig(secret=SECRET, device="cpu", engine="inline"))
+        gateway = Gateway.build(
+            GatewayConfig(secret=SECRET, device="cpu", engine="inline", tokens_without_server=True)
+        )
     gateway.batcher.start()
 
     def bind() -> socket.socket:
