@@ -14,22 +14,12 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+from gateway.llm.chat import SHELL_TOOL
+
 Message = dict[str, Any]
 Task = tuple[str, str, str, str]
 """A user request, the shell command that answers it, its output, the final answer."""
 
-SHELL_TOOL: dict[str, Any] = {
-    "type": "function",
-    "function": {
-        "name": "shell",
-        "description": "Run a shell command and return its standard output.",
-        "parameters": {
-            "type": "object",
-            "properties": {"command": {"type": "string", "description": "the command line"}},
-            "required": ["command"],
-        },
-    },
-}
 
 WORDS = [
     "apple", "river", "stone", "cloud", "green", "quick", "lazy", "brown", "fox", "dog", "cat",

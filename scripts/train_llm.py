@@ -28,10 +28,11 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 import torch  # noqa: E402
-from llm_transcripts import SHELL_TOOL, Task, held_out_tasks, tool_call, transcript  # noqa: E402
+from llm_transcripts import Task, held_out_tasks, tool_call, transcript  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
+from gateway.llm.chat import SHELL_TOOL  # noqa: E402
 from gateway.llm.llama import Llama, LlamaSpec, greedy  # noqa: E402
 from gateway.llm.manifest import (  # noqa: E402
     MANIFEST_FILE,

@@ -29,6 +29,21 @@ MAX_SCHEMA_DEPTH = 16
 """How deeply a tool's parameter schema may nest (objects and arrays within each other)."""
 JSON_TYPES = frozenset({"string", "number", "integer", "boolean", "array", "object", "null"})
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+SHELL_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "shell",
+        "description": "Run a shell command and return its standard output.",
+        "parameters": {
+            "type": "object",
+            "properties": {"command": {"type": "string", "description": "the command line"}},
+            "required": ["command"],
+        },
+    },
+}
+"""The tool the shipped model was trained to call (scripts/llm_transcripts), in OpenAI's
+form: an agent offers it to get shell tool calls from fleet-tiny-chat-v1."""
 """Message roles taken; "developer" (OpenAI's newer name for system) is rendered as system."""
 
 

@@ -26,6 +26,7 @@ import torch
 
 from fleet.core.tokens import issue, sign_running
 from gateway.http import MAX_PER_ROLLOUT, serve_http
+from gateway.llm.chat import SHELL_TOOL
 from gateway.llm.llama import load_model
 from gateway.llm.manifest import load_tokenizer, render_chat
 from gateway.llm.serving import ENV, SHIPPED, Limits
@@ -36,19 +37,6 @@ from tests.llm_fixtures import CONTEXT, write_tiny_model
 SECRET = b"s" * 32
 TINY = "tiny-test-r1"
 T = TypeVar("T")
-
-SHELL_TOOL: dict[str, Any] = {  # (as the shipped model was trained with: scripts/llm_transcripts)
-    "type": "function",
-    "function": {
-        "name": "shell",
-        "description": "Run a shell command and return its standard output.",
-        "parameters": {
-            "type": "object",
-            "properties": {"command": {"type": "string", "description": "the command line"}},
-            "required": ["command"],
-        },
-    },
-}
 
 
 @dataclass
