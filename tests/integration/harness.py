@@ -180,6 +180,20 @@ def request(
     )
 
 
+async def register_cpu_host(stub: host_pb2_grpc.HostServiceStub, cpus: int = 1) -> None:
+    """Registers the host behind `stub` (a host's channel) as a cpu-class namespace host."""
+    caps = host_pb2.Capabilities(
+        runtime=types_pb2.RUNTIME_KIND_NAMESPACE, isolation=types_pb2.ISOLATION_NAMESPACE,
+        cpus=cpus,
+    )  # fmt: skip
+    await stub.RegisterHost(
+        host_pb2.RegisterHostRequest(
+            host_class=types_pb2.HOST_CLASS_CPU, capabilities=caps,
+            agent_version=fleet.__version__,
+        )
+    )  # fmt: skip
+
+
 @contextlib.asynccontextmanager
 async def harness(
     tmp: Path, images: ImageStore, config: ServerConfig | None = None, *, secure: bool = False,

@@ -10,12 +10,11 @@ from pathlib import Path
 
 import grpc
 
-import fleet
 from fleet._proto.fleet.v1 import host_pb2, host_pb2_grpc, types_pb2
 from fleet.core.placement import HostClass
 from fleet.image.store import ImageStore
 from fleet.server.settings import ServerConfig
-from tests.integration.harness import SECRET, Harness, harness, request
+from tests.integration.harness import SECRET, Harness, harness, register_cpu_host, request
 
 MIB = 1 << 20
 
@@ -27,15 +26,7 @@ def host_channel(h: Harness, host_id: str) -> grpc.aio.Channel:
 
 async def registered_stub(channel: grpc.aio.Channel) -> host_pb2_grpc.HostServiceStub:
     stub = host_pb2_grpc.HostServiceStub(channel)
-    caps = host_pb2.Capabilities(
-        runtime=types_pb2.RUNTIME_KIND_NAMESPACE, isolation=types_pb2.ISOLATION_NAMESPACE, cpus=2
-    )
-    await stub.RegisterHost(
-        host_pb2.RegisterHostRequest(
-            host_class=types_pb2.HOST_CLASS_CPU, capabilities=caps,
-            agent_version=fleet.__version__,
-        )
-    )  # fmt: skip
+    await register_cpu_host(stub, cpus=2)
     return stub
 
 

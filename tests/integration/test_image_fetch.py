@@ -11,12 +11,11 @@ from pathlib import Path
 
 import grpc
 
-import fleet
 from fleet._proto.fleet.v1 import host_pb2, host_pb2_grpc, types_pb2
 from fleet.agent.images import ImageCache
 from fleet.core.placement import HostClass
 from fleet.image.store import ImageStore
-from tests.integration.harness import Harness, harness, request
+from tests.integration.harness import Harness, harness, register_cpu_host, request
 
 
 def go(coro):  # type: ignore[no-untyped-def]
@@ -26,15 +25,7 @@ def go(coro):  # type: ignore[no-untyped-def]
 async def lease_work(h: Harness, stub: host_pb2_grpc.HostServiceStub) -> None:
     """Registers the host behind `stub` and leases it one rollout on the default image: a host
     reads an image only while it leases work that runs it."""
-    caps = host_pb2.Capabilities(
-        runtime=types_pb2.RUNTIME_KIND_NAMESPACE, isolation=types_pb2.ISOLATION_NAMESPACE, cpus=1
-    )
-    await stub.RegisterHost(
-        host_pb2.RegisterHostRequest(
-            host_class=types_pb2.HOST_CLASS_CPU, capabilities=caps,
-            agent_version=fleet.__version__,
-        )
-    )  # fmt: skip
+    await register_cpu_host(stub)
     await h.fleet.SubmitRollout(request())
     claimed = await stub.ClaimWork(host_pb2.ClaimWorkRequest(max_items=1, wait_s=5))
     assert len(claimed.items) == 1
