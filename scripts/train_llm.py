@@ -280,7 +280,12 @@ def main() -> int:
         help="torch threads (one: the result does not depend on the machine's core count)",
     )
     parser.add_argument("--log-every", type=int, default=25)
-    parser.add_argument("--check", type=int, default=24, help="held-out requests to decode")
+    parser.add_argument(
+        "--check",
+        type=int,
+        default=16,
+        help="held-out requests to decode (the shipped model's: 16)",
+    )
     parser.add_argument("--out", type=Path, default=WEIGHTS_DIR / f"{NAME}-{REVISION}")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

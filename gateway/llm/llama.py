@@ -5,7 +5,7 @@ MLP, grouped-query attention, a causal mask), read from the same `config.json` a
 `model.safetensors` under the same parameter names, so `transformers` can load a shipped model
 as a baseline while the gateway never imports it. The numerics follow the Hugging Face eager
 path (norms and softmax in float32, rotary tables in float32), which is what lets the tests
-compare logits with it and the engine's CPU replica reproduce a GPU's greedy tokens.
+compare logits with it, and what would let a CPU replica reproduce a GPU's greedy tokens.
 
 `Llama.forward` recomputes everything from the token ids, with no cache: it is the reference
 the paged engine is checked against, not the serving path.

@@ -2,8 +2,9 @@
 
 `manifest.toml` is the model's identity for fleet: a name and revision, the sha256 of every
 file beside it, and what serving needs besides weights (context length, the Jinja2 chat
-template, stop tokens, the tool-call markers). The engine, the HTTP layer and the CPU replica
-all read the same manifest, so a replica cannot drift to another template or stop rule.
+template, stop tokens, the tool-call markers). The engine and the HTTP layer (and a CPU replica,
+when there is one) all read the same manifest, so none can drift to another template or stop
+rule.
 Every file's checksum is verified on load: a corrupt or substituted file is refused by name
 rather than served.
 """
