@@ -40,11 +40,17 @@ def default_db(paths: Paths) -> Path:
     return paths.home / "ledger.sqlite3"
 
 
-async def _until_signalled(stop: asyncio.Event) -> None:
+def _on_signals(stop: asyncio.Event) -> asyncio.Event:
+    """`stop`, set from now on by SIGINT or SIGTERM (installed before a daemon says it is ready,
+    so a signal sent as soon as it says so stops it cleanly instead of killing it)."""
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    return stop
+
+
+async def _until_signalled(stop: asyncio.Event) -> None:
+    await _on_signals(stop).wait()
 
 
 async def cmd_serve(args: argparse.Namespace) -> int:
@@ -71,6 +77,7 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         config=settings.server_config(paths.token_secret(), registry_ca),
     )
     await server.start()
+    stop = _on_signals(asyncio.Event())
     if security is None:
         print(
             f"fleet server listening on {server.address} WITHOUT TLS OR AUTHENTICATION: any "
@@ -85,7 +92,7 @@ async def cmd_serve(args: argparse.Namespace) -> int:
             + (f"; an admin key for this user is in {paths.admin_key}" if wrote else ""),
             flush=True,
         )
-    await _until_signalled(asyncio.Event())
+    await stop.wait()
     await server.stop()
     return 0
 
@@ -155,6 +162,7 @@ async def cmd_gateway(args: argparse.Namespace) -> int:
         gw, host, int(http_port), tls=http_tls, allow=http_allow(settings.http_allow)
     )
     scheme = "https" if http_tls is not None else "http"
+    stop = _on_signals(asyncio.Event())
     print(
         f"fleet gateway: {gw.spec.name} {gw.spec.revision} on {gw.batcher.primary.device} "
         f"in {gw.spec.dtype} (CPU replica in float32 behind a breaker); gRPC on port {port}"
@@ -165,7 +173,7 @@ async def cmd_gateway(args: argparse.Namespace) -> int:
         + f"ADDRESS:{bound})",
         flush=True,
     )
-    await _until_signalled(asyncio.Event())
+    await stop.wait()
     http.close()
     await gw.stop()
     await server.stop(5)
@@ -335,10 +343,11 @@ async def cmd_up(args: argparse.Namespace) -> int:
     paths = Paths.from_env()
     db = Path(args.db) if args.db else default_db(paths)
     async with embedded_fleet(paths, db, listen=args.listen, slots=args.slots) as fleet:
+        stop = _on_signals(asyncio.Event())
         print(
             f"fleet up: server on {fleet.address}, ledger {db}, 1 gpu-class + 2 cpu-class agents, "
             f"runtime {fleet.runtime.kind} ({fleet.runtime.reason})",
             flush=True,
         )
-        await _until_signalled(asyncio.Event())
+        await stop.wait()
     return 0

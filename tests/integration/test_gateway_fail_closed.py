@@ -52,14 +52,15 @@ async def gateway(**overrides: object) -> AsyncIterator[Endpoints]:
         await server.stop(None)
 
 
-# Issued well before any list is read, so only the list (not a new token's grace) decides.
-ISSUED = time.time() - 30
-TOKEN = issue(SECRET, "r-live", time.time() + 600, ISSUED)
+def token() -> str:
+    """A token of r-live issued well before any list is read, so only the list (not a new
+    token's grace) decides; made when asked (a module-level one would expire in a long run)."""
+    return issue(SECRET, "r-live", time.time() + 600, time.time() - 30)
 
 
 async def ask_grpc(e: Endpoints, key: str) -> str:
     request = inference_pb2.InferRequest(
-        token=TOKEN, rollout_id="r-live", idempotency_key=key, model=MODEL,
+        token=token(), rollout_id="r-live", idempotency_key=key, model=MODEL,
         input=inference_pb2.Tensor(shape=[len(SAMPLE)], values=SAMPLE),
     )  # fmt: skip
     try:
@@ -71,7 +72,7 @@ async def ask_grpc(e: Endpoints, key: str) -> str:
 
 
 async def ask_http(e: Endpoints, key: str) -> httpx.Response:
-    body = {"token": TOKEN, "rollout_id": "r-live", "idempotency_key": key, "model": MODEL,
+    body = {"token": token(), "rollout_id": "r-live", "idempotency_key": key, "model": MODEL,
             "input": SAMPLE}  # fmt: skip
     async with httpx.AsyncClient(timeout=60) as client:
         return await client.post(e.http_url + "/v1/infer", json=body)
