@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+import structlog
 
 from fleet.config import Paths
 from fleet.image.store import ImageStore
@@ -25,6 +27,27 @@ def _mounts_under(root: Path) -> set[str]:
         points = [line.split()[1] for line in mounts]
     # (/proc/mounts writes a space in a path as \040)
     return {p.replace("\\040", " ") for p in points if p.startswith(prefix)}
+
+
+CHATTY = ("sqlalchemy", "alembic", "urllib3", "httpx", "httpcore", "asyncio")
+
+
+@pytest.fixture(autouse=True)
+def logging_left_as_found() -> Iterator[None]:
+    """A test that runs the command line in-process (`fleet.cli.main.main`) has it configure
+    logging for the process: a level filter on structlog, a handler on the root logger. Left
+    so, every later test that captures info events (`structlog.testing.capture_logs`) would
+    see none: logging is put back as the test found it."""
+    saved = structlog.get_config()
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    chatty = {name: logging.getLogger(name).level for name in CHATTY}
+    yield
+    structlog.configure(**saved)
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    for name, was in chatty.items():
+        logging.getLogger(name).setLevel(was)
 
 
 @pytest.fixture(autouse=True)
