@@ -313,12 +313,19 @@ class Leases(LedgerBase):
                 renewed.append((work_id, token))
         return renewed, stop
 
-    def _expire_lost(self, db: Raw, now: float) -> tuple[int, list[str]]:
+    def _expire_lost(
+        self, db: Raw, now: float, seen_since: float | None = None
+    ) -> tuple[int, list[str]]:
         """Ends the leases past their expiry in the caller's transaction: each item is retried
-        or fails by the usual rules. Returns (how many, the tenant of each item now done)."""
+        or fails by the usual rules; with `seen_since`, only those of hosts that beat since
+        then. Returns (how many, the tenant of each item now done)."""
         changed = 0
         ended: list[str] = []
-        for item in [Item(*r) for r in db.all(Q.EXPIRED_LEASES, (LEASED, now))]:
+        rows = (
+            db.all(Q.EXPIRED_LEASES, (LEASED, now)) if seen_since is None
+            else db.all(Q.EXPIRED_LEASES_OF_HOSTS_SEEN, (LEASED, now, seen_since))
+        )  # fmt: skip
+        for item in [Item(*r) for r in rows]:
             changed += 1
             row = self._rollout(db, item.rollout_id, lock=True)
             owner = item.lease_owner
@@ -357,11 +364,13 @@ class Leases(LedgerBase):
                 ended.append(item.tenant)
         return changed, ended
 
-    def sweep(self, now: float, *, late: bool = True) -> int:
+    def sweep(self, now: float, *, late: bool = True, seen_since: float | None = None) -> int:
         """Expires lost leases (retry or fail) and, with `late`, fails queued work past its
-        deadline (which reads every queued item: a server does it less often)."""
+        deadline (which reads every queued item: a server does it less often). With
+        `seen_since`, only the leases of hosts that beat since then are judged (a server that
+        has just started: see `SweepClock`)."""
         with self._tx() as db:
-            changed, ended = self._expire_lost(db, now)
+            changed, ended = self._expire_lost(db, now, seen_since)
             late_items = db.all(Q.LATE_ITEMS, (QUEUED, now)) if late else []
             for item in [Item(*r) for r in late_items]:
                 changed += 1

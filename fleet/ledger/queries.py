@@ -189,6 +189,14 @@ EXPIRED_LEASES = (
     f"SELECT {ITEM_COLS} FROM work_items WHERE state = ? AND lease_expires_at < ? "
     "FOR UPDATE SKIP LOCKED"
 )
+EXPIRED_LEASES_OF_HOSTS_SEEN = (
+    f"SELECT {ITEM_COLS} FROM work_items WHERE state = ? AND lease_expires_at < ? "
+    "AND lease_owner IN (SELECT id FROM hosts WHERE last_heartbeat_at >= ?) "
+    "FOR UPDATE SKIP LOCKED"
+)
+"""`EXPIRED_LEASES` of hosts that beat (or registered) since a time: what a server that has
+just started may judge (their hosts reached it, so their leases' state is known: a lease
+released by its host, say)."""
 LATE_ITEMS = (
     f"SELECT {ITEM_COLS} FROM work_items WHERE state = ? AND deadline <= ? FOR UPDATE SKIP LOCKED"
 )

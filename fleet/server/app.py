@@ -50,7 +50,9 @@ async def _sweeper(core: Core) -> None:
     late_at = 0.0  # (monotonic: when queued work past its deadline is next looked for)
     clock = SweepClock(core.config.sweep_interval_s, core.config.lease_ttl_s)
     hold_s = core.config.lease_ttl_s
-    # Its hosts get a lease of this server's own time to reach it before any lease is judged.
+    started = time.time()
+    # Its hosts get a lease of this server's own time to reach it before their leases are
+    # judged; the leases of hosts that reached it since it started are judged as usual.
     log.info("sweeper_holding_after_start", hold_s=hold_s)
     while True:
         try:
@@ -58,17 +60,19 @@ async def _sweeper(core: Core) -> None:
             if clock.late_s:
                 log.warning("sweeper_resumed_late", late_s=round(clock.late_s, 3), hold_s=hold_s)
             if now is None:  # (holding: see SweepClock)
-                await asyncio.sleep(core.config.sweep_interval_s)
-                continue
-            late = time.monotonic() >= late_at
-            if late:
-                late_at = time.monotonic() + core.config.late_sweep_interval_s
-            if await core.db(functools.partial(core.ledger.sweep, late=late), now):
-                core.changed()
-            for host_id, released in await core.db(core.ledger.drain_sweep, now):
-                log.info("host_drained", host_id=host_id, leases_released=released)
-                if released:
+                seen = functools.partial(core.ledger.sweep, late=False, seen_since=started)
+                if await core.db(seen, time.time()):
                     core.changed()
+            else:
+                late = time.monotonic() >= late_at
+                if late:
+                    late_at = time.monotonic() + core.config.late_sweep_interval_s
+                if await core.db(functools.partial(core.ledger.sweep, late=late), now):
+                    core.changed()
+                for host_id, released in await core.db(core.ledger.drain_sweep, now):
+                    log.info("host_drained", host_id=host_id, leases_released=released)
+                    if released:
+                        core.changed()
         except Exception:
             log.exception("sweep_failed")
         await asyncio.sleep(core.config.sweep_interval_s)

@@ -156,6 +156,24 @@ def test_claim_leases_with_increasing_fencing_tokens(ledger: Ledger) -> None:
     assert outcomes == [Outcome.LEASE_EXPIRED.value, Outcome.SUCCEEDED.value]
 
 
+def test_a_sweep_of_hosts_seen_since_judges_only_their_leases(ledger: Ledger) -> None:
+    """What a server that has just started sweeps: only the leases of hosts that beat (or
+    registered) since it started are judged; a host not seen since keeps its overdue lease."""
+    register(ledger, "cpu-1")
+    register(ledger, "cpu-2")
+    first, _ = submit(ledger, key="a")
+    second, _ = submit(ledger, key="b")
+    [a] = ledger.claim("cpu-1", 1, T0, TTL)
+    [b] = ledger.claim("cpu-2", 1, T0, TTL)
+    later = T0 + TTL + 5
+    ledger.heartbeat("cpu-1", [], later - 1, TTL)  # cpu-1 reached the new server; cpu-2 not
+    assert ledger.sweep(later, late=False, seen_since=later - 2) == 1
+    states = {r.id: r.state for r in (ledger.get(first.id), ledger.get(second.id))}
+    assert states[a.rollout_id] == RolloutState.QUEUED  # (its lease was judged: retried)
+    assert states[b.rollout_id] == RolloutState.RUNNING  # (not judged yet)
+    assert ledger.sweep(later) == 1  # after the hold: judged by the time alone
+
+
 def test_heartbeat_renews_and_keeps_the_lease(ledger: Ledger) -> None:
     """A renewed lease survives past its first expiry."""
     register(ledger)
