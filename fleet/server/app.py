@@ -50,18 +50,20 @@ async def _sweeper(core: Core) -> None:
     late_at = 0.0  # (monotonic: when queued work past its deadline is next looked for)
     clock = SweepClock(core.config.sweep_interval_s, core.config.lease_ttl_s)
     hold_s = core.config.lease_ttl_s
-    started = time.time()
+    held_since = time.time()
     # Its hosts get a lease of this server's own time to reach it before their leases are
-    # judged; the leases of hosts that reached it since it started are judged as usual.
+    # judged; the leases of hosts that reached it since the hold began are judged as usual.
     log.info("sweeper_holding_after_start", hold_s=hold_s)
     while True:
         try:
-            now = clock.now(time.time())  # (not counting time this server was not running)
+            wall = time.time()
+            now = clock.now(wall)  # (not counting time this server was not running)
             if clock.late_s:
+                held_since = wall  # (no host could reach it while it was paused)
                 log.warning("sweeper_resumed_late", late_s=round(clock.late_s, 3), hold_s=hold_s)
             if now is None:  # (holding: see SweepClock)
-                seen = functools.partial(core.ledger.sweep, late=False, seen_since=started)
-                if await core.db(seen, time.time()):
+                seen = functools.partial(core.ledger.sweep, late=False, seen_since=held_since)
+                if await core.db(seen, wall):
                     core.changed()
             else:
                 late = time.monotonic() >= late_at
