@@ -39,7 +39,7 @@ from benchmarks.harness import (
     print_json,
     quiet,
 )
-from fleet._proto.fleet.v1 import (
+from fleet.api.pb import (
     fleet_pb2,
     fleet_pb2_grpc,
     inference_pb2,

@@ -43,7 +43,7 @@ from benchmarks.harness import (
     stat_cpu_s,
     until_final,
 )
-from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
+from fleet.api.pb import fleet_pb2, fleet_pb2_grpc, types_pb2
 from fleet.runtime.cgroups import all_machines_cpu_seconds
 
 NOOP = 'print("{}")'

@@ -26,7 +26,7 @@ from benchmarks.harness import (
     percentile,
     until_final,
 )
-from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, inference_pb2_grpc, types_pb2
+from fleet.api.pb import fleet_pb2, fleet_pb2_grpc, inference_pb2_grpc, types_pb2
 from fleet.connect import list_all
 from fleet.envs.episode import program, source, warm_step
 from fleet.envs.gridworld import GridWorld, argmax

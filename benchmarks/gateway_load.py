@@ -27,7 +27,7 @@ import grpc
 
 import gateway  # noqa: F401  (its __init__ quiets torch's numpy warning in every process)
 from benchmarks.harness import SECRET, ServerProcess, percentile, process_cpu_s, quiet
-from fleet._proto.fleet.v1 import inference_pb2, inference_pb2_grpc
+from fleet.api.pb import inference_pb2, inference_pb2_grpc
 from fleet.core.tokens import issue
 from fleet.envs.gridworld import GridWorld
 

@@ -29,8 +29,8 @@ import grpc
 
 import fleet
 from benchmarks.harness import Table, minimal_image, percentile, print_json, quiet
-from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, host_pb2, host_pb2_grpc, types_pb2
 from fleet.agent.images import ImageCache
+from fleet.api.pb import fleet_pb2, fleet_pb2_grpc, host_pb2, host_pb2_grpc, types_pb2
 from fleet.cli import client
 from fleet.core.placement import HostClass
 from fleet.identity.ca import CertificateAuthority

@@ -31,7 +31,8 @@ import grpc
 
 from benchmarks.harness import REPO, Table, print_json, quiet
 from fleet import __version__
-from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, host_pb2, host_pb2_grpc, types_pb2
+from fleet.api import convert
+from fleet.api.pb import fleet_pb2, fleet_pb2_grpc, host_pb2, host_pb2_grpc, types_pb2
 from fleet.config import Paths
 from fleet.connect import ClientAuth
 from fleet.core.credentials import Scope, format_api_key
@@ -54,7 +55,6 @@ from fleet.ledger.engines import sqlite_connect
 from fleet.ledger.leases import Claim
 from fleet.ledger.raw import dialect
 from fleet.ledger.store import Ledger
-from fleet.server import convert
 from fleet.server.app import FleetServer
 from fleet.server.auth import Security
 from fleet.server.core import ClaimBatcher, CompletionBatcher, Core, SubmitBatcher

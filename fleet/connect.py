@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 
-from fleet._proto.fleet.v1 import fleet_pb2, types_pb2
+from fleet.api.pb import fleet_pb2, types_pb2
 from fleet.config import Paths
 from fleet.core.errors import InvalidArgument
 

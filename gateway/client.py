@@ -21,7 +21,7 @@ from types import TracebackType
 
 import grpc
 
-from fleet._proto.fleet.v1 import inference_pb2, inference_pb2_grpc
+from fleet.api.pb import inference_pb2, inference_pb2_grpc
 from fleet.core.errors import InvalidArgument, Unavailable, error_for
 
 

@@ -18,8 +18,8 @@ from datetime import UTC
 import grpc
 import structlog
 
-from fleet._proto.fleet.v1 import inference_pb2, inference_pb2_grpc
 from fleet.api.interceptor import ApiInterceptor
+from fleet.api.pb import inference_pb2, inference_pb2_grpc
 from fleet.api.status import as_refusal
 from fleet.core.errors import (
     FailedPrecondition,
@@ -182,7 +182,8 @@ class Gateway:
         device = _primary_device(config.device)
         # The gateway's `llm` setting where it has one, else FLEET_GATEWAY_LLM (serving); its
         # manifest and checksums are checked before any engine starts.
-        llm = open_language_model(config.llm, device, config.dtype)
+        llm = open_language_model(config.llm, device, config.dtype, engine_kind=config.engine,
+                                  log_level=config.log_level)  # fmt: skip
         # Both replicas load the same checksum-verified file.
         stored = replace(spec, dtype="float32")
         fallback = TorchRunner(
@@ -229,7 +230,7 @@ class Gateway:
         """Stops the batcher and the language model's engine."""
         await self.batcher.stop()
         if self.llm is not None:
-            await asyncio.to_thread(self.llm.close)
+            await self.llm.aclose()
 
     async def infer(
         self,

@@ -14,7 +14,6 @@ import grpc
 import structlog
 
 import fleet
-from fleet._proto.fleet.v1 import host_pb2, host_pb2_grpc
 from fleet.agent import journal
 from fleet.agent.attempt import INIT_TIMEOUT_S, Attempt, Running, parent_key
 from fleet.agent.capabilities import capabilities, make_runtime
@@ -24,6 +23,8 @@ from fleet.agent.images import ImageCache
 from fleet.agent.journal import AttemptJournal
 from fleet.agent.link import Link
 from fleet.agent.sessions import SessionHost
+from fleet.api import convert
+from fleet.api.pb import host_pb2, host_pb2_grpc
 from fleet.core.errors import (
     FailedPrecondition,
     Unauthenticated,
@@ -31,7 +32,6 @@ from fleet.core.errors import (
 from fleet.core.placement import HostCapabilities, HostClass
 from fleet.core.rollout import Assignment, Completion
 from fleet.runtime.base import Leftover, Machine, MachineSpec, Parent, Runtime
-from fleet.server import convert
 
 log = structlog.get_logger(__name__)
 

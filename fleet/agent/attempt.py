@@ -11,7 +11,6 @@ from pathlib import Path
 
 import structlog
 
-from fleet._proto.fleet.v1 import host_pb2
 from fleet.agent.checkpoints import RELAY_ADDRESS, CheckpointRelay
 from fleet.agent.config import AttemptHost
 from fleet.agent.files import (
@@ -24,6 +23,8 @@ from fleet.agent.files import (
 )
 from fleet.agent.journal import AttemptJournal
 from fleet.agent.passage import CHECKPOINTS_SOCKET, GATEWAY_SOCKET, GatewaySplice, child_address
+from fleet.api.convert import MAX_EGRESS_EVENTS
+from fleet.api.pb import host_pb2
 from fleet.core.egress import EffectiveEgress, effective_egress
 from fleet.core.errors import ErrorCode, FleetError, InvalidArgument, Unavailable
 from fleet.core.lifecycle import Outcome
@@ -36,7 +37,6 @@ from fleet.image import oci
 from fleet.runtime import disk
 from fleet.runtime.base import ExecResult, Leftover, Machine, MachineSpec, resolve_secrets
 from fleet.runtime.cgroups import DEFAULT_PIDS_MAX
-from fleet.server.convert import MAX_EGRESS_EVENTS
 
 INIT_TIMEOUT_S = 300.0
 

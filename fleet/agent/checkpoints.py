@@ -20,8 +20,8 @@ from urllib.parse import parse_qs, urlsplit
 import grpc
 import structlog
 
-from fleet._proto.fleet.v1 import host_pb2, host_pb2_grpc
 from fleet.agent.passage import CHECKPOINTS_SOCKET, MAX_LINKS, bind_unix
+from fleet.api.pb import host_pb2, host_pb2_grpc
 from fleet.core.coalesce import Coalescer
 from fleet.core.errors import FleetError, error_for
 from fleet.httpd import connection_handler, reply

@@ -6,12 +6,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from fleet._proto.fleet.v1 import host_pb2_grpc
 from fleet.agent.capabilities import RuntimeChoice
 from fleet.agent.checkpoints import CheckpointSender
 from fleet.agent.images import ImageCache
 from fleet.agent.sessions import SessionHost
 from fleet.agent.settings import DEFAULT_DRAIN_S, DEFAULT_SLOTS
+from fleet.api.pb import host_pb2_grpc
 from fleet.core.placement import HostCapabilities, HostClass
 from fleet.core.rollout import Assignment
 from fleet.identity.tls import HostFiles, HostIdentityMaterial

@@ -31,7 +31,7 @@ import grpc
 import structlog
 
 from fleet import safepath
-from fleet._proto.fleet.v1 import host_pb2
+from fleet.api.pb import host_pb2
 from fleet.core.errors import InvalidArgument, Unavailable
 from fleet.core.manifest import InputFile, OutputArtifact
 from fleet.core.rollout import Assignment

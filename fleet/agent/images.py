@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 import structlog
 
-from fleet._proto.fleet.v1 import host_pb2
+from fleet.api.pb import host_pb2
 from fleet.core.errors import FailedPrecondition, Unavailable
 from fleet.core.manifest import is_digest
 from fleet.image import oci

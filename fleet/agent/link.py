@@ -17,12 +17,12 @@ from typing import Any
 import grpc
 import structlog
 
-from fleet._proto.fleet.v1 import host_pb2, host_pb2_grpc
+from fleet.api import convert
+from fleet.api.pb import host_pb2, host_pb2_grpc
 from fleet.core.errors import FailedPrecondition, Unauthenticated, error_for
 from fleet.core.placement import HostCapabilities
 from fleet.identity.ca import csr_for, key_pem, load_cert, new_key
 from fleet.identity.tls import HostFiles, HostIdentityMaterial, discover_ca
-from fleet.server import convert
 
 log = structlog.get_logger(__name__)
 

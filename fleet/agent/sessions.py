@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 import structlog
 
-from fleet._proto.fleet.v1 import host_pb2, types_pb2
+from fleet.api.pb import host_pb2, types_pb2
 from fleet.core.manifest import SessionSpec
 from fleet.core.rollout import Assignment
 from fleet.runtime.base import Machine

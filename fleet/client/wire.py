@@ -12,7 +12,7 @@ from typing import Any, TypedDict
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
+from fleet.api.pb import fleet_pb2, fleet_pb2_grpc, types_pb2
 from fleet.client.models import (
     AttemptRecord,
     Egress,

@@ -14,12 +14,12 @@ from fleet.core.errors import (
     InvalidArgument,
     NotFound,
 )
+from fleet.core.labels import check_labels
 from fleet.core.lifecycle import RolloutState
 from fleet.core.placement import HostCapabilities, Pool, is_local
 from fleet.ledger import pools as pool_sql
 from fleet.ledger import queries as Q
 from fleet.ledger.base import CORDONED, DRAINED, DRAINING, HOST_STATES, HostView
-from fleet.ledger.identity import check_labels
 from fleet.ledger.leases import Leases
 from fleet.ledger.pools import PoolEvent, PoolView, leases_by_host
 from fleet.ledger.raw import LEASED

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fleet.core.credentials import (
     Presented,
@@ -25,6 +25,7 @@ from fleet.core.credentials import (
     secret_hash,
 )
 from fleet.core.errors import AlreadyExists, InvalidArgument, NotFound, Unauthenticated
+from fleet.core.labels import check_labels
 from fleet.core.placement import HostCapabilities, HostClass, RuntimeKind
 from fleet.identity.bounds import (
     DEFAULT_RUNTIMES,
@@ -35,13 +36,8 @@ from fleet.identity.bounds import (
     strict_tenant,
 )
 from fleet.ledger import queries as Q
+from fleet.ledger.leases import Leases
 from fleet.ledger.raw import LEASED, Raw
-
-if TYPE_CHECKING:
-    from fleet.ledger.store import Ledger
-
-MAX_LABELS = 32
-MAX_LABEL_BYTES = 256
 
 # The identity tables' statements that read or write the runtimes a token allows.
 TOKEN_COLS = (
@@ -122,15 +118,6 @@ class HostIdentity:
         return HostBound(self.host_class, self.labels, runtimes, source)
 
 
-def check_labels(labels: dict[str, str]) -> dict[str, str]:
-    if len(labels) > MAX_LABELS:
-        raise InvalidArgument(f"labels: at most {MAX_LABELS}, got {len(labels)}")
-    for key, value in labels.items():
-        if not key or len(key) + len(value) > MAX_LABEL_BYTES:
-            raise InvalidArgument(f"label {key[:40]!r}: empty key or longer than {MAX_LABEL_BYTES}")
-    return labels
-
-
 def _token(row: Any) -> JoinToken:
     """From a row of `TOKEN_COLS`."""
     token_id, host_class, labels, created_at, expires_at, uses_left, revoked_at, runtimes = row[:8]
@@ -154,9 +141,13 @@ def _host(row: Any) -> HostIdentity:
 
 
 class Identities:
-    """The identity tables of one ledger."""
+    """The identity tables of one ledger.
 
-    def __init__(self, ledger: Ledger) -> None:
+    It needs of its ledger only the transactions and the lease sweep a revoked host's leases
+    go through: `Leases`, below `fleet.ledger.store.Ledger`, which is made of this class too.
+    """
+
+    def __init__(self, ledger: Leases) -> None:
         self._ledger = ledger
 
     def _one(self, sql: str, params: tuple[Any, ...]) -> Any:

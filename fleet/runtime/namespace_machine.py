@@ -11,7 +11,7 @@ import signal
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import structlog
 
@@ -41,9 +41,6 @@ from fleet.runtime.output import OutputSink, read_bounded
 from fleet.runtime.resident import Resident, TooLarge
 from fleet.runtime.users import StepUser
 from fleet.runtime.view import CAPABILITIES, proc_cover, sys_cover
-
-if TYPE_CHECKING:
-    from fleet.runtime.namespace import NamespaceRuntime
 
 log = structlog.get_logger(__name__)
 
@@ -92,6 +89,17 @@ DISK_FULL_BYTES = 4 << 20
 """A bounded disk with less than this left is full, as a failed step's cause."""
 
 
+class MachineMaker(Protocol):
+    """What a machine needs of the runtime that made it (`fleet.runtime.namespace`'s): the
+    helpers' directory, for its command server, and a way to make a machine, for its forks.
+    Naming only this keeps this module below the runtime, which imports it."""
+
+    @property
+    def tools(self) -> Path: ...
+
+    async def create(self, spec: MachineSpec, copy_of: Path | None = None) -> NamespaceMachine: ...
+
+
 class NamespaceMachine:
     """One machine: an overlay layer and the commands run on it."""
 
@@ -130,7 +138,7 @@ class NamespaceMachine:
         self._name = spec.name
         self._deleted = False
         self._running: set[asyncio.subprocess.Process] = set()
-        self.runtime: NamespaceRuntime | None = None
+        self.runtime: MachineMaker | None = None
         self.resident: Resident | None = None
         """Its resident command server, once `stay_resident` started it (sessions)."""
 

@@ -25,16 +25,13 @@ import socket
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import structlog
 
 from fleet.core.errors import Unavailable
 from fleet.runtime import users
 from fleet.runtime.output import OutputSink
-
-if TYPE_CHECKING:
-    from fleet.runtime.namespace_machine import NamespaceMachine
 
 log = structlog.get_logger(__name__)
 
@@ -53,6 +50,29 @@ async def program(tools: Path) -> Path:
     return await asyncio.to_thread(
         users.tool, tools, SOURCE, "a session on the namespace runtime", "resident command server"
     )
+
+
+class ServedMachine(Protocol):
+    """What the server needs of the machine it runs in: its name, its directory (which holds
+    the system-call filter) and a way to start a process in its sandbox. Naming only this,
+    not `fleet.runtime.namespace_machine.NamespaceMachine` (which starts the server), keeps
+    this module below that one."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def root(self) -> Path: ...
+
+    async def spawn(
+        self,
+        argv: list[str],
+        env: Mapping[str, str],
+        workdir: str,
+        filter_path: Path,
+        *,
+        keep_fds: tuple[int, ...] = (),
+    ) -> asyncio.subprocess.Process: ...
 
 
 class TooLarge(Exception):
@@ -103,7 +123,7 @@ class Resident:
         self._reader = asyncio.ensure_future(self._read())
 
     @classmethod
-    async def start(cls, machine: NamespaceMachine, tools: Path) -> Resident:
+    async def start(cls, machine: ServedMachine, tools: Path) -> Resident:
         binary = await program(tools)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         fd = os.open(binary, os.O_RDONLY)

@@ -261,18 +261,20 @@ class NamespaceParent:
             child._name = name
             self._refills.add(asyncio.get_running_loop().create_task(self._refill()))
             return child
-        return await self._new_child(name)
+        return await self.new_child(name)
 
     async def _refill(self) -> None:
         try:
             while len(self._pool) < self.pool_size and self._proc is not None:
-                child = await self._new_child("pool")
+                child = await self.new_child("pool")
                 await child.prepare()
                 self._pool.append(child)
         except Exception:  # the pool is an optimisation: a failed refill leaves it shorter
             log.exception("warm_pool_refill_failed", machine=self.machine.name)
 
-    async def _new_child(self, name: str) -> WarmChild:
+    async def new_child(self, name: str) -> WarmChild:
+        """A new child in a cgroup of its own, forked when it is prepared or first run (a
+        child's `fork` asks for one too)."""
         cid = f"{self.machine.root.name}.{uuid.uuid4().hex[:8]}"
         cgroup = cgroups.MachineCgroup(cid, self.runtime.cgroup_version)
         limits = cgroups.Limits(

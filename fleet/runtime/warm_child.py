@@ -17,7 +17,7 @@ import stat
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -33,11 +33,9 @@ from fleet.runtime.base import (
     machine_env,
     to_thread_to_the_end,
 )
+from fleet.runtime.namespace_machine import MachineMaker, NamespaceMachine
 from fleet.runtime.output import OutputSink
 from fleet.runtime.resident import Resident
-
-if TYPE_CHECKING:
-    from fleet.runtime.warm import NamespaceParent
 
 log = structlog.get_logger(__name__)
 
@@ -75,10 +73,44 @@ def host_pid_of(candidates: list[int], ns_pid: int, depth: int) -> int | None:
     return None
 
 
+class Parent(Protocol):
+    """What a child needs of its warm parent (`fleet.runtime.warm.NamespaceParent`): the
+    parent's machine and control directory, its fork server's connections and replies, and
+    the bookkeeping of its live children. Naming only this keeps this module below the
+    parent's, which imports it."""
+
+    children: set[WarmChild]
+
+    @property
+    def machine(self) -> NamespaceMachine: ...
+
+    @property
+    def runtime(self) -> MachineMaker: ...
+
+    @property
+    def ctl(self) -> Path: ...
+
+    @property
+    def own_pids(self) -> frozenset[int]: ...
+
+    @property
+    def ns_depth(self) -> int: ...
+
+    async def call(self, request: dict[str, Any], fresh: bool = False) -> dict[str, Any]: ...
+
+    async def connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]: ...
+
+    def reply(self, line: bytes) -> dict[str, Any]: ...
+
+    async def new_child(self, name: str) -> WarmChild: ...
+
+    def fit_limit(self) -> None: ...
+
+
 class WarmChild:
     """A copy-on-write child of a warm parent; each exec is a fresh fork on the child's layer."""
 
-    def __init__(self, parent: NamespaceParent, name: str, cgroup: cgroups.MachineCgroup) -> None:
+    def __init__(self, parent: Parent, name: str, cgroup: cgroups.MachineCgroup) -> None:
         self.parent = parent
         self._name = name
         self.cid = cgroup.name
@@ -352,7 +384,7 @@ class WarmChild:
         files as they are now; no process carries over: each exec is a fresh fork anyway)."""
         if self._deleted:
             raise Unavailable(f"machine {self._name} was deleted")
-        child = await self.parent._new_child(spec.name)
+        child = await self.parent.new_child(spec.name)
         try:
             reply = await self.parent.call(
                 {"op": "copy", "from": self.cid, "id": child.cid}, fresh=True

@@ -12,7 +12,8 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from fleet._proto.fleet.v1 import (
+from fleet.api.interceptor import ApiInterceptor
+from fleet.api.pb import (
     fleet_pb2,
     fleet_pb2_grpc,
     host_pb2,
@@ -20,7 +21,6 @@ from fleet._proto.fleet.v1 import (
     inference_pb2,
     inference_pb2_grpc,
 )
-from fleet.api.interceptor import ApiInterceptor
 from fleet.core import tokens
 from fleet.core.errors import (
     FailedPrecondition,

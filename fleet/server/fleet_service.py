@@ -15,7 +15,8 @@ from datetime import UTC, datetime, timedelta
 import grpc
 import structlog
 
-from fleet._proto.fleet.v1 import (
+from fleet.api import convert
+from fleet.api.pb import (
     fleet_pb2,
     fleet_pb2_grpc,
     types_pb2,
@@ -40,7 +41,6 @@ from fleet.core.manifest import (
 from fleet.core.rollout import Rollout
 from fleet.core.smolfile import ParsedSmolfile
 from fleet.image import oci
-from fleet.server import convert
 from fleet.server.auth import Caller
 from fleet.server.core import (
     MAX_LIST_BYTES,

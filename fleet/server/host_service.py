@@ -18,7 +18,8 @@ import grpc
 import structlog
 
 import fleet
-from fleet._proto.fleet.v1 import (
+from fleet.api import convert
+from fleet.api.pb import (
     host_pb2,
     host_pb2_grpc,
 )
@@ -42,7 +43,6 @@ from fleet.core.versions import check_agent
 from fleet.identity.ca import Issued
 from fleet.ledger.identity import JoinToken
 from fleet.ledger.leases import Claim
-from fleet.server import convert
 from fleet.server.auth import RefusalLimiter, Security
 from fleet.server.core import (
     MAX_CHECKPOINTS_PER_CALL,

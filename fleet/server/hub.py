@@ -8,7 +8,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from fleet._proto.fleet.v1 import host_pb2
+from fleet.api.pb import host_pb2
 from fleet.core.errors import FailedPrecondition, Unavailable
 
 

@@ -24,7 +24,8 @@ import grpc
 import structlog
 
 from fleet import safepath
-from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, host_pb2, types_pb2
+from fleet.api import convert
+from fleet.api.pb import fleet_pb2, fleet_pb2_grpc, host_pb2, types_pb2
 from fleet.core.errors import (
     FailedPrecondition,
     FleetError,
@@ -44,7 +45,6 @@ from fleet.core.manifest import (
 from fleet.core.retry import RetryPolicy
 from fleet.core.rollout import Rollout
 from fleet.core.smolfile import is_env_name
-from fleet.server import convert
 from fleet.server.core import Core
 from fleet.server.fleet_service import FleetServicer
 from fleet.server.hub import SessionHub

@@ -14,7 +14,7 @@ import grpc
 import pytest
 from sqlmodel import Session, col, select
 
-from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
+from fleet.api.pb import fleet_pb2, fleet_pb2_grpc, types_pb2
 from fleet.core.lifecycle import Outcome
 from fleet.ledger.store import Ledger
 from fleet.ledger.tables import AttemptRow, EventRow, ManifestRow, RolloutRow, WorkItemRow

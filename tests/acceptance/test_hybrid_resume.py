@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fleet._proto.fleet.v1 import fleet_pb2, types_pb2
+from fleet.api.pb import fleet_pb2, types_pb2
 from fleet.core.placement import HostClass
 from fleet.envs.episode import program, source, warm_step
 from fleet.image.store import ImageStore

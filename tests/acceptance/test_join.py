@@ -23,7 +23,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from fleet._proto.fleet.v1 import host_pb2, host_pb2_grpc
+from fleet.api.pb import host_pb2, host_pb2_grpc
 from fleet.config import Paths
 from tests.acceptance.procs import FLEET, Proc, Procs, free_port
 from tests.conftest import REPO

@@ -11,7 +11,7 @@ import random
 import signal
 from pathlib import Path
 
-from fleet._proto.fleet.v1 import fleet_pb2, types_pb2
+from fleet.api.pb import fleet_pb2, types_pb2
 from fleet.core.placement import HostClass
 from fleet.image.store import ImageStore
 from tests.integration.harness import harness

@@ -15,10 +15,10 @@ from typing import Any, cast
 import grpc
 
 import fleet
-from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, host_pb2, host_pb2_grpc, types_pb2
 from fleet.agent.agent import Agent
 from fleet.agent.capabilities import RuntimeChoice, capabilities
 from fleet.agent.config import AgentConfig
+from fleet.api.pb import fleet_pb2, fleet_pb2_grpc, host_pb2, host_pb2_grpc, types_pb2
 from fleet.connect import ClientAuth
 from fleet.core.credentials import Scope, format_api_key, parse_scopes
 from fleet.core.placement import HostClass, RuntimeKind

@@ -15,12 +15,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 
-from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
+from fleet.api import convert
+from fleet.api.pb import fleet_pb2, fleet_pb2_grpc, types_pb2
 from fleet.core.manifest import SubmitRequest, build_manifest
 from fleet.core.placement import HostClass
 from fleet.core.smolfile import parse_smolfile
 from fleet.image.store import ImageStore
-from fleet.server import convert
 from tests.integration.harness import Harness, harness, request, threaded_harness
 from tests.unit.test_properties import submit_requests
 

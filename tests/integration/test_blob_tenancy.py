@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from fleet._proto.fleet.v1 import fleet_pb2_grpc, types_pb2
+from fleet.api.pb import fleet_pb2_grpc, types_pb2
 from fleet.artifacts.store import BlobStore
 from fleet.cli import client
 from fleet.core.errors import ResourceExhausted

@@ -14,16 +14,16 @@ import grpc
 import pytest
 
 import fleet
-from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, host_pb2, host_pb2_grpc
 from fleet.agent.capabilities import capabilities
 from fleet.agent.link import enroll
+from fleet.api import convert
+from fleet.api.pb import fleet_pb2, fleet_pb2_grpc, host_pb2, host_pb2_grpc
 from fleet.core.credentials import format_join_token
 from fleet.core.errors import InvalidArgument, PermissionDenied
 from fleet.core.placement import HostCapabilities, HostClass, Isolation, RuntimeKind
 from fleet.identity.ca import csr_for, new_key
 from fleet.identity.tls import HostFiles, HostIdentityMaterial
 from fleet.image.store import ImageStore
-from fleet.server import convert
 from tests.integration.harness import NAMESPACE, Harness, harness, request
 
 BAD_TOKEN = "abcdef." + "0" * 32

@@ -10,7 +10,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from fleet._proto.fleet.v1 import types_pb2
+from fleet.api.pb import types_pb2
 from fleet.core.placement import HostClass
 from fleet.image.store import ImageStore
 from fleet.runtime.base import ExecResult

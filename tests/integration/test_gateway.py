@@ -22,7 +22,7 @@ import grpc
 import pytest
 import torch
 
-from fleet._proto.fleet.v1 import inference_pb2, inference_pb2_grpc
+from fleet.api.pb import inference_pb2, inference_pb2_grpc
 from fleet.core.errors import FailedPrecondition, InvalidArgument
 from fleet.core.tokens import issue
 from fleet.envs.gridworld import GridWorld

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from fleet._proto.fleet.v1 import inference_pb2, inference_pb2_grpc
+from fleet.api.pb import inference_pb2, inference_pb2_grpc
 from fleet.core.tokens import issue, sign_running
 from fleet.envs.gridworld import GridWorld
 from gateway import service

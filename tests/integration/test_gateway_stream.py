@@ -13,7 +13,7 @@ from collections.abc import Callable
 import grpc
 import pytest
 
-from fleet._proto.fleet.v1 import inference_pb2, inference_pb2_grpc
+from fleet.api.pb import inference_pb2, inference_pb2_grpc
 from fleet.core.errors import (
     FleetError,
     InvalidArgument,

@@ -19,7 +19,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from structlog.testing import capture_logs
 
 import fleet
-from fleet._proto.fleet.v1 import fleet_pb2, host_pb2, types_pb2
+from fleet.api.pb import fleet_pb2, host_pb2, types_pb2
 from fleet.core.coalesce import Coalescer
 from fleet.core.placement import HostCapabilities, HostClass, Isolation, RuntimeKind
 from fleet.image.store import ImageStore

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grpc
 
-from fleet._proto.fleet.v1 import host_pb2, host_pb2_grpc, types_pb2
+from fleet.api.pb import host_pb2, host_pb2_grpc, types_pb2
 from fleet.core.placement import HostClass
 from fleet.image.store import ImageStore
 from fleet.server.settings import ServerConfig

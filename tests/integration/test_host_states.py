@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 import fleet
-from fleet._proto.fleet.v1 import fleet_pb2, host_pb2, types_pb2
+from fleet.api.pb import fleet_pb2, host_pb2, types_pb2
 from fleet.core.placement import (
     LOCAL_LABEL,
     HostCapabilities,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from fleet._proto.fleet.v1 import fleet_pb2, types_pb2
+from fleet.api.pb import fleet_pb2, types_pb2
 from fleet.core.placement import HostClass
 from fleet.envs.episode import program, source, warm_step
 from fleet.envs.gridworld import GridWorld, argmax
@@ -193,7 +193,7 @@ async def test_a_deep_gateway_queue_holds_inference_rollouts_while_cpu_work_goes
 
     import grpc
 
-    from fleet._proto.fleet.v1 import host_pb2, inference_pb2, inference_pb2_grpc
+    from fleet.api.pb import host_pb2, inference_pb2, inference_pb2_grpc
     from fleet.core.tokens import issue
     from fleet.server.app import ServerConfig
     from gateway.batcher import BatchConfig
@@ -413,7 +413,7 @@ async def test_a_finished_rollouts_token_is_refused_by_the_gateway(
 
     import grpc
 
-    from fleet._proto.fleet.v1 import host_pb2, inference_pb2, inference_pb2_grpc
+    from fleet.api.pb import host_pb2, inference_pb2, inference_pb2_grpc
     from fleet.server.app import ServerConfig
     from gateway.service import serve
 

@@ -13,14 +13,14 @@ import grpc
 import pytest
 
 import fleet
-from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, host_pb2, host_pb2_grpc, types_pb2
 from fleet.agent.link import enroll
+from fleet.api import convert
+from fleet.api.pb import fleet_pb2, fleet_pb2_grpc, host_pb2, host_pb2_grpc, types_pb2
 from fleet.core.credentials import format_join_token
 from fleet.core.placement import HostClass, Isolation
 from fleet.identity.ca import CertificateAuthority, csr_for, key_pem, new_key
 from fleet.identity.tls import HostFiles, HostIdentityMaterial
 from fleet.image.store import ImageStore
-from fleet.server import convert
 from tests.integration.harness import FINAL, Harness, harness, registered, request
 
 SECRET_STEP = ["sh", "-c", "echo secret-output; sleep 1"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fleet._proto.fleet.v1 import types_pb2
+from fleet.api.pb import types_pb2
 from fleet.core.errors import InvalidArgument
 from fleet.core.placement import HostClass
 from fleet.image.store import ImageStore

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import grpc
 
-from fleet._proto.fleet.v1 import host_pb2, host_pb2_grpc, types_pb2
 from fleet.agent.images import ImageCache
+from fleet.api.pb import host_pb2, host_pb2_grpc, types_pb2
 from fleet.core.placement import HostClass
 from fleet.image.store import ImageStore
 from tests.integration.harness import Harness, harness, register_cpu_host, request

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from fleet._proto.fleet.v1 import types_pb2
+from fleet.api.pb import types_pb2
 from fleet.core.placement import HostClass
 from fleet.image.store import ImageStore
 from fleet.runtime.netns import NetConfig, in_netns

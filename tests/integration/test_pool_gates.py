@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from fleet._proto.fleet.v1 import inference_pb2
+from fleet.api.pb import inference_pb2
 from fleet.core.gates import Gates
 from fleet.core.placement import HostClass, Pool
 from fleet.core.tokens import issue, sign_running

@@ -8,7 +8,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc
+from fleet.api.pb import fleet_pb2, fleet_pb2_grpc
 from fleet.core.placement import HostClass
 from fleet.image.store import ImageStore
 from tests.integration.harness import harness, request

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fleet._proto.fleet.v1 import fleet_pb2, types_pb2
+from fleet.api.pb import fleet_pb2, types_pb2
 from fleet.core.placement import HostClass
 from fleet.identity.ca import CertificateAuthority
 from fleet.image.store import ImageStore
@@ -186,9 +186,9 @@ def test_replicas_share_inputs_and_outputs_through_a_registry(
 ) -> None:
     """Two servers on one PostgreSQL ledger, their blobs in one registry: an input uploaded to
     one is run through the other, and the output is downloaded from the first."""
-    from fleet._proto.fleet.v1 import fleet_pb2_grpc
     from fleet.agent.agent import Agent
     from fleet.agent.config import AgentConfig
+    from fleet.api.pb import fleet_pb2_grpc
     from fleet.cli import client
     from fleet.ledger.store import Ledger
     from fleet.server.app import FleetServer

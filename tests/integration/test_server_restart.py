@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 from structlog.testing import capture_logs
 
-from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, host_pb2, host_pb2_grpc, types_pb2
+from fleet.api.pb import fleet_pb2, fleet_pb2_grpc, host_pb2, host_pb2_grpc, types_pb2
 from fleet.core.placement import HostClass
 from fleet.image.store import ImageStore
 from fleet.ledger.store import Ledger

@@ -12,8 +12,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc
 from fleet.agent import sessions as agent_sessions
+from fleet.api.pb import fleet_pb2, fleet_pb2_grpc
 from fleet.core.placement import HostClass
 from fleet.image.store import ImageStore
 from fleet.ledger.store import Ledger

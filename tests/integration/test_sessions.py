@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, types_pb2
+from fleet.api.pb import fleet_pb2, fleet_pb2_grpc, types_pb2
 from fleet.core.placement import HostClass
 from fleet.image.store import ImageStore
 from tests.integration.harness import Harness, harness, threaded_harness

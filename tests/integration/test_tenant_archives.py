@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from fleet._proto.fleet.v1 import fleet_pb2, fleet_pb2_grpc, host_pb2, types_pb2
 from fleet.agent import files
+from fleet.api.pb import fleet_pb2, fleet_pb2_grpc, host_pb2, types_pb2
 from fleet.cli import client
 from fleet.core.errors import FleetError
 from fleet.core.placement import HostClass

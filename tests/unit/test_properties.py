@@ -9,12 +9,12 @@ from datetime import UTC, datetime
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fleet._proto.fleet.v1 import fleet_pb2, types_pb2
+from fleet.api import convert
+from fleet.api.pb import fleet_pb2, types_pb2
 from fleet.cli.client import parse_plan
 from fleet.core.errors import FleetError
 from fleet.core.manifest import validate_request
 from fleet.core.smolfile import parse_smolfile
-from fleet.server import convert
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from fleet._proto.fleet.v1 import fleet_pb2 as fleet_dot_v1_dot_fleet__pb2
-from fleet._proto.fleet.v1 import types_pb2 as fleet_dot_v1_dot_types__pb2
+from fleet.api._proto.fleet.v1 import fleet_pb2 as fleet_dot_v1_dot_fleet__pb2
+from fleet.api._proto.fleet.v1 import types_pb2 as fleet_dot_v1_dot_types__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

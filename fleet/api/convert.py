@@ -1,4 +1,9 @@
-"""Proto <-> domain conversion. Protos stop here and in fleet/agent."""
+"""fleet's wire messages to its domain values and back, for the server and the agents alike.
+
+Every decoder checks what it reads and refuses bad input with InvalidArgument naming the field,
+so a servicer hands only well-formed values to the ledger and core. Pure apart from protobuf:
+it imports fleet.core and the generated messages, never the server or the ledger, so an agent
+that encodes its registration and completions here loads neither."""
 
 from __future__ import annotations
 
@@ -6,9 +11,10 @@ from datetime import UTC, datetime
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from fleet._proto.fleet.v1 import fleet_pb2, host_pb2, types_pb2
+from fleet.api.pb import fleet_pb2, host_pb2, types_pb2
 from fleet.core.egress import EffectiveEgress, EgressEvent, EgressMode
 from fleet.core.errors import InvalidArgument
+from fleet.core.labels import check_labels
 from fleet.core.lifecycle import Outcome, RolloutState
 from fleet.core.manifest import (
     MAX_FILES,
@@ -24,7 +30,6 @@ from fleet.core.manifest import (
 from fleet.core.placement import HostCapabilities, HostClass, Isolation, Requirements, RuntimeKind
 from fleet.core.retry import RetryPolicy
 from fleet.core.rollout import Assignment, Completion, Rollout, RolloutEvent, StepResult
-from fleet.ledger.identity import check_labels
 
 HOST_CLASS_TO_PB = {
     HostClass.GPU: types_pb2.HOST_CLASS_GPU,
