@@ -76,11 +76,16 @@ HTTP_STATUS = {
 }
 
 
+GONE_POLL_S = 0.1
+"""How often a streamed answer checks that its client is still there."""
+
+
 def _json(status: int, payload: dict[str, Any], extra: dict[str, str] | None = None) -> bytes:
     return reply(status, json.dumps(payload).encode(), "application/json", extra)
 
 
 _writer: contextvars.ContextVar[asyncio.StreamWriter] = contextvars.ContextVar("http_writer")
+_reader: contextvars.ContextVar[asyncio.StreamReader] = contextvars.ContextVar("http_reader")
 """The connection a request came on, for answers written as they are made (`fleet.httpd`
 handlers return whole responses); set per connection by `serve_http`."""
 
@@ -156,12 +161,38 @@ async def _stream(answer: Reply) -> None:
     ]  # fmt: skip
     writer.write(("\r\n".join(head) + "\r\n\r\n").encode())
     await writer.drain()
-    async for data in answer.events:
-        event = f"data: {data}\n\n".encode()
-        writer.write(b"%x\r\n%s\r\n" % (len(event), event))
-        await writer.drain()
+    reader = _reader.get(None)
+    events = aiter(answer.events)
+    gone = asyncio.create_task(_gone(reader, writer))
+    try:
+        while True:
+            # Between events (a request queued for its engine sends none for a while) a client
+            # that closed its end is noticed, and its request ends there, freeing its place.
+            following = asyncio.ensure_future(anext(events))
+            await asyncio.wait({following, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not following.done():
+                following.cancel()
+                await asyncio.gather(following, return_exceptions=True)
+                raise ConnectionResetError("the client closed the connection mid-answer")
+            try:
+                data = following.result()
+            except StopAsyncIteration:
+                break
+            event = f"data: {data}\n\n".encode()
+            writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+            await writer.drain()
+    finally:
+        gone.cancel()
     writer.write(b"0\r\n\r\n")
     await writer.drain()
+
+
+async def _gone(reader: asyncio.StreamReader | None, writer: asyncio.StreamWriter) -> None:
+    """Returns once the client has closed its end (the reader saw its end of input: nothing
+    is read, so a request the client sends next is left for the connection's loop). Polled:
+    a stream reader offers no wait for its end of input that does not read."""
+    while not writer.is_closing() and not (reader is not None and reader.at_eof()):  # noqa: ASYNC110
+        await asyncio.sleep(GONE_POLL_S)
 
 
 def connection_limit() -> int:
@@ -204,6 +235,7 @@ async def serve_http(
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         _writer.set(writer)  # (in the connection's own task, so in a context of its own)
+        _reader.set(reader)
         await serve_connection(reader, writer)
 
     if sock is not None:

@@ -35,7 +35,7 @@ import structlog
 from fleet.core.errors import FleetError, Unauthenticated
 from fleet.core.tokens import TokenClaims
 from gateway.llm.chat import AnswerStream, ChatPrompt, parse_answer, render_prompt
-from gateway.llm.engine import LLMEngine, TokenEvent
+from gateway.llm.engine import TokenEvent
 from gateway.llm.openai_schema import (
     ApiError,
     ChatRequest,
@@ -47,13 +47,18 @@ from gateway.llm.openai_schema import (
     parse_request,
 )
 from gateway.llm.sampling import SamplingParams
-from gateway.llm.serving import LanguageModel
+from gateway.llm.serving import RESTART_TOKEN, LanguageModel, Resumable, Route
 from gateway.model import DeviceFault
 
 log = structlog.get_logger(__name__)
 
 ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions")
 ROLLOUT_HEADER = "x-fleet-rollout"
+NO_FALLBACK_HEADER = "x-fleet-no-fallback"
+"""`1`: fail fast (503) rather than be served by the CPU replica."""
+SHRINK_HEADER = "x-fleet-max-tokens-floor"
+"""N: under memory pressure the gateway may lower `max_tokens`, down to N, rather than queue
+the request elsewhere or refuse it."""
 
 
 @dataclass
@@ -87,9 +92,7 @@ class OpenAIApi:
         """The headers that say who serves answers here."""
         if self.llm is None:
             return {}
-        lm = self.llm
-        return {"x-fleet-served-by": f"{lm.device}; model={lm.model_id}; dtype={lm.dtype}",
-                "x-fleet-degraded": "0"}  # fmt: skip
+        return self.llm.headers(None)
 
     async def handle(self, method: str, path: str, headers: dict[str, str], body: bytes) -> Reply:
         """One request to one of `ROUTES`, answered in OpenAI's terms whatever goes wrong."""
@@ -103,10 +106,10 @@ class OpenAIApi:
             if path == "/v1/models":
                 reply = self.models()
             elif path == "/v1/chat/completions":
-                reply = await self.chat(claims, parse_request(ChatRequest, body), holds)
+                reply = await self.chat(claims, parse_request(ChatRequest, body), holds, headers)
             else:
                 reply = await self.completions(
-                    claims, parse_request(CompletionRequest, body), holds
+                    claims, parse_request(CompletionRequest, body), holds, headers
                 )
         except ApiError as exc:
             holds.close()
@@ -114,17 +117,17 @@ class OpenAIApi:
         except FleetError as exc:
             holds.close()
             reply = from_fleet(exc).reply()
-        except DeviceFault as exc:
+        except (DeviceFault, Resumable) as exc:
             holds.close()
-            reply = ApiError(503, f"the model's device failed: {exc}", "service_unavailable_error",
-                             code=exc.kind, retry_after_s=1.0).reply()  # fmt: skip
+            reply = _device_error(exc).reply()
         except Exception:
             holds.close()
             log.exception("openai_request_crashed", path=path)
             reply = ApiError(500, "internal error; see the gateway's log", "server_error",
                              code="internal_error").reply()  # fmt: skip
         reply.holds = holds
-        reply.headers.update(self.served_by())
+        for name, value in self.served_by().items():
+            reply.headers.setdefault(name, value)
         return reply
 
     def _claims(self, headers: dict[str, str]) -> TokenClaims:
@@ -154,8 +157,14 @@ class OpenAIApi:
                 "limits": {
                     "context_length": lm.manifest.context_length, "max_n": lim.max_n,
                     "max_prompts": lim.max_prompts, "max_batch": lim.max_batch,
-                    "max_waiting": lim.max_waiting,
+                    "max_waiting": lim.max_waiting, "max_wait_s": lim.max_wait_s,
                     "max_inflight_per_rollout": lim.max_inflight_per_rollout,
+                },
+                "replica": None if not lm.replica_enabled else {
+                    "device": "cpu", "dtype": "float32", "max_batch": lim.replica_max_batch,
+                    "max_waiting": lim.replica_max_waiting,
+                    "context_length": lm.replica_context_length,
+                    "continues_answers_exactly": lm.continuation_verified(),
                 },
                 "fleet": lm.served_by(),
             })  # fmt: skip
@@ -210,18 +219,31 @@ class OpenAIApi:
         ]
 
     async def _admit(
-        self, lm: LanguageModel, claims: TokenClaims, jobs: list[_Job], holds: ExitStack
-    ) -> LLMEngine:
-        """The engine, with the jobs checked against it and their places held."""
-        engine = await lm.engine()
-        for job in jobs:
-            engine.check(job.prompt, job.params)
+        self, lm: LanguageModel, claims: TokenClaims, jobs: list[_Job], holds: ExitStack,
+        headers: dict[str, str], streaming: bool,
+    ) -> Route:  # fmt: skip
+        """Where the jobs go (their parameters shrunk where admission shrank them), with their
+        places held."""
+        no_fallback = headers.get(NO_FALLBACK_HEADER, "").strip() in ("1", "true")
+        floor_text = headers.get(SHRINK_HEADER, "").strip()
+        floor: int | None = None
+        if floor_text:
+            if not floor_text.isdigit() or int(floor_text) < 1:
+                raise ApiError(400, f"header {SHRINK_HEADER}: expected a token count >= 1, not "
+                               f"{floor_text[:40]!r}", param=SHRINK_HEADER)  # fmt: skip
+            floor = int(floor_text)
         holds.enter_context(lm.admitted(claims.rollout_id, len(jobs)))
-        return engine
+        route, params = await lm.plan(
+            [(job.prompt, job.params) for job in jobs], streaming=streaming,
+            no_fallback=no_fallback, shrink_floor=floor,
+        )  # fmt: skip
+        for job, p in zip(jobs, params, strict=True):
+            job.params = p
+        return route
 
     def _base(self, lm: LanguageModel, kind: str, prefix: str) -> dict[str, Any]:
         return {"id": prefix + secrets.token_hex(12), "object": kind, "created": int(time.time()),
-                "model": lm.model_id, "fleet": lm.served_by()}  # fmt: skip
+                "model": lm.model_id}  # fmt: skip
 
     @staticmethod
     def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -240,7 +262,9 @@ class OpenAIApi:
 
     # -- POST /v1/chat/completions ---------------------------------------------------------
 
-    async def chat(self, claims: TokenClaims, req: ChatRequest, holds: ExitStack) -> Reply:
+    async def chat(
+        self, claims: TokenClaims, req: ChatRequest, holds: ExitStack, headers: dict[str, str]
+    ) -> Reply:
         lm = self._model(req.model)
         self._refuse_unsupported(req)
         if req.top_logprobs:
@@ -261,13 +285,13 @@ class OpenAIApi:
         params = self._sampling(lm, len(ids), req, max_tokens, bool(req.logprobs), "messages",
                                 req.n)  # fmt: skip
         jobs = [_Job(i, ids, p) for i, p in enumerate(params)]
-        engine = await self._admit(lm, claims, jobs, holds)
+        route = await self._admit(lm, claims, jobs, holds, headers, bool(req.stream))
         base = self._base(lm, "chat.completion", "chatcmpl-")
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = self._chat_stream(lm, engine, jobs, prompt, base, usage, bool(req.logprobs))
-            return Reply(200, events=events)
-        choices = await _run(engine, jobs, base["id"])
+            events = self._chat_stream(lm, route, jobs, prompt, base, usage, bool(req.logprobs))
+            return Reply(200, headers=lm.headers(route), events=events)
+        choices = await _run(lm, route, jobs, base["id"])
         completion = 0
         out = []
         for job, choice in zip(jobs, choices, strict=True):
@@ -284,7 +308,9 @@ class OpenAIApi:
                 if req.logprobs else None,
                 "finish_reason": "tool_calls" if parsed.tool_calls and reason == "stop" else reason,
             })  # fmt: skip
-        return Reply(200, {**base, "choices": out, "usage": self._usage(len(ids), completion)})
+        body = {**base, "choices": out, "usage": self._usage(len(ids), completion),
+                "fleet": lm.served_by(route)}  # fmt: skip
+        return Reply(200, body, headers=lm.headers(route))
 
     def _chat_logprobs(self, lm: LanguageModel, events: Sequence[TokenEvent]) -> list[Any]:
         entries = []
@@ -297,21 +323,22 @@ class OpenAIApi:
         return entries
 
     async def _chat_stream(
-        self, lm: LanguageModel, engine: LLMEngine, jobs: list[_Job], prompt: ChatPrompt,
+        self, lm: LanguageModel, route: Route, jobs: list[_Job], prompt: ChatPrompt,
         base: dict[str, Any], include_usage: bool, logprobs: bool,
     ) -> AsyncIterator[str]:  # fmt: skip
         def chunk(index: int, delta: dict[str, Any], reason: str | None = None,
                   lp: list[Any] | None = None) -> str:  # fmt: skip
             choice = {"index": index, "delta": delta, "finish_reason": reason,
                       "logprobs": {"content": lp, "refusal": None} if lp else None}  # fmt: skip
-            return json.dumps({**base, "object": "chat.completion.chunk", "choices": [choice]})
+            return json.dumps({**base, "object": "chat.completion.chunk", "choices": [choice],
+                               "fleet": lm.served_by(route)})  # fmt: skip
 
         streams = {job.index: AnswerStream(lm.manifest, prompt) for job in jobs}
         completion = 0
         for job in jobs:
             yield chunk(job.index, {"role": "assistant", "content": ""})
         try:
-            async with aclosing(_merged(engine, jobs, base["id"])) as merged:
+            async with aclosing(_merged(lm, route, jobs, base["id"])) as merged:
                 async for index, event in merged:
                     completion += 1
                     stream = streams[index]
@@ -335,19 +362,20 @@ class OpenAIApi:
                         "tool_calls" if rest.tool_calls and reason == "stop" else reason,
                     )
         except Exception as exc:  # after the answer began: an error event ends the stream
-            yield json.dumps(_stream_error(exc))
+            yield json.dumps(_stream_error(exc, lm.served_by(route)))
             return
         if include_usage:
             usage = self._usage(len(jobs[0].prompt), completion)
             yield json.dumps({**base, "object": "chat.completion.chunk", "choices": [],
-                              "usage": usage})  # fmt: skip
+                              "usage": usage, "fleet": lm.served_by(route)})  # fmt: skip
         yield "[DONE]"
 
     # -- POST /v1/completions --------------------------------------------------------------
 
     async def completions(
-        self, claims: TokenClaims, req: CompletionRequest, holds: ExitStack
-    ) -> Reply:
+        self, claims: TokenClaims, req: CompletionRequest, holds: ExitStack,
+        headers: dict[str, str],
+    ) -> Reply:  # fmt: skip
         lm = self._model(req.model)
         self._refuse_unsupported(req)
         if req.echo:
@@ -374,15 +402,15 @@ class OpenAIApi:
                                     field_name, req.n)  # fmt: skip
             jobs += [_Job(p * req.n + i, ids, sp) for i, sp in enumerate(params)]
             prompt_tokens += len(ids)
-        engine = await self._admit(lm, claims, jobs, holds)
+        route = await self._admit(lm, claims, jobs, holds, headers, bool(req.stream))
         base = self._base(lm, "text_completion", "cmpl-")
         want_logprobs = req.logprobs is not None
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = self._completion_stream(lm, engine, jobs, base, usage, prompt_tokens,
+            events = self._completion_stream(lm, route, jobs, base, usage, prompt_tokens,
                                              want_logprobs)  # fmt: skip
-            return Reply(200, events=events)
-        choices = await _run(engine, jobs, base["id"])
+            return Reply(200, headers=lm.headers(route), events=events)
+        choices = await _run(lm, route, jobs, base["id"])
         out = [
             {"index": job.index, "text": choice.text,
              "logprobs": self._completion_logprobs(lm, choice.events) if want_logprobs else None,
@@ -390,7 +418,9 @@ class OpenAIApi:
             for job, choice in zip(jobs, choices, strict=True)
         ]  # fmt: skip
         completion = sum(len(c.events) for c in choices)
-        return Reply(200, {**base, "choices": out, "usage": self._usage(prompt_tokens, completion)})
+        body = {**base, "choices": out, "usage": self._usage(prompt_tokens, completion),
+                "fleet": lm.served_by(route)}  # fmt: skip
+        return Reply(200, body, headers=lm.headers(route))
 
     def _prompts(self, lm: LanguageModel, prompt: object) -> list[list[int]]:
         """Each prompt as token ids: text is encoded as it stands (no template)."""
@@ -431,12 +461,12 @@ class OpenAIApi:
                 "text_offset": offsets}  # fmt: skip
 
     async def _completion_stream(
-        self, lm: LanguageModel, engine: LLMEngine, jobs: list[_Job], base: dict[str, Any],
+        self, lm: LanguageModel, route: Route, jobs: list[_Job], base: dict[str, Any],
         include_usage: bool, prompt_tokens: int, logprobs: bool,
     ) -> AsyncIterator[str]:  # fmt: skip
         completion = 0
         try:
-            async with aclosing(_merged(engine, jobs, base["id"])) as merged:
+            async with aclosing(_merged(lm, route, jobs, base["id"])) as merged:
                 async for index, event in merged:
                     completion += 1
                     lp = self._completion_logprobs(lm, [event]) if logprobs else None
@@ -444,34 +474,49 @@ class OpenAIApi:
                         continue
                     choice = {"index": index, "text": event.text, "logprobs": lp,
                               "finish_reason": event.finish_reason}  # fmt: skip
-                    yield json.dumps({**base, "choices": [choice]})
+                    yield json.dumps({**base, "choices": [choice], "fleet": lm.served_by(route)})
         except Exception as exc:
-            yield json.dumps(_stream_error(exc))
+            yield json.dumps(_stream_error(exc, lm.served_by(route)))
             return
         if include_usage:
-            yield json.dumps({**base, "choices": [],
+            yield json.dumps({**base, "choices": [], "fleet": lm.served_by(route),
                               "usage": self._usage(prompt_tokens, completion)})  # fmt: skip
         yield "[DONE]"
 
 
-def _stream_error(exc: Exception) -> dict[str, Any]:
-    """The event that ends a stream that failed after it began (its status already sent)."""
+def _device_error(exc: DeviceFault | Resumable) -> ApiError:
+    """A device's failure that no engine could take over, as an answer (503, retry)."""
+    code = "resumable" if isinstance(exc, Resumable) and exc.sent else (
+        exc.cause.kind if isinstance(exc, Resumable) and isinstance(exc.cause, DeviceFault)
+        else getattr(exc, "kind", "device_error"))  # fmt: skip
+    return ApiError(503, f"the model's device failed: {exc}", "service_unavailable_error",
+                    code=code, retry_after_s=1.0)  # fmt: skip
+
+
+def _stream_error(exc: Exception, fleet: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The event that ends a stream that failed after it began (its status already sent). A
+    resumable one says how many tokens were sent and the last one, so a client can resume."""
     if isinstance(exc, FleetError):
         error = from_fleet(exc)
-    elif isinstance(exc, DeviceFault):
-        error = ApiError(503, f"the model's device failed: {exc}", "service_unavailable_error",
-                         code=exc.kind)  # fmt: skip
+    elif isinstance(exc, DeviceFault | Resumable):
+        error = _device_error(exc)
     else:
         log.exception("openai_stream_crashed", exc_info=exc)
         error = ApiError(500, "internal error; see the gateway's log", "server_error",
                          code="internal_error")  # fmt: skip
     body = error.reply().body
     assert body is not None
+    if fleet is not None:
+        body = {**body, "fleet": fleet}
+    if isinstance(exc, Resumable) and exc.sent:
+        body["fleet"] = {**body.get("fleet", {}), "resumable": True,
+                         "tokens_sent": len(exc.sent), "last_token_index": len(exc.sent) - 1,
+                         "last_token_id": exc.sent[-1]}  # fmt: skip
     return body
 
 
 async def _merged(
-    engine: LLMEngine, jobs: list[_Job], request_id: str
+    lm: LanguageModel, route: Route, jobs: list[_Job], request_id: str
 ) -> AsyncGenerator[tuple[int, TokenEvent], None]:
     """The jobs' events as they come, tagged with each job's index; the first failure ends it.
     Leaving early (the client went away) cancels every job, which aborts its sequence."""
@@ -479,7 +524,9 @@ async def _merged(
 
     async def one(job: _Job) -> None:
         try:
-            events = engine.generate(job.prompt, job.params, request_id=f"{request_id}-{job.index}")
+            events = lm.generate(
+                job.prompt, job.params, request_id=f"{request_id}-{job.index}", route=route
+            )
             async with aclosing(events) as generated:
                 async for event in generated:
                     queue.put_nowait((job.index, event))
@@ -504,11 +551,14 @@ async def _merged(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _run(engine: LLMEngine, jobs: list[_Job], request_id: str) -> list[_Choice]:
+async def _run(lm: LanguageModel, route: Route, jobs: list[_Job], request_id: str) -> list[_Choice]:
     """Every job to its end; their events and text, in the jobs' order."""
     choices = {job.index: _Choice() for job in jobs}
-    async with aclosing(_merged(engine, jobs, request_id)) as merged:
+    async with aclosing(_merged(lm, route, jobs, request_id)) as merged:
         async for index, event in merged:
+            if event.token_id == RESTART_TOKEN:  # begun again whole on the replica
+                choices[index] = _Choice()
+                continue
             choices[index].events.append(event)
             choices[index].text += event.text
     return [choices[job.index] for job in jobs]

@@ -164,10 +164,14 @@ def test_a_chat_completion_is_the_models_greedy_answer(served: Served, tiny_dir:
     assert answer.usage is not None
     assert answer.usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=False))
     assert answer.usage.completion_tokens == len(tokens)
-    assert raw.headers["x-fleet-served-by"] == "cpu; model=tiny-test-r1; dtype=float32"
+    assert raw.headers["x-fleet-served-by"] == (
+        "primary; device=cpu; model=tiny-test-r1; dtype=float32"
+    )
+    assert raw.headers["x-fleet-degraded"] == "0"
+    assert raw.headers["x-fleet-admission"] == "primary"
     assert (answer.model_extra or {})["fleet"] == {
         "model": TINY, "name": "tiny-test", "revision": "r1", "device": "cpu",
-        "dtype": "float32", "degraded": False,
+        "dtype": "float32", "degraded": False, "served_by": "primary", "admission": "primary",
     }  # fmt: skip
 
 
@@ -427,7 +431,7 @@ def test_a_client_that_leaves_mid_stream_frees_its_cache(served: Served) -> None
         model=TINY, messages=MESSAGES, max_tokens=150, temperature=0.8, seed=1,
         stream=True, stop=[],
     )  # fmt: skip
-    engine = lm._engine
+    engine = lm.primary
     assert engine is not None
     next(iter(stream))
     next(iter(stream))
