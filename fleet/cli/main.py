@@ -24,7 +24,6 @@ from fleet.cli.rollouts import (
     cmd_watch,
 )
 from fleet.cli.sessions import add_session_command
-from fleet.config import Paths
 from fleet.connect import DEFAULT_SERVER, default_server
 from fleet.core.errors import FleetError, InvalidArgument
 from fleet.server.settings import ServeSettings
@@ -79,15 +78,9 @@ async def cmd_policy(args: argparse.Namespace) -> int:
 
 
 async def cmd_demo(args: argparse.Namespace) -> int:
-    from fleet.demo.run import run_demo
+    from fleet.demo.cli import command
 
-    return await run_demo(
-        Paths.from_env(),
-        timeout_s=args.timeout_s,
-        out_dir=Path(args.out),
-        episodes=args.episodes,
-        log_level=args.log_level or args.default_log_level,
-    )
+    return await command(args, args.log_level or args.default_log_level)
 
 
 # -- parser ------------------------------------------------------------------------------------
@@ -272,9 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_session_command(sub, server_flag)
 
     sp = add("demo", cmd_demo, "evaluate the shipped suite on an embedded fleet", "error")
-    sp.add_argument("--timeout-s", type=float, default=600.0)
-    sp.add_argument("--out", default="fleet-demo-out", help="where the chart is written")
-    sp.add_argument("--episodes", type=int, default=64, help="gridworld episodes to evaluate")
+    from fleet.demo.cli import add_arguments
+
+    add_arguments(sp)
     return p
 
 

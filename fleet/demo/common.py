@@ -1,6 +1,9 @@
-"""What the demo's parts share: the summary tables."""
+"""What the demo's parts share: its suites' names and the summary tables."""
 
 from __future__ import annotations
+
+SUITES = ("llm-agent", "gridworld")
+"""The suites `fleet demo --suite` runs; the first is the default."""
 
 
 def print_table(title: str, rows: list[tuple[str, str]], value_width: int) -> None:

@@ -1,8 +1,15 @@
-"""`fleet demo`: an embedded fleet evaluates the shipped suite, with live progress and a summary."""
+"""`fleet demo`: an embedded fleet evaluates a shipped suite, with live progress and a summary.
+
+Two suites. `llm-agent` (the default) evaluates the gateway's language model as a tool-using
+agent on the shipped tasks (`fleet.demo.agent_eval`), losing a host on purpose mid-run.
+`gridworld` runs the 24-rollout suite of scripted gridworld episodes with the same host loss,
+then evaluates the gridworld policy through the gateway (`fleet.demo.evaluation`).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
 import sys
 import tempfile
@@ -12,17 +19,17 @@ from pathlib import Path
 from typing import Any
 
 from fleet import resources
-from fleet.agent.agent import default_host_id
-from fleet.agent.capabilities import make_runtime
 from fleet.client import AsyncFleet, Rollout, Smolfile, Step
 from fleet.config import Paths
+from fleet.core.errors import InvalidArgument
 from fleet.core.lifecycle import FINAL, RolloutState
-from fleet.core.placement import HostClass
-from fleet.demo.common import print_table
-from fleet.demo.evaluation import evaluate, start_gateway
+from fleet.demo import tasks as agent_tasks
+from fleet.demo.agent_eval import print_report, run_agents
+from fleet.demo.common import SUITES, print_table
+from fleet.demo.evaluation import GatewayHandle, evaluate, start_gateway
+from fleet.demo.hosts import lose_a_host, start_doomed_agent, wait_hosts
 from fleet.demo.suite import suite
 from fleet.embedded import Fleet, embedded_fleet
-from fleet.server.core import Core
 from fleet.server.settings import ServerConfig
 
 SMOLFILES = resources.smolfiles()
@@ -43,67 +50,110 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-async def _wait_hosts(fleet_core: Core, want: int, timeout_s: float) -> None:
-    give_up = time.monotonic() + timeout_s
-    while len(await fleet_core.db(fleet_core.ledger.hosts)) < want:
-        if time.monotonic() > give_up:
-            raise TimeoutError(f"agents did not register within {timeout_s:.0f}s")
-        await asyncio.sleep(0.05)
-
-
-DOOMED = f"{default_host_id(HostClass.CPU, 9)}-doomed"
-
-
-async def _start_doomed_agent(
-    fleet: Fleet, paths: Paths, machines: Path
-) -> asyncio.subprocess.Process:
-    """One more cpu agent, as its own process: the host the demo will lose. It joins the
-    fleet as a cloud host would, with a one-use join token."""
-    return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "fleet.cli.main", "--log-level", "error", "agent",
-        "--class", "cpu", "--runtime", fleet.runtime.kind.value, "--server", fleet.address,
-        "--host-id", DOOMED, "--slots", "2", "--machines-dir", str(machines),
-        "--join", fleet.join_token(HostClass.CPU), "--ca", str(paths.ca / "ca.crt"),
-        "--identity-dir", str(machines.parent / "doomed-identity"),
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-    )  # fmt: skip
-
-
-async def _lose_a_host(fleet: Fleet, proc: asyncio.subprocess.Process, machines: Path) -> str:
-    """Kills (-9) the extra agent while it holds work.
-
-    Its leases expire and the work runs again elsewhere: what a lost cloud host looks like.
-    """
-    host_id = DOOMED
-    ledger = fleet.server.core.ledger
-    try:
-        for _ in range(600):
-            held = await fleet.server.core.db(ledger.leased_to, host_id)
-            if held:
-                proc.kill()  # SIGKILL: no goodbye, no completion
-                await proc.wait()
-                return f"killed agent {host_id} (kill -9) while it held {held} rollouts"
-            await asyncio.sleep(0.02)
-        return f"agent {host_id} took no work before the suite ended; nothing was killed"
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-        runtime = make_runtime(fleet.runtime, machines)
-        await runtime.reap(host_id)
+QUICK_EPISODES = 16
+"""Gridworld episodes a `--quick` run evaluates (the full run: `episodes`)."""
 
 
 async def run_demo(
     paths: Paths, timeout_s: float = 600.0, out_dir: Path = Path("fleet-demo-out"),
-    episodes: int = 64, log_level: str = "error",
+    episodes: int = 64, log_level: str = "error", suite: str = "llm-agent", quick: bool = False,
+    json_out: bool = False, price_per_mtok: float | None = None,
 ) -> int:  # fmt: skip
+    """Runs one suite; 0 when it ran to the end (whatever the score), 1 when it did not."""
+    if suite not in SUITES:
+        raise InvalidArgument(f"fleet demo --suite {suite!r}: one of {', '.join(SUITES)}")
+    if json_out and suite != "llm-agent":
+        raise InvalidArgument(
+            "fleet demo --json: the JSON summary is the llm-agent suite's; the gridworld suite "
+            "prints its tables only"
+        )
+    if price_per_mtok is not None and price_per_mtok < 0:
+        raise InvalidArgument(f"fleet demo --price: {price_per_mtok} is negative")
     run_id = uuid.uuid4().hex[:8]
     tty = sys.stdout.isatty()
     gateway = await start_gateway(paths, log_level)
     try:
+        if suite == "llm-agent":
+            return await _run_agents(
+                paths, timeout_s, out_dir, run_id, gateway, quick, json_out, price_per_mtok
+            )
+        if quick:
+            episodes = min(episodes, QUICK_EPISODES)
         return await _run(paths, timeout_s, out_dir, episodes, run_id, tty, gateway, evaluate)
     finally:
         await gateway.stop()
+
+
+def _server_config(gateway: GatewayHandle) -> ServerConfig:
+    # Short leases so that the host the demo kills is noticed within seconds; the gateway is
+    # watched for backpressure.
+    return ServerConfig(
+        lease_ttl_s=3.0, heartbeat_interval_s=0.5,
+        gateway_address=f"127.0.0.1:{gateway.grpc_port}",
+    )  # fmt: skip
+
+
+def _introduce(fleet: Fleet, run_id: str, gateway: GatewayHandle, what: str) -> None:
+    print(
+        f"fleet demo {run_id}: embedded fleet on {fleet.address}, SQLite ledger, "
+        "1 gpu-class + 2 cpu-class agents,\n  one more cpu-class agent in its own "
+        "process, which the demo kills (-9) while it runs rollouts,\n  and the inference "
+        f"gateway ({what} on {gateway.gateway.batcher.primary.device})"
+    )
+    print(f"runtime: {fleet.runtime.kind} — {fleet.runtime.reason}")
+    if fleet.runtime.kind == "namespace":
+        print(
+            "  Linux namespaces on the shared kernel: weaker isolation than a microVM\n"
+            "  (rollouts that require vm isolation would wait for a smol host); a machine\n"
+            "  whose Smolfile allows egress gets its own network namespace, firewall and\n"
+            "  DNS forwarder holding it to the allowlist"
+        )
+
+
+async def _run_agents(
+    paths: Paths, timeout_s: float, out_dir: Path, run_id: str, gateway: GatewayHandle,
+    quick: bool, json_out: bool, price_per_mtok: float | None,
+) -> int:  # fmt: skip
+    llm = gateway.gateway.llm
+    if llm is None:
+        raise InvalidArgument(
+            "fleet demo --suite llm-agent needs the gateway's language model, and it serves "
+            "none here (FLEET_GATEWAY_LLM=none, or the shipped weights are missing); "
+            "--suite gridworld needs none"
+        )
+    tasks = agent_tasks.suite(quick)
+    # The engine starts (seconds: its process, its weights) while the fleet starts; the
+    # episodes wait for it (`run_agents`), not for the fleet's start.
+    warming = asyncio.create_task(llm.engine())
+    try:
+        with tempfile.TemporaryDirectory(prefix="fleet-demo-") as tmp:
+            async with embedded_fleet(
+                paths, Path(tmp) / "ledger.sqlite3", config=_server_config(gateway),
+                gateway=("host", gateway.http_port), gateway_tls=True,
+            ) as fleet:  # fmt: skip
+                _introduce(fleet, run_id, gateway, llm.model_id)
+                machines = Path(tmp) / "machines"
+                doomed = await start_doomed_agent(fleet, paths, machines, gateway.http_port)
+                await wait_hosts(fleet.server.core, len(fleet.agents) + 1, 60)
+                print(
+                    f"\nevaluating {llm.model_id} as a tool-using agent on {len(tasks)} tasks, "
+                    "one episode each in its own machine;\n  every model call goes through the "
+                    "gateway with the episode's token, every tool call runs in its machine"
+                )
+                await warming
+                report = await run_agents(
+                    lambda: AsyncFleet(fleet.address, auth=fleet.auth), gateway, run_id, tasks,
+                    timeout_s, lambda: lose_a_host(fleet, doomed, machines), price_per_mtok,
+                )  # fmt: skip
+    finally:
+        if not warming.done():  # (the fleet did not start)
+            warming.cancel()
+    if report is None:
+        return 1
+    await asyncio.to_thread(print_report, report, out_dir, run_id)
+    if json_out:
+        print(json.dumps(report.summary()), flush=True)
+    return 0
 
 
 async def _run(
@@ -111,38 +161,19 @@ async def _run(
     gateway: Any, evaluate: Any,
 ) -> int:  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="fleet-demo-") as tmp:
-        # Short leases so that the host the demo kills is noticed within seconds; the gateway
-        # is watched for backpressure.
-        config = ServerConfig(
-            lease_ttl_s=3.0, heartbeat_interval_s=0.5,
-            gateway_address=f"127.0.0.1:{gateway.grpc_port}",
-        )  # fmt: skip
         async with embedded_fleet(
-            paths, Path(tmp) / "ledger.sqlite3", config=config,
+            paths, Path(tmp) / "ledger.sqlite3", config=_server_config(gateway),
             gateway=("host", gateway.http_port), gateway_tls=True,
         ) as fleet:  # fmt: skip
-            print(
-                f"fleet demo {run_id}: embedded fleet on {fleet.address}, SQLite ledger, "
-                "1 gpu-class + 2 cpu-class agents,\n  one more cpu-class agent in its own "
-                "process, which the demo kills (-9) while it runs rollouts,\n  and the inference "
-                f"gateway ({gateway.gateway.spec.name} on {gateway.gateway.batcher.primary.device})"
-            )
-            print(f"runtime: {fleet.runtime.kind} — {fleet.runtime.reason}")
-            if fleet.runtime.kind == "namespace":
-                print(
-                    "  Linux namespaces on the shared kernel: weaker isolation than a microVM\n"
-                    "  (rollouts that require vm isolation would wait for a smol host); a machine\n"
-                    "  whose Smolfile allows egress gets its own network namespace, firewall and\n"
-                    "  DNS forwarder holding it to the allowlist"
-                )
+            _introduce(fleet, run_id, gateway, gateway.gateway.spec.name)
             gpu = next(a for a in fleet.agents if a.caps.host_class == "gpu")
             print(
                 f"gpu-class host: {gpu.caps.cuda_devices} CUDA devices, "
                 f"CUDA work runs on: {gpu.caps.device}"
             )
             machines = Path(tmp) / "machines"
-            doomed = await _start_doomed_agent(fleet, paths, machines)
-            await _wait_hosts(fleet.server.core, len(fleet.agents) + 1, 60)
+            doomed = await start_doomed_agent(fleet, paths, machines)
+            await wait_hosts(fleet.server.core, len(fleet.agents) + 1, 60)
             items = suite()
             started = time.monotonic()
             async with AsyncFleet(fleet.address, auth=fleet.auth) as client:
@@ -163,7 +194,7 @@ async def _run(
                         tenant="demo",
                     )  # fmt: skip
                     ids[submitted.id] = item.name
-                loss = asyncio.create_task(_lose_a_host(fleet, doomed, machines))
+                loss = asyncio.create_task(lose_a_host(fleet, doomed, machines))
                 print(
                     f"submitted {len(ids)} rollouts "
                     f"({sum(1 for i in items if 'gpu' in i.smolfile)} need the gpu class)"
