@@ -469,21 +469,32 @@ def equivalence(
 
 
 def failover_and_admission(args: argparse.Namespace) -> dict[str, object]:
-    """Part (5), to come: with the gateway's engine process as the primary and the CPU replica
-    beside it, under streams of 32 concurrent requests, the primary is killed mid-stream
-    (`failover_p95_s`: p95 seconds from its death to each stream's next token from the CPU;
-    `lost`: requests that never completed; `repeated_tokens`: tokens a client received twice),
-    and requests with mixed prompt lengths are offered at 0.5x to 3x of the KV memory's
-    capacity (`oom`: requests that ended in an out-of-memory error; `false_refusal_rate`: the
-    share refused though their blocks would have fit). Not measured yet: every key is None."""
-    del args
-    return {
-        "failover_p95_s": None,
-        "lost": None,
-        "repeated_tokens": None,
-        "false_refusal_rate": None,
-        "oom": None,
-    }
+    """Part (5) (`benchmarks.llm_failover`): with the gateway's engine process as the primary
+    and the CPU replica beside it, 32 concurrent greedy streams whose primary is killed
+    mid-stream (`failover_p95_s`: p95 seconds from its death to each stream's next token from
+    the CPU; `lost`: requests that never completed; `repeated_tokens`: tokens after the first
+    difference from the uninterrupted answer), and requests of mixed prompt lengths offered at
+    0.5x to 3x of the KV capacity (`oom`: answers that ended out of memory;
+    `false_refusal_rate`: the share refused though their blocks were free). On the CPU only:
+    the primary of this benchmark is always a CPU engine process."""
+    from benchmarks import llm_failover
+
+    tokenizer = LLMEngine(args.model, "cpu", torch.float32, block_size=BLOCK_SIZE, max_batch=1)
+    try:
+        max_tokens = 24 if args.quick else 48
+        streams = 8 if args.quick else STREAMS
+        prompts = workload(tokenizer, streams, max_tokens, args.seed, SHORT_MIX)
+
+        def mixed(n: int, seed: int) -> list[list[int]]:
+            return workload(tokenizer, n, 16, seed, LENGTH_MIX)
+
+        failover = asyncio.run(
+            llm_failover.failover(args.model, prompts, max_tokens, 1 if args.quick else 3)
+        )
+        admission = asyncio.run(llm_failover.admission(args.model, mixed, args.seed, 8, 16))
+    finally:
+        tokenizer.close()
+    return {**failover, **admission}
 
 
 # -- the run ---------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ fast this machine is is not the test's business.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import subprocess
@@ -20,7 +19,6 @@ import pytest
 from benchmarks.llm import (
     KEYS,
     LENGTH_MIX,
-    failover_and_admission,
     running_at_once,
     workload,
 )
@@ -29,7 +27,6 @@ from tests.llm_fixtures import CONTEXT, write_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 RATIOS = ("batching_gain", "vs_transformers", "kv_bytes_per_token_ratio", "paged_vs_contiguous")
-PENDING = ("failover_p95_s", "lost", "repeated_tokens", "false_refusal_rate", "oom")
 
 
 def bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
@@ -52,8 +49,11 @@ def test_quick_run_ends_with_every_key_and_measured_ratios() -> None:
         assert math.isfinite(value) and value > 0, (key, value)
     share = result["equivalence_fp32"]
     assert share is None or 0.0 <= share <= 1.0
-    for key in PENDING:  # the failover and admission run is not part of this benchmark yet
-        assert key in result
+    # Failover and admission, measured on the gateway's engine process and CPU replica:
+    # nothing lost, no token repeated, no answer out of memory, a positive failover time.
+    assert result["lost"] == 0 and result["repeated_tokens"] == 0 and result["oom"] == 0
+    assert isinstance(result["failover_p95_s"], float) and result["failover_p95_s"] > 0
+    assert 0.0 <= result["false_refusal_rate"] <= 1.0
     # The side-by-side table came before the JSON line, with the baseline named.
     table = "\n".join(lines[:-1])
     assert "engine vs transformers" in table
@@ -67,12 +67,6 @@ def test_bad_flags_are_refused_naming_the_flag() -> None:
     done = bench("--model", str(REPO / "no-such-model"), timeout=120)
     assert done.returncode == 2
     assert "--model" in done.stderr and "no-such-model" in done.stderr
-
-
-def test_failover_and_admission_names_every_key_it_will_measure() -> None:
-    figures = failover_and_admission(argparse.Namespace())
-    assert set(figures) == set(PENDING)
-    assert set(figures) <= set(KEYS)
 
 
 @pytest.fixture(scope="module")
