@@ -7,6 +7,7 @@ runs, by whoever holds its database and CA. Servers see a change within their ca
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 import time
@@ -21,7 +22,7 @@ from fleet.cli.client import parse_labels
 from fleet.cli.prepare import add_prepare_command
 from fleet.config import Paths
 from fleet.core.adaptive import Adaptive
-from fleet.core.cost import parse_prices, pauses, tally, timeline
+from fleet.core.cost import Group, describe_prices, parse_prices, pauses, tally, timeline
 from fleet.core.credentials import format_api_key, format_join_token, parse_scopes
 from fleet.core.errors import FailedPrecondition, InvalidArgument
 from fleet.core.gates import Gates
@@ -248,20 +249,31 @@ async def cmd_report(args: argparse.Namespace) -> int:
     attempts = ledger.cost_attempts(since, args.by_label)
     groups = tally(attempts, prices)
     by = f"label {args.by_label}" if args.by_label else "pool"
-    priced = ", ".join(f"{k} {v:g}/h" for k, v in sorted(prices.items())) or "none set"
-    print(f"rollouts ended in the last {args.since}, by {by}; prices per host-hour: {priced}")
+    events = ledger.pool_events(since - 86400)  # (a pause begun before the window counts in it)
+    paused = pauses([(e.pool, e.at, e.kind) for e in events], since, now)
+    if args.json:
+        print(json.dumps(_report_json(groups, prices, args.since, by, paused)))
+        if args.chart:  # (written only when asked for: stdout is the JSON)
+            _report_chart(Path(args.chart), attempts, prices, since, now, events, args.since)
+            print(f"chart: {args.chart}", file=sys.stderr)
+        return 0
+    print(f"rollouts ended in the last {args.since}, by {by}; prices: {describe_prices(prices)}")
     print(f"{by.split()[0]:<16} {'completed':>9} {'attempts':>8} {'retries':>7} {'cost':>10} "
-          f"{'cost/done':>10} {'cpu s/done':>10} {'dev s/done':>10} {'peak MiB':>9}")  # fmt: skip
+          f"{'cost/done':>10} {'cpu s/done':>10} {'dev s/done':>10} {'peak MiB':>9} "
+          f"{'prompt/done':>11} {'compl/done':>10} {'tok cost/done':>13}")  # fmt: skip
     for g in groups:
         per = f"{g.cost_per_completed:.6f}" if g.cost_per_completed is not None else "-"
         cpu = f"{g.cpu_s_per_completed:.2f}" if g.cpu_s_per_completed is not None else "-"
         dev = f"{g.device_s_per_completed:.4f}" if g.device_s_per_completed is not None else "-"
+        p_done, c_done = g.prompt_tokens_per_completed, g.completion_tokens_per_completed
+        tok = g.token_cost_per_completed
         print(f"{g.name:<16} {g.completed:>9} {g.attempts:>8} {g.retries:>7} {g.cost:>10.6f} "
-              f"{per:>10} {cpu:>10} {dev:>10} {g.peak_memory_mib:>9.1f}")  # fmt: skip
+              f"{per:>10} {cpu:>10} {dev:>10} {g.peak_memory_mib:>9.1f} "
+              f"{'-' if p_done is None else f'{p_done:.1f}':>11} "
+              f"{'-' if c_done is None else f'{c_done:.1f}':>10} "
+              f"{'-' if tok is None else f'{tok:.6f}':>13}")  # fmt: skip
     if not groups:
         print("(no rollout ended in that window)")
-    events = ledger.pool_events(since - 86400)  # (a pause begun before the window counts in it)
-    paused = pauses([(e.pool, e.at, e.kind) for e in events], since, now)
     for pool, (count, seconds) in sorted(paused.items()):
         if count or seconds:
             print(f"pool {pool}: paused {count} times by its gates, {seconds:.0f}s paused")
@@ -276,6 +288,32 @@ async def cmd_report(args: argparse.Namespace) -> int:
         else:
             print(f"chart: {chart}")
     return 0
+
+
+def _report_json(
+    groups: list[Group], prices: dict[str, float], window: str, by: str,
+    paused: dict[str, tuple[int, float]],
+) -> dict[str, Any]:  # fmt: skip
+    """`fleet report --json`: the table's figures, per completed trajectory where they are."""
+    return {
+        "since": window, "by": by, "prices": prices,
+        "groups": [
+            {
+                "name": g.name, "completed": g.completed, "attempts": g.attempts,
+                "retries": g.retries, "cost": g.cost, "cost_per_completed": g.cost_per_completed,
+                "cpu_s_per_completed": g.cpu_s_per_completed,
+                "device_s_per_completed": g.device_s_per_completed,
+                "peak_memory_mib": g.peak_memory_mib,
+                "prompt_tokens": g.prompt_tokens, "completion_tokens": g.completion_tokens,
+                "prompt_tokens_per_completed": g.prompt_tokens_per_completed,
+                "completion_tokens_per_completed": g.completion_tokens_per_completed,
+                "token_cost": g.token_cost,
+                "token_cost_per_completed": g.token_cost_per_completed,
+            }
+            for g in groups
+        ],
+        "paused": {pool: {"times": n, "seconds": s} for pool, (n, s) in sorted(paused.items())},
+    }  # fmt: skip
 
 
 def _report_chart(
@@ -442,9 +480,15 @@ def add_commands(
     sp = add("report", cmd_report, "what completed trajectories cost, by pool or label")
     sp.add_argument("--since", default="1h", help="rollouts that ended this long ago or since")
     sp.add_argument(
-        "--price", default="", help="cpu=0.04/h,gpu=2.10/h (default: fleet serve --price's)"
-    )
+        "--price", default="",
+        help="cpu=0.04/h,gpu=2.10/h,tokens:MODEL=0.50/Mtok: host classes per host-hour, a "
+        "language model's tokens per million (tokens: prompt and completion alike; prompt:MODEL= "
+        "and completion:MODEL= each; MODEL * for any model without its own) "
+        "(default: fleet serve --price's)",
+    )  # fmt: skip
     sp.add_argument("--by-label", default="", help="group by this rollout label, not by pool")
+    sp.add_argument("--json", action="store_true",
+                    help="print the figures as one JSON object instead of the table")  # fmt: skip
     sp.add_argument(
         "--chart",
         default=None,

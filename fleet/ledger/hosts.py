@@ -124,8 +124,13 @@ class Hosts(Leases):
             }  # fmt: skip
             in_pools = pool_sql.read(db)
             rows = db.all(Q.ATTEMPTS_FINISHED_SINCE, (since,))
+            tokens: dict[int, dict[str, tuple[int, int]]] = {}
+            for attempt_id, model, prompt, completion in db.all(
+                Q.TOKENS_OF_ATTEMPTS_FINISHED_SINCE, (since,)
+            ):
+                tokens.setdefault(int(attempt_id), {})[model] = (int(prompt), int(completion))
         out = []
-        for rid, state, labels, last, attempt, host_id, start, end, cpu, peak, device in rows:
+        for rid, state, labels, last, attempt, host_id, start, end, cpu, peak, device, aid in rows:
             caps = hosts.get(host_id)
             if by_label:
                 group = json.loads(labels).get(by_label, "-")
@@ -144,6 +149,7 @@ class Hosts(Leases):
                     peak_memory_mib=float(peak or 0.0),
                     device_s=float(device or 0.0),
                     ended_at=float(end or start),
+                    tokens=tokens.get(int(aid), {}),
                 )
             )
         return out
@@ -192,6 +198,31 @@ class Hosts(Leases):
         with self._tx() as db:
             for rollout_id, spent in sorted(seconds.items()):
                 charged += db.run(Q.CHARGE_DEVICE_SECONDS, (float(spent), rollout_id))
+        return charged
+
+    def add_usage(
+        self, seconds: Mapping[str, float],
+        tokens: Mapping[str, Mapping[str, tuple[int, int]]],
+    ) -> int:  # fmt: skip
+        """Charges what one gateway poll was handed, in one transaction (all of it or, when
+        the transaction fails, none: the gateway hands it again): device seconds as
+        `add_device_seconds` does, and each rollout's {model: (prompt, completion)} tokens to
+        its latest attempt, in all and by model. Returns the attempts charged tokens."""
+        charged = 0
+        with self._tx() as db:
+            for rollout_id, spent in sorted(seconds.items()):
+                db.run(Q.CHARGE_DEVICE_SECONDS, (float(spent), rollout_id))
+            for rollout_id, by_model in sorted(tokens.items()):
+                row = db.one(Q.LATEST_ATTEMPT_OF_ROLLOUT, (rollout_id,))
+                if row is None:  # (not a rollout of this fleet, or deleted since)
+                    continue
+                attempt_id = int(row[0])
+                prompt = sum(int(p) for p, _ in by_model.values())
+                completion = sum(int(c) for _, c in by_model.values())
+                db.run(Q.CHARGE_TOKENS, (prompt, completion, attempt_id))
+                for model, (p, c) in sorted(by_model.items()):
+                    db.run(Q.CHARGE_MODEL_TOKENS, (attempt_id, model, int(p), int(c)))
+                charged += 1
         return charged
 
     def drain_sweep(self, now: float) -> list[tuple[str, int]]:

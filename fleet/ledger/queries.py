@@ -237,17 +237,38 @@ HISTORIES = (
 )
 ATTEMPTS_FINISHED_SINCE = (
     "SELECT r.id, r.state, r.labels_json, w.attempt, a.attempt, a.host_id, a.started_at, "
-    "a.ended_at, a.cpu_s, a.peak_memory_mib, a.device_s FROM rollouts r "
+    "a.ended_at, a.cpu_s, a.peak_memory_mib, a.device_s, a.id FROM rollouts r "
     "JOIN work_items w ON w.rollout_id = r.id JOIN attempts a ON a.work_id = w.id "
     "WHERE r.finished_at >= ? ORDER BY r.id, a.attempt"
 )
 """For `fleet report`: every attempt of the rollouts that finished since a time."""
+TOKENS_OF_ATTEMPTS_FINISHED_SINCE = (
+    "SELECT t.attempt_id, t.model, t.prompt_tokens, t.completion_tokens FROM attempt_tokens t "
+    "JOIN attempts a ON a.id = t.attempt_id JOIN work_items w ON w.id = a.work_id "
+    "JOIN rollouts r ON r.id = w.rollout_id WHERE r.finished_at >= ?"
+)
+"""For `fleet report`: those attempts' tokens, by model."""
 CHARGE_DEVICE_SECONDS = (
     "UPDATE attempts SET device_s = device_s + ? WHERE id = (SELECT a.id FROM attempts a "
     "JOIN work_items w ON w.id = a.work_id WHERE w.rollout_id = ? "
     "ORDER BY a.started_at DESC, a.id DESC LIMIT 1)"
 )
 """The gateway's device seconds, to a rollout's latest attempt."""
+LATEST_ATTEMPT_OF_ROLLOUT = (
+    "SELECT a.id FROM attempts a JOIN work_items w ON w.id = a.work_id WHERE w.rollout_id = ? "
+    "ORDER BY a.started_at DESC, a.id DESC LIMIT 1"
+)
+CHARGE_TOKENS = (
+    "UPDATE attempts SET prompt_tokens = prompt_tokens + ?, "
+    "completion_tokens = completion_tokens + ? WHERE id = ?"
+)
+CHARGE_MODEL_TOKENS = (
+    "INSERT INTO attempt_tokens (attempt_id, model, prompt_tokens, completion_tokens) "
+    "VALUES (?, ?, ?, ?) ON CONFLICT (attempt_id, model) DO UPDATE SET "
+    "prompt_tokens = attempt_tokens.prompt_tokens + excluded.prompt_tokens, "
+    "completion_tokens = attempt_tokens.completion_tokens + excluded.completion_tokens"
+)
+"""The gateway's language-model tokens, to an attempt (in all, and by model)."""
 OUTCOMES_ON_HOSTS_SINCE = (
     "SELECT outcome, artifact_failed, count(*) FROM attempts WHERE ended_at >= ? "
     "AND host_id IN ({marks}) GROUP BY outcome, artifact_failed"
@@ -417,6 +438,8 @@ FINISHED_BEFORE = (
     "ORDER BY finished_at LIMIT ?"
 )
 PURGE_ROLLOUTS = (
+    "DELETE FROM attempt_tokens WHERE attempt_id IN (SELECT a.id FROM attempts a "
+    "JOIN work_items w ON w.id = a.work_id WHERE w.rollout_id IN ({marks}))",
     "DELETE FROM attempts WHERE work_id IN "
     "(SELECT id FROM work_items WHERE rollout_id IN ({marks}))",
     "DELETE FROM work_items WHERE rollout_id IN ({marks})",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy import BigInteger, Index, text
 from sqlmodel import Field, SQLModel
 
-SCHEMA_VERSION = 19
+SCHEMA_VERSION = 20
 
 CHECKPOINT_ROW_BYTES = 512
 """What each checkpoint is charged besides its data (a row's cost), so that many tiny ones are
@@ -144,6 +144,27 @@ class AttemptRow(SQLModel, table=True):
     artifact_failed: bool = Field(default=False, sa_column_kwargs={"server_default": "0"})
     """It failed to move an artifact: an image fetched, an input placed, an output collected
     (schema version 14)."""
+    prompt_tokens: int = Field(
+        default=0, sa_type=BigInteger, sa_column_kwargs={"server_default": "0"}
+    )
+    """Prompt tokens of the language-model answers its requests got, every model together
+    (schema version 20; per model: `attempt_tokens`)."""
+    completion_tokens: int = Field(
+        default=0, sa_type=BigInteger, sa_column_kwargs={"server_default": "0"}
+    )
+    """Completion tokens of those answers (schema version 20)."""
+
+
+class AttemptTokensRow(SQLModel, table=True):
+    """An attempt's language-model tokens by model, so that each model's are priced at its own
+    price (schema version 20). Deleted with its attempt."""
+
+    __tablename__ = "attempt_tokens"
+
+    attempt_id: int = Field(primary_key=True)
+    model: str = Field(primary_key=True)
+    prompt_tokens: int = Field(default=0, sa_type=BigInteger)
+    completion_tokens: int = Field(default=0, sa_type=BigInteger)
 
 
 class HostRow(SQLModel, table=True):

@@ -116,9 +116,12 @@ async def _retention(core: Core) -> None:
         await asyncio.sleep(core.config.retention_interval_s)
 
 
-async def _status_request(core: Core) -> inference_pb2.GatewayStatusRequest:
+async def _status_request(
+    core: Core, charged: inference_pb2.UsageMark | None = None
+) -> inference_pb2.GatewayStatusRequest:
     """A status poll that tells the gateway which rollouts that call it are running (signed
-    with the token secret): their tokens are good, the others' are not."""
+    with the token secret): their tokens are good, the others' are not. `charged`: the last
+    hand-over of usage this server charged (the gateway hands the rest again)."""
     secret = core.config.token_secret
     if not secret:
         return inference_pb2.GatewayStatusRequest()
@@ -129,8 +132,32 @@ async def _status_request(core: Core) -> inference_pb2.GatewayStatusRequest:
     return inference_pb2.GatewayStatusRequest(
         running=inference_pb2.RunningRollouts(
             rollout_ids=ids, as_of=as_of, signature=tokens.sign_running(secret, ids, as_of)
-        )
+        ),
+        charged=charged if charged is not None else inference_pb2.UsageMark(),
     )
+
+
+async def _charge(
+    core: Core, status: inference_pb2.GatewayStatus, charged: inference_pb2.UsageMark
+) -> inference_pb2.UsageMark:
+    """Charges the device seconds and tokens a poll was handed to the rollouts' attempts, in
+    one transaction; returns the mark to confirm with the next poll. When the charge fails the
+    old mark is kept, so the gateway hands the same figures again (with what came since)."""
+    if not status.HasField("usage_mark"):  # (a gateway that numbers nothing: taken once)
+        if status.device_seconds:
+            await core.db(core.ledger.add_device_seconds, dict(status.device_seconds))
+        return charged
+    used = {
+        rollout: {c.model: (int(c.prompt), int(c.completion)) for c in counts.counts}
+        for rollout, counts in status.tokens.items()
+    }
+    try:
+        await core.db(core.ledger.add_usage, dict(status.device_seconds), used)
+    except Exception as exc:  # (the ledger is unreachable, say: the gateway keeps them)
+        log.warning("gateway_usage_not_charged", error=f"{type(exc).__name__}: {exc}",
+                    effect="the gateway hands them again with the next poll")  # fmt: skip
+        return charged
+    return status.usage_mark
 
 
 async def _watch_gateway(core: Core) -> None:
@@ -149,11 +176,12 @@ async def _watch_gateway(core: Core) -> None:
         channel = grpc.aio.insecure_channel(config.gateway_address)
     async with channel:
         stub = inference_pb2_grpc.InferenceServiceStub(channel)
+        charged = inference_pb2.UsageMark()  # (none charged yet by this server)
         while True:
             before = core.hold_inference
             try:
                 status = await stub.Status(
-                    await _status_request(core), timeout=max(1.0, config.gateway_poll_s)
+                    await _status_request(core, charged), timeout=max(1.0, config.gateway_poll_s)
                 )
                 depth = int(status.queue_depth)
                 core.gateway_queue_depth = depth
@@ -168,8 +196,7 @@ async def _watch_gateway(core: Core) -> None:
                     f"the gateway's queue is over its backpressure depth ({depth} >= "
                     f"{config.backpressure_queue_depth})" if core.hold_inference else ""
                 )  # fmt: skip
-                if status.device_seconds:
-                    await core.db(core.ledger.add_device_seconds, dict(status.device_seconds))
+                charged = await _charge(core, status, charged)
             except grpc.aio.AioRpcError as exc:
                 core.hold_inference = True
                 core.gateway_p95_ms = core.gateway_queue_age_ms = None  # not known: not judged
