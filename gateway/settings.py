@@ -122,6 +122,17 @@ class GatewaySettings(GatewayConfig, BatchConfig, Settings):
     CA in $FLEET_HOME/ca)."""
     san: Annotated[list[str], Flag(metavar="NAME")] = []
     """Another name its certificate carries (repeatable)."""
+    upstream: Annotated[list[str], Flag(metavar="NAME=URL")] = []
+    """An OpenAI-compatible upstream whose models are served here as NAME/MODEL, URL its API's
+    base as OPENAI_BASE_URL would be (repeatable; see gateway.llm.upstream_config)."""
+    upstream_key: Annotated[list[str], Flag(metavar="NAME=ENV_VAR|NAME=@FILE")] = []
+    """Where upstream NAME's key is read from: an environment variable or a file; never the
+    key itself (repeatable)."""
+    upstreams: Annotated[Path | None, Flag(metavar="FILE")] = None
+    """A TOML file of upstreams ([upstreams.NAME] url, key_env or key_file) and fallbacks."""
+    fallback: Annotated[list[str], Flag(metavar="MODEL=UPSTREAM/MODEL,...")] = []
+    """The models tried, in order, when MODEL's upstream refuses or fails before the first
+    token (repeatable)."""
 
     def gateway_config(self, secret: bytes, log_level: str) -> GatewayConfig:
         """The gateway's tunables, with the batcher's, the secret and the log level."""

@@ -164,6 +164,7 @@ def submit_from_pb(req: fleet_pb2.SubmitRolloutRequest) -> SubmitRequest:
         priority=req.priority,
         inputs=tuple(input_from_pb(i) for i in req.inputs),
         outputs=tuple(req.outputs),
+        models=tuple(req.models),
     )
 
 
@@ -226,6 +227,7 @@ def manifest_to_pb(m: Manifest) -> types_pb2.Manifest:
             if m.session is not None
             else None
         ),
+        models=list(m.models),
     )
 
 
@@ -262,6 +264,7 @@ def manifest_from_pb(m: types_pb2.Manifest) -> Manifest:
             if m.HasField("session")
             else None
         ),
+        models=tuple(m.models),
     )
 
 

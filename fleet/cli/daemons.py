@@ -146,6 +146,8 @@ async def cmd_gateway(args: argparse.Namespace) -> int:
 
     require_torch()
     from gateway.http import serve_http
+    from gateway.llm.upstream import Upstreams
+    from gateway.llm.upstream_config import load_upstreams
     from gateway.service import Gateway, serve
 
     # The global --log-level (None unless given) shares its name with the engine's setting:
@@ -155,7 +157,13 @@ async def cmd_gateway(args: argparse.Namespace) -> int:
     paths = Paths.from_env()
     config = settings.gateway_config(paths.token_secret(), log_level)
     grpc_tls, http_tls, ca = gateway_tls(settings, paths)
+    # Upstreams and their keys are read and checked before any model loads: a bad flag or an
+    # unreadable key fails the start, naming the flag, the variable or the file.
+    upstreams = load_upstreams(settings.upstream, settings.upstream_key, settings.fallback,
+                               settings.upstreams)  # fmt: skip
     gw = Gateway.build(config)
+    if upstreams.upstreams:
+        gw.upstreams = Upstreams(upstreams)
     server, port = await serve(gw, settings.listen, grpc_tls)
     host, _, http_port = settings.http_listen.rpartition(":")
     http, bound = await serve_http(
@@ -173,9 +181,14 @@ async def cmd_gateway(args: argparse.Namespace) -> int:
         + f"ADDRESS:{bound})",
         flush=True,
     )
+    if upstreams.upstreams:
+        print(f"fleet gateway: upstreams {', '.join(sorted(upstreams.upstreams))} (models as "
+              f"NAME/MODEL; fallback chains: {len(upstreams.fallbacks)})", flush=True)  # fmt: skip
     await stop.wait()
     http.close()
     await gw.stop()
+    if gw.upstreams is not None:
+        await gw.upstreams.aclose()
     await server.stop(5)
     return 0
 

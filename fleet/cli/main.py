@@ -157,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="its steps call the inference gateway: the machine may reach it, and gets "
         "FLEET_GATEWAY and a token for this rollout in FLEET_INFERENCE_TOKEN",
     )  # fmt: skip
+    sp.add_argument(
+        "--model", action="append", default=[], metavar="UPSTREAM/MODEL",
+        help="an upstream model the machine may call through the gateway (UPSTREAM/MODEL, or "
+        "UPSTREAM/* for all of one upstream's), besides the gateway's own (repeatable; implies "
+        "--inference)",
+    )  # fmt: skip
     sp.add_argument("--tenant", default="")
     sp.add_argument(
         "--input", action="append", default=[], metavar="SRC:/PATH",

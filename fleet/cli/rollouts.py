@@ -92,7 +92,7 @@ async def cmd_submit(args: argparse.Namespace) -> int:
             idempotency_key=args.idempotency_key, labels=parse_labels(args.label),
             deadline_s=args.deadline_s, max_attempts=args.max_attempts,
             require_vm=args.require_vm, require_cuda_device=args.require_cuda_device,
-            inference=args.inference, tenant=args.tenant,
+            inference=args.inference or bool(args.model), tenant=args.tenant, models=args.model,
         )  # fmt: skip
         said = "submitted" if rollout.created else "already submitted (same key)"
         print(rollout.id if args.quiet else f"{rollout.id} {said}", flush=True)

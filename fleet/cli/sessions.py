@@ -30,6 +30,7 @@ async def _session(fleet: AsyncFleet, args: argparse.Namespace) -> int:
         box = await fleet.session(
             args.smolfile, idle_timeout_s=args.idle_timeout_s,
             max_lifetime_s=args.max_lifetime_s, require_vm=args.require_vm,
+            inference=args.inference or bool(args.model), models=args.model,
         )  # fmt: skip
         print(box.id)
         return 0
@@ -95,6 +96,14 @@ def add_session_command(sub: argparse._SubParsersAction, server_flag: object) ->
     o.add_argument("--idle-timeout-s", type=float, default=600.0)
     o.add_argument("--max-lifetime-s", type=float, default=3600.0)
     o.add_argument("--require-vm", action="store_true")
+    o.add_argument(
+        "--inference",
+        action="store_true",
+        help="its machine calls the inference gateway, with a token of its own",
+    )
+    o.add_argument("--model", action="append", default=[], metavar="UPSTREAM/MODEL",
+                   help="an upstream model its machine may call through the gateway, besides "
+                   "the gateway's own (repeatable; implies --inference)")  # fmt: skip
     e = ssub.add_parser("exec", help="run a command in a session (exit code passed through)")
     e.add_argument("id")
     e.add_argument("--timeout-s", type=float, default=600.0)

@@ -313,12 +313,17 @@ class AsyncFleet:
         labels: Mapping[str, str] | None = None,
         require_vm: bool = False,
         idempotency_key: str | None = None,
+        inference: bool = False,
+        models: Sequence[str] = (),
     ) -> AsyncSession:
         """Opens a session (a machine held for your calls) and returns once it is ready; use
-        it with `async with` to close it at the end."""
+        it with `async with` to close it at the end. `inference`: its machine may call the
+        inference gateway with a token of its own; `models`: the upstream models
+        (`UPSTREAM/MODEL`) it may call there, besides the gateway's own."""
         request = wire.open_session_request(
             _smolfile(smolfile), idle_timeout_s=idle_timeout_s, max_lifetime_s=max_lifetime_s,
             labels=labels, require_vm=require_vm, idempotency_key=idempotency_key,
+            inference=inference, models=models,
         )  # fmt: skip
         reply = await self.call(lambda: self.sessions_stub.OpenSession(request))
         return AsyncSession(self, reply.id, reply.host_id)

@@ -205,11 +205,14 @@ class Fleet:
         labels: Mapping[str, str] | None = None,
         require_vm: bool = False,
         idempotency_key: str | None = None,
+        inference: bool = False,
+        models: Sequence[str] = (),
     ) -> Session:
         """See `AsyncFleet.session`; use it as a context manager to close it at the end."""
         opened = self._run(self.aio.session(
             smolfile, idle_timeout_s=idle_timeout_s, max_lifetime_s=max_lifetime_s,
             labels=labels, require_vm=require_vm, idempotency_key=idempotency_key,
+            inference=inference, models=models,
         ))  # fmt: skip
         return Session(self, opened.id, opened.host_id)
 

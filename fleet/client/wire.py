@@ -55,6 +55,9 @@ class CommonOptions(TypedDict, total=False):
     require_cuda_device: bool
     inference: bool
     """Its steps call the inference gateway (the machine may reach it, with a token)."""
+    models: Sequence[str]
+    """The upstream models (`UPSTREAM/MODEL`, or `UPSTREAM/*`) its machine may call through
+    the gateway, besides the gateway's own model; needs `inference`."""
     near_gateway: bool
     versions: Mapping[str, str]
     """policy, environment and evaluator: a retry reuses them."""
@@ -232,6 +235,7 @@ def submit_request(
             inputs=[input_file_pb(f) for f in inputs],
             outputs=list(options.get("outputs") or ()),
             image_upload=image_upload,
+            models=list(options.get("models") or ()),
         )  # fmt: skip
     except (TypeError, ValueError) as exc:  # (a label or version no protobuf string can hold)
         raise InvalidArgument(f"{smolfile.name}: submission: {exc}") from None
@@ -284,14 +288,17 @@ def blob_part(data: bytes) -> fleet_pb2.BlobPart:
 def open_session_request(
     smolfile: Smolfile, *, idle_timeout_s: float, max_lifetime_s: float,
     labels: Mapping[str, str] | None, require_vm: bool, idempotency_key: str | None,
+    inference: bool = False, models: Sequence[str] = (),
 ) -> fleet_pb2.OpenSessionRequest:  # fmt: skip
     return fleet_pb2.OpenSessionRequest(
         request_id=uuid.uuid4().hex, idempotency_key=idempotency_key or uuid.uuid4().hex,
         smolfile=smolfile.text, smolfile_name=smolfile.name, labels=dict(labels or {}),
         idle_timeout_s=idle_timeout_s, max_lifetime_s=max_lifetime_s,
         requirements=types_pb2.Requirements(
-            isolation=types_pb2.ISOLATION_VM if require_vm else types_pb2.ISOLATION_UNSPECIFIED
+            isolation=types_pb2.ISOLATION_VM if require_vm else types_pb2.ISOLATION_UNSPECIFIED,
+            inference=inference,
         ),
+        models=list(models),
     )  # fmt: skip
 
 

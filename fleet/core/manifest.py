@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from functools import cached_property
@@ -31,6 +32,15 @@ MAX_DEADLINE = timedelta(days=7)
 """How far ahead a deadline may be, by default (`fleet serve --max-deadline`)."""
 MIN_PRIORITY, MAX_PRIORITY = -100, 100
 """The range of a submission's `priority` (higher is leased first; 0 by default)."""
+MAX_MODELS = 16
+"""Upstream models one rollout may name (they ride in its inference token)."""
+MAX_MODEL_NAME = 128
+MODEL_RULE = (
+    "UPSTREAM/MODEL: an upstream's name (letters, digits, '.', '_', '-'), '/', then the model's "
+    "name (letters, digits and '.', '_', '-', ':', '/', '@', '+'), or UPSTREAM/* for all of "
+    "its models"
+)
+_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}/(\*|[A-Za-z0-9][A-Za-z0-9._:/@+-]*)")
 
 
 class Step(BaseModel):
@@ -150,6 +160,8 @@ class Manifest(BaseModel):
     outputs: tuple[str, ...] = ()
     session: SessionSpec | None = None
     """Set for an interactive session (no steps)."""
+    models: tuple[str, ...] = ()
+    """The upstream models its machines may call through the gateway (`MODEL_RULE`)."""
 
     def model_copy(
         self, *, update: Mapping[str, Any] | None = None, deep: bool = False
@@ -163,7 +175,9 @@ class Manifest(BaseModel):
         """Content digest (computed once: the model is frozen)."""
         # Inputs and outputs came later: left out when there are none, so the digests of
         # manifests stored before them do not change.
-        added = {name for name in ("inputs", "outputs", "session") if not getattr(self, name)}
+        added = {
+            name for name in ("inputs", "outputs", "session", "models") if not getattr(self, name)
+        }
         body = self.model_dump_json(exclude={"smolfile_name", *added})
         return "sha256:" + hashlib.sha256(body.encode()).hexdigest()
 
@@ -190,6 +204,8 @@ class SubmitRequest(BaseModel):
     inputs: tuple[InputFile, ...] = ()
     outputs: tuple[str, ...] = ()
     session: SessionSpec | None = None
+    models: tuple[str, ...] = ()
+    """The upstream models its machines may call through the gateway (`MODEL_RULE`)."""
 
     def model_copy(
         self, *, update: Mapping[str, Any] | None = None, deep: bool = False
@@ -210,7 +226,7 @@ class SubmitRequest(BaseModel):
             # an idempotent retry across an upgrade) does not change.
             if not body["requirements"][added]:
                 del body["requirements"][added]
-        for added in ("inputs", "outputs", "session"):
+        for added in ("inputs", "outputs", "session", "models"):
             if not body[added]:
                 del body[added]
         if self.session is not None:
@@ -330,7 +346,36 @@ def validate_request(
                 f"(server time {now.isoformat()}); the server's limit is --max-deadline"
             )
     check_files(request, parsed)
+    check_models(request)
     return parsed
+
+
+def check_models(request: SubmitRequest) -> None:
+    """The upstream models a rollout names: only with `inference`, few, short, well formed and
+    each named once (they are signed into its token and matched by the gateway as written)."""
+    if not request.models:
+        return
+    if not request.requirements.inference:
+        raise InvalidArgument(
+            "models: only a rollout that calls the inference gateway (requirements.inference, "
+            "fleet submit --inference) may name upstream models"
+        )
+    if len(request.models) > MAX_MODELS:
+        raise InvalidArgument(
+            f"models: {len(request.models)} named, over the limit of {MAX_MODELS}"
+        )
+    for index, name in enumerate(request.models):
+        where = f"models[{index}]"
+        if not name:
+            raise InvalidArgument(f"{where} is empty: expected {MODEL_RULE}")
+        if len(name) > MAX_MODEL_NAME:
+            raise InvalidArgument(
+                f"{where} is {len(name)} characters, over the limit of {MAX_MODEL_NAME}"
+            )
+        if not _MODEL_NAME.fullmatch(name):
+            raise InvalidArgument(f"{where} {name[:80]!r} is not {MODEL_RULE}")
+    if len(set(request.models)) != len(request.models):
+        raise InvalidArgument("models: a model is named twice")
 
 
 def image_of(parsed: ParsedSmolfile) -> str:
@@ -386,5 +431,6 @@ def build_manifest(
         inputs=request.inputs,
         outputs=request.outputs,
         session=request.session,
+        models=request.models,
         host_class=host_class_for(parsed.spec, request.requirements),
     )

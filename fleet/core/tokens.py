@@ -5,8 +5,11 @@ server and the gateway share. The gateway refuses a token that is malformed, sig
 another key, expired, or scoped to a different rollout than the request claims.
 
 Format: `v1.<payload>.<signature>`, both parts unpadded base64url; the payload is compact JSON
-`{"rid": rollout id, "exp": unix seconds, "iat": unix seconds}` (`iat`, when the attempt that
-carries it was leased, may be absent in tokens of older servers).
+`{"rid": rollout id, "exp": unix seconds, "iat": unix seconds, "mdl": [model, ...]}` (`iat`, when
+the attempt that carries it was leased, may be absent in tokens of older servers; `mdl`, the
+upstream models the rollout may call through the gateway, is absent when it names none). The
+model list rides in the signed claims so that the gateway decides on a request without asking
+the server what the rollout was allowed.
 
 A token is good only while its rollout runs: the server tells the gateway which rollouts are
 running (`RunningRollouts`, signed with the same secret, every poll), and the gateway refuses a
@@ -35,6 +38,9 @@ class TokenClaims(BaseModel):
     rollout_id: str
     expires_at: float
     issued_at: float = 0.0
+    models: tuple[str, ...] = ()
+    """The upstream models (`UPSTREAM/MODEL`) the rollout's request allowed; the gateway's own
+    model needs no listing."""
 
 
 def _b64(data: bytes) -> str:
@@ -50,13 +56,19 @@ def _check_secret(secret: bytes) -> None:
         raise ValueError(f"token secret must be at least {MIN_SECRET_BYTES} bytes")
 
 
-def issue(secret: bytes, rollout_id: str, expires_at: float, issued_at: float = 0.0) -> str:
+def issue(
+    secret: bytes, rollout_id: str, expires_at: float, issued_at: float = 0.0,
+    models: tuple[str, ...] = (),
+) -> str:  # fmt: skip
     """A token for `rollout_id`, valid until `expires_at` (the rollout's deadline) and while
-    the rollout runs; `issued_at`: when its attempt was leased."""
+    the rollout runs; `issued_at`: when its attempt was leased; `models`: the upstream models
+    it may call."""
     _check_secret(secret)
     claims: dict[str, object] = {"rid": rollout_id, "exp": round(expires_at, 3)}
     if issued_at:
         claims["iat"] = round(issued_at, 3)
+    if models:
+        claims["mdl"] = list(models)
     payload = json.dumps(claims, separators=(",", ":"))
     body = _b64(payload.encode())
     signature = hmac.new(secret, f"v1.{body}".encode(), hashlib.sha256).digest()
@@ -71,17 +83,17 @@ def verify(secret: bytes, token: str, now: float, rollout_id: str = "") -> Token
     _check_secret(secret)
     if not token:
         raise Unauthenticated("no inference token: requests need the rollout's token")
-    rid, exp, iat = _signed_claims(secret, token)
+    rid, exp, iat, models = _signed_claims(secret, token)
     if now >= exp:
         raise PermissionDenied(f"inference token for rollout {rid} expired at its deadline")
     if rollout_id and rollout_id != rid:
         raise PermissionDenied(f"inference token is scoped to rollout {rid}, not to {rollout_id}")
-    return TokenClaims(rollout_id=rid, expires_at=exp, issued_at=iat)
+    return TokenClaims(rollout_id=rid, expires_at=exp, issued_at=iat, models=models)
 
 
 @functools.lru_cache(maxsize=8192)
-def _signed_claims(secret: bytes, token: str) -> tuple[str, float, float]:
-    """(rollout id, expiry, issue time) of a token whose signature verifies under `secret`.
+def _signed_claims(secret: bytes, token: str) -> tuple[str, float, float, tuple[str, ...]]:
+    """(rollout id, expiry, issue time, models) of a token whose signature verifies under `secret`.
 
     Remembered per token: a rollout's machine sends the same token with every action, and the
     answer cannot change (only a valid signature is remembered; expiry is checked on each use).
@@ -94,14 +106,17 @@ def _signed_claims(secret: bytes, token: str) -> tuple[str, float, float]:
         claims = json.loads(_unb64(parts[1]))
         rid, exp = str(claims["rid"]), float(claims["exp"])
         iat = float(claims.get("iat", 0.0))
+        models = claims.get("mdl", [])
         if not (math.isfinite(exp) and math.isfinite(iat)):
             raise ValueError("not finite")
+        if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
+            raise ValueError("models are not a list of names")
     except (ValueError, KeyError, TypeError, AttributeError):
         raise Unauthenticated("malformed inference token (unreadable payload)") from None
     expected = hmac.new(secret, f"v1.{parts[1]}".encode(), hashlib.sha256).digest()
     if not hmac.compare_digest(signature, expected):
         raise Unauthenticated("inference token signature does not verify (another key?)")
-    return rid, exp, iat
+    return rid, exp, iat, tuple(models)
 
 
 RUNNING_TAG = "running.v1"

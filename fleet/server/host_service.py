@@ -232,7 +232,8 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
                 "this server has no token secret, so it cannot give rollouts that use the "
                 "inference gateway their tokens (see Paths.token_secret)"
             )
-        token = tokens.issue(secret, a.rollout_id, a.manifest.deadline.timestamp(), time.time())
+        token = tokens.issue(secret, a.rollout_id, a.manifest.deadline.timestamp(), time.time(),
+                             models=a.manifest.models)  # fmt: skip
         return a.model_copy(update={"inference_token": token})
 
     async def ClaimWork(

@@ -224,6 +224,7 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
             labels={**request.labels, SESSION_LABEL: "1"}, tenant=tenant,
             requirements=convert.requirements_from_pb(request.requirements),
             session=SessionSpec(idle_timeout_s=request.idle_timeout_s or DEFAULT_IDLE_S),
+            models=tuple(request.models),
         )  # fmt: skip
         parsed = await asyncio.to_thread(
             validate_request, submit, now, timedelta(seconds=self.core.config.max_deadline_s)
@@ -281,7 +282,7 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
                 idempotency_key=f"{key}/fork-{i}", smolfile=manifest.smolfile,
                 smolfile_name=manifest.smolfile_name, steps=(), deadline=deadline,
                 retry=manifest.retry, labels=labels, tenant=source.tenant,
-                requirements=manifest.requirements, session=spec,
+                requirements=manifest.requirements, session=spec, models=manifest.models,
             )
             for i in range(count)
         ]  # fmt: skip
