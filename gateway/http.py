@@ -8,7 +8,8 @@ Machines run the image's python3 without gRPC, so a step calls the gateway with 
            "replayed"}
       4xx/5xx {"code", "message"}; 429 and 503 carry Retry-After (seconds, fractional)
     GET /metrics     Prometheus text (to this host's loopback only: machines get a 404)
-    GET /healthz     "ok"
+    GET /healthz     "ok" (liveness)
+    GET /readyz      each device's state after a one-token generation on it (200 ready, 503 not)
 
 and, beside it, the OpenAI-compatible API of the gateway's language model
 (`gateway.llm.openai_api`): GET /v1/models, POST /v1/chat/completions, POST /v1/completions,
@@ -93,11 +94,17 @@ handlers return whole responses); set per connection by `serve_http`."""
 class HttpEndpoint:
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
-        self.openai = OpenAIApi(gateway.llm, gateway.authorize)
+        self.openai = OpenAIApi(
+            gateway.llm, gateway.authorize, usage=gateway.usage, replays=gateway.replays,
+            upstreams=gateway.upstreams,
+        )  # fmt: skip
 
     async def _route(self, method: str, path: str, _h: dict[str, str], body: bytes) -> bytes:
         if path == "/healthz":
             return reply(200, b"ok")
+        if path == "/readyz":  # (one token on each device: see gateway.readiness)
+            state = await self.gateway.readiness.check()
+            return _json(200 if state["ready"] else 503, state)
         if path == "/metrics" and method == "GET" and is_loopback(_h.get(":peer", "")):
             text = self.gateway.metrics_text().encode()
             return reply(200, text, "text/plain; version=0.0.4")

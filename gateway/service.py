@@ -17,6 +17,7 @@ from datetime import UTC
 
 import grpc
 import structlog
+from grpc_health.v1 import health, health_pb2_grpc
 
 from fleet.api.interceptor import ApiInterceptor
 from fleet.api.pb import inference_pb2, inference_pb2_grpc
@@ -30,11 +31,15 @@ from fleet.core.errors import (
     Unavailable,
 )
 from fleet.core.tokens import TokenClaims, check_running, verify
-from fleet.prom import CounterMetricFamily, exposition, gauge
+from fleet.prom import CounterMetricFamily, counter, exposition, gauge
+from gateway.accounting import Mark, UsageBook
 from gateway.batcher import Answer, Batcher
 from gateway.breaker import CircuitBreaker
 from gateway.engine import EngineRunner
+from gateway.llm.generate import generate_events
+from gateway.llm.replay import Replays
 from gateway.llm.serving import LanguageModel, open_language_model
+from gateway.llm.upstream import Upstreams
 from gateway.model import (
     DeviceFault,
     ModelSpec,
@@ -44,6 +49,7 @@ from gateway.model import (
     load_network,
     select_model,
 )
+from gateway.readiness import Readiness
 from gateway.settings import GatewayConfig as GatewayConfig  # (re-exported: callers build it)
 
 log = structlog.get_logger(__name__)
@@ -111,6 +117,21 @@ class Gateway:
     llm: LanguageModel | None = None
     """The language model served through the OpenAI-compatible endpoints (`gateway.http`);
     None when the gateway serves none."""
+    usage: UsageBook = field(default_factory=UsageBook)
+    """The language model's tokens per rollout, and what the server's polls were handed."""
+    replays: Replays = field(default_factory=Replays)
+    """Generations kept for their Idempotency-Key, shared by every HTTP endpoint."""
+    upstreams: Upstreams | None = None
+    """Upstream models the OpenAI-compatible endpoints forward to (`gateway.llm.upstream`),
+    with the keys the gateway holds; None: none."""
+    _readiness: Readiness | None = field(default=None, init=False, repr=False)
+
+    @property
+    def readiness(self) -> Readiness:
+        """What /readyz and the gRPC health service answer from."""
+        if self._readiness is None:
+            self._readiness = Readiness(self)
+        return self._readiness
 
     def note_running(self, ids: list[str], as_of: float, signature: str) -> None:
         """The server's list of running rollouts, signed with the token secret."""
@@ -227,7 +248,11 @@ class Gateway:
         return claims
 
     async def stop(self) -> None:
-        """Stops the batcher and the language model's engine."""
+        """Stops the readiness checks, the batcher and the language model's engine."""
+        if self._readiness is not None:
+            await self._readiness.stop()
+        if self.upstreams is not None:
+            await self.upstreams.aclose()
         await self.batcher.stop()
         if self.llm is not None:
             await self.llm.aclose()
@@ -282,7 +307,26 @@ class Gateway:
             requests.add_metric([via], self.requests[via])
         streams = gauge("fleet_gateway_streams_open", "InferStream calls open now.",
                         self.streams_open)  # fmt: skip
-        return exposition([*self.batcher.metric_families(), requests, streams])
+        return exposition([*self.batcher.metric_families(), requests, streams,
+                           *self._usage_families()])  # fmt: skip
+
+    def _usage_families(self) -> list[CounterMetricFamily]:
+        """The language model's tokens, and the answers given again for an Idempotency-Key."""
+        u = self.usage
+        tokens = CounterMetricFamily(
+            "fleet_gateway_llm_tokens_total", "Tokens of the language model's answers, by kind "
+            "(prompt, completion); replays not counted.", labels=["kind"],
+        )  # fmt: skip
+        tokens.add_metric(["prompt"], u.prompt_tokens)
+        tokens.add_metric(["completion"], u.completion_tokens)
+        return [
+            tokens,
+            counter("fleet_gateway_llm_tokens_unkept_total", "Tokens no attempt will be charged: "
+                    "no fleet server polled for them and their table was full.",
+                    u.tokens_unkept),
+            counter("fleet_gateway_llm_replayed_total", "Generations answered again from memory "
+                    "for their Idempotency-Key.", self.replays.replayed),
+        ]  # fmt: skip
 
 
 VIA = ("grpc", "grpc_stream", "http", "openai")
@@ -291,6 +335,15 @@ VIA = ("grpc", "grpc_stream", "http", "openai")
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: ignore[misc]
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
+
+    async def Generate(
+        self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.GenerateEvent]:
+        """One generation by the language model, streamed (see `gateway.llm.generate`)."""
+        gw = self.gateway
+        events = generate_events(request, llm=gw.llm, authorize=gw.authorize, usage=gw.usage)
+        async for event in events:
+            yield event
 
     async def Infer(
         self, request: inference_pb2.InferRequest, context: grpc.aio.ServicerContext
@@ -377,10 +430,25 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
         gw = self.gateway
         b = gw.batcher
         device_seconds: dict[str, float] = {}
-        if request.HasField("running"):
+        tokens: dict[str, inference_pb2.RolloutTokens] = {}
+        mark: inference_pb2.UsageMark | None = None
+        if request.HasField("running"):  # (the server's poll: it charges what it is handed)
             r = request.running
             gw.note_running(list(r.rollout_ids), r.as_of, r.signature)
-            device_seconds = b.take_device_seconds()  # (the server's poll: it charges them)
+            charged: Mark | None = None
+            if request.HasField("charged"):
+                charged = (request.charged.gateway, request.charged.seq)
+            usage, handed = gw.usage.hand_over(b.take_device_seconds(), charged)
+            device_seconds = usage.device_s
+            tokens = {
+                rollout: inference_pb2.RolloutTokens(counts=[
+                    inference_pb2.TokenCount(model=m, prompt=p, completion=c)
+                    for m, (p, c) in by_model.items()
+                ])
+                for rollout, by_model in usage.tokens_by_rollout().items()
+            }  # fmt: skip
+            if handed is not None:
+                mark = inference_pb2.UsageMark(gateway=handed[0], seq=handed[1])
         return inference_pb2.GatewayStatus(
             models=[
                 inference_pb2.ModelInfo(
@@ -392,7 +460,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):  # type: i
             oldest_queued_ms=b.oldest_queued_s() * 1000, served=b.metrics.served,
             failovers=b.metrics.failovers, oom_faults=b.metrics.oom_faults,
             p95_latency_ms=b.p95_latency_s() * 1000, device_seconds=device_seconds,
-            latency_window_s=b.config.latency_window_s,
+            latency_window_s=b.config.latency_window_s, tokens=tokens, usage_mark=mark,
         )  # fmt: skip
 
 
@@ -419,14 +487,22 @@ async def serve(
         interceptors=[ApiInterceptor()],  # (the token is checked per request, not per call)
     )
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(gateway), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if credentials is None:
         port = server.add_insecure_port(listen)
     else:
         port = server.add_secure_port(listen, credentials)
     gateway.batcher.start()
     await server.start()
+    # Health answers NOT_SERVING until the first readiness check (one token per device).
+    gateway.readiness.start_health(health_servicer, HEALTH_EVERY_S)
     log.info("gateway_listening", address=listen.rsplit(":", 1)[0] + f":{port}")
     return server, port
+
+
+HEALTH_EVERY_S = 15.0
+"""How often the gRPC health service's answer is checked again."""
 
 
 def failing(kind: str = "device_error") -> object:

@@ -17,6 +17,10 @@ Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 4
 field for bad input, 401 for a token that is not one, 403 for another rollout's or an ended
 rollout's token, 429 / 503 with `Retry-After` when refused for capacity. Every answer says who
 served it: the `x-fleet-served-by` header and a `fleet` object in the JSON and in each chunk.
+
+A generation that carries an `Idempotency-Key` header is answered once and replayed for a
+retry (`gateway.llm.replay`); each answer's tokens are counted for its rollout
+(`gateway.accounting`), replays not.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import structlog
 
 from fleet.core.errors import FleetError, Unauthenticated
 from fleet.core.tokens import TokenClaims
+from gateway.accounting import UsageBook
 from gateway.llm.chat import AnswerStream, ChatPrompt, parse_answer, render_prompt
 from gateway.llm.engine import TokenEvent
 from gateway.llm.openai_schema import (
@@ -46,8 +51,11 @@ from gateway.llm.openai_schema import (
     from_fleet,
     parse_request,
 )
+from gateway.llm.replay import Replays
 from gateway.llm.sampling import SamplingParams
 from gateway.llm.serving import RESTART_TOKEN, LanguageModel, Resumable, Route
+from gateway.llm.upstream import Upstreams
+from gateway.llm.usage import Tally, counted
 from gateway.model import DeviceFault
 
 log = structlog.get_logger(__name__)
@@ -83,9 +91,19 @@ class OpenAIApi:
         self,
         llm: LanguageModel | None,
         authorize: Callable[[str, str], TokenClaims],
+        usage: UsageBook | None = None,
+        replays: Replays | None = None,
+        upstreams: Upstreams | None = None,
     ) -> None:
         self.llm = llm
         self.authorize = authorize
+        self.usage = usage
+        """Where each answer's tokens are counted for its rollout (None: not counted)."""
+        self.replays = replays if replays is not None else Replays()
+        """Answers kept for their Idempotency-Key (`gateway.llm.replay`)."""
+        self.upstreams = upstreams
+        """Upstream models (`NAME/MODEL`), forwarded with the gateway's keys
+        (`gateway.llm.upstream`)."""
         self.created = int(time.time())
 
     def served_by(self) -> dict[str, str]:
@@ -103,14 +121,25 @@ class OpenAIApi:
                 raise ApiError(405, f"{path} takes {want}, not {method}", code="method_not_allowed")
             claims = self._claims(headers)
             log.debug("openai_request", path=path, rollout_id=claims.rollout_id)
-            if path == "/v1/models":
+            forward = self.upstreams.request_of(path, body) if self.upstreams else None
+            if self.upstreams is not None and forward is not None:
+                reply = await self.upstreams.forward(path, claims, forward)
+            elif path == "/v1/models":
                 reply = self.models()
+                if self.upstreams is not None and reply.body is not None:
+                    reply.body["data"] += await self.upstreams.models(claims)
             elif path == "/v1/chat/completions":
-                reply = await self.chat(claims, parse_request(ChatRequest, body), holds, headers)
+                reply = await self.replays.answer(
+                    claims.rollout_id, headers, path, body, holds,
+                    lambda: self.chat(claims, parse_request(ChatRequest, body), holds, headers),
+                )  # fmt: skip
             else:
-                reply = await self.completions(
-                    claims, parse_request(CompletionRequest, body), holds, headers
-                )
+                reply = await self.replays.answer(
+                    claims.rollout_id, headers, path, body, holds,
+                    lambda: self.completions(
+                        claims, parse_request(CompletionRequest, body), holds, headers
+                    ),
+                )  # fmt: skip
         except ApiError as exc:
             holds.close()
             reply = exc.reply()
@@ -250,6 +279,16 @@ class OpenAIApi:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
 
+    def _count(self, claims: TokenClaims, lm: LanguageModel, prompt: int, completion: int) -> None:
+        """An answer's tokens, charged to its rollout (replays are not: they skip this)."""
+        if self.usage is not None:
+            self.usage.add_tokens(claims.rollout_id, lm.model_id, prompt, completion)
+
+    def _counted(
+        self, claims: TokenClaims, lm: LanguageModel, events: AsyncIterator[str], tally: Tally
+    ) -> AsyncIterator[str]:
+        return counted(events, tally, lambda p, c: self._count(claims, lm, p, c))
+
     def _token(self, lm: LanguageModel, token_id: int) -> str:
         return str(lm.tokenizer.decode([token_id], skip_special_tokens=False))
 
@@ -289,8 +328,11 @@ class OpenAIApi:
         base = self._base(lm, "chat.completion", "chatcmpl-")
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = self._chat_stream(lm, route, jobs, prompt, base, usage, bool(req.logprobs))
-            return Reply(200, headers=lm.headers(route), events=events)
+            tally = Tally(len(ids))
+            events = self._chat_stream(lm, route, jobs, prompt, base, usage, bool(req.logprobs),
+                                       tally)  # fmt: skip
+            return Reply(200, headers=lm.headers(route),
+                         events=self._counted(claims, lm, events, tally))  # fmt: skip
         choices = await _run(lm, route, jobs, base["id"])
         completion = 0
         out = []
@@ -310,6 +352,7 @@ class OpenAIApi:
             })  # fmt: skip
         body = {**base, "choices": out, "usage": self._usage(len(ids), completion),
                 "fleet": lm.served_by(route)}  # fmt: skip
+        self._count(claims, lm, len(ids), completion)
         return Reply(200, body, headers=lm.headers(route))
 
     def _chat_logprobs(self, lm: LanguageModel, events: Sequence[TokenEvent]) -> list[Any]:
@@ -324,7 +367,7 @@ class OpenAIApi:
 
     async def _chat_stream(
         self, lm: LanguageModel, route: Route, jobs: list[_Job], prompt: ChatPrompt,
-        base: dict[str, Any], include_usage: bool, logprobs: bool,
+        base: dict[str, Any], include_usage: bool, logprobs: bool, tally: Tally | None = None,
     ) -> AsyncIterator[str]:  # fmt: skip
         def chunk(index: int, delta: dict[str, Any], reason: str | None = None,
                   lp: list[Any] | None = None) -> str:  # fmt: skip
@@ -341,6 +384,8 @@ class OpenAIApi:
             async with aclosing(_merged(lm, route, jobs, base["id"])) as merged:
                 async for index, event in merged:
                     completion += 1
+                    if tally is not None:
+                        tally.completion = completion
                     stream = streams[index]
                     released = stream.push(event.text)
                     lp = self._chat_logprobs(lm, [event]) if logprobs else None
@@ -407,9 +452,11 @@ class OpenAIApi:
         want_logprobs = req.logprobs is not None
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
+            tally = Tally(prompt_tokens)
             events = self._completion_stream(lm, route, jobs, base, usage, prompt_tokens,
-                                             want_logprobs)  # fmt: skip
-            return Reply(200, headers=lm.headers(route), events=events)
+                                             want_logprobs, tally)  # fmt: skip
+            return Reply(200, headers=lm.headers(route),
+                         events=self._counted(claims, lm, events, tally))  # fmt: skip
         choices = await _run(lm, route, jobs, base["id"])
         out = [
             {"index": job.index, "text": choice.text,
@@ -420,6 +467,7 @@ class OpenAIApi:
         completion = sum(len(c.events) for c in choices)
         body = {**base, "choices": out, "usage": self._usage(prompt_tokens, completion),
                 "fleet": lm.served_by(route)}  # fmt: skip
+        self._count(claims, lm, prompt_tokens, completion)
         return Reply(200, body, headers=lm.headers(route))
 
     def _prompts(self, lm: LanguageModel, prompt: object) -> list[list[int]]:
@@ -462,13 +510,15 @@ class OpenAIApi:
 
     async def _completion_stream(
         self, lm: LanguageModel, route: Route, jobs: list[_Job], base: dict[str, Any],
-        include_usage: bool, prompt_tokens: int, logprobs: bool,
+        include_usage: bool, prompt_tokens: int, logprobs: bool, tally: Tally | None = None,
     ) -> AsyncIterator[str]:  # fmt: skip
         completion = 0
         try:
             async with aclosing(_merged(lm, route, jobs, base["id"])) as merged:
                 async for index, event in merged:
                     completion += 1
+                    if tally is not None:
+                        tally.completion = completion
                     lp = self._completion_logprobs(lm, [event]) if logprobs else None
                     if not event.text and event.finish_reason is None and not (lp and lp["tokens"]):
                         continue

@@ -483,8 +483,14 @@ class LanguageModel:
 
     # -- readiness, stats ------------------------------------------------------------------
 
-    async def probe(self, timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, dict[str, Any]]:
-        """A one-token generation on each engine within `timeout_s`: each one's state."""
+    async def probe(
+        self, timeout_s: float = PROBE_TIMEOUT_S, *, start: bool = True
+    ) -> dict[str, dict[str, Any]]:
+        """A one-token generation on each engine within `timeout_s`: each one's state. With
+        `start` False, engines not started yet are left so and said to be ("ok": None)."""
+        if not start and self._primary is None and self._replica is None:
+            return {"primary": {"device": self.device, "ok": None,
+                                "state": "not started: starts on the first request"}}  # fmt: skip
         try:
             await self._start()
         except Unavailable as exc:

@@ -472,7 +472,10 @@ def test_an_engine_whose_device_raised_an_error_is_replaced_by_a_fresh_one(
     assert "injected device error" in str(seen["fault"])
     assert "restarting the model engine" in str(seen["fault"])
     assert seen["restarts"] == 1 and seen["pid"] != seen["first_pid"]
-    assert seen["after"] == seen["before"]
+    # (The same values within rounding: the fresh engine times its packing anew at load and may
+    # pick the other kernel for this batch size under load.)
+    for got, before in zip(seen["after"], seen["before"], strict=True):
+        assert got == pytest.approx(before, abs=1e-5)
     for got, want in zip(seen["after"], reference([[0.25 * (i % 4)] * 147 for i in range(4)]),
                          strict=True):  # fmt: skip
         assert got == pytest.approx(want, abs=1e-5)

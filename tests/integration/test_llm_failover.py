@@ -21,14 +21,17 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from fleet.api.pb import inference_pb2, inference_pb2_grpc
 from fleet.core.tokens import issue
 from gateway.http import serve_http
 from gateway.llm.remote import EngineProcess
 from gateway.llm.serving import ENV, LanguageModel, Limits
-from gateway.service import Gateway, GatewayConfig
+from gateway.service import Gateway, GatewayConfig, serve
 from tests.llm_fixtures import write_tiny_model
 
 SECRET = b"s" * 32
@@ -317,3 +320,87 @@ async def test_readiness_runs_a_token_on_each_device(tiny_dir: Path) -> None:
         assert await until(lambda: not process_of(served).serving)
         states = await served.lm.probe(timeout_s=1.0)
         assert states["primary"]["ok"] is False and states["replica"]["ok"] is True
+
+
+async def test_readyz_and_grpc_health_say_whether_inference_works(tiny_dir: Path) -> None:
+    """/readyz answers each device's state after a token on it; the gRPC health service says
+    SERVING once a check passed, and /healthz stays a liveness answer."""
+    async with serving(tiny_dir) as served:
+        server, port = await serve(served.gateway, "127.0.0.1:0")
+        try:
+            ready = await served.http.get(served.base.removesuffix("/v1") + "/readyz")
+            assert ready.status_code == 200, ready.text
+            state = ready.json()
+            assert state["ready"] is True and state["degraded"] is False
+            assert state["devices"]["primary"]["ok"] and state["devices"]["replica"]["ok"]
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                ask = health_pb2.HealthCheckRequest(service="fleet.v1.InferenceService")
+
+                async def serving_now() -> bool:
+                    answer = await stub.Check(ask)
+                    return bool(answer.status == health_pb2.HealthCheckResponse.SERVING)
+
+                deadline = time.monotonic() + 30
+                while not await serving_now():
+                    assert time.monotonic() < deadline, "health never said SERVING"
+                    await asyncio.sleep(0.1)
+            process_of(served).kill()
+            assert await until(lambda: not process_of(served).serving)
+            served.gateway.readiness.fresh_s = 0.0
+            degraded = (await served.http.get(served.base.removesuffix("/v1") + "/readyz")).json()
+            assert degraded["ready"] is True and degraded["degraded"] is True
+            assert degraded["devices"]["primary"]["ok"] is False
+            live = await served.http.get(served.base.removesuffix("/v1") + "/healthz")
+            assert live.status_code == 200
+        finally:
+            await server.stop(1)
+
+
+async def test_grpc_generate_streams_the_same_tokens_and_survives_a_killed_engine(
+    tiny_dir: Path,
+) -> None:
+    """InferenceService.Generate: the tokens of /v1/completions for the same prompt, streamed;
+    through a killed primary, the same tokens; bad input and a foreign token refused."""
+    async with serving(tiny_dir) as served:
+        server, port = await serve(served.gateway, "127.0.0.1:0")
+        try:
+            ask = {"model": TINY, "prompt": "echo hello world", "max_tokens": 40,
+                   "temperature": 0, "logprobs": 0}  # fmt: skip
+            http = await served.http.post(f"{served.base}/completions", json=ask,
+                                          headers=served.headers())  # fmt: skip
+            assert http.status_code == 200, http.text
+            want = http.json()["choices"][0]
+            token = served.headers()["Authorization"].removeprefix("Bearer ")
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = inference_pb2_grpc.InferenceServiceStub(channel)
+                request = inference_pb2.GenerateRequest(
+                    token=token, model=TINY, text="echo hello world", max_tokens=40
+                )
+                events = [e async for e in stub.Generate(request)]
+                tokens = [e.token for e in events if e.HasField("token")]
+                assert "".join(t.text for t in tokens) == want["text"]
+                end = events[-1].end
+                assert end.finish_reason == want["finish_reason"]
+                assert end.completion_tokens == len(tokens)
+                assert events[0].served_by == "primary"
+                # The primary killed after 8 tokens: the rest from the replica, the same.
+                got: list[inference_pb2.GenerateEvent] = []
+                async for event in stub.Generate(request):
+                    got.append(event)
+                    if len(got) == 8:
+                        process_of(served).kill()
+                again = [e.token.token_id for e in got if e.HasField("token")]
+                assert again == [t.token_id for t in tokens]
+                assert got[-1].end.failovers and got[-1].served_by == "replica"
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await anext(aiter(stub.Generate(inference_pb2.GenerateRequest(
+                        token=token, model=TINY, text="hi", max_tokens=0))))  # fmt: skip
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "max_tokens" in (refused.value.details() or "")
+                with pytest.raises(grpc.aio.AioRpcError) as foreign:
+                    await anext(aiter(stub.Generate(inference_pb2.GenerateRequest(
+                        token="not-a-token", model=TINY, text="hi", max_tokens=4))))  # fmt: skip
+                assert foreign.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        finally:
+            await server.stop(1)

@@ -11,7 +11,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("request_id", "idempotency_key", "smolfile", "smolfile_name", "requirements", "labels", "tenant", "idle_timeout_s", "max_lifetime_s", "ready_timeout_s")
+    __slots__ = ("request_id", "idempotency_key", "smolfile", "smolfile_name", "requirements", "labels", "tenant", "idle_timeout_s", "max_lifetime_s", "ready_timeout_s", "models")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class OpenSessionRequest(_message.Message):
     IDLE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     MAX_LIFETIME_S_FIELD_NUMBER: _ClassVar[int]
     READY_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     idempotency_key: str
     smolfile: str
@@ -39,7 +40,8 @@ class OpenSessionRequest(_message.Message):
     idle_timeout_s: float
     max_lifetime_s: float
     ready_timeout_s: float
-    def __init__(self, request_id: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., smolfile: _Optional[str] = ..., smolfile_name: _Optional[str] = ..., requirements: _Optional[_Union[_types_pb2.Requirements, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., tenant: _Optional[str] = ..., idle_timeout_s: _Optional[float] = ..., max_lifetime_s: _Optional[float] = ..., ready_timeout_s: _Optional[float] = ...) -> None: ...
+    models: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., smolfile: _Optional[str] = ..., smolfile_name: _Optional[str] = ..., requirements: _Optional[_Union[_types_pb2.Requirements, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., tenant: _Optional[str] = ..., idle_timeout_s: _Optional[float] = ..., max_lifetime_s: _Optional[float] = ..., ready_timeout_s: _Optional[float] = ..., models: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ForkSessionRequest(_message.Message):
     __slots__ = ("request_id", "session_id", "count", "idempotency_key", "labels", "idle_timeout_s", "max_lifetime_s", "ready_timeout_s")
@@ -190,7 +192,7 @@ class ListEgressEventsResponse(_message.Message):
     def __init__(self, events: _Optional[_Iterable[_Union[_types_pb2.EgressEvent, _Mapping]]] = ...) -> None: ...
 
 class SubmitRolloutRequest(_message.Message):
-    __slots__ = ("request_id", "idempotency_key", "smolfile", "smolfile_name", "steps", "deadline", "retry", "versions", "labels", "tenant", "requirements", "priority", "inputs", "outputs", "image_upload")
+    __slots__ = ("request_id", "idempotency_key", "smolfile", "smolfile_name", "steps", "deadline", "retry", "versions", "labels", "tenant", "requirements", "priority", "inputs", "outputs", "image_upload", "models")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +215,7 @@ class SubmitRolloutRequest(_message.Message):
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     IMAGE_UPLOAD_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     idempotency_key: str
     smolfile: str
@@ -228,7 +231,8 @@ class SubmitRolloutRequest(_message.Message):
     inputs: _containers.RepeatedCompositeFieldContainer[_types_pb2.InputFile]
     outputs: _containers.RepeatedScalarFieldContainer[str]
     image_upload: str
-    def __init__(self, request_id: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., smolfile: _Optional[str] = ..., smolfile_name: _Optional[str] = ..., steps: _Optional[_Iterable[_Union[_types_pb2.Step, _Mapping]]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., retry: _Optional[_Union[_types_pb2.RetryPolicy, _Mapping]] = ..., versions: _Optional[_Union[_types_pb2.Versions, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., tenant: _Optional[str] = ..., requirements: _Optional[_Union[_types_pb2.Requirements, _Mapping]] = ..., priority: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[_types_pb2.InputFile, _Mapping]]] = ..., outputs: _Optional[_Iterable[str]] = ..., image_upload: _Optional[str] = ...) -> None: ...
+    models: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., smolfile: _Optional[str] = ..., smolfile_name: _Optional[str] = ..., steps: _Optional[_Iterable[_Union[_types_pb2.Step, _Mapping]]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., retry: _Optional[_Union[_types_pb2.RetryPolicy, _Mapping]] = ..., versions: _Optional[_Union[_types_pb2.Versions, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., tenant: _Optional[str] = ..., requirements: _Optional[_Union[_types_pb2.Requirements, _Mapping]] = ..., priority: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[_types_pb2.InputFile, _Mapping]]] = ..., outputs: _Optional[_Iterable[str]] = ..., image_upload: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SubmitRolloutResponse(_message.Message):
     __slots__ = ("rollout", "created")

@@ -25,37 +25,57 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66leet/v1/inference.proto\x12\x08\x66leet.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"+\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\x12\n\x06values\x18\x02 \x03(\x02\x42\x02\x10\x01\"\xce\x01\n\x0cInferRequest\x12\r\n\x05token\x18\x01 \x01(\t\x12\x12\n\nrollout_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x17\n\x0fidempotency_key\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\x10\n\x08revision\x18\x06 \x01(\t\x12\x1f\n\x05input\x18\x07 \x01(\x0b\x32\x10.fleet.v1.Tensor\x12,\n\x08\x64\x65\x61\x64line\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xac\x01\n\rInferResponse\x12 \n\x06output\x18\x01 \x01(\x0b\x32\x10.fleet.v1.Tensor\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x12\n\nbatch_size\x18\x05 \x01(\r\x12\x10\n\x08queue_ms\x18\x06 \x01(\x01\x12\x10\n\x08\x64\x65graded\x18\x07 \x01(\x08\x12\x10\n\x08replayed\x18\x08 \x01(\x08\"Y\n\nInferError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x1a\n\rretry_after_s\x18\x03 \x01(\x01H\x00\x88\x01\x01\x42\x10\n\x0e_retry_after_s\"\x85\x01\n\x13InferStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x06\x61nswer\x18\x02 \x01(\x0b\x32\x17.fleet.v1.InferResponseH\x00\x12%\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x14.fleet.v1.InferErrorH\x00\x42\x08\n\x06result\"B\n\x14GatewayStatusRequest\x12*\n\x07running\x18\x01 \x01(\x0b\x32\x19.fleet.v1.RunningRollouts\"H\n\x0fRunningRollouts\x12\x13\n\x0brollout_ids\x18\x01 \x03(\t\x12\r\n\x05\x61s_of\x18\x02 \x01(\x01\x12\x11\n\tsignature\x18\x03 \x01(\t\"b\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x16\n\x0eprimary_device\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\"\xd7\x02\n\rGatewayStatus\x12#\n\x06models\x18\x01 \x03(\x0b\x32\x13.fleet.v1.ModelInfo\x12\x0f\n\x07\x62reaker\x18\x02 \x01(\t\x12\x13\n\x0bqueue_depth\x18\x03 \x01(\r\x12\x18\n\x10oldest_queued_ms\x18\x04 \x01(\x01\x12\x0e\n\x06served\x18\x05 \x01(\x04\x12\x11\n\tfailovers\x18\x06 \x01(\x04\x12\x12\n\noom_faults\x18\x07 \x01(\x04\x12\x16\n\x0ep95_latency_ms\x18\x08 \x01(\x01\x12\x18\n\x10latency_window_s\x18\t \x01(\x01\x12\x42\n\x0e\x64\x65vice_seconds\x18\n \x03(\x0b\x32*.fleet.v1.GatewayStatus.DeviceSecondsEntry\x1a\x34\n\x12\x44\x65viceSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xd9\x01\n\x10InferenceService\x12\x38\n\x05Infer\x12\x16.fleet.v1.InferRequest\x1a\x17.fleet.v1.InferResponse\x12H\n\x0bInferStream\x12\x16.fleet.v1.InferRequest\x1a\x1d.fleet.v1.InferStreamResponse(\x01\x30\x01\x12\x41\n\x06Status\x12\x1e.fleet.v1.GatewayStatusRequest\x1a\x17.fleet.v1.GatewayStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66leet/v1/inference.proto\x12\x08\x66leet.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xf1\x01\n\x0fGenerateRequest\x12\r\n\x05token\x18\x01 \x01(\t\x12\x12\n\nrollout_id\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x15\n\ttoken_ids\x18\x05 \x03(\rB\x02\x10\x01\x12\x12\n\nmax_tokens\x18\x06 \x01(\r\x12\x13\n\x0btemperature\x18\x07 \x01(\x01\x12\r\n\x05top_p\x18\x08 \x01(\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x10\n\x08logprobs\x18\x0b \x01(\x08\x12\x13\n\x0bno_fallback\x18\x0c \x01(\x08\x42\x07\n\x05_seed\"\xab\x01\n\rGenerateEvent\x12(\n\x05token\x18\x01 \x01(\x0b\x32\x17.fleet.v1.GenerateTokenH\x00\x12$\n\x03\x65nd\x18\x02 \x01(\x0b\x32\x15.fleet.v1.GenerateEndH\x00\x12\x11\n\tserved_by\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x10\n\x08\x64\x65graded\x18\x06 \x01(\x08\x42\x06\n\x04kind\"Q\n\rGenerateToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x14\n\x07logprob\x18\x03 \x01(\x01H\x00\x88\x01\x01\x42\n\n\x08_logprob\"\xcd\x01\n\x0bGenerateEnd\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12#\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x14.fleet.v1.InferError\x12\x11\n\tresumable\x18\x05 \x01(\x08\x12\x13\n\x0btokens_sent\x18\x06 \x01(\r\x12\x15\n\rlast_token_id\x18\x07 \x01(\r\x12\x11\n\tfailovers\x18\x08 \x03(\t\"+\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\x12\n\x06values\x18\x02 \x03(\x02\x42\x02\x10\x01\"\xce\x01\n\x0cInferRequest\x12\r\n\x05token\x18\x01 \x01(\t\x12\x12\n\nrollout_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x17\n\x0fidempotency_key\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\x10\n\x08revision\x18\x06 \x01(\t\x12\x1f\n\x05input\x18\x07 \x01(\x0b\x32\x10.fleet.v1.Tensor\x12,\n\x08\x64\x65\x61\x64line\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xac\x01\n\rInferResponse\x12 \n\x06output\x18\x01 \x01(\x0b\x32\x10.fleet.v1.Tensor\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x12\n\nbatch_size\x18\x05 \x01(\r\x12\x10\n\x08queue_ms\x18\x06 \x01(\x01\x12\x10\n\x08\x64\x65graded\x18\x07 \x01(\x08\x12\x10\n\x08replayed\x18\x08 \x01(\x08\"Y\n\nInferError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x1a\n\rretry_after_s\x18\x03 \x01(\x01H\x00\x88\x01\x01\x42\x10\n\x0e_retry_after_s\"\x85\x01\n\x13InferStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x06\x61nswer\x18\x02 \x01(\x0b\x32\x17.fleet.v1.InferResponseH\x00\x12%\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x14.fleet.v1.InferErrorH\x00\x42\x08\n\x06result\"h\n\x14GatewayStatusRequest\x12*\n\x07running\x18\x01 \x01(\x0b\x32\x19.fleet.v1.RunningRollouts\x12$\n\x07\x63harged\x18\x02 \x01(\x0b\x32\x13.fleet.v1.UsageMark\")\n\tUsageMark\x12\x0f\n\x07gateway\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\"?\n\nTokenCount\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\x04\x12\x12\n\ncompletion\x18\x03 \x01(\x04\"5\n\rRolloutTokens\x12$\n\x06\x63ounts\x18\x01 \x03(\x0b\x32\x14.fleet.v1.TokenCount\"H\n\x0fRunningRollouts\x12\x13\n\x0brollout_ids\x18\x01 \x03(\t\x12\r\n\x05\x61s_of\x18\x02 \x01(\x01\x12\x11\n\tsignature\x18\x03 \x01(\t\"b\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x16\n\x0eprimary_device\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\"\xfd\x03\n\rGatewayStatus\x12#\n\x06models\x18\x01 \x03(\x0b\x32\x13.fleet.v1.ModelInfo\x12\x0f\n\x07\x62reaker\x18\x02 \x01(\t\x12\x13\n\x0bqueue_depth\x18\x03 \x01(\r\x12\x18\n\x10oldest_queued_ms\x18\x04 \x01(\x01\x12\x0e\n\x06served\x18\x05 \x01(\x04\x12\x11\n\tfailovers\x18\x06 \x01(\x04\x12\x12\n\noom_faults\x18\x07 \x01(\x04\x12\x16\n\x0ep95_latency_ms\x18\x08 \x01(\x01\x12\x18\n\x10latency_window_s\x18\t \x01(\x01\x12\x42\n\x0e\x64\x65vice_seconds\x18\n \x03(\x0b\x32*.fleet.v1.GatewayStatus.DeviceSecondsEntry\x12\x33\n\x06tokens\x18\x0b \x03(\x0b\x32#.fleet.v1.GatewayStatus.TokensEntry\x12\'\n\nusage_mark\x18\x0c \x01(\x0b\x32\x13.fleet.v1.UsageMark\x1a\x34\n\x12\x44\x65viceSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x46\n\x0bTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12&\n\x05value\x18\x02 \x01(\x0b\x32\x17.fleet.v1.RolloutTokens:\x02\x38\x01\x32\x9b\x02\n\x10InferenceService\x12\x38\n\x05Infer\x12\x16.fleet.v1.InferRequest\x1a\x17.fleet.v1.InferResponse\x12H\n\x0bInferStream\x12\x16.fleet.v1.InferRequest\x1a\x1d.fleet.v1.InferStreamResponse(\x01\x30\x01\x12\x41\n\x06Status\x12\x1e.fleet.v1.GatewayStatusRequest\x1a\x17.fleet.v1.GatewayStatus\x12@\n\x08Generate\x12\x19.fleet.v1.GenerateRequest\x1a\x17.fleet.v1.GenerateEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fleet.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_GENERATEREQUEST'].fields_by_name['token_ids']._loaded_options = None
+  _globals['_GENERATEREQUEST'].fields_by_name['token_ids']._serialized_options = b'\020\001'
   _globals['_TENSOR'].fields_by_name['values']._loaded_options = None
   _globals['_TENSOR'].fields_by_name['values']._serialized_options = b'\020\001'
   _globals['_GATEWAYSTATUS_DEVICESECONDSENTRY']._loaded_options = None
   _globals['_GATEWAYSTATUS_DEVICESECONDSENTRY']._serialized_options = b'8\001'
-  _globals['_TENSOR']._serialized_start=71
-  _globals['_TENSOR']._serialized_end=114
-  _globals['_INFERREQUEST']._serialized_start=117
-  _globals['_INFERREQUEST']._serialized_end=323
-  _globals['_INFERRESPONSE']._serialized_start=326
-  _globals['_INFERRESPONSE']._serialized_end=498
-  _globals['_INFERERROR']._serialized_start=500
-  _globals['_INFERERROR']._serialized_end=589
-  _globals['_INFERSTREAMRESPONSE']._serialized_start=592
-  _globals['_INFERSTREAMRESPONSE']._serialized_end=725
-  _globals['_GATEWAYSTATUSREQUEST']._serialized_start=727
-  _globals['_GATEWAYSTATUSREQUEST']._serialized_end=793
-  _globals['_RUNNINGROLLOUTS']._serialized_start=795
-  _globals['_RUNNINGROLLOUTS']._serialized_end=867
-  _globals['_MODELINFO']._serialized_start=869
-  _globals['_MODELINFO']._serialized_end=967
-  _globals['_GATEWAYSTATUS']._serialized_start=970
-  _globals['_GATEWAYSTATUS']._serialized_end=1313
-  _globals['_GATEWAYSTATUS_DEVICESECONDSENTRY']._serialized_start=1261
-  _globals['_GATEWAYSTATUS_DEVICESECONDSENTRY']._serialized_end=1313
-  _globals['_INFERENCESERVICE']._serialized_start=1316
-  _globals['_INFERENCESERVICE']._serialized_end=1533
+  _globals['_GATEWAYSTATUS_TOKENSENTRY']._loaded_options = None
+  _globals['_GATEWAYSTATUS_TOKENSENTRY']._serialized_options = b'8\001'
+  _globals['_GENERATEREQUEST']._serialized_start=72
+  _globals['_GENERATEREQUEST']._serialized_end=313
+  _globals['_GENERATEEVENT']._serialized_start=316
+  _globals['_GENERATEEVENT']._serialized_end=487
+  _globals['_GENERATETOKEN']._serialized_start=489
+  _globals['_GENERATETOKEN']._serialized_end=570
+  _globals['_GENERATEEND']._serialized_start=573
+  _globals['_GENERATEEND']._serialized_end=778
+  _globals['_TENSOR']._serialized_start=780
+  _globals['_TENSOR']._serialized_end=823
+  _globals['_INFERREQUEST']._serialized_start=826
+  _globals['_INFERREQUEST']._serialized_end=1032
+  _globals['_INFERRESPONSE']._serialized_start=1035
+  _globals['_INFERRESPONSE']._serialized_end=1207
+  _globals['_INFERERROR']._serialized_start=1209
+  _globals['_INFERERROR']._serialized_end=1298
+  _globals['_INFERSTREAMRESPONSE']._serialized_start=1301
+  _globals['_INFERSTREAMRESPONSE']._serialized_end=1434
+  _globals['_GATEWAYSTATUSREQUEST']._serialized_start=1436
+  _globals['_GATEWAYSTATUSREQUEST']._serialized_end=1540
+  _globals['_USAGEMARK']._serialized_start=1542
+  _globals['_USAGEMARK']._serialized_end=1583
+  _globals['_TOKENCOUNT']._serialized_start=1585
+  _globals['_TOKENCOUNT']._serialized_end=1648
+  _globals['_ROLLOUTTOKENS']._serialized_start=1650
+  _globals['_ROLLOUTTOKENS']._serialized_end=1703
+  _globals['_RUNNINGROLLOUTS']._serialized_start=1705
+  _globals['_RUNNINGROLLOUTS']._serialized_end=1777
+  _globals['_MODELINFO']._serialized_start=1779
+  _globals['_MODELINFO']._serialized_end=1877
+  _globals['_GATEWAYSTATUS']._serialized_start=1880
+  _globals['_GATEWAYSTATUS']._serialized_end=2389
+  _globals['_GATEWAYSTATUS_DEVICESECONDSENTRY']._serialized_start=2265
+  _globals['_GATEWAYSTATUS_DEVICESECONDSENTRY']._serialized_end=2317
+  _globals['_GATEWAYSTATUS_TOKENSENTRY']._serialized_start=2319
+  _globals['_GATEWAYSTATUS_TOKENSENTRY']._serialized_end=2389
+  _globals['_INFERENCESERVICE']._serialized_start=2392
+  _globals['_INFERENCESERVICE']._serialized_end=2675
 # @@protoc_insertion_point(module_scope)

@@ -50,6 +50,11 @@ class InferenceServiceStub:
                 request_serializer=fleet_dot_v1_dot_inference__pb2.GatewayStatusRequest.SerializeToString,
                 response_deserializer=fleet_dot_v1_dot_inference__pb2.GatewayStatus.FromString,
                 _registered_method=True)
+        self.Generate = channel.unary_stream(
+                '/fleet.v1.InferenceService/Generate',
+                request_serializer=fleet_dot_v1_dot_inference__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=fleet_dot_v1_dot_inference__pb2.GenerateEvent.FromString,
+                _registered_method=True)
 
 
 class InferenceServiceServicer:
@@ -83,6 +88,17 @@ class InferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Generate(self, request, context):
+        """One generation by the gateway's language model, its tokens streamed as they are made: the
+        same engine, admission, failover and accounting as the OpenAI-compatible HTTP API. Refused
+        before the first event with the status the HTTP API answers as an error; a failure after
+        tokens were sent ends the stream with a `GenerateEnd` carrying the error (a resumable one
+        names the last token sent).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -100,6 +116,11 @@ def add_InferenceServiceServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=fleet_dot_v1_dot_inference__pb2.GatewayStatusRequest.FromString,
                     response_serializer=fleet_dot_v1_dot_inference__pb2.GatewayStatus.SerializeToString,
+            ),
+            'Generate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=fleet_dot_v1_dot_inference__pb2.GenerateRequest.FromString,
+                    response_serializer=fleet_dot_v1_dot_inference__pb2.GenerateEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -184,6 +205,33 @@ class InferenceService:
             '/fleet.v1.InferenceService/Status',
             fleet_dot_v1_dot_inference__pb2.GatewayStatusRequest.SerializeToString,
             fleet_dot_v1_dot_inference__pb2.GatewayStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Generate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/fleet.v1.InferenceService/Generate',
+            fleet_dot_v1_dot_inference__pb2.GenerateRequest.SerializeToString,
+            fleet_dot_v1_dot_inference__pb2.GenerateEvent.FromString,
             options,
             channel_credentials,
             insecure,
