@@ -91,7 +91,9 @@ async def cmd_host(args: argparse.Namespace) -> int:
             print("on the new host:")
             runtime = runtimes if len(token.runtimes) == 1 else "auto"
             print(f"  fleet agent --class {token.host_class} --runtime {runtime} --server "
-                  f"SERVER:PORT --ca-fingerprint {ca.fingerprint} --join TOKEN")  # fmt: skip
+                  f"SERVER:PORT --ca-fingerprint {ca.fingerprint} --join TOKEN "
+                  "--host-id NAME")  # fmt: skip
+            print("  (NAME: this host's own id in the fleet; two hosts cannot share one)")
             print(format_join_token(presented))
         elif args.token_cmd == "list":
             print(f"{'id':<8} {'class':<5} {'runtimes':<15} {'uses left':>9}  {'expires':<20} "

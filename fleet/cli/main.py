@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -71,7 +72,8 @@ async def cmd_policy(args: argparse.Namespace) -> int:
             where = f"{f.file}:{f.line}" if f.line else f.file
             print(f"{where}: {f.severity} {f.rule} {f.message}")
         print(
-            f"{len(findings)} findings in {len(args.paths)} files "
+            f"{len(findings)} finding{'' if len(findings) == 1 else 's'} in "
+            f"{len(args.paths)} file{'' if len(args.paths) == 1 else 's'} "
             f"({len(policy.at_or_above(findings, threshold))} at or above {args.fail_on})"
         )
     return 1 if policy.at_or_above(findings, threshold) else 0
@@ -292,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # (`fleet policy explain F | head`): the reader left; say nothing
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":
