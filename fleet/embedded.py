@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -18,9 +19,11 @@ from fleet.config import Paths
 from fleet.connect import ClientAuth
 from fleet.core.credentials import format_join_token
 from fleet.core.errors import Unavailable
+from fleet.core.hostnames import GATEWAY_NAME
 from fleet.core.placement import HostClass
 from fleet.identity.ca import CertificateAuthority
 from fleet.identity.local import ensure_admin_key, local_host_identity
+from fleet.identity.tls import ServerTls, server_names, server_ssl_context
 from fleet.image.store import ImageStore
 from fleet.ledger.store import Ledger
 from fleet.server.app import FleetServer, ServerConfig
@@ -144,3 +147,53 @@ async def embedded_fleet(
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
         await server.stop()
+
+
+@dataclass
+class GatewayHandle:
+    """A gateway started beside an embedded fleet (`fleet up --gateway`, `fleet demo`)."""
+
+    gateway: Any
+    grpc_server: Any
+    grpc_port: int
+    http_server: asyncio.Server
+    http_port: int
+
+    async def stop(self) -> None:
+        self.http_server.close()
+        await self.gateway.stop()
+        await self.grpc_server.stop(1)
+
+    def server_config(self, **more: Any) -> ServerConfig:
+        """The embedded server's settings, watching this gateway (backpressure, the list of
+        running rollouts its tokens are checked against, the tokens it counted)."""
+        return ServerConfig(gateway_address=f"127.0.0.1:{self.grpc_port}", **more)
+
+
+async def start_gateway(
+    paths: Paths, log_level: str = "info", upstreams: Any = None
+) -> GatewayHandle:
+    """The gateway with the shipped policy and language model: gRPC on loopback, HTTP where
+    machines reach it; `upstreams` (a checked `gateway.llm.upstream_config.UpstreamConfig`)
+    adds upstream models."""
+    from gateway import require_torch
+
+    require_torch()
+    from gateway.http import serve_http
+    from gateway.llm.upstream import Upstreams
+    from gateway.service import Gateway, GatewayConfig, serve
+
+    # Off the event loop: starting the model engine takes seconds, and the fleet's agents
+    # heartbeat on this loop meanwhile.
+    config = GatewayConfig(secret=paths.token_secret(), device="auto", log_level=log_level)
+    gw = await asyncio.to_thread(Gateway.build, config)
+    if upstreams is not None and upstreams.upstreams:
+        gw.upstreams = Upstreams(upstreams)
+    server, port = await serve(gw, "127.0.0.1:0")
+    # Machines reach this host at their link's host address; only their firewall rule (for
+    # rollouts that use inference) and a rollout token get a request through. Beyond loopback,
+    # so over TLS from the fleet's CA, as `fleet gateway` serves it.
+    ca = await asyncio.to_thread(CertificateAuthority.load_or_init, paths.ca)
+    tls = await asyncio.to_thread(ServerTls.issue, ca, server_names("0.0.0.0:0", [GATEWAY_NAME]))
+    http, http_port = await serve_http(gw, "0.0.0.0", 0, tls=server_ssl_context(tls))
+    return GatewayHandle(gw, server, port, http, http_port)

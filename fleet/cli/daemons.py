@@ -214,6 +214,7 @@ def http_allow(text: str) -> Any:
 def gateway_tls(settings: GatewaySettings, paths: Paths) -> tuple[Any, Any, str]:
     """TLS for each of the gateway's endpoints that is not on loopback (unless --insecure),
     with a certificate from the fleet CA: (gRPC credentials, HTTP context, CA fingerprint)."""
+    from fleet.core.hostnames import GATEWAY_NAME
     from fleet.identity.ca import CertificateAuthority
     from fleet.identity.tls import (
         ServerTls,
@@ -237,7 +238,7 @@ def gateway_tls(settings: GatewaySettings, paths: Paths) -> tuple[Any, Any, str]
             f"{paths.ca} (fleet ca init, on the server's host), or --insecure"
         )
     ca = CertificateAuthority.load(paths.ca)
-    names = server_names(settings.http_listen, [*settings.san, hosts["--listen"]])
+    names = server_names(settings.http_listen, [*settings.san, hosts["--listen"], GATEWAY_NAME])
     tls = ServerTls.issue(ca, names)
     grpc_tls = tls.credentials(require_client_cert=False) if "--listen" in wide else None
     http_tls = server_ssl_context(tls) if "--http-listen" in wide else None
@@ -351,16 +352,49 @@ async def cmd_agent(args: argparse.Namespace) -> int:
 
 
 async def cmd_up(args: argparse.Namespace) -> int:
-    from fleet.embedded import embedded_fleet
+    from fleet.embedded import GatewayHandle, embedded_fleet, start_gateway
 
     paths = Paths.from_env()
     db = Path(args.db) if args.db else default_db(paths)
-    async with embedded_fleet(paths, db, listen=args.listen, slots=args.slots) as fleet:
-        stop = _on_signals(asyncio.Event())
-        print(
-            f"fleet up: server on {fleet.address}, ledger {db}, 1 gpu-class + 2 cpu-class agents, "
-            f"runtime {fleet.runtime.kind} ({fleet.runtime.reason})",
-            flush=True,
-        )
-        await stop.wait()
+    handle: GatewayHandle | None = None
+    if args.gateway:
+        from gateway import require_torch
+        from gateway.llm.upstream_config import load_upstreams
+
+        require_torch()
+        # Upstreams and their keys are checked before anything starts (as `fleet gateway`).
+        upstreams = load_upstreams(args.upstream, args.upstream_key, args.fallback,
+                                   Path(args.upstreams) if args.upstreams else None)  # fmt: skip
+        handle = await start_gateway(paths, args.log_level or args.default_log_level, upstreams)
+    elif args.upstream or args.upstream_key or args.fallback or args.upstreams:
+        raise SystemExit("fleet up: --upstream, --upstream-key, --upstreams and --fallback "
+                         "configure the gateway: add --gateway")  # fmt: skip
+    try:
+        async with embedded_fleet(
+            paths, db, listen=args.listen, slots=args.slots,
+            config=handle.server_config() if handle else None,
+            gateway=("host", handle.http_port) if handle else None, gateway_tls=bool(handle),
+        ) as fleet:  # fmt: skip
+            stop = _on_signals(asyncio.Event())
+            print(
+                f"fleet up: server on {fleet.address}, ledger {db}, 1 gpu-class + 2 cpu-class "
+                f"agents, runtime {fleet.runtime.kind} ({fleet.runtime.reason})",
+                flush=True,
+            )
+            if handle is not None:
+                gw = handle.gateway
+                llm = gw.llm.model_id if gw.llm is not None else "none"
+                ups = sorted(gw.upstreams.config.upstreams) if gw.upstreams is not None else []
+                print(
+                    f"fleet up: gateway on 127.0.0.1:{handle.grpc_port} (gRPC) and port "
+                    f"{handle.http_port} (HTTPS, for machines); policy {gw.spec.name}, "
+                    f"language model {llm} on {gw.batcher.primary.device}"
+                    + (f", upstreams {', '.join(ups)}" if ups else "")
+                    + "; rollouts submitted with --inference reach it",
+                    flush=True,
+                )
+            await stop.wait()
+    finally:
+        if handle is not None:
+            await handle.stop()
     return 0

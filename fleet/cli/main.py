@@ -140,6 +140,23 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--listen", default=DEFAULT_SERVER)
     sp.add_argument("--db")
     sp.add_argument("--slots", type=int, default=2)
+    sp.add_argument(
+        "--gateway", action="store_true",
+        help="also start the inference gateway (the shipped policy and language model) and "
+        "give --inference rollouts its address and a token",
+    )  # fmt: skip
+    sp.add_argument(
+        "--upstream", action="append", default=[], metavar="NAME=URL",
+        help="with --gateway: an upstream whose models are served as NAME/MODEL",
+    )  # fmt: skip
+    sp.add_argument("--upstream-key", action="append", default=[],
+                    metavar="NAME=ENV_VAR|NAME=@FILE",
+                    help="with --gateway: where upstream NAME's key is read from")  # fmt: skip
+    sp.add_argument("--upstreams", metavar="FILE", help="with --gateway: a TOML file of upstreams")
+    sp.add_argument(
+        "--fallback", action="append", default=[], metavar="MODEL=UPSTREAM/MODEL,...",
+        help="with --gateway: the models tried when MODEL's upstream fails",
+    )  # fmt: skip
 
     sp = add("submit", cmd_submit, "submit a rollout")
     server_flag(sp)

@@ -13,6 +13,12 @@ import re
 
 from fleet.core.egress import Address, covers
 
+GATEWAY_NAME = "fleet-gateway.internal"
+"""What a machine calls the inference gateway: its resolver answers this name with the address
+the machine reaches the gateway at, and the gateway's certificate names it, so that a client in
+the machine verifies the gateway over TLS by name as any client does (`.internal` is kept for
+private use and resolves nowhere else)."""
+
 MAX_NUMBER_CHARS = 40
 """Longer numeric parts are not addresses (and are not turned into large integers)."""
 

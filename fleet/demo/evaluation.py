@@ -16,59 +16,20 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from fleet import resources
 from fleet.client import AsyncFleet, Rollout, Smolfile, Step
-from fleet.config import Paths
 from fleet.core.lifecycle import RolloutState
 from fleet.demo.chart import line_chart
 from fleet.demo.common import print_table
+from fleet.embedded import GatewayHandle as GatewayHandle
+from fleet.embedded import start_gateway as start_gateway
 from fleet.envs.episode import source, warm_step
-from fleet.identity.ca import CertificateAuthority
-from fleet.identity.tls import ServerTls, server_names, server_ssl_context
 
 NEAR_GATEWAY = 8
 """Episodes that ask to run on the GPU host, next to the gateway, for the latency comparison."""
 SMOLFILE = resources.smolfile("gridworld-episode")
-
-
-@dataclass
-class GatewayHandle:
-    gateway: Any
-    grpc_server: Any
-    grpc_port: int
-    http_server: asyncio.Server
-    http_port: int
-
-    async def stop(self) -> None:
-        self.http_server.close()
-        await self.gateway.stop()
-        await self.grpc_server.stop(1)
-
-
-async def start_gateway(paths: Paths, log_level: str = "info") -> GatewayHandle:
-    """The gateway with the shipped policy: gRPC on loopback, HTTP where machines reach it."""
-    from gateway import require_torch
-
-    require_torch()
-    from gateway.http import serve_http
-    from gateway.service import Gateway, GatewayConfig, serve
-
-    # Off the event loop: starting the model engine takes seconds, and the fleet's agents
-    # heartbeat on this loop meanwhile.
-    config = GatewayConfig(secret=paths.token_secret(), device="auto", log_level=log_level)
-    gw = await asyncio.to_thread(Gateway.build, config)
-    server, port = await serve(gw, "127.0.0.1:0")
-    # Machines reach this host at their link's host address; only their firewall rule (for
-    # rollouts that use inference) and a rollout token get a request through. Beyond loopback,
-    # so over TLS from the fleet's CA, as `fleet gateway` serves it.
-    ca = await asyncio.to_thread(CertificateAuthority.load_or_init, paths.ca)
-    tls = await asyncio.to_thread(ServerTls.issue, ca, server_names("0.0.0.0:0", []))
-    http, http_port = await serve_http(gw, "0.0.0.0", 0, tls=server_ssl_context(tls))
-    return GatewayHandle(gw, server, port, http, http_port)
 
 
 def _write_chart(path: Path, panels: list[list[tuple[float, float]]]) -> None:

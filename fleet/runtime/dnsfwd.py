@@ -15,13 +15,14 @@ import asyncio
 import contextlib
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 import dns.exception
 import dns.flags
 import dns.message
 import dns.rcode
 import dns.rdatatype
+import dns.rrset
 import structlog
 
 from fleet.core.egress import EgressEvent, EgressRules
@@ -49,6 +50,10 @@ class _Listener(asyncio.DatagramProtocol):
         self.owner.spawn(data, addr)
 
 
+LOCAL_TTL_S = 60
+"""How long a machine may cache a name answered here."""
+
+
 class DnsForwarder:
     """One machine's resolver: answers allowed names, admits their addresses, logs refusals."""
 
@@ -61,8 +66,13 @@ class DnsForwarder:
         upstream: tuple[str, int],
         admit: Callable[[list[tuple[str, int]]], Awaitable[None]],
         record: Callable[[EgressEvent], None],
+        local: Mapping[str, str] | None = None,
     ) -> None:
+        """`local`: names answered here with an IPv4 address, never asked upstream nor judged
+        by the egress rules (the gateway's name: its address is reachable by the machine's own
+        firewall rule)."""
         self.machine = machine
+        self.local = {name.lower(): address for name, address in (local or {}).items()}
         self.rules = rules
         self.machine_netns = machine_netns
         self.uplink_path = uplink_path
@@ -112,6 +122,12 @@ class DnsForwarder:
             return
         question = query.question[0]
         name = question.name.to_text(omit_final_dot=True)
+        if name.lower() in self.local:
+            if question.rdtype == dns.rdatatype.A:
+                reply.answer.append(dns.rrset.from_text(
+                    question.name, LOCAL_TTL_S, "IN", "A", self.local[name.lower()]))  # fmt: skip
+            self._send(reply, addr)
+            return
         refusal = self.rules.name_refusal(name)
         if refusal is not None:
             self._refuse(name, refusal)

@@ -32,6 +32,7 @@ from fleet.core.errors import (
     NotFound,
     Unavailable,
 )
+from fleet.core.hostnames import GATEWAY_NAME
 from fleet.core.placement import Isolation, RuntimeKind
 from fleet.runtime import capabilities, cgroups, disk, helpers, seccomp, users
 from fleet.runtime.base import (
@@ -221,7 +222,7 @@ class NamespaceRuntime:
         machine.gateway = gateway
         dns = DnsForwarder(
             spec.name, rules, name, self.net.uplink_path, self.net.dns_upstream, net.admit,
-            machine.record,
+            machine.record, local={GATEWAY_NAME: gateway[0]} if gateway is not None else None,
         )  # fmt: skip
         machine.dns = dns
         await dns.start()

@@ -22,6 +22,7 @@ from fleet.core.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from fleet.core.hostnames import GATEWAY_NAME
 from fleet.core.rollout import MAX_OUTPUT_BYTES
 from fleet.runtime import capabilities, disk, users
 from fleet.runtime.base import (
@@ -319,9 +320,10 @@ class NamespaceMachine:
             scheme = "https://" if self.spec.gateway_tls else ""
             environment["FLEET_GATEWAY"] = f"{scheme}{self.gateway[0]}:{self.gateway[1]}"
             if "FLEET_INFERENCE_TOKEN" in environment:  # (read by the official `openai` client)
-                environment["OPENAI_BASE_URL"] = (
-                    f"{scheme or 'http://'}{self.gateway[0]}:{self.gateway[1]}/v1"
-                )
+                # Over TLS by the name the gateway's certificate carries (the machine's
+                # resolver answers it), so that a client verifies it as any client does.
+                host = GATEWAY_NAME if scheme else self.gateway[0]
+                environment["OPENAI_BASE_URL"] = f"{scheme or 'http://'}{host}:{self.gateway[1]}/v1"
                 environment["OPENAI_API_KEY"] = environment["FLEET_INFERENCE_TOKEN"]
         if self.resident is not None and as_user:
             if not self.resident.alive:  # (a command killed it: `kill -9 -1` as root)

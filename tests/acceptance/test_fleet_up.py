@@ -171,3 +171,72 @@ def test_image_pack_packs_where_microvms_boot_and_says_why_not_elsewhere(tmp_pat
         assert out.returncode == 1
         assert "microVMs cannot boot here:" in out.stderr, out.stderr
         assert not (tmp_path / "m.smolmachine").exists()
+
+
+CHAT_STEP = r"""
+import json, os, ssl, urllib.request
+context = ssl.create_default_context(cadata=os.environ["FLEET_GATEWAY_CA"])
+base, key = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]
+def call(path, body=None):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(base + path, data=data, headers={
+        "Authorization": "Bearer " + key, "Content-Type": "application/json"})
+    return json.load(urllib.request.urlopen(req, timeout=60, context=context))
+model = call("/models")["data"][0]["id"]
+answer = call("/chat/completions", {"model": model, "temperature": 0, "max_tokens": 24,
+              "messages": [{"role": "user", "content": "hello"}]})
+print(json.dumps({"model": model, "served_by": answer["fleet"]["served_by"],
+                  "tokens": answer["usage"]["completion_tokens"]}))
+"""
+
+
+def test_up_with_its_gateway_serves_an_inference_rollout(tmp_path: Path) -> None:
+    """`fleet up --gateway` starts the gateway with the shipped language model beside the
+    embedded fleet: a rollout submitted with --inference calls its OpenAI-compatible API."""
+    port = free_port()
+    argv = [*FLEET, "up", "--gateway", "--listen", f"127.0.0.1:{port}",
+            "--db", str(tmp_path / "ledger.sqlite3")]  # fmt: skip
+    log = tmp_path / "fleet-up.log"
+    env = {**os.environ, "FLEET_GATEWAY_LLM": "auto"}
+    with (
+        log.open("w") as err,
+        subprocess.Popen(
+            argv, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True, env=env
+        ) as proc,  # fmt: skip
+    ):
+        assert proc.stdout is not None
+        banner = [proc.stdout.readline(), proc.stdout.readline()]
+        if not all("fleet up:" in line for line in banner):
+            proc.kill()
+            pytest.fail(f"fleet up --gateway did not start: {banner}{log.read_text()[-3000:]}")
+        assert "language model fleet-tiny-chat-v1" in banner[1], banner
+        plan = tmp_path / "plan.toml"
+        plan.write_text(f"[[steps]]\nargv = ['python3', '-c', '''{CHAT_STEP}''']\n")
+        server = f"127.0.0.1:{port}"
+        minimal = str(SMOLFILES / "minimal.smolfile")
+        submitted = cli("submit", "--server", server, "-s", minimal, "--plan", str(plan),
+                        "--inference", "-q")  # fmt: skip
+        done: dict[str, object] = {}
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            got = cli("get", "--server", server, submitted.stdout.strip(), "--json")
+            done = json.loads(got.stdout) if got.returncode == 0 else {}
+            if done.get("state") in ("ROLLOUT_STATE_SUCCEEDED", "ROLLOUT_STATE_FAILED"):
+                break
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert submitted.returncode == 0, submitted.stderr[-2000:]
+    assert done.get("state") == "ROLLOUT_STATE_SUCCEEDED", [
+        base64.b64decode(r["stderr"])[-1500:] for r in done.get("results", [])  # type: ignore[attr-defined]
+    ] or done
+    results = done["results"]
+    assert isinstance(results, list)
+    seen = json.loads(base64.b64decode(results[0]["stdout"]))
+    assert seen["model"] == "fleet-tiny-chat-v1" and seen["served_by"] == "primary"
+    assert seen["tokens"] > 0
+    assert proc.returncode == 0, log.read_text()[-2000:]
