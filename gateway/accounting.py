@@ -12,6 +12,9 @@ the older behaviour: what it is handed counts as taken.
 Memory is bounded: tokens wait for at most `ROLLOUTS_KEPT` (rollout, model) pairs, and at most
 `HANDOVERS_KEPT` unconfirmed hand-overs are kept apart (older ones are merged). What cannot be
 kept is counted, logged once and exported as a metric, never silently dropped.
+
+Every answer's tokens also reach the book's `Budgets` (`gateway.llm.budgets`), which keeps what
+each rollout used in all and each tenant in the last minute, for the checks that admit a call.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import secrets
 from dataclasses import dataclass, field
 
 import structlog
+
+from gateway.llm.budgets import Budgets
 
 log = structlog.get_logger(__name__)
 
@@ -62,7 +67,7 @@ Mark = tuple[str, int]
 class UsageBook:
     """Tokens waiting for the server, and the hand-overs it has not confirmed."""
 
-    def __init__(self, rollouts_kept: int = ROLLOUTS_KEPT) -> None:
+    def __init__(self, rollouts_kept: int = ROLLOUTS_KEPT, budgets: Budgets | None = None) -> None:
         self.run_id = secrets.token_hex(8)
         """This gateway run's id: a mark from another run (a restarted gateway) confirms
         nothing here."""
@@ -75,11 +80,14 @@ class UsageBook:
         """Tokens recorded since the gateway started (for its metrics)."""
         self.tokens_unkept = 0
         """Tokens that no attempt will be charged: the table was full (no server polled)."""
+        self.budgets = budgets if budgets is not None else Budgets()
+        """The rollouts' and tenants' token budgets, fed by every answer counted here."""
 
     def add_tokens(self, rollout_id: str, model: str, prompt: int, completion: int) -> None:
         """One answer's tokens (what its client received), for the rollout's next hand-over."""
         if prompt <= 0 and completion <= 0:
             return
+        self.budgets.record(rollout_id, prompt, completion)
         self.prompt_tokens += prompt
         self.completion_tokens += completion
         key = (rollout_id, model)

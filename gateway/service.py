@@ -237,7 +237,9 @@ class Gateway:
         log.info("gateway_model_loaded", model=spec.name, revision=spec.revision,
                  sha256=spec.sha256[:16], device=device, dtype=spec.dtype,
                  engine=config.engine, fallback="cpu float32")  # fmt: skip
-        return cls(config, spec, Batcher(primary, fallback, config.batch, breaker), llm=llm)
+        gateway = cls(config, spec, Batcher(primary, fallback, config.batch, breaker), llm=llm)
+        gateway.usage.budgets.tenant_tokens_per_minute = config.tenant_tokens_per_minute
+        return gateway
 
     def authorize(self, token: str, rollout_id: str = "") -> TokenClaims:
         """The claims of a request's token, checked as every inference request's are: its

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from fleet import resources
@@ -102,6 +102,17 @@ class GatewayConfig(BaseModel):
     signature and deadline alone (a gateway run standalone, that no server polls). Off, the
     gateway fails closed: until a first list arrives, every token is refused (UNAVAILABLE),
     since a token must not outlive its rollout and only the server knows which have ended."""
+    tenant_tokens_per_minute: int = 0
+    """Prompt and completion tokens each tenant's rollouts may take in any minute, over the
+    gateway's own model and upstream ones (0: no limit); a call past it is refused (429,
+    code budget_exceeded, with Retry-After). See gateway.llm.budgets."""
+
+    @field_validator("tenant_tokens_per_minute")
+    @classmethod
+    def _whole_tokens(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError(f"is {value}: it must be at least 0 (0: no limit)")
+        return value
 
 
 class GatewaySettings(GatewayConfig, BatchConfig, Settings):

@@ -165,6 +165,8 @@ def submit_from_pb(req: fleet_pb2.SubmitRolloutRequest) -> SubmitRequest:
         inputs=tuple(input_from_pb(i) for i in req.inputs),
         outputs=tuple(req.outputs),
         models=tuple(req.models),
+        max_prompt_tokens=req.max_prompt_tokens,
+        max_completion_tokens=req.max_completion_tokens,
     )
 
 
@@ -228,6 +230,8 @@ def manifest_to_pb(m: Manifest) -> types_pb2.Manifest:
             else None
         ),
         models=list(m.models),
+        max_prompt_tokens=m.max_prompt_tokens,
+        max_completion_tokens=m.max_completion_tokens,
     )
 
 
@@ -265,6 +269,8 @@ def manifest_from_pb(m: types_pb2.Manifest) -> Manifest:
             else None
         ),
         models=tuple(m.models),
+        max_prompt_tokens=m.max_prompt_tokens,
+        max_completion_tokens=m.max_completion_tokens,
     )
 
 

@@ -17,6 +17,7 @@ from fleet.cli.admin import add_commands as add_admin_commands
 from fleet.cli.daemons import cmd_agent, cmd_gateway, cmd_serve, cmd_up
 from fleet.cli.local import cmd_image, cmd_run
 from fleet.cli.rollouts import (
+    add_budget_arguments,
     cmd_cancel,
     cmd_egress_events,
     cmd_get,
@@ -182,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
         "UPSTREAM/* for all of one upstream's), besides the gateway's own (repeatable; implies "
         "--inference)",
     )  # fmt: skip
+    add_budget_arguments(sp)
     sp.add_argument("--tenant", default="")
     sp.add_argument(
         "--input", action="append", default=[], metavar="SRC:/PATH",

@@ -17,6 +17,39 @@ from fleet.cli.client import (
     steps_from_flags,
 )
 from fleet.client import AsyncFleet, Event, Rollout, Smolfile
+from fleet.core.manifest import BUDGETS, MAX_TOKEN_BUDGET
+
+
+def _token_count(text: str) -> int:
+    """A budget flag's value: a whole number of tokens from 0 (no budget) up."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number of tokens, not {text!r}"
+        ) from None
+    if not 0 <= value <= MAX_TOKEN_BUDGET:
+        raise argparse.ArgumentTypeError(
+            f"{value} is out of range: from 0 (no budget) to {MAX_TOKEN_BUDGET}"
+        )
+    return value
+
+
+def add_budget_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--max-prompt-tokens` and `--max-completion-tokens`, for `fleet submit` and `fleet
+    session open` alike: a rollout's token budgets over all its model calls (imply
+    --inference)."""
+    for name, what in zip(BUDGETS, ("prompt", "completion"), strict=True):
+        parser.add_argument(
+            "--" + name.replace("_", "-"), type=_token_count, default=0, metavar="N",
+            help=f"{what} tokens its model calls through the gateway may take in all, its own "
+            f"model's and upstream ones' (0: no budget; implies --inference)",
+        )  # fmt: skip
+
+
+def budgets_of(args: argparse.Namespace) -> dict[str, int]:
+    """The budgets the command line set (none where its parser has no budget flags)."""
+    return {name: int(getattr(args, name, 0) or 0) for name in BUDGETS}
 
 
 def _clock(at: datetime | None, fmt: str = "%H:%M:%S") -> str:
@@ -86,13 +119,16 @@ async def cmd_submit(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     inputs = parse_inputs(args.input)
+    budgets = budgets_of(args)
     async with connect(args) as fleet:
         rollout = await fleet.submit(
             smolfile, steps, inputs=inputs, outputs=args.output,
             idempotency_key=args.idempotency_key, labels=parse_labels(args.label),
             deadline_s=args.deadline_s, max_attempts=args.max_attempts,
             require_vm=args.require_vm, require_cuda_device=args.require_cuda_device,
-            inference=args.inference or bool(args.model), tenant=args.tenant, models=args.model,
+            inference=args.inference or bool(args.model) or any(budgets.values()),
+            tenant=args.tenant, models=args.model, max_prompt_tokens=budgets["max_prompt_tokens"],
+            max_completion_tokens=budgets["max_completion_tokens"],
         )  # fmt: skip
         said = "submitted" if rollout.created else "already submitted (same key)"
         print(rollout.id if args.quiet else f"{rollout.id} {said}", flush=True)

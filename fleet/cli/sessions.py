@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from fleet.cli.client import connect
+from fleet.cli.rollouts import add_budget_arguments, budgets_of
 from fleet.client import AsyncFleet
 from fleet.core.errors import InvalidArgument
 
@@ -27,10 +28,13 @@ async def cmd_session(args: argparse.Namespace) -> int:
 
 async def _session(fleet: AsyncFleet, args: argparse.Namespace) -> int:
     if args.action == "open":
+        budgets = budgets_of(args)
         box = await fleet.session(
             args.smolfile, idle_timeout_s=args.idle_timeout_s,
             max_lifetime_s=args.max_lifetime_s, require_vm=args.require_vm,
-            inference=args.inference or bool(args.model), models=args.model,
+            inference=args.inference or bool(args.model) or any(budgets.values()),
+            models=args.model, max_prompt_tokens=budgets["max_prompt_tokens"],
+            max_completion_tokens=budgets["max_completion_tokens"],
         )  # fmt: skip
         print(box.id)
         return 0
@@ -104,6 +108,7 @@ def add_session_command(sub: argparse._SubParsersAction, server_flag: object) ->
     o.add_argument("--model", action="append", default=[], metavar="UPSTREAM/MODEL",
                    help="an upstream model its machine may call through the gateway, besides "
                    "the gateway's own (repeatable; implies --inference)")  # fmt: skip
+    add_budget_arguments(o)
     e = ssub.add_parser("exec", help="run a command in a session (exit code passed through)")
     e.add_argument("id")
     e.add_argument("--timeout-s", type=float, default=600.0)

@@ -315,15 +315,19 @@ class AsyncFleet:
         idempotency_key: str | None = None,
         inference: bool = False,
         models: Sequence[str] = (),
+        max_prompt_tokens: int = 0,
+        max_completion_tokens: int = 0,
     ) -> AsyncSession:
         """Opens a session (a machine held for your calls) and returns once it is ready; use
         it with `async with` to close it at the end. `inference`: its machine may call the
         inference gateway with a token of its own; `models`: the upstream models
-        (`UPSTREAM/MODEL`) it may call there, besides the gateway's own."""
+        (`UPSTREAM/MODEL`) it may call there, besides the gateway's own; the budgets: the
+        tokens those calls may take in all (0: no budget)."""
         request = wire.open_session_request(
             _smolfile(smolfile), idle_timeout_s=idle_timeout_s, max_lifetime_s=max_lifetime_s,
             labels=labels, require_vm=require_vm, idempotency_key=idempotency_key,
-            inference=inference, models=models,
+            inference=inference, models=models, max_prompt_tokens=max_prompt_tokens,
+            max_completion_tokens=max_completion_tokens,
         )  # fmt: skip
         reply = await self.call(lambda: self.sessions_stub.OpenSession(request))
         return AsyncSession(self, reply.id, reply.host_id)

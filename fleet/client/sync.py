@@ -207,12 +207,15 @@ class Fleet:
         idempotency_key: str | None = None,
         inference: bool = False,
         models: Sequence[str] = (),
+        max_prompt_tokens: int = 0,
+        max_completion_tokens: int = 0,
     ) -> Session:
         """See `AsyncFleet.session`; use it as a context manager to close it at the end."""
         opened = self._run(self.aio.session(
             smolfile, idle_timeout_s=idle_timeout_s, max_lifetime_s=max_lifetime_s,
             labels=labels, require_vm=require_vm, idempotency_key=idempotency_key,
-            inference=inference, models=models,
+            inference=inference, models=models, max_prompt_tokens=max_prompt_tokens,
+            max_completion_tokens=max_completion_tokens,
         ))  # fmt: skip
         return Session(self, opened.id, opened.host_id)
 

@@ -58,6 +58,12 @@ class CommonOptions(TypedDict, total=False):
     models: Sequence[str]
     """The upstream models (`UPSTREAM/MODEL`, or `UPSTREAM/*`) its machine may call through
     the gateway, besides the gateway's own model; needs `inference`."""
+    max_prompt_tokens: int
+    """Prompt tokens its model calls through the gateway may take in all (0: no budget);
+    needs `inference`. A call past it is refused (429, code budget_exceeded)."""
+    max_completion_tokens: int
+    """Completion tokens its model calls through the gateway may take in all (0: no budget);
+    needs `inference`."""
     near_gateway: bool
     versions: Mapping[str, str]
     """policy, environment and evaluator: a retry reuses them."""
@@ -236,6 +242,8 @@ def submit_request(
             outputs=list(options.get("outputs") or ()),
             image_upload=image_upload,
             models=list(options.get("models") or ()),
+            max_prompt_tokens=options.get("max_prompt_tokens", 0),
+            max_completion_tokens=options.get("max_completion_tokens", 0),
         )  # fmt: skip
     except (TypeError, ValueError) as exc:  # (a label or version no protobuf string can hold)
         raise InvalidArgument(f"{smolfile.name}: submission: {exc}") from None
@@ -288,7 +296,8 @@ def blob_part(data: bytes) -> fleet_pb2.BlobPart:
 def open_session_request(
     smolfile: Smolfile, *, idle_timeout_s: float, max_lifetime_s: float,
     labels: Mapping[str, str] | None, require_vm: bool, idempotency_key: str | None,
-    inference: bool = False, models: Sequence[str] = (),
+    inference: bool = False, models: Sequence[str] = (), max_prompt_tokens: int = 0,
+    max_completion_tokens: int = 0,
 ) -> fleet_pb2.OpenSessionRequest:  # fmt: skip
     return fleet_pb2.OpenSessionRequest(
         request_id=uuid.uuid4().hex, idempotency_key=idempotency_key or uuid.uuid4().hex,
@@ -298,7 +307,8 @@ def open_session_request(
             isolation=types_pb2.ISOLATION_VM if require_vm else types_pb2.ISOLATION_UNSPECIFIED,
             inference=inference,
         ),
-        models=list(models),
+        models=list(models), max_prompt_tokens=max_prompt_tokens,
+        max_completion_tokens=max_completion_tokens,
     )  # fmt: skip
 
 

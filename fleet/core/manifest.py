@@ -40,6 +40,11 @@ MODEL_RULE = (
     "name (letters, digits and '.', '_', '-', ':', '/', '@', '+'), or UPSTREAM/* for all of "
     "its models"
 )
+MAX_TOKEN_BUDGET = 10**12
+"""The largest token budget a rollout may set (a bound no run reaches, that every JSON reader
+and the token's claims hold as an exact integer)."""
+BUDGETS = ("max_prompt_tokens", "max_completion_tokens")
+"""A rollout's token budgets: totals over all of its model calls through the gateway."""
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}/(\*|[A-Za-z0-9][A-Za-z0-9._:/@+-]*)")
 
 
@@ -162,6 +167,10 @@ class Manifest(BaseModel):
     """Set for an interactive session (no steps)."""
     models: tuple[str, ...] = ()
     """The upstream models its machines may call through the gateway (`MODEL_RULE`)."""
+    max_prompt_tokens: int = 0
+    """Prompt tokens its model calls through the gateway may take in all (0: no budget)."""
+    max_completion_tokens: int = 0
+    """Completion tokens its model calls through the gateway may take in all (0: none)."""
 
     def model_copy(
         self, *, update: Mapping[str, Any] | None = None, deep: bool = False
@@ -176,7 +185,9 @@ class Manifest(BaseModel):
         # Inputs and outputs came later: left out when there are none, so the digests of
         # manifests stored before them do not change.
         added = {
-            name for name in ("inputs", "outputs", "session", "models") if not getattr(self, name)
+            name
+            for name in ("inputs", "outputs", "session", "models", *BUDGETS)
+            if not getattr(self, name)
         }
         body = self.model_dump_json(exclude={"smolfile_name", *added})
         return "sha256:" + hashlib.sha256(body.encode()).hexdigest()
@@ -206,6 +217,10 @@ class SubmitRequest(BaseModel):
     session: SessionSpec | None = None
     models: tuple[str, ...] = ()
     """The upstream models its machines may call through the gateway (`MODEL_RULE`)."""
+    max_prompt_tokens: int = 0
+    """Prompt tokens its model calls through the gateway may take in all (0: no budget)."""
+    max_completion_tokens: int = 0
+    """Completion tokens its model calls through the gateway may take in all (0: none)."""
 
     def model_copy(
         self, *, update: Mapping[str, Any] | None = None, deep: bool = False
@@ -226,7 +241,7 @@ class SubmitRequest(BaseModel):
             # an idempotent retry across an upgrade) does not change.
             if not body["requirements"][added]:
                 del body["requirements"][added]
-        for added in ("inputs", "outputs", "session", "models"):
+        for added in ("inputs", "outputs", "session", "models", *BUDGETS):
             if not body[added]:
                 del body[added]
         if self.session is not None:
@@ -347,7 +362,26 @@ def validate_request(
             )
     check_files(request, parsed)
     check_models(request)
+    check_budgets(request)
     return parsed
+
+
+def check_budgets(request: SubmitRequest) -> None:
+    """A rollout's token budgets: whole numbers from 0 (none) to MAX_TOKEN_BUDGET, and only
+    with `inference` (the gateway enforces them from the token's claims, which only such a
+    rollout gets)."""
+    for name in BUDGETS:
+        value = getattr(request, name)
+        if not 0 <= value <= MAX_TOKEN_BUDGET:
+            raise InvalidArgument(
+                f"{name} {value} is out of range: it must be from 0 (no budget) to "
+                f"{MAX_TOKEN_BUDGET}"
+            )
+        if value and not request.requirements.inference:
+            raise InvalidArgument(
+                f"{name}: only a rollout that calls the inference gateway "
+                "(requirements.inference, fleet submit --inference) has a token budget"
+            )
 
 
 def check_models(request: SubmitRequest) -> None:
@@ -432,5 +466,7 @@ def build_manifest(
         outputs=request.outputs,
         session=request.session,
         models=request.models,
+        max_prompt_tokens=request.max_prompt_tokens,
+        max_completion_tokens=request.max_completion_tokens,
         host_class=host_class_for(parsed.spec, request.requirements),
     )

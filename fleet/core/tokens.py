@@ -5,11 +5,13 @@ server and the gateway share. The gateway refuses a token that is malformed, sig
 another key, expired, or scoped to a different rollout than the request claims.
 
 Format: `v1.<payload>.<signature>`, both parts unpadded base64url; the payload is compact JSON
-`{"rid": rollout id, "exp": unix seconds, "iat": unix seconds, "mdl": [model, ...]}` (`iat`, when
-the attempt that carries it was leased, may be absent in tokens of older servers; `mdl`, the
-upstream models the rollout may call through the gateway, is absent when it names none). The
-model list rides in the signed claims so that the gateway decides on a request without asking
-the server what the rollout was allowed.
+`{"rid": rollout id, "exp": unix seconds, "iat": unix seconds, "mdl": [model, ...], "tnt": tenant,
+"mpt": prompt tokens, "mct": completion tokens}` (`iat`, when the attempt that carries it was
+leased, may be absent in tokens of older servers; `mdl`, the upstream models the rollout may
+call through the gateway, is absent when it names none; `tnt`, the rollout's tenant, absent in
+older tokens; `mpt` and `mct`, the rollout's token budgets, absent when it set none). The model
+list, the tenant and the budgets ride in the signed claims so that the gateway decides on a
+request without asking the server what the rollout was allowed.
 
 A token is good only while its rollout runs: the server tells the gateway which rollouts are
 running (`RunningRollouts`, signed with the same secret, every poll), and the gateway refuses a
@@ -41,6 +43,13 @@ class TokenClaims(BaseModel):
     models: tuple[str, ...] = ()
     """The upstream models (`UPSTREAM/MODEL`) the rollout's request allowed; the gateway's own
     model needs no listing."""
+    tenant: str = ""
+    """The rollout's tenant ("" in tokens of servers that did not say), whose tokens per minute
+    the gateway may bound."""
+    max_prompt_tokens: int = 0
+    """The rollout's prompt-token budget over all its model calls (0: none)."""
+    max_completion_tokens: int = 0
+    """The rollout's completion-token budget over all its model calls (0: none)."""
 
 
 def _b64(data: bytes) -> str:
@@ -58,17 +67,25 @@ def _check_secret(secret: bytes) -> None:
 
 def issue(
     secret: bytes, rollout_id: str, expires_at: float, issued_at: float = 0.0,
-    models: tuple[str, ...] = (),
+    models: tuple[str, ...] = (), tenant: str = "", max_prompt_tokens: int = 0,
+    max_completion_tokens: int = 0,
 ) -> str:  # fmt: skip
     """A token for `rollout_id`, valid until `expires_at` (the rollout's deadline) and while
     the rollout runs; `issued_at`: when its attempt was leased; `models`: the upstream models
-    it may call."""
+    it may call; `tenant`: whose rollout it is; the budgets: the rollout's token budgets (0:
+    none). What is unset is left out, so a token without them is as it was before them."""
     _check_secret(secret)
     claims: dict[str, object] = {"rid": rollout_id, "exp": round(expires_at, 3)}
     if issued_at:
         claims["iat"] = round(issued_at, 3)
     if models:
         claims["mdl"] = list(models)
+    if tenant:
+        claims["tnt"] = tenant
+    if max_prompt_tokens:
+        claims["mpt"] = int(max_prompt_tokens)
+    if max_completion_tokens:
+        claims["mct"] = int(max_completion_tokens)
     payload = json.dumps(claims, separators=(",", ":"))
     body = _b64(payload.encode())
     signature = hmac.new(secret, f"v1.{body}".encode(), hashlib.sha256).digest()
@@ -83,17 +100,26 @@ def verify(secret: bytes, token: str, now: float, rollout_id: str = "") -> Token
     _check_secret(secret)
     if not token:
         raise Unauthenticated("no inference token: requests need the rollout's token")
-    rid, exp, iat, models = _signed_claims(secret, token)
-    if now >= exp:
+    claims = _signed_claims(secret, token)
+    rid = claims.rollout_id
+    if now >= claims.expires_at:
         raise PermissionDenied(f"inference token for rollout {rid} expired at its deadline")
     if rollout_id and rollout_id != rid:
         raise PermissionDenied(f"inference token is scoped to rollout {rid}, not to {rollout_id}")
-    return TokenClaims(rollout_id=rid, expires_at=exp, issued_at=iat, models=models)
+    return claims
+
+
+def _budget(claims: dict[str, object], name: str) -> int:
+    """A budget claim: a whole number of tokens, at least 0 (0 when absent)."""
+    value = claims.get(name, 0)
+    if type(value) is not int or value < 0:  # (not a bool, a float or a string)
+        raise ValueError(f"{name} is not a token count")
+    return value
 
 
 @functools.lru_cache(maxsize=8192)
-def _signed_claims(secret: bytes, token: str) -> tuple[str, float, float, tuple[str, ...]]:
-    """(rollout id, expiry, issue time, models) of a token whose signature verifies under `secret`.
+def _signed_claims(secret: bytes, token: str) -> TokenClaims:
+    """The claims of a token whose signature verifies under `secret` (its expiry unchecked).
 
     Remembered per token: a rollout's machine sends the same token with every action, and the
     answer cannot change (only a valid signature is remembered; expiry is checked on each use).
@@ -107,16 +133,23 @@ def _signed_claims(secret: bytes, token: str) -> tuple[str, float, float, tuple[
         rid, exp = str(claims["rid"]), float(claims["exp"])
         iat = float(claims.get("iat", 0.0))
         models = claims.get("mdl", [])
+        tenant = claims.get("tnt", "")
         if not (math.isfinite(exp) and math.isfinite(iat)):
             raise ValueError("not finite")
         if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
             raise ValueError("models are not a list of names")
+        if not isinstance(tenant, str):
+            raise ValueError("tenant is not a name")
+        budgets = _budget(claims, "mpt"), _budget(claims, "mct")
     except (ValueError, KeyError, TypeError, AttributeError):
         raise Unauthenticated("malformed inference token (unreadable payload)") from None
     expected = hmac.new(secret, f"v1.{parts[1]}".encode(), hashlib.sha256).digest()
     if not hmac.compare_digest(signature, expected):
         raise Unauthenticated("inference token signature does not verify (another key?)")
-    return rid, exp, iat, tuple(models)
+    return TokenClaims(
+        rollout_id=rid, expires_at=exp, issued_at=iat, models=tuple(models), tenant=tenant,
+        max_prompt_tokens=budgets[0], max_completion_tokens=budgets[1],
+    )  # fmt: skip
 
 
 RUNNING_TAG = "running.v1"

@@ -223,7 +223,8 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
         )
 
     def _with_token(self, a: Assignment) -> Assignment:
-        """A rollout that uses the gateway gets a token scoped to it, valid to its deadline."""
+        """A rollout that uses the gateway gets a token scoped to it, valid to its deadline,
+        that says what the gateway enforces: its models, its tenant and its token budgets."""
         if not a.manifest.requirements.inference:
             return a
         secret = self.core.config.token_secret
@@ -232,8 +233,12 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
                 "this server has no token secret, so it cannot give rollouts that use the "
                 "inference gateway their tokens (see Paths.token_secret)"
             )
-        token = tokens.issue(secret, a.rollout_id, a.manifest.deadline.timestamp(), time.time(),
-                             models=a.manifest.models)  # fmt: skip
+        m = a.manifest
+        token = tokens.issue(
+            secret, a.rollout_id, m.deadline.timestamp(), time.time(), models=m.models,
+            tenant=a.tenant, max_prompt_tokens=m.max_prompt_tokens,
+            max_completion_tokens=m.max_completion_tokens,
+        )  # fmt: skip
         return a.model_copy(update={"inference_token": token})
 
     async def ClaimWork(

@@ -224,7 +224,8 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
             labels={**request.labels, SESSION_LABEL: "1"}, tenant=tenant,
             requirements=convert.requirements_from_pb(request.requirements),
             session=SessionSpec(idle_timeout_s=request.idle_timeout_s or DEFAULT_IDLE_S),
-            models=tuple(request.models),
+            models=tuple(request.models), max_prompt_tokens=request.max_prompt_tokens,
+            max_completion_tokens=request.max_completion_tokens,
         )  # fmt: skip
         parsed = await asyncio.to_thread(
             validate_request, submit, now, timedelta(seconds=self.core.config.max_deadline_s)
@@ -283,6 +284,8 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
                 smolfile_name=manifest.smolfile_name, steps=(), deadline=deadline,
                 retry=manifest.retry, labels=labels, tenant=source.tenant,
                 requirements=manifest.requirements, session=spec, models=manifest.models,
+                max_prompt_tokens=manifest.max_prompt_tokens,
+                max_completion_tokens=manifest.max_completion_tokens,
             )
             for i in range(count)
         ]  # fmt: skip

@@ -10,6 +10,8 @@ whose `finish_reason` is "error"; a resumable one names the tokens sent and the 
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import secrets
 from collections.abc import AsyncIterator, Callable
@@ -18,9 +20,10 @@ from typing import Any
 import structlog
 
 from fleet.api.pb import inference_pb2
-from fleet.core.errors import FleetError, InvalidArgument, Unavailable
+from fleet.core.errors import FleetError, InvalidArgument, ResourceExhausted, Unavailable
 from fleet.core.tokens import TokenClaims
 from gateway.accounting import UsageBook
+from gateway.llm.budgets import BudgetExceeded
 from gateway.llm.sampling import SamplingParams
 from gateway.llm.serving import LanguageModel, Resumable, Route
 from gateway.model import DeviceFault
@@ -83,7 +86,17 @@ async def generate_events(
     params = _params(lm, request, len(ids))
     sent: list[int] = []
     finish = ""
-    with lm.admitted(claims.rollout_id, 1):
+    with contextlib.ExitStack() as holds:
+        if usage is not None:  # the rollout's and its tenant's token budgets, as over HTTP
+            try:
+                (cap,) = holds.enter_context(
+                    usage.budgets.admit(claims, len(ids), [params.max_tokens])
+                )
+            except BudgetExceeded as exc:
+                raise ResourceExhausted(exc.message, retry_after_s=exc.retry_after_s) from None
+            if cap is not None and cap != params.max_tokens:
+                params = dataclasses.replace(params, max_tokens=cap)
+        holds.enter_context(lm.admitted(claims.rollout_id, 1))
         route, (asked,) = await lm.plan(
             [(ids, params)], streaming=True, no_fallback=request.no_fallback
         )

@@ -39,6 +39,7 @@ import structlog
 from fleet.core.errors import FleetError, Unauthenticated
 from fleet.core.tokens import TokenClaims
 from gateway.accounting import UsageBook
+from gateway.llm.budgets import admit_jobs, forward_metered
 from gateway.llm.chat import AnswerStream, ChatPrompt, parse_answer, render_prompt
 from gateway.llm.engine import TokenEvent
 from gateway.llm.openai_schema import (
@@ -123,7 +124,9 @@ class OpenAIApi:
             log.debug("openai_request", path=path, rollout_id=claims.rollout_id)
             forward = self.upstreams.request_of(path, body) if self.upstreams else None
             if self.upstreams is not None and forward is not None:
-                reply = await self.upstreams.forward(path, claims, forward)
+                reply = await forward_metered(
+                    self.upstreams, self.usage, path, claims, forward, headers, holds
+                )
             elif path == "/v1/models":
                 reply = self.models()
                 if self.upstreams is not None and reply.body is not None:
@@ -261,6 +264,8 @@ class OpenAIApi:
                 raise ApiError(400, f"header {SHRINK_HEADER}: expected a token count >= 1, not "
                                f"{floor_text[:40]!r}", param=SHRINK_HEADER)  # fmt: skip
             floor = int(floor_text)
+        if self.usage is not None:  # the rollout's and its tenant's token budgets
+            admit_jobs(self.usage.budgets, claims, jobs, floor, holds)
         holds.enter_context(lm.admitted(claims.rollout_id, len(jobs)))
         route, params = await lm.plan(
             [(job.prompt, job.params) for job in jobs], streaming=streaming,

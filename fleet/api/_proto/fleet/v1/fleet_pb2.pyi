@@ -11,7 +11,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("request_id", "idempotency_key", "smolfile", "smolfile_name", "requirements", "labels", "tenant", "idle_timeout_s", "max_lifetime_s", "ready_timeout_s", "models")
+    __slots__ = ("request_id", "idempotency_key", "smolfile", "smolfile_name", "requirements", "labels", "tenant", "idle_timeout_s", "max_lifetime_s", "ready_timeout_s", "models", "max_prompt_tokens", "max_completion_tokens")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,8 @@ class OpenSessionRequest(_message.Message):
     MAX_LIFETIME_S_FIELD_NUMBER: _ClassVar[int]
     READY_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     idempotency_key: str
     smolfile: str
@@ -41,7 +43,9 @@ class OpenSessionRequest(_message.Message):
     max_lifetime_s: float
     ready_timeout_s: float
     models: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., smolfile: _Optional[str] = ..., smolfile_name: _Optional[str] = ..., requirements: _Optional[_Union[_types_pb2.Requirements, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., tenant: _Optional[str] = ..., idle_timeout_s: _Optional[float] = ..., max_lifetime_s: _Optional[float] = ..., ready_timeout_s: _Optional[float] = ..., models: _Optional[_Iterable[str]] = ...) -> None: ...
+    max_prompt_tokens: int
+    max_completion_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., smolfile: _Optional[str] = ..., smolfile_name: _Optional[str] = ..., requirements: _Optional[_Union[_types_pb2.Requirements, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., tenant: _Optional[str] = ..., idle_timeout_s: _Optional[float] = ..., max_lifetime_s: _Optional[float] = ..., ready_timeout_s: _Optional[float] = ..., models: _Optional[_Iterable[str]] = ..., max_prompt_tokens: _Optional[int] = ..., max_completion_tokens: _Optional[int] = ...) -> None: ...
 
 class ForkSessionRequest(_message.Message):
     __slots__ = ("request_id", "session_id", "count", "idempotency_key", "labels", "idle_timeout_s", "max_lifetime_s", "ready_timeout_s")
@@ -192,7 +196,7 @@ class ListEgressEventsResponse(_message.Message):
     def __init__(self, events: _Optional[_Iterable[_Union[_types_pb2.EgressEvent, _Mapping]]] = ...) -> None: ...
 
 class SubmitRolloutRequest(_message.Message):
-    __slots__ = ("request_id", "idempotency_key", "smolfile", "smolfile_name", "steps", "deadline", "retry", "versions", "labels", "tenant", "requirements", "priority", "inputs", "outputs", "image_upload", "models")
+    __slots__ = ("request_id", "idempotency_key", "smolfile", "smolfile_name", "steps", "deadline", "retry", "versions", "labels", "tenant", "requirements", "priority", "inputs", "outputs", "image_upload", "models", "max_prompt_tokens", "max_completion_tokens")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +220,8 @@ class SubmitRolloutRequest(_message.Message):
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     IMAGE_UPLOAD_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     idempotency_key: str
     smolfile: str
@@ -232,7 +238,9 @@ class SubmitRolloutRequest(_message.Message):
     outputs: _containers.RepeatedScalarFieldContainer[str]
     image_upload: str
     models: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., smolfile: _Optional[str] = ..., smolfile_name: _Optional[str] = ..., steps: _Optional[_Iterable[_Union[_types_pb2.Step, _Mapping]]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., retry: _Optional[_Union[_types_pb2.RetryPolicy, _Mapping]] = ..., versions: _Optional[_Union[_types_pb2.Versions, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., tenant: _Optional[str] = ..., requirements: _Optional[_Union[_types_pb2.Requirements, _Mapping]] = ..., priority: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[_types_pb2.InputFile, _Mapping]]] = ..., outputs: _Optional[_Iterable[str]] = ..., image_upload: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ...) -> None: ...
+    max_prompt_tokens: int
+    max_completion_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., smolfile: _Optional[str] = ..., smolfile_name: _Optional[str] = ..., steps: _Optional[_Iterable[_Union[_types_pb2.Step, _Mapping]]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., retry: _Optional[_Union[_types_pb2.RetryPolicy, _Mapping]] = ..., versions: _Optional[_Union[_types_pb2.Versions, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., tenant: _Optional[str] = ..., requirements: _Optional[_Union[_types_pb2.Requirements, _Mapping]] = ..., priority: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[_types_pb2.InputFile, _Mapping]]] = ..., outputs: _Optional[_Iterable[str]] = ..., image_upload: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., max_prompt_tokens: _Optional[int] = ..., max_completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SubmitRolloutResponse(_message.Message):
     __slots__ = ("rollout", "created")

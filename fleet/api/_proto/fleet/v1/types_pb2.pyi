@@ -125,7 +125,7 @@ class Requirements(_message.Message):
     def __init__(self, isolation: _Optional[_Union[Isolation, str]] = ..., cuda_device: _Optional[bool] = ..., inference: _Optional[bool] = ..., near_gateway: _Optional[bool] = ...) -> None: ...
 
 class Manifest(_message.Message):
-    __slots__ = ("digest", "smolfile", "smolfile_name", "smolfile_digest", "image_ref", "image_digest", "steps", "deadline", "retry", "versions", "requirements", "host_class", "inputs", "outputs", "session", "models")
+    __slots__ = ("digest", "smolfile", "smolfile_name", "smolfile_digest", "image_ref", "image_digest", "steps", "deadline", "retry", "versions", "requirements", "host_class", "inputs", "outputs", "session", "models", "max_prompt_tokens", "max_completion_tokens")
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     SMOLFILE_FIELD_NUMBER: _ClassVar[int]
     SMOLFILE_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +142,8 @@ class Manifest(_message.Message):
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     digest: str
     smolfile: str
     smolfile_name: str
@@ -158,7 +160,9 @@ class Manifest(_message.Message):
     outputs: _containers.RepeatedScalarFieldContainer[str]
     session: SessionSpec
     models: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, digest: _Optional[str] = ..., smolfile: _Optional[str] = ..., smolfile_name: _Optional[str] = ..., smolfile_digest: _Optional[str] = ..., image_ref: _Optional[str] = ..., image_digest: _Optional[str] = ..., steps: _Optional[_Iterable[_Union[Step, _Mapping]]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., retry: _Optional[_Union[RetryPolicy, _Mapping]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., requirements: _Optional[_Union[Requirements, _Mapping]] = ..., host_class: _Optional[_Union[HostClass, str]] = ..., inputs: _Optional[_Iterable[_Union[InputFile, _Mapping]]] = ..., outputs: _Optional[_Iterable[str]] = ..., session: _Optional[_Union[SessionSpec, _Mapping]] = ..., models: _Optional[_Iterable[str]] = ...) -> None: ...
+    max_prompt_tokens: int
+    max_completion_tokens: int
+    def __init__(self, digest: _Optional[str] = ..., smolfile: _Optional[str] = ..., smolfile_name: _Optional[str] = ..., smolfile_digest: _Optional[str] = ..., image_ref: _Optional[str] = ..., image_digest: _Optional[str] = ..., steps: _Optional[_Iterable[_Union[Step, _Mapping]]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., retry: _Optional[_Union[RetryPolicy, _Mapping]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., requirements: _Optional[_Union[Requirements, _Mapping]] = ..., host_class: _Optional[_Union[HostClass, str]] = ..., inputs: _Optional[_Iterable[_Union[InputFile, _Mapping]]] = ..., outputs: _Optional[_Iterable[str]] = ..., session: _Optional[_Union[SessionSpec, _Mapping]] = ..., models: _Optional[_Iterable[str]] = ..., max_prompt_tokens: _Optional[int] = ..., max_completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SessionSpec(_message.Message):
     __slots__ = ("idle_timeout_s", "fork_of", "host")
