@@ -16,6 +16,13 @@ refused when its Smolfile asks for egress; an allowlist is written in the Smolfi
 Harbor's task (Harbor's allowlists are refused). Commands run as the Smolfile's `user`; a
 Harbor `user` other than that is refused rather than ignored.
 
+An agent that runs in the machine and calls a model (`--ek inference=true`, or
+`--ek models=UPSTREAM/MODEL,...` for upstream models besides the gateway's own) gets a session
+opened for inference: its machine reaches the gateway, and its commands find
+`OPENAI_BASE_URL` and `OPENAI_API_KEY` pointing there with the trial's rollout token. What
+Harbor passes for these (its installed agents copy the host's `OPENAI_API_KEY`) is dropped
+before a command leaves the host (`fleet.providers.inference`).
+
 Harbor needs Python 3.12 or newer (`pip install fleet[harbor]`); this module imports it.
 """
 
@@ -35,6 +42,7 @@ from harbor.models.task.config import NetworkMode  # type: ignore[import-not-fou
 
 from fleet.client_async import AsyncFleet, AsyncSession
 from fleet.core.smolfile import parse_smolfile
+from fleet.providers.inference import command_env, upstream_models
 
 SMOLFILE_NAMES = ("Smolfile", "fleet.smolfile")
 DEFAULT_TIMEOUT_S = 600.0
@@ -47,6 +55,11 @@ class FleetOptions(EnvironmentOptions):  # type: ignore[misc]
     key: str | None = None
     smolfile: str | None = None
     idle_timeout_s: float = 1800.0
+    inference: bool = False
+    """The agent in the machine calls models through the gateway."""
+    models: str | list[str] = ""
+    """Upstream models (`UPSTREAM/MODEL`, comma-separated or a list) it may call there;
+    implies `inference`."""
 
 
 class FleetEnvironment(BaseEnvironment):  # type: ignore[misc]
@@ -86,6 +99,7 @@ class FleetEnvironment(BaseEnvironment):  # type: ignore[misc]
     def _validate_definition(self) -> None:
         path = self._smolfile()
         parsed = parse_smolfile(path.read_text(), str(path))  # a malformed one: refused here
+        self._models()  # (a bad model name: refused here, before a machine is asked for)
         if self.network_policy.network_mode == NetworkMode.NO_NETWORK and (
             parsed.spec.egress_requested
         ):
@@ -93,6 +107,13 @@ class FleetEnvironment(BaseEnvironment):  # type: ignore[misc]
                 f"{path}: the task asks for no network and its Smolfile asks for egress; "
                 "remove the Smolfile's egress (fleet enforces the Smolfile)"
             )
+
+    def _models(self) -> tuple[str, ...]:
+        return upstream_models(self.options.models, "--ek models")
+
+    @property
+    def _inference(self) -> bool:
+        return bool(self.options.inference or self.options.models)
 
     def _require(self) -> AsyncSession:
         if self._session is None:
@@ -110,8 +131,9 @@ class FleetEnvironment(BaseEnvironment):  # type: ignore[misc]
         }
         try:
             self._session = await self._fleet.session(
-                self._smolfile(), idle_timeout_s=options.idle_timeout_s, labels=labels
-            )
+                self._smolfile(), idle_timeout_s=options.idle_timeout_s, labels=labels,
+                inference=self._inference, models=self._models(),
+            )  # fmt: skip
             probe = await self._session.exec(["test", "-x", "/bin/bash"])
             self._shell = "/bin/bash" if probe.exit_code == 0 else "/bin/sh"
             if workdir := self.task_env_config.workdir:
@@ -148,7 +170,7 @@ class FleetEnvironment(BaseEnvironment):  # type: ignore[misc]
             )
         result = await self._require().exec(
             [self._shell, "-c", command],
-            env=self._merge_env(env) or {},
+            env=command_env(self._merge_env(env), self._inference),
             cwd=cwd or self.task_env_config.workdir or "",
             timeout_s=float(timeout_sec) if timeout_sec else DEFAULT_TIMEOUT_S,
         )

@@ -8,6 +8,12 @@ a Smolfile's path (none: fleet's default image). The server and key come from $F
 $FLEET_KEY and $FLEET_CA, else from the files `fleet up` writes (see `fleet.client.Fleet`).
 `sample_init` opens one session per sample, `exec`/`read_file`/`write_file` are its calls,
 `sample_cleanup` closes it. Relative paths resolve in /root, the sample's working directory.
+
+When the eval's model is one of the gateway's (`--model fleet/NAME`, this module registers that
+model API too: `fleet.providers.inspect_model`), each sample's session is opened with
+`inference=True` (and the upstream models the model needs), and its inference token is read
+once, as it opens. The sample's model calls are made with it, so the ledger holds each
+sample's tokens under the sample's own rollout.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from inspect_ai.util._sandbox.environment import (
 
 from fleet.client_async import AsyncFleet, AsyncSession
 from fleet.core.errors import FleetError, NotFound, PermissionDenied, Unauthenticated
+from fleet.providers.inspect_model import FleetModelAPI, RolloutCredential, read_credential
 
 WORKDIR = "/root"
 DEFAULT_SMOLFILE = 'image = "minimal"\n'
@@ -45,13 +52,29 @@ def _smolfile(config: SandboxEnvironmentConfigType | None) -> str:
     return str(default)
 
 
+def _inference() -> tuple[str, ...] | None:
+    """The upstream models a sample's session must allow when the eval's model is one of the
+    gateway's (an empty tuple: the gateway's own model), or None when it is not."""
+    from inspect_ai.model._model import active_model
+
+    model = active_model()
+    if model is None or not isinstance(model.api, FleetModelAPI):
+        return None
+    return model.api.rollout_models
+
+
 @sandboxenv(name="fleet")
 class FleetSandboxEnvironment(SandboxEnvironment):
     """One sample's fleet session."""
 
-    def __init__(self, session: AsyncSession) -> None:
+    def __init__(
+        self, session: AsyncSession, rollout_credential: RolloutCredential | None = None
+    ) -> None:
         super().__init__()
         self.session = session
+        self.rollout_credential = rollout_credential
+        """The session's inference token (opened for a `fleet/` model), for the sample's
+        model calls."""
 
     @classmethod
     async def sample_init(
@@ -59,8 +82,22 @@ class FleetSandboxEnvironment(SandboxEnvironment):
     ) -> dict[str, SandboxEnvironment]:
         fleet = await asyncio.to_thread(AsyncFleet)
         labels = {"inspect.task": task_name[:200]}
-        session = await fleet.session(_smolfile(config), labels=labels)
-        return {"default": cls(session)}
+        models = _inference()
+        session: AsyncSession | None = None
+        try:
+            session = await fleet.session(
+                _smolfile(config), labels=labels, inference=models is not None,
+                models=models or (),
+            )  # fmt: skip
+            credential = await read_credential(session) if models is not None else None
+        except BaseException:
+            try:
+                if session is not None:
+                    await session.close()
+            finally:
+                await fleet.close()
+            raise
+        return {"default": cls(session, credential)}
 
     @classmethod
     async def sample_cleanup(
