@@ -29,6 +29,10 @@ default. Parts:
    again with a bfloat16 primary (`equivalence_bf16`, reported, not a target).
 5. Failover and admission (`failover_p95_s`, `lost`, `repeated_tokens`, `false_refusal_rate`,
    `oom`): see `failover_and_admission`.
+6. The gateway as a proxy in front of an OpenAI-compatible upstream against calling it
+   directly, 32 concurrent streams (`proxy_added_p50_ms`, `proxy_tokens_s_ratio`), and falling
+   back past an upstream that refuses connections (`fallback_first_token_s`): see
+   `benchmarks.llm_proxy`.
 
 The workload (`workload`): chat-templated requests asking for the shell command that counts
 the words of a list, the task the shipped model was trained on, with prompt lengths drawn from
@@ -92,7 +96,7 @@ WORDS = (
 KEYS = (
     "batching_gain", "vs_transformers", "failover_p95_s", "lost", "repeated_tokens",
     "equivalence_fp32", "false_refusal_rate", "oom", "kv_bytes_per_token_ratio",
-    "paged_vs_contiguous",
+    "paged_vs_contiguous", "proxy_added_p50_ms", "proxy_tokens_s_ratio", "fallback_first_token_s",
 )  # fmt: skip
 """Keys the closing JSON line always carries (None where a figure was not measured)."""
 
@@ -497,6 +501,16 @@ def failover_and_admission(args: argparse.Namespace) -> dict[str, object]:
     return {**failover, **admission}
 
 
+def proxy(args: argparse.Namespace) -> dict[str, Any]:
+    """Part (6) (`benchmarks.llm_proxy`): the gateway, in a process of its own, forwarding to
+    an upstream that streams a fixed number of tokens at a fixed pace, against the same 32
+    concurrent streams sent to the upstream directly; and the fallback past an upstream that
+    refuses connections. No model runs: the figures are the proxy's own."""
+    from benchmarks import llm_proxy
+
+    return llm_proxy.proxy(args.quick)
+
+
 # -- the run ---------------------------------------------------------------------------------
 
 
@@ -560,6 +574,28 @@ def _throughput_rows(table: Table, r: dict[str, Any], label: str, max_tokens: in
               f"{sum(busy) / len(busy):.0%}, {len(busy)} readings")  # fmt: skip
 
 
+def _proxy_rows(table: Table, out: dict[str, Any]) -> None:
+    """Part (6)'s rows: through the gateway against straight to the upstream."""
+    table.print_row("(6) proxy, 32 streams: p50 s per request, gateway vs direct",
+                    f"{out['proxy_p50_s']:.3f}", f"{out['proxy_direct_p50_s']:.3f}",
+                    f"{out['proxy_added_p50_ms']:+.1f}ms")  # fmt: skip
+    table.print_row("    p50 s to first token: gateway vs direct",
+                    f"{out['proxy_ttft_p50_s']:.3f}", f"{out['proxy_direct_ttft_p50_s']:.3f}",
+                    f"{out['proxy_added_ttft_p50_ms']:+.1f}ms")  # fmt: skip
+    table.print_row("    tokens/s: gateway vs direct", f"{out['proxy_tokens_s']:.0f}",
+                    f"{out['proxy_direct_tokens_s']:.0f}",
+                    f"{out['proxy_tokens_s_ratio']:.2f}x")  # fmt: skip
+    table.print_row("    fallback past a refusing upstream: p95 s to first token",
+                    f"{out['fallback_first_token_s']:.3f}",
+                    f"{out['proxy_direct_ttft_p95_s']:.3f}")  # fmt: skip
+    print(f"    ({out['proxy_requests']} requests a side, {out['fallback_requests']} falling "
+          f"back (p50 {out['fallback_first_token_p50_s']:.3f} s); the upstream streams "
+          f"{out['proxy_tokens_per_answer']} tokens, one per "
+          f"{out['proxy_upstream_delay_ms']:.0f} ms;\n     the fallback's baseline: p95 s to "
+          f"first token direct; the gateway's CPU: "
+          f"{out['proxy_gateway_cpu_ms_per_request']:.2f} ms per request)")  # fmt: skip
+
+
 def report(args: argparse.Namespace, runs: dict[str, dict[str, Any]], eq_note: str,
            out: dict[str, Any]) -> None:  # fmt: skip
     table = Table(62, (("engine", 12), ("baseline", 12), ("ratio", 9)))
@@ -606,6 +642,7 @@ def report(args: argparse.Namespace, runs: dict[str, dict[str, Any]], eq_note: s
                         f"{out['repeated_tokens']}")  # fmt: skip
         table.print_row("    admission 0.5x-3x: false refusal rate / out of memory",
                         f"{out['false_refusal_rate']:.3f}", f"{out['oom']}")  # fmt: skip
+    _proxy_rows(table, out)
     print(f"(primary {args.device}, torch {args.threads} CPU thread(s), model "
           f"{args.model.name})")  # fmt: skip
 
@@ -658,6 +695,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "kv_bytes_per_token_ratio": first["kv"]["measured"] / first["kv"]["theory"],
         "paged_vs_contiguous": first["slots"]["paged"] / max(1, first["slots"]["contiguous"]),
         **failover_and_admission(args),
+        **proxy(args),
         "tokens_s_batched": batched.rate,
         "tokens_s_sequential": seq.rate,
         "tokens_s_transformers": hf.rate,

@@ -1,0 +1,307 @@
+"""Part (6) of the language-model benchmark: the gateway as a proxy in front of an
+OpenAI-compatible upstream, against calling the upstream directly.
+
+The upstream is `benchmarks.llm_upstream` in a process of its own: it streams a fixed number of
+tokens per answer at a fixed pace and checks its key, so the figures measure the proxy, not a
+model. The gateway runs in a process of its own too, built as `fleet gateway --upstream
+bench=URL --upstream-key bench=@FILE --fallback gone/stream=bench/stream` builds it (no
+language model of its own, its logs at error level as every benchmark's gateway), on loopback.
+Upstream `gone` is a loopback port that is bound but never listens: connections to it are
+refused, and nothing else can take the port while the benchmark holds it.
+
+This process is the caller: `STREAMS` concurrent streamed chat completions (httpx, each
+stream a client of its own, as each machine has, its connection kept alive), the same request
+to the upstream directly (with its key) and through the gateway (`bench/stream`, each stream
+with the inference token of a rollout of its own that names the model), in rounds whose order
+alternates so that the machine's drift weighs on both alike:
+
+- `proxy_added_p50_ms`: the p50 of each request's latency (sent to `[DONE]`) through the
+  gateway, less the direct p50; also the added p50 time to first token.
+- `proxy_tokens_s_ratio`: tokens received per second of the rounds' wall time, through the
+  gateway over direct.
+- `fallback_first_token_s`: `gone/stream` asked for (its chain: `bench/stream`), the same
+  `STREAMS` at once: the p95 from sending to the first token (p50 beside it), each answer
+  checked to say it fell back. The direct time to first token is the baseline beside it: the
+  upstream's own pace (its first token comes `delay_s` after the request).
+
+Every answer is checked whole (its tokens, `[DONE]`); a short or refused one fails the run,
+naming the side and what came back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import socket
+import ssl
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks import llm_upstream
+from benchmarks.harness import SECRET, ServerProcess, percentile, process_cpu_s, quiet
+from fleet.core.tokens import issue
+
+STREAMS = 32
+"""Concurrent streams on each side."""
+UPSTREAM = "bench"
+GONE = "gone"
+MODEL = f"{UPSTREAM}/{llm_upstream.MODEL}"
+FALLING = f"{GONE}/{llm_upstream.MODEL}"
+REQUEST_TIMEOUT_S = 60.0
+"""One request's bound (connect, and between two chunks)."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The run's sizes: `tokens` per answer, `delay_s` between two of them at the upstream,
+    `rounds` of `STREAMS` concurrent requests per side, `fallback_rounds` of them on the
+    falling chain."""
+
+    tokens: int
+    delay_s: float
+    rounds: int
+    fallback_rounds: int
+
+
+QUICK = Plan(tokens=16, delay_s=0.01, rounds=3, fallback_rounds=1)
+FULL = Plan(tokens=64, delay_s=0.01, rounds=12, fallback_rounds=4)
+
+
+# -- the servers -------------------------------------------------------------------------------
+
+
+def _gateway_main(settings: dict[str, str], port: Any, http_port: Any) -> None:
+    """A `ServerProcess` target: the gateway with the benchmark's upstreams, serving its HTTP
+    endpoint on loopback; `port` and `http_port` both set to it once it listens."""
+    quiet()
+    from gateway.http import serve_http
+    from gateway.llm.upstream import Upstreams
+    from gateway.llm.upstream_config import load_upstreams
+    from gateway.service import Gateway, GatewayConfig
+
+    async def main() -> None:
+        config = load_upstreams(
+            [f"{UPSTREAM}={settings['upstream']}", f"{GONE}={settings['gone']}"],
+            [f"{UPSTREAM}=@{settings['key_file']}"],
+            [f"{FALLING}={MODEL}"],
+        )
+        gw = Gateway.build(GatewayConfig(
+            secret=SECRET, device="cpu", engine="inline", llm="none", log_level="error",
+            tokens_without_server=True,  # (no fleet server polls a benchmark's gateway)
+        ))  # fmt: skip
+        gw.upstreams = Upstreams(config)
+        server, bound = await serve_http(gw, "127.0.0.1", 0)
+        http_port.value = bound
+        port.value = bound
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(main())
+
+
+@contextlib.contextmanager
+def refusing_port() -> Iterator[int]:
+    """A loopback port bound, never listening, while inside: every connection to it is refused."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield int(s.getsockname()[1])
+
+
+# -- the callers -------------------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    """One answer: seconds from sending to its first token and to its `[DONE]`, its tokens,
+    and what the gateway said it fell back from (its `x-fleet-fallbacks` header)."""
+
+    ttft_s: float
+    total_s: float
+    tokens: int
+    fallbacks: str
+
+
+@dataclass
+class Side:
+    """One side's requests over every round."""
+
+    samples: list[Sample] = field(default_factory=list)
+    seconds: float = 0.0
+    """Wall seconds of its rounds, each from its first request sent to its last answer."""
+    gateway_cpu_s: float = 0.0
+    """CPU seconds the gateway's process spent during its rounds."""
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.samples)
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def p(self, what: str, q: float) -> float:
+        return percentile([getattr(s, what) for s in self.samples], q)
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Where one side sends its requests: each stream's client and headers, and the model.
+
+    A client per stream, as each machine has its own: one pool shared by every stream would
+    measure httpcore's pool, whose bookkeeping grows with the square of its connections."""
+
+    name: str
+    clients: tuple[httpx.AsyncClient, ...]
+    model: str
+    headers: tuple[dict[str, str], ...]
+    """The gateway's side: each stream with its own rollout's token."""
+
+    def body(self) -> dict[str, Any]:
+        return {"model": self.model, "stream": True, "max_tokens": 512,
+                "messages": [{"role": "user", "content": "count to sixty-four"}]}  # fmt: skip
+
+
+async def one(caller: Caller, stream: int) -> Sample:
+    """One streamed request, read to its end and checked."""
+    start = time.perf_counter()
+    first = 0.0
+    tokens = 0
+    done = False
+    async with caller.clients[stream].stream(
+        "POST", "/chat/completions", json=caller.body(), headers=caller.headers[stream]
+    ) as reply:
+        if reply.status_code != 200:
+            await reply.aread()
+            raise RuntimeError(f"{caller.name}: HTTP {reply.status_code}: {reply.text[:300]}")
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            payload = line[6:]
+            if payload == "[DONE]":
+                # (read on to the body's end: a response left unread closes its connection)
+                done = True
+                continue
+            if done:
+                raise RuntimeError(f"{caller.name}: an event after [DONE]: {payload[:300]}")
+            chunk = json.loads(payload)
+            if "error" in chunk:
+                raise RuntimeError(f"{caller.name}: the stream failed: {payload[:300]}")
+            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                tokens += 1
+                if tokens == 1:
+                    first = time.perf_counter() - start
+        fallbacks = reply.headers.get("x-fleet-fallbacks", "")
+    if not done:
+        raise RuntimeError(f"{caller.name}: a stream ended without [DONE] after {tokens} tokens")
+    return Sample(first, time.perf_counter() - start, tokens, fallbacks)
+
+
+async def concurrent(caller: Caller, side: Side, expect_tokens: int, gateway_pid: int) -> None:
+    """`STREAMS` requests at once, added to `side`."""
+    start, cpu = time.perf_counter(), process_cpu_s(gateway_pid)
+    samples = await asyncio.gather(*(one(caller, i) for i in range(STREAMS)))
+    side.seconds += time.perf_counter() - start
+    side.gateway_cpu_s += process_cpu_s(gateway_pid) - cpu
+    short = [s.tokens for s in samples if s.tokens != expect_tokens]
+    if short:
+        raise RuntimeError(f"{caller.name}: answers of {short} tokens, {expect_tokens} expected")
+    side.samples += samples
+
+
+def _clients(stack: contextlib.AsyncExitStack, base: str) -> tuple[httpx.AsyncClient, ...]:
+    """`STREAMS` clients of `base`, closed with `stack`."""
+    clients = []
+    tls = ssl.create_default_context()  # (unused on loopback's http://; made once, not per client)
+    for _ in range(STREAMS):
+        client = httpx.AsyncClient(
+            base_url=base, trust_env=False, timeout=httpx.Timeout(REQUEST_TIMEOUT_S), verify=tls
+        )
+        stack.push_async_callback(client.aclose)
+        clients.append(client)
+    return tuple(clients)
+
+
+async def measure(
+    upstream: str, gateway: str, gateway_pid: int, key: str, plan: Plan
+) -> dict[str, Any]:
+    """The rounds, each side through its own clients, then the fallback rounds."""
+    deadline = time.time() + 3600
+    tokens = tuple(
+        {"authorization": "Bearer " + issue(SECRET, f"bench-proxy-{i}", deadline,
+                                            models=(MODEL, FALLING))}
+        for i in range(STREAMS)
+    )  # fmt: skip
+    direct_auth = ({"authorization": f"Bearer {key}"},) * STREAMS
+    sides = {"direct": Side(), "proxy": Side()}
+    fallback = Side()
+    async with contextlib.AsyncExitStack() as stack:
+        g = _clients(stack, f"http://{gateway}/v1")
+        callers = {
+            "direct": Caller("direct", _clients(stack, f"http://{upstream}/v1"),
+                             llm_upstream.MODEL, direct_auth),
+            "proxy": Caller("proxy", g, MODEL, tokens),
+        }  # fmt: skip
+        falling = Caller("fallback", g, FALLING, tokens)
+        # Warm-up: connections opened and kept, on both sides and on the gateway's own pool.
+        for caller in callers.values():
+            await concurrent(caller, Side(), plan.tokens, gateway_pid)
+        for r in range(plan.rounds):
+            order = ("direct", "proxy") if r % 2 == 0 else ("proxy", "direct")
+            for name in order:
+                await concurrent(callers[name], sides[name], plan.tokens, gateway_pid)
+        for _ in range(plan.fallback_rounds):
+            await concurrent(falling, fallback, plan.tokens, gateway_pid)
+    unsaved = [s.fallbacks for s in fallback.samples if FALLING not in s.fallbacks.split(",")]
+    if unsaved:
+        raise RuntimeError(f"fallback: {len(unsaved)} answers do not say they fell back from "
+                           f"{FALLING} (x-fleet-fallbacks: {unsaved[0]!r})")  # fmt: skip
+    direct, proxied = sides["direct"], sides["proxy"]
+    return {
+        "proxy_added_p50_ms": 1000 * (proxied.p("total_s", 0.5) - direct.p("total_s", 0.5)),
+        "proxy_tokens_s_ratio": proxied.rate / direct.rate,
+        "fallback_first_token_s": fallback.p("ttft_s", 0.95),
+        "fallback_first_token_p50_s": fallback.p("ttft_s", 0.5),
+        "proxy_added_ttft_p50_ms": 1000 * (proxied.p("ttft_s", 0.5) - direct.p("ttft_s", 0.5)),
+        "proxy_p50_s": proxied.p("total_s", 0.5),
+        "proxy_direct_p50_s": direct.p("total_s", 0.5),
+        "proxy_p95_s": proxied.p("total_s", 0.95),
+        "proxy_direct_p95_s": direct.p("total_s", 0.95),
+        "proxy_tokens_s": proxied.rate,
+        "proxy_direct_tokens_s": direct.rate,
+        "proxy_ttft_p50_s": proxied.p("ttft_s", 0.5),
+        "proxy_direct_ttft_p50_s": direct.p("ttft_s", 0.5),
+        "proxy_direct_ttft_p95_s": direct.p("ttft_s", 0.95),
+        "proxy_gateway_cpu_ms_per_request": 1000 * proxied.gateway_cpu_s / len(proxied.samples),
+        "proxy_requests": len(proxied.samples),
+        "fallback_requests": len(fallback.samples),
+        "proxy_tokens_per_answer": plan.tokens,
+        "proxy_upstream_delay_ms": 1000 * plan.delay_s,
+    }
+
+
+def proxy(quick: bool) -> dict[str, Any]:
+    """Part (6), end to end: the upstream and the gateway started, measured, ended."""
+    plan = QUICK if quick else FULL
+    key = "sk-bench-" + secrets.token_hex(24)
+    with tempfile.TemporaryDirectory(prefix="bench-llm-proxy-") as tmp, refusing_port() as gone:
+        key_file = Path(tmp) / "upstream.key"
+        key_file.touch(0o600)
+        key_file.write_text(key + "\n")
+        with ServerProcess(llm_upstream.serve, key, plan.tokens, plan.delay_s) as upstream:
+            settings = {
+                "upstream": f"http://{upstream.address}/v1",
+                "gone": f"http://127.0.0.1:{gone}/v1",
+                "key_file": str(key_file),
+            }
+            with ServerProcess(_gateway_main, settings) as gateway:
+                return asyncio.run(
+                    measure(upstream.address, gateway.http_address, gateway.pid, key, plan)
+                )
