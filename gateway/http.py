@@ -169,29 +169,34 @@ async def _stream(answer: Reply) -> None:
     writer.write(("\r\n".join(head) + "\r\n\r\n").encode())
     await writer.drain()
     reader = _reader.get(None)
-    events = aiter(answer.events)
-    gone = asyncio.create_task(_gone(reader, writer))
+    # A client that closed its end is noticed between events too (a request queued for its
+    # engine sends none for a while): a watcher ends this task's wait for the next one, and
+    # with it the generation, freeing its place.
+    this = asyncio.current_task()
+    assert this is not None
+    left = False
+
+    async def watch() -> None:
+        nonlocal left
+        await _gone(reader, writer)
+        left = True
+        this.cancel()
+
+    watcher = asyncio.create_task(watch())
     try:
-        while True:
-            # Between events (a request queued for its engine sends none for a while) a client
-            # that closed its end is noticed, and its request ends there, freeing its place.
-            following = asyncio.ensure_future(anext(events))
-            await asyncio.wait({following, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not following.done():
-                following.cancel()
-                await asyncio.gather(following, return_exceptions=True)
-                raise ConnectionResetError("the client closed the connection mid-answer")
-            try:
-                data = following.result()
-            except StopAsyncIteration:
-                break
+        async for data in answer.events:
             event = f"data: {data}\n\n".encode()
             writer.write(b"%x\r\n%s\r\n" % (len(event), event))
             await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+    except asyncio.CancelledError:
+        if not left:
+            raise
+        this.uncancel()
+        raise ConnectionResetError("the client closed the connection mid-answer") from None
     finally:
-        gone.cancel()
-    writer.write(b"0\r\n\r\n")
-    await writer.drain()
+        watcher.cancel()
 
 
 async def _gone(reader: asyncio.StreamReader | None, writer: asyncio.StreamWriter) -> None:

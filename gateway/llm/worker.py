@@ -36,6 +36,7 @@ import os
 import socket
 import struct
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -80,17 +81,21 @@ async def read_frame(reader: asyncio.StreamReader) -> dict[str, Any] | None:
 def fault_plan(spec: str) -> Callable[[int], None] | None:
     """A fault to inject (tests, benchmarks): "KIND@STEP" fails the engine's step STEP (0 is
     its first) once, as the device would: KIND "oom" (an allocation failure) or "device"
-    (a device error); "hang@STEP" stops the scheduler there for good."""
+    (a device error); "hang@STEP" stops the scheduler there for good; "slow@STEP" makes every
+    step from there on take 50 ms more (a busy device)."""
     if not spec:
         return None
     kind, _, at = spec.partition("@")
-    if kind not in ("oom", "device", "hang") or not at.isdigit():
-        raise ValueError(f"--inject-fault {spec!r}: expected oom@N, device@N or hang@N")
+    if kind not in ("oom", "device", "hang", "slow") or not at.isdigit():
+        raise ValueError(f"--inject-fault {spec!r}: expected oom@N, device@N, hang@N or slow@N")
     step = int(at)
     fired = False
 
     def fault(steps: int) -> None:
         nonlocal fired
+        if kind == "slow" and steps >= step:
+            time.sleep(0.05)
+            return
         if fired or steps < step:
             return
         fired = True

@@ -232,7 +232,8 @@ def test_up_with_its_gateway_serves_an_inference_rollout(tmp_path: Path) -> None
             proc.wait()
     assert submitted.returncode == 0, submitted.stderr[-2000:]
     assert done.get("state") == "ROLLOUT_STATE_SUCCEEDED", [
-        base64.b64decode(r["stderr"])[-1500:] for r in done.get("results", [])  # type: ignore[attr-defined]
+        base64.b64decode(r["stderr"])[-1500:]
+        for r in done.get("results", [])  # type: ignore[attr-defined]
     ] or done
     results = done["results"]
     assert isinstance(results, list)

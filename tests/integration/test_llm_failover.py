@@ -217,7 +217,8 @@ async def test_a_long_request_is_routed_before_allocation(tiny_dir: Path) -> Non
     goes to the replica before any is taken, one past the replica's shorter context is refused
     (429, the reason, when to retry), and one whose client allows it is shrunk to fit."""
     limits = Limits(max_batch=1, max_waiting=0, replica_context_length=100)
-    async with serving(tiny_dir, limits) as served:
+    # (A busy primary: the long stream holds its blocks for seconds, not for one beat.)
+    async with serving(tiny_dir, limits, inject_fault="slow@0") as served:
         await served.lm.engine()
         primary = process_of(served)
         async with served.stream(max_tokens=150) as (_reply, events):
@@ -269,6 +270,7 @@ async def test_cancelled_while_queued_for_the_replica_frees_its_place(tiny_dir: 
         assert await until(lambda: not process_of(served).serving)
         replica = served.lm.replica
         assert replica is not None
+        replica.fault = lambda _steps: time.sleep(0.05)  # (busy: the first stream lasts)
         async with served.stream(max_tokens=150) as (_r1, running):
             await anext(running)  # the replica's one slot is taken
             async with served.stream(max_tokens=20) as (queued, _events):
