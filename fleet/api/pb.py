@@ -8,12 +8,15 @@ another protoc without touching a caller.
 - `types_pb2`: the messages every service shares (manifests, rollouts, capabilities, enums);
 - `fleet_pb2`, `fleet_pb2_grpc`: FleetService (tenants' rollouts) and SessionService;
 - `host_pb2`, `host_pb2_grpc`: HostService (the agents' side);
-- `inference_pb2`, `inference_pb2_grpc`: the gateway's InferenceService.
+- `inference_pb2`, `inference_pb2_grpc`: the gateway's InferenceService;
+- `admin_pb2`, `admin_pb2_grpc`: AdminService (operators' hosts, tokens, keys and pools).
 """
 
 from __future__ import annotations
 
 from fleet.api._proto.fleet.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
     fleet_pb2,
     fleet_pb2_grpc,
     host_pb2,
@@ -25,6 +28,8 @@ from fleet.api._proto.fleet.v1 import (
 )
 
 __all__ = [
+    "admin_pb2",
+    "admin_pb2_grpc",
     "fleet_pb2",
     "fleet_pb2_grpc",
     "host_pb2",

@@ -1,7 +1,10 @@
 """`fleet ca`, `fleet host` and `fleet key`: the fleet's CA, join tokens, hosts and API keys.
 
 These act on the ledger directly (`--db`, as `fleet serve` takes it): they run where the server
-runs, by whoever holds its database and CA. Servers see a change within their cache time (1 s).
+runs, by whoever holds its database and CA; the first admin key is made this way. Given
+`--server` (or $FLEET_SERVER) and no `--db`, `fleet host|key|pool` act through the server's
+AdminService instead (`fleet.cli.admin_remote`), from any machine with the CA's certificate and
+an admin-scoped key. Servers see a change within their cache time (1 s).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from fleet.cli import admin_remote
 from fleet.cli.client import parse_labels
 from fleet.cli.prepare import add_prepare_command
 from fleet.config import Paths
@@ -72,6 +76,8 @@ async def cmd_ca(args: argparse.Namespace) -> int:
 async def cmd_host(args: argparse.Namespace) -> int:
     from fleet.identity.bounds import parse_runtimes, runtimes_text
 
+    if admin_remote.is_remote(args):
+        return await admin_remote.cmd_host(args, duration_s)
     ledger = _ledger(args)
     ids = ledger.identities
     now = time.time()
@@ -181,6 +187,8 @@ def _pool_from(args: argparse.Namespace) -> Pool:
 
 
 async def cmd_pool(args: argparse.Namespace) -> int:
+    if admin_remote.is_remote(args):
+        return await admin_remote.cmd_pool(args, _pool_from)
     ledger = _ledger(args)
     if args.pool_cmd == "set":
         pool = _pool_from(args)
@@ -349,6 +357,8 @@ def _labels(labels: dict[str, str]) -> str:
 
 
 async def cmd_key(args: argparse.Namespace) -> int:
+    if admin_remote.is_remote(args):
+        return await admin_remote.cmd_key(args, duration_s)
     ledger = _ledger(args)
     ids = ledger.identities
     now = time.time()
@@ -379,6 +389,11 @@ def add_commands(
         sp.add_argument("--db", help="the server's ledger: a SQLite file or postgresql:// URL "
                         "(default $FLEET_HOME/ledger.sqlite3)")  # fmt: skip
 
+    def target_flags(sp: argparse.ArgumentParser) -> None:
+        """The ledger (--db), or a server's AdminService (--server, --key, --ca)."""
+        db_flag(sp)
+        admin_remote.add_remote_flags(sp)
+
     sp = add("ca", cmd_ca, "the fleet's certificate authority")
     csub = sp.add_subparsers(dest="ca_cmd", required=True)
     csub.add_parser("init", help="create the CA in $FLEET_HOME/ca (refuses to replace one)")
@@ -405,29 +420,29 @@ def add_commands(
         help="comma-separated runtimes its hosts may run: namespace, smol (default namespace: "
         "a smol host claims VM isolation, which only an operator may grant)",
     )  # fmt: skip
-    db_flag(c)
-    db_flag(tsub.add_parser("list", help="join tokens, without their secrets"))
+    target_flags(c)
+    target_flags(tsub.add_parser("list", help="join tokens, without their secrets"))
     r = tsub.add_parser("revoke", help="a token no host may use any more")
     r.add_argument("id")
-    db_flag(r)
+    target_flags(r)
     ls = hsub.add_parser("list", help="registered hosts: state, version, slots, last beat")
     ls.add_argument(
         "--unresponsive-after-s", type=float, default=15.0,
         help="a host that has not beaten for this long shows as unresponsive (default 15)",
     )  # fmt: skip
-    db_flag(ls)
+    target_flags(ls)
     for verb, help_ in (("cordon", "no new work for a host (what it holds runs on)"),
                         ("uncordon", "a cordoned or drained host takes work again")):  # fmt: skip
         c = hsub.add_parser(verb, help=help_)
         c.add_argument("id")
-        db_flag(c)
+        target_flags(c)
     d = hsub.add_parser("drain", help="no new work; what it holds runs until a deadline")
     d.add_argument("id")
     d.add_argument("--deadline", default="10m", help="then its leases are released (10m)")
-    db_flag(d)
+    target_flags(d)
     r = hsub.add_parser("revoke", help="refuse a host from now on and release its leases")
     r.add_argument("id")
-    db_flag(r)
+    target_flags(r)
 
     sp = add("pool", cmd_pool, "pools of hosts (class and labels) and their caps")
     psub = sp.add_subparsers(dest="pool_cmd", required=True)
@@ -456,11 +471,13 @@ def add_commands(
     ps.add_argument("--gate-window", default="60s", help="the rates' sliding window (60s)")
     ps.add_argument("--gate-min-attempts", type=int, default=10,
                     help="rates are judged over at least this many attempts (10)")  # fmt: skip
-    db_flag(ps)
+    target_flags(ps)
     pd = psub.add_parser("delete", help="remove a pool (its hosts run without its cap)")
     pd.add_argument("name")
-    db_flag(pd)
-    db_flag(psub.add_parser("list", help="pools, their hosts and what they run against the cap"))
+    target_flags(pd)
+    target_flags(
+        psub.add_parser("list", help="pools, their hosts and what they run against the cap")
+    )
     pe = psub.add_parser("events", help="pools paused, resumed and caps moved, with the numbers")
     pe.add_argument("--since", default="1h", help="events this long ago or since (1h)")
     pe.add_argument("--pool", default="", help="one pool's only")
@@ -507,10 +524,10 @@ def add_commands(
                    help="comma-separated: rollouts:read, rollouts:write, admin "
                    "(default rollouts:read,rollouts:write)")  # fmt: skip
     c.add_argument("--expires", default="", help="e.g. 30d (default: never)")
-    db_flag(c)
+    target_flags(c)
     ls = ksub.add_parser("list", help="keys, without their secrets")
     ls.add_argument("--tenant", default="")
-    db_flag(ls)
+    target_flags(ls)
     r = ksub.add_parser("revoke", help="refuse a key from now on")
     r.add_argument("id")
-    db_flag(r)
+    target_flags(r)

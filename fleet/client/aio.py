@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import functools
 import io
 import tarfile
 import time
@@ -22,6 +23,7 @@ import structlog
 
 from fleet import safepath
 from fleet.client import transfer, wire
+from fleet.client.admin import AsyncAdmin
 from fleet.client.errors import error_from_rpc, unreachable
 from fleet.client.models import (
     EgressEvent,
@@ -93,6 +95,12 @@ class AsyncFleet:
     @property
     def rollouts_stub(self) -> Any:
         return self._stubs()[0]
+
+    @functools.cached_property
+    def admin(self) -> AsyncAdmin:
+        """The operator's calls (AdminService: hosts, join tokens, API keys, pools); they need
+        a key with the admin scope."""
+        return AsyncAdmin(self)
 
     @property
     def sessions_stub(self) -> Any:

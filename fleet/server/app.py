@@ -1,5 +1,5 @@
-"""The fleet server: FleetService, SessionService and HostService over one ledger, health and
-reflection on."""
+"""The fleet server: FleetService, SessionService, HostService and AdminService over one
+ledger, health and reflection on."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from grpc_reflection.v1alpha import reflection
 
 from fleet.api.interceptor import ApiInterceptor
 from fleet.api.pb import (
+    admin_pb2,
+    admin_pb2_grpc,
     fleet_pb2,
     fleet_pb2_grpc,
     host_pb2,
@@ -30,6 +32,7 @@ from fleet.identity.tls import ServerTls, is_loopback, server_names, split_addre
 from fleet.image.store import ImageStore
 from fleet.ledger.retention import purge_finished, referenced_blobs
 from fleet.ledger.store import Ledger
+from fleet.server.admin_service import AdminServicer
 from fleet.server.auth import Security
 from fleet.server.core import (
     DEFAULT_HOST_PORT,
@@ -216,6 +219,7 @@ def fleet_services() -> list[str]:
         fleet_pb2.DESCRIPTOR.services_by_name["FleetService"].full_name,
         fleet_pb2.DESCRIPTOR.services_by_name["SessionService"].full_name,
         host_pb2.DESCRIPTOR.services_by_name["HostService"].full_name,
+        admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name,
     ]
 
 
@@ -284,6 +288,7 @@ class FleetServer:
         fleet_pb2_grpc.add_SessionServiceServicer_to_server(
             SessionServicer(self.core, self.core.sessions), server
         )
+        admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(self.core), server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         services = fleet_services()

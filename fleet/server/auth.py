@@ -5,6 +5,7 @@ interceptor, `fleet.api.interceptor`, calls `Authenticator.authenticate` first).
   fleet CA, names a host (`spiffe://fleet/host/<id>`); that host must be enrolled and not
   revoked. The servicers take the host id from here, never from the request.
 - FleetService: an API key in `authorization: Bearer …`; the key names the tenant and scopes.
+- AdminService: an API key with the admin scope.
 - Health checking, reflection and EnrollHost (which carries its own join token) need nothing.
 
 A server without TLS (`Security` absent: loopback only, or `--insecure`) authenticates no one:
@@ -47,6 +48,7 @@ log = structlog.get_logger(__name__)
 
 FLEET = "/fleet.v1.FleetService/"
 SESSIONS = "/fleet.v1.SessionService/"
+ADMIN = "/fleet.v1.AdminService/"
 HOSTS = "/fleet.v1.HostService/"
 PUBLIC = (
     "/grpc.health.v1.Health/",
@@ -218,7 +220,7 @@ class Authenticator:
             return PUBLIC_CALLER
         if method.startswith(HOSTS):
             return await self._host(context)
-        if method.startswith((FLEET, SESSIONS)):
+        if method.startswith((FLEET, SESSIONS, ADMIN)):
             return await self._tenant(method, context)
         raise PermissionDenied(f"{method} is not served to anyone")
 
@@ -252,7 +254,8 @@ class Authenticator:
             if k == "authorization" and isinstance(v, str):
                 header = v
                 break
-        need = SCOPE_OF.get(method.removeprefix(FLEET).removeprefix(SESSIONS))
+        need = (Scope.ADMIN if method.startswith(ADMIN)
+                else SCOPE_OF.get(method.removeprefix(FLEET).removeprefix(SESSIONS)))  # fmt: skip
         # A header checked within the cache time is not hashed and looked up again.
         hit = self._verified.get(header)
         if hit is not None and time.monotonic() - hit.at < self.cache_s:
