@@ -165,31 +165,10 @@ class LLMEngine:
         self, prompt_ids: Sequence[int], params: SamplingParams, resume_from: Sequence[int] = ()
     ) -> Admission:
         """Refuses a request that can never be served here, naming why; else its admission."""
-        vocab = self.spec.vocab_size
-        if not prompt_ids:
-            raise InvalidArgument("prompt: at least one token is needed")
-        for name, ids in (("prompt", prompt_ids), ("resume_from", resume_from)):
-            for i, t in enumerate(ids):
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                    raise InvalidArgument(f"{name}[{i}]: {t!r} is not a token id below {vocab}")
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.context_length:
-            raise InvalidArgument(
-                f"max_tokens: a prompt of {len(prompt_ids)} tokens plus max_tokens "
-                f"{params.max_tokens} is {total}, over the context length {self.context_length}"
-            )
-        if len(resume_from) >= params.max_tokens:
-            raise InvalidArgument(
-                f"resume_from: {len(resume_from)} tokens already reach max_tokens "
-                f"{params.max_tokens}; nothing is left to generate"
-            )
-        admission = self.cache.admission(len(prompt_ids), params.max_tokens)
-        if not admission.fits_ever:
-            raise ResourceExhausted(
-                f"the request needs {admission.blocks_needed} KV blocks for {total} tokens; "
-                f"the cache has {admission.blocks_total} in all"
-            )
-        return admission
+        return check_request(
+            prompt_ids, params, resume_from, vocab_size=self.spec.vocab_size,
+            context_length=self.context_length, admission=self.cache.admission,
+        )  # fmt: skip
 
     async def generate(
         self,
@@ -466,3 +445,42 @@ def _prefill_groups(admitted: list[_Sequence], waste: float = 1.25) -> list[list
     if group:
         groups.append(group)
     return groups
+
+
+def check_request(
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    resume_from: Sequence[int],
+    *,
+    vocab_size: int,
+    context_length: int,
+    admission: Callable[[int, int], Admission],
+) -> Admission:
+    """What an engine refuses before a request queues, wherever the engine runs (here or in
+    its own process): token ids outside the vocabulary, a prompt that leaves no room for
+    `max_tokens` in the context, a continuation already at its end, a request larger than the
+    whole cache (ResourceExhausted). Returns the request's admission."""
+    if not prompt_ids:
+        raise InvalidArgument("prompt: at least one token is needed")
+    for name, ids in (("prompt", prompt_ids), ("resume_from", resume_from)):
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+                raise InvalidArgument(f"{name}[{i}]: {t!r} is not a token id below {vocab_size}")
+    total = len(prompt_ids) + params.max_tokens
+    if total > context_length:
+        raise InvalidArgument(
+            f"max_tokens: a prompt of {len(prompt_ids)} tokens plus max_tokens "
+            f"{params.max_tokens} is {total}, over the context length {context_length}"
+        )
+    if len(resume_from) >= params.max_tokens:
+        raise InvalidArgument(
+            f"resume_from: {len(resume_from)} tokens already reach max_tokens "
+            f"{params.max_tokens}; nothing is left to generate"
+        )
+    fits = admission(len(prompt_ids), params.max_tokens)
+    if fits.blocks_total and not fits.fits_ever:
+        raise ResourceExhausted(
+            f"the request needs {fits.blocks_needed} KV blocks for {total} tokens; "
+            f"the cache has {fits.blocks_total} in all"
+        )
+    return fits

@@ -32,11 +32,9 @@ import structlog
 from fleet.core.errors import (
     AlreadyExists,
     FailedPrecondition,
-    InvalidArgument,
-    ResourceExhausted,
     error_for,
 )
-from gateway.llm.engine import TokenEvent
+from gateway.llm.engine import TokenEvent, check_request
 from gateway.llm.kv_cache import Admission
 from gateway.llm.manifest import ModelManifest
 from gateway.llm.sampling import SamplingParams
@@ -314,28 +312,12 @@ class EngineProcess:
     def check(
         self, prompt_ids: Sequence[int], params: SamplingParams, resume_from: Sequence[int] = ()
     ) -> Admission:
-        """What `LLMEngine.check` refuses, refused here before a frame is sent."""
-        if not prompt_ids:
-            raise InvalidArgument("prompt: at least one token is needed")
-        for name, ids in (("prompt", prompt_ids), ("resume_from", resume_from)):
-            for i, t in enumerate(ids):
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                    raise InvalidArgument(
-                        f"{name}[{i}]: {t!r} is not a token id below {self.vocab_size}"
-                    )
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.context_length:
-            raise InvalidArgument(
-                f"max_tokens: a prompt of {len(prompt_ids)} tokens plus max_tokens "
-                f"{params.max_tokens} is {total}, over the context length {self.context_length}"
-            )
-        admission = self.admission(len(prompt_ids), params.max_tokens)
-        if self._blocks_total and not admission.fits_ever:
-            raise ResourceExhausted(
-                f"the request needs {admission.blocks_needed} KV blocks for {total} tokens; "
-                f"the cache has {admission.blocks_total} in all"
-            )
-        return admission
+        """What `LLMEngine.check` refuses, refused here before a frame is sent (the cache's
+        size from the engine's reports: 0 until its first, when only the engine judges it)."""
+        return check_request(
+            prompt_ids, params, resume_from, vocab_size=self.vocab_size,
+            context_length=self.context_length, admission=self.admission,
+        )  # fmt: skip
 
     async def generate(
         self,
