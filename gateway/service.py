@@ -205,6 +205,10 @@ class Gateway:
         # manifest and checksums are checked before any engine starts.
         llm = open_language_model(config.llm, device, config.dtype, engine_kind=config.engine,
                                   log_level=config.log_level)  # fmt: skip
+        if llm is not None:
+            if config.llm_hang_s <= 0:
+                raise InvalidArgument(f"llm_hang_s must be above 0, not {config.llm_hang_s}")
+            llm.hang_s = config.llm_hang_s
         # Both replicas load the same checksum-verified file.
         stored = replace(spec, dtype="float32")
         fallback = TorchRunner(

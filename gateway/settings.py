@@ -86,6 +86,10 @@ class GatewayConfig(BaseModel):
     engine_answer_timeout_s: float = 60.0
     """An engine that has not answered a batch by then is hung: a device error; it is ended
     and started again."""
+    llm_hang_s: float = 30.0
+    """The language model's engine process is judged hung, ended and started again (its
+    answers moving to the CPU replica) when it sends no beat, or makes no step while it has
+    work, for this long; longer than the slowest step the model takes on its device."""
     log_level: Annotated[str, NO_FLAG] = "info"
     """The engine process's log level (its events go to stderr, as the gateway's do)."""
     pack_weights: bool = True

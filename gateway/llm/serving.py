@@ -165,7 +165,7 @@ class LanguageModel:
     replica_enabled: bool = True
     inject_fault: str = ""
     """A fault the primary engine injects into itself (tests, benchmarks)."""
-    hang_s: float = 10.0
+    hang_s: float = 30.0
     log_level: str = "info"
     """The engine process's log level (its events go to stderr, as the gateway's do)."""
     breaker: CircuitBreaker = field(default_factory=lambda: CircuitBreaker(1, 2.0))

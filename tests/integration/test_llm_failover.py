@@ -85,7 +85,7 @@ async def serving(tiny: Path, limits: Limits | None = None, **lm: Any) -> AsyncI
                                tokens_without_server=True)  # fmt: skip
         gateway = await asyncio.to_thread(Gateway.build, config)
     model = LanguageModel.open(tiny, "cpu", limits=limits or Limits(), engine_kind="process", **lm)
-    model.hang_s = 1.5
+    model.hang_s = 3.0  # (the hang test waits this long; margin for a loaded machine)
     gateway.llm = model
     server, port = await serve_http(gateway, "127.0.0.1", 0)
     served = Served(gateway, model, port)
