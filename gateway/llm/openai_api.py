@@ -25,13 +25,11 @@ retry (`gateway.llm.replay`); each answer's tokens are counted for its rollout
 
 from __future__ import annotations
 
-import asyncio
 import json
 import secrets
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import ExitStack, aclosing
-from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -42,6 +40,7 @@ from gateway.accounting import UsageBook
 from gateway.llm.budgets import admit_jobs, forward_metered
 from gateway.llm.chat import AnswerStream, ChatPrompt, parse_answer, render_prompt
 from gateway.llm.engine import TokenEvent
+from gateway.llm.jobs import Job, device_error, merge_events, run_jobs, stream_error
 from gateway.llm.openai_schema import (
     ApiError,
     ChatRequest,
@@ -54,7 +53,7 @@ from gateway.llm.openai_schema import (
 )
 from gateway.llm.replay import Replays
 from gateway.llm.sampling import SamplingParams
-from gateway.llm.serving import RESTART_TOKEN, LanguageModel, Resumable, Route
+from gateway.llm.serving import LanguageModel, Resumable, Route
 from gateway.llm.upstream import Upstreams
 from gateway.llm.usage import Tally, counted
 from gateway.model import DeviceFault
@@ -68,21 +67,6 @@ NO_FALLBACK_HEADER = "x-fleet-no-fallback"
 SHRINK_HEADER = "x-fleet-max-tokens-floor"
 """N: under memory pressure the gateway may lower `max_tokens`, down to N, rather than queue
 the request elsewhere or refuse it."""
-
-
-@dataclass
-class _Job:
-    """One sequence to generate: a choice of a request."""
-
-    index: int
-    prompt: list[int]
-    params: SamplingParams
-
-
-@dataclass
-class _Choice:
-    events: list[TokenEvent] = field(default_factory=list)
-    text: str = ""
 
 
 class OpenAIApi:
@@ -151,7 +135,7 @@ class OpenAIApi:
             reply = from_fleet(exc).reply()
         except (DeviceFault, Resumable) as exc:
             holds.close()
-            reply = _device_error(exc).reply()
+            reply = device_error(exc).reply()
         except Exception:
             holds.close()
             log.exception("openai_request_crashed", path=path)
@@ -251,7 +235,7 @@ class OpenAIApi:
         ]
 
     async def _admit(
-        self, lm: LanguageModel, claims: TokenClaims, jobs: list[_Job], holds: ExitStack,
+        self, lm: LanguageModel, claims: TokenClaims, jobs: list[Job], holds: ExitStack,
         headers: dict[str, str], streaming: bool,
     ) -> Route:  # fmt: skip
         """Where the jobs go (their parameters shrunk where admission shrank them), with their
@@ -328,7 +312,7 @@ class OpenAIApi:
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = self._sampling(lm, len(ids), req, max_tokens, bool(req.logprobs), "messages",
                                 req.n)  # fmt: skip
-        jobs = [_Job(i, ids, p) for i, p in enumerate(params)]
+        jobs = [Job(i, ids, p) for i, p in enumerate(params)]
         route = await self._admit(lm, claims, jobs, holds, headers, bool(req.stream))
         base = self._base(lm, "chat.completion", "chatcmpl-")
         if req.stream:
@@ -338,7 +322,7 @@ class OpenAIApi:
                                        tally)  # fmt: skip
             return Reply(200, headers=lm.headers(route),
                          events=self._counted(claims, lm, events, tally))  # fmt: skip
-        choices = await _run(lm, route, jobs, base["id"])
+        choices = await run_jobs(lm, route, jobs, base["id"])
         completion = 0
         out = []
         for job, choice in zip(jobs, choices, strict=True):
@@ -371,7 +355,7 @@ class OpenAIApi:
         return entries
 
     async def _chat_stream(
-        self, lm: LanguageModel, route: Route, jobs: list[_Job], prompt: ChatPrompt,
+        self, lm: LanguageModel, route: Route, jobs: list[Job], prompt: ChatPrompt,
         base: dict[str, Any], include_usage: bool, logprobs: bool, tally: Tally | None = None,
     ) -> AsyncIterator[str]:  # fmt: skip
         def chunk(index: int, delta: dict[str, Any], reason: str | None = None,
@@ -386,7 +370,7 @@ class OpenAIApi:
         for job in jobs:
             yield chunk(job.index, {"role": "assistant", "content": ""})
         try:
-            async with aclosing(_merged(lm, route, jobs, base["id"])) as merged:
+            async with aclosing(merge_events(lm, route, jobs, base["id"])) as merged:
                 async for index, event in merged:
                     completion += 1
                     if tally is not None:
@@ -412,7 +396,7 @@ class OpenAIApi:
                         "tool_calls" if rest.tool_calls and reason == "stop" else reason,
                     )
         except Exception as exc:  # after the answer began: an error event ends the stream
-            yield json.dumps(_stream_error(exc, lm.served_by(route)))
+            yield json.dumps(stream_error(exc, lm.served_by(route)))
             return
         if include_usage:
             usage = self._usage(len(jobs[0].prompt), completion)
@@ -444,13 +428,13 @@ class OpenAIApi:
                 "unsupported_value",
             )  # fmt: skip
         prompts = self._prompts(lm, req.prompt)
-        jobs: list[_Job] = []
+        jobs: list[Job] = []
         prompt_tokens = 0
         for p, ids in enumerate(prompts):
             field_name = "prompt" if len(prompts) == 1 else f"prompt[{p}]"
             params = self._sampling(lm, len(ids), req, req.max_tokens, req.logprobs is not None,
                                     field_name, req.n)  # fmt: skip
-            jobs += [_Job(p * req.n + i, ids, sp) for i, sp in enumerate(params)]
+            jobs += [Job(p * req.n + i, ids, sp) for i, sp in enumerate(params)]
             prompt_tokens += len(ids)
         route = await self._admit(lm, claims, jobs, holds, headers, bool(req.stream))
         base = self._base(lm, "text_completion", "cmpl-")
@@ -462,7 +446,7 @@ class OpenAIApi:
                                              want_logprobs, tally)  # fmt: skip
             return Reply(200, headers=lm.headers(route),
                          events=self._counted(claims, lm, events, tally))  # fmt: skip
-        choices = await _run(lm, route, jobs, base["id"])
+        choices = await run_jobs(lm, route, jobs, base["id"])
         out = [
             {"index": job.index, "text": choice.text,
              "logprobs": self._completion_logprobs(lm, choice.events) if want_logprobs else None,
@@ -514,12 +498,12 @@ class OpenAIApi:
                 "text_offset": offsets}  # fmt: skip
 
     async def _completion_stream(
-        self, lm: LanguageModel, route: Route, jobs: list[_Job], base: dict[str, Any],
+        self, lm: LanguageModel, route: Route, jobs: list[Job], base: dict[str, Any],
         include_usage: bool, prompt_tokens: int, logprobs: bool, tally: Tally | None = None,
     ) -> AsyncIterator[str]:  # fmt: skip
         completion = 0
         try:
-            async with aclosing(_merged(lm, route, jobs, base["id"])) as merged:
+            async with aclosing(merge_events(lm, route, jobs, base["id"])) as merged:
                 async for index, event in merged:
                     completion += 1
                     if tally is not None:
@@ -531,89 +515,9 @@ class OpenAIApi:
                               "finish_reason": event.finish_reason}  # fmt: skip
                     yield json.dumps({**base, "choices": [choice], "fleet": lm.served_by(route)})
         except Exception as exc:
-            yield json.dumps(_stream_error(exc, lm.served_by(route)))
+            yield json.dumps(stream_error(exc, lm.served_by(route)))
             return
         if include_usage:
             yield json.dumps({**base, "choices": [], "fleet": lm.served_by(route),
                               "usage": self._usage(prompt_tokens, completion)})  # fmt: skip
         yield "[DONE]"
-
-
-def _device_error(exc: DeviceFault | Resumable) -> ApiError:
-    """A device's failure that no engine could take over, as an answer (503, retry)."""
-    code = "resumable" if isinstance(exc, Resumable) and exc.sent else (
-        exc.cause.kind if isinstance(exc, Resumable) and isinstance(exc.cause, DeviceFault)
-        else getattr(exc, "kind", "device_error"))  # fmt: skip
-    return ApiError(503, f"the model's device failed: {exc}", "service_unavailable_error",
-                    code=code, retry_after_s=1.0)  # fmt: skip
-
-
-def _stream_error(exc: Exception, fleet: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The event that ends a stream that failed after it began (its status already sent). A
-    resumable one says how many tokens were sent and the last one, so a client can resume."""
-    if isinstance(exc, FleetError):
-        error = from_fleet(exc)
-    elif isinstance(exc, DeviceFault | Resumable):
-        error = _device_error(exc)
-    else:
-        log.exception("openai_stream_crashed", exc_info=exc)
-        error = ApiError(500, "internal error; see the gateway's log", "server_error",
-                         code="internal_error")  # fmt: skip
-    body = error.reply().body
-    assert body is not None
-    if fleet is not None:
-        body = {**body, "fleet": fleet}
-    if isinstance(exc, Resumable) and exc.sent:
-        body["fleet"] = {**body.get("fleet", {}), "resumable": True,
-                         "tokens_sent": len(exc.sent), "last_token_index": len(exc.sent) - 1,
-                         "last_token_id": exc.sent[-1]}  # fmt: skip
-    return body
-
-
-async def _merged(
-    lm: LanguageModel, route: Route, jobs: list[_Job], request_id: str
-) -> AsyncGenerator[tuple[int, TokenEvent], None]:
-    """The jobs' events as they come, tagged with each job's index; the first failure ends it.
-    Leaving early (the client went away) cancels every job, which aborts its sequence."""
-    queue: asyncio.Queue[tuple[int, TokenEvent | Exception | None]] = asyncio.Queue()
-
-    async def one(job: _Job) -> None:
-        try:
-            events = lm.generate(
-                job.prompt, job.params, request_id=f"{request_id}-{job.index}", route=route
-            )
-            async with aclosing(events) as generated:
-                async for event in generated:
-                    queue.put_nowait((job.index, event))
-            queue.put_nowait((job.index, None))
-        except Exception as exc:
-            queue.put_nowait((job.index, exc))
-
-    tasks = [asyncio.create_task(one(job)) for job in jobs]
-    try:
-        left = len(tasks)
-        while left:
-            index, item = await queue.get()
-            if item is None:
-                left -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _run(lm: LanguageModel, route: Route, jobs: list[_Job], request_id: str) -> list[_Choice]:
-    """Every job to its end; their events and text, in the jobs' order."""
-    choices = {job.index: _Choice() for job in jobs}
-    async with aclosing(_merged(lm, route, jobs, request_id)) as merged:
-        async for index, event in merged:
-            if event.token_id == RESTART_TOKEN:  # begun again whole on the replica
-                choices[index] = _Choice()
-                continue
-            choices[index].events.append(event)
-            choices[index].text += event.text
-    return [choices[job.index] for job in jobs]
