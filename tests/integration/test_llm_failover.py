@@ -272,7 +272,10 @@ async def test_cancelled_while_queued_for_the_replica_frees_its_place(tiny_dir: 
         assert replica is not None
         replica.fault = lambda _steps: time.sleep(0.05)  # (busy: the first stream lasts)
         async with served.stream(max_tokens=150) as (_r1, running):
-            await anext(running)  # the replica's one slot is taken
+            # The first token means the replica's one slot is taken (the role chunk may come
+            # before the engine admitted the request).
+            while not tokens_of([await anext(running)]):
+                pass
             async with served.stream(max_tokens=20) as (queued, _events):
                 assert queued.headers["x-fleet-served-by"].startswith("replica")
                 assert await until(lambda: replica.stats()["requests"] == 2)
