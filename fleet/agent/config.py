@@ -26,7 +26,8 @@ class AgentConfig:
     """One agent's settings."""
 
     server: str
-    """host:port of a fleet server."""
+    """host:port of a fleet server; of several replicas sharing one ledger, comma-separated
+    in the order the agent tries them (see `fleet.agent.link.Link`)."""
     host_id: str
     """Stable name of this host in the fleet."""
     host_class: HostClass

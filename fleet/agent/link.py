@@ -3,6 +3,12 @@ channel with its client certificate, and renewal at two thirds of the certificat
 
 A renewed certificate means a new channel: calls made from then on go over it, calls already
 in flight finish on the old one, which is closed a minute later. Work is not interrupted.
+
+An agent given several server replicas (one ledger) uses one at a time. When it is out of reach
+the link turns to the next, and a call that failed for it is sent again there: every HostService
+call carries what makes a repeat harmless (a claim its request id, a report its fencing token),
+so leases are renewed, work claimed and attempts reported on the replica that is left. The
+session stream reconnects there on its own.
 """
 
 from __future__ import annotations
@@ -10,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +27,7 @@ import structlog
 
 from fleet.api import convert
 from fleet.api.pb import host_pb2, host_pb2_grpc
+from fleet.connect import Replicas, is_gone, parse_servers, with_port
 from fleet.core.errors import FailedPrecondition, Unauthenticated, error_for
 from fleet.core.placement import HostCapabilities
 from fleet.identity.ca import csr_for, key_pem, load_cert, new_key
@@ -34,15 +43,44 @@ leases (15 s by default), which the server holds for one lease after it starts, 
 CHANNEL_OPTIONS = [("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MAX_MS)]
 RENEW_AT = 2 / 3
 """Renew when this fraction of the certificate's life has passed."""
+UNARY = frozenset(
+    m.name
+    for m in host_pb2.DESCRIPTOR.services_by_name["HostService"].methods
+    if not m.client_streaming and not m.server_streaming
+)
+"""HostService's one-request-one-answer calls: those the link sends again on another replica."""
 
 
 async def enroll(
-    server: str, join_token: str, host_id: str, caps: HostCapabilities, files: HostFiles,
-    *, ca_fingerprint: str = "", ca_pem: bytes = b"",
+    server: str | Sequence[str], join_token: str, host_id: str, caps: HostCapabilities,
+    files: HostFiles, *, ca_fingerprint: str = "", ca_pem: bytes = b"",
 ) -> HostIdentityMaterial:  # fmt: skip
-    """Joins the fleet at `server` (its API endpoint): checks the server against the pinned CA
-    (its fingerprint, or its certificate), makes a key here, and trades the join token and a
-    CSR for a client certificate. Writes the identity to `files` and returns it."""
+    """Joins the fleet at `server` (its API endpoint; of several replicas, the first that
+    answers): checks the server against the pinned CA (its fingerprint, or its certificate),
+    makes a key here, and trades the join token and a CSR for a client certificate. Writes
+    the identity to `files` and returns it."""
+    servers = parse_servers(server)
+    for address in servers[:-1]:
+        try:
+            return await _enroll(address, join_token, host_id, caps, files,
+                                 ca_fingerprint=ca_fingerprint, ca_pem=ca_pem)  # fmt: skip
+        except _Gone as gone:
+            log.warning("enroll_server_unreachable", server=address, error=str(gone))
+    try:
+        return await _enroll(servers[-1], join_token, host_id, caps, files,
+                             ca_fingerprint=ca_fingerprint, ca_pem=ca_pem)  # fmt: skip
+    except _Gone as gone:
+        raise error_for("UNAVAILABLE", f"enrollment: {gone}") from None
+
+
+class _Gone(Exception):
+    """A server that could not be reached while enrolling (another replica may be)."""
+
+
+async def _enroll(
+    server: str, join_token: str, host_id: str, caps: HostCapabilities, files: HostFiles,
+    *, ca_fingerprint: str, ca_pem: bytes,
+) -> HostIdentityMaterial:  # fmt: skip
     if not ca_pem:
         if not ca_fingerprint:
             raise FailedPrecondition(
@@ -61,6 +99,8 @@ async def enroll(
         async with grpc.aio.secure_channel(server, credentials) as channel:
             reply = await host_pb2_grpc.HostServiceStub(channel).EnrollHost(request, timeout=30)
     except grpc.aio.AioRpcError as exc:
+        if is_gone(exc):
+            raise _Gone(f"{server}: {exc.details()}") from None
         raise error_for(exc.code().name, f"enrollment refused: {exc.details()}") from None
     if reply.ca_pem != ca_pem and load_cert(reply.ca_pem, "CA") != load_cert(ca_pem, "CA"):
         raise Unauthenticated("the server answered with another CA than the pinned one")
@@ -74,30 +114,76 @@ async def enroll(
 
 
 class Link:
-    """The HostService stub the agent calls through; its methods are the current channel's."""
+    """The HostService stub the agent calls through; its methods are the current channel's.
+    `server`: the API address of each replica (comma-separated, or a list), in the order they
+    are tried."""
 
-    def __init__(self, server: str, identity: HostIdentityMaterial | None,
+    def __init__(self, server: str | Sequence[str], identity: HostIdentityMaterial | None,
                  files: HostFiles | None) -> None:  # fmt: skip
-        self.server = server
+        self.replicas = Replicas(server)
         self.identity = identity
         self.files = files
         self._channel: grpc.aio.Channel | None = None
+        self._channel_of = 0
         self._stub: Any = None
         self._closing: set[asyncio.Task[None]] = set()
 
     @property
+    def server(self) -> str:
+        """The API address of the replica in use."""
+        return self.replicas.current
+
+    @property
     def address(self) -> str:
-        return self.identity.host_address if self.identity is not None else self.server
+        """Where HostService is called now: the replica's mutual-TLS endpoint (on the port
+        enrollment named), or its API address without TLS."""
+        if self.identity is None:
+            return self.server
+        if not self.replicas.several:
+            return self.identity.host_address
+        return with_port(self.server, self.identity.host_port)
 
     def _open(self) -> None:
+        self._channel_of = self.replicas.index
         if self.identity is None:
-            self._channel = grpc.aio.insecure_channel(self.server, options=CHANNEL_OPTIONS)
+            self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         else:
             self._channel = grpc.aio.secure_channel(
-                self.identity.host_address, self.identity.channel_credentials(),
-                options=CHANNEL_OPTIONS,
-            )  # fmt: skip
+                self.address, self.identity.channel_credentials(), options=CHANNEL_OPTIONS
+            )
         self._stub = host_pb2_grpc.HostServiceStub(self._channel)
+
+    def _retire(self, channel: grpc.aio.Channel | None) -> None:
+        """Closes `channel` after a grace: calls already on it finish there."""
+        if channel is None:
+            return
+        task = asyncio.create_task(_close_later(channel))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    def _move_on(self, channel: grpc.aio.Channel | None, exc: grpc.aio.AioRpcError) -> bool:
+        """After a call on `channel` failed: when its replica is out of reach, the link turns
+        to the next one (once for every call that failed on that channel). Returns whether it
+        did."""
+        if channel is not self._channel or not is_gone(exc):
+            return False
+        if not self.replicas.move_from(self._channel_of, str(exc.details())):
+            return False
+        self._open()
+        self._retire(channel)
+        return True
+
+    async def _unary(self, name: str, request: Any, **kwargs: Any) -> Any:
+        """HostService's `name` on the replica in use; on the next one, and so on round the
+        list once, while each is out of reach."""
+        for tries in range(len(self.replicas.servers), 0, -1):
+            channel = self._channel
+            try:
+                return await getattr(self._stub, name)(request, **kwargs)
+            except grpc.aio.AioRpcError as exc:
+                if not self._move_on(channel, exc) or tries == 1:
+                    raise
+        raise AssertionError("unreachable")
 
     async def __aenter__(self) -> Link:
         self._open()
@@ -112,6 +198,8 @@ class Link:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
+        if name in UNARY and self.replicas.several:
+            return functools.partial(self._unary, name)
         return getattr(self._stub, name)
 
     def renew_in(self, now: float | None = None) -> float | None:
@@ -126,7 +214,7 @@ class Link:
         """A new key and certificate; later calls use them."""
         assert self.identity is not None
         key = new_key()
-        reply = await self._stub.RenewCertificate(
+        reply = await self.RenewCertificate(
             host_pb2.RenewCertificateRequest(csr_pem=csr_for(key, self.identity.host_id)),
             timeout=30,
         )
@@ -137,10 +225,7 @@ class Link:
         )
         old = self._channel
         self._open()
-        if old is not None:
-            task = asyncio.create_task(_close_later(old))
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+        self._retire(old)
         log.info("host_certificate_renewed", host_id=self.identity.host_id,
                  expires_at=self.identity.not_after)  # fmt: skip
 

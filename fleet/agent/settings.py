@@ -7,10 +7,11 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from annotated_types import Ge, Gt
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from fleet.connect import default_server
+from fleet.connect import default_server, parse_servers
+from fleet.core.errors import InvalidArgument
 from fleet.runtime.disk import DEFAULT_DISK_GIB
 from fleet.settings import Flag, Settings
 
@@ -27,8 +28,12 @@ class AgentSettings(Settings):
 
     host_class: Annotated[Literal["gpu", "cpu"], Flag("--class")]
     """What this host offers: gpu (a GPU, or standing in for one) or cpu."""
-    server: str = Field(default_factory=default_server)
-    """host:port of the fleet server (default $FLEET_SERVER, else 127.0.0.1:50051)."""
+    server: Annotated[str, Flag(metavar="HOST:PORT[,HOST:PORT...]")] = Field(
+        default_factory=default_server
+    )
+    """host:port of the fleet server (default $FLEET_SERVER, else 127.0.0.1:50051); replicas
+    sharing one ledger comma-separated, in the order they are tried (the agent moves to the
+    next when its own is out of reach), or a dns:///NAME:PORT that resolves to them."""
     join: Annotated[str, Flag(metavar="TOKEN")] = ""
     """Enroll with this join token (fleet host token create) unless this host holds a valid
     certificate already."""
@@ -72,3 +77,12 @@ class AgentSettings(Settings):
     """The inference gateway's HTTP endpoint as machines reach it: ADDRESS:PORT, or host:PORT
     for a gateway on this host (rollouts that use inference need it); https://… when it serves
     TLS (verified against the fleet CA)."""
+
+    @field_validator("server")
+    @classmethod
+    def _servers(cls, value: str) -> str:
+        """Each address is checked here, so a typo stops the agent at once, naming it."""
+        try:
+            return ",".join(parse_servers(value, "the server list"))
+        except InvalidArgument as exc:
+            raise ValueError(exc.message) from None

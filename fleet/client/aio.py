@@ -38,7 +38,7 @@ from fleet.client.models import (
 )
 from fleet.client.wire import CommonOptions, StepLike, SubmitOptions
 from fleet.config import Paths
-from fleet.connect import ClientAuth, default_server
+from fleet.connect import ClientAuth, Replicas, default_server, is_gone, never_sent
 from fleet.core.errors import DeadlineExceeded, FleetError, InvalidArgument
 
 log = structlog.get_logger(__name__)
@@ -52,6 +52,8 @@ RESUME_FOR_S = 60.0
 RESUME_BACKOFF_S = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 RESUMABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
 """What a dropped connection looks like: the watch resumes after it; anything else is raised."""
+OLD_CHANNEL_GRACE_S = 30.0
+"""How long the channel to a replica left behind stays open for the calls still on it."""
 
 
 def _smolfile(value: str | Path | Smolfile) -> Smolfile:
@@ -61,7 +63,9 @@ def _smolfile(value: str | Path | Smolfile) -> Smolfile:
 class AsyncFleet:
     """A connection to a fleet server, for asyncio code.
 
-    `server` defaults to $FLEET_SERVER, else 127.0.0.1:50051; `key` to $FLEET_KEY, else the
+    `server` defaults to $FLEET_SERVER, else 127.0.0.1:50051; several replicas sharing one
+    ledger are given comma-separated or as a list, and the client moves to the next when the
+    one it uses is out of reach (see `call`; a watch resumes there). `key` to $FLEET_KEY, else the
     admin key `fleet up` writes ($FLEET_HOME/admin.key); `ca` (a PEM path or bytes) to
     $FLEET_CA, else $FLEET_HOME/ca/ca.crt when it exists (TLS), else no TLS. `auth` stands for
     all three where the caller holds them already (an embedded fleet's). The channel opens on
@@ -69,28 +73,49 @@ class AsyncFleet:
 
     def __init__(
         self,
-        server: str | None = None,
+        server: str | Sequence[str] | None = None,
         *,
         key: str | None = None,
         ca: str | bytes | None = None,
         plaintext: bool = False,
         auth: ClientAuth | None = None,
     ) -> None:
-        self.server = server or default_server()
+        self.replicas = Replicas(server or default_server(), "server")
+        self.server = str(self.replicas)
         self.auth = auth or ClientAuth.find(
             Paths.from_env().home, ca=ca or "", key=key or "", plaintext=plaintext
         )
         self.key = self.auth.key
         self._channel: Any = None
+        self._channel_of = 0
+        """The replica (its index in `replicas`) the open channel reaches."""
         self._rollouts: Any = None
         self._sessions: Any = None
+        self._left: dict[asyncio.Task[None], Any] = {}
+        """Channels to replicas left behind, by their closing task (after a grace, for the
+        calls still on them; at once by `close`)."""
         self._log = log.bind(server=self.server)
 
     def _stubs(self) -> tuple[Any, Any]:
         if self._channel is None:
-            self._channel = self.auth.channel(self.server)
+            self._channel_of = self.replicas.index
+            self._channel = self.auth.channel(self.replicas.current)
             self._rollouts, self._sessions = wire.stubs(self._channel)
         return self._rollouts, self._sessions
+
+    def _move_on(self, channel: Any, exc: grpc.RpcError) -> bool:
+        """After a call on `channel` failed: when its replica is out of reach and the client
+        knows others, the next calls go to the next one (once, however many calls failed on
+        the same channel). Returns whether the client moved."""
+        if channel is None or channel is not self._channel or not is_gone(exc):
+            return False
+        if not self.replicas.move_from(self._channel_of, str(exc.details())):
+            return False
+        self._channel = None
+        task = asyncio.create_task(_close_later(channel))
+        self._left[task] = channel
+        task.add_done_callback(lambda done: self._left.pop(done, None))
+        return True
 
     @property
     def rollouts_stub(self) -> Any:
@@ -106,16 +131,30 @@ class AsyncFleet:
     def sessions_stub(self) -> Any:
         return self._stubs()[1]
 
-    async def call(self, fn: Callable[[], Awaitable[T]]) -> T:
-        """`fn()` with a gRPC refusal raised as fleet's own error."""
-        try:
-            return await fn()
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc, self.server) from None
+    async def call(self, fn: Callable[[], Awaitable[T]], *, idempotent: bool = False) -> T:
+        """`fn()` with a gRPC refusal raised as fleet's own error. When the replica it went to
+        is out of reach, the client moves to the next, and `fn()` is made again there if it
+        cannot have been done twice: an `idempotent` call (a read, a submission under its
+        idempotency key), or one that never reached a server. Each replica is tried once."""
+        for tries in range(len(self.replicas.servers), 0, -1):
+            self._stubs()
+            channel = self._channel
+            try:
+                return await fn()
+            except grpc.RpcError as exc:
+                moved = self._move_on(channel, exc)
+                if not moved or tries == 1 or not (idempotent or never_sent(exc)):
+                    raise error_from_rpc(exc, self.server) from None
+                self._log.info("call_moved", to=self.replicas.current, error=exc.details())
+        raise AssertionError("unreachable")
 
     async def close(self) -> None:
-        """Closes the connection to the server."""
+        """Closes the connection to the server (and any left to replicas moved away from)."""
         channel, self._channel = self._channel, None
+        left, self._left = self._left, {}
+        for task, old in left.items():
+            task.cancel()
+            await old.close()
         if channel is not None:
             await channel.close()
 
@@ -136,7 +175,9 @@ class AsyncFleet:
         if not await asyncio.to_thread(local.exists):
             raise InvalidArgument(f"input {src}: does not exist")
         directory = await asyncio.to_thread(local.is_dir)
-        return await self.call(lambda: transfer.upload(self.rollouts_stub, local, path, directory))
+        return await self.call(
+            lambda: transfer.upload(self.rollouts_stub, local, path, directory), idempotent=True
+        )
 
     async def _inputs(self, inputs: Mapping[str, Any] | None) -> builtins.list[InputFile]:
         out = []
@@ -159,9 +200,13 @@ class AsyncFleet:
         submitted again returns the same rollout (`created` False)."""
         parsed = _smolfile(smolfile)
         inputs = await self._inputs(options.get("inputs"))
-        image = await self.call(lambda: transfer.upload_image_archive(self.rollouts_stub, parsed))
+        image = await self.call(
+            lambda: transfer.upload_image_archive(self.rollouts_stub, parsed), idempotent=True
+        )
         request = wire.submit_request(parsed, steps, options, inputs, image)
-        reply = await self.call(lambda: self.rollouts_stub.SubmitRollout(request, timeout=30))
+        reply = await self.call(
+            lambda: self.rollouts_stub.SubmitRollout(request, timeout=30), idempotent=True
+        )
         return wire.rollout(reply.rollout, created=reply.created)  # type: ignore[return-value]
 
     async def submit_many(
@@ -181,7 +226,9 @@ class AsyncFleet:
             )
         parsed = _smolfile(smolfile)
         inputs = await self._inputs(options.get("inputs"))
-        image = await self.call(lambda: transfer.upload_image_archive(self.rollouts_stub, parsed))
+        image = await self.call(
+            lambda: transfer.upload_image_archive(self.rollouts_stub, parsed), idempotent=True
+        )
         requests = [
             wire.submit_request(
                 parsed, steps,
@@ -194,7 +241,8 @@ class AsyncFleet:
         for start in range(0, len(requests), SUBMIT_BATCH):
             batch = wire.submit_batch(requests[start : start + SUBMIT_BATCH])
             reply = await self.call(
-                lambda b=batch: self.rollouts_stub.SubmitRollouts(b, timeout=60)  # type: ignore[misc]
+                lambda b=batch: self.rollouts_stub.SubmitRollouts(b, timeout=60),  # type: ignore[misc]
+                idempotent=True,
             )
             ids += [r.id for r in reply.rollouts]
         return ids
@@ -202,7 +250,9 @@ class AsyncFleet:
     async def get(self, rollout_id: str) -> Rollout:
         """The rollout with this id (NotFound for an unknown one or another tenant's)."""
         request = wire.get_request(rollout_id)
-        return wire.rollout(await self.call(lambda: self.rollouts_stub.GetRollout(request)))
+        return wire.rollout(
+            await self.call(lambda: self.rollouts_stub.GetRollout(request), idempotent=True)
+        )
 
     async def list_page(
         self, labels: Mapping[str, str] | None = None, *, could_reach: str = "",
@@ -211,7 +261,9 @@ class AsyncFleet:
         """One page of the rollouts the key may see (with these labels; whose machine could
         reach `could_reach`), newest first."""
         request = wire.list_request(labels, could_reach, page_size, page_token)
-        return wire.page(await self.call(lambda: self.rollouts_stub.ListRollouts(request)))
+        return wire.page(
+            await self.call(lambda: self.rollouts_stub.ListRollouts(request), idempotent=True)
+        )
 
     async def list(
         self, labels: Mapping[str, str] | None = None, *, could_reach: str = ""
@@ -232,20 +284,38 @@ class AsyncFleet:
         """The rollout's events after `after_sequence`, in order, until it is final. A stream
         that drops (the server restarting, a proxy cutting it) is resumed after the last event
         seen, so none is lost or repeated; after RESUME_FOR_S without reaching the server again
-        the watch raises Unavailable."""
+        the watch raises Unavailable. With several replicas it resumes on the next one when
+        its own is gone.
+
+        A stream that ends before the final event is asked once more from there: a server reads
+        a rollout's new events and then its state apart, so a rollout that became final in
+        between ends the stream without its last events (a second read has them)."""
         seen = after_sequence
         failures = 0
         give_up = 0.0
+        final = False
+        again = False
         while True:
             call = self.rollouts_stub.WatchRollout(wire.watch_request(rollout_id, seen))
+            channel = self._channel
             try:
+                got = 0
                 async for pb in call:
-                    seen, failures = pb.sequence, 0
-                    yield wire.event(pb)
-                return
+                    seen, failures, got = pb.sequence, 0, got + 1
+                    event = wire.event(pb)
+                    final = final or event.final
+                    yield event
+                if final or (again and not got):
+                    return
+                again = True
+                self._log.info("watch_ended_early", rollout_id=rollout_id, after_sequence=seen)
+                continue
             except grpc.RpcError as exc:
                 if exc.code() not in RESUMABLE:
                     raise error_from_rpc(exc, self.server) from None
+                # (Its replica gone, the watch resumes on the next: every replica reads the
+                # same events from the ledger, so `seen` means the same there.)
+                self._move_on(channel, exc)
                 now = time.monotonic()
                 if failures == 0:
                     give_up = now + RESUME_FOR_S
@@ -282,7 +352,9 @@ class AsyncFleet:
     async def cancel(self, rollout_id: str, reason: str = "") -> Rollout:
         """Cancels the rollout (its running attempt is stopped); returns it as it is then."""
         request = wire.cancel_request(rollout_id, reason)
-        return wire.rollout(await self.call(lambda: self.rollouts_stub.CancelRollout(request)))
+        return wire.rollout(
+            await self.call(lambda: self.rollouts_stub.CancelRollout(request), idempotent=True)
+        )
 
     async def download(self, rollout_id: str, digest: str) -> bytes:
         """An input or output of the rollout, by digest, in memory."""
@@ -307,7 +379,9 @@ class AsyncFleet:
     async def egress_events(self, rollout_id: str) -> builtins.list[EgressEvent]:
         """Every DNS query and connection the rollout's machines were refused, oldest first."""
         request = wire.egress_events_request(rollout_id)
-        reply = await self.call(lambda: self.rollouts_stub.ListEgressEvents(request))
+        reply = await self.call(
+            lambda: self.rollouts_stub.ListEgressEvents(request), idempotent=True
+        )
         return [wire.egress_event(e) for e in reply.events]
 
     # -- sessions ----------------------------------------------------------------------------
@@ -347,7 +421,7 @@ class AsyncFleet:
     async def sessions(self) -> builtins.list[SessionInfo]:
         """(id, state, host_id) of the sessions the key may see."""
         request = wire.list_sessions_request()
-        reply = await self.call(lambda: self.sessions_stub.ListSessions(request))
+        reply = await self.call(lambda: self.sessions_stub.ListSessions(request), idempotent=True)
         return [wire.session_info(s) for s in reply.sessions]
 
 
@@ -467,7 +541,9 @@ class AsyncSession:
     async def close(self) -> str:
         """Closes the session (its machine is deleted); returns its final state."""
         request = wire.close_request(self.id)
-        reply = await self.fleet.call(lambda: self.fleet.sessions_stub.CloseSession(request))
+        reply = await self.fleet.call(
+            lambda: self.fleet.sessions_stub.CloseSession(request), idempotent=True
+        )
         return str(reply.state)
 
     async def __aenter__(self) -> AsyncSession:
@@ -481,3 +557,10 @@ class AsyncSession:
         except FleetError:
             if kind is None:
                 raise
+
+
+async def _close_later(channel: Any) -> None:
+    """Closes the channel to a replica the client moved away from, once the calls still on it
+    had their time (a replica that is out of reach fails them sooner)."""
+    await asyncio.sleep(OLD_CHANNEL_GRACE_S)
+    await channel.close()
