@@ -462,13 +462,17 @@ class FleetServicer(fleet_pb2_grpc.FleetServiceServicer):  # type: ignore[misc]
         if after < 0:
             raise InvalidArgument("after_sequence is negative")
         await self._check_owner(request.id)
+        page = 500
         while True:
-            events = await self.core.read(self.core.ledger.events, request.id, after)
-            rollout = None if events else await self.core.read(self.core.ledger.get, request.id)
+            # The state first, then the events: a rollout read as final has written all its
+            # events, so a stream that ends here has sent them all. (Read the other way round,
+            # a rollout that turned final between the two reads ended the stream early.)
+            rollout = await self.core.read(self.core.ledger.get, request.id)
+            events = await self.core.read(self.core.ledger.events, request.id, after, page)
             for e in events:
                 after = e.sequence
                 yield convert.event_to_pb(e)
-            if rollout is not None and rollout.state.final:
+            if rollout.state.final and len(events) < page:
                 return
             if not events:
                 await self.core.event_pulse.wait(1.0)
