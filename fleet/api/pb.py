@@ -14,6 +14,11 @@ another protoc without touching a caller.
 
 from __future__ import annotations
 
+from typing import Any
+
+from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
+
 from fleet.api._proto.fleet.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -30,6 +35,7 @@ from fleet.api._proto.fleet.v1 import (
 __all__ = [
     "admin_pb2",
     "admin_pb2_grpc",
+    "as_dict",
     "fleet_pb2",
     "fleet_pb2_grpc",
     "host_pb2",
@@ -39,3 +45,10 @@ __all__ = [
     "types_pb2",
     "types_pb2_grpc",
 ]
+
+
+def as_dict(message: Message) -> dict[str, Any]:
+    """A message as the JSON-shaped dict its .proto describes, fields named as declared there
+    (`request_id`, not `requestId`), for callers that hand a message on as plain data."""
+    out: dict[str, Any] = MessageToDict(message, preserving_proto_field_name=True)
+    return out

@@ -9,10 +9,9 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypedDict
 
-from google.protobuf.json_format import MessageToDict
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from fleet.api.pb import fleet_pb2, fleet_pb2_grpc, types_pb2
+from fleet.api.pb import as_dict, fleet_pb2, fleet_pb2_grpc, types_pb2
 from fleet.client.models import (
     AttemptRecord,
     Egress,
@@ -143,11 +142,7 @@ def rollout(pb: types_pb2.Rollout, created: bool | None = None) -> Rollout:
 
 
 def _json_of(pb: types_pb2.Rollout) -> Callable[[], dict[str, Any]]:
-    def make() -> dict[str, Any]:
-        out: dict[str, Any] = MessageToDict(pb, preserving_proto_field_name=True)
-        return out
-
-    return make
+    return lambda: as_dict(pb)
 
 
 def page(reply: fleet_pb2.ListRolloutsResponse) -> Page:
