@@ -97,6 +97,7 @@ KEYS = (
     "batching_gain", "vs_transformers", "failover_p95_s", "lost", "repeated_tokens",
     "equivalence_fp32", "false_refusal_rate", "oom", "kv_bytes_per_token_ratio",
     "paged_vs_contiguous", "proxy_added_p50_ms", "proxy_tokens_s_ratio", "fallback_first_token_s",
+    "pipe_added_p50_ms",
 )  # fmt: skip
 """Keys the closing JSON line always carries (None where a figure was not measured)."""
 
@@ -585,6 +586,11 @@ def _proxy_rows(table: Table, out: dict[str, Any]) -> None:
     table.print_row("    tokens/s: gateway vs direct", f"{out['proxy_tokens_s']:.0f}",
                     f"{out['proxy_direct_tokens_s']:.0f}",
                     f"{out['proxy_tokens_s_ratio']:.2f}x")  # fmt: skip
+    table.print_row("    the host's floor: a byte pipe in Python vs direct, p50 s",
+                    f"{out['pipe_p50_s']:.3f}", f"{out['proxy_direct_p50_s']:.3f}",
+                    f"{out['pipe_added_p50_ms']:+.1f}ms")  # fmt: skip
+    table.print_row("    tokens/s: byte pipe vs direct", "", "",
+                    f"{out['pipe_tokens_s_ratio']:.2f}x")  # fmt: skip
     table.print_row("    fallback past a refusing upstream: p95 s to first token",
                     f"{out['fallback_first_token_s']:.3f}",
                     f"{out['proxy_direct_ttft_p95_s']:.3f}")  # fmt: skip
@@ -647,6 +653,19 @@ def report(args: argparse.Namespace, runs: dict[str, dict[str, Any]], eq_note: s
           f"{args.model.name})")  # fmt: skip
 
 
+def proxy_only(args: argparse.Namespace) -> int:
+    """`--only proxy`: part (6) alone, its rows under the table's header; the closing JSON line
+    carries every key of `KEYS`, those of the other parts null."""
+    quiet()
+    out: dict[str, Any] = {**dict.fromkeys(KEYS), **proxy(args)}
+    table = Table(62, (("gateway", 12), ("direct", 12), ("ratio", 9)))
+    table.print_header()
+    _proxy_rows(table, out)
+    if args.json:
+        print_json(out, 4)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="small counts: done in under 60 s")
@@ -664,7 +683,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--equivalence-prompts", type=int, default=None,
         help="prompts part (4) compares (default 200, 12 with --quick)",
     )  # fmt: skip
+    parser.add_argument(
+        "--only", choices=("proxy",), default=None,
+        help="run one part alone: proxy, part (6), which loads no model (its rows and keys; "
+        "the others' keys are null)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.only == "proxy":
+        return proxy_only(args)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     unknown = [d for d in dtypes if d not in DTYPES]
     if not dtypes or unknown:

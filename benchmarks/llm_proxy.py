@@ -19,6 +19,10 @@ alternates so that the machine's drift weighs on both alike:
   gateway, less the direct p50; also the added p50 time to first token.
 - `proxy_tokens_s_ratio`: tokens received per second of the rounds' wall time, through the
   gateway over direct.
+- `pipe_added_p50_ms`: the same, through a process that only copies bytes both ways between
+  the caller and the upstream (asyncio, in Python, as the gateway is): what any proxy in
+  Python costs on this host before it does any work, so the gateway's figure can be read
+  against the host's floor measured in the same run.
 - `fallback_first_token_s`: `gone/stream` asked for (its chain: `bench/stream`), the same
   `STREAMS` at once: the p95 from sending to the first token (p50 beside it), each answer
   checked to say it fell back. The direct time to first token is the baseline beside it: the
@@ -99,6 +103,36 @@ def _gateway_main(settings: dict[str, str], port: Any, http_port: Any) -> None:
         ))  # fmt: skip
         gw.upstreams = Upstreams(config)
         server, bound = await serve_http(gw, "127.0.0.1", 0)
+        http_port.value = bound
+        port.value = bound
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(main())
+
+
+def _pipe_main(upstream: str, port: Any, http_port: Any) -> None:
+    """A `ServerProcess` target: a byte pipe on loopback to `upstream` (host:port), each
+    connection copied both ways as it comes, nothing read into requests or events."""
+    host, _, up_port = upstream.rpartition(":")
+
+    async def copy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(host, int(up_port))
+        await asyncio.gather(copy(reader, up_writer), copy(up_reader, writer))
+
+    async def main() -> None:
+        server = await asyncio.start_server(connection, "127.0.0.1", 0)
+        bound = server.sockets[0].getsockname()[1]
         http_port.value = bound
         port.value = bound
         async with server:
@@ -230,7 +264,7 @@ def _clients(stack: contextlib.AsyncExitStack, base: str) -> tuple[httpx.AsyncCl
 
 
 async def measure(
-    upstream: str, gateway: str, gateway_pid: int, key: str, plan: Plan
+    upstream: str, gateway: str, gateway_pid: int, pipe: str, key: str, plan: Plan
 ) -> dict[str, Any]:
     """The rounds, each side through its own clients, then the fallback rounds."""
     deadline = time.time() + 3600
@@ -240,7 +274,7 @@ async def measure(
         for i in range(STREAMS)
     )  # fmt: skip
     direct_auth = ({"authorization": f"Bearer {key}"},) * STREAMS
-    sides = {"direct": Side(), "proxy": Side()}
+    sides = {"direct": Side(), "proxy": Side(), "pipe": Side()}
     fallback = Side()
     async with contextlib.AsyncExitStack() as stack:
         g = _clients(stack, f"http://{gateway}/v1")
@@ -248,13 +282,15 @@ async def measure(
             "direct": Caller("direct", _clients(stack, f"http://{upstream}/v1"),
                              llm_upstream.MODEL, direct_auth),
             "proxy": Caller("proxy", g, MODEL, tokens),
+            "pipe": Caller("pipe", _clients(stack, f"http://{pipe}/v1"),
+                           llm_upstream.MODEL, direct_auth),
         }  # fmt: skip
         falling = Caller("fallback", g, FALLING, tokens)
         # Warm-up: connections opened and kept, on both sides and on the gateway's own pool.
         for caller in callers.values():
             await concurrent(caller, Side(), plan.tokens, gateway_pid)
         for r in range(plan.rounds):
-            order = ("direct", "proxy") if r % 2 == 0 else ("proxy", "direct")
+            order = ("direct", "proxy", "pipe") if r % 2 == 0 else ("pipe", "proxy", "direct")
             for name in order:
                 await concurrent(callers[name], sides[name], plan.tokens, gateway_pid)
         for _ in range(plan.fallback_rounds):
@@ -263,8 +299,11 @@ async def measure(
     if unsaved:
         raise RuntimeError(f"fallback: {len(unsaved)} answers do not say they fell back from "
                            f"{FALLING} (x-fleet-fallbacks: {unsaved[0]!r})")  # fmt: skip
-    direct, proxied = sides["direct"], sides["proxy"]
+    direct, proxied, piped = sides["direct"], sides["proxy"], sides["pipe"]
     return {
+        "pipe_added_p50_ms": 1000 * (piped.p("total_s", 0.5) - direct.p("total_s", 0.5)),
+        "pipe_p50_s": piped.p("total_s", 0.5),
+        "pipe_tokens_s_ratio": piped.rate / direct.rate,
         "proxy_added_p50_ms": 1000 * (proxied.p("total_s", 0.5) - direct.p("total_s", 0.5)),
         "proxy_tokens_s_ratio": proxied.rate / direct.rate,
         "fallback_first_token_s": fallback.p("ttft_s", 0.95),
@@ -301,7 +340,9 @@ def proxy(quick: bool) -> dict[str, Any]:
                 "gone": f"http://127.0.0.1:{gone}/v1",
                 "key_file": str(key_file),
             }
-            with ServerProcess(_gateway_main, settings) as gateway:
-                return asyncio.run(
-                    measure(upstream.address, gateway.http_address, gateway.pid, key, plan)
-                )
+            with (
+                ServerProcess(_gateway_main, settings) as gateway,
+                ServerProcess(_pipe_main, upstream.address) as pipe,
+            ):
+                return asyncio.run(measure(upstream.address, gateway.http_address, gateway.pid,
+                                           pipe.address, key, plan))  # fmt: skip

@@ -11,8 +11,10 @@ started with: the gateway's key for it, which a direct caller holds too.
     POST /v1/chat/completions   `stream: true`: server-sent events in chunks, a role chunk at
                                 once, then `tokens` content chunks, the i-th sent `i * delay_s`
                                 after the request (an absolute schedule: a slow reader does not
-                                slow the pace it is offered), a finish chunk and `[DONE]`;
-                                otherwise the whole answer after `tokens * delay_s`
+                                slow the pace it is offered), a finish chunk, the usage chunk
+                                when `stream_options.include_usage` asks for it (as the gateway
+                                always does, for its accounting), and `[DONE]`; otherwise the
+                                whole answer after `tokens * delay_s`
 
 Its answers are built once, at start: the server costs the same whoever calls it.
 """
@@ -26,6 +28,8 @@ from typing import Any
 
 MODEL = "stream"
 """The one model it serves (as the gateway serves it: `NAME/stream`)."""
+PROMPT_TOKENS = 8
+"""The prompt tokens every answer reports (the request's are not counted)."""
 MAX_HEAD_BYTES = 16 * 1024
 MAX_BODY_BYTES = 1 << 20
 IDLE_TIMEOUT_S = 60.0
@@ -71,23 +75,33 @@ class BenchUpstream:
         )
         self.role = _chunk({"role": "assistant", "content": ""})
         self.token_chunks = [_chunk({"content": f" w{i}"}) for i in range(tokens)]
+        usage = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": tokens,
+                 "total_tokens": PROMPT_TOKENS + tokens}  # fmt: skip
         self.finish = _chunk({}, "stop") + _frame(b"[DONE]") + b"0\r\n\r\n"
+        usage_chunk = {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 0,
+                       "model": MODEL, "choices": [], "usage": usage}  # fmt: skip
+        self.finish_with_usage = (
+            _chunk({}, "stop") + _frame(json.dumps(usage_chunk).encode()) + _frame(b"[DONE]")
+            + b"0\r\n\r\n"
+        )  # fmt: skip
         text = "".join(f" w{i}" for i in range(tokens))
         self.answer = _whole(200, {
             "id": "chatcmpl-bench", "object": "chat.completion", "created": 0, "model": MODEL,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                          "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": 8, "completion_tokens": tokens,
-                      "total_tokens": 8 + tokens},
+            "usage": usage,
         })  # fmt: skip
         self.models = _whole(200, {"object": "list", "data": [
             {"id": MODEL, "object": "model", "created": 0, "owned_by": "bench"}]})  # fmt: skip
         self.refused = _whole(401, {"error": {"message": "bad key", "type": "auth"}}, close=True)
         self.served = 0
         self.refusals = 0
+        self.connections = 0
+        """Connections accepted: a caller that keeps its connections alive opens few."""
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One connection: its requests, one after another, until it closes or idles."""
+        self.connections += 1
         try:
             for _ in range(MAX_REQUESTS_PER_CONNECTION):
                 try:
@@ -134,7 +148,9 @@ class BenchUpstream:
                 why = f"no model {asked!r}; this server serves {MODEL!r}"
                 writer.write(_whole(404, {"error": {"message": why}}))
             elif request.get("stream") is True:
-                await self.stream(writer, start)
+                options = request.get("stream_options")
+                usage = isinstance(options, dict) and options.get("include_usage") is True
+                await self.stream(writer, start, usage)
             else:
                 await asyncio.sleep(self.tokens * self.delay_s)
                 writer.write(self.answer)
@@ -144,7 +160,7 @@ class BenchUpstream:
         await writer.drain()
         return headers.get(b"connection", b"").lower() != b"close"
 
-    async def stream(self, writer: asyncio.StreamWriter, start: float) -> None:
+    async def stream(self, writer: asyncio.StreamWriter, start: float, usage: bool) -> None:
         writer.write(self.stream_head + self.role)
         await writer.drain()
         for i, chunk in enumerate(self.token_chunks, 1):
@@ -153,7 +169,7 @@ class BenchUpstream:
                 await asyncio.sleep(wait)
             writer.write(chunk)
             await writer.drain()
-        writer.write(self.finish)
+        writer.write(self.finish_with_usage if usage else self.finish)
 
 
 def serve(key: str, tokens: int, delay_s: float, port: Any, _http_port: Any) -> None:

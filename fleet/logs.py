@@ -67,5 +67,5 @@ def configure(level: str = "info") -> None:
     root.setLevel(numeric)
     # Libraries that talk a lot at INFO: their warnings and errors are what an operator needs.
     # (alembic says so at INFO every time a ledger opens; fleet logs each migration it applies.)
-    for chatty in ("sqlalchemy", "alembic", "urllib3", "httpx", "httpcore", "asyncio"):
+    for chatty in ("sqlalchemy", "alembic", "urllib3", "httpx", "httpcore", "aiohttp", "asyncio"):
         logging.getLogger(chatty).setLevel(max(numeric, logging.WARNING))

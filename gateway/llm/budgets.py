@@ -45,6 +45,7 @@ from fleet.core.tokens import TokenClaims
 from gateway.llm.openai_schema import ApiError, Reply, bad_field
 from gateway.llm.sampling import SamplingParams
 from gateway.llm.upstream import Upstreams
+from gateway.llm.upstream_relay import StreamUsage, usage_of
 
 log = structlog.get_logger(__name__)
 
@@ -395,7 +396,8 @@ async def forward_metered(
     lowered where the floor allowed) and forwarded; the tokens the upstream reports are counted
     in `book` once the answer ends. A stream asks the upstream for its usage
     (`stream_options.include_usage`) and drops that chunk again when its client did not ask
-    for it; where an upstream reports none, its chunks that carry text are counted."""
+    for it; where an upstream reports none, its chunks that carry text are counted. The relay
+    counts as it parses each chunk (`StreamUsage`): a stream's chunks are not parsed twice."""
     if book is None:
         return await upstreams.forward(path, claims, request)
     upstreams.check_allowed(claims, str(request["model"]))  # (403 before any 429)
@@ -412,7 +414,8 @@ async def forward_metered(
     wanted = isinstance(options, dict) and options.get("include_usage") is True
     if streaming and not wanted:
         request = {**request, "stream_options": {**(options or {}), "include_usage": True}}
-    reply = await upstreams.forward(path, claims, request)
+    usage = StreamUsage(drop_usage=streaming and not wanted, model=str(request["model"]))
+    reply = await upstreams.forward(path, claims, request, usage if streaming else None)
     if reply.status != 200:
         return reply
     rollout_id = claims.rollout_id
@@ -421,70 +424,40 @@ async def forward_metered(
         book.add_tokens(rollout_id, model, prompt, completion)
 
     if reply.events is not None:
-        drop = streaming and not wanted
-        reply.events = _metered(reply.events, str(request["model"]), record, drop_usage=drop)
+        reply.events = _Metered(reply.events, usage, record)
     elif reply.body is not None:
-        prompt, completion = _usage_of(reply.body)
+        prompt, completion = usage_of(reply.body)
         record(str(reply.body.get("model", request["model"])), prompt, completion)
     return reply
 
 
-def _usage_of(body: dict[str, Any]) -> tuple[int, int]:
-    usage = body.get("usage")
-    if not isinstance(usage, dict):
-        return 0, 0
-    counts = usage.get("prompt_tokens"), usage.get("completion_tokens")
-    return tuple(c if type(c) is int and c > 0 else 0 for c in counts)  # type: ignore[return-value]
+class _Metered:
+    """A relayed stream whose tokens are recorded once, however it ends (`aclose`, which the
+    HTTP layer calls whether the stream was read to its end or abandoned): the upstream's usage
+    where it reported it, else a token per choice that carried text."""
 
+    def __init__(
+        self, events: AsyncIterator[str], usage: StreamUsage,
+        record: Callable[[str, int, int], None],
+    ) -> None:  # fmt: skip
+        self.events = events
+        self.usage = usage
+        self.record: Callable[[str, int, int], None] | None = record
 
-async def _metered(
-    events: AsyncIterator[str], model: str, record: Callable[[str, int, int], None],
-    drop_usage: bool,
-) -> AsyncIterator[str]:  # fmt: skip
-    """The relayed chunks, counted: the upstream's usage where it reports it, else a token per
-    chunk that carries text; recorded once, however the stream ends."""
-    reported: tuple[int, int] | None = None
-    carried = 0
-    served = model
-    try:
-        async for payload in events:
-            chunk = _json_object(payload)
-            if chunk is not None:
-                served = str(chunk.get("model") or served)
-                if isinstance(chunk.get("usage"), dict):
-                    reported = _usage_of(chunk)
-                    if drop_usage and not chunk.get("choices"):
-                        continue  # (asked of the upstream for counting, not by the client)
-                    if drop_usage:
-                        chunk.pop("usage")
-                        payload = json.dumps(chunk)
-                carried += sum(_carries(choice) for choice in chunk.get("choices") or ())
-            yield payload
-    finally:
+    def __aiter__(self) -> _Metered:
+        return self
+
+    async def __anext__(self) -> str:
+        return await anext(self.events)
+
+    async def aclose(self) -> None:
+        record, self.record = self.record, None
         try:
-            prompt, completion = reported if reported is not None else (0, carried)
-            record(served, prompt, completion)
+            if record is not None:
+                usage = self.usage
+                prompt, completion = usage.reported or (0, usage.carried)
+                record(usage.model, prompt, completion)
         finally:
-            close = getattr(events, "aclose", None)
+            close = getattr(self.events, "aclose", None)
             if close is not None:
                 await close()
-
-
-def _carries(choice: object) -> bool:
-    """A streamed choice that carries generated text or a tool call."""
-    if not isinstance(choice, dict):
-        return False
-    delta = choice.get("delta")
-    if isinstance(delta, dict) and (delta.get("content") or delta.get("tool_calls")):
-        return True
-    return bool(choice.get("text"))
-
-
-def _json_object(payload: str) -> dict[str, Any] | None:
-    if payload == "[DONE]":
-        return None
-    try:
-        value = json.loads(payload)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None

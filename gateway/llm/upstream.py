@@ -20,6 +20,12 @@ Nothing an upstream says reaches a machine unscrubbed: any of the keys the gatew
 replaced in answers, chunks and error messages (`scrub`), and the keys are never logged.
 Streams are relayed chunk by chunk as the upstream sends them; only what comes before the
 first token is held back, so that a failure there can still fall back unseen.
+
+The relay of a stream (`gateway.llm.upstream_relay`) passes the upstream's chunks on as it
+wrote them and reads each body to its end, so that connections are kept. Each upstream has a
+pool of its own, of aiohttp's client, whose HTTP parser is compiled: httpx's pure-Python stack
+cost several times the rest of the relay per chunk, and httpcore's pool bookkeeping grows with
+the square of its connections.
 """
 
 from __future__ import annotations
@@ -29,12 +35,20 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 import structlog
 
 from fleet.core.tokens import TokenClaims
 from gateway.llm.openai_schema import ApiError, Reply
 from gateway.llm.upstream_config import Upstream, UpstreamConfig, scrub
+from gateway.llm.upstream_relay import (
+    NETWORK_ERRORS,
+    Failed,
+    Relay,
+    StreamUsage,
+    error_message,
+    transport_error,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -45,10 +59,8 @@ MAX_ERROR_BYTES = 64 * 1024
 """Of an upstream's error body, what is read (the rest is not needed to summarise it)."""
 LIST_TIMEOUT_S = 5.0
 """How long /v1/models waits for an upstream's own list."""
-
-
-class _Failed(Exception):
-    """An upstream failed before its answer's first token: the chain moves on."""
+MAX_LIST_BYTES = 4 << 20
+"""Of an upstream's own list, what is read."""
 
 
 @dataclass
@@ -77,35 +89,49 @@ class _Attempt:
 
 
 class Upstreams:
-    """The registered upstreams, one connection pool for all of them (`aclose` at the end)."""
+    """The registered upstreams, a connection pool for each (`aclose` at the end)."""
 
-    def __init__(self, config: UpstreamConfig, transport: httpx.AsyncBaseTransport | None = None):
+    def __init__(self, config: UpstreamConfig) -> None:
         self.config = config
         self._keys = config.keys()
-        timeout = httpx.Timeout(
-            config.read_timeout_s, connect=config.connect_timeout_s, pool=config.connect_timeout_s
-        )
-        limits = httpx.Limits(
-            max_connections=config.max_connections,
-            max_keepalive_connections=min(32, config.max_connections),
-        )
-        # Not from the environment: no proxy, .netrc or CA bundle the operator did not choose
-        # is applied to requests that carry the gateway's keys.
-        self.client = httpx.AsyncClient(
-            timeout=timeout,
-            limits=limits,
-            trust_env=False,
-            follow_redirects=False,
-            transport=transport,
-        )
+        self._sessions: dict[str, aiohttp.ClientSession] = {}
         log.info(
             "upstreams_registered",
             upstreams={n: ("key" if u.key else "no key") for n, u in config.upstreams.items()},
             fallbacks={m: list(c) for m, c in config.fallbacks.items()},
         )
 
+    def session(self, name: str) -> aiohttp.ClientSession:
+        """Upstream `name`'s client, made on first use (on the event loop that serves): up to
+        `max_connections` connections, each kept alive between requests, so that a burst of
+        streams reuses the last burst's connections."""
+        session = self._sessions.get(name)
+        if session is None or session.closed:
+            config = self.config
+            connector = aiohttp.TCPConnector(
+                limit=config.max_connections,
+                # (the stdlib's resolver, as for every other connection fleet makes)
+                resolver=aiohttp.ThreadedResolver(),
+            )
+            # `connect` bounds the wait for a free connection and the connect itself;
+            # `sock_read` the silence between two chunks of an answer.
+            timeout = aiohttp.ClientTimeout(
+                total=None, connect=config.connect_timeout_s, sock_read=config.read_timeout_s
+            )
+            # Not from the environment (trust_env): no proxy or .netrc the operator did not
+            # choose is applied to requests that carry the gateway's keys; no cookies kept.
+            # TLS is verified against the system's CA store; redirects are never followed.
+            session = self._sessions[name] = aiohttp.ClientSession(
+                connector=connector,
+                timeout=timeout,
+                trust_env=False,
+                cookie_jar=aiohttp.DummyCookieJar(),
+            )
+        return session
+
     async def aclose(self) -> None:
-        await self.client.aclose()
+        sessions, self._sessions = list(self._sessions.values()), {}
+        await asyncio.gather(*(session.close() for session in sessions))
 
     def scrub(self, text: str) -> str:
         return scrub(text, self._keys)
@@ -148,8 +174,15 @@ class Upstreams:
 
     # -- forwarding ------------------------------------------------------------------------
 
-    async def forward(self, path: str, claims: TokenClaims, request: dict[str, Any]) -> Reply:
-        """The request answered by the first model of its chain that answers."""
+    async def forward(
+        self,
+        path: str,
+        claims: TokenClaims,
+        request: dict[str, Any],
+        usage: StreamUsage | None = None,
+    ) -> Reply:
+        """The request answered by the first model of its chain that answers; a stream's
+        tokens counted in `usage` as they are relayed."""
         requested = str(request["model"])
         self.check_allowed(claims, requested)
         attempt = _Attempt(requested)
@@ -161,9 +194,9 @@ class Upstreams:
             bound = log.bind(rollout_id=claims.rollout_id, upstream=upstream.name, model=model)
             try:
                 if stream:
-                    return await self._stream(upstream, path, body, model, attempt)
+                    return await self._stream(upstream, path, body, model, attempt, usage)
                 return await self._whole(upstream, path, body, model, attempt)
-            except _Failed as exc:
+            except Failed as exc:
                 why = self.scrub(str(exc))
                 bound.warning("upstream_failed", error=why, next_in_chain=model != chain[-1])
                 attempt.tried.append({"model": model, "error": why})
@@ -181,35 +214,39 @@ class Upstreams:
         reply.headers.update(attempt.headers(requested))
         return reply
 
-    def _request(self, upstream: Upstream, path: str, body: dict[str, Any]) -> httpx.Request:
+    async def _send(
+        self, upstream: Upstream, path: str, body: dict[str, Any]
+    ) -> aiohttp.ClientResponse:
+        """The upstream's response (its body not yet read), or Failed for one the chain moves
+        on from; another refusal (the request's own fault) is raised as the upstream said it."""
         headers = {"content-type": "application/json", "accept": "application/json"}
         if body.get("stream") is True:
+            # (events are relayed as they come: a compressed stream would be held back)
             headers["accept"] = "text/event-stream"
+            headers["accept-encoding"] = "identity"
         if upstream.key is not None:
             headers["authorization"] = f"Bearer {upstream.key.get_secret_value()}"
         url = upstream.url + path.removeprefix("/v1")
-        return self.client.build_request("POST", url, json=body, headers=headers)
-
-    async def _send(self, upstream: Upstream, path: str, body: dict[str, Any]) -> httpx.Response:
-        """The upstream's response (its body not yet read), or _Failed for one the chain moves
-        on from; another refusal (the request's own fault) is raised as the upstream said it."""
+        data = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
         try:
-            response = await self.client.send(self._request(upstream, path, body), stream=True)
-        except httpx.TransportError as exc:
-            raise _Failed(_transport_error(exc)) from None
-        if response.status_code == 200:
+            response = await self.session(upstream.name).post(
+                url, data=data, headers=headers, allow_redirects=False
+            )
+        except NETWORK_ERRORS as exc:
+            raise Failed(transport_error(exc)) from None
+        if response.status == 200:
             return response
         try:
             raw = await _read_at_most(response, MAX_ERROR_BYTES)
-        except httpx.TransportError as exc:
-            raise _Failed(f"HTTP {response.status_code}, then {_transport_error(exc)}") from None
+        except NETWORK_ERRORS as exc:
+            raise Failed(f"HTTP {response.status}, then {transport_error(exc)}") from None
         finally:
-            await response.aclose()
-        said = self.scrub(_error_message(raw))
-        if response.status_code >= 500 or response.status_code in FALL_BACK_ON:
-            raise _Failed(f"HTTP {response.status_code}: {said}")
+            response.release()
+        said = self.scrub(error_message(raw))
+        if response.status >= 500 or response.status in FALL_BACK_ON:
+            raise Failed(f"HTTP {response.status}: {said}")
         raise ApiError(
-            response.status_code,
+            response.status,
             f"upstream {upstream.name}: {said}",
             "invalid_request_error",
             code="upstream_refused",
@@ -220,17 +257,17 @@ class Upstreams:
     ) -> Reply:
         response = await self._send(upstream, path, body)
         try:
-            raw = await response.aread()
-        except httpx.TransportError as exc:
-            raise _Failed(f"the answer broke off: {_transport_error(exc)}") from None
+            raw = await response.read()
+        except NETWORK_ERRORS as exc:
+            raise Failed(f"the answer broke off: {transport_error(exc)}") from None
         finally:
-            await response.aclose()
+            response.release()
         try:
             answer = json.loads(self.scrub(raw.decode()))
         except (ValueError, UnicodeDecodeError):
-            raise _Failed("the answer is not JSON") from None
+            raise Failed("the answer is not JSON") from None
         if not isinstance(answer, dict):
-            raise _Failed("the answer is not a JSON object")
+            raise Failed("the answer is not a JSON object")
         answer["model"] = model
         answer["fleet"] = attempt.fleet(model)
         log.info(
@@ -243,16 +280,17 @@ class Upstreams:
         return Reply(200, answer, headers=attempt.headers(model))
 
     async def _stream(
-        self, upstream: Upstream, path: str, body: dict[str, Any], model: str, attempt: _Attempt
-    ) -> Reply:
+        self, upstream: Upstream, path: str, body: dict[str, Any], model: str, attempt: _Attempt,
+        usage: StreamUsage | None,
+    ) -> Reply:  # fmt: skip
         """Reads the stream up to its first token (a failure there moves the chain on), then
         answers with a relay of the rest."""
         response = await self._send(upstream, path, body)
-        relay = _Relay(self, response, model, attempt)
+        relay = Relay(response, model, attempt.fleet(model), self.scrub, usage)
         try:
             await relay.first_token()
         except BaseException:
-            await response.aclose()
+            response.close()
             raise
         log.info(
             "upstream_answering",
@@ -298,164 +336,29 @@ class Upstreams:
         if upstream.key is not None:
             headers["authorization"] = f"Bearer {upstream.key.get_secret_value()}"
         try:
-            response = await self.client.get(
-                upstream.url + "/models", headers=headers, timeout=LIST_TIMEOUT_S
-            )
-            data = response.json()["data"] if response.status_code == 200 else None
+            async with self.session(name).get(
+                upstream.url + "/models",
+                headers=headers,
+                allow_redirects=False,
+                timeout=aiohttp.ClientTimeout(total=LIST_TIMEOUT_S),
+            ) as response:
+                status = response.status
+                raw = await _read_at_most(response, MAX_LIST_BYTES) if status == 200 else b""
+            data = json.loads(raw)["data"] if status == 200 else None
             if not isinstance(data, list):
-                raise ValueError(f"HTTP {response.status_code}")
+                raise ValueError(f"HTTP {status}")
             return [str(m["id"]) for m in data if isinstance(m, dict) and "id" in m][:1000]
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-            log.warning("upstream_models_unlisted", upstream=name, error=self.scrub(str(exc)))
+        except (*NETWORK_ERRORS, ValueError, KeyError, TypeError) as exc:
+            why = transport_error(exc) if isinstance(exc, NETWORK_ERRORS) else str(exc)
+            log.warning("upstream_models_unlisted", upstream=name, error=self.scrub(why))
             return []
 
 
-class _Relay:
-    """A streamed answer relayed chunk by chunk: each `data:` payload with `model` and `fleet`
-    set, scrubbed. The chunks before the first token are held (`first_token`), so that a failure
-    before it is the chain's to handle; after it, a failure ends the stream with a resumable
-    error. `aclose` closes the upstream's response, whether the relay was read or not."""
-
-    def __init__(
-        self, ups: Upstreams, response: httpx.Response, model: str, attempt: _Attempt
-    ) -> None:
-        self.ups = ups
-        self.response = response
-        self.model = model
-        self.fleet = attempt.fleet(model)
-        self.held: list[str] = []
-        self.lines = response.aiter_lines()
-        self.sent = 0
-        """Chunks that carried a token (text, a tool call or a finish), relayed."""
-        self.last_token = ""
-        self.done = False
-
-    def _chunk(self, payload: str) -> tuple[str, bool]:
-        """The payload to relay, and whether it carries a token."""
-        if payload == "[DONE]":
-            return payload, False
-        try:
-            chunk = json.loads(self.ups.scrub(payload))
-        except ValueError:
-            return self.ups.scrub(payload), False
-        if not isinstance(chunk, dict):
-            return json.dumps(chunk), False
-        if "error" in chunk:  # the upstream reports a failure in the stream
-            raise _Failed(f"the upstream's stream says: {_error_message(payload.encode())}")
-        chunk["model"] = self.model
-        chunk["fleet"] = self.fleet
-        token = ""
-        carries = False
-        for choice in chunk.get("choices") or ():
-            if not isinstance(choice, dict):
-                continue
-            delta = choice["delta"] if isinstance(choice.get("delta"), dict) else {}
-            text = delta.get("content") or choice.get("text") or ""
-            if text or delta.get("tool_calls") or choice.get("finish_reason"):
-                carries = True
-                token = str(text) or token
-        if carries and token:
-            self.last_token = token
-        return json.dumps(chunk), carries
-
-    async def _next_payload(self) -> str:
-        """The next `data:` payload; _Failed when the stream breaks off or ends without
-        `[DONE]` (an upstream that died mid-answer, whatever its framing made it look like)."""
-        try:
-            async for line in self.lines:
-                if line.startswith("data:"):
-                    return line[5:].strip()
-        except httpx.TransportError as exc:
-            raise _Failed(f"the stream broke off: {_transport_error(exc)}") from None
-        raise _Failed("the stream ended without [DONE]")
-
-    async def first_token(self) -> None:
-        while True:
-            payload, carries = self._chunk(await self._next_payload())
-            self.held.append(payload)
-            if payload == "[DONE]":
-                self.done = True
-                return
-            if carries:
-                self.sent = 1
-                return
-
-    def __aiter__(self) -> _Relay:
-        return self
-
-    async def __anext__(self) -> str:
-        if self.held:
-            return self.held.pop(0)
-        if self.done:
-            raise StopAsyncIteration
-        try:
-            payload, carries = self._chunk(await self._next_payload())
-        except _Failed as exc:
-            self.done = True
-            return json.dumps(self._resumable(self.ups.scrub(str(exc))))
-        if payload == "[DONE]":
-            self.done = True
-        self.sent += carries
-        return payload
-
-    def _resumable(self, why: str) -> dict[str, Any]:
-        log.warning("upstream_stream_broke", model=self.model, tokens_sent=self.sent, error=why)
-        error = {
-            "message": f"upstream model {self.model} failed after {self.sent} tokens were "
-            f"sent ({why}); it is not continued elsewhere, since no other model's "
-            "continuation can be checked to be the same: resume from the text received",
-            "type": "service_unavailable_error",
-            "param": None,
-            "code": "resumable",
-        }
-        return {
-            "error": error,
-            "fleet": {
-                **self.fleet,
-                "resumable": True,
-                "tokens_sent": self.sent,
-                "last_token_index": self.sent - 1,
-                "last_token": self.last_token,
-            },
-        }
-
-    async def aclose(self) -> None:
-        self.done = True
-        await self.response.aclose()
-
-
-async def _read_at_most(response: httpx.Response, limit: int) -> bytes:
+async def _read_at_most(response: aiohttp.ClientResponse, limit: int) -> bytes:
     out = bytearray()
-    async for piece in response.aiter_bytes():
-        out += piece
-        if len(out) >= limit:
+    while len(out) < limit:
+        piece = await response.content.read(limit - len(out))
+        if not piece:
             break
-    return bytes(out[:limit])
-
-
-def _error_message(raw: bytes) -> str:
-    """An upstream's error, summarised: OpenAI's `error.message` when it sent one, else the
-    start of what it sent."""
-    text = raw.decode(errors="replace")
-    try:
-        data = json.loads(text)
-        message = data["error"]["message"] if isinstance(data["error"], dict) else data["error"]
-        text = str(message)
-    except (ValueError, KeyError, TypeError):
-        pass
-    text = " ".join(text.split())
-    return text[:300] + ("…" if len(text) > 300 else "") or "(no message)"
-
-
-def _transport_error(exc: httpx.TransportError) -> str:
-    kinds = {
-        httpx.ConnectError: "connection refused or unreachable",
-        httpx.ConnectTimeout: "connect timed out",
-        httpx.ReadTimeout: "read timed out",
-        httpx.PoolTimeout: "no free connection to it in time",
-        httpx.RemoteProtocolError: "it broke the protocol (closed mid-answer?)",
-    }
-    for kind, text in kinds.items():
-        if isinstance(exc, kind):
-            return text
-    return type(exc).__name__
+        out += piece
+    return bytes(out)

@@ -13,7 +13,7 @@ The TOML file:
 
     connect_timeout_s = 5.0     # optional: these are the defaults
     read_timeout_s = 120.0      # between two chunks of an answer
-    max_connections = 64        # open to all upstreams at once
+    max_connections = 64        # open to each upstream at once (kept alive between requests)
 
     [upstreams.vllm]
     url = "http://127.0.0.1:8000/v1"
@@ -69,8 +69,12 @@ class UpstreamConfig:
     fallbacks: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     """Requested model (`NAME/MODEL`) -> the models tried after it, in order."""
     connect_timeout_s: float = 5.0
+    """Bounds the connect, and the wait for a free connection of the upstream's pool."""
     read_timeout_s: float = 120.0
+    """Bounds the silence between two chunks of an answer."""
     max_connections: int = 64
+    """Connections open to each upstream at once: its pool, each kept alive for the next
+    request (a burst of streams reuses the last burst's)."""
 
     def keys(self) -> list[str]:
         """Every key held, for `scrub`."""

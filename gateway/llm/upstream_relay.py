@@ -1,0 +1,304 @@
+"""The relay of an upstream's streamed answer (`gateway.llm.upstream`): the gateway's hot path,
+a chunk per token per stream.
+
+It works on the upstream's bytes: events are split out of the body as it arrives, each chunk is
+parsed once (to see whether it carries a token, an error or the usage) and passed on as the
+upstream wrote it, its `model` swapped and `fleet` added in the text; only a chunk whose shape
+does not allow that safely is serialised again. The budgets' counts are taken in the same pass
+(`StreamUsage`), so no chunk is parsed twice. After `[DONE]` the body is read to its end, so
+that its connection goes back to the upstream's pool rather than being reopened next time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import structlog
+
+log = structlog.get_logger(__name__)
+
+NETWORK_ERRORS = (aiohttp.ClientError, TimeoutError)
+"""What the client raises for an upstream it cannot reach, or that stops answering."""
+MAX_EVENT_BYTES = 1 << 20
+"""Of a streamed answer, the longest line taken: past it the stream counts as broken."""
+DRAIN_BYTES = 64 * 1024
+DRAIN_S = 1.0
+"""After `[DONE]`, what of the body's rest is read (its end, normally in the same packet) so
+that the connection can be kept; past either bound the connection is closed instead."""
+_MODEL_FIELD = re.compile(r'"model"\s*:\s*"(?:[^"\\]|\\.)*"')
+"""A `"model": "..."` member in a chunk's text. An unescaped quote ends a JSON string, so this
+can match only a member (of some object) or a key that ends in `\"model`: when the chunk's
+top-level `model` is a string and this matches once, the match is that member."""
+
+
+class Failed(Exception):
+    """An upstream failed: before its answer's first token the chain moves on to its next
+    model; after it, the relayed stream ends with a resumable error."""
+
+
+@dataclass
+class StreamUsage:
+    """What a relayed stream's chunks said of its tokens, for the budgets
+    (`gateway.llm.budgets`): counted by the relay as it parses each chunk anyway."""
+
+    drop_usage: bool = False
+    """The usage was asked of the upstream for counting, not by the client: its chunk is not
+    relayed (or relayed without it, where it carries choices too)."""
+    model: str = ""
+    """The model that served (the chain's, once it fell back)."""
+    reported: tuple[int, int] | None = None
+    """(prompt, completion) as the upstream reported them, where it did."""
+    carried: int = 0
+    """Choices relayed that carried generated text or a tool call."""
+
+
+class Relay:
+    """A streamed answer relayed chunk by chunk: each `data:` payload with `model` and `fleet`
+    set, scrubbed. The chunks before the first token are held (`first_token`), so that a failure
+    before it is the chain's to handle; after it, a failure ends the stream with a resumable
+    error. After `[DONE]` the body is read to its end (its connection then goes back to the
+    pool); `aclose` closes the upstream's response, whether the relay was read or not."""
+
+    def __init__(
+        self, response: aiohttp.ClientResponse, model: str, fleet: dict[str, Any],
+        scrub: Callable[[str], str], usage: StreamUsage | None = None,
+    ) -> None:  # fmt: skip
+        self.response = response
+        self.model = model
+        self.fleet = fleet
+        self.scrub = scrub
+        self.usage = usage
+        if usage is not None:  # (counted afresh on each model of the chain)
+            usage.model, usage.reported, usage.carried = model, None, 0
+        self._model_member = f'"model": {json.dumps(model)}'
+        self._fleet_member = f', "fleet": {json.dumps(self.fleet)}}}'
+        self.held: list[str] = []
+        self.pieces = response.content.iter_any()
+        self.pending: collections.deque[str] = collections.deque()
+        self.partial = b""
+        """The start of a line whose end has not arrived yet."""
+        self.sent = 0
+        """Chunks that carried a token (text, a tool call or a finish), relayed."""
+        self.last_token = ""
+        self.done = False
+        self.drained = False
+
+    def _chunk(self, payload: str) -> tuple[str | None, bool]:
+        """The payload to relay (None: none, a usage chunk the client did not ask for), and
+        whether it carries a token."""
+        if payload == "[DONE]":
+            return payload, False
+        payload = self.scrub(payload)
+        try:
+            chunk = json.loads(payload)
+        except ValueError:
+            return payload, False
+        if not isinstance(chunk, dict):
+            return json.dumps(chunk), False
+        if "error" in chunk:  # the upstream reports a failure in the stream
+            raise Failed(f"the upstream's stream says: {error_message(payload.encode())}")
+        token = ""
+        carries = False
+        carried = 0
+        choices = chunk.get("choices")
+        for choice in choices if isinstance(choices, list) else ():
+            if not isinstance(choice, dict):
+                continue
+            delta = choice["delta"] if isinstance(choice.get("delta"), dict) else {}
+            text = delta.get("content") or choice.get("text") or ""
+            if text or delta.get("tool_calls"):
+                carried += 1
+            if text or delta.get("tool_calls") or choice.get("finish_reason"):
+                carries = True
+                token = str(text) or token
+        if carries and token:
+            self.last_token = token
+        usage = self.usage
+        edited = False
+        if usage is not None:
+            usage.carried += carried
+            if isinstance(chunk.get("usage"), dict):
+                usage.reported = usage_of(chunk)
+                if usage.drop_usage:
+                    if not choices:
+                        return None, carries
+                    del chunk["usage"]
+                    edited = True
+        return self._relayed(payload, chunk, edited), carries
+
+    def _relayed(self, payload: str, chunk: dict[str, Any], edited: bool) -> str:
+        """The chunk's text with `model` the name served here and `fleet` added: edited in
+        place where its one `model` member can be found for certain and it has no `fleet` of
+        its own, else serialised again."""
+        if not edited and isinstance(chunk.get("model"), str) and "fleet" not in chunk:
+            found = _MODEL_FIELD.search(payload)
+            if found is not None and _MODEL_FIELD.search(payload, found.end()) is None:
+                start, end = found.span()
+                text = payload[:start] + self._model_member + payload[end:]
+                return text.rstrip()[:-1] + self._fleet_member
+        chunk["model"] = self.model
+        chunk["fleet"] = self.fleet
+        return json.dumps(chunk)
+
+    def _feed(self, piece: bytes) -> None:
+        """Splits what arrived into lines, queueing each `data:` payload (server-sent events
+        end lines with LF, CRLF or CR; every other field is of no use here)."""
+        data = self.partial + piece
+        if b"\r" in data:
+            if data.endswith(b"\r"):  # (its LF may be in the next piece)
+                data, self.partial = data[:-1], b"\r"
+            else:
+                self.partial = b""
+            data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+            lines = data.split(b"\n")
+            self.partial = lines.pop() + self.partial
+        else:
+            lines = data.split(b"\n")
+            self.partial = lines.pop()
+        if len(self.partial) > MAX_EVENT_BYTES:
+            raise Failed(f"a line of the stream is over {MAX_EVENT_BYTES} bytes")
+        for line in lines:
+            if line.startswith(b"data:"):
+                self.pending.append(line[5:].strip().decode(errors="replace"))
+
+    async def _next_payload(self) -> str:
+        """The next `data:` payload; Failed when the stream breaks off or ends without
+        `[DONE]` (an upstream that died mid-answer, whatever its framing made it look like)."""
+        while not self.pending:
+            try:
+                piece = await anext(self.pieces)
+            except StopAsyncIteration:
+                raise Failed("the stream ended without [DONE]") from None
+            except NETWORK_ERRORS as exc:
+                raise Failed(f"the stream broke off: {transport_error(exc)}") from None
+            self._feed(piece)
+        return self.pending.popleft()
+
+    async def _drain(self) -> None:
+        """The body's rest after `[DONE]` read (within DRAIN_BYTES and DRAIN_S), so that the
+        pool keeps the connection; anything wrong there only costs the connection."""
+        self.drained = True
+        if self.pending:
+            return
+        read = 0
+        try:
+            async with asyncio.timeout(DRAIN_S):
+                async for piece in self.pieces:
+                    read += len(piece)
+                    if read > DRAIN_BYTES:
+                        break
+        except NETWORK_ERRORS:
+            pass
+        # (a body read to its end has given its connection back already; else it is closed)
+        self.response.release()
+
+    async def _relay_next(self) -> tuple[str, bool]:
+        """The next payload to relay (usage chunks the client did not ask for skipped)."""
+        while True:
+            payload, carries = self._chunk(await self._next_payload())
+            if payload is not None:
+                return payload, carries
+
+    async def first_token(self) -> None:
+        while True:
+            payload, carries = await self._relay_next()
+            self.held.append(payload)
+            if payload == "[DONE]":
+                self.done = True
+                return
+            if carries:
+                self.sent = 1
+                return
+
+    def __aiter__(self) -> Relay:
+        return self
+
+    async def __anext__(self) -> str:
+        if self.held:
+            return self.held.pop(0)
+        if self.done:
+            if not self.drained:
+                await self._drain()
+            raise StopAsyncIteration
+        try:
+            payload, carries = await self._relay_next()
+        except Failed as exc:
+            self.done = self.drained = True
+            return json.dumps(self._resumable(self.scrub(str(exc))))
+        if payload == "[DONE]":
+            self.done = True
+        self.sent += carries
+        return payload
+
+    def _resumable(self, why: str) -> dict[str, Any]:
+        log.warning("upstream_stream_broke", model=self.model, tokens_sent=self.sent, error=why)
+        error = {
+            "message": f"upstream model {self.model} failed after {self.sent} tokens were "
+            f"sent ({why}); it is not continued elsewhere, since no other model's "
+            "continuation can be checked to be the same: resume from the text received",
+            "type": "service_unavailable_error",
+            "param": None,
+            "code": "resumable",
+        }
+        return {
+            "error": error,
+            "fleet": {
+                **self.fleet,
+                "resumable": True,
+                "tokens_sent": self.sent,
+                "last_token_index": self.sent - 1,
+                "last_token": self.last_token,
+            },
+        }
+
+    async def aclose(self) -> None:
+        self.done = self.drained = True
+        self.response.release()
+
+
+def usage_of(body: dict[str, Any]) -> tuple[int, int]:
+    """(prompt, completion) of an answer's or a chunk's `usage`; 0 for what it lacks."""
+    usage = body.get("usage")
+    if not isinstance(usage, dict):
+        return 0, 0
+    counts = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    return tuple(c if type(c) is int and c > 0 else 0 for c in counts)  # type: ignore[return-value]
+
+
+def error_message(raw: bytes) -> str:
+    """An upstream's error, summarised: OpenAI's `error.message` when it sent one, else the
+    start of what it sent."""
+    text = raw.decode(errors="replace")
+    try:
+        data = json.loads(text)
+        message = data["error"]["message"] if isinstance(data["error"], dict) else data["error"]
+        text = str(message)
+    except (ValueError, KeyError, TypeError):
+        pass
+    text = " ".join(text.split())
+    return text[:300] + ("…" if len(text) > 300 else "") or "(no message)"
+
+
+def transport_error(exc: BaseException) -> str:
+    """What went wrong reaching an upstream, in words (never the exception's own text, which
+    may quote the URL)."""
+    kinds: tuple[tuple[type[BaseException], str], ...] = (
+        (aiohttp.ClientSSLError, "its TLS failed (certificate or handshake)"),
+        (aiohttp.ClientConnectorError, "connection refused or unreachable"),
+        (aiohttp.ConnectionTimeoutError, "connect timed out, or no free connection to it"),
+        (aiohttp.SocketTimeoutError, "read timed out"),
+        (aiohttp.ServerDisconnectedError, "it closed the connection mid-answer"),
+        (aiohttp.ClientPayloadError, "it broke the protocol (closed mid-answer?)"),
+        (TimeoutError, "timed out"),
+    )
+    for kind, text in kinds:
+        if isinstance(exc, kind):
+            return text
+    return type(exc).__name__
