@@ -36,14 +36,14 @@ from fleet.core.placement import HostClass
 from fleet.identity.ca import CertificateAuthority
 from fleet.image import oci
 from fleet.image.store import ImageStore
-from tests.integration.harness import FINAL, harness, request
+from tests.integration.harness import FINAL, harness, namespace_runtime, request
 from tests.registry import PASSWORD, USER, registry
 
 MIB = 1 << 20
 
 
 async def first_vs_cached(tmp: Path, images: ImageStore, repeats: int) -> dict[str, float]:
-    async with harness(tmp / "first", images, secure=True) as h:
+    async with harness(tmp / "first", images, secure=True, runtime=namespace_runtime) as h:
         store = ImageStore(tmp / "empty-host-images", images.recipes)
         await h.start_agent("cloud-1", HostClass.CPU, images=store)
 
@@ -67,7 +67,9 @@ async def fetch_rate(tmp: Path, images: ImageStore, digest: str) -> float:
     """MiB/s of one image fetch, server to host: a host reads an image only while it leases
     work that runs it, so the fetcher registers and leases a rollout of `minimal` first (before
     the clock starts)."""
-    async with harness(tmp / f"fetch-{uuid.uuid4().hex[:6]}", images, secure=True) as h:
+    async with harness(
+        tmp / f"fetch-{uuid.uuid4().hex[:6]}", images, secure=True, runtime=namespace_runtime
+    ) as h:
         identity = h.identity("fetcher")
         store = ImageStore(tmp / f"fetch-{uuid.uuid4().hex[:6]}", images.recipes)
         cache = ImageCache(store, None)
@@ -158,7 +160,7 @@ async def round_trip(tmp: Path, images: ImageStore, mib: int) -> float:
     data = os.urandom(mib * MIB)
     (source / "sub" / "data.bin").write_bytes(data)
     (source / "notes.txt").write_text("notes\n")
-    async with harness(tmp / f"rt-{mib}", images, secure=True) as h:
+    async with harness(tmp / f"rt-{mib}", images, secure=True, runtime=namespace_runtime) as h:
         await h.start_agent("cpu-a", HostClass.CPU)
         async with h.connect(h.key("bench")) as channel:
             stub = fleet_pb2_grpc.FleetServiceStub(channel)

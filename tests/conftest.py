@@ -15,6 +15,7 @@ import structlog
 from fleet.config import Paths
 from fleet.image.store import ImageStore
 from fleet.ledger.store import Ledger
+from tests import sandbox
 from tests.pgserver import create_database, drop_database, postgres_server
 
 REPO = Path(__file__).resolve().parent.parent
@@ -27,6 +28,21 @@ def _mounts_under(root: Path) -> set[str]:
         points = [line.split()[1] for line in mounts]
     # (/proc/mounts writes a space in a path as \040)
     return {p.replace("\\040", " ") for p in points if p.startswith(prefix)}
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test marked `sandbox` is skipped, saying why, where no namespace sandbox can be made
+    (not root, no bubblewrap, no cgroups, namespaces denied); the rest run on the in-memory
+    runtime anywhere. Whether the test is marked is recorded for the harness
+    (`tests.sandbox.require_marked`)."""
+    marked = item.get_closest_marker(sandbox.MARKER) is not None
+    sandbox.entered(marked)
+    if marked and (why := sandbox.unavailable()) is not None:
+        pytest.skip(f"real sandboxes: {why}")
+
+
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    sandbox.left()
 
 
 CHATTY = ("sqlalchemy", "alembic", "urllib3", "httpx", "httpcore", "asyncio")

@@ -43,14 +43,16 @@ R = TypeVar("R")
 
 
 class Agent:
-    def __init__(self, config: AgentConfig) -> None:
+    def __init__(self, config: AgentConfig, runtime: Runtime | None = None) -> None:
+        """`runtime`: the one this agent runs machines on, where the caller made it (tests, an
+        embedded fleet); by default the one `config.runtime` names, made here."""
         if config.identity is not None and config.identity.host_id != config.host_id:
             raise FailedPrecondition(
                 f"host id {config.host_id!r} is not the one this host's certificate names "
                 f"({config.identity.host_id!r})"
             )
         self.config = config
-        self.runtime: Runtime = make_runtime(
+        self.runtime: Runtime = runtime or make_runtime(
             config.runtime, config.machines_dir, config.net, config.default_disk_gib
         )
         self.caps: HostCapabilities = capabilities(

@@ -101,6 +101,7 @@ def final(address: str, rollout_id: str) -> types_pb2.Rollout | None:
     return rollout if rollout.state in done else None
 
 
+@pytest.mark.sandbox
 def test_restarted_agent_adopts_leased_work_and_deletes_the_rest(
     tmp_path: Path, procs: Procs, images: object
 ) -> None:

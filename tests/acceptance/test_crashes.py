@@ -97,6 +97,7 @@ def check_exactly_once(ledger: Ledger, expected: int) -> tuple[list[AttemptRow],
         return attempts, {r.id: r.attempts for r in rollouts}
 
 
+@pytest.mark.sandbox
 def test_kill_agents_mid_lease_repeatedly(tmp_path: Path, procs: Procs, images: object) -> None:
     """1,000 short rollouts, 20+ agent kill -9s mid-lease: one result each, retries match kills."""
     db = str(tmp_path / "ledger.sqlite3")
@@ -162,6 +163,7 @@ def test_kill_agents_mid_lease_repeatedly(tmp_path: Path, procs: Procs, images: 
     assert not any(MachineCgroup(n, runtime.cgroup_version).exists() for n in orphans)
 
 
+@pytest.mark.sandbox
 def test_kill_the_server_mid_submissions_and_completions(
     tmp_path: Path, procs: Procs, images: object
 ) -> None:
@@ -212,6 +214,7 @@ def test_kill_the_server_mid_submissions_and_completions(
     ledger.engine.dispose()
 
 
+@pytest.mark.sandbox
 def test_two_servers_share_one_postgresql_ledger(
     tmp_path: Path, procs: Procs, postgres: str, images: object
 ) -> None:

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from fleet.demo.tasks import QUICK, TASKS, score
 from tests.conftest import REPO
 
@@ -28,6 +30,7 @@ def demo(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+@pytest.mark.sandbox
 def test_the_llm_agent_suite_runs_every_episode_through_the_gateway(tmp_path: Path) -> None:
     """Quick mode: one task per family, each an episode whose agent loop runs in its machine;
     the host scores the answers, every model call an episode reports was admitted by the
@@ -68,6 +71,7 @@ def test_the_llm_agent_suite_runs_every_episode_through_the_gateway(tmp_path: Pa
     assert len(charts) == 1 and charts[0].read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
+@pytest.mark.sandbox
 def test_the_gridworld_suite_still_runs(tmp_path: Path) -> None:
     """`--suite gridworld`: the scripted suite with a host lost on purpose, then the policy's
     evaluation through the gateway (16 episodes in quick mode)."""

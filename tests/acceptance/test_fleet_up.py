@@ -51,6 +51,7 @@ def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.sandbox
 def test_up_submit_get(fleet_up: tuple[str, str]) -> None:
     """A rollout submitted with `fleet submit` to `fleet up` runs; `fleet get` shows its output."""
     server, banner = fleet_up
@@ -109,6 +110,7 @@ def test_submit_says_a_dev_section_is_ignored(tmp_path: Path) -> None:
     assert "[dev] section is for local runs" in out.stderr and "--input" in out.stderr
 
 
+@pytest.mark.sandbox
 def test_fleet_run_applies_the_dev_section(tmp_path: Path) -> None:
     """`fleet run` mounts [dev] volumes (read-only where marked), sets its env and workdir,
     and runs its init, as its user; a key it cannot honour is refused, not dropped."""
@@ -139,6 +141,7 @@ def test_fleet_run_applies_the_dev_section(tmp_path: Path) -> None:
     assert refused.returncode == 2 and "[dev] ports is not supported" in refused.stderr
 
 
+@pytest.mark.sandbox
 def test_fleet_run_streams_output_and_returns_the_exit_code() -> None:
     """`fleet run` runs one machine from a Smolfile and passes the exit code through."""
     out = cli(
@@ -190,6 +193,7 @@ print(json.dumps({"model": model, "served_by": answer["fleet"]["served_by"],
 """
 
 
+@pytest.mark.sandbox
 def test_up_with_its_gateway_serves_an_inference_rollout(tmp_path: Path) -> None:
     """`fleet up --gateway` starts the gateway with the shipped language model beside the
     embedded fleet: a rollout submitted with --inference calls its OpenAI-compatible API."""

@@ -17,7 +17,7 @@ from fleet.image.store import ImageStore
 from fleet.runtime.namespace import NamespaceRuntime
 from fleet.runtime.netns import NetConfig
 from tests.acceptance.procs import Procs
-from tests.integration.harness import harness
+from tests.integration.harness import harness, namespace_runtime
 from tests.integration.test_hybrid import gateway_on_uplink, local_episode
 from tests.networld import GATEWAY, networld
 
@@ -34,6 +34,7 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
 @pytest.mark.parametrize(
     "rescue", ["another host", "the same host restarted", "another host, as warm children"]
 )
+@pytest.mark.sandbox
 async def test_a_killed_worker_resumes_from_its_last_checkpoint(
     tmp_path: Path, images: ImageStore, procs: Procs, rescue: str
 ) -> None:
@@ -49,7 +50,7 @@ async def test_a_killed_worker_resumes_from_its_last_checkpoint(
             # A restarted agent adopts its machine only while the lease lasts: past 5 s (a
             # slow restart on a loaded machine) it is released, and the test sees a retry.
             ttl = 5.0 if rescue.startswith("another host") else 30.0
-            async with harness(tmp_path, images, lease_ttl_s=ttl) as h:
+            async with harness(tmp_path, images, lease_ttl_s=ttl, runtime=namespace_runtime) as h:
                 flags = (
                     "--egress-uplink",
                     world.uplink,

@@ -136,6 +136,7 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
         p.stop_all()
 
 
+@pytest.mark.sandbox
 def test_a_cloud_host_joins_and_tenants_are_kept_apart(tmp_path: Path, procs: Procs) -> None:
     port, host_port = free_port(), free_port()
     api = f"{SERVER_IP}:{port}"
@@ -305,6 +306,7 @@ def test_a_cloud_host_joins_and_tenants_are_kept_apart(tmp_path: Path, procs: Pr
         print(hosts)
 
 
+@pytest.mark.sandbox
 def test_a_cloud_host_pulls_the_image_from_a_registry(tmp_path: Path, procs: Procs) -> None:
     """The image pushed to a registry (TLS from the fleet CA, htpasswd), the server pointing
     hosts at it: a host with an empty `$FLEET_HOME`, in its own network namespace, pulls it

@@ -11,10 +11,12 @@ import random
 import signal
 from pathlib import Path
 
+import pytest
+
 from fleet.api.pb import fleet_pb2, types_pb2
 from fleet.core.placement import HostClass
 from fleet.image.store import ImageStore
-from tests.integration.harness import harness
+from tests.integration.harness import harness, namespace_runtime
 
 SMOLFILE = 'image = "minimal"\n[branch]\nenabled = true\npool_size = 8\n'
 WARM_UP = "import json\nSTATE = bytearray(16 << 20)\nSTATE[-1] = 9\n"
@@ -52,11 +54,12 @@ def netns() -> set[str]:
     return set(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else set()
 
 
+@pytest.mark.sandbox
 async def test_warm_children_soak_leaves_nothing_behind(tmp_path: Path, images: ImageStore) -> None:
     before_cgroups, before_netns = cgroup_dirs(), netns()
     rng = random.Random(7)
 
-    async with harness(tmp_path, images) as h:
+    async with harness(tmp_path, images, runtime=namespace_runtime) as h:
         await h.start_agent("warm-soak", HostClass.CPU, slots=8)
         ids = []
         for i in range(ROLLOUTS):

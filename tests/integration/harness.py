@@ -1,4 +1,9 @@
-"""An in-process fleet for tests: a real server on port 0, real agents, a SQLite ledger."""
+"""An in-process fleet for tests: a real server on port 0, real agents, a SQLite ledger.
+
+Agents run on the in-memory runtime of `fleet.testing` unless a test asks for real sandboxes
+(`harness(..., runtime=namespace_runtime)`), which only a test marked `sandbox` may do: the
+control plane (ledger states, leases, retries, auth, watch) needs no root to be tested.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ import grpc
 
 import fleet
 from fleet.agent.agent import Agent
-from fleet.agent.capabilities import RuntimeChoice, capabilities
+from fleet.agent.capabilities import RuntimeChoice, capabilities, make_runtime
 from fleet.agent.config import AgentConfig
 from fleet.api.pb import fleet_pb2, fleet_pb2_grpc, host_pb2, host_pb2_grpc, types_pb2
 from fleet.connect import ClientAuth
@@ -31,6 +36,8 @@ from fleet.runtime.base import Runtime
 from fleet.runtime.netns import NetConfig
 from fleet.server.app import FleetServer, ServerConfig
 from fleet.server.auth import Security
+from fleet.testing import FakeRuntime
+from tests import sandbox
 
 SECRET = b"harness-token-secret-0123456789"
 NAMESPACE = RuntimeChoice(RuntimeKind.NAMESPACE, "tests run the namespace runtime")
@@ -40,6 +47,22 @@ FINAL = {
     types_pb2.ROLLOUT_STATE_FAILED,
     types_pb2.ROLLOUT_STATE_CANCELLED,
 }
+
+RuntimeFactory = Callable[[AgentConfig], Runtime]
+"""Makes each agent's runtime, from its config (every agent needs one of its own)."""
+
+
+def fake_runtime(config: AgentConfig) -> Runtime:
+    """The in-memory runtime (`fleet.testing.FakeRuntime` and its default script): no root,
+    no sandbox; the harness's default."""
+    return FakeRuntime()
+
+
+def namespace_runtime(config: AgentConfig) -> Runtime:
+    """The namespace runtime a real host runs, made as the agent makes it: real processes,
+    files, cgroups and network namespaces. Only for tests marked `sandbox`."""
+    sandbox.require_marked("the namespace runtime")
+    return make_runtime(config.runtime, config.machines_dir, config.net, config.default_disk_gib)
 
 
 @dataclass
@@ -54,6 +77,8 @@ class Harness:
     ca: CertificateAuthority | None = None
     """The fleet CA of a secure harness (None: a server without TLS or authentication)."""
     admin_key: str = ""
+    runtime: RuntimeFactory = fake_runtime
+    """What each agent runs its machines on (`start_agent`'s `runtime` overrides it)."""
 
     def connect(self, key: str = "", *, address: str = "") -> grpc.aio.Channel:
         """A channel to the API as a client with `key` ("" : none), over TLS when secure."""
@@ -93,31 +118,31 @@ class Harness:
         runtime: Runtime | None = None,
     ) -> Agent:
         """An agent on the server's image store, or on `images` (a host of its own); on
-        `runtime` in place of the namespace runtime (a fake)."""
+        `runtime` (an instance a test keeps, to script it or read its calls) in place of the
+        harness's runtime factory."""
         identity = None
         if self.ca is not None:
             identity = self.identity(host_id, host_class, gateway=gateway is not None)
-        agent = Agent(
-            AgentConfig(
-                server=self.server.address,
-                identity=identity,
-                host_id=host_id,
-                host_class=host_class,
-                runtime=NAMESPACE,
-                machines_dir=self.tmp / "machines",
-                images=images or self.images,
-                slots=slots,
-                claim_wait_s=1.0,
-                net=net,
-                gateway=gateway,
-                gateway_ca=gateway_ca,
-                registry_ca=registry_ca,
-                image_cache_gib=image_cache_gib,
-                drain_deadline_s=drain_deadline_s,
-            )
+        config = AgentConfig(
+            server=self.server.address,
+            identity=identity,
+            host_id=host_id,
+            host_class=host_class,
+            runtime=NAMESPACE,
+            machines_dir=self.tmp / "machines",
+            images=images or self.images,
+            slots=slots,
+            claim_wait_s=1.0,
+            net=net,
+            gateway=gateway,
+            gateway_ca=gateway_ca,
+            registry_ca=registry_ca,
+            image_cache_gib=image_cache_gib,
+            drain_deadline_s=drain_deadline_s,
         )
-        if runtime is not None:
-            agent.runtime = runtime
+        # Handed its runtime, a fake-runtime agent never makes (nor needs what makes) a
+        # namespace runtime.
+        agent = Agent(config, runtime if runtime is not None else self.runtime(config))
         stop = asyncio.Event()
         self.agents[host_id] = (stop, asyncio.create_task(agent.run(stop)))
         await registered(self.server, host_id)
@@ -198,10 +223,12 @@ async def register_cpu_host(stub: host_pb2_grpc.HostServiceStub, cpus: int = 1) 
 async def harness(
     tmp: Path, images: ImageStore, config: ServerConfig | None = None, *, secure: bool = False,
     host_cert_ttl_s: float = 3600.0, lease_ttl_s: float = 5.0,
+    runtime: RuntimeFactory = fake_runtime,
 ) -> AsyncIterator[Harness]:  # fmt: skip
     """A server on loopback; `secure`: with TLS, a CA in `tmp/ca`, API keys and host
     certificates (`fleet` is then the admin key's stub, `hosts` has no certificate);
-    `lease_ttl_s`: the default config's lease (short, so that lost leases expire quickly)."""
+    `lease_ttl_s`: the default config's lease (short, so that lost leases expire quickly);
+    `runtime`: what its agents run machines on (`namespace_runtime`: real sandboxes)."""
     ca = CertificateAuthority.init(tmp / "ca") if secure else None
     security = (
         Security(ca, host_listen="127.0.0.1:0", cache_s=0.2, host_cert_ttl_s=host_cert_ttl_s)
@@ -233,6 +260,7 @@ async def harness(
         host_pb2_grpc.HostServiceStub(channel),
         ca=ca,
         admin_key=admin,
+        runtime=runtime,
     )
     try:
         yield h
@@ -245,10 +273,12 @@ async def harness(
 
 @contextlib.contextmanager
 def threaded_harness(
-    tmp: Path, images: ImageStore, prepare: Callable[[Harness], Awaitable[None]]
-) -> Iterator[str]:
+    tmp: Path, images: ImageStore, prepare: Callable[[Harness], Awaitable[None]],
+    runtime: RuntimeFactory = fake_runtime,
+) -> Iterator[str]:  # fmt: skip
     """A harness on a thread (and event loop) of its own, for tests that call it
-    synchronously: `prepare` runs first (start agents, register hosts); yields the address."""
+    synchronously: `prepare` runs first (start agents, register hosts); yields the address.
+    `runtime` as `harness`'s."""
     ready = threading.Event()
     box: dict[str, Any] = {}
 
@@ -256,7 +286,7 @@ def threaded_harness(
         async def main() -> None:
             stop = asyncio.Event()
             box["stop"] = (asyncio.get_running_loop(), stop)
-            async with harness(tmp, images) as h:
+            async with harness(tmp, images, runtime=runtime) as h:
                 await prepare(h)
                 box["address"] = h.server.address
                 ready.set()

@@ -18,7 +18,7 @@ from fleet.cli import client
 from fleet.core.errors import ResourceExhausted
 from fleet.core.placement import HostClass
 from fleet.image.store import ImageStore
-from tests.integration.harness import harness, request
+from tests.integration.harness import harness, namespace_runtime, request
 
 
 async def test_a_tenant_names_only_blobs_it_uploaded(tmp_path: Path, images: ImageStore) -> None:
@@ -117,12 +117,13 @@ async def test_replicas_share_who_uploaded_a_blob_through_the_registry(
     assert not [t for t in tags if t.endswith(digest.removeprefix("sha256:"))]
 
 
+@pytest.mark.sandbox
 async def test_a_tenants_outputs_are_its_own_to_name_as_inputs(
     tmp_path: Path, images: ImageStore
 ) -> None:
     """An output a rollout stored is its tenant's: a later rollout of the same tenant may name
     it as an input; another tenant that knows its digest may not."""
-    async with harness(tmp_path / "fleet", images, secure=True) as h:
+    async with harness(tmp_path / "fleet", images, secure=True, runtime=namespace_runtime) as h:
         await h.start_agent("cpu-1", HostClass.CPU)
         async with h.connect(h.key("team-a")) as ca, h.connect(h.key("team-b")) as cb:
             a, b = fleet_pb2_grpc.FleetServiceStub(ca), fleet_pb2_grpc.FleetServiceStub(cb)

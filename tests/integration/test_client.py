@@ -19,7 +19,7 @@ from fleet.core.placement import HostClass
 from fleet.image.store import ImageStore
 from fleet.server.app import ServerConfig
 from fleet.server.fleet_service import FleetServicer
-from tests.integration.harness import SECRET, Harness, harness
+from tests.integration.harness import SECRET, Harness, harness, namespace_runtime
 
 MINIMAL = 'image = "minimal"\n'
 
@@ -274,6 +274,7 @@ async def test_the_command_line_prints_a_refusal_with_its_code(
     assert missing == 2 and "fleet get: NOT_FOUND:" in missing_err
 
 
+@pytest.mark.sandbox
 async def test_submit_waits_on_its_one_connection_and_get_downloads_the_outputs(
     tmp_path: Path, images: ImageStore, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -282,7 +283,10 @@ async def test_submit_waits_on_its_one_connection_and_get_downloads_the_outputs(
     from fleet.cli.main import main
 
     (tmp_path / "in.txt").write_text("from the submitter\n")
-    async with harness(tmp_path, images) as h, proxied(h.server.address) as proxy:
+    async with (
+        harness(tmp_path, images, runtime=namespace_runtime) as h,
+        proxied(h.server.address) as proxy,
+    ):
         await h.start_agent("cpu-a", HostClass.CPU)
         common = ["--server", proxy.address, "--plaintext"]
         step = "mkdir -p /out && tr a-z A-Z < /in/in.txt > /out/r.txt && cat /out/r.txt"

@@ -24,6 +24,8 @@ from fleet.core.smolfile import parse_smolfile
 from fleet.runtime.base import ExecResult, MachineSpec
 from fleet.runtime.namespace import NamespaceRuntime
 
+pytestmark = pytest.mark.sandbox
+
 MODULES = """
 test_os test_posix test_pwd test_grp test_shutil test_tempfile test_socket test_subprocess
 test_signal test_pty test_tarfile test_zipfile test_pathlib test_glob test_stat test_getpass

@@ -23,6 +23,8 @@ from fleet.runtime.namespace_machine import NamespaceMachine
 from fleet.runtime.netns import NetConfig
 from tests.networld import GATEWAY, NetWorld, networld
 
+pytestmark = pytest.mark.sandbox
+
 PROBE = r"""
 import json, socket, sys
 out = {}

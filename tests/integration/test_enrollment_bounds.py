@@ -24,7 +24,7 @@ from fleet.core.placement import HostCapabilities, HostClass, Isolation, Runtime
 from fleet.identity.ca import csr_for, new_key
 from fleet.identity.tls import HostFiles, HostIdentityMaterial
 from fleet.image.store import ImageStore
-from tests.integration.harness import NAMESPACE, Harness, harness, request
+from tests.integration.harness import NAMESPACE, Harness, harness, namespace_runtime, request
 
 BAD_TOKEN = "abcdef." + "0" * 32
 """Well formed, so that it is looked up: no such token."""
@@ -217,11 +217,12 @@ async def test_claim_wait_must_be_a_finite_non_negative_number(
     assert len(reply.items) == 1 and reply.items[0].fencing_token > 0
 
 
+@pytest.mark.sandbox
 async def test_a_tenant_key_may_fork_its_session(tmp_path: Path, images: ImageStore) -> None:
     """ForkSession under TLS and keys: the session's tenant (rollouts:write) forks it, and the
     fork sees the source's files; a read-only key is refused naming the scope it lacks."""
 
-    async with harness(tmp_path, images, secure=True) as h:
+    async with harness(tmp_path, images, secure=True, runtime=namespace_runtime) as h:
         await h.start_agent("cpu-a", HostClass.CPU, slots=4)
         async with (
             h.connect(h.key("team-a")) as ch,

@@ -16,7 +16,7 @@ from fleet.cli import client
 from fleet.core.placement import HostClass
 from fleet.image.store import ImageStore
 from fleet.server.app import ServerConfig
-from tests.integration.harness import SECRET, harness, request
+from tests.integration.harness import SECRET, harness, namespace_runtime, request
 
 STEP = r"""
 set -e
@@ -43,10 +43,11 @@ def make_inputs(root: Path) -> tuple[Path, Path, bytes]:
     return data, config, blob
 
 
+@pytest.mark.sandbox
 async def test_inputs_in_and_outputs_out(tmp_path: Path, images: ImageStore) -> None:
     data, config, blob = make_inputs(tmp_path)
 
-    async with harness(tmp_path, images, secure=True) as h:
+    async with harness(tmp_path, images, secure=True, runtime=namespace_runtime) as h:
         await h.start_agent("cpu-a", HostClass.CPU)
         key = h.key("team-a")
         async with h.connect(key) as channel:
@@ -93,6 +94,7 @@ async def test_inputs_in_and_outputs_out(tmp_path: Path, images: ImageStore) -> 
     assert sorted(Path(w).name for w in written) == ["result.bin", "tree"]
 
 
+@pytest.mark.sandbox
 async def test_limits_bad_input_and_outputs_after_a_failed_step(
     tmp_path: Path, images: ImageStore
 ) -> None:
@@ -106,7 +108,7 @@ async def test_limits_bad_input_and_outputs_after_a_failed_step(
     config = ServerConfig(lease_ttl_s=5, heartbeat_interval_s=0.5, token_secret=SECRET,
                           max_input_mib=2, max_output_mib=1)  # fmt: skip
 
-    async with harness(tmp_path, images, config, secure=True) as h:
+    async with harness(tmp_path, images, config, secure=True, runtime=namespace_runtime) as h:
         await h.start_agent("cpu-a", HostClass.CPU)
         codes = []
         async with h.connect(h.key("team-a")) as channel:
@@ -151,6 +153,7 @@ async def test_limits_bad_input_and_outputs_after_a_failed_step(
 
 
 @pytest.mark.parametrize("lines", [25600, 76800], ids=["200KiB-held", "600KiB-spooled"])
+@pytest.mark.sandbox
 async def test_output_past_the_inline_limit_is_kept_whole(
     tmp_path: Path, images: ImageStore, lines: int
 ) -> None:
@@ -159,7 +162,7 @@ async def test_output_past_the_inline_limit_is_kept_whole(
     output, `step-0.stdout`, byte for byte."""
     code = f"import sys; sys.stdout.write(''.join(f'{{i:07d}}\\n' for i in range({lines})))"
 
-    async with harness(tmp_path, images, secure=True) as h:
+    async with harness(tmp_path, images, secure=True, runtime=namespace_runtime) as h:
         await h.start_agent("cpu-a", HostClass.CPU)
         async with h.connect(h.key("team-a")) as channel:
             stub = fleet_pb2_grpc.FleetServiceStub(channel)

@@ -28,7 +28,7 @@ from fleet.runtime.netns import NetConfig
 from fleet.server.app import ServerConfig
 from fleet.server.core import Core
 from tests.acceptance.procs import FLEET
-from tests.integration.harness import harness, request
+from tests.integration.harness import harness, namespace_runtime, request
 from tests.networld import networld
 
 
@@ -36,10 +36,11 @@ def go(coro):  # type: ignore[no-untyped-def]
     return asyncio.run(coro)
 
 
+@pytest.mark.sandbox
 async def test_submit_runs_and_get_shows_results(tmp_path: Path, images: ImageStore) -> None:
     """A submitted rollout runs on a cpu agent; get returns each step's exit code and output."""
 
-    async with harness(tmp_path, images) as h:
+    async with harness(tmp_path, images, runtime=namespace_runtime) as h:
         await h.start_agent("cpu-a", HostClass.CPU)
         reply = await h.fleet.SubmitRollout(
             request(
@@ -76,12 +77,13 @@ async def test_a_failing_step_stops_the_plan(tmp_path: Path, images: ImageStore)
     assert [s.exit_code for s in r.results] == [4] and "exited 4" in r.error
 
 
+@pytest.mark.sandbox
 async def test_cuda_rollout_waits_for_and_runs_only_on_a_gpu_agent(
     tmp_path: Path, images: ImageStore
 ) -> None:
     """With the gpu agent away, CUDA work stays queued while a cpu agent polls; it runs on gpu."""
 
-    async with harness(tmp_path, images) as h:
+    async with harness(tmp_path, images, runtime=namespace_runtime) as h:
         await h.start_agent("gpu-a", HostClass.GPU)
         await h.stop_agent("gpu-a")
         await h.start_agent("cpu-a", HostClass.CPU)
@@ -543,10 +545,11 @@ async def test_malformed_input_is_quarantined_not_retried(
     assert [a.outcome for a in r.attempt_history] == ["MALFORMED_INPUT"]
 
 
+@pytest.mark.sandbox
 async def test_out_of_memory_is_reported_as_such(tmp_path: Path, images: ImageStore) -> None:
     """A step over its memory limit fails the rollout with an out-of-memory reason, not a crash."""
 
-    async with harness(tmp_path, images) as h:
+    async with harness(tmp_path, images, runtime=namespace_runtime) as h:
         await h.start_agent("cpu-a", HostClass.CPU)
         hog = ["python3", "-c", "b = bytearray(400 * 1024 * 1024)"]
         reply = await h.fleet.SubmitRollout(request('image = "minimal"\nmemory = 96\n', hog))
@@ -796,6 +799,7 @@ async def test_reads_are_answered_while_the_ledger_is_writing(
     assert "fleet_rollouts" in text
 
 
+@pytest.mark.sandbox
 async def test_refused_egress_reaches_the_ledger_api_and_cli(
     tmp_path: Path, images: ImageStore
 ) -> None:
@@ -811,7 +815,7 @@ async def test_refused_egress_reaches_the_ledger_api_and_cli(
     )
 
     with networld() as world:
-        async with harness(tmp_path, images) as h:
+        async with harness(tmp_path, images, runtime=namespace_runtime) as h:
             net = NetConfig(uplink_netns=world.uplink, dns_upstream=world.dns)
             await h.start_agent("cpu-a", HostClass.CPU, net=net)
             smolfile = 'image = "minimal"\n[network]\nallow_hosts = ["svc.fleet.test"]\n'
@@ -847,6 +851,7 @@ async def test_refused_egress_reaches_the_ledger_api_and_cli(
     assert "other.test" in table and "169.254.169.254" in table and "metadata" in table
 
 
+@pytest.mark.sandbox
 async def test_a_warm_rollout_that_reaches_out_gets_its_own_machine_and_namespace(
     tmp_path: Path, images: ImageStore
 ) -> None:
@@ -866,7 +871,7 @@ async def test_a_warm_rollout_that_reaches_out_gets_its_own_machine_and_namespac
     )
 
     with networld() as world:
-        async with harness(tmp_path, images) as h:
+        async with harness(tmp_path, images, runtime=namespace_runtime) as h:
             net = NetConfig(uplink_netns=world.uplink, dns_upstream=world.dns)
             await h.start_agent("cpu-a", HostClass.CPU, net=net)
             submit = request(smolfile)

@@ -23,7 +23,7 @@ import pytest
 from fleet.core.placement import HostClass
 from fleet.image.store import ImageStore
 from fleet.runtime.netns import NetConfig, in_netns
-from tests.integration.harness import SECRET, Harness, harness, threaded_harness
+from tests.integration.harness import SECRET, Harness, harness, namespace_runtime, threaded_harness
 from tests.networld import GATEWAY, networld
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,7 +45,9 @@ def harbor_fleet(tmp_path_factory: pytest.TempPathFactory, images: ImageStore) -
     async def prepare(h: Harness) -> None:
         await h.start_agent("cpu-a", HostClass.CPU, slots=4)
 
-    with threaded_harness(tmp_path_factory.mktemp("harbor"), images, prepare) as address:
+    with threaded_harness(
+        tmp_path_factory.mktemp("harbor"), images, prepare, runtime=namespace_runtime
+    ) as address:
         yield address
 
 
@@ -65,6 +67,7 @@ def _harbor_env(address: str, tmp_path: Path) -> dict[str, str]:
     }
 
 
+@pytest.mark.sandbox
 def test_harbors_oracle_solves_a_task_in_a_fleet_session(
     harbor_venv: Path, harbor_fleet: str, tmp_path: Path
 ) -> None:
@@ -125,7 +128,7 @@ def inference_fleet(tmp_path_factory: pytest.TempPathFactory, images: ImageStore
             sock = await asyncio.to_thread(in_netns, f"/run/netns/{world.uplink}", bind)
             http, port = await serve_http(gateway, sock=sock)
             try:
-                async with harness(tmp, images) as h:
+                async with harness(tmp, images, runtime=namespace_runtime) as h:
                     net = NetConfig(uplink_netns=world.uplink, dns_upstream=world.dns)
                     await h.start_agent("cpu-a", HostClass.CPU, slots=4, net=net,
                                         gateway=(GATEWAY[0], port))  # fmt: skip
@@ -155,6 +158,7 @@ def inference_fleet(tmp_path_factory: pytest.TempPathFactory, images: ImageStore
             thread.join(60)
 
 
+@pytest.mark.sandbox
 def test_an_agent_in_the_machine_reaches_the_gateway_with_its_rollouts_token(
     harbor_venv: Path, inference_fleet: str, tmp_path: Path
 ) -> None:

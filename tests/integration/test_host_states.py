@@ -24,7 +24,7 @@ from fleet.core.placement import (
 )
 from fleet.image.store import ImageStore
 from fleet.ledger.store import Ledger
-from tests.integration.harness import harness, request
+from tests.integration.harness import harness, namespace_runtime, request
 
 SUCCEEDED = types_pb2.ROLLOUT_STATE_SUCCEEDED
 
@@ -145,6 +145,7 @@ async def _until(check, timeout_s: float = 60.0):  # type: ignore[no-untyped-def
     raise AssertionError("timed out waiting")
 
 
+@pytest.mark.sandbox
 async def test_a_drain_lets_work_finish_until_its_deadline_then_releases_the_rest(
     tmp_path: Path, images: ImageStore
 ) -> None:
@@ -154,7 +155,7 @@ async def test_a_drain_lets_work_finish_until_its_deadline_then_releases_the_res
 
     slow = ["sh", "-c", 'if [ "$FLEET_ATTEMPT" = 1 ]; then sleep 120; fi; echo done']
 
-    async with harness(tmp_path, images) as h:
+    async with harness(tmp_path, images, runtime=namespace_runtime) as h:
         await h.start_agent("cpu-a", HostClass.CPU, slots=2)
         ledger = h.server.core.ledger
         short = (
@@ -309,6 +310,7 @@ def test_fleet_pool_set_list_and_delete(tmp_path: Path) -> None:
     assert gone.returncode == 2 and "no pool 'cloud'" in gone.stderr
 
 
+@pytest.mark.sandbox
 async def test_a_rollback_to_local_only_with_work_in_flight_loses_nothing(
     tmp_path: Path, images: ImageStore
 ) -> None:
@@ -319,7 +321,7 @@ async def test_a_rollback_to_local_only_with_work_in_flight_loses_nothing(
 
     slow = ["sh", "-c", 'if [ "$FLEET_ATTEMPT" = 1 ]; then sleep 120; fi; echo done']
 
-    async with harness(tmp_path, images) as h:
+    async with harness(tmp_path, images, runtime=namespace_runtime) as h:
         await h.start_agent("gpu-0", HostClass.GPU, slots=4)
         await h.start_agent("cpu-a", HostClass.CPU, slots=2)
         ledger = h.server.core.ledger
@@ -400,6 +402,7 @@ def test_the_rollback_cli(tmp_path: Path) -> None:
     assert cli("--undo").returncode == 2
 
 
+@pytest.mark.sandbox
 async def test_the_report_prices_what_the_cgroup_measured(
     tmp_path: Path, images: ImageStore
 ) -> None:
@@ -413,7 +416,7 @@ async def test_the_report_prices_what_the_cgroup_measured(
     )
     burn = ["python3", "-c", code]
 
-    async with harness(tmp_path, images) as h:
+    async with harness(tmp_path, images, runtime=namespace_runtime) as h:
         await h.start_agent("cpu-a", HostClass.CPU, slots=2)
         ledger = h.server.core.ledger
         await asyncio.to_thread(

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import pytest
 import torch
 
 from fleet.api.pb import fleet_pb2, types_pb2
@@ -26,7 +27,7 @@ from fleet.runtime.netns import NetConfig, in_netns
 from gateway.http import HTTP_STATUS, serve_http
 from gateway.model import load_network, model_specs
 from gateway.service import Gateway, GatewayConfig
-from tests.integration.harness import SECRET, harness, request
+from tests.integration.harness import SECRET, harness, namespace_runtime, request
 from tests.networld import GATEWAY, NetWorld, networld
 
 
@@ -71,13 +72,17 @@ def test_every_error_code_has_an_http_status() -> None:
     assert set(HTTP_STATUS) == set(ErrorCode)
 
 
+@pytest.mark.sandbox
 async def test_a_machine_gets_each_action_from_the_gateway(
     tmp_path: Path, images: ImageStore
 ) -> None:
     """The episode runs in the machine, actions come from the gateway, the trajectory matches."""
 
     with networld() as world:
-        async with gateway_on_uplink(world) as port, harness(tmp_path, images) as h:
+        async with (
+            gateway_on_uplink(world) as port,
+            harness(tmp_path, images, runtime=namespace_runtime) as h,
+        ):
             net = NetConfig(uplink_netns=world.uplink, dns_upstream=world.dns)
             await h.start_agent("cpu-a", HostClass.CPU, net=net, gateway=(GATEWAY[0], port))
             hybrid = await h.fleet.SubmitRollout(
@@ -135,6 +140,7 @@ except OSError as exc:
 """
 
 
+@pytest.mark.sandbox
 async def test_a_warm_child_gets_actions_and_stores_checkpoints_through_the_agents_sockets(
     tmp_path: Path, images: ImageStore
 ) -> None:
@@ -143,7 +149,10 @@ async def test_a_warm_child_gets_actions_and_stores_checkpoints_through_the_agen
     (not even the gateway's own address) is reachable from it."""
 
     with networld() as world:
-        async with gateway_on_uplink(world) as port, harness(tmp_path, images) as h:
+        async with (
+            gateway_on_uplink(world) as port,
+            harness(tmp_path, images, runtime=namespace_runtime) as h,
+        ):
             net = NetConfig(uplink_netns=world.uplink, dns_upstream=world.dns)
             await h.start_agent("cpu-a", HostClass.CPU, net=net, gateway=(GATEWAY[0], port))
             submitted = await h.fleet.SubmitRollout(
@@ -273,6 +282,7 @@ async def test_a_deep_gateway_queue_holds_inference_rollouts_while_cpu_work_goes
     assert second == [model]
 
 
+@pytest.mark.sandbox
 async def test_server_and_gateway_metrics_and_fleet_top(tmp_path: Path, images: ImageStore) -> None:
     """Prometheus text from both; `fleet top --once` shows rollouts, throughput and the gateway."""
     import time
@@ -301,7 +311,7 @@ async def test_server_and_gateway_metrics_and_fleet_top(tmp_path: Path, images: 
             rollout_id="r-m", idempotency_key="k", model="gridworld-policy", revision="",
             shape=[147], values=GridWorld(1).observation(), deadline=None,
         )  # fmt: skip
-        async with harness(tmp_path, images, config) as h:
+        async with harness(tmp_path, images, config, runtime=namespace_runtime) as h:
             await h.start_agent("cpu-a", HostClass.CPU)
             busy = ["python3", "-c", "sum(i * i for i in range(3_000_000))"]
             reply = await h.fleet.SubmitRollout(request('image = "minimal"\n', busy))
@@ -338,6 +348,7 @@ async def test_server_and_gateway_metrics_and_fleet_top(tmp_path: Path, images: 
     assert "grpc 1   grpc_stream 0   http 0   streams open 0" in top
 
 
+@pytest.mark.sandbox
 async def test_the_gateway_over_tls_serves_machines_and_warm_children(
     tmp_path: Path, images: ImageStore
 ) -> None:
@@ -362,7 +373,10 @@ async def test_the_gateway_over_tls_serves_machines_and_warm_children(
     )
 
     with networld() as world:
-        async with gateway_on_uplink(world, tls) as port, harness(tmp_path, images) as h:
+        async with (
+            gateway_on_uplink(world, tls) as port,
+            harness(tmp_path, images, runtime=namespace_runtime) as h,
+        ):
             net = NetConfig(uplink_netns=world.uplink, dns_upstream=world.dns)
             await h.start_agent(
                 "cpu-a", HostClass.CPU, net=net, gateway=(GATEWAY[0], port), gateway_ca=ca.pem

@@ -21,7 +21,14 @@ from fleet.core.placement import HostClass, Isolation
 from fleet.identity.ca import CertificateAuthority, csr_for, key_pem, new_key
 from fleet.identity.tls import HostFiles, HostIdentityMaterial
 from fleet.image.store import ImageStore
-from tests.integration.harness import FINAL, Harness, harness, registered, request
+from tests.integration.harness import (
+    FINAL,
+    Harness,
+    harness,
+    namespace_runtime,
+    registered,
+    request,
+)
 
 SECRET_STEP = ["sh", "-c", "echo secret-output; sleep 1"]
 
@@ -101,11 +108,12 @@ async def test_api_keys_are_required_and_checked(tmp_path: Path, images: ImageSt
             assert e.code() == grpc.StatusCode.UNAUTHENTICATED and "expired" in e.details()
 
 
+@pytest.mark.sandbox
 async def test_tenants_see_only_their_own_rollouts(tmp_path: Path, images: ImageStore) -> None:
     """Tenant B cannot get, list, watch, cancel or read the egress events of tenant A's
     rollout (NOT_FOUND, as for an unknown id), nor submit as A; a read-only key cannot submit."""
 
-    async with harness(tmp_path, images, secure=True) as h:
+    async with harness(tmp_path, images, secure=True, runtime=namespace_runtime) as h:
         await h.start_agent("cpu-a", HostClass.CPU)
         a, b = h.key("tenant-a"), h.key("tenant-b")
         reader = h.key("tenant-a", "rollouts:read")
@@ -406,13 +414,14 @@ async def test_a_plain_server_refuses_enrollment(tmp_path: Path, images: ImageSt
         assert e.code() == grpc.StatusCode.FAILED_PRECONDITION and "TLS" in e.details()
 
 
+@pytest.mark.sandbox
 async def test_a_revoked_host_is_refused_and_its_work_runs_elsewhere(
     tmp_path: Path, images: ImageStore
 ) -> None:
     """Revoking a host that holds a lease: its next call is refused, the agent stops, and the
     rollout finishes on another host with exactly one result."""
 
-    async with harness(tmp_path, images, secure=True) as h:
+    async with harness(tmp_path, images, secure=True, runtime=namespace_runtime) as h:
         await h.start_agent("cpu-a", HostClass.CPU)
         rid = (
             await h.fleet.SubmitRollout(

@@ -15,7 +15,7 @@ from fleet.api.pb import types_pb2
 from fleet.core.errors import InvalidArgument
 from fleet.core.placement import HostClass
 from fleet.image.store import ImageStore
-from tests.integration.harness import harness, request
+from tests.integration.harness import harness, namespace_runtime, request
 
 
 def _layer(files: dict[str, bytes | None]) -> bytes:
@@ -49,6 +49,7 @@ def docker_save(path: Path, layers: list[bytes]) -> None:
         tar.addfile(info, io.BytesIO(manifest))
 
 
+@pytest.mark.sandbox
 async def test_a_docker_save_archive_becomes_a_fleet_image(
     tmp_path: Path, images: ImageStore
 ) -> None:
@@ -74,7 +75,7 @@ async def test_a_docker_save_archive_becomes_a_fleet_image(
     assert "./opt/task/new.txt" in names and "./usr/bin/python3" in names
     assert "./opt/task/old.txt" not in names and "./opt/gone.txt" not in names
 
-    async with harness(tmp_path / "fleet", store) as h:
+    async with harness(tmp_path / "fleet", store, runtime=namespace_runtime) as h:
         await h.start_agent("cpu-a", HostClass.CPU)
         req = request('image = "custom"\n', ["sh", "-c", "cat /opt/task/new.txt; ls /opt"])
         rid = (await h.fleet.SubmitRollout(req)).rollout.id
@@ -99,6 +100,7 @@ def test_a_bad_base_archive_is_refused(tmp_path: Path) -> None:
         store.build("bad")
 
 
+@pytest.mark.sandbox
 async def test_a_smolfile_may_name_an_archive(tmp_path: Path, images: ImageStore) -> None:
     """`image = "./env.tar"`: `fleet run` flattens it locally; `fleet submit` flattens and
     uploads it, and the server stores and pins it for the hosts."""
@@ -125,7 +127,7 @@ async def test_a_smolfile_may_name_an_archive(tmp_path: Path, images: ImageStore
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout == "hello from the archive\n"
 
-    async with harness(tmp_path / "fleet", images, secure=True) as h:
+    async with harness(tmp_path / "fleet", images, secure=True, runtime=namespace_runtime) as h:
         await h.start_agent("cpu-a", HostClass.CPU)
         assert h.ca is not None
         submit = await asyncio.create_subprocess_exec(

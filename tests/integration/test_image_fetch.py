@@ -10,12 +10,19 @@ import shutil
 from pathlib import Path
 
 import grpc
+import pytest
 
 from fleet.agent.images import ImageCache
 from fleet.api.pb import host_pb2, host_pb2_grpc, types_pb2
 from fleet.core.placement import HostClass
 from fleet.image.store import ImageStore
-from tests.integration.harness import Harness, harness, register_cpu_host, request
+from tests.integration.harness import (
+    Harness,
+    harness,
+    namespace_runtime,
+    register_cpu_host,
+    request,
+)
 
 
 def go(coro):  # type: ignore[no-untyped-def]
@@ -35,6 +42,7 @@ def empty_store(tmp: Path, name: str, images: ImageStore) -> ImageStore:
     return ImageStore(tmp / name, images.recipes)
 
 
+@pytest.mark.sandbox
 async def test_an_empty_host_fetches_the_image_once_for_many_rollouts(
     tmp_path: Path, images: ImageStore
 ) -> None:
@@ -42,7 +50,7 @@ async def test_an_empty_host_fetches_the_image_once_for_many_rollouts(
     record = images.record("minimal")
     assert record is not None
 
-    async with harness(tmp_path, images, secure=True) as h:
+    async with harness(tmp_path, images, secure=True, runtime=namespace_runtime) as h:
         store = empty_store(tmp_path, "remote-images", images)
         agent = await h.start_agent("cloud-1", HostClass.CPU, slots=4, images=store)
         step = ["cat", "/etc/os-release"]

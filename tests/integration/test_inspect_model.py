@@ -30,7 +30,7 @@ from gateway.http import serve_http
 from gateway.llm.serving import ENV
 from gateway.service import Gateway, GatewayConfig, serve
 from tests.conftest import SMOLFILES
-from tests.integration.harness import SECRET, harness
+from tests.integration.harness import SECRET, harness, namespace_runtime
 from tests.llm_fixtures import write_tiny_model
 from tests.networld import GATEWAY, networld
 
@@ -78,6 +78,7 @@ async def _charged(ledger: Ledger, want: dict[str, tuple[int, int]]) -> dict[str
     raise AssertionError(f"the ledger holds {got}, not {want}")
 
 
+@pytest.mark.sandbox
 async def test_inspect_eval_with_a_fleet_model_charges_each_samples_tokens_to_its_rollout(
     tmp_path: Path, images: ImageStore
 ) -> None:
@@ -102,7 +103,7 @@ async def test_inspect_eval_with_a_fleet_model_charges_each_samples_tokens_to_it
 
     try:
         with networld() as world:
-            async with harness(tmp_path, images, config) as h:
+            async with harness(tmp_path, images, config, runtime=namespace_runtime) as h:
                 sock = await asyncio.to_thread(in_netns, f"/run/netns/{world.uplink}", bind)
                 machines_http, port = await serve_http(gateway, sock=sock)
                 host_http, host_port = await serve_http(gateway, "127.0.0.1", 0)

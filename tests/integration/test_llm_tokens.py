@@ -33,7 +33,15 @@ from fleet.runtime.netns import NetConfig, in_netns
 from fleet.server.settings import ServerConfig
 from gateway.llm.serving import ENV
 from gateway.service import Gateway, GatewayConfig, serve
-from tests.integration.harness import SECRET, Harness, harness, request
+from tests.integration.harness import (
+    SECRET,
+    Harness,
+    RuntimeFactory,
+    fake_runtime,
+    harness,
+    namespace_runtime,
+    request,
+)
 from tests.llm_fixtures import write_tiny_model
 from tests.networld import GATEWAY, networld
 
@@ -81,10 +89,11 @@ print(json.dumps({"first": first, "again": again, "conflict": conflict, "streame
 
 @asynccontextmanager
 async def _fleet(
-    tmp_path: Path, images: ImageStore, http: Callable[[Gateway], Any] | None = None
-) -> AsyncIterator[tuple[Gateway, Harness]]:
+    tmp_path: Path, images: ImageStore, http: Callable[[Gateway], Any] | None = None,
+    runtime: RuntimeFactory = fake_runtime,
+) -> AsyncIterator[tuple[Gateway, Harness]]:  # fmt: skip
     """A gateway serving the tiny model (gRPC on loopback, for the server's polls), and a
-    fleet server that polls it every 0.1 s."""
+    fleet server that polls it every 0.1 s (its agents on `runtime`)."""
     model = write_tiny_model(tmp_path / "tiny-llm")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(ENV, str(model))
@@ -97,7 +106,7 @@ async def _fleet(
         gateway_address=f"127.0.0.1:{port}", gateway_poll_s=0.1,
     )  # fmt: skip
     try:
-        async with harness(tmp_path, images, config) as h:
+        async with harness(tmp_path, images, config, runtime=runtime) as h:
             yield gateway, h
     finally:
         await grpc_server.stop(None)
@@ -135,6 +144,7 @@ def _unmarked(events: list[str]) -> list[Any]:
     return out
 
 
+@pytest.mark.sandbox
 async def test_a_rollouts_tokens_reach_its_attempt_and_the_report_once(
     tmp_path: Path, images: ImageStore
 ) -> None:
@@ -146,7 +156,7 @@ async def test_a_rollouts_tokens_reach_its_attempt_and_the_report_once(
     from gateway.http import serve_http
 
     with networld() as world:
-        async with _fleet(tmp_path, images) as (gateway, h):
+        async with _fleet(tmp_path, images, runtime=namespace_runtime) as (gateway, h):
             sock = await asyncio.to_thread(in_netns, f"/run/netns/{world.uplink}", bind)
             http, port = await serve_http(gateway, sock=sock)
             try:

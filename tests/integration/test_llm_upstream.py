@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from fleet.api.pb import types_pb2
 from fleet.client import AsyncFleet
@@ -33,7 +34,7 @@ from gateway.http import serve_http
 from gateway.llm.upstream import Upstreams
 from gateway.llm.upstream_config import load_upstreams
 from gateway.service import Gateway, GatewayConfig
-from tests.integration.harness import SECRET, harness
+from tests.integration.harness import SECRET, harness, namespace_runtime
 from tests.networld import GATEWAY, networld
 
 REPO = Path(__file__).resolve().parents[2]
@@ -336,6 +337,7 @@ def _step(*argv: str) -> list[str]:
     return ["python3", "-c", STEP, *argv]
 
 
+@pytest.mark.sandbox
 async def test_a_machine_calls_upstream_models_and_cannot_find_the_key(
     tmp_path: Path, images: ImageStore
 ) -> None:
@@ -352,7 +354,7 @@ async def test_a_machine_calls_upstream_models_and_cannot_find_the_key(
             sock = await asyncio.to_thread(in_netns, f"/run/netns/{world.uplink}", bind)
             async with (
                 serving(_upstreams(tmp_path, up), sock) as (gw, port, local_port),
-                harness(tmp_path, images) as h,
+                harness(tmp_path, images, runtime=namespace_runtime) as h,
             ):
                 net = NetConfig(uplink_netns=world.uplink, dns_upstream=world.dns)
                 await h.start_agent("cpu-a", HostClass.CPU, net=net, gateway=(GATEWAY[0], port))

@@ -10,6 +10,8 @@ import pytest
 
 from fleet.cli.local import cmd_run
 
+pytestmark = pytest.mark.sandbox
+
 
 def fleet_run(smolfile: Path, *command: str) -> int:
     args = argparse.Namespace(

@@ -10,11 +10,15 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from fleet.core.smolfile import parse_smolfile
 from fleet.runtime.base import MachineSpec
 from fleet.runtime.capabilities import mask
 from fleet.runtime.namespace import NamespaceRuntime
 from fleet.runtime.warm import NamespaceParent
+
+pytestmark = pytest.mark.sandbox
 
 # Reads this thread's capability sets, filter mode and no-new-privs, and tries what a machine
 # must not do. unshare runs in a fork, so that a namespace it makes (where the filter lets it)

@@ -10,10 +10,14 @@ import json
 import uuid
 from pathlib import Path
 
+import pytest
+
 from fleet.core.smolfile import parse_smolfile
 from fleet.runtime.base import ExecResult, MachineSpec
 from fleet.runtime.namespace import NamespaceRuntime
 from fleet.runtime.namespace_machine import NamespaceMachine
+
+pytestmark = pytest.mark.sandbox
 
 
 def _caps_mask() -> int:

@@ -18,6 +18,8 @@ from fleet.runtime.cgroups import MachineCgroup
 from fleet.runtime.namespace import NamespaceRuntime
 from fleet.runtime.namespace_machine import NamespaceMachine
 
+pytestmark = pytest.mark.sandbox
+
 CONNECT = """
 import socket, sys
 s = socket.socket()

@@ -25,7 +25,7 @@ from fleet.runtime.netns import NetConfig, in_netns
 from gateway.http import serve_http
 from gateway.llm.serving import ENV
 from gateway.service import Gateway, GatewayConfig
-from tests.integration.harness import SECRET, harness, request
+from tests.integration.harness import SECRET, harness, namespace_runtime, request
 from tests.llm_fixtures import write_tiny_model
 from tests.networld import GATEWAY, networld
 
@@ -66,6 +66,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.sandbox
 async def test_a_machine_streams_a_chat_completion_with_its_environment(
     tmp_path: Path, images: ImageStore
 ) -> None:
@@ -86,7 +87,7 @@ async def test_a_machine_streams_a_chat_completion_with_its_environment(
         sock = await asyncio.to_thread(in_netns, f"/run/netns/{world.uplink}", bind)
         http, port = await serve_http(gateway, sock=sock)
         try:
-            async with harness(tmp_path, images) as h:
+            async with harness(tmp_path, images, runtime=namespace_runtime) as h:
                 net = NetConfig(uplink_netns=world.uplink, dns_upstream=world.dns)
                 await h.start_agent("cpu-a", HostClass.CPU, net=net, gateway=(GATEWAY[0], port))
                 inference = types_pb2.Requirements(inference=True)
@@ -183,6 +184,7 @@ def official_client_tree(into: Path) -> Path:
     return into
 
 
+@pytest.mark.sandbox
 async def test_the_official_client_in_a_machine_streams_a_tool_call_from_the_shipped_model(
     tmp_path: Path, images: ImageStore
 ) -> None:
@@ -210,7 +212,7 @@ async def test_the_official_client_in_a_machine_streams_a_tool_call_from_the_shi
         sock = await asyncio.to_thread(in_netns, f"/run/netns/{world.uplink}", bind)
         http, port = await serve_http(gateway, sock=sock)
         try:
-            async with harness(tmp_path, images, secure=True) as h:
+            async with harness(tmp_path, images, secure=True, runtime=namespace_runtime) as h:
                 net = NetConfig(uplink_netns=world.uplink, dns_upstream=world.dns)
                 await h.start_agent("cpu-a", HostClass.CPU, net=net, gateway=(GATEWAY[0], port))
                 async with h.connect(h.key("team-a")) as channel:

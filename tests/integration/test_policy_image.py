@@ -14,6 +14,8 @@ from fleet.runtime.base import MachineSpec
 from fleet.runtime.namespace import NamespaceRuntime
 from fleet.runtime.warm import NamespaceParent
 
+pytestmark = pytest.mark.sandbox
+
 WARMUP = """
 import time
 started = time.monotonic()

@@ -32,7 +32,10 @@ def make_runtime(kind: str, tmp_path: Path, rootfs: Path) -> Runtime:
     return smol_runtime.SmolRuntime()
 
 
-RUNTIMES = ["namespace", pytest.param("smol", marks=pytest.mark.vm)]
+RUNTIMES = [
+    pytest.param("namespace", marks=pytest.mark.sandbox),
+    pytest.param("smol", marks=pytest.mark.vm),
+]
 EVERY_RUNTIME = ["fake", *RUNTIMES]
 
 

@@ -16,6 +16,8 @@ from fleet.runtime import helpers
 from fleet.runtime.base import MachineSpec
 from fleet.runtime.namespace import NamespaceRuntime
 
+pytestmark = pytest.mark.sandbox
+
 
 def spec(rootfs: Path, text: str) -> MachineSpec:
     return MachineSpec(

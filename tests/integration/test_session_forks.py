@@ -7,10 +7,12 @@ import os
 import stat
 from pathlib import Path
 
+import pytest
+
 from fleet.api.pb import fleet_pb2, fleet_pb2_grpc
 from fleet.core.placement import HostClass
 from fleet.image.store import ImageStore
-from tests.integration.harness import harness
+from tests.integration.harness import harness, namespace_runtime
 
 SMOLFILE = 'image = "minimal"\n'
 
@@ -35,6 +37,7 @@ def _snapshot(top: Path) -> dict[str, tuple[int, bytes]]:
     return seen
 
 
+@pytest.mark.sandbox
 async def test_a_fork_never_follows_the_links_its_source_made_in_etc(
     tmp_path: Path, images: ImageStore
 ) -> None:
@@ -54,7 +57,7 @@ async def test_a_fork_never_follows_the_links_its_source_made_in_etc(
     host_file.chmod(0o640)
     before = (_snapshot(host_dir), _snapshot(host_file))
 
-    async with harness(tmp_path, images) as h:
+    async with harness(tmp_path, images, runtime=namespace_runtime) as h:
         await h.start_agent("cpu-a", HostClass.CPU, slots=4)
         stub = fleet_pb2_grpc.SessionServiceStub(h.channel)
         dir_link, file_link = [

@@ -19,7 +19,7 @@ from fleet.image.store import ImageStore
 from fleet.ledger.store import Ledger
 from fleet.server import sessions as server_sessions
 from fleet.server.app import FleetServer
-from tests.integration.harness import harness, registered
+from tests.integration.harness import harness, namespace_runtime, registered
 
 SMOLFILE = 'image = "minimal"\n'
 
@@ -122,6 +122,7 @@ async def _refusal(stub: fleet_pb2_grpc.SessionServiceStub, session: str) -> tup
     return grpc.StatusCode.OK, ""
 
 
+@pytest.mark.sandbox
 async def test_session_file_calls_in_flight_are_bounded(
     tmp_path: Path, images: ImageStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -130,7 +131,7 @@ async def test_session_file_calls_in_flight_are_bounded(
     held calls end, file calls are served again."""
     monkeypatch.setattr(server_sessions, "FILE_CALLS_PER_SESSION", 2)
     monkeypatch.setattr(server_sessions, "FILE_CALLS_PER_TENANT", 3)
-    async with harness(tmp_path, images) as h:
+    async with harness(tmp_path, images, runtime=namespace_runtime) as h:
         await h.start_agent("cpu-a", HostClass.CPU, slots=4)
         stub = fleet_pb2_grpc.SessionServiceStub(h.channel)
         a, b = await _open(stub), await _open(stub)
@@ -165,6 +166,7 @@ async def test_session_file_calls_in_flight_are_bounded(
     assert b"".join(released[:2]) == released[2] == b"released\n" and again != b""
 
 
+@pytest.mark.sandbox
 async def test_a_host_bounds_the_stdin_it_holds_for_calls_still_arriving(
     tmp_path: Path, images: ImageStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -172,7 +174,7 @@ async def test_a_host_bounds_the_stdin_it_holds_for_calls_still_arriving(
     refused with RESOURCE_EXHAUSTED naming that bound; nothing is written, and a write within
     it still works."""
     monkeypatch.setattr(agent_sessions, "MAX_PENDING_STDIN_BYTES", 2 << 20)
-    async with harness(tmp_path, images) as h:
+    async with harness(tmp_path, images, runtime=namespace_runtime) as h:
         await h.start_agent("cpu-a", HostClass.CPU)
         stub = fleet_pb2_grpc.SessionServiceStub(h.channel)
         s = await _open(stub)
@@ -202,6 +204,7 @@ def _member(name: str, kind: bytes = tarfile.REGTYPE, mode: int = 0o644) -> tarf
     return info
 
 
+@pytest.mark.sandbox
 async def test_a_directory_read_is_an_archive_fleet_made(
     tmp_path: Path, images: ImageStore
 ) -> None:
@@ -215,7 +218,7 @@ async def test_a_directory_read_is_an_archive_fleet_made(
         (_member("ok.txt"), b"fine\n"),
     )
     escaping = _archive((_member("ok.txt"), b"fine\n"), (_member("../escape"), b"out\n"))
-    async with harness(tmp_path, images) as h:
+    async with harness(tmp_path, images, runtime=namespace_runtime) as h:
         await h.start_agent("cpu-a", HostClass.CPU)
         stub = fleet_pb2_grpc.SessionServiceStub(h.channel)
         s = await _open(stub)

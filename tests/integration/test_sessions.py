@@ -16,7 +16,7 @@ import pytest
 from fleet.api.pb import fleet_pb2, fleet_pb2_grpc, types_pb2
 from fleet.core.placement import HostClass
 from fleet.image.store import ImageStore
-from tests.integration.harness import Harness, harness, threaded_harness
+from tests.integration.harness import Harness, harness, namespace_runtime, threaded_harness
 
 SMOLFILE = 'image = "minimal"\n'
 
@@ -64,13 +64,14 @@ def sessions(h: Harness) -> fleet_pb2_grpc.SessionServiceStub:
     return fleet_pb2_grpc.SessionServiceStub(h.channel)
 
 
+@pytest.mark.sandbox
 async def test_a_session_runs_commands_and_moves_files_until_it_is_closed(
     tmp_path: Path, images: ImageStore
 ) -> None:
     big = os.urandom(5 << 20)
     script = "for i in 1 2 3; do echo out$i; echo err$i >&2; done; read line; echo got:$line"
 
-    async with harness(tmp_path, images) as h:
+    async with harness(tmp_path, images, runtime=namespace_runtime) as h:
         await h.start_agent("cpu-a", HostClass.CPU)
         stub = sessions(h)
         s = await open_session(stub)
@@ -128,7 +129,7 @@ async def test_an_idle_session_is_closed(tmp_path: Path, images: ImageStore) -> 
     async with harness(tmp_path, images) as h:
         await h.start_agent("cpu-a", HostClass.CPU)
         stub = sessions(h)
-        s = await open_session(stub, idle_timeout_s=1.0)
+        s = await open_session(stub, idle_timeout_s=1.0, on_idle="close")
         await run(stub, s.id, argv=["true"])
         rollout = await h.wait_final(s.id, timeout_s=30)
         listed = await stub.ListSessions(fleet_pb2.ListSessionsRequest())
@@ -207,6 +208,7 @@ async def out(stub: fleet_pb2_grpc.SessionServiceStub, session: str, shell: str)
     return b"".join(c for k, c in chunks if k == "stdout")
 
 
+@pytest.mark.sandbox
 async def test_forks_start_from_the_sessions_files_and_go_their_own_ways(
     tmp_path: Path, images: ImageStore
 ) -> None:
@@ -215,7 +217,7 @@ async def test_forks_start_from_the_sessions_files_and_go_their_own_ways(
     no other. The same call again (its idempotency key) answers the same forks. A session that
     is closed cannot be forked."""
 
-    async with harness(tmp_path, images) as h:
+    async with harness(tmp_path, images, runtime=namespace_runtime) as h:
         await h.start_agent("cpu-a", HostClass.CPU, slots=4)
         stub = sessions(h)
         s = await open_session(stub)
@@ -288,6 +290,7 @@ enabled = true
 """
 
 
+@pytest.mark.sandbox
 async def test_warm_sessions_are_children_of_one_parent_and_fork_copy_on_write(
     tmp_path: Path, images: ImageStore
 ) -> None:
@@ -296,7 +299,7 @@ async def test_warm_sessions_are_children_of_one_parent_and_fork_copy_on_write(
     streams output, files move both ways, and forks copy the child's own layer."""
     big = os.urandom(3 << 20)
 
-    async with harness(tmp_path, images) as h:
+    async with harness(tmp_path, images, runtime=namespace_runtime) as h:
         await h.start_agent("cpu-a", HostClass.CPU, slots=4)
         stub = sessions(h)
         opened = [
@@ -345,6 +348,7 @@ async def test_warm_sessions_are_children_of_one_parent_and_fork_copy_on_write(
 
 
 @pytest.mark.parametrize("smolfile", [SMOLFILE, WARM_SESSION], ids=["cold", "warm"])
+@pytest.mark.sandbox
 async def test_a_sessions_calls_share_one_box(
     tmp_path: Path, images: ImageStore, smolfile: str
 ) -> None:
@@ -353,7 +357,7 @@ async def test_a_sessions_calls_share_one_box(
     hold the call up), and a command that kills every process it can does not end the
     session: the next call runs."""
 
-    async with harness(tmp_path, images) as h:
+    async with harness(tmp_path, images, runtime=namespace_runtime) as h:
         await h.start_agent("cpu-a", HostClass.CPU)
         stub = sessions(h)
         s = await stub.OpenSession(
@@ -375,13 +379,14 @@ async def test_a_sessions_calls_share_one_box(
     assert codes[:3] == [0, 0, 0] and codes[4] == 0
 
 
+@pytest.mark.sandbox
 async def test_a_sessions_commands_run_as_the_smolfiles_user(
     tmp_path: Path, images: ImageStore
 ) -> None:
     """`user = "nobody"`: every command of the session (through its resident server) runs as
     that user with its groups and home; files it writes are its own."""
 
-    async with harness(tmp_path, images) as h:
+    async with harness(tmp_path, images, runtime=namespace_runtime) as h:
         await h.start_agent("cpu-a", HostClass.CPU)
         stub = sessions(h)
         smolfile = 'image = "minimal"\nuser = "nobody"\n'
@@ -407,10 +412,13 @@ def live_fleet(tmp_path_factory: pytest.TempPathFactory, images: ImageStore) -> 
     async def prepare(h: Harness) -> None:
         await h.start_agent("cpu-a", HostClass.CPU)
 
-    with threaded_harness(tmp_path_factory.mktemp("live-sessions"), images, prepare) as address:
+    with threaded_harness(
+        tmp_path_factory.mktemp("live-sessions"), images, prepare, runtime=namespace_runtime
+    ) as address:
         yield address
 
 
+@pytest.mark.sandbox
 def test_the_typed_client_drives_rollouts_and_sessions(live_fleet: str, tmp_path: Path) -> None:
     from fleet.client import Fleet
     from fleet.core.errors import FailedPrecondition, NotFound
@@ -461,6 +469,7 @@ def test_the_typed_client_drives_rollouts_and_sessions(live_fleet: str, tmp_path
             box.exec(["true"])
 
 
+@pytest.mark.sandbox
 async def test_the_async_client_works_the_same_from_an_event_loop(live_fleet: str) -> None:
     from fleet.client_async import AsyncFleet
     from tests.conftest import SMOLFILES
@@ -478,6 +487,7 @@ async def test_the_async_client_works_the_same_from_an_event_loop(live_fleet: st
     assert session_state == "SUCCEEDED"  # (a closed session's rollout)
 
 
+@pytest.mark.sandbox
 def test_the_session_cli(live_fleet: str, tmp_path: Path) -> None:
     import subprocess
     import sys
@@ -523,6 +533,7 @@ def test_the_session_cli(live_fleet: str, tmp_path: Path) -> None:
     assert refused.returncode == 2 and b"is closed" in refused.stderr
 
 
+@pytest.mark.sandbox
 def test_a_real_inspect_ai_evaluation_runs_its_tool_calls_in_fleet_sessions(
     live_fleet: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

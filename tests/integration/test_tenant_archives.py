@@ -21,7 +21,7 @@ from fleet.core.placement import HostClass
 from fleet.image.store import ImageStore
 from fleet.safepath import UnsafeArchive
 from tests.hostile_tars import Entry, chain_escape, tar_bytes
-from tests.integration.harness import harness, request
+from tests.integration.harness import harness, namespace_runtime, request
 
 HOST_FILE = b"a file of the host, not the tenant's\n"
 NOT_OK = {types_pb2.ROLLOUT_STATE_FAILED, types_pb2.ROLLOUT_STATE_QUARANTINED}
@@ -35,6 +35,7 @@ def sentinel_beside(root: Path) -> Path:
     return sentinel
 
 
+@pytest.mark.sandbox
 async def test_a_hostile_input_tar_writes_nothing_outside_its_staging_directory(
     tmp_path: Path, images: ImageStore
 ) -> None:
@@ -48,7 +49,7 @@ async def test_a_hostile_input_tar_writes_nothing_outside_its_staging_directory(
         "dotdot": tar_bytes([Entry("ok.txt"), Entry("../../../outside/sentinel", data=b"x")]),
     }
     finals = {}
-    async with harness(tmp_path, images, secure=True) as h:
+    async with harness(tmp_path, images, secure=True, runtime=namespace_runtime) as h:
         await h.start_agent("cpu-a", HostClass.CPU)
         async with h.connect(h.key("team-a")) as channel:
             stub = fleet_pb2_grpc.FleetServiceStub(channel)
@@ -88,6 +89,7 @@ chmod 755 /usr/local/bin/tar
 """
 
 
+@pytest.mark.sandbox
 async def test_a_stand_in_tar_in_the_machine_does_not_make_the_stored_archive(
     tmp_path: Path, images: ImageStore
 ) -> None:
@@ -112,7 +114,7 @@ async def test_a_stand_in_tar_in_the_machine_does_not_make_the_stored_archive(
             Entry("./near", tarfile.SYMTYPE, link="su"),
         ])
     )  # fmt: skip
-    async with harness(tmp_path, images, secure=True) as h:
+    async with harness(tmp_path, images, secure=True, runtime=namespace_runtime) as h:
         await h.start_agent("cpu-a", HostClass.CPU)
         async with h.connect(h.key("team-a")) as channel:
             stub = fleet_pb2_grpc.FleetServiceStub(channel)
@@ -188,6 +190,7 @@ async def test_the_client_refuses_a_hostile_stored_archive_and_writes_the_rest(
     assert sorted(os.listdir(tmp_path / "outside")) == ["sentinel"]
 
 
+@pytest.mark.sandbox
 async def test_a_sessions_download_dir_refuses_a_hostile_stream(
     tmp_path: Path, images: ImageStore
 ) -> None:
@@ -202,7 +205,7 @@ async def test_a_sessions_download_dir_refuses_a_hostile_stream(
     evil = tar_bytes(chain_escape(2, "outside/sentinel", b"written by a tenant\n"))
     stand_in = b"#!/bin/sh\nexec cat /root/evil.tar\n"
 
-    async with harness(tmp_path, images) as h:
+    async with harness(tmp_path, images, runtime=namespace_runtime) as h:
         await h.start_agent("cpu-a", HostClass.CPU)
 
         def drive() -> str:
@@ -225,6 +228,7 @@ async def test_a_sessions_download_dir_refuses_a_hostile_stream(
     assert sorted(os.listdir(tmp_path / "outside")) == ["sentinel"]
 
 
+@pytest.mark.sandbox
 async def test_a_steps_spooled_output_stops_at_its_bound_and_says_so(
     tmp_path: Path, images: ImageStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -234,7 +238,7 @@ async def test_a_steps_spooled_output_stops_at_its_bound_and_says_so(
     monkeypatch.setattr(files, "MAX_STEP_STREAM_BYTES", 1 << 20, raising=False)
     code = "import sys; sys.stdout.write(''.join(f'{i:07d}\\n' for i in range(3 << 17)))"
     expected = "".join(f"{i:07d}\n" for i in range(3 << 17)).encode()
-    async with harness(tmp_path, images, secure=True) as h:
+    async with harness(tmp_path, images, secure=True, runtime=namespace_runtime) as h:
         await h.start_agent("cpu-a", HostClass.CPU)
         async with h.connect(h.key("team-a")) as channel:
             stub = fleet_pb2_grpc.FleetServiceStub(channel)

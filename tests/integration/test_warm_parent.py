@@ -23,6 +23,8 @@ from fleet.runtime.namespace import NamespaceRuntime
 from fleet.runtime.warm import CHILD_ALLOWANCE_MIB, NamespaceParent
 from tests.integration.test_namespace_runtime import FILL
 
+pytestmark = pytest.mark.sandbox
+
 T = TypeVar("T")
 
 # The warm-up runs once: it records each run on the parent's disk, imports a module and builds
