@@ -3,7 +3,9 @@ the clients that call it: a field the wire cannot carry as fleet's type is refus
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
@@ -13,6 +15,10 @@ from fleet.core.adaptive import Adaptive
 from fleet.core.errors import InvalidArgument
 from fleet.core.gates import Gates
 from fleet.core.placement import HostClass, Pool, RuntimeKind
+from fleet.core.report import Report, Totals
+
+if TYPE_CHECKING:
+    from fleet.ledger.pools import PoolEvent
 
 
 def when(at: float | None) -> float:
@@ -91,3 +97,64 @@ def pool_from_pb(pb: admin_pb2.Pool) -> Pool:
     return Pool(name=pb.name, host_class=host_class(pb.host_class, "pool.host_class"),
                 labels=dict(pb.labels), max_running=pb.max_running, gates=gates,
                 adaptive=adaptive)  # fmt: skip
+
+
+def window(value: float, field: str) -> float:
+    """A window's length from the wire: a finite number of seconds more than 0."""
+    if not (math.isfinite(value) and value > 0):
+        raise InvalidArgument(f"{field}: a window of more than 0 seconds is needed, got {value}")
+    return value
+
+
+def prices(values: Mapping[str, float], field: str) -> dict[str, float] | None:
+    """A report's prices from the wire (none: the server's); each finite and not negative."""
+    for name, price in values.items():
+        if not (math.isfinite(price) and price >= 0):
+            raise InvalidArgument(f"{field}[{name!r}]: a price is 0 or more, got {price}")
+    return dict(values) or None
+
+
+def pool_event_to_pb(e: PoolEvent) -> admin_pb2.PoolEvent:
+    return admin_pb2.PoolEvent(seq=e.seq, pool=e.pool, at=e.at, kind=e.kind, cap=e.cap,
+                               message=e.message, figures=e.figures)  # fmt: skip
+
+
+def report_to_pb(r: Report) -> admin_pb2.ReportResponse:
+    return admin_pb2.ReportResponse(
+        since=r.since, until=r.until, by_label=r.by_label, prices=dict(r.prices),
+        groups=[
+            admin_pb2.ReportGroup(
+                name=g.name, rollouts=len(g.rollouts), completed=g.completed,
+                attempts=g.attempts, cost=g.cost, cpu_s=g.cpu_s, wall_s=g.wall_s,
+                device_s=g.device_s, peak_memory_mib=g.peak_memory_mib,
+                prompt_tokens=g.prompt_tokens, completion_tokens=g.completion_tokens,
+                token_cost=g.token_cost,
+            )
+            for g in r.groups
+        ],
+        slices=[admin_pb2.ReportSlice(minutes=t, completed=done, cost=cost)
+                for t, done, cost in r.slices],
+        paused=[admin_pb2.PoolPauses(pool=pool, times=n, seconds=s)
+                for pool, (n, s) in sorted(r.paused.items())],
+        caps=[admin_pb2.PoolCap(pool=pool, at=at, cap=cap) for pool, at, cap in r.caps],
+    )  # fmt: skip
+
+
+def report_from_pb(pb: admin_pb2.ReportResponse) -> Report:
+    """The report a server sent, as `fleet report` prints and charts it."""
+    return Report(
+        since=pb.since, until=pb.until, by_label=pb.by_label, prices=dict(pb.prices),
+        groups=[
+            Totals(
+                name=g.name, rollout_count=g.rollouts, completed=g.completed,
+                attempts=g.attempts, cost=g.cost, cpu_s=g.cpu_s, wall_s=g.wall_s,
+                device_s=g.device_s, peak_memory_mib=g.peak_memory_mib,
+                prompt_tokens=g.prompt_tokens, completion_tokens=g.completion_tokens,
+                token_cost=g.token_cost,
+            )
+            for g in pb.groups
+        ],
+        slices=[(s.minutes, s.completed, s.cost) for s in pb.slices],
+        paused={p.pool: (p.times, p.seconds) for p in pb.paused},
+        caps=[(c.pool, c.at, c.cap) for c in pb.caps],
+    )  # fmt: skip

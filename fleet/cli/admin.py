@@ -1,22 +1,20 @@
-"""`fleet ca`, `fleet host` and `fleet key`: the fleet's CA, join tokens, hosts and API keys.
+"""`fleet ca`, `fleet host`, `fleet key`, `fleet pool`, `fleet rollback` and `fleet report`:
+the fleet's CA, join tokens, hosts, API keys, pools, the rollback to the local pool and costs.
 
 These act on the ledger directly (`--db`, as `fleet serve` takes it): they run where the server
 runs, by whoever holds its database and CA; the first admin key is made this way. Given
-`--server` (or $FLEET_SERVER) and no `--db`, `fleet host|key|pool` act through the server's
-AdminService instead (`fleet.cli.admin_remote`), from any machine with the CA's certificate and
-an admin-scoped key. Servers see a change within their cache time (1 s).
+`--server` (or $FLEET_SERVER) and no `--db`, all but `fleet ca` and `fleet host prepare` act
+through the server's AdminService instead (`fleet.cli.admin_remote`), from any machine with
+the CA's certificate and an admin-scoped key. Servers see a change within their cache time (1 s).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import re
-import sys
 import time
 from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -24,16 +22,17 @@ from pydantic import ValidationError
 from fleet.cli import admin_remote
 from fleet.cli.client import parse_labels
 from fleet.cli.prepare import add_prepare_command
+from fleet.cli.report import DEFAULT_REPORT_CHART
+from fleet.cli.report import show as show_report
 from fleet.config import Paths
 from fleet.core.adaptive import Adaptive
-from fleet.core.cost import Group, describe_prices, parse_prices, pauses, tally, timeline
+from fleet.core.cost import parse_prices
 from fleet.core.credentials import format_api_key, format_join_token, parse_scopes
-from fleet.core.errors import FailedPrecondition, InvalidArgument
+from fleet.core.errors import InvalidArgument
 from fleet.core.gates import Gates
 from fleet.core.placement import HostClass, Pool
 from fleet.identity.ca import CertificateAuthority
 
-DEFAULT_REPORT_CHART = "fleet-report.png"
 DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -188,7 +187,7 @@ def _pool_from(args: argparse.Namespace) -> Pool:
 
 async def cmd_pool(args: argparse.Namespace) -> int:
     if admin_remote.is_remote(args):
-        return await admin_remote.cmd_pool(args, _pool_from)
+        return await admin_remote.cmd_pool(args, _pool_from, duration_s)
     ledger = _ledger(args)
     if args.pool_cmd == "set":
         pool = _pool_from(args)
@@ -207,9 +206,7 @@ async def cmd_pool(args: argparse.Namespace) -> int:
         print(f"pool {args.name} deleted: its hosts run without its cap")
     elif args.pool_cmd == "events":
         since = time.time() - duration_s(args.since)
-        for e in ledger.pool_events(since, args.pool):
-            figures = " ".join(f"{k}={v:g}" for k, v in sorted(e.figures.items()))
-            print(f"{_when(e.at)}  {e.pool:<12} {e.kind:<8} {e.message}  [{figures}]")
+        admin_remote.print_pool_events(ledger.pool_events(since, args.pool))
     else:
         print(f"{'pool':<16} {'class':<5} {'running':>9} {'slots':>5}  {'cap':<8} {'state':<8} "
               f"{'hosts':<5} labels  gates  members")  # fmt: skip
@@ -227,22 +224,28 @@ async def cmd_pool(args: argparse.Namespace) -> int:
 
 
 async def cmd_rollback(args: argparse.Namespace) -> int:
-    ledger = _ledger(args)
+    remote = admin_remote.is_remote(args)
     if args.undo:
-        hosts = ledger.undo_rollback()
+        hosts = await admin_remote.undo_rollback(args) if remote else _ledger(args).undo_rollback()
         print(f"rollback undone: {len(hosts)} hosts ready again ({' '.join(hosts) or '-'})")
     elif args.to:
         if args.to != "local-only":
             raise InvalidArgument("fleet rollback --to local-only is the one rollback there is")
         now = time.time()
         deadline = now + duration_s(args.deadline)
-        hosts = ledger.rollback(deadline, now, args.local_pool)
+        if remote:
+            hosts, deadline = await admin_remote.rollback(args, deadline - now, args.local_pool)
+        else:
+            hosts = _ledger(args).rollback(deadline, now, args.local_pool)
         keep = f"pool {args.local_pool}" if args.local_pool else "fleet up's agents and gpu hosts"
         print(f"rolled back to the local pool ({keep}): {len(hosts)} hosts draining until "
               f"{_when(deadline)} ({' '.join(hosts) or '-'}); cpu work now runs there too; "
               "undo with fleet rollback --undo")  # fmt: skip
     else:
-        state = ledger.rollback_state()
+        if remote:
+            state = await admin_remote.rollback_state(args)
+        else:
+            state = _ledger(args).rollback_state()
         if state is None:
             print("no rollback in force")
         else:
@@ -252,104 +255,15 @@ async def cmd_rollback(args: argparse.Namespace) -> int:
 
 
 async def cmd_report(args: argparse.Namespace) -> int:
-    ledger = _ledger(args)
-    prices = parse_prices(args.price) if args.price else ledger.prices()
-    now = time.time()
-    since = now - duration_s(args.since)
-    attempts = ledger.cost_attempts(since, args.by_label)
-    groups = tally(attempts, prices)
-    by = f"label {args.by_label}" if args.by_label else "pool"
-    events = ledger.pool_events(since - 86400)  # (a pause begun before the window counts in it)
-    paused = pauses([(e.pool, e.at, e.kind) for e in events], since, now)
-    if args.json:
-        print(json.dumps(_report_json(groups, prices, args.since, by, paused)))
-        if args.chart:  # (written only when asked for: stdout is the JSON)
-            _report_chart(Path(args.chart), attempts, prices, since, now, events, args.since)
-            print(f"chart: {args.chart}", file=sys.stderr)
-        return 0
-    print(f"rollouts ended in the last {args.since}, by {by}; prices: {describe_prices(prices)}")
-    print(f"{by.split()[0]:<16} {'completed':>9} {'attempts':>8} {'retries':>7} {'cost':>10} "
-          f"{'cost/done':>10} {'cpu s/done':>10} {'dev s/done':>10} {'peak MiB':>9} "
-          f"{'prompt/done':>11} {'compl/done':>10} {'tok cost/done':>13}")  # fmt: skip
-    for g in groups:
-        per = f"{g.cost_per_completed:.6f}" if g.cost_per_completed is not None else "-"
-        cpu = f"{g.cpu_s_per_completed:.2f}" if g.cpu_s_per_completed is not None else "-"
-        dev = f"{g.device_s_per_completed:.4f}" if g.device_s_per_completed is not None else "-"
-        p_done, c_done = g.prompt_tokens_per_completed, g.completion_tokens_per_completed
-        tok = g.token_cost_per_completed
-        print(f"{g.name:<16} {g.completed:>9} {g.attempts:>8} {g.retries:>7} {g.cost:>10.6f} "
-              f"{per:>10} {cpu:>10} {dev:>10} {g.peak_memory_mib:>9.1f} "
-              f"{'-' if p_done is None else f'{p_done:.1f}':>11} "
-              f"{'-' if c_done is None else f'{c_done:.1f}':>10} "
-              f"{'-' if tok is None else f'{tok:.6f}':>13}")  # fmt: skip
-    if not groups:
-        print("(no rollout ended in that window)")
-    for pool, (count, seconds) in sorted(paused.items()):
-        if count or seconds:
-            print(f"pool {pool}: paused {count} times by its gates, {seconds:.0f}s paused")
-    chart = args.chart if args.chart is not None else DEFAULT_REPORT_CHART
-    if chart:
-        try:
-            _report_chart(Path(chart), attempts, prices, since, now, events, args.since)
-        except FailedPrecondition as exc:
-            if args.chart is not None:  # asked for: its refusal is the command's
-                raise
-            print(f"chart: not written: {exc.message}", file=sys.stderr)
-        else:
-            print(f"chart: {chart}")
-    return 0
+    prices = parse_prices(args.price) if args.price else None
+    window_s = duration_s(args.since)
+    if admin_remote.is_remote(args):
+        report = await admin_remote.report(args, window_s, prices)
+    else:
+        from fleet.ledger.report import read_report
 
-
-def _report_json(
-    groups: list[Group], prices: dict[str, float], window: str, by: str,
-    paused: dict[str, tuple[int, float]],
-) -> dict[str, Any]:  # fmt: skip
-    """`fleet report --json`: the table's figures, per completed trajectory where they are."""
-    return {
-        "since": window, "by": by, "prices": prices,
-        "groups": [
-            {
-                "name": g.name, "completed": g.completed, "attempts": g.attempts,
-                "retries": g.retries, "cost": g.cost, "cost_per_completed": g.cost_per_completed,
-                "cpu_s_per_completed": g.cpu_s_per_completed,
-                "device_s_per_completed": g.device_s_per_completed,
-                "peak_memory_mib": g.peak_memory_mib,
-                "prompt_tokens": g.prompt_tokens, "completion_tokens": g.completion_tokens,
-                "prompt_tokens_per_completed": g.prompt_tokens_per_completed,
-                "completion_tokens_per_completed": g.completion_tokens_per_completed,
-                "token_cost": g.token_cost,
-                "token_cost_per_completed": g.token_cost_per_completed,
-            }
-            for g in groups
-        ],
-        "paused": {pool: {"times": n, "seconds": s} for pool, (n, s) in sorted(paused.items())},
-    }  # fmt: skip
-
-
-def _report_chart(
-    path: Path, attempts: list[Any], prices: dict[str, float], since: float, now: float,
-    events: list[Any], window: str,
-) -> None:  # fmt: skip
-    """Completed trajectories and cost per slice of the window, and the pools' caps as their
-    events moved them."""
-    from fleet.demo.chart import line_chart
-
-    slices = timeline(attempts, prices, since, now)
-    width_min = (now - since) / 60 / len(slices)
-    panels = [
-        [(t, float(done)) for t, done, _ in slices],
-        [(t, cost) for t, _, cost in slices],
-    ]
-    titles = ["Completed trajectories", "Cost, failed attempts included"]
-    y_labels = [f"per {width_min:.3g} min", f"price units per {width_min:.3g} min"]
-    capped = [e for e in events if e.at >= since and e.kind != "resumed"]
-    for pool in sorted({e.pool for e in capped})[:2]:
-        steps = [((e.at - since) / 60, float(e.cap)) for e in capped if e.pool == pool]
-        panels.append([*steps, ((now - since) / 60, steps[-1][1])])
-        titles.append(f"Pool {pool}: its cap as its gates and controller moved it")
-        y_labels.append("leases at once")
-    line_chart(path, panels, titles=titles, y_labels=y_labels,
-               x_label=f"minutes into the last {window}")  # fmt: skip
+        report = read_report(_ledger(args), window_s, time.time(), args.by_label, prices)
+    return show_report(args, report)
 
 
 def _labels(labels: dict[str, str]) -> str:
@@ -481,7 +395,7 @@ def add_commands(
     pe = psub.add_parser("events", help="pools paused, resumed and caps moved, with the numbers")
     pe.add_argument("--since", default="1h", help="events this long ago or since (1h)")
     pe.add_argument("--pool", default="", help="one pool's only")
-    db_flag(pe)
+    target_flags(pe)
 
     sp = add("rollback", cmd_rollback, "return to the local pool, or undo that")
     sp.add_argument("--to", choices=["local-only"], help="roll back to the local pool")
@@ -494,7 +408,7 @@ def add_commands(
         "--local-pool", default="",
         help="the pool kept (default: fleet up's agents and gpu-class hosts)",
     )  # fmt: skip
-    db_flag(sp)
+    target_flags(sp)
 
     sp = add("report", cmd_report, "what completed trajectories cost, by pool or label")
     sp.add_argument("--since", default="1h", help="rollouts that ended this long ago or since")
@@ -514,7 +428,7 @@ def add_commands(
         help=f"write the chart here (PNG; '' for none; default {DEFAULT_REPORT_CHART} where "
         "matplotlib is installed: the demo extra)",
     )
-    db_flag(sp)
+    target_flags(sp)
 
     sp = add("key", cmd_key, "tenants' API keys")
     ksub = sp.add_subparsers(dest="key_cmd", required=True)

@@ -1,7 +1,7 @@
-"""`fleet host|key|pool --server`: the admin commands over AdminService, from any machine that
-holds the server's address, the fleet CA's certificate and a key with the admin scope (no
-ledger, no CA key). Their output is the same as the `--db` commands'; a list is asked for
-before its header is printed, so a refused command prints no empty table."""
+"""`fleet host|key|pool|rollback|report --server`: the admin commands over AdminService, from
+any machine that holds the server's address, the fleet CA's certificate and a key with the
+admin scope (no ledger, no CA key). Their output is the same as the `--db` commands'; a list
+is asked for before its header is printed, so a refused command prints no empty table."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import UTC, datetime
+from typing import Any, Protocol
 
 from fleet.api import admin_convert
 from fleet.api.convert import HOST_CLASS_FROM_PB, RUNTIME_FROM_PB
@@ -18,6 +19,7 @@ from fleet.client import AsyncFleet
 from fleet.core.credentials import parse_scopes
 from fleet.core.errors import InvalidArgument
 from fleet.core.placement import HostClass, Pool
+from fleet.core.report import Report
 
 
 def add_remote_flags(sp: argparse.ArgumentParser) -> None:
@@ -61,6 +63,28 @@ def _class(value: int) -> str:
 def _runtimes(values: Iterable[int]) -> str:
     found = (RUNTIME_FROM_PB.get(v) for v in values)  # type: ignore[call-overload]
     return ",".join(sorted(r.value for r in found if r is not None))
+
+
+class PoolEventLike(Protocol):
+    """A pool event as the ledger reads it or AdminService sends it."""
+
+    @property
+    def at(self) -> float: ...
+    @property
+    def pool(self) -> str: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def message(self) -> str: ...
+    @property
+    def figures(self) -> Mapping[str, float]: ...
+
+
+def print_pool_events(events: Iterable[PoolEventLike]) -> None:
+    """`fleet pool events`, one line each, whether from the ledger or a server."""
+    for e in events:
+        figures = " ".join(f"{k}={v:g}" for k, v in sorted(e.figures.items()))
+        print(f"{_when(e.at)}  {e.pool:<12} {e.kind:<8} {e.message}  [{figures}]")
 
 
 async def _with(args: argparse.Namespace, run: Callable[[AsyncFleet], Awaitable[None]]) -> int:
@@ -142,8 +166,9 @@ async def cmd_host(args: argparse.Namespace, duration_s: Callable[[str], float])
 
 
 async def cmd_pool(
-    args: argparse.Namespace, pool_from: Callable[[argparse.Namespace], Pool]
-) -> int:
+    args: argparse.Namespace, pool_from: Callable[[argparse.Namespace], Pool],
+    duration_s: Callable[[str], float],
+) -> int:  # fmt: skip
     async def run(fleet: AsyncFleet) -> None:
         admin = fleet.admin
         if args.pool_cmd == "set":
@@ -171,6 +196,8 @@ async def cmd_pool(
                       f"{pool.gates.describe()}  {' '.join(view.members)}")  # fmt: skip
                 if view.paused_at:
                     print(f"  paused since {_when(view.paused_at)}: {view.paused_why}")
+        elif args.pool_cmd == "events":
+            print_pool_events(await admin.pool_events(duration_s(args.since), args.pool))
         else:
             raise InvalidArgument(f"fleet pool {args.pool_cmd} has no --server form (use --db)")
 
@@ -202,3 +229,31 @@ async def cmd_key(args: argparse.Namespace, duration_s: Callable[[str], float]) 
             print(f"API key {args.id} revoked")
 
     return await _with(args, run)
+
+
+async def rollback(
+    args: argparse.Namespace, deadline_s: float, local_pool: str
+) -> tuple[list[str], float]:
+    """`fleet rollback --to local-only` through --server: the hosts set draining and the
+    deadline as the server set it."""
+    async with connect(args) as fleet:
+        reply = await fleet.admin.rollback(deadline_s, local_pool)
+    return list(reply.hosts), reply.deadline
+
+
+async def undo_rollback(args: argparse.Namespace) -> list[str]:
+    async with connect(args) as fleet:
+        return await fleet.admin.undo_rollback()
+
+
+async def rollback_state(args: argparse.Namespace) -> dict[str, Any] | None:
+    async with connect(args) as fleet:
+        return await fleet.admin.rollback_state()
+
+
+async def report(
+    args: argparse.Namespace, window_s: float, prices: Mapping[str, float] | None
+) -> Report:
+    """`fleet report` through --server: the server sums its ledger, this prints it."""
+    async with connect(args) as fleet:
+        return await fleet.admin.report(window_s, by_label=args.by_label, prices=prices)

@@ -16,6 +16,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar, Unpack
 
+from fleet.client.admin import Admin
 from fleet.client.aio import AsyncFleet, AsyncSession
 from fleet.client.models import (
     EgressEvent,
@@ -103,9 +104,18 @@ class Fleet:
         self.key = self.aio.key
         self._loop = _Loop()
         self._stop = weakref.finalize(self, self._loop.stop)
+        self._admin: Admin | None = None
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self._loop.run(coro)
+
+    @property
+    def admin(self) -> Admin:
+        """The operator's calls (AdminService), blocking: `AsyncFleet.admin`'s, which need a
+        key with the admin scope."""
+        if self._admin is None:
+            self._admin = Admin(self.aio.admin, self._run)
+        return self._admin
 
     def close(self) -> None:
         """Closes the connection to the server."""
@@ -209,13 +219,14 @@ class Fleet:
         models: Sequence[str] = (),
         max_prompt_tokens: int = 0,
         max_completion_tokens: int = 0,
+        on_idle: str = "park",
     ) -> Session:
         """See `AsyncFleet.session`; use it as a context manager to close it at the end."""
         opened = self._run(self.aio.session(
             smolfile, idle_timeout_s=idle_timeout_s, max_lifetime_s=max_lifetime_s,
             labels=labels, require_vm=require_vm, idempotency_key=idempotency_key,
             inference=inference, models=models, max_prompt_tokens=max_prompt_tokens,
-            max_completion_tokens=max_completion_tokens,
+            max_completion_tokens=max_completion_tokens, on_idle=on_idle,
         ))  # fmt: skip
         return Session(self, opened.id, opened.host_id)
 
@@ -279,6 +290,17 @@ class Session:
             idempotency_key=idempotency_key,
         ))  # fmt: skip
         return [Session(self.fleet, f.id, f.host_id) for f in forks]
+
+    def park(self) -> SessionInfo:
+        """See `AsyncSession.park`."""
+        parked = self.fleet._run(self.aio.park())
+        self.host_id = ""
+        return parked
+
+    def resume(self, *, ready_timeout_s: float = 0.0) -> Session:
+        """See `AsyncSession.resume`."""
+        self.host_id = self.fleet._run(self.aio.resume(ready_timeout_s=ready_timeout_s)).host_id
+        return self
 
     def close(self) -> str:
         """See `AsyncSession.close`."""

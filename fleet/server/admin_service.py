@@ -1,9 +1,11 @@
-"""AdminService: the operator's hosts, join tokens, API keys and pools, over gRPC.
+"""AdminService: the operator's hosts, join tokens, API keys, pools, rollback and cost report,
+over gRPC.
 
-The operations are the ledger's, the same `fleet host|key|pool --db` performs on the server's
-machine; served here, an operator needs only the server's address, the fleet CA's certificate
-and a key with the admin scope. Every call is checked for that scope (a tenant's key is
-refused with PERMISSION_DENIED) and logged with the key's id, whatever its outcome.
+The operations are the ledger's, the same `fleet host|key|pool|rollback|report --db` performs
+on the server's machine; served here, an operator needs only the server's address, the fleet
+CA's certificate and a key with the admin scope. Every call is checked for that scope (a
+tenant's key is refused with PERMISSION_DENIED) and logged with the key's id, whatever its
+outcome.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from fleet.core.credentials import Scope, format_api_key, format_join_token, par
 from fleet.core.errors import FleetError, InvalidArgument, PermissionDenied
 from fleet.identity.bounds import DEFAULT_RUNTIMES
 from fleet.ledger.identity import ApiKey, JoinToken
+from fleet.ledger.pools import MAX_EVENTS
+from fleet.ledger.report import read_report
 from fleet.server.auth import Caller, current
 from fleet.server.core import Core
 
@@ -269,3 +273,76 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):  # type: ignore[misc]
             return admin_pb2.DeletePoolResponse(name=request.name)
 
         return await self._run("DeletePool", {"pool": request.name}, op)
+
+    async def ListPoolEvents(
+        self, request: admin_pb2.ListPoolEventsRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.ListPoolEventsResponse:
+        async def op() -> admin_pb2.ListPoolEventsResponse:
+            window_s = ac.window(request.window_s, "ListPoolEventsRequest.window_s")
+            limit = request.limit if 0 < request.limit <= MAX_EVENTS else MAX_EVENTS
+            events = await self.core.read(self.core.ledger.pool_events, time.time() - window_s,
+                                          request.pool, limit)  # fmt: skip
+            return admin_pb2.ListPoolEventsResponse(events=[ac.pool_event_to_pb(e) for e in events])
+
+        return await self._run("ListPoolEvents", {"pool": request.pool}, op)
+
+    # -- rollback to the local pool --------------------------------------------------------------
+
+    async def Rollback(
+        self, request: admin_pb2.RollbackRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.RollbackResponse:
+        deadline = request.deadline
+
+        async def op() -> admin_pb2.RollbackResponse:
+            now = time.time()
+            if not deadline > now:
+                raise InvalidArgument(
+                    f"RollbackRequest.deadline {deadline:.0f}: must be in the future "
+                    "(seconds since the epoch)"
+                )
+            hosts = await self.core.db(self.core.ledger.rollback, deadline, now,
+                                       request.local_pool)  # fmt: skip
+            self.core.changed()  # (cpu work waiting for room may go to the local gpu hosts now)
+            return admin_pb2.RollbackResponse(hosts=hosts, deadline=deadline,
+                                              local_pool=request.local_pool)  # fmt: skip
+
+        fields = {"deadline": deadline, "local_pool": request.local_pool}
+        return await self._run("Rollback", fields, op)
+
+    async def UndoRollback(
+        self, request: admin_pb2.UndoRollbackRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.UndoRollbackResponse:
+        async def op() -> admin_pb2.UndoRollbackResponse:
+            hosts = await self.core.db(self.core.ledger.undo_rollback)
+            self.core.changed()  # (the hosts it drained take work again)
+            return admin_pb2.UndoRollbackResponse(hosts=hosts)
+
+        return await self._run("UndoRollback", {}, op)
+
+    async def GetRollback(
+        self, request: admin_pb2.GetRollbackRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.GetRollbackResponse:
+        async def op() -> admin_pb2.GetRollbackResponse:
+            state = await self.core.read(self.core.ledger.rollback_state)
+            if state is None:
+                return admin_pb2.GetRollbackResponse(in_force=False)
+            return admin_pb2.GetRollbackResponse(
+                in_force=True, since=float(state["since"]), local_pool=state.get("local_pool", "")
+            )
+
+        return await self._run("GetRollback", {}, op)
+
+    # -- the cost report -------------------------------------------------------------------------
+
+    async def Report(
+        self, request: admin_pb2.ReportRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.ReportResponse:
+        async def op() -> admin_pb2.ReportResponse:
+            window_s = ac.window(request.window_s, "ReportRequest.window_s")
+            prices = ac.prices(request.prices, "ReportRequest.prices")
+            report = await self.core.read(read_report, self.core.ledger, window_s, time.time(),
+                                          request.by_label, prices)  # fmt: skip
+            return ac.report_to_pb(report)
+
+        fields = {"window_s": request.window_s, "by_label": request.by_label}
+        return await self._run("Report", fields, op)

@@ -142,6 +142,11 @@ def every_call() -> list[tuple[str, object]]:
             name="p", host_class=types_pb2.HOST_CLASS_CPU, max_running=1))),
         ("ListPools", admin_pb2.ListPoolsRequest()),
         ("DeletePool", admin_pb2.DeletePoolRequest(name="p")),
+        ("ListPoolEvents", admin_pb2.ListPoolEventsRequest(window_s=3600)),
+        ("Rollback", admin_pb2.RollbackRequest(deadline=time.time() + 60)),
+        ("UndoRollback", admin_pb2.UndoRollbackRequest()),
+        ("GetRollback", admin_pb2.GetRollbackRequest()),
+        ("Report", admin_pb2.ReportRequest(window_s=3600)),
     ]  # fmt: skip
 
 
@@ -168,6 +173,7 @@ async def test_a_tenant_key_is_refused_every_admin_call(tmp_path: Path, images: 
         assert states == {"worker-1": "ready"}
         assert len(ledger.identities.keys()) == keys_before + 1  # (the tenant's own only)
         assert ledger.identities.join_tokens() == [] and ledger.pools() == []
+        assert ledger.rollback_state() is None
         await host.close()
 
 

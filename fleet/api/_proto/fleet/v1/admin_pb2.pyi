@@ -312,3 +312,188 @@ class DeletePoolResponse(_message.Message):
     NAME_FIELD_NUMBER: _ClassVar[int]
     name: str
     def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class ListPoolEventsRequest(_message.Message):
+    __slots__ = ("window_s", "pool", "limit")
+    WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    window_s: float
+    pool: str
+    limit: int
+    def __init__(self, window_s: _Optional[float] = ..., pool: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class PoolEvent(_message.Message):
+    __slots__ = ("seq", "pool", "at", "kind", "cap", "message", "figures")
+    class FiguresEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    CAP_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    FIGURES_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    pool: str
+    at: float
+    kind: str
+    cap: int
+    message: str
+    figures: _containers.ScalarMap[str, float]
+    def __init__(self, seq: _Optional[int] = ..., pool: _Optional[str] = ..., at: _Optional[float] = ..., kind: _Optional[str] = ..., cap: _Optional[int] = ..., message: _Optional[str] = ..., figures: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class ListPoolEventsResponse(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[PoolEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[PoolEvent, _Mapping]]] = ...) -> None: ...
+
+class RollbackRequest(_message.Message):
+    __slots__ = ("deadline", "local_pool")
+    DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_POOL_FIELD_NUMBER: _ClassVar[int]
+    deadline: float
+    local_pool: str
+    def __init__(self, deadline: _Optional[float] = ..., local_pool: _Optional[str] = ...) -> None: ...
+
+class RollbackResponse(_message.Message):
+    __slots__ = ("hosts", "deadline", "local_pool")
+    HOSTS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_POOL_FIELD_NUMBER: _ClassVar[int]
+    hosts: _containers.RepeatedScalarFieldContainer[str]
+    deadline: float
+    local_pool: str
+    def __init__(self, hosts: _Optional[_Iterable[str]] = ..., deadline: _Optional[float] = ..., local_pool: _Optional[str] = ...) -> None: ...
+
+class UndoRollbackRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UndoRollbackResponse(_message.Message):
+    __slots__ = ("hosts",)
+    HOSTS_FIELD_NUMBER: _ClassVar[int]
+    hosts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, hosts: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetRollbackRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetRollbackResponse(_message.Message):
+    __slots__ = ("in_force", "since", "local_pool")
+    IN_FORCE_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_POOL_FIELD_NUMBER: _ClassVar[int]
+    in_force: bool
+    since: float
+    local_pool: str
+    def __init__(self, in_force: _Optional[bool] = ..., since: _Optional[float] = ..., local_pool: _Optional[str] = ...) -> None: ...
+
+class ReportRequest(_message.Message):
+    __slots__ = ("window_s", "by_label", "prices")
+    class PricesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    BY_LABEL_FIELD_NUMBER: _ClassVar[int]
+    PRICES_FIELD_NUMBER: _ClassVar[int]
+    window_s: float
+    by_label: str
+    prices: _containers.ScalarMap[str, float]
+    def __init__(self, window_s: _Optional[float] = ..., by_label: _Optional[str] = ..., prices: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class ReportGroup(_message.Message):
+    __slots__ = ("name", "rollouts", "completed", "attempts", "cost", "cpu_s", "wall_s", "device_s", "peak_memory_mib", "prompt_tokens", "completion_tokens", "token_cost")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    CPU_S_FIELD_NUMBER: _ClassVar[int]
+    WALL_S_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_S_FIELD_NUMBER: _ClassVar[int]
+    PEAK_MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COST_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    rollouts: int
+    completed: int
+    attempts: int
+    cost: float
+    cpu_s: float
+    wall_s: float
+    device_s: float
+    peak_memory_mib: float
+    prompt_tokens: int
+    completion_tokens: int
+    token_cost: float
+    def __init__(self, name: _Optional[str] = ..., rollouts: _Optional[int] = ..., completed: _Optional[int] = ..., attempts: _Optional[int] = ..., cost: _Optional[float] = ..., cpu_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., device_s: _Optional[float] = ..., peak_memory_mib: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., token_cost: _Optional[float] = ...) -> None: ...
+
+class ReportSlice(_message.Message):
+    __slots__ = ("minutes", "completed", "cost")
+    MINUTES_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    minutes: float
+    completed: int
+    cost: float
+    def __init__(self, minutes: _Optional[float] = ..., completed: _Optional[int] = ..., cost: _Optional[float] = ...) -> None: ...
+
+class PoolPauses(_message.Message):
+    __slots__ = ("pool", "times", "seconds")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    TIMES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    times: int
+    seconds: float
+    def __init__(self, pool: _Optional[str] = ..., times: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class PoolCap(_message.Message):
+    __slots__ = ("pool", "at", "cap")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    CAP_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    at: float
+    cap: int
+    def __init__(self, pool: _Optional[str] = ..., at: _Optional[float] = ..., cap: _Optional[int] = ...) -> None: ...
+
+class ReportResponse(_message.Message):
+    __slots__ = ("since", "until", "by_label", "prices", "groups", "slices", "paused", "caps")
+    class PricesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_FIELD_NUMBER: _ClassVar[int]
+    BY_LABEL_FIELD_NUMBER: _ClassVar[int]
+    PRICES_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    SLICES_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    CAPS_FIELD_NUMBER: _ClassVar[int]
+    since: float
+    until: float
+    by_label: str
+    prices: _containers.ScalarMap[str, float]
+    groups: _containers.RepeatedCompositeFieldContainer[ReportGroup]
+    slices: _containers.RepeatedCompositeFieldContainer[ReportSlice]
+    paused: _containers.RepeatedCompositeFieldContainer[PoolPauses]
+    caps: _containers.RepeatedCompositeFieldContainer[PoolCap]
+    def __init__(self, since: _Optional[float] = ..., until: _Optional[float] = ..., by_label: _Optional[str] = ..., prices: _Optional[_Mapping[str, float]] = ..., groups: _Optional[_Iterable[_Union[ReportGroup, _Mapping]]] = ..., slices: _Optional[_Iterable[_Union[ReportSlice, _Mapping]]] = ..., paused: _Optional[_Iterable[_Union[PoolPauses, _Mapping]]] = ..., caps: _Optional[_Iterable[_Union[PoolCap, _Mapping]]] = ...) -> None: ...

@@ -26,9 +26,10 @@ if _version_not_supported:
 
 
 class AdminServiceStub:
-    """The operator's API: hosts, join tokens, tenants' API keys and pools, the same operations
-    `fleet host`, `fleet key` and `fleet pool` perform on the ledger, served so that an operator
-    needs only the server's address, the fleet CA's certificate and a key.
+    """The operator's API: hosts, join tokens, tenants' API keys, pools, the rollback to the local
+    pool and the cost report, the same operations `fleet host|key|pool|rollback|report` perform
+    on the ledger, served so that an operator needs only the server's address, the fleet CA's
+    certificate and a key.
 
     Every call needs an API key with the admin scope (`authorization: Bearer …`); any other key
     is refused with PERMISSION_DENIED. Every call is logged with the key's id.
@@ -112,12 +113,38 @@ class AdminServiceStub:
                 request_serializer=fleet_dot_v1_dot_admin__pb2.DeletePoolRequest.SerializeToString,
                 response_deserializer=fleet_dot_v1_dot_admin__pb2.DeletePoolResponse.FromString,
                 _registered_method=True)
+        self.ListPoolEvents = channel.unary_unary(
+                '/fleet.v1.AdminService/ListPoolEvents',
+                request_serializer=fleet_dot_v1_dot_admin__pb2.ListPoolEventsRequest.SerializeToString,
+                response_deserializer=fleet_dot_v1_dot_admin__pb2.ListPoolEventsResponse.FromString,
+                _registered_method=True)
+        self.Rollback = channel.unary_unary(
+                '/fleet.v1.AdminService/Rollback',
+                request_serializer=fleet_dot_v1_dot_admin__pb2.RollbackRequest.SerializeToString,
+                response_deserializer=fleet_dot_v1_dot_admin__pb2.RollbackResponse.FromString,
+                _registered_method=True)
+        self.UndoRollback = channel.unary_unary(
+                '/fleet.v1.AdminService/UndoRollback',
+                request_serializer=fleet_dot_v1_dot_admin__pb2.UndoRollbackRequest.SerializeToString,
+                response_deserializer=fleet_dot_v1_dot_admin__pb2.UndoRollbackResponse.FromString,
+                _registered_method=True)
+        self.GetRollback = channel.unary_unary(
+                '/fleet.v1.AdminService/GetRollback',
+                request_serializer=fleet_dot_v1_dot_admin__pb2.GetRollbackRequest.SerializeToString,
+                response_deserializer=fleet_dot_v1_dot_admin__pb2.GetRollbackResponse.FromString,
+                _registered_method=True)
+        self.Report = channel.unary_unary(
+                '/fleet.v1.AdminService/Report',
+                request_serializer=fleet_dot_v1_dot_admin__pb2.ReportRequest.SerializeToString,
+                response_deserializer=fleet_dot_v1_dot_admin__pb2.ReportResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
-    """The operator's API: hosts, join tokens, tenants' API keys and pools, the same operations
-    `fleet host`, `fleet key` and `fleet pool` perform on the ledger, served so that an operator
-    needs only the server's address, the fleet CA's certificate and a key.
+    """The operator's API: hosts, join tokens, tenants' API keys, pools, the rollback to the local
+    pool and the cost report, the same operations `fleet host|key|pool|rollback|report` perform
+    on the ledger, served so that an operator needs only the server's address, the fleet CA's
+    certificate and a key.
 
     Every call needs an API key with the admin scope (`authorization: Bearer …`); any other key
     is refused with PERMISSION_DENIED. Every call is logged with the key's id.
@@ -214,6 +241,42 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListPoolEvents(self, request, context):
+        """Pools paused, resumed and caps moved, oldest first, with the figures that moved them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Rollback(self, request, context):
+        """Back to the local pool: every other host drains until the deadline, nothing new goes
+        outside it, and its gpu hosts take cpu-class work too. Refused while one is in force.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UndoRollback(self, request, context):
+        """Ends the rollback in force: the hosts it drained are ready again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetRollback(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Report(self, request, context):
+        """What completed trajectories cost over a window, by pool or by a rollout label, with the
+        figures `fleet report` prints and charts.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -287,6 +350,31 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     request_deserializer=fleet_dot_v1_dot_admin__pb2.DeletePoolRequest.FromString,
                     response_serializer=fleet_dot_v1_dot_admin__pb2.DeletePoolResponse.SerializeToString,
             ),
+            'ListPoolEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListPoolEvents,
+                    request_deserializer=fleet_dot_v1_dot_admin__pb2.ListPoolEventsRequest.FromString,
+                    response_serializer=fleet_dot_v1_dot_admin__pb2.ListPoolEventsResponse.SerializeToString,
+            ),
+            'Rollback': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rollback,
+                    request_deserializer=fleet_dot_v1_dot_admin__pb2.RollbackRequest.FromString,
+                    response_serializer=fleet_dot_v1_dot_admin__pb2.RollbackResponse.SerializeToString,
+            ),
+            'UndoRollback': grpc.unary_unary_rpc_method_handler(
+                    servicer.UndoRollback,
+                    request_deserializer=fleet_dot_v1_dot_admin__pb2.UndoRollbackRequest.FromString,
+                    response_serializer=fleet_dot_v1_dot_admin__pb2.UndoRollbackResponse.SerializeToString,
+            ),
+            'GetRollback': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRollback,
+                    request_deserializer=fleet_dot_v1_dot_admin__pb2.GetRollbackRequest.FromString,
+                    response_serializer=fleet_dot_v1_dot_admin__pb2.GetRollbackResponse.SerializeToString,
+            ),
+            'Report': grpc.unary_unary_rpc_method_handler(
+                    servicer.Report,
+                    request_deserializer=fleet_dot_v1_dot_admin__pb2.ReportRequest.FromString,
+                    response_serializer=fleet_dot_v1_dot_admin__pb2.ReportResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'fleet.v1.AdminService', rpc_method_handlers)
@@ -296,9 +384,10 @@ def add_AdminServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class AdminService:
-    """The operator's API: hosts, join tokens, tenants' API keys and pools, the same operations
-    `fleet host`, `fleet key` and `fleet pool` perform on the ledger, served so that an operator
-    needs only the server's address, the fleet CA's certificate and a key.
+    """The operator's API: hosts, join tokens, tenants' API keys, pools, the rollback to the local
+    pool and the cost report, the same operations `fleet host|key|pool|rollback|report` perform
+    on the ledger, served so that an operator needs only the server's address, the fleet CA's
+    certificate and a key.
 
     Every call needs an API key with the admin scope (`authorization: Bearer …`); any other key
     is refused with PERMISSION_DENIED. Every call is logged with the key's id.
@@ -674,6 +763,141 @@ class AdminService:
             '/fleet.v1.AdminService/DeletePool',
             fleet_dot_v1_dot_admin__pb2.DeletePoolRequest.SerializeToString,
             fleet_dot_v1_dot_admin__pb2.DeletePoolResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListPoolEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fleet.v1.AdminService/ListPoolEvents',
+            fleet_dot_v1_dot_admin__pb2.ListPoolEventsRequest.SerializeToString,
+            fleet_dot_v1_dot_admin__pb2.ListPoolEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rollback(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fleet.v1.AdminService/Rollback',
+            fleet_dot_v1_dot_admin__pb2.RollbackRequest.SerializeToString,
+            fleet_dot_v1_dot_admin__pb2.RollbackResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UndoRollback(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fleet.v1.AdminService/UndoRollback',
+            fleet_dot_v1_dot_admin__pb2.UndoRollbackRequest.SerializeToString,
+            fleet_dot_v1_dot_admin__pb2.UndoRollbackResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRollback(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fleet.v1.AdminService/GetRollback',
+            fleet_dot_v1_dot_admin__pb2.GetRollbackRequest.SerializeToString,
+            fleet_dot_v1_dot_admin__pb2.GetRollbackResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Report(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fleet.v1.AdminService/Report',
+            fleet_dot_v1_dot_admin__pb2.ReportRequest.SerializeToString,
+            fleet_dot_v1_dot_admin__pb2.ReportResponse.FromString,
             options,
             channel_credentials,
             insecure,
