@@ -38,6 +38,8 @@ log = structlog.get_logger(__name__)
 IMAGES_REREAD_S = 10.0
 """How often the images on disk are listed again, for the host list."""
 MAX_IMAGES_REPORTED = 256
+SESSIONS_CLOSE_S = 10.0
+"""How long a drain that ended waits for the sessions it closed to end, before it stops them."""
 REFUSED = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
 R = TypeVar("R")
 
@@ -103,7 +105,9 @@ class Agent:
             sessions = asyncio.create_task(self.sessions.serve(stub, stop))
             try:
                 await self._claim_loop(stub, stop)
-                self.sessions.close_all("the agent is stopping")
+                # Sessions that can park stay open while the drain runs: the server parks them
+                # and resumes them on other hosts. The rest close now, as they always did.
+                self.sessions.close_all("the agent is stopping", unparkable_only=True)
                 await self._drain(stub)
             finally:
                 beat.cancel()
@@ -137,6 +141,9 @@ class Agent:
         # (A report sent before the drain began may still bring work back: it is run too.)
         while self._serving and (left := end - time.monotonic()) > 0:
             await asyncio.wait(set(self._serving), timeout=left)
+        # Sessions not moved by the deadline close (their attempts end as closed, not cancelled).
+        if self.sessions.close_all(f"the agent stopped and its {deadline_s:g} s drain ended"):
+            await asyncio.wait(set(self._serving), timeout=SESSIONS_CLOSE_S)
         late = set(self._serving)
         for work_id, running in list(self._running.items()):
             if running.task in late:

@@ -1,5 +1,7 @@
 """One attempt of a leased work item on this host: its machine from the image to deletion, its
-steps, and the report it ends in."""
+steps, and the report it ends in. A session's attempt holds its machine for the caller's
+calls instead (`fleet.agent.sessions`); one that parks reports its stored writable layer, and
+a resumed session's machine starts from that layer (`_from_layer`)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from pathlib import Path
 
 import structlog
 
+from fleet.agent import parking
 from fleet.agent.checkpoints import RELAY_ADDRESS, CheckpointRelay
 from fleet.agent.config import AttemptHost
 from fleet.agent.files import (
@@ -35,7 +38,14 @@ from fleet.core.smolfile import Smolfile
 from fleet.identity.tls import client_ssl_context
 from fleet.image import oci
 from fleet.runtime import disk
-from fleet.runtime.base import ExecResult, Leftover, Machine, MachineSpec, resolve_secrets
+from fleet.runtime.base import (
+    ExecResult,
+    Leftover,
+    Machine,
+    MachineSpec,
+    Parkable,
+    resolve_secrets,
+)
 from fleet.runtime.cgroups import DEFAULT_PIDS_MAX
 
 INIT_TIMEOUT_S = 300.0
@@ -142,7 +152,12 @@ class Attempt:
             await self._place_inputs(machine, spec)
             await self._init(machine, smolfile, env, record, warm)
             if self.a.manifest.session is not None:  # held for the caller's calls, not a plan
-                why = await self.agent.sessions.hold(self.a, machine, env, self.a.manifest.session)
+                park = (lambda: self._park(machine)) if isinstance(machine, Parkable) else None
+                why, layer = await self.agent.sessions.hold(
+                    self.a, machine, env, self.a.manifest.session, park
+                )
+                if layer is not None:  # (reported with the outputs stored already)
+                    self.running.logs.append(layer)
                 self.log.info("session_closed", reason=why)
                 return self.report(Outcome.SUCCEEDED, why)
             await self._steps(machine, smolfile, steps, env, record)
@@ -207,7 +222,7 @@ class Attempt:
         forks = self.agent.runtime.forks_children
         if session is None:
             steps, warm, why = warm_plan(smolfile, steps, forks, self.runtime_name)
-        elif session.fork_of:  # a copy of the source's machine, whatever it is
+        elif session.fork_of or session.layer:  # a copy of a machine's disk, or of a parked one
             warm, why = None, ""
         else:
             warm, why = warm_session(smolfile, forks, self.runtime_name)
@@ -253,6 +268,8 @@ class Attempt:
                 )
             machine = await source.fork(spec)
             self.log.info("session_forked", source=session.fork_of, machine=machine.name)
+        elif session is not None and session.layer:
+            machine = await self._from_layer(spec, session.layer)
         elif warm is not None:
             parent = await agent.warm_parent(a, spec, warm)
             machine = await parent.branch(spec.name)
@@ -309,7 +326,8 @@ class Attempt:
         """The Smolfile's `init` commands, unless a parent, a source or an earlier run of this
         attempt ran them."""
         session = self.a.manifest.session
-        forked = session is not None and bool(session.fork_of)  # (its source ran them)
+        # (Its source ran them; a parked layer's machine did.)
+        forked = session is not None and bool(session.fork_of or session.layer)
         done = record is not None and record.init_done
         commands = [] if warm is not None or forked or done else smolfile.init
         for command in commands:
@@ -409,6 +427,24 @@ class Attempt:
         except Exception:
             log.exception("machine_delete_failed", machine=machine.name)
         return completion
+
+    # -- a session's layer ---------------------------------------------------------------------
+
+    @property
+    def spool(self) -> Path:
+        return self.agent.config.machines_dir.parent / "spool"
+
+    async def _park(self, machine: Parkable) -> OutputArtifact:
+        return await parking.park_layer(machine, self.agent.stub, self.a, self.spool)
+
+    async def _from_layer(self, spec: MachineSpec, digest: str) -> Machine:
+        self.moving = "layer"  # (until it is on this host: a failure then is the artifact's)
+        machine = await parking.machine_from_layer(
+            self.agent.runtime, self.agent.stub, self.a, self.spool, spec, digest,
+            moved=lambda: setattr(self, "moving", ""),
+        )  # fmt: skip
+        self.log.info("session_resumed", layer=digest, machine=machine.name)
+        return machine
 
     # -- what this host gives it -------------------------------------------------------------
 

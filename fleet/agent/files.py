@@ -193,7 +193,7 @@ async def _collect(
             if streamed == 0 and result.stdout:  # a machine that returns output whole
                 out.write(result.stdout)
         if not directory:
-            return await _upload(stub, a, path, directory, Path(name))
+            return await upload_output(stub, a, path, directory, Path(name))
         fd, made = tempfile.mkstemp(dir=spool, prefix="output-fleet-")
         os.close(fd)
         try:
@@ -202,7 +202,7 @@ async def _collect(
             log.warning("output_refused", path=path, why=exc.message)
             return OutputArtifact(path=path, directory=True, error=f"refused: {exc.message}")
         log.info("output_repacked", path=path, streamed=streamed, bytes=size)
-        return await _upload(stub, a, path, directory, Path(made))
+        return await upload_output(stub, a, path, directory, Path(made))
     finally:
         for leftover in (name, made):
             with contextlib.suppress(FileNotFoundError):
@@ -217,7 +217,7 @@ def _repack(raw: Path, made: Path) -> int:
         return safepath.repack_tar(src, out, OUTPUT_LIMITS, devices="skip")
 
 
-async def _upload(
+async def upload_output(
     stub: Any, a: Assignment, path: str, directory: bool, file: Path
 ) -> OutputArtifact:
     async def parts() -> AsyncIterator[host_pb2.ArtifactPart]:
@@ -321,7 +321,7 @@ class StepLog:
                 handle.write(f"\n[fleet: {note}]\n".encode())
             handle.flush()
             try:
-                stored = await _upload(stub, a, name, False, Path(handle.name))
+                stored = await upload_output(stub, a, name, False, Path(handle.name))
             except Unavailable as exc:
                 kept.append(OutputArtifact(path=name, error=f"not stored: {exc}"))
                 continue

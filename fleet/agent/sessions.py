@@ -1,8 +1,11 @@
 """An agent's interactive sessions: machines held for a caller's calls instead of a plan.
 
 A session's attempt creates its machine as any rollout's does, then, instead of running steps,
-holds it (`SessionHost.hold`) until the caller closes it, it has been idle for its
-`idle_timeout_s`, or its lease ends (deadline, cancel, lost lease). The server's calls come
+holds it (`SessionHost.hold`) until the caller closes or parks it, it has been idle for its
+`idle_timeout_s` (then it parks, or closes where its `on_idle` says so or its machine cannot
+park), or its lease ends (deadline, cancel, lost lease). Parking stores the machine's writable
+layer as an artifact of the attempt (`SESSION_LAYER_OUTPUT`) and ends the attempt; a resume
+starts a new machine from it on any host. No process carries over. The server's calls come
 down one stream the agent keeps open (`HostService.SessionCommands`): each command names the
 session's lease (work id) and a call id; output chunks and the exit go back up tagged with it.
 """
@@ -12,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +23,8 @@ import grpc
 import structlog
 
 from fleet.api.pb import host_pb2, types_pb2
-from fleet.core.manifest import SessionSpec
+from fleet.core.errors import FailedPrecondition, FleetError
+from fleet.core.manifest import OutputArtifact, SessionSpec
 from fleet.core.rollout import Assignment
 from fleet.runtime.base import Machine
 
@@ -33,6 +37,9 @@ MAX_PENDING_STDIN_BYTES = 512 << 20
 until its last piece, so this bounds what many calls at once (file writes) hold here."""
 RECONNECT_S = 1.0
 
+ParkLayer = Callable[[], Awaitable[OutputArtifact]]
+"""Stores the session's layer as an artifact of its attempt (FleetError where it cannot)."""
+
 
 @dataclass
 class _Held:
@@ -44,6 +51,10 @@ class _Held:
     busy: int = 0
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     reason: str = ""
+    park: ParkLayer | None = None
+    layer: OutputArtifact | None = None
+    """The layer it was parked with (stored), once parked."""
+    parking: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 class SessionHost:
@@ -59,11 +70,13 @@ class SessionHost:
         self.log = log.bind(host_id=host_id)
 
     async def hold(
-        self, a: Assignment, machine: Machine, env: Mapping[str, str], spec: SessionSpec
-    ) -> str:
-        """Holds the session's machine until it is closed or idle; returns why it ended."""
+        self, a: Assignment, machine: Machine, env: Mapping[str, str], spec: SessionSpec,
+        park: ParkLayer | None = None,
+    ) -> tuple[str, OutputArtifact | None]:  # fmt: skip
+        """Holds the session's machine until it is closed, parked or idle; returns why it
+        ended, and the layer stored where it parked (`park` stores it; None: it cannot)."""
         await machine.stay_resident()
-        held = _Held(a.rollout_id, machine, spec, dict(env))
+        held = _Held(a.rollout_id, machine, spec, dict(env), park=park)
         self._held[a.work_id] = held
         self._replies.put_nowait(host_pb2.SessionReply(work_id=a.work_id, ready=True))
         self.log.info("session_ready", work_id=a.work_id, rollout_id=a.rollout_id)
@@ -71,16 +84,38 @@ class SessionHost:
             while not held.closed.is_set():
                 idle = time.monotonic() - held.last_used
                 if held.busy == 0 and idle >= spec.idle_timeout_s:
-                    held.reason = f"closed after {spec.idle_timeout_s:g} s without a call"
+                    await self._idle(held, a.work_id)
                     break
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(
                         held.closed.wait(), max(0.05, min(1.0, spec.idle_timeout_s - idle))
                     )
-            return held.reason or "closed"
+            return held.reason or "closed", held.layer
         finally:
             self._held.pop(a.work_id, None)
             self._replies.put_nowait(host_pb2.SessionReply(work_id=a.work_id, ready=False))
+
+    async def _idle(self, held: _Held, work_id: str) -> None:
+        """An idle session parks (its `on_idle`), or closes where it asked to or cannot."""
+        idle = f"{held.spec.idle_timeout_s:g} s without a call"
+        held.reason = f"closed after {idle}"
+        if held.spec.on_idle != "park" or held.park is None:
+            return
+        try:
+            await self._park(held)
+            held.reason = f"parked after {idle}"
+        except FleetError as exc:
+            self.log.warning("session_not_parked", work_id=work_id, error=exc.message)
+            held.reason = f"closed after {idle} (it could not park: {exc.message})"
+
+    async def _park(self, held: _Held) -> OutputArtifact:
+        """The session's layer stored (once, whoever asks first: a park call or idleness)."""
+        async with held.parking:
+            if held.layer is None:
+                if held.park is None:
+                    raise FailedPrecondition("this host's runtime cannot park its sessions")
+                held.layer = await held.park()
+            return held.layer
 
     def machine_of(self, rollout_id: str) -> Machine | None:
         """The machine of an open session held here (a fork's source), or None."""
@@ -182,6 +217,12 @@ class SessionHost:
             held.closed.set()
             self._reply(command, exit=types_pb2.ExecExit(exit_code=0))
             return
+        if command.WhichOneof("op") == "park":
+            await self._park_call(command, held)
+            return
+        if held.parking.locked():
+            self._reply(command, error="the session is parking: resume it to run commands")
+            return
         ex = command.exec
         held.busy += 1
         held.last_used = time.monotonic()
@@ -212,7 +253,36 @@ class SessionHost:
             ),
         )  # fmt: skip
 
-    def close_all(self, reason: str) -> None:
-        for held in self._held.values():
+    async def _park_call(self, command: host_pb2.SessionCommand, held: _Held) -> None:
+        """A park: the layer stored, the answer sent, then the session ends (its attempt
+        reports the layer among its outputs)."""
+        held.busy += 1  # (not idle meanwhile: the layer is stored once)
+        try:
+            layer = await self._park(held)
+        except FleetError as exc:
+            self._reply(command, error=f"cannot park: {exc.message}")
+            return
+        except Exception as exc:
+            self.log.exception("session_park_failed", work_id=command.work_id)
+            self._reply(command, error=f"cannot park: {type(exc).__name__}: {exc}")
+            return
+        finally:
+            held.busy -= 1
+        self.log.info("session_parked", work_id=command.work_id, digest=layer.digest,
+                      bytes=layer.size)  # fmt: skip
+        self._reply(command, parked=host_pb2.SessionParked(digest=layer.digest, size=layer.size))
+        self._reply(command, exit=types_pb2.ExecExit(exit_code=0))  # (the call's end)
+        held.reason = command.park.reason or "parked by its caller"
+        held.closed.set()
+
+    def close_all(self, reason: str, *, unparkable_only: bool = False) -> int:
+        """Closes the sessions held here (`unparkable_only`: those whose machine cannot park,
+        which a drain cannot move); returns how many."""
+        closing = [
+            held for held in self._held.values()
+            if not held.closed.is_set() and not (unparkable_only and held.park is not None)
+        ]  # fmt: skip
+        for held in closing:
             held.reason = reason
             held.closed.set()
+        return len(closing)

@@ -8,6 +8,7 @@ that encodes its registration and completions here loads neither."""
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from typing import Literal
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -225,6 +226,9 @@ def manifest_to_pb(m: Manifest) -> types_pb2.Manifest:
                 idle_timeout_s=m.session.idle_timeout_s,
                 fork_of=m.session.fork_of,
                 host=m.session.host,
+                layer=m.session.layer,
+                layer_size=m.session.layer_size,
+                on_idle=m.session.on_idle,
             )
             if m.session is not None
             else None
@@ -233,6 +237,16 @@ def manifest_to_pb(m: Manifest) -> types_pb2.Manifest:
         max_prompt_tokens=m.max_prompt_tokens,
         max_completion_tokens=m.max_completion_tokens,
     )
+
+
+def session_on_idle(text: str) -> Literal["park", "close"]:
+    """What an idle session does, as a caller named it ("": park); INVALID_ARGUMENT naming
+    the field otherwise."""
+    if text in ("", "park"):
+        return "park"
+    if text == "close":
+        return "close"
+    raise InvalidArgument(f"on_idle must be park or close, got {text[:40]!r}")
 
 
 def manifest_from_pb(m: types_pb2.Manifest) -> Manifest:
@@ -264,6 +278,9 @@ def manifest_from_pb(m: types_pb2.Manifest) -> Manifest:
                 idle_timeout_s=m.session.idle_timeout_s,
                 fork_of=m.session.fork_of,
                 host=m.session.host,
+                layer=m.session.layer,
+                layer_size=m.session.layer_size,
+                on_idle=session_on_idle(m.session.on_idle),
             )
             if m.HasField("session")
             else None

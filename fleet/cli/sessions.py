@@ -3,7 +3,9 @@
 fleet session open -s SMOLFILE            prints the session id
 fleet session exec ID -- CMD [ARG...]     runs it; its output streams; exits with its code
 fleet session cp SRC ID:PATH | [-r] ID:PATH DST   (a local directory goes whole)
-fleet session fork ID [-n N]               prints the ids of N copies of it
+fleet session fork ID [-n N]               prints the ids of N copies of it (parked ones too)
+fleet session park ID                      stores its disk and frees its machine
+fleet session resume ID                    opens a parked session again, on any host
 fleet session close ID
 fleet session list
 """
@@ -34,9 +36,17 @@ async def _session(fleet: AsyncFleet, args: argparse.Namespace) -> int:
             max_lifetime_s=args.max_lifetime_s, require_vm=args.require_vm,
             inference=args.inference or bool(args.model) or any(budgets.values()),
             models=args.model, max_prompt_tokens=budgets["max_prompt_tokens"],
-            max_completion_tokens=budgets["max_completion_tokens"],
+            max_completion_tokens=budgets["max_completion_tokens"], on_idle=args.on_idle,
         )  # fmt: skip
         print(box.id)
+        return 0
+    if args.action == "park":
+        parked = await fleet.attach(args.id).park()
+        print(f"{parked.id} {parked.state}")
+        return 0
+    if args.action == "resume":
+        box = await fleet.attach(args.id).resume(ready_timeout_s=args.ready_timeout_s)
+        print(f"{box.id} OPEN {box.host_id}")
         return 0
     if args.action == "list":
         for session_id, state, host in await fleet.sessions():
@@ -92,12 +102,17 @@ async def _session(fleet: AsyncFleet, args: argparse.Namespace) -> int:
 
 
 def add_session_command(sub: argparse._SubParsersAction, server_flag: object) -> None:  # type: ignore[type-arg]
-    sp = sub.add_parser("session", help="interactive sessions: open, exec, cp, fork, close, list")
+    sp = sub.add_parser(
+        "session", help="interactive sessions: open, exec, cp, fork, park, resume, close, list"
+    )
     sp.set_defaults(fn=cmd_session, default_log_level="warning")
     ssub = sp.add_subparsers(dest="action", required=True)
     o = ssub.add_parser("open", help="open a session and print its id")
     o.add_argument("-s", "--smolfile", required=True)
     o.add_argument("--idle-timeout-s", type=float, default=600.0)
+    o.add_argument("--on-idle", choices=("park", "close"), default="park",
+                   help="what it does once idle for --idle-timeout-s: park (its disk kept, "
+                   "`fleet session resume` reopens it; the default) or close")  # fmt: skip
     o.add_argument("--max-lifetime-s", type=float, default=3600.0)
     o.add_argument("--require-vm", action="store_true")
     o.add_argument(
@@ -123,9 +138,16 @@ def add_session_command(sub: argparse._SubParsersAction, server_flag: object) ->
     f = ssub.add_parser("fork", help="copies of a session's machine as it is now (new ids)")
     f.add_argument("id")
     f.add_argument("-n", "--count", type=int, default=1)
+    pk = ssub.add_parser(
+        "park", help="store a session's disk and free its machine (no process carries over)"
+    )
+    pk.add_argument("id")
+    r = ssub.add_parser("resume", help="open a parked session again, on any host of its class")
+    r.add_argument("id")
+    r.add_argument("--ready-timeout-s", type=float, default=300.0)
     x = ssub.add_parser("close", help="close a session")
     x.add_argument("id")
     ssub.add_parser("list", help="sessions the key may see")
-    for parser in (o, e, c, f, x, *ssub.choices.values()):
+    for parser in (o, e, c, f, pk, r, x, *ssub.choices.values()):
         if "--server" not in parser._option_string_actions:
             server_flag(parser)  # type: ignore[operator]

@@ -22,6 +22,7 @@ import grpc
 import structlog
 
 from fleet import safepath
+from fleet.api.pb import fleet_pb2
 from fleet.client import transfer, wire
 from fleet.client.admin import AsyncAdmin
 from fleet.client.errors import error_from_rpc, unreachable
@@ -399,18 +400,21 @@ class AsyncFleet:
         models: Sequence[str] = (),
         max_prompt_tokens: int = 0,
         max_completion_tokens: int = 0,
+        on_idle: str = "park",
     ) -> AsyncSession:
         """Opens a session (a machine held for your calls) and returns once it is ready; use
         it with `async with` to close it at the end. `inference`: its machine may call the
         inference gateway with a token of its own; `models`: the upstream models
         (`UPSTREAM/MODEL`) it may call there, besides the gateway's own; the budgets: the
-        tokens those calls may take in all (0: no budget)."""
+        tokens those calls may take in all (0: no budget); `on_idle`: "park" (idle
+        `idle_timeout_s`, it parks: `resume()` opens it again) or "close"."""
         request = wire.open_session_request(
             _smolfile(smolfile), idle_timeout_s=idle_timeout_s, max_lifetime_s=max_lifetime_s,
             labels=labels, require_vm=require_vm, idempotency_key=idempotency_key,
             inference=inference, models=models, max_prompt_tokens=max_prompt_tokens,
             max_completion_tokens=max_completion_tokens,
         )  # fmt: skip
+        request.on_idle = on_idle
         reply = await self.call(lambda: self.sessions_stub.OpenSession(request))
         return AsyncSession(self, reply.id, reply.host_id)
 
@@ -537,6 +541,29 @@ class AsyncSession:
         )  # fmt: skip
         reply = await self.fleet.call(lambda: self.fleet.sessions_stub.ForkSession(request))
         return [AsyncSession(self.fleet, s.id, s.host_id) for s in reply.sessions]
+
+    async def park(self) -> SessionInfo:
+        """Parks the session: its disk (the machine's writable layer) is stored and its
+        machine freed; no process carries over. `resume()` opens it again, on any host of its
+        class; `fork()` works on a parked session too. A session on a microVM cannot park."""
+        request = fleet_pb2.ParkSessionRequest(session_id=self.id)
+        reply = await self.fleet.call(
+            lambda: self.fleet.sessions_stub.ParkSession(request), idempotent=True
+        )
+        self.host_id = ""
+        return wire.session_info(reply)
+
+    async def resume(self, *, ready_timeout_s: float = 0.0) -> AsyncSession:
+        """Opens the parked session again (same id, its files as parked) and returns once its
+        machine is ready; an open session is returned as it is."""
+        request = fleet_pb2.ResumeSessionRequest(
+            session_id=self.id, ready_timeout_s=ready_timeout_s
+        )
+        reply = await self.fleet.call(
+            lambda: self.fleet.sessions_stub.ResumeSession(request), idempotent=True
+        )
+        self.host_id = reply.host_id
+        return self
 
     async def close(self) -> str:
         """Closes the session (its machine is deleted); returns its final state."""

@@ -230,5 +230,5 @@ class SessionInfo(NamedTuple):
 
     id: str
     state: str
-    """OPEN, CLOSED or FAILED."""
+    """OPEN, PARKED, CLOSED or FAILED."""
     host_id: str

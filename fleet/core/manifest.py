@@ -9,7 +9,7 @@ import re
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from functools import cached_property
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -129,6 +129,25 @@ class SessionSpec(BaseModel):
     """A fork: the session (rollout id) whose machine it starts as a copy of."""
     host: str = ""
     """A fork's host: the one holding its source's machine (it runs there or nowhere)."""
+    layer: str = ""
+    """A resumed session (or a fork of a parked one): the digest of the writable-layer archive
+    its machine starts from (`fleet.runtime.layers`); its processes did not carry over."""
+    layer_size: int = 0
+    on_idle: Literal["park", "close"] = "park"
+    """What the session does once idle: park (its disk kept, to resume) or close."""
+
+    def unset_added(self) -> set[str]:
+        """The fields added after sessions were first stored that hold their defaults: left out
+        of a manifest's digest, so the digests of manifests stored before them do not change."""
+        return {
+            name for name in SESSION_ADDED
+            if getattr(self, name) == SessionSpec.model_fields[name].default
+        }  # fmt: skip
+
+
+SESSION_ADDED = ("layer", "layer_size", "on_idle")
+SESSION_LAYER_OUTPUT = "<session layer>"
+"""The output a parked session's attempt reports its stored writable layer under."""
 
 
 DEFAULT_SESSION_LIFETIME = timedelta(hours=1)
@@ -189,7 +208,10 @@ class Manifest(BaseModel):
             for name in ("inputs", "outputs", "session", "models", *BUDGETS)
             if not getattr(self, name)
         }
-        body = self.model_dump_json(exclude={"smolfile_name", *added})
+        exclude: dict[str, Any] = {name: True for name in ("smolfile_name", *added)}
+        if self.session is not None and self.session.unset_added():
+            exclude["session"] = self.session.unset_added()
+        body = self.model_dump_json(exclude=exclude)
         return "sha256:" + hashlib.sha256(body.encode()).hexdigest()
 
     def parsed_smolfile(self) -> ParsedSmolfile:
@@ -345,6 +367,10 @@ def validate_request(
         if not math.isfinite(idle) or not 0 < idle <= MAX_SESSION_IDLE_S:
             raise InvalidArgument(
                 f"idle_timeout_s must be in (0, {MAX_SESSION_IDLE_S:g}], got {idle}"
+            )
+        if request.session.layer and not is_digest(request.session.layer):
+            raise InvalidArgument(
+                f"session.layer {request.session.layer[:80]!r} is not sha256:<64 hex digits>"
             )
     parsed = parse_smolfile(request.smolfile, request.smolfile_name)
     if request.deadline is not None:

@@ -1,6 +1,7 @@
 """Retention: rollouts that finished long enough ago are deleted with everything of theirs
 (events, attempts, labels, egress events, checkpoints, step output, unreferenced manifests);
-`referenced_blobs` says which inputs and outputs the remaining rollouts still name."""
+`referenced_blobs` says which inputs and outputs the remaining rollouts still name (and
+which layers parked sessions keep)."""
 
 from __future__ import annotations
 
@@ -42,4 +43,4 @@ def referenced_blobs(ledger: Ledger) -> set[str]:
             found.update(i["digest"] for i in json.loads(body).get("inputs", []))
         for (outputs,) in db.all(Q.ROLLOUT_OUTPUTS):
             found.update(o["digest"] for o in json.loads(outputs) if o.get("digest"))
-    return found
+    return found | ledger.parked_layers()

@@ -17,6 +17,7 @@ from fleet.ledger.completions import Completions
 from fleet.ledger.hosts import Hosts
 from fleet.ledger.identity import Identities
 from fleet.ledger.leases import Leases
+from fleet.ledger.parks import Parks
 from fleet.ledger.reads import Reads
 from fleet.ledger.submissions import Submissions
 from fleet.ledger.tables import CHECKPOINT_ROW_BYTES
@@ -24,7 +25,7 @@ from fleet.ledger.tables import CHECKPOINT_ROW_BYTES
 __all__ = ["AVOID_HOST_S", "CHECKPOINT_ROW_BYTES", "HOST_STATES", "HostView", "Ledger"]
 
 
-class Ledger(Submissions, Reads, Hosts, Leases, Completions, Checkpoints, LedgerBase):
+class Ledger(Submissions, Reads, Hosts, Leases, Completions, Checkpoints, Parks, LedgerBase):
     """The ledger (see the module docstring)."""
 
     def __init__(self, engine: Engine, *, rng: random.Random | None = None) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy import BigInteger, Index, text
 from sqlmodel import Field, SQLModel
 
-SCHEMA_VERSION = 20
+SCHEMA_VERSION = 21
 
 CHECKPOINT_ROW_BYTES = 512
 """What each checkpoint is charged besides its data (a row's cost), so that many tiny ones are
@@ -356,3 +356,22 @@ class HostIdentityRow(SQLModel, table=True):
     runtimes: str = Field(default="", sa_column_kwargs={"server_default": ""})
     """Comma-separated RuntimeKind values it may register with: its join token's (revision
     0019; "": the runtime it enrolled with, as for hosts enrolled before it)."""
+
+
+class SessionParkRow(SQLModel, table=True):
+    """A session that was parked (schema version 21): the rollout that holds (or last held)
+    its machine, and the layer it was parked with. Callers keep the session's id; each resume
+    is a rollout of its own, and calls on the id go to the newest."""
+
+    __tablename__ = "session_parks"
+    __table_args__ = (Index("ix_session_parks_rollout", "rollout_id"),)
+
+    session_id: str = Field(primary_key=True)
+    rollout_id: str
+    layer_digest: str = ""
+    layer_size: int = Field(default=0, sa_type=BigInteger)
+    parked_from: str = ""
+    """The host whose machine it was parked from."""
+    state: str
+    """PARKED (its layer stored, no machine), RESUMED (`rollout_id` holds it) or CLOSED."""
+    updated_at: float

@@ -7,7 +7,7 @@ import os
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, Protocol, TypeVar
+from typing import Any, Literal, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -175,6 +175,18 @@ class Machine(Protocol):
         ...
 
     async def delete(self) -> None: ...
+
+
+@runtime_checkable
+class Parkable(Protocol):
+    """A machine whose disk can be kept without it: a parked session's (see
+    `fleet.runtime.layers`). Namespace machines are; microVMs and a warm parent's children
+    refuse with FailedPrecondition; a machine without `pack_layer` cannot park at all."""
+
+    async def pack_layer(self, archive: Path, scratch: Path) -> int:
+        """Archives the machine's writable layer into `archive` (`scratch`: an empty or
+        missing directory for the copy meanwhile); returns the archive's size."""
+        ...
 
 
 @dataclass(frozen=True)

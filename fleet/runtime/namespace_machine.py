@@ -24,7 +24,7 @@ from fleet.core.errors import (
 )
 from fleet.core.hostnames import GATEWAY_NAME
 from fleet.core.rollout import MAX_OUTPUT_BYTES
-from fleet.runtime import capabilities, disk, users
+from fleet.runtime import capabilities, disk, layers, users
 from fleet.runtime.base import (
     Channel,
     ExecResult,
@@ -169,6 +169,15 @@ class NamespaceMachine:
         if self._deleted or self.runtime is None:
             raise Unavailable(f"machine {self._name} was deleted")
         return await self.runtime.create(spec, copy_of=self.layer / "upper")
+
+    async def pack_layer(self, archive: Path, scratch: Path) -> int:
+        """Archives this machine's writable layer into `archive` (a parked session's disk;
+        see `fleet.runtime.layers`); returns the archive's size. A machine made later with
+        `create(spec, copy_of=...)` from the layer `layers.unpack` made of it has its files;
+        no process carries over."""
+        if self._deleted or self.runtime is None:
+            raise Unavailable(f"machine {self._name} was deleted")
+        return await asyncio.to_thread(layers.pack, self.layer / "upper", archive, scratch)
 
     def _bwrap(
         self,

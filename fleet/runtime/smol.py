@@ -168,6 +168,14 @@ class SmolMachine:
         self._delete_pending = False
         """Deleted while forks of it lived: the engine deletes it after the last of them."""
 
+    async def pack_layer(self, archive: Path, scratch: Path) -> int:
+        """Not on microVMs: a session on one cannot be parked (only closed or forked)."""
+        raise FailedPrecondition(
+            f"machine {self.name}: the smol runtime cannot archive a microVM's disk as a "
+            "writable layer, so its sessions cannot be parked or moved; open sessions that "
+            "should park on namespace-runtime hosts"
+        )
+
     async def fork(self, spec: MachineSpec) -> SmolMachine:
         """A copy-on-write branch of this machine (RAM and disk), named by `spec`. The engine
         branches only a machine started branchable: one whose Smolfile sets `[branch]

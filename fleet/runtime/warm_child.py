@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import structlog
 
 from fleet.core.egress import EgressEvent
-from fleet.core.errors import Internal, InvalidArgument, NotFound, Unavailable
+from fleet.core.errors import FailedPrecondition, Internal, InvalidArgument, NotFound, Unavailable
 from fleet.core.rollout import MAX_OUTPUT_BYTES
 from fleet.runtime import cgroups, resident, users
 from fleet.runtime.base import (
@@ -395,6 +395,15 @@ class WarmChild:
             await child.delete()
             raise
         return child
+
+    async def pack_layer(self, archive: Path, scratch: Path) -> int:
+        """Not for a warm parent's child: its layer lives in its parent's fork server, which
+        copies it only to another child of the same parent, so a session on one cannot park
+        (it closes when idle instead)."""
+        raise FailedPrecondition(
+            f"machine {self._name} is a warm parent's child: its writable layer cannot be "
+            "archived apart from its parent, so its session cannot be parked or moved"
+        )
 
     def channel(self) -> Channel:
         """A child has no network of its own: the agent serves it on sockets in its

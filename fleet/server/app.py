@@ -245,6 +245,8 @@ class FleetServer:
         self.tls: ServerTls | None = None
         self._server: grpc.aio.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        self._mover: asyncio.Task[None] | None = None
+        """Parks the sessions of draining hosts and resumes them elsewhere."""
         self._watcher: asyncio.Task[None] | None = None
         self._retention: asyncio.Task[None] | None = None
         self._governor: asyncio.Task[None] | None = None
@@ -285,9 +287,8 @@ class FleetServer:
         )
         fleet_pb2_grpc.add_FleetServiceServicer_to_server(self.fleet_servicer, server)
         host_pb2_grpc.add_HostServiceServicer_to_server(self.host_servicer, server)
-        fleet_pb2_grpc.add_SessionServiceServicer_to_server(
-            SessionServicer(self.core, self.core.sessions), server
-        )
+        sessions = SessionServicer(self.core, self.core.sessions)
+        fleet_pb2_grpc.add_SessionServiceServicer_to_server(sessions, server)
         admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(self.core), server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -324,6 +325,7 @@ class FleetServer:
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._server = server
         self._sweeper = asyncio.create_task(_sweeper(self.core))
+        self._mover = asyncio.create_task(sessions.moves.move_drained_forever())
         if self.config.govern_interval_s > 0:
             self._governor = asyncio.create_task(_govern(self.core))
         if self.config.retain_days > 0:
@@ -337,7 +339,7 @@ class FleetServer:
                  host_address=self.host_address)  # fmt: skip
 
     async def stop(self, grace_s: float = 1.0) -> None:
-        for task in (self._sweeper, self._watcher, self._retention, self._governor):
+        for task in (self._sweeper, self._mover, self._watcher, self._retention, self._governor):
             if task is not None:
                 task.cancel()
         if self._metrics is not None:

@@ -395,11 +395,15 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
             async for chunk in stream_blob(self.core, request, context):
                 yield chunk
             return
-        # A rollout's input: only to the host that holds its lease.
+        # A rollout's input, or the layer a resumed session starts from: only to the host
+        # that holds its lease.
         lease = await self.core.db(self.core.ledger.work_lease, request.work_id)
         if lease is None or (lease[0] != host_id and not open_server):
             raise Aborted(f"work item {request.work_id} is not leased to host {host_id}")
-        if request.digest not in {i.digest for i in lease[2].inputs}:
+        allowed = {i.digest for i in lease[2].inputs}
+        if lease[2].session is not None and lease[2].session.layer:
+            allowed.add(lease[2].session.layer)
+        if request.digest not in allowed:
             raise NotFound(f"work item {request.work_id} has no input {request.digest}")
         async for offset, data, total in self.core.blobs.chunks(request.digest, request.offset):
             yield host_pb2.BlobChunk(offset=offset, data=data, total_size=total)

@@ -5,7 +5,9 @@ A session is a rollout whose manifest has a `session` and no steps: placed, leas
 audited and limited like any rollout (label `fleet.session=1`). Its attempt is held by one
 host; calls go to that host and nowhere else. A host whose stream is gone fails the calls
 waiting on it, and later ones, with UNAVAILABLE naming it: a session is never re-created
-elsewhere behind its caller's back (its retry policy allows one attempt).
+elsewhere behind its caller's back (its retry policy allows one attempt). It moves only by
+parking (its disk kept, its machine freed) and resuming (`fleet.server.session_moves`): asked
+by its caller, when idle, or when its host drains.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import structlog
 
 from fleet import safepath
 from fleet.api import convert
+from fleet.api.convert import session_on_idle
 from fleet.api.pb import fleet_pb2, fleet_pb2_grpc, host_pb2, types_pb2
 from fleet.core.errors import (
     FailedPrecondition,
@@ -48,6 +51,8 @@ from fleet.core.smolfile import is_env_name
 from fleet.server.core import Core
 from fleet.server.fleet_service import FleetServicer
 from fleet.server.hub import SessionHub
+from fleet.server.session_moves import SessionMoves, parked_layer
+from fleet.server.session_moves import session_pb as moved_pb
 
 log = structlog.get_logger(__name__)
 
@@ -160,6 +165,7 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
         self._known: dict[str, tuple[str, str, str]] = {}
         """Open sessions: id -> (tenant, work id, host id)."""
         self.files = FileCalls()
+        self.moves = SessionMoves(self)
 
     def _lifetime(self, asked: float) -> float:
         """A session's lifetime in seconds (0: the default), within the server's deadline cap."""
@@ -189,13 +195,15 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
             if self.hub.is_ready(host_id, work_id):
                 return work_id, host_id
             del self._known[session_id]  # closed, or its host went away: the ledger says which
-        rollout = await self._session(session_id)
+        _, rollout, park = await self.moves.current(session_id)
+        if parked_layer(rollout, park) is not None:
+            raise FailedPrecondition(f"session {session_id} is parked: resume it first")
         if rollout.state.final:
             raise FailedPrecondition(
                 f"session {session_id} is {session_state(rollout).lower()}"
                 + (f": {rollout.error}" if rollout.error else "")
             )
-        lease = await self.core.db(self.core.ledger.rollout_lease, session_id)
+        lease = await self.core.db(self.core.ledger.rollout_lease, rollout.id)
         if lease is not None and lease[1] not in self.hub.links:
             raise Unavailable(
                 f"session {session_id}: host {lease[1]}, which holds its machine, is not "
@@ -223,7 +231,10 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
             retry=RetryPolicy(max_attempts=1),
             labels={**request.labels, SESSION_LABEL: "1"}, tenant=tenant,
             requirements=convert.requirements_from_pb(request.requirements),
-            session=SessionSpec(idle_timeout_s=request.idle_timeout_s or DEFAULT_IDLE_S),
+            session=SessionSpec(
+                idle_timeout_s=request.idle_timeout_s or DEFAULT_IDLE_S,
+                on_idle=session_on_idle(request.on_idle),
+            ),
             models=tuple(request.models), max_prompt_tokens=request.max_prompt_tokens,
             max_completion_tokens=request.max_completion_tokens,
         )  # fmt: skip
@@ -267,14 +278,18 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
             raise InvalidArgument(f"count must be in [1, {MAX_FORKS}], got {request.count}")
         now = datetime.now(UTC)
         lifetime = self._lifetime(request.max_lifetime_s)
-        source = await self._session(request.session_id)
-        _, host_id = await self._holder(request.session_id)  # open, and its host connected
+        first, source, park = await self.moves.current(request.session_id)
         assert source.manifest.session is not None
-        spec = SessionSpec(
-            idle_timeout_s=request.idle_timeout_s or source.manifest.session.idle_timeout_s,
-            fork_of=source.id, host=host_id,
-        )  # fmt: skip
-        labels = {**request.labels, SESSION_LABEL: "1", FORK_LABEL: source.id}
+        idle = request.idle_timeout_s or source.manifest.session.idle_timeout_s
+        layer = parked_layer(source, park)
+        if layer is not None:  # a parked session's copies start from its layer, on any host
+            host_id = ""
+            spec = SessionSpec(idle_timeout_s=idle, layer=layer.digest, layer_size=layer.size)
+        else:
+            _, host_id = await self._holder(request.session_id)  # open, its host connected
+            # (The rollout holding the session now: the one whose machine its host holds.)
+            spec = SessionSpec(idle_timeout_s=idle, fork_of=source.id, host=host_id)
+        labels = {**request.labels, SESSION_LABEL: "1", FORK_LABEL: first.id}
         key = request.idempotency_key or uuid.uuid4().hex
         deadline = now + timedelta(seconds=lifetime)
         manifest = source.manifest.model_copy(update={"session": spec, "deadline": deadline})
@@ -305,8 +320,8 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
         if any(created for _, created in stored):
             self.core.changed()
         ids = [rollout_id for rollout_id, _ in stored]
-        log.info("session_fork_submitted", session_id=source.id, forks=ids, host_id=host_id,
-                 request_id=request.request_id)  # fmt: skip
+        log.info("session_fork_submitted", session_id=first.id, forks=ids, host_id=host_id,
+                 parked=layer is not None, request_id=request.request_id)  # fmt: skip
         wait = request.ready_timeout_s or DEFAULT_READY_S
         ready = await asyncio.gather(*(self._until_ready(i, wait, "ForkSession") for i in ids))
         return fleet_pb2.ForkSessionResponse(sessions=ready)
@@ -475,10 +490,13 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
         self, request: fleet_pb2.CloseSessionRequest, context: grpc.aio.ServicerContext
     ) -> fleet_pb2.Session:
         caller = self.core.caller()
-        rollout = await self._session(request.session_id)
+        first, rollout, park = await self.moves.current(request.session_id)
         self._known.pop(request.session_id, None)
-        if not rollout.state.final:
-            lease = await self.core.db(self.core.ledger.rollout_lease, request.session_id)
+        if parked_layer(rollout, park) is not None:
+            await self.moves.close_parked(request.session_id, first, park)
+            park = await self.core.db(self.core.ledger.session_park, request.session_id)
+        elif not rollout.state.final:
+            lease = await self.core.db(self.core.ledger.rollout_lease, rollout.id)
             link = self.hub.links.get(lease[1]) if lease is not None else None
             if lease is not None and link is not None:
                 command = host_pb2.SessionCommand(
@@ -487,16 +505,16 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
                 with contextlib.suppress(FleetError):
                     async for _ in self.hub.call(lease[1], request.session_id, command):
                         pass
-                rollout = await self._until_final(request.session_id)
+                rollout = await self._until_final(rollout.id)
             if not rollout.state.final:  # not reachable on a host: ended in the ledger
                 actor = "client" + (f" key:{caller.key_id}" if caller.key_id else "")
                 rollout = await self.core.db(
-                    self.core.ledger.cancel, request.session_id, "closed by its caller",
+                    self.core.ledger.cancel, rollout.id, "closed by its caller",
                     actor, datetime.now(UTC).timestamp(),
                 )  # fmt: skip
                 self.core.changed()
         log.info("session_closed", session_id=request.session_id, state=rollout.state.value)
-        return session_pb(rollout)
+        return moved_pb(request.session_id, first, rollout, park)
 
     async def _until_final(self, session_id: str, wait_s: float = 10.0) -> Rollout:
         loop = asyncio.get_running_loop()
@@ -519,9 +537,22 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
             500, "", {SESSION_LABEL: "1"}, "",
         )  # fmt: skip
         out = []
-        for rollout in rollouts:
+        for first in rollouts:
+            current, park = await self.moves._current(first)
             lease = None
-            if not rollout.state.final:
-                lease = await self.core.db(self.core.ledger.rollout_lease, rollout.id)
-            out.append(session_pb(rollout, lease[1] if lease else ""))
+            if not current.state.final:
+                lease = await self.core.db(self.core.ledger.rollout_lease, current.id)
+            out.append(moved_pb(first.id, first, current, park, lease[1] if lease else ""))
         return fleet_pb2.ListSessionsResponse(sessions=out)
+
+    async def ParkSession(
+        self, request: fleet_pb2.ParkSessionRequest, context: grpc.aio.ServicerContext
+    ) -> fleet_pb2.Session:
+        return await self.moves.park(request.session_id)
+
+    async def ResumeSession(
+        self, request: fleet_pb2.ResumeSessionRequest, context: grpc.aio.ServicerContext
+    ) -> fleet_pb2.Session:
+        return await self.moves.resume(
+            request.session_id, request.ready_timeout_s or DEFAULT_READY_S
+        )

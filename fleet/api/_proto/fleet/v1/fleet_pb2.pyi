@@ -11,7 +11,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("request_id", "idempotency_key", "smolfile", "smolfile_name", "requirements", "labels", "tenant", "idle_timeout_s", "max_lifetime_s", "ready_timeout_s", "models", "max_prompt_tokens", "max_completion_tokens")
+    __slots__ = ("request_id", "idempotency_key", "smolfile", "smolfile_name", "requirements", "labels", "tenant", "idle_timeout_s", "max_lifetime_s", "ready_timeout_s", "models", "max_prompt_tokens", "max_completion_tokens", "on_idle")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class OpenSessionRequest(_message.Message):
     MODELS_FIELD_NUMBER: _ClassVar[int]
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ON_IDLE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     idempotency_key: str
     smolfile: str
@@ -45,7 +46,22 @@ class OpenSessionRequest(_message.Message):
     models: _containers.RepeatedScalarFieldContainer[str]
     max_prompt_tokens: int
     max_completion_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., smolfile: _Optional[str] = ..., smolfile_name: _Optional[str] = ..., requirements: _Optional[_Union[_types_pb2.Requirements, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., tenant: _Optional[str] = ..., idle_timeout_s: _Optional[float] = ..., max_lifetime_s: _Optional[float] = ..., ready_timeout_s: _Optional[float] = ..., models: _Optional[_Iterable[str]] = ..., max_prompt_tokens: _Optional[int] = ..., max_completion_tokens: _Optional[int] = ...) -> None: ...
+    on_idle: str
+    def __init__(self, request_id: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., smolfile: _Optional[str] = ..., smolfile_name: _Optional[str] = ..., requirements: _Optional[_Union[_types_pb2.Requirements, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., tenant: _Optional[str] = ..., idle_timeout_s: _Optional[float] = ..., max_lifetime_s: _Optional[float] = ..., ready_timeout_s: _Optional[float] = ..., models: _Optional[_Iterable[str]] = ..., max_prompt_tokens: _Optional[int] = ..., max_completion_tokens: _Optional[int] = ..., on_idle: _Optional[str] = ...) -> None: ...
+
+class ParkSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ResumeSessionRequest(_message.Message):
+    __slots__ = ("session_id", "ready_timeout_s")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    READY_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    ready_timeout_s: float
+    def __init__(self, session_id: _Optional[str] = ..., ready_timeout_s: _Optional[float] = ...) -> None: ...
 
 class ForkSessionRequest(_message.Message):
     __slots__ = ("request_id", "session_id", "count", "idempotency_key", "labels", "idle_timeout_s", "max_lifetime_s", "ready_timeout_s")
@@ -81,20 +97,24 @@ class ForkSessionResponse(_message.Message):
     def __init__(self, sessions: _Optional[_Iterable[_Union[Session, _Mapping]]] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("id", "state", "host_id", "tenant", "error", "opened_at")
+    __slots__ = ("id", "state", "host_id", "tenant", "error", "opened_at", "layer_digest", "layer_size")
     ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     OPENED_AT_FIELD_NUMBER: _ClassVar[int]
+    LAYER_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    LAYER_SIZE_FIELD_NUMBER: _ClassVar[int]
     id: str
     state: str
     host_id: str
     tenant: str
     error: str
     opened_at: _timestamp_pb2.Timestamp
-    def __init__(self, id: _Optional[str] = ..., state: _Optional[str] = ..., host_id: _Optional[str] = ..., tenant: _Optional[str] = ..., error: _Optional[str] = ..., opened_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    layer_digest: str
+    layer_size: int
+    def __init__(self, id: _Optional[str] = ..., state: _Optional[str] = ..., host_id: _Optional[str] = ..., tenant: _Optional[str] = ..., error: _Optional[str] = ..., opened_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., layer_digest: _Optional[str] = ..., layer_size: _Optional[int] = ...) -> None: ...
 
 class ExecRequest(_message.Message):
     __slots__ = ("session_id", "argv", "shell", "env", "cwd", "stdin", "timeout_s")

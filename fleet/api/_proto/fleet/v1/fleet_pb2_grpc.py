@@ -500,6 +500,16 @@ class SessionServiceStub:
                 request_serializer=fleet_dot_v1_dot_fleet__pb2.ListSessionsRequest.SerializeToString,
                 response_deserializer=fleet_dot_v1_dot_fleet__pb2.ListSessionsResponse.FromString,
                 _registered_method=True)
+        self.ParkSession = channel.unary_unary(
+                '/fleet.v1.SessionService/ParkSession',
+                request_serializer=fleet_dot_v1_dot_fleet__pb2.ParkSessionRequest.SerializeToString,
+                response_deserializer=fleet_dot_v1_dot_fleet__pb2.Session.FromString,
+                _registered_method=True)
+        self.ResumeSession = channel.unary_unary(
+                '/fleet.v1.SessionService/ResumeSession',
+                request_serializer=fleet_dot_v1_dot_fleet__pb2.ResumeSessionRequest.SerializeToString,
+                response_deserializer=fleet_dot_v1_dot_fleet__pb2.Session.FromString,
+                _registered_method=True)
 
 
 class SessionServiceServicer:
@@ -557,6 +567,23 @@ class SessionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ParkSession(self, request, context):
+        """Stores the session's disk (its machine's writable layer, as a content-addressed artifact)
+        and frees its machine; returns it PARKED. No process carries over. A session on a microVM
+        (smol runtime) cannot park: FAILED_PRECONDITION.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResumeSession(self, request, context):
+        """Opens a parked session again, on any host of its class, its disk as it was parked; the
+        session keeps its id. Returns once its machine is ready.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SessionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -594,6 +621,16 @@ def add_SessionServiceServicer_to_server(servicer, server):
                     servicer.ListSessions,
                     request_deserializer=fleet_dot_v1_dot_fleet__pb2.ListSessionsRequest.FromString,
                     response_serializer=fleet_dot_v1_dot_fleet__pb2.ListSessionsResponse.SerializeToString,
+            ),
+            'ParkSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.ParkSession,
+                    request_deserializer=fleet_dot_v1_dot_fleet__pb2.ParkSessionRequest.FromString,
+                    response_serializer=fleet_dot_v1_dot_fleet__pb2.Session.SerializeToString,
+            ),
+            'ResumeSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeSession,
+                    request_deserializer=fleet_dot_v1_dot_fleet__pb2.ResumeSessionRequest.FromString,
+                    response_serializer=fleet_dot_v1_dot_fleet__pb2.Session.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -787,6 +824,60 @@ class SessionService:
             '/fleet.v1.SessionService/ListSessions',
             fleet_dot_v1_dot_fleet__pb2.ListSessionsRequest.SerializeToString,
             fleet_dot_v1_dot_fleet__pb2.ListSessionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ParkSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fleet.v1.SessionService/ParkSession',
+            fleet_dot_v1_dot_fleet__pb2.ParkSessionRequest.SerializeToString,
+            fleet_dot_v1_dot_fleet__pb2.Session.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fleet.v1.SessionService/ResumeSession',
+            fleet_dot_v1_dot_fleet__pb2.ResumeSessionRequest.SerializeToString,
+            fleet_dot_v1_dot_fleet__pb2.Session.FromString,
             options,
             channel_credentials,
             insecure,

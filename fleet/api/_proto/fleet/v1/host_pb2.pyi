@@ -11,18 +11,34 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SessionCommand(_message.Message):
-    __slots__ = ("call_id", "work_id", "exec", "close", "stdin")
+    __slots__ = ("call_id", "work_id", "exec", "close", "stdin", "park")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     WORK_ID_FIELD_NUMBER: _ClassVar[int]
     EXEC_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
     STDIN_FIELD_NUMBER: _ClassVar[int]
+    PARK_FIELD_NUMBER: _ClassVar[int]
     call_id: str
     work_id: str
     exec: SessionExec
     close: SessionClose
     stdin: SessionStdin
-    def __init__(self, call_id: _Optional[str] = ..., work_id: _Optional[str] = ..., exec: _Optional[_Union[SessionExec, _Mapping]] = ..., close: _Optional[_Union[SessionClose, _Mapping]] = ..., stdin: _Optional[_Union[SessionStdin, _Mapping]] = ...) -> None: ...
+    park: SessionPark
+    def __init__(self, call_id: _Optional[str] = ..., work_id: _Optional[str] = ..., exec: _Optional[_Union[SessionExec, _Mapping]] = ..., close: _Optional[_Union[SessionClose, _Mapping]] = ..., stdin: _Optional[_Union[SessionStdin, _Mapping]] = ..., park: _Optional[_Union[SessionPark, _Mapping]] = ...) -> None: ...
+
+class SessionPark(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class SessionParked(_message.Message):
+    __slots__ = ("digest", "size")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    digest: str
+    size: int
+    def __init__(self, digest: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class SessionStdin(_message.Message):
     __slots__ = ("data", "eof")
@@ -64,7 +80,7 @@ class SessionClose(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class SessionReply(_message.Message):
-    __slots__ = ("call_id", "work_id", "stdout", "stderr", "exit", "error", "ready", "host_id")
+    __slots__ = ("call_id", "work_id", "stdout", "stderr", "exit", "error", "ready", "host_id", "parked")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     WORK_ID_FIELD_NUMBER: _ClassVar[int]
     STDOUT_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +89,7 @@ class SessionReply(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    PARKED_FIELD_NUMBER: _ClassVar[int]
     call_id: str
     work_id: str
     stdout: bytes
@@ -81,7 +98,8 @@ class SessionReply(_message.Message):
     error: str
     ready: bool
     host_id: str
-    def __init__(self, call_id: _Optional[str] = ..., work_id: _Optional[str] = ..., stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., exit: _Optional[_Union[_types_pb2.ExecExit, _Mapping]] = ..., error: _Optional[str] = ..., ready: _Optional[bool] = ..., host_id: _Optional[str] = ...) -> None: ...
+    parked: SessionParked
+    def __init__(self, call_id: _Optional[str] = ..., work_id: _Optional[str] = ..., stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., exit: _Optional[_Union[_types_pb2.ExecExit, _Mapping]] = ..., error: _Optional[str] = ..., ready: _Optional[bool] = ..., host_id: _Optional[str] = ..., parked: _Optional[_Union[SessionParked, _Mapping]] = ...) -> None: ...
 
 class ArtifactPart(_message.Message):
     __slots__ = ("work_id", "fencing_token", "data")

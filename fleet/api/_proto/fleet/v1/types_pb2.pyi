@@ -165,14 +165,20 @@ class Manifest(_message.Message):
     def __init__(self, digest: _Optional[str] = ..., smolfile: _Optional[str] = ..., smolfile_name: _Optional[str] = ..., smolfile_digest: _Optional[str] = ..., image_ref: _Optional[str] = ..., image_digest: _Optional[str] = ..., steps: _Optional[_Iterable[_Union[Step, _Mapping]]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., retry: _Optional[_Union[RetryPolicy, _Mapping]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., requirements: _Optional[_Union[Requirements, _Mapping]] = ..., host_class: _Optional[_Union[HostClass, str]] = ..., inputs: _Optional[_Iterable[_Union[InputFile, _Mapping]]] = ..., outputs: _Optional[_Iterable[str]] = ..., session: _Optional[_Union[SessionSpec, _Mapping]] = ..., models: _Optional[_Iterable[str]] = ..., max_prompt_tokens: _Optional[int] = ..., max_completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SessionSpec(_message.Message):
-    __slots__ = ("idle_timeout_s", "fork_of", "host")
+    __slots__ = ("idle_timeout_s", "fork_of", "host", "layer", "layer_size", "on_idle")
     IDLE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     FORK_OF_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    LAYER_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ON_IDLE_FIELD_NUMBER: _ClassVar[int]
     idle_timeout_s: float
     fork_of: str
     host: str
-    def __init__(self, idle_timeout_s: _Optional[float] = ..., fork_of: _Optional[str] = ..., host: _Optional[str] = ...) -> None: ...
+    layer: str
+    layer_size: int
+    on_idle: str
+    def __init__(self, idle_timeout_s: _Optional[float] = ..., fork_of: _Optional[str] = ..., host: _Optional[str] = ..., layer: _Optional[str] = ..., layer_size: _Optional[int] = ..., on_idle: _Optional[str] = ...) -> None: ...
 
 class ExecExit(_message.Message):
     __slots__ = ("exit_code", "timed_out", "oom_killed", "duration_s", "stdout_truncated", "stderr_truncated")

@@ -1,0 +1,113 @@
+"""Sessions that park: which rollout holds each parked or resumed session, and its layer.
+
+A session's id is the id of the rollout that opened it, and stays the id callers use. Parking
+ends that rollout (its machine's writable layer stored as an artifact); a resume is a rollout
+of its own, and `session_parks` maps the session's id to the newest. A session never parked
+has no row: its own rollout holds it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from fleet.ledger.base import DRAINING, LedgerBase
+from fleet.ledger.raw import LEASED
+
+PARKED, RESUMED, CLOSED = "PARKED", "RESUMED", "CLOSED"
+
+PARK_COLS = "session_id, rollout_id, layer_digest, layer_size, parked_from, state, updated_at"
+PARK = f"SELECT {PARK_COLS} FROM session_parks WHERE session_id = ?"
+PARK_OF_ROLLOUT = f"SELECT {PARK_COLS} FROM session_parks WHERE rollout_id = ?"
+UPSERT_PARK = (
+    f"INSERT INTO session_parks ({PARK_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?) "
+    "ON CONFLICT (session_id) DO UPDATE SET rollout_id = excluded.rollout_id, "
+    "layer_digest = excluded.layer_digest, layer_size = excluded.layer_size, "
+    "parked_from = excluded.parked_from, state = excluded.state, "
+    "updated_at = excluded.updated_at"
+)
+CLOSE_PARK = "UPDATE session_parks SET state = ?, updated_at = ? WHERE session_id = ?"
+LEASED_ON_HOSTS_IN_STATE = (
+    "SELECT w.rollout_id, w.lease_owner, r.manifest_digest FROM work_items w "
+    "JOIN hosts h ON h.id = w.lease_owner JOIN rollouts r ON r.id = w.rollout_id "
+    "WHERE h.state = ? AND w.state = ?"
+)
+PARKED_LAYERS = "SELECT layer_digest FROM session_parks WHERE state = ? AND layer_digest <> ''"
+
+
+class Park(NamedTuple):
+    """A `session_parks` row."""
+
+    session_id: str
+    rollout_id: str
+    layer_digest: str
+    layer_size: int
+    parked_from: str
+    state: str
+    updated_at: float
+
+
+def _park(row: tuple[object, ...] | None) -> Park | None:
+    if row is None:
+        return None
+    sid, rid, digest, size, host, state, at = row
+    return Park(
+        str(sid), str(rid), str(digest), int(str(size)), str(host), str(state), float(str(at))
+    )
+
+
+class Parks(LedgerBase):
+    def session_park(self, session_id: str) -> Park | None:
+        """The session's park row; None for a session never parked."""
+        with self._read() as db:
+            return _park(db.one(PARK, (session_id,)))
+
+    def park_of_rollout(self, rollout_id: str) -> Park | None:
+        """The park row whose session the rollout holds now (a resume's rollout); None when
+        the rollout is a session's first (or no session's)."""
+        with self._read() as db:
+            return _park(db.one(PARK_OF_ROLLOUT, (rollout_id,)))
+
+    def record_park(
+        self, session_id: str, rollout_id: str, digest: str, size: int, host_id: str, now: float
+    ) -> Park:
+        """The session parked from `rollout_id` with the layer `digest`. A park of a rollout
+        that no longer holds the session (a resume came first) changes nothing; the row is
+        returned as it stands."""
+        with self._tx() as db:
+            old = _park(db.one(PARK, (session_id,)))
+            if old is not None and old.rollout_id != rollout_id:
+                return old
+            row = (session_id, rollout_id, digest, size, host_id, PARKED, now)
+            db.run(UPSERT_PARK, row)
+            return Park(*row)
+
+    def record_resume(
+        self, session_id: str, rollout_id: str, digest: str, size: int, parked_from: str,
+        now: float,
+    ) -> Park:  # fmt: skip
+        """`rollout_id` holds the session from now on, started from the layer `digest`."""
+        row = (session_id, rollout_id, digest, size, parked_from, RESUMED, now)
+        with self._tx() as db:
+            db.run(UPSERT_PARK, row)
+        return Park(*row)
+
+    def record_park_closed(self, session_id: str, now: float) -> None:
+        """A parked session closed by its caller: it is not resumed again."""
+        with self._tx() as db:
+            db.run(CLOSE_PARK, (CLOSED, now, session_id))
+
+    def sessions_on_draining_hosts(self) -> list[tuple[str, str]]:
+        """(rollout id, host) of every session leased to a draining host: what moves."""
+        with self._read() as db:
+            rows = db.all(LEASED_ON_HOSTS_IN_STATE, (DRAINING, LEASED))
+            manifests = self._manifests_raw(db, {str(digest) for _, _, digest in rows})
+        return [
+            (str(rollout_id), str(host_id))
+            for rollout_id, host_id, digest in rows
+            if manifests[str(digest)].session is not None
+        ]
+
+    def parked_layers(self) -> set[str]:
+        """The layers of parked sessions: blobs kept while they may be resumed."""
+        with self._read() as db:
+            return {str(digest) for (digest,) in db.all(PARKED_LAYERS, (PARKED,))}
