@@ -68,6 +68,25 @@ class _Taken(NamedTuple):
         ]  # fmt: skip
 
 
+class Beat(NamedTuple):
+    """One host's heartbeat, as `Leases.heartbeat` takes it (see there)."""
+
+    host_id: str
+    leases: Sequence[tuple[str, int]]
+    now: float
+    lease_ttl_s: float
+    images: Sequence[str] | None = None
+
+
+Beaten = tuple[list[tuple[str, int]], list[str]]
+"""A heartbeat's answer: (the leases renewed, the work the agent must stop)."""
+
+ANY_DUE = "SELECT 1 FROM work_items WHERE state = ? AND not_before <= ? AND deadline > ? LIMIT 1"
+"""Whether any queued item may be claimed now, by any host (the claim index's first column)."""
+
+HOSTS_KNOWN = "SELECT id FROM hosts WHERE id IN ({marks})"
+"""Which of some hosts are registered (a heartbeat from any other is refused)."""
+
 LEASED_MANIFESTS = (
     "SELECT DISTINCT r.manifest_digest FROM work_items w JOIN rollouts r ON r.id = w.rollout_id "
     "WHERE w.state = ? AND w.lease_owner = ?"
@@ -115,7 +134,17 @@ class Leases(LedgerBase):
         and leases nothing, while the others are taken."""
         taken: list[_Taken | FleetError] = []
         with self._tx() as db:
+            # Most claims of an idle fleet find nothing: when nothing at all is due, each is
+            # only checked (its host, a repeat of it) and none reads pools, caps or the queue.
+            # (A claim leases items and never makes one due: this holds for the whole batch.)
+            due = db.one(ANY_DUE, (QUEUED, now, now)) is not None
             for claim in claims:
+                if not due:
+                    try:
+                        taken.append(self._claim_nothing_due(db, claim))
+                    except FleetError as exc:
+                        taken.append(exc)
+                    continue
                 # A savepoint each: a claim that fails part way leaves nothing of itself.
                 db.run(Q.SAVEPOINT)
                 try:
@@ -125,6 +154,17 @@ class Leases(LedgerBase):
                     taken.append(exc)
                 db.run(Q.RELEASE_SAVEPOINT)
         return [t if isinstance(t, FleetError) else t.assignments() for t in taken]
+
+    def _claim_nothing_due(self, db: Raw, claim: Claim) -> _Taken:
+        """One claim while no item is due anywhere: refused as `_claim` would refuse it (an
+        unknown or revoked host), a repeat answered with the leases it took, else nothing.
+        It writes nothing."""
+        self._host_row(db, claim.host_id)
+        if claim.request_id:
+            again = db.all(Q.LEASES_OF_CLAIM, (claim.host_id, LEASED, claim.request_id))
+            if again:
+                return _Taken(again=[self._assignment(db, Item(*row)) for row in again])
+        return _Taken()
 
     def _claim(self, db: Raw, claim: Claim, now: float) -> _Taken:
         """One claim in the caller's transaction: its leases written, its answer not yet
@@ -281,37 +321,77 @@ class Leases(LedgerBase):
         All or nothing: if any lease is stale (lost, re-leased, or not this host's), nothing
         is renewed and the call is refused with ABORTED naming the stale work ids.
         """
-        renewed: list[tuple[str, int]] = []
-        stop: list[str] = []
+        [answer] = self.heartbeat_batch([Beat(host_id, leases, now, lease_ttl_s, images)])
+        if isinstance(answer, FleetError):
+            raise answer
+        return answer
+
+    def heartbeat_batch(self, beats: Sequence[Beat]) -> list[Beaten | FleetError]:
+        """Many hosts' heartbeats in one transaction (group commit), each answered as
+        `heartbeat` would answer it alone: one refused (an unknown host, a stale lease) gets
+        its error and writes nothing, while the others are renewed.
+
+        A heartbeat was a durable commit of its own, and with a thousand hosts beating every
+        few seconds those commits were most of what the database did. Here the beats' hosts
+        and leases are read in two statements (the leases locked in id order, as every writer
+        takes them), checked, and the renewals written as two statement batches."""
+        if not beats:
+            return []
+        answers: list[Beaten | FleetError] = []
         with self._tx() as db:
-            beat = (now, json.dumps(sorted(images)) if images is not None else None, host_id)
-            if not db.run(Q.HOST_BEAT, beat):
-                raise FailedPrecondition(f"host {host_id!r} is not registered")
-            ids = sorted({w for w, _ in leases})
-            rows = db.all(Q.ITEMS_FOR_UPDATE, ids, n=len(ids)) if ids else []
-            held = {row[0]: Item(*row) for row in rows}  # (one read, locked in id order)
-            items = [(held.get(w), w, t) for w, t in leases]
-            stale = [
-                w
-                for item, w, t in items
-                if item is None
-                or item.state != LEASED
-                or item.lease_owner != host_id
-                or item.fencing_token != t
-            ]
-            if stale:
-                raise Aborted(
-                    f"stale lease(s) {', '.join(stale)}: lost or leased again; stop that work "
-                    "and heartbeat the rest",
-                    details={"stale-work-ids": ",".join(stale)},
-                )
-            for item, work_id, token in items:
-                assert item is not None
-                if item.cancel_requested or item.deadline <= now:
-                    stop.append(work_id)
-                db.run(Q.SET_LEASE_EXPIRY, (now + lease_ttl_s, work_id))
-                renewed.append((work_id, token))
-        return renewed, stop
+            host_ids = sorted({b.host_id for b in beats})
+            known = {row[0] for row in db.all_in(HOSTS_KNOWN, host_ids)}
+            ids = sorted({w for b in beats for w, _ in b.leases})
+            held = {row[0]: Item(*row) for row in db.all_in(Q.ITEMS_FOR_UPDATE, ids)}
+            host_rows: dict[str, tuple[float, str | None, str]] = {}
+            expiry_rows: dict[str, tuple[float, str]] = {}
+            for beat in beats:
+                answer = self._judge_beat(beat, known, held)
+                answers.append(answer)
+                if isinstance(answer, FleetError):
+                    continue
+                images = json.dumps(sorted(beat.images)) if beat.images is not None else None
+                last = host_rows.get(beat.host_id)
+                if last is None or beat.now >= last[0]:
+                    # (a host's later beat wins; one that said nothing of its images keeps
+                    # what an earlier one of the batch said)
+                    kept = images if images is not None or last is None else last[1]
+                    host_rows[beat.host_id] = (beat.now, kept, beat.host_id)
+                for work_id, _ in beat.leases:
+                    expires = beat.now + beat.lease_ttl_s
+                    if work_id not in expiry_rows or expires > expiry_rows[work_id][0]:
+                        expiry_rows[work_id] = (expires, work_id)
+            with db.pipeline():
+                db.many(Q.HOST_BEAT, [host_rows[h] for h in sorted(host_rows)])
+                db.many(Q.SET_LEASE_EXPIRY, [expiry_rows[w] for w in sorted(expiry_rows)])
+        return answers
+
+    @staticmethod
+    def _judge_beat(beat: Beat, known: set[str], held: Mapping[str, Item]) -> Beaten | FleetError:
+        """One beat's answer, judged on the rows its batch read (nothing written)."""
+        host_id, now = beat.host_id, beat.now
+        if host_id not in known:
+            return FailedPrecondition(f"host {host_id!r} is not registered")
+        items = [(held.get(w), w, t) for w, t in beat.leases]
+        stale = [
+            w
+            for item, w, t in items
+            if item is None
+            or item.state != LEASED
+            or item.lease_owner != host_id
+            or item.fencing_token != t
+        ]
+        if stale:
+            return Aborted(
+                f"stale lease(s) {', '.join(stale)}: lost or leased again; stop that work "
+                "and heartbeat the rest",
+                details={"stale-work-ids": ",".join(stale)},
+            )
+        stop = [
+            w for item, w, _ in items if item is not None
+            and (item.cancel_requested or item.deadline <= now)
+        ]  # fmt: skip
+        return [(w, t) for _, w, t in items], stop
 
     def _expire_lost(
         self, db: Raw, now: float, seen_since: float | None = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import random
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -24,11 +25,12 @@ from fleet.core.manifest import Manifest, SubmitRequest
 from fleet.core.placement import HostCapabilities, HostClass, Requirements, unservable_reason
 from fleet.core.rollout import Assignment, Completion, Rollout
 from fleet.image.store import ImageStore
-from fleet.ledger.leases import Claim
+from fleet.ledger.leases import Beat, Beaten, Claim
 from fleet.ledger.store import Ledger
 from fleet.server.auth import Authenticator, Caller, Security, current
 from fleet.server.hub import SessionHub
 from fleet.server.settings import ServerConfig
+from fleet.server.work_signal import WorkSignal, conninfo
 
 log = structlog.get_logger(__name__)
 
@@ -36,6 +38,13 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 MAX_CLAIM_WAIT_S = 30.0
+CLAIM_POLL_S = 0.5
+"""How often a waiting claim asks the ledger again when only this replica's own submissions
+wake it: work another server stored, or a retry whose backoff ended, is found then."""
+SIGNALLED_CLAIM_POLL_S = 3.0
+"""The same while other replicas' submissions wake it too (PostgreSQL's notifications, see
+`fleet.server.work_signal`): only a retry whose backoff ended waits for it. Each wait is drawn
+from ±25% of it, so that hosts that began waiting together do not ask together."""
 READ_THREADS = 2
 """Threads for read-only ledger calls, beside the ledger's one writing thread."""
 
@@ -89,8 +98,17 @@ class Core:
         self.auth: Authenticator | None = None
         if security is not None:
             identities = ledger.identities
+            lookups = (identities.key_row, identities.host)
+
+            async def auth_db(fn: Callable[..., Any], *args: Any) -> Any:
+                # Looking a caller up only reads: every host's beat does, so it is done on the
+                # reader threads and waits behind no write (a key's use is written).
+                if fn in lookups:
+                    return await self.read(fn, *args)
+                return await self.db(fn, *args)
+
             self.auth = Authenticator(
-                self.db, identities.key_row, identities.host, identities.key_used,
+                auth_db, identities.key_row, identities.host, identities.key_used,
                 host_port=lambda: self.host_port, cache_s=security.cache_s,
             )  # fmt: skip
         self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger")
@@ -113,6 +131,26 @@ class Core:
         """Hosts' session streams, and the calls waiting on them."""
         self.inference_running: dict[str, bool] = {}
         """Running rollouts -> whether they call the gateway, as last told to it."""
+        self._closed = False
+        self.signal: WorkSignal | None = None
+        """Wake-ups to and from other replicas (PostgreSQL only; started on first use)."""
+
+    def _work_signal(self) -> WorkSignal | None:
+        if self.signal is None and self.ledger.backend == "postgresql" and not self._closed:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # (called from a thread: made by the loop's first use)
+                return None
+            self.signal = WorkSignal(conninfo(self.ledger.engine), loop, self.work_pulse.fire)
+        return self.signal
+
+    def claim_poll_s(self) -> float:
+        """How long a waiting claim sleeps before it asks the ledger again, unless woken
+        (`CLAIM_POLL_S`, `SIGNALLED_CLAIM_POLL_S`)."""
+        signal = self._work_signal()
+        if signal is None or not signal.listening:
+            return CLAIM_POLL_S
+        return SIGNALLED_CLAIM_POLL_S * random.uniform(0.75, 1.25)
 
     async def db(self, fn: Callable[..., T], *args: Any) -> T:
         """A ledger call on the ledger's one thread, where every write runs in turn."""
@@ -153,10 +191,24 @@ class Core:
         self._hosts = None
 
     def changed(self) -> None:
+        """Something that may let waiting claims take work (new work, a cap raised, a host
+        back): wake this replica's claims and watchers, and the other replicas' claims."""
+        self.changed_here()
+        signal = self._work_signal()
+        if signal is not None:
+            signal.send()
+
+    def changed_here(self) -> None:
+        """Wake this replica's waiting claims and watchers only: after reports, which make
+        new work only by a retry's backoff or a cap's room (found by the others' fallback
+        poll), and come too often to wake every replica's every waiting claim each time."""
         self.work_pulse.fire()
         self.event_pulse.fire()
 
     def close(self) -> None:
+        self._closed = True
+        if self.signal is not None:
+            self.signal.close()
         self._db.shutdown(wait=True)
         self._reads.shutdown(wait=True)
 
@@ -166,6 +218,9 @@ DEFAULT_HOST_PORT = 50054
 HOSTS_FRESH_S = 1.0
 """How long a submission may rely on the hosts another one read (see `Core.unservable_reason`)."""
 MAX_CHECKPOINTS_PER_CALL = 256
+HEARTBEAT_LINGER_S = 0.1
+"""How long a batch of heartbeats waits for more before it is written (`HeartbeatBatcher`):
+at 333 beats a second (1,000 hosts at the default interval), about 30 beats a commit."""
 MAX_LIST_BYTES = 3 << 20
 """A ListRollouts page ends before this many bytes of rollouts (results included)."""
 
@@ -184,14 +239,24 @@ class GroupCommit(Generic[T, R]):
         write: Callable[[list[T], float], list[R | Exception]],
         *,
         notify: bool = True,
+        after_batch: Callable[[], None] | None = None,
+        drop_abandoned: bool = False,
+        linger_s: float = 0.0,
     ) -> None:
         self.core = core
 
         async def run(items: list[T]) -> list[R | Exception]:
+            if linger_s:
+                # What arrives meanwhile waits for the next batch: at a steady rate, each
+                # batch holds what came in one linger and one write.
+                await asyncio.sleep(linger_s)
             return await core.db(write, items, time.time())
 
         self._coalescer: Coalescer[T, R] = Coalescer(
-            run, max_batch=self.MAX_BATCH, after_batch=core.changed if notify else None
+            run,
+            max_batch=self.MAX_BATCH,
+            after_batch=after_batch or (core.changed if notify else None),
+            drop_abandoned=drop_abandoned,
         )
 
     async def submit(self, item: T) -> R:
@@ -206,7 +271,7 @@ class GroupCommit(Generic[T, R]):
 class SubmitBatcher(GroupCommit[tuple[SubmitRequest, Manifest], tuple[Rollout, bool]]):
     """Group commit for SubmitRollout: submissions that arrive while one batch is being stored
     go together into the next transaction (`Submissions.submit_batch`), each answered on its
-    own. Claims waiting for work are woken after each batch."""
+    own. Claims waiting for work are woken after each batch, other replicas' too."""
 
     def __init__(self, core: Core) -> None:
         write = functools.partial(
@@ -219,10 +284,15 @@ class SubmitBatcher(GroupCommit[tuple[SubmitRequest, Manifest], tuple[Rollout, b
 
 
 class CompletionBatcher(GroupCommit[tuple[str, Completion], RolloutState]):
-    """Group commit for CompleteWork."""
+    """Group commit for CompleteWork. This replica's waiting claims and watchers are woken
+    after each batch (`Core.changed_here`)."""
 
     def __init__(self, core: Core) -> None:
-        super().__init__(core, core.ledger.complete_batch)  # type: ignore[arg-type]
+        super().__init__(
+            core,
+            core.ledger.complete_batch,  # type: ignore[arg-type]
+            after_batch=core.changed_here,
+        )
 
     async def complete(self, host_id: str, report: Completion) -> RolloutState:
         return await self.submit((host_id, report))
@@ -231,13 +301,44 @@ class CompletionBatcher(GroupCommit[tuple[str, Completion], RolloutState]):
 class ClaimBatcher(GroupCommit[Claim, list[Assignment]]):
     """Group commit for ClaimWork: hosts' claims that arrive while one batch is being taken go
     together into the next transaction, in arrival order (`Leases.claim_batch`). Nothing is
-    woken after a batch: a claim makes no work for another."""
+    woken after a batch: a claim makes no work for another.
+
+    A claim whose caller gave up before its batch began is not taken. Its host, having had no
+    answer, sends it again, perhaps to another replica, which finds no lease under its request
+    id yet and leases other work; had the first been taken after that, its leases would have
+    gone to a host that never heard of them, and their work would run again once they
+    expired."""
 
     def __init__(self, core: Core) -> None:
-        super().__init__(core, core.ledger.claim_batch, notify=False)  # type: ignore[arg-type]
+        super().__init__(
+            core,
+            core.ledger.claim_batch,  # type: ignore[arg-type]
+            notify=False,
+            drop_abandoned=True,
+        )
 
     async def claim(self, claim: Claim) -> list[Assignment]:
         return await self.submit(claim)
+
+
+class HeartbeatBatcher(GroupCommit[Beat, Beaten]):
+    """Group commit for Heartbeat: the beats that arrive while one batch is being written go
+    together into the next transaction (`Leases.heartbeat_batch`), each answered on its own.
+    Each beat renews its leases from when it arrived, not from when its batch committed.
+    Nothing is woken after a batch: a renewal makes no work.
+
+    A beat is in no hurry (its deadline is seconds away, its lease longer), so each batch
+    lingers `HEARTBEAT_LINGER_S` before it is written: beats from many hosts, which arrive
+    spread over the interval rather than together, still share a commit."""
+
+    def __init__(self, core: Core) -> None:
+        def write(beats: list[Beat], _now: float) -> list[Beaten | Exception]:
+            return list(core.ledger.heartbeat_batch(beats))
+
+        super().__init__(core, write, notify=False, linger_s=HEARTBEAT_LINGER_S)
+
+    async def beat(self, beat: Beat) -> Beaten:
+        return await self.submit(beat)
 
 
 class CheckpointBatcher(GroupCommit[tuple[str, str, int, int, bytes], None]):

@@ -42,7 +42,7 @@ from fleet.core.rollout import Assignment, Completion
 from fleet.core.versions import check_agent
 from fleet.identity.ca import Issued
 from fleet.ledger.identity import JoinToken
-from fleet.ledger.leases import Claim
+from fleet.ledger.leases import Beat, Claim
 from fleet.server.auth import RefusalLimiter, Security
 from fleet.server.core import (
     MAX_CHECKPOINTS_PER_CALL,
@@ -52,6 +52,7 @@ from fleet.server.core import (
     ClaimBatcher,
     CompletionBatcher,
     Core,
+    HeartbeatBatcher,
 )
 
 log = structlog.get_logger(__name__)
@@ -69,6 +70,7 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
         self.batcher = CompletionBatcher(core)
         self.claims = ClaimBatcher(core)
         self.checkpoints = CheckpointBatcher(core)
+        self.beats = HeartbeatBatcher(core)
         self.enroll_refusals = RefusalLimiter()
         """Bounds refused enrollments, per peer address and overall (anyone may call)."""
 
@@ -211,8 +213,8 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
         if request.drain_deadline_s > 0:
             await self.core.db(self.core.ledger.agent_drains, host_id,
                                now + request.drain_deadline_s)  # fmt: skip
-        renewed, stop = await self.core.db(
-            self.core.ledger.heartbeat, host_id, leases, now, self.core.config.lease_ttl_s, images
+        renewed, stop = await self.beats.beat(
+            Beat(host_id, leases, now, self.core.config.lease_ttl_s, images)
         )
         return host_pb2.HeartbeatResponse(
             renewed=[host_pb2.LeaseRef(work_id=w, fencing_token=t) for w, t in renewed],
@@ -262,7 +264,7 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
             if left <= 0 or context.done():
                 return host_pb2.ClaimWorkResponse()
             # Woken by new work; the timeout also catches retries whose backoff just ended.
-            await self.core.work_pulse.wait(min(left, 0.5))
+            await self.core.work_pulse.wait(min(left, self.core.claim_poll_s()))
 
     async def _claim(
         self, host_id: str, max_items: int, request_id: str
