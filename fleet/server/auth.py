@@ -73,6 +73,8 @@ SCOPE_OF = {
     "ReadFile": Scope.ROLLOUTS_WRITE,
     "CloseSession": Scope.ROLLOUTS_WRITE,
     "ForkSession": Scope.ROLLOUTS_WRITE,
+    "ParkSession": Scope.ROLLOUTS_WRITE,
+    "ResumeSession": Scope.ROLLOUTS_WRITE,
     "ListSessions": Scope.ROLLOUTS_READ,
 }
 KEY_TOUCH_S = 60.0
