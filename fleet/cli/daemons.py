@@ -15,6 +15,7 @@ from fleet.agent.settings import AgentSettings
 from fleet.cli.admin import duration_s
 from fleet.cli.client import parse_labels
 from fleet.config import Paths
+from fleet.console.settings import ConsoleSettings
 from fleet.core.cost import parse_prices
 from fleet.core.errors import InvalidArgument
 from fleet.identity.local import ensure_admin_key
@@ -59,6 +60,7 @@ async def cmd_serve(args: argparse.Namespace) -> int:
     from fleet.server.app import FleetServer
 
     settings = settings_of(lambda: ServeSettings.from_args(args))
+    console = settings_of(lambda: ConsoleSettings.from_args(args))
     paths = Paths.from_env()
     security = serve_security(settings, paths)
     registry_ca = (
@@ -75,9 +77,14 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         settings.listen,
         security=security,
         config=settings.server_config(paths.token_secret(), registry_ca),
+        console_listen=console.console_listen,
     )
     await server.start()
     stop = _on_signals(asyncio.Event())
+    if server.console_port:
+        host = console.console_listen.rpartition(":")[0].strip("[]") or "127.0.0.1"
+        scheme = "https" if security is not None else "http"
+        print(f"fleet console at {scheme}://{host}:{server.console_port}/", flush=True)
     if security is None:
         print(
             f"fleet server listening on {server.address} WITHOUT TLS OR AUTHENTICATION: any "

@@ -27,6 +27,7 @@ from fleet.cli.rollouts import (
 )
 from fleet.cli.sessions import add_session_command
 from fleet.connect import DEFAULT_SERVER, default_server
+from fleet.console.settings import ConsoleSettings
 from fleet.core.errors import FleetError, InvalidArgument
 from fleet.server.settings import ServeSettings
 from gateway.settings import GatewaySettings
@@ -130,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("serve", cmd_serve, "run a fleet server", "info")
     ServeSettings.add_flags(sp)
+    ConsoleSettings.add_flags(sp)
 
     sp = add("agent", cmd_agent, "run a host agent", "info")
     AgentSettings.add_flags(sp)

@@ -61,13 +61,19 @@ REPORT_ROLLOUT = (
     "outputs_json = ? WHERE id = ?"
 )
 LABELS = "{labels}"
-"""Where `LIST_ROLLOUTS` takes one `AND_LABELLED` per label it matches."""
+"""Where `LIST_ROLLOUTS` takes its filters: the `AND_...` conditions below that apply."""
 LIST_ROLLOUTS = (
-    f"SELECT {ROLLOUT_COLS} FROM rollouts WHERE seq < ? AND (? OR tenant = ?) "
-    "AND (? OR egress_json <> '')" + LABELS + " ORDER BY seq DESC LIMIT ?"
+    f"SELECT {ROLLOUT_COLS} FROM rollouts WHERE seq < ?" + LABELS + " ORDER BY seq DESC LIMIT ?"
 )
-"""A page of rollouts, newest first: before a seq, of a tenant (or any), with an effective
-egress (or not), with labels."""
+"""A page of rollouts, newest first, before a seq. A filter that does not apply is left out of
+the statement rather than switched off by a flag, so that PostgreSQL plans each page on the
+index that serves it (ix_rollouts_tenant_seq, ix_rollouts_state_seq) even as a prepared
+statement's generic plan."""
+AND_TENANT = " AND tenant = ?"
+AND_STATE = " AND state = ?"
+AND_CREATED_SINCE = " AND created_at >= ?"
+AND_CREATED_BEFORE = " AND created_at < ?"
+AND_EGRESS_KNOWN = " AND egress_json <> ''"
 AND_LABELLED = " AND id IN (SELECT rollout_id FROM rollout_labels WHERE key = ? AND value = ?)"
 ROLLOUTS_IN_STATE = "SELECT id, manifest_digest FROM rollouts WHERE state = ?"
 FINISHED_SINCE = "SELECT count(*) FROM rollouts WHERE state = ? AND finished_at >= ?"
@@ -248,6 +254,12 @@ TOKENS_OF_ATTEMPTS_FINISHED_SINCE = (
     "JOIN rollouts r ON r.id = w.rollout_id WHERE r.finished_at >= ?"
 )
 """For `fleet report`: those attempts' tokens, by model."""
+ROLLOUT_TOKENS = (
+    "SELECT t.model, sum(t.prompt_tokens), sum(t.completion_tokens) FROM attempt_tokens t "
+    "JOIN attempts a ON a.id = t.attempt_id JOIN work_items w ON w.id = a.work_id "
+    "WHERE w.rollout_id = ? GROUP BY t.model ORDER BY t.model"
+)
+"""A rollout's language-model tokens by model, over all its attempts."""
 CHARGE_DEVICE_SECONDS = (
     "UPDATE attempts SET device_s = device_s + ? WHERE id = (SELECT a.id FROM attempts a "
     "JOIN work_items w ON w.id = a.work_id WHERE w.rollout_id = ? "

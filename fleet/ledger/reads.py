@@ -50,15 +50,38 @@ def _finished(db: Raw, since: float, until: float) -> Settled:
     return Settled(until, by_state, retries, cpu_s, int(inference))
 
 
+def _list_filters(
+    tenant: str | None, state: RolloutState | None, since: float | None, before: float | None,
+    egress_known: bool, labels: dict[str, str],
+) -> tuple[str, list[object]]:  # fmt: skip
+    """The conditions of a `LIST_ROLLOUTS` page and their values, in order."""
+    where, values = "", list[object]()
+    for sql, value in ((Q.AND_TENANT, tenant), (Q.AND_STATE, state and state.value),
+                       (Q.AND_CREATED_SINCE, since), (Q.AND_CREATED_BEFORE, before)):  # fmt: skip
+        if value is not None:
+            where += sql
+            values.append(value)
+    if egress_known:
+        where += Q.AND_EGRESS_KNOWN
+    for key, value in sorted(labels.items()):
+        where += Q.AND_LABELLED
+        values += [key, value]
+    return where, values
+
+
 class Reads(LedgerBase):
     def list_rollouts(
         self, page_size: int, page_token: str, labels: dict[str, str], could_reach: str = "",
-        *, tenant: str | None = None,
+        *, tenant: str | None = None, state: RolloutState | None = None,
+        created_since: float | None = None, created_before: float | None = None,
     ) -> tuple[list[Rollout], str]:  # fmt: skip
         """Rollouts newest first; the token is the last seq of the previous page.
 
         `could_reach` keeps only rollouts whose machine's effective egress allowed that host;
-        `tenant` only that tenant's (None: every tenant's).
+        `tenant` only that tenant's (None: every tenant's); `state` only those in it;
+        `created_since` / `created_before` only those created in [since, before). Every filter
+        but `could_reach` is applied in SQL, so that a page of a rare state reads that page's
+        rows, not every rollout before them.
         """
         if page_size < 0:
             raise InvalidArgument(f"page_size must not be negative, got {page_size}")
@@ -70,13 +93,13 @@ class Reads(LedgerBase):
                     f"page_token {page_token[:40]!r} is not one this server issued"
                 )
             before = int(page_token)
-        pairs = [value for pair in sorted(labels.items()) for value in pair]
-        sql = Q.LIST_ROLLOUTS.replace(Q.LABELS, Q.AND_LABELLED * len(labels))
+        where, values = _list_filters(tenant, state, created_since, created_before,
+                                      bool(could_reach), labels)  # fmt: skip
+        sql = Q.LIST_ROLLOUTS.replace(Q.LABELS, where)
         with self._read() as db:
 
             def page(before: int, limit: int) -> list[RolloutRec]:
-                params = (before, tenant is None, tenant or "", not could_reach, *pairs, limit)
-                return [RolloutRec(*r) for r in db.all(sql, params)]
+                return [RolloutRec(*r) for r in db.all(sql, (before, *values, limit))]
 
             if not could_reach:
                 rows = page(before, size + 1)
@@ -98,6 +121,14 @@ class Reads(LedgerBase):
             token = str(rows[-1].seq) if more and rows else ""
             histories = self._histories(db, [r.id for r in rows]) if rows else {}
             return [self._view(db, r, histories[r.id]) for r in rows], token
+
+    def rollout_tokens(self, rollout_id: str) -> dict[str, tuple[int, int]]:
+        """model -> (prompt tokens, completion tokens) the gateway charged to a rollout, over
+        all its attempts; NotFound for an unknown rollout."""
+        with self._read() as db:
+            self._rollout(db, rollout_id)
+            rows = db.all(Q.ROLLOUT_TOKENS, (rollout_id,))
+        return {str(model): (int(prompt), int(completion)) for model, prompt, completion in rows}
 
     def page_token_at(self, rollout_id: str) -> str:
         """The list_rollouts page token that continues after this rollout."""

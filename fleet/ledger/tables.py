@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy import BigInteger, Index, text
 from sqlmodel import Field, SQLModel
 
-SCHEMA_VERSION = 21
+SCHEMA_VERSION = 22
 
 CHECKPOINT_ROW_BYTES = 512
 """What each checkpoint is charged besides its data (a row's cost), so that many tiny ones are
@@ -36,6 +36,11 @@ class RolloutRow(SQLModel, table=True):
         # minute" reads the recent ones only, not every rollout that ever succeeded (revision
         # 0017; it replaced an index on state alone, which it serves as well).
         Index("ix_rollouts_state_finished", "state", "finished_at"),
+        # Keyset pages (newest first) of one tenant, of one state, and of a window of
+        # creation times (revision 0022).
+        Index("ix_rollouts_tenant_seq", "tenant", "seq"),
+        Index("ix_rollouts_state_seq", "state", "seq"),
+        Index("ix_rollouts_created", "created_at"),
     )
 
     seq: int | None = Field(default=None, primary_key=True)

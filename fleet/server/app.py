@@ -23,17 +23,26 @@ from fleet.api.pb import (
     inference_pb2,
     inference_pb2_grpc,
 )
+from fleet.console.session_calls import SessionAccess
+from fleet.console.web import Backend, Console, console_address
+from fleet.console.web import serve as serve_console
 from fleet.core import tokens
 from fleet.core.errors import (
     FailedPrecondition,
 )
 from fleet.core.sweep_clock import SweepClock
-from fleet.identity.tls import ServerTls, is_loopback, server_names, split_address
+from fleet.identity.tls import (
+    ServerTls,
+    is_loopback,
+    server_names,
+    server_ssl_context,
+    split_address,
+)
 from fleet.image.store import ImageStore
 from fleet.ledger.retention import purge_finished, referenced_blobs
 from fleet.ledger.store import Ledger
 from fleet.server.admin_service import AdminServicer
-from fleet.server.auth import Security
+from fleet.server.auth import CALLER, SCOPE_OF, Caller, Security
 from fleet.server.core import (
     DEFAULT_HOST_PORT,
     Core,
@@ -233,11 +242,13 @@ class FleetServer:
         listen: str = "127.0.0.1:0",
         config: ServerConfig | None = None,
         security: Security | None = None,
+        console_listen: str = "",
     ) -> None:
         self.config = config or ServerConfig()
         self.security = security
         self.core = Core(ledger, images, self.config, security)
         self.host_servicer = HostServicer(self.core)
+        self.session_servicer = SessionServicer(self.core, self.core.sessions)
         self.fleet_servicer = FleetServicer(self.core)
         """The host API (its group commits: claims, completions, checkpoints)."""
         self.listen = listen
@@ -252,6 +263,10 @@ class FleetServer:
         self._governor: asyncio.Task[None] | None = None
         self._metrics: asyncio.Server | None = None
         self.metrics_port = 0
+        self.console_listen = console_listen
+        """host:port (or a port on loopback) of the web console ("": none)."""
+        self._console: asyncio.Server | None = None
+        self.console_port = 0
 
     @property
     def address(self) -> str:
@@ -287,7 +302,7 @@ class FleetServer:
         )
         fleet_pb2_grpc.add_FleetServiceServicer_to_server(self.fleet_servicer, server)
         host_pb2_grpc.add_HostServiceServicer_to_server(self.host_servicer, server)
-        sessions = SessionServicer(self.core, self.core.sessions)
+        sessions = self.session_servicer
         fleet_pb2_grpc.add_SessionServiceServicer_to_server(sessions, server)
         admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(self.core), server)
         health_servicer = health.aio.HealthServicer()
@@ -307,8 +322,10 @@ class FleetServer:
             )  # fmt: skip
         else:
             host_listen = self._host_listen()
-            names = server_names(self.listen, [*self.security.san,
-                                               split_address(host_listen)[0]])  # fmt: skip
+            also = [*self.security.san, split_address(host_listen)[0]]
+            if self.console_listen:  # (the console serves the same certificate)
+                also.append(console_address(self.console_listen)[0])
+            names = server_names(self.listen, also)
             self.tls = ServerTls.issue(self.security.ca, names)
             self.port = server.add_secure_port(
                 self.listen, self.tls.credentials(require_client_cert=False)
@@ -335,6 +352,8 @@ class FleetServer:
         if self.config.metrics_listen:
             host, _, port = self.config.metrics_listen.rpartition(":")
             self._metrics, self.metrics_port = await serve_metrics(self.core, host, int(port))
+        if self.console_listen:
+            await self.start_console(self.console_listen)
         log.info("server_started", address=self.address, tls=self.security is not None,
                  host_address=self.host_address)  # fmt: skip
 
@@ -344,10 +363,35 @@ class FleetServer:
                 task.cancel()
         if self._metrics is not None:
             self._metrics.close()
+        if self._console is not None:
+            self._console.close()
         if self._server:
             await self._server.stop(grace_s)
         self.core.close()
         log.info("server_stopped", address=self.address)
+
+    async def start_console(self, listen: str) -> int:
+        """The web console (`fleet.console`) on `listen`, reading this server's ledger; over
+        the API's TLS certificate when the server has one, and beyond loopback only then.
+        Returns its port."""
+        host, port = console_address(listen)
+        if self.tls is None and not is_loopback(host):
+            raise FailedPrecondition(
+                f"--console-listen {listen}: beyond loopback the console needs TLS, and this "
+                "server has none (start it with the fleet CA: fleet ca init, or --tls)"
+            )
+        core = self.core
+        # The console's session actions are the SessionServicer's own calls, made as the
+        # signed-in key: the caller the servicer reads is set as the authenticator sets it.
+        access = SessionAccess(self.session_servicer, SCOPE_OF, lambda tenant, scopes, key_id:
+                               CALLER.set(Caller("tenant", tenant=tenant, scopes=scopes,
+                                                 key_id=key_id)))  # fmt: skip
+        backend = Backend(core.ledger, core.read, core.db, core.blobs.chunks, core.changed,
+                          access)  # fmt: skip
+        console = Console(backend, self.config.token_secret, tls=self.tls is not None)
+        ssl = server_ssl_context(self.tls) if self.tls is not None else None
+        self._console, self.console_port = await serve_console(console, host, port, ssl)
+        return self.console_port
 
     async def wait(self) -> None:
         assert self._server is not None

@@ -610,7 +610,7 @@ def test_a_version_2_ledger_is_migrated_in_place(ledger_target: str) -> None:
         conn.execute(text("DROP TABLE pool_events"))
     ledger.engine.dispose()
     reopened = Ledger.open(ledger_target)
-    assert reopened.schema_version == SCHEMA_VERSION == 21
+    assert reopened.schema_version == SCHEMA_VERSION == 22
     register(reopened)
     assert reopened.host_states() == {"cpu-1": "ready"}  # (the column came back, defaulted)
     [a] = reopened.claim("cpu-1", 1, T0, TTL, hold_inference=True)
