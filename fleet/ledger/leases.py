@@ -16,6 +16,7 @@ from fleet.core.errors import (
     Aborted,
     FailedPrecondition,
     FleetError,
+    Unauthenticated,
 )
 from fleet.core.lifecycle import Outcome, RolloutState, check_transition
 from fleet.core.manifest import Manifest
@@ -84,8 +85,12 @@ Beaten = tuple[list[tuple[str, int]], list[str]]
 ANY_DUE = "SELECT 1 FROM work_items WHERE state = ? AND not_before <= ? AND deadline > ? LIMIT 1"
 """Whether any queued item may be claimed now, by any host (the claim index's first column)."""
 
-HOSTS_KNOWN = "SELECT id FROM hosts WHERE id IN ({marks})"
-"""Which of some hosts are registered (a heartbeat from any other is refused)."""
+HOSTS_KNOWN = (
+    "SELECT h.id, i.revoked_at FROM hosts h LEFT JOIN host_identities i ON i.host_id = h.id "
+    "WHERE h.id IN ({marks})"
+)
+"""Which of some hosts are registered, and when each was revoked (a heartbeat from a host not
+registered, or revoked, is refused)."""
 
 LEASED_MANIFESTS = (
     "SELECT DISTINCT r.manifest_digest FROM work_items w JOIN rollouts r ON r.id = w.rollout_id "
@@ -340,7 +345,9 @@ class Leases(LedgerBase):
         answers: list[Beaten | FleetError] = []
         with self._tx() as db:
             host_ids = sorted({b.host_id for b in beats})
-            known = {row[0] for row in db.all_in(HOSTS_KNOWN, host_ids)}
+            # (checked here, in the beats' own transaction: the server trusts a host's
+            # identity for its beats longer than for its other calls, see fleet.server.auth)
+            known = {row[0]: row[1] is not None for row in db.all_in(HOSTS_KNOWN, host_ids)}
             ids = sorted({w for b in beats for w, _ in b.leases})
             held = {row[0]: Item(*row) for row in db.all_in(Q.ITEMS_FOR_UPDATE, ids)}
             host_rows: dict[str, tuple[float, str | None, str]] = {}
@@ -367,11 +374,17 @@ class Leases(LedgerBase):
         return answers
 
     @staticmethod
-    def _judge_beat(beat: Beat, known: set[str], held: Mapping[str, Item]) -> Beaten | FleetError:
-        """One beat's answer, judged on the rows its batch read (nothing written)."""
+    def _judge_beat(
+        beat: Beat, known: Mapping[str, bool], held: Mapping[str, Item]
+    ) -> Beaten | FleetError:
+        """One beat's answer, judged on the rows its batch read (nothing written). `known`:
+        the registered hosts among the batch's -> whether each was revoked."""
         host_id, now = beat.host_id, beat.now
-        if host_id not in known:
+        revoked = known.get(host_id)
+        if revoked is None:
             return FailedPrecondition(f"host {host_id!r} is not registered")
+        if revoked:
+            return Unauthenticated(f"host {host_id!r} was revoked (fleet host revoke)")
         items = [(held.get(w), w, t) for w, t in beat.leases]
         stale = [
             w

@@ -12,7 +12,13 @@ A server without TLS (`Security` absent: loopback only, or `--insecure`) authent
 every caller is `OPEN`, and the tenant is the request's, as before identity existed.
 
 What the ledger says of keys and hosts is kept for `cache_s` (1 s by default), so a revoked key
-or host is refused at most that long after its revocation, on every server replica.
+or host is refused at most that long after its revocation, on every server replica. The two
+calls every host makes all the time, Heartbeat and ClaimWork, trust a host's identity for
+`HOST_BEAT_CACHE_S` instead: looking it up again on each beat was a ledger read (and a
+connection check) per beat, more than the beat's share of its batch. Their own transactions
+refuse a revoked host (`Leases.heartbeat_batch`, the claim's host check), and revoking ends the
+host's leases at once, so revocation still takes effect on them at once; every other call of a
+host still sees it within `cache_s`.
 
 EnrollHost, which anyone may call, is refused at a bounded rate (`RefusalLimiter`): per peer
 address and overall, so that a flood of bad join tokens is answered RESOURCE_EXHAUSTED before
@@ -79,6 +85,11 @@ SCOPE_OF = {
 }
 KEY_TOUCH_S = 60.0
 """A key's last use is written at most this often."""
+HOST_BEAT_CACHE_S = 60.0
+"""How long Heartbeat and ClaimWork trust a host identity the ledger gave (see the module's
+docstring): a host beating every 3 s is looked up once in twenty beats."""
+RECHECKED = frozenset({HOSTS + "Heartbeat", HOSTS + "ClaimWork"})
+"""Host calls whose own ledger transaction refuses a revoked host."""
 
 
 @dataclass(frozen=True)
@@ -192,10 +203,15 @@ class Authenticator:
         self._hosts.clear()
         self._verified.clear()
 
-    async def _cached(self, table: dict[str, _Cached], key: str, load: Callable[[str], Any]) -> Any:
+    async def _cached(
+        self, table: dict[str, _Cached], key: str, load: Callable[[str], Any],
+        ttl_s: float | None = None,
+    ) -> Any:  # fmt: skip
         now = time.monotonic()
         hit = table.get(key)
-        if hit is not None and now - hit.at < self.cache_s:
+        # (only what was found is trusted for longer: a miss is looked up again)
+        trusted = self.cache_s if ttl_s is None or hit is None or hit.value is None else ttl_s
+        if hit is not None and now - hit.at < trusted:
             return hit.value
         value = await self._db(load, key)
         if len(table) > 100_000:
@@ -221,12 +237,12 @@ class Authenticator:
         if method.startswith(PUBLIC):
             return PUBLIC_CALLER
         if method.startswith(HOSTS):
-            return await self._host(context)
+            return await self._host(context, HOST_BEAT_CACHE_S if method in RECHECKED else None)
         if method.startswith((FLEET, SESSIONS, ADMIN)):
             return await self._tenant(method, context)
         raise PermissionDenied(f"{method} is not served to anyone")
 
-    async def _host(self, context: grpc.aio.ServicerContext) -> Caller:
+    async def _host(self, context: grpc.aio.ServicerContext, ttl_s: float | None) -> Caller:
         # The TLS handshake verified the certificate against the fleet CA; its identities are
         # its subject alternative names (none without a client certificate).
         uris = [v.decode(errors="replace") for v in context.peer_identities() or ()]
@@ -243,7 +259,9 @@ class Authenticator:
             strict_host_id(host_ids[0])
         except InvalidArgument:
             raise Unauthenticated("the client certificate names no fleet host") from None
-        host: HostIdentity | None = await self._cached(self._hosts, host_ids[0], self._host_row)
+        host: HostIdentity | None = await self._cached(
+            self._hosts, host_ids[0], self._host_row, ttl_s
+        )
         if host is None:
             raise Unauthenticated(f"host {host_ids[0]!r} is not enrolled in this fleet")
         if host.revoked_at is not None:

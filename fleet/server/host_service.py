@@ -16,6 +16,7 @@ from datetime import UTC, datetime, timedelta
 
 import grpc
 import structlog
+from google.protobuf.timestamp_pb2 import Timestamp
 
 import fleet
 from fleet.api import convert
@@ -219,9 +220,8 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
         return host_pb2.HeartbeatResponse(
             renewed=[host_pb2.LeaseRef(work_id=w, fencing_token=t) for w, t in renewed],
             stop_work_ids=stop,
-            lease_expires_at=convert.ts(
-                datetime.fromtimestamp(now + self.core.config.lease_ttl_s, UTC)
-            ),
+            # (from seconds, not through a datetime: every beat of every host answers this)
+            lease_expires_at=_timestamp(now + self.core.config.lease_ttl_s),
         )
 
     def _with_token(self, a: Assignment) -> Assignment:
@@ -510,6 +510,12 @@ async def _drain(parts: AsyncIterator[host_pb2.ArtifactPart], max_bytes: int) ->
         if read > max_bytes:
             break
     return read
+
+
+def _timestamp(seconds: float) -> Timestamp:
+    """Epoch seconds as a protobuf Timestamp (to the microsecond, as a datetime would be)."""
+    micros = round(seconds * 1_000_000)
+    return Timestamp(seconds=micros // 1_000_000, nanos=micros % 1_000_000 * 1000)
 
 
 def _td(seconds: float) -> timedelta:
