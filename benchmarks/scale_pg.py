@@ -2,18 +2,16 @@
 in a temporary directory, stopped by its own pid file), and the database's own counters read
 before and after each phase of the run.
 
-The server is the same recipe as the test suite's (`tests/pgserver.py`); it is kept here too so
-that a benchmark runs from the checkout without importing the tests.
+The server is the test suite's recipe (`tests/pgserver.py`: its binaries, port and user), with
+its data directory kept in reach so that its postmaster's CPU can be read.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import glob
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -23,28 +21,7 @@ from pathlib import Path
 import psycopg
 
 from benchmarks.harness import stat_cpu_s
-
-
-def _bin(name: str) -> str:
-    found = shutil.which(name) or next(
-        iter(sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))[::-1]), None
-    )
-    if not found:
-        raise SystemExit(
-            f"PostgreSQL's {name} is not installed (scripts/setup installs postgresql), "
-            "or pass --db postgresql://... of a server of your own"
-        )
-    return found
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _as_postgres(argv: list[str]) -> list[str]:
-    return argv if os.geteuid() != 0 else ["runuser", "-u", "postgres", "--", *argv]
+from tests.pgserver import _as_postgres, _bin, _free_port
 
 
 @dataclasses.dataclass(frozen=True)
