@@ -23,6 +23,8 @@ class Bar:
     height: float
     title: str
     """What the bar stands for (its tooltip)."""
+    label: str = ""
+    """Text drawn on the bar itself ("": none)."""
 
 
 @dataclass(frozen=True)
@@ -85,3 +87,26 @@ def bars(values: Sequence[tuple[str, float]], start: float, end: float) -> Chart
         top = _scale(value, 0.0, y_max, HEIGHT - PAD, 4.0)
         out.append(Bar(PAD + i * width + 1, top, max(width - 2, 1.0), HEIGHT - PAD - top, title))
     return Chart(points="", bars=out, marks=[], y_max=y_max, x_from=start, x_to=end)
+
+
+LANE = 22.0
+"""The height of one attempt's lane on a timeline."""
+
+
+def timeline(spans: Sequence[tuple[float, float | None, str, str]], now: float) -> Chart:
+    """One horizontal bar per span (start, end or None while it runs, label, tooltip), each in
+    its own lane, over the time from the first start to the last end (`now` for a span still
+    running): a rollout's attempts, where they ran and how each ended."""
+    if not spans:
+        return Chart(points="", bars=[], marks=[], y_max=0.0, x_from=now, x_to=now)
+    start = min(s for s, _, _, _ in spans)
+    end = max(max(s, e if e is not None else now) for s, e, _, _ in spans)
+    if end <= start:
+        end = start + 1.0
+    out = []
+    for i, (began, ended, label, title) in enumerate(spans):
+        x = _scale(began, start, end, PAD, WIDTH)
+        right = _scale(ended if ended is not None else now, start, end, PAD, WIDTH)
+        out.append(Bar(x, 4.0 + i * LANE, max(right - x, 2.0), LANE - 4.0, title, label))
+    return Chart(points="", bars=out, marks=[], y_max=float(len(spans)), x_from=start,
+                 x_to=end, height=4.0 + len(spans) * LANE + PAD)  # fmt: skip

@@ -7,8 +7,11 @@ string that slipped past escaping still could not run."""
 
 from __future__ import annotations
 
+import email.parser
+import email.policy
 import urllib.parse
 from dataclasses import dataclass, field
+from email.message import EmailMessage
 
 from fleet.console.session import parse_cookies
 from fleet.httpd import CLOSE_AFTER
@@ -35,6 +38,9 @@ REASONS = {
 HTML = "text/html; charset=utf-8"
 MAX_FIELDS = 32
 """Form fields a request may carry (every console form has a handful)."""
+MAX_UPLOAD_BYTES = 256 << 10
+"""What one field of a multipart form may hold (a Smolfile or an org policy is a few KiB; the
+whole body is bounded again by `fleet.httpd`)."""
 
 
 @dataclass(frozen=True)
@@ -74,20 +80,62 @@ def parse(method: str, target: str, headers: dict[str, str], body: bytes) -> Req
         query = _first(urllib.parse.parse_qsl(split.query, max_num_fields=MAX_FIELDS))
         form: dict[str, str] = {}
         if method == "POST" and body:
-            kind = headers.get("content-type", "").split(";", 1)[0].strip().lower()
-            if kind != "application/x-www-form-urlencoded":
+            content_type = headers.get("content-type", "")
+            kind = content_type.split(";", 1)[0].strip().lower()
+            if kind == "multipart/form-data":
+                form = multipart(content_type, body)
+            elif kind == "application/x-www-form-urlencoded":
+                form = _first(urllib.parse.parse_qsl(
+                    body.decode("utf-8"), keep_blank_values=True, max_num_fields=MAX_FIELDS,
+                    errors="strict",
+                ))  # fmt: skip
+            else:
                 raise BadRequest(
-                    f"a form must be application/x-www-form-urlencoded, not {kind[:60]!r}"
+                    "a form must be application/x-www-form-urlencoded or multipart/form-data, "
+                    f"not {kind[:60]!r}"
                 )
-            form = _first(urllib.parse.parse_qsl(
-                body.decode("utf-8"), keep_blank_values=True, max_num_fields=MAX_FIELDS,
-                errors="strict",
-            ))  # fmt: skip
     except UnicodeDecodeError:
         raise BadRequest("the form is not UTF-8") from None
     except ValueError as exc:
         raise BadRequest(f"unreadable query or form: {exc}") from None
     return Request(method, path, query, form, parse_cookies(headers.get("cookie", "")), headers)
+
+
+def multipart(content_type: str, body: bytes) -> dict[str, str]:
+    """A multipart/form-data body (RFC 7578: a form with a file input) as name -> value, each
+    part's content read as UTF-8 text, a file's as well as a field's (the console takes only
+    text files). Read with the standard library's MIME parser; whatever it had to guess at (no
+    boundary, a part without a name, a missing closing boundary) is a BadRequest saying so,
+    rather than a form quietly missing a field."""
+    if "boundary=" not in content_type.lower():
+        raise BadRequest("multipart form: its Content-Type names no boundary")
+    head = f"Content-Type: {content_type}\r\nMIME-Version: 1.0\r\n\r\n".encode("latin-1")
+    message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(head + body)
+    if message.defects or not message.is_multipart():
+        found = ", ".join(type(d).__name__ for d in message.defects) or "no parts"
+        raise BadRequest(f"malformed multipart form: {found}")
+    parts = list(message.iter_parts()) if isinstance(message, EmailMessage) else []
+    if len(parts) > MAX_FIELDS:
+        raise BadRequest(f"multipart form: {len(parts)} parts, over the limit of {MAX_FIELDS}")
+    form: dict[str, str] = {}
+    for number, part in enumerate(parts, 1):
+        name = part.get_param("name", header="content-disposition")
+        if part.get_content_disposition() != "form-data" or not isinstance(name, str) or not name:
+            raise BadRequest(f"multipart form: part {number} is not a named form-data field")
+        if part.defects:
+            found = ", ".join(type(d).__name__ for d in part.defects)
+            raise BadRequest(f"multipart form: field {name[:40]!r} is malformed: {found}")
+        data = part.get_payload(decode=True)
+        if not isinstance(data, bytes):
+            raise BadRequest(f"multipart form: field {name[:40]!r} has no content")
+        if len(data) > MAX_UPLOAD_BYTES:
+            raise BadRequest(f"multipart form: field {name[:40]!r} is {len(data)} bytes, "
+                             f"over the limit of {MAX_UPLOAD_BYTES}")  # fmt: skip
+        try:
+            form.setdefault(name, data.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise BadRequest(f"multipart form: field {name[:40]!r} is not UTF-8 text") from None
+    return form
 
 
 def response(

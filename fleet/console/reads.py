@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+from fleet.console import charts
 from fleet.core.egress import EgressEvent
 from fleet.core.errors import InvalidArgument, NotFound
 from fleet.core.lifecycle import RolloutState
@@ -126,6 +127,40 @@ def rollout(ledger: Ledger, rollout_id: str, tenant: str | None) -> RolloutDetai
     return RolloutDetail(
         found, ledger.attempts(rollout_id), ledger.events(rollout_id, 0),
         ledger.egress_events(rollout_id), ledger.rollout_tokens(rollout_id),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One checkpoint a hybrid rollout stored: what the page lists of it (not its data)."""
+
+    sequence: int
+    attempt: int
+    host_id: str
+    """Where the attempt that wrote it ran ("" when that attempt is not recorded)."""
+    size: int
+    created_at: float
+
+
+def checkpoints(ledger: Ledger, rollout_id: str, tenant: str | None) -> list[Checkpoint]:
+    """A rollout's checkpoints in order, if `tenant` may see the rollout (else NotFound)."""
+    owned(ledger, rollout_id, tenant)
+    hosts = {a.attempt: a.host_id for a in ledger.attempts(rollout_id)}
+    return [
+        Checkpoint(seq, attempt, hosts.get(attempt, ""), size, at)
+        for seq, attempt, size, at in ledger.checkpoint_index(rollout_id)
+    ]
+
+
+def attempts_timeline(attempts: list[AttemptRec], now: float) -> charts.Chart:
+    """A rollout's attempts as bars from start to end (to `now` while one runs), each labelled
+    with its host and outcome."""
+    return charts.timeline(
+        [(a.started_at, a.ended_at, f"#{a.attempt} {a.host_id} · {a.outcome or 'running'}",
+          f"attempt {a.attempt} on {a.host_id}: {a.outcome or 'running'}"
+          + (f" ({a.error})" if a.error else ""))
+         for a in attempts],
+        now,
     )  # fmt: skip
 
 

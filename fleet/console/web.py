@@ -293,8 +293,15 @@ class Console:
         detail = await self.backend.read(reads.rollout, self.backend.ledger, rollout_id,
                                          viewer.scope)  # fmt: skip
         self._remember_owner(rollout_id, detail.rollout.tenant)
-        name = "rollout_live.html" if live else "rollout.html"
-        return self.page(200, name, viewer, d=detail, r=detail.rollout)
+        timeline = reads.attempts_timeline(detail.attempts, time.time())
+        if live:
+            return self.page(200, "rollout_live.html", viewer, d=detail, r=detail.rollout,
+                             timeline=timeline)  # fmt: skip
+        # (Checkpoints only on the whole page: a live poll need not read them.)
+        saved = await self.backend.read(reads.checkpoints, self.backend.ledger, rollout_id,
+                                        viewer.scope)  # fmt: skip
+        return self.page(200, "rollout.html", viewer, d=detail, r=detail.rollout,
+                         timeline=timeline, checkpoints=saved)  # fmt: skip
 
     async def _live(self, request: Request, viewer: Viewer, rollout_id: str) -> bytes:
         """A rollout's live fragment; with `after` (the last event sequence the page shows),
@@ -393,11 +400,18 @@ class Console:
     # -- policy -----------------------------------------------------------------------------
 
     def _policy(self, request: Request, viewer: Viewer) -> bytes:
-        """The audit of a pasted Smolfile (with an org policy, when one is pasted too), its
-        egress in plain words, and its diff from a previous version: `fleet policy`'s
-        engine."""
-        form = request.form
+        """The audit of a pasted or uploaded Smolfile (with an org policy, when one is given
+        too), its egress in plain words, and its diff from a previous version: `fleet
+        policy`'s engine."""
+        form = dict(request.form)
+        # An uploaded file stands in for its pasted field (a browser sends an empty one when
+        # no file was chosen), and is shown in that field for the next edit.
+        for field in ("smolfile", "old", "org"):
+            if form.get(f"{field}_file", "").strip():
+                form[field] = form[f"{field}_file"]
         text, old, org_text = form.get("smolfile", ""), form.get("old", ""), form.get("org", "")
+        if not text.strip():
+            raise InvalidArgument("no Smolfile: paste one or choose a file to upload")
         org = None
         if org_text.strip():
             try:

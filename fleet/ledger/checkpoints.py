@@ -94,3 +94,10 @@ class Checkpoints(LedgerBase):
         with self._read() as db:
             rows = db.all(Q.CHECKPOINTS, (rollout_id,))
         return [(int(s), int(a), bytes(d)) for s, a, d in rows]
+
+    def checkpoint_index(self, rollout_id: str) -> list[tuple[int, int, int, float]]:
+        """(sequence, attempt, size in bytes, created at) of every checkpoint a rollout stored,
+        in order: what a listing shows, without reading their data."""
+        with self._read() as db:
+            rows = db.all(Q.CHECKPOINT_INDEX, (rollout_id,))
+        return [(int(s), int(a), int(n), float(t)) for s, a, n, t in rows]

@@ -304,6 +304,10 @@ REFUND_CHECKPOINT = "UPDATE checkpoint_usage SET bytes = bytes - ? WHERE rollout
 DELETE_CHECKPOINT = "DELETE FROM checkpoints WHERE rollout_id = ? AND seq = ?"
 CHECKPOINT_DATA = "SELECT data FROM checkpoints WHERE rollout_id = ? AND seq = ?"
 CHECKPOINTS = "SELECT seq, attempt, data FROM checkpoints WHERE rollout_id = ? ORDER BY seq"
+CHECKPOINT_INDEX = (
+    "SELECT seq, attempt, length(data), created_at FROM checkpoints WHERE rollout_id = ? "
+    "ORDER BY seq"
+)
 LATEST_CHECKPOINTS = (
     "SELECT c.rollout_id, c.seq, c.data FROM checkpoints c WHERE c.rollout_id IN ({marks}) "
     "AND c.seq = (SELECT max(seq) FROM checkpoints m WHERE m.rollout_id = c.rollout_id)"

@@ -604,3 +604,119 @@ async def test_session_actions_are_the_tenants_own_and_need_the_csrf_token(
     admin, _ = await console.session(console.h.admin_key)
     seen = await console.get(f"/sessions/{sid}", admin)
     assert seen.status_code == 200 and "team-a" in seen.text
+
+
+async def test_a_rollouts_page_lists_its_checkpoints_and_draws_its_attempts(
+    console: Console,
+) -> None:
+    """Checkpoints with their attempt, host, size and time (their data is neither read nor sent);
+    the attempts as a timeline of one labelled bar each, their hosts' names escaped; another
+    tenant gets the same 404 as for an unknown rollout."""
+    key = console.h.key("team-a")
+    await console.h.start_agent("cpu-a", HostClass.CPU)
+    async with console.h.connect(key) as channel:
+        stub = fleet_pb2_grpc.FleetServiceStub(channel)
+        rid = (await stub.SubmitRollout(request('image = "minimal"\n', ["true"]))).rollout.id
+    await console.h.wait_final(rid)
+    ledger = console.h.server.core.ledger
+    [first] = ledger.attempts(rid)
+    with ledger.engine.begin() as db:
+        # A second attempt on a host with a hostile name, and two checkpoints, one from each.
+        db.execute(
+            sql_text(
+                "INSERT INTO attempts (work_id, attempt, host_id, fencing_token, started_at, "
+                "ended_at, outcome, error) VALUES (:w, 2, :h, 7, :s, :e, 'FAILED', :h)"
+            ),
+            {"w": first.work_id, "h": HOSTILE, "s": first.started_at + 1,
+             "e": first.started_at + 3},
+        )  # fmt: skip
+        for seq, attempt, data in ((1, 1, b"a" * 10), (2, 2, b"<b>" * 100)):
+            db.execute(
+                sql_text(
+                    "INSERT INTO checkpoints (rollout_id, seq, attempt, data, created_at) "
+                    "VALUES (:r, :seq, :attempt, :data, :at)"
+                ),
+                {"r": rid, "seq": seq, "attempt": attempt, "data": data, "at": time.time()},
+            )
+    cookie, _ = await console.session(key)
+    page = await console.get(f"/rollouts/{rid}", cookie)
+    assert page.status_code == 200, page.text
+    html = page.text
+    rows = re.findall(
+        r'<tr class="checkpoint"><td>(\d+)</td><td>(\d+)</td><td>([^<]*)</td><td>(\d+)</td>'
+        r"<td>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC</td></tr>",
+        html,
+    )
+    assert rows == [("1", "1", "cpu-a", "10"), ("2", "2", ESCAPED, "300")]
+    svg = re.search(r'<svg class="chart timeline" id="attempts-timeline".*?</svg>', html, re.S)
+    assert svg, html[-4000:]
+    labels = re.findall(r'<text class="bar-label"[^>]*>([^<]*)</text>', svg.group(0))
+    assert labels == ["#1 cpu-a · SUCCEEDED", f"#2 {ESCAPED} · FAILED"]
+    assert svg.group(0).count('<rect class="bar"') == 2
+    assert HOSTILE not in html and "<b><b>" not in html
+    live = await console.get(f"/rollouts/{rid}/live", cookie)
+    assert live.text.count('<rect class="bar"') == 2
+    other, _ = await console.session(console.h.key("team-b"))
+    theirs = await console.get(f"/rollouts/{rid}", other)
+    unknown = await console.get("/rollouts/r_unknown", other)
+    assert theirs.status_code == unknown.status_code == 404
+    assert theirs.text.replace(rid, "r_unknown") == unknown.text
+
+
+async def _upload(c: Console, cookie: str, fields: dict[str, str],
+                  files: dict[str, tuple[str, str]]) -> httpx.Response:  # fmt: skip
+    """POST /policy as multipart/form-data, as a browser sends a form with a file input:
+    `fields`, and `files` as field -> (file name, text)."""
+    return await c.bare().post(
+        f"{c.base}/policy", headers={"Cookie": cookie}, data=fields,
+        files={k: (name, text.encode(), "text/plain") for k, (name, text) in files.items()},
+    )  # fmt: skip
+
+
+async def test_an_uploaded_smolfile_is_audited_and_needs_the_csrf_token(console: Console) -> None:
+    """The policy form as a browser sends it with a file chosen (multipart/form-data): the
+    file's findings are shown and its text, escaped, is put back in the form; without the
+    CSRF token the upload is refused; a pasted Smolfile still works through the same form."""
+    cookie, csrf = await console.session(console.h.key("team-a"))
+    bad = 'image = "minimal"\n[network]\nallow_cidrs = ["169.254.169.254/32"]\n# <script>\n'
+    page = await _upload(console, cookie, {"csrf": csrf, "smolfile": ""},
+                         {"smolfile_file": ("Smol<b>", bad)})  # fmt: skip
+    assert page.status_code == 200, page.text
+    assert re.search(r'<tr class="finding"><td>3</td><td>\w+</td><td class="rule">FLEET005<',
+                     page.text)  # fmt: skip
+    assert "# &lt;script&gt;" in page.text and "<script>" not in page.text
+    pasted = await _upload(console, cookie, {"csrf": csrf, "smolfile": bad},
+                           {"smolfile_file": ("", "")})  # fmt: skip
+    assert pasted.status_code == 200 and 'class="rule">FLEET005<' in pasted.text
+    refused = await _upload(console, cookie, {}, {"smolfile_file": ("Smolfile", bad)})
+    assert refused.status_code == 403 and "CSRF" in refused.text
+    empty = await _upload(console, cookie, {"csrf": csrf}, {"smolfile_file": ("Smolfile", "")})
+    assert empty.status_code == 400 and "no Smolfile" in empty.text
+
+
+async def test_a_malformed_multipart_form_is_a_400_that_says_what_is_wrong(
+    console: Console,
+) -> None:
+    cookie, csrf = await console.session(console.h.key("team-a"))
+    field = f'Content-Disposition: form-data; name="csrf"\r\n\r\n{csrf}\r\n'
+    cases = {
+        # (content type, body): what the answer must name
+        ("multipart/form-data", f"--B\r\n{field}--B--\r\n"): "names no boundary",
+        ("multipart/form-data; boundary=B", f"--B\r\n{field}"): "CloseBoundaryNotFound",
+        ("multipart/form-data; boundary=B", "no parts at all"): "StartBoundaryNotFound",
+        ("multipart/form-data; boundary=B",
+         "--B\r\nContent-Type: text/plain\r\n\r\nx\r\n--B--\r\n"): "not a named form-data",
+        ("multipart/form-data; boundary=B",
+         f'--B\r\n{field}--B\r\nContent-Disposition: form-data; name="smolfile"\r\n\r\n'
+         "\udcff\r\n--B--\r\n"): "not UTF-8",
+        ("text/plain", "smolfile=x"): "multipart/form-data",
+    }  # fmt: skip
+    for (kind, body), says in cases.items():
+        answer = await console.bare().post(
+            f"{console.base}/policy", content=body.encode("utf-8", "surrogateescape"),
+            headers={"Cookie": cookie, "Content-Type": kind},
+        )  # fmt: skip
+        assert answer.status_code == 400, (kind, body, answer.text)
+        assert says in answer.text, (says, answer.text)
+    # (the connection was closed after each refusal; the console still answers)
+    assert (await console.get("/policy", cookie)).status_code == 200
