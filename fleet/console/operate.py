@@ -12,8 +12,11 @@ from dataclasses import dataclass
 
 from fleet.console import charts
 from fleet.core.errors import InvalidArgument
+from fleet.core.lifecycle import RolloutState
+from fleet.core.manifest import SESSION_LAYER_OUTPUT
 from fleet.core.report import Report
 from fleet.core.rollout import Rollout
+from fleet.ledger.parks import CLOSED, Park
 from fleet.ledger.pools import PoolEvent, PoolView
 from fleet.ledger.report import read_report
 from fleet.ledger.store import Ledger
@@ -100,7 +103,40 @@ def cost(ledger: Ledger, hours: int, by_label: str) -> CostPage:
     return CostPage(report, charts.bars(slices, report.since, report.until))
 
 
-def sessions(ledger: Ledger, tenant: str | None, limit: int = 200) -> list[Rollout]:
-    """The newest sessions of `tenant` (None: every tenant's): the rollouts that hold them."""
+def session_state(rollout: Rollout, park: Park | None) -> str:
+    """OPEN, PARKED, CLOSED or FAILED, as SessionService reports a session whose rollout
+    holding it now is `rollout`."""
+    parked = (
+        (park is None or park.state != CLOSED) and rollout.state == RolloutState.SUCCEEDED
+        and any(o.path == SESSION_LAYER_OUTPUT and o.digest for o in rollout.outputs)
+    )  # fmt: skip
+    if parked:
+        return "PARKED"
+    if park is not None and park.state == CLOSED:
+        return "CLOSED"
+    if not rollout.state.final:
+        return "OPEN"
+    closed = rollout.state in (RolloutState.SUCCEEDED, RolloutState.CANCELLED)
+    return "CLOSED" if closed else "FAILED"
+
+
+@dataclass(frozen=True)
+class SessionRow:
+    """A session as the list shows it: the rollout that opened it (its id is the session's),
+    and its state now (a parked or resumed session is held by later rollouts)."""
+
+    first: Rollout
+    state: str
+    """OPEN, PARKED, CLOSED or FAILED, as SessionService reports it."""
+    host_id: str
+
+
+def sessions(ledger: Ledger, tenant: str | None, limit: int = 200) -> list[SessionRow]:
+    """The newest sessions of `tenant` (None: every tenant's), each with its state now."""
     found, _ = ledger.list_rollouts(limit, "", {SESSION_LABEL: "1"}, tenant=tenant)
-    return found
+    rows = []
+    for first in found:
+        park = ledger.session_park(first.id)
+        now = first if park is None or park.rollout_id == first.id else ledger.get(park.rollout_id)
+        rows.append(SessionRow(first, session_state(now, park), now.host_id or ""))
+    return rows

@@ -23,10 +23,7 @@ from fleet.console import operate
 from fleet.console.http import Request, redirect, response
 from fleet.console.session_calls import NO_CONTEXT, Runs, SessionAccess, SessionService
 from fleet.core.errors import FailedPrecondition, InvalidArgument, Unavailable
-from fleet.core.lifecycle import RolloutState
-from fleet.core.manifest import SESSION_LAYER_OUTPUT
 from fleet.core.rollout import Rollout
-from fleet.ledger.parks import CLOSED, Park
 from fleet.ledger.store import Ledger
 
 if TYPE_CHECKING:
@@ -44,23 +41,6 @@ the session stays open, and its page says so)."""
 MAX_COMMAND = 16 << 10
 MAX_TIMEOUT_S = 3600.0
 DEFAULT_SMOLFILE = 'image = "minimal"\n'
-
-
-def session_state(rollout: Rollout, park: Park | None) -> str:
-    """OPEN, PARKED, CLOSED or FAILED, as SessionService reports a session whose rollout
-    holding it now is `rollout`."""
-    parked = (
-        (park is None or park.state != CLOSED) and rollout.state == RolloutState.SUCCEEDED
-        and any(o.path == SESSION_LAYER_OUTPUT and o.digest for o in rollout.outputs)
-    )  # fmt: skip
-    if parked:
-        return "PARKED"
-    if park is not None and park.state == CLOSED:
-        return "CLOSED"
-    if not rollout.state.final:
-        return "OPEN"
-    closed = rollout.state in (RolloutState.SUCCEEDED, RolloutState.CANCELLED)
-    return "CLOSED" if closed else "FAILED"
 
 
 @dataclass(frozen=True)
@@ -168,7 +148,9 @@ class SessionPages:
         lease = None if current.state.final else await self.read(
             self.ledger.rollout_lease, current.id
         )  # fmt: skip
-        return SessionView(first, current, session_state(current, park), lease[1] if lease else "")
+        return SessionView(
+            first, current, operate.session_state(current, park), lease[1] if lease else ""
+        )
 
     async def _session(self, request: Request, viewer: Viewer, session_id: str) -> bytes:
         view = await self._describe(viewer, session_id)

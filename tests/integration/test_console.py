@@ -516,7 +516,8 @@ async def _run_in_console(c: Console, cookie: str, csrf: str, session_id: str,
 @pytest.mark.sandbox
 async def test_a_tenant_opens_a_session_runs_a_command_and_closes_it(sandboxed: Console) -> None:
     """The sessions page's actions on a real machine: open from a Smolfile, a command's output
-    followed in the exec box (script tags and quotes shown as text), close after confirming."""
+    followed in the exec box (script tags and quotes shown as text), park and resume, close
+    after confirming."""
     await sandboxed.h.start_agent("cpu-a", HostClass.CPU)
     cookie, csrf = await sandboxed.session(sandboxed.h.key("team-a"))
     sid = await _open_from_console(sandboxed, cookie, csrf)
@@ -536,6 +537,19 @@ async def test_a_tenant_opens_a_session_runs_a_command_and_closes_it(sandboxed: 
     assert f'<span class="stderr">{ESCAPED}</span>' in shown.text
     assert HOSTILE not in shown.text and "<script>alert" not in shown.text
     assert re.search(r'id="exec-status">exit 3<', shown.text)
+
+    # Parked, it is listed as parked (the list reads each session's state now); resumed, it
+    # is open again, on a machine made from its layer.
+    parked = await sandboxed.post(f"/sessions/{sid}/park", cookie, {"csrf": csrf})
+    assert parked.status_code == 303, parked.text
+    listed = await sandboxed.get("/sessions", cookie)
+    assert re.search(rf'<a href="/sessions/{sid}">{sid}</a></td><td class="state parked">parked<',
+                     listed.text), listed.text  # fmt: skip
+    resumed = await sandboxed.post(f"/sessions/{sid}/resume", cookie, {"csrf": csrf})
+    assert resumed.status_code == 303, resumed.text
+    listed = await sandboxed.get("/sessions", cookie)
+    assert re.search(rf'<a href="/sessions/{sid}">{sid}</a></td><td class="state open">open<',
+                     listed.text), listed.text  # fmt: skip
 
     confirm = await sandboxed.get(f"/sessions/{sid}/close", cookie)
     assert confirm.status_code == 200 and 'name="confirm" value="yes"' in confirm.text
@@ -572,10 +586,9 @@ async def test_session_actions_are_the_tenants_own_and_need_the_csrf_token(
                        (f"/sessions/{sid}/close", {"confirm": "yes"})):  # fmt: skip
         answer = await console.post(path, theirs, {**form, "csrf": their_csrf})
         assert answer.status_code == 404, (path, answer.text)
-    for action in ("park", "resume"):  # (refused before the session is looked up, for now:
-        # the API gives these calls no tenant scope, so only an admin key may make them)
+    for action in ("park", "resume"):
         answer = await console.post(f"/sessions/{sid}/{action}", theirs, {"csrf": their_csrf})
-        assert answer.status_code in (403, 404), (action, answer.text)
+        assert answer.status_code == 404, (action, answer.text)
     for path in (f"/sessions/{sid}/close", f"/sessions/{sid}/runs/{run_id}?after=0",
                  f"/sessions/{sid}?run={run_id}"):  # fmt: skip
         assert (await console.get(path, theirs)).status_code == 404, path
