@@ -50,7 +50,7 @@ def test_an_operator_elsewhere_needs_only_the_address_the_ca_and_an_admin_key(
                 host_id="cloud-1", host_class=HostClass.CPU, runtime=RuntimeKind.NAMESPACE,
                 isolation=Isolation.NAMESPACE, cpus=2, memory_mib=1024, cuda_devices=0,
             ),
-            time.time(),
+            time.time() - 3600,  # (and never since: it is listed unresponsive)
         )  # fmt: skip
         server = spawn(procs, server_home, "server", "serve", "--listen", api, "--host-listen",
                        f"{SERVER_IP}:{host_port}", "--db", db)  # fmt: skip
