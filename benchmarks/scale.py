@@ -51,11 +51,13 @@ from benchmarks.scale_fleet import (
 from benchmarks.scale_hosts import CLAIM_WAIT_S, Plan
 from benchmarks.scale_pg import PgCounters, counters, postgres_server, tree_cpu_s
 from fleet.config import Paths
+from fleet.core.beat_pace import pace
 from fleet.core.credentials import format_api_key, format_join_token, parse_scopes
 from fleet.core.lifecycle import FINAL_STATES, Outcome
 from fleet.core.placement import HostClass
 from fleet.identity.ca import CertificateAuthority
 from fleet.ledger.store import Ledger
+from fleet.server.app import PACE_REFRESH_S
 from fleet.server.settings import ServerConfig
 
 TICK_S = 0.1
@@ -318,7 +320,9 @@ async def run(opts: Options, db_url: str) -> dict[str, Any]:
             join_s = time.monotonic() - joined_at
             submitter = Submitter([r.api for r in replicas], ca.pem, format_api_key(key), image)
 
-            await asyncio.sleep(PG_SETTLE_S)  # (the enrollments' writes published)
+            # The replicas count the hosts (every PACE_REFRESH_S), then each host hears the
+            # fleet's pace at its next beat and spreads its beats over it (`beat_pace`).
+            await asyncio.sleep(PACE_REFRESH_S + opts.config.heartbeat_interval_s + PG_SETTLE_S)
             a = await meter.read(tally, workers)
             await asyncio.sleep(opts.heartbeat_phase_s)
             phases.append(
@@ -342,7 +346,10 @@ async def run(opts: Options, db_url: str) -> dict[str, Any]:
                                             replicas)  # fmt: skip
             rising_n = len(submitter.submitted) - before
             expected = len(submitter.submitted)
-            drain_s = 2 * opts.config.lease_ttl_s + 60 + expected / 20
+            c = opts.config
+            lease_s = pace(joined, c.heartbeat_interval_s, c.lease_ttl_s,
+                           c.max_heartbeats_per_s).lease_ttl_s  # fmt: skip
+            drain_s = 2 * lease_s + 60 + expected / 20
             with contextlib.suppress(RuntimeError):  # (what is missing is counted as lost)
                 await until_completed(tally, workers, expected, drain_s)
             await asyncio.sleep(PG_SETTLE_S)
@@ -387,9 +394,13 @@ def report(opts: Options, r: Results) -> dict[str, Any]:
     """Prints the tables; returns the closing JSON object."""
     phases, steps, tally, submitter = r.phases, r.steps, r.tally, r.submitter
     config = opts.config
+    paced = pace(r.joined, config.heartbeat_interval_s, config.lease_ttl_s,
+                 config.max_heartbeats_per_s)  # fmt: skip
     print(f"{r.joined} simulated hosts ({opts.per_process} per process, {opts.slots} slots "
           f"each) joined two replicas in {r.join_s:.1f} s; heartbeat every "
-          f"{config.heartbeat_interval_s:g} s, lease {config.lease_ttl_s:g} s, claim wait "
+          f"{paced.heartbeat_interval_s:g} s, lease {paced.lease_ttl_s:g} s (the pace for "
+          f"{r.joined} hosts at {config.max_heartbeats_per_s:g} beats/s; base "
+          f"{config.heartbeat_interval_s:g} s, {config.lease_ttl_s:g} s), claim wait "
           f"{opts.claim_wait_s:g} s")  # fmt: skip
     print()
     table = Table(34, (("s", 6), ("beats/s", 9), ("replica 0", 10), ("replica 1", 10),
@@ -448,7 +459,7 @@ def report(opts: Options, r: Results) -> dict[str, Any]:
     print()
     print(f"replica 0 killed: {hosts_moved} hosts moved to replica 1, all resumed within "
           + (f"{resume_max:.1f} s" if resume_max is not None else "- s")
-          + f" (2 leases: {2 * config.lease_ttl_s:g} s)")  # fmt: skip
+          + f" (2 leases: {2 * paced.lease_ttl_s:g} s)")  # fmt: skip
     print(
         f"rollouts: {expected} submitted, {ledger_says['final']} final "
         f"({ledger_says['succeeded']} succeeded); lost {lost}, duplicated "
@@ -481,7 +492,9 @@ def report(opts: Options, r: Results) -> dict[str, Any]:
         "pg_core_fraction_load": None if load.pg_cpu_s is None else load.pg_cpu_s / load.seconds,
         "failover_hosts": hosts_moved,
         "failover_resume_max_s": resume_max,
-        "lease_ttl_s": config.lease_ttl_s,
+        "heartbeat_interval_s": paced.heartbeat_interval_s,
+        "lease_ttl_s": paced.lease_ttl_s,
+        "max_heartbeats_per_s": config.max_heartbeats_per_s,
         "heartbeat_errors": tally.heartbeat_errors,
         "refused": tally.refused,
     }
@@ -511,6 +524,10 @@ def main() -> int:
     defaults = ServerConfig()
     parser.add_argument("--lease-ttl-s", type=float, default=defaults.lease_ttl_s)
     parser.add_argument("--heartbeat-s", type=float, default=defaults.heartbeat_interval_s)
+    parser.add_argument("--max-heartbeats-per-s", type=float,
+                        default=defaults.max_heartbeats_per_s,
+                        help="the fleet's heartbeat pace (`fleet serve --max-heartbeats-per-s`; "
+                             "0: every host beats at --heartbeat-s)")  # fmt: skip
     parser.add_argument("--baseline-s", type=float, default=5.0)
     parser.add_argument("--heartbeat-phase-s", type=float, default=30.0)
     parser.add_argument("--idle-phase-s", type=float, default=15.0)
@@ -551,7 +568,10 @@ def main() -> int:
         parser.error(f"--db {args.db!r}: two replicas share a PostgreSQL database: "
                      "postgresql://USER@HOST:PORT/DB")  # fmt: skip
     quiet()
-    config = ServerConfig(lease_ttl_s=args.lease_ttl_s, heartbeat_interval_s=args.heartbeat_s)
+    if args.max_heartbeats_per_s < 0:
+        parser.error(f"--max-heartbeats-per-s must be 0 or more, got {args.max_heartbeats_per_s}")
+    config = ServerConfig(lease_ttl_s=args.lease_ttl_s, heartbeat_interval_s=args.heartbeat_s,
+                          max_heartbeats_per_s=args.max_heartbeats_per_s)  # fmt: skip
     opts = Options(
         args.hosts, args.per_process, args.slots, args.work_s, config, args.baseline_s,
         args.heartbeat_phase_s, args.idle_phase_s, args.batch, rates, args.step_s,

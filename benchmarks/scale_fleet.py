@@ -83,7 +83,8 @@ def start_replica(name: str, home: Path, db: str, config: ServerConfig) -> Repli
     argv = [sys.executable, "-m", "fleet.cli.main", "--log-level", "warning", "serve",
             "--listen", api, "--tls", "--host-listen", host_endpoint, "--db", db,
             "--lease-ttl-s", str(config.lease_ttl_s),
-            "--heartbeat-s", str(config.heartbeat_interval_s)]  # fmt: skip
+            "--heartbeat-s", str(config.heartbeat_interval_s),
+            "--max-heartbeats-per-s", str(config.max_heartbeats_per_s)]  # fmt: skip
     with log.open("wb") as out:  # (the child keeps its own copy of the descriptor)
         popen = subprocess.Popen(
             argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,

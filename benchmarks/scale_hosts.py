@@ -228,9 +228,15 @@ class SimHost:
                 leases=[host_pb2.LeaseRef(work_id=w, fencing_token=t)
                         for w, t in self.held.items()],
             )  # fmt: skip
+            wait_s = self.heartbeat_s
             try:
-                await self.call("Heartbeat", request, 10)
+                reply = await self.call("Heartbeat", request, 10)
                 self.counters.heartbeats += 1
+                if reply.heartbeat_interval_s > 0 and reply.heartbeat_interval_s != wait_s:
+                    # A new pace (as the agent takes it): a random part of it first, so the
+                    # hosts' beats spread over the new interval again.
+                    self.heartbeat_s = reply.heartbeat_interval_s
+                    wait_s = random.uniform(0, self.heartbeat_s)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.ABORTED:
                     stale = dict(exc.trailing_metadata() or ()).get("fleet-stale-work-ids", "")
@@ -238,7 +244,7 @@ class SimHost:
                     self.counters.lost_leases += len(lost)
                 else:
                     self.counters.heartbeat_errors += 1
-            await asyncio.sleep(self.heartbeat_s)
+            await asyncio.sleep(wait_s)
 
     async def _claims(self) -> None:
         while True:

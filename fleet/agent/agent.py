@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import socket
 import time
 import uuid
@@ -272,10 +273,18 @@ class Agent:
 
     async def _heartbeats(self, stub: host_pb2_grpc.HostServiceStub, stop: asyncio.Event) -> None:
         while True:
+            wait_s = self._heartbeat_s
             try:
                 reply = await stub.Heartbeat(self._beat_request(), timeout=10)
                 for work_id in reply.stop_work_ids:
                     self._stop(work_id, "the server asked to stop it (cancelled or deadline)")
+                paced = reply.heartbeat_interval_s  # (the server paces a large fleet)
+                if paced > 0 and paced != self._heartbeat_s:
+                    # Every host hears of a new pace within one old interval: each waits a
+                    # random part of the new one first, so that their beats spread over it
+                    # again rather than keep the bunch they were told in.
+                    self._heartbeat_s = paced
+                    wait_s = random.uniform(0, paced)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.ABORTED:
                     stale = dict(exc.trailing_metadata() or ()).get("fleet-stale-work-ids", "")
@@ -285,7 +294,7 @@ class Agent:
                     if lost:
                         continue  # beat again at once for the leases still held
                 self.log.warning("heartbeat_failed", code=exc.code().name, error=exc.details())
-            await asyncio.sleep(self._heartbeat_s)
+            await asyncio.sleep(wait_s)
 
     def _lost(self, work_id: str) -> None:
         """A lease the server no longer honours: stop the work and forget it."""

@@ -269,6 +269,12 @@ class Hosts(Leases):
                 out.append(view)
             return out
 
+    def live_host_count(self, since: float) -> int:
+        """Hosts that beat at or after `since` (how many the fleet asks beats of)."""
+        with self._read() as db:
+            row = db.one(Q.LIVE_HOST_COUNT, (since,))
+        return int(row[0]) if row else 0
+
     def hosts(self) -> list[HostCapabilities]:
         with self._read() as db:
             rows = db.all(Q.UNREVOKED_HOSTS_CAPABILITIES)

@@ -353,6 +353,7 @@ UNREVOKED_HOSTS_CAPABILITIES = (
     "SELECT capabilities_json FROM hosts WHERE id NOT IN "
     "(SELECT host_id FROM host_identities WHERE revoked_at IS NOT NULL) ORDER BY id"
 )
+LIVE_HOST_COUNT = "SELECT count(*) FROM hosts WHERE last_heartbeat_at >= ?"
 HOST_TABLE = (
     "SELECT id, capabilities_json, state, last_heartbeat_at, images_json FROM hosts ORDER BY id"
 )

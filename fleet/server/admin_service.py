@@ -31,7 +31,6 @@ from fleet.server.core import Core
 
 log = structlog.get_logger(__name__)
 
-DEFAULT_UNRESPONSIVE_S = 15.0
 T = TypeVar("T")
 
 
@@ -87,7 +86,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):  # type: ignore[misc]
     async def ListHosts(
         self, request: admin_pb2.ListHostsRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.ListHostsResponse:
-        after = request.unresponsive_after_s or DEFAULT_UNRESPONSIVE_S
+        after = request.unresponsive_after_s or self.core.pace.lease_ttl_s
 
         async def op() -> admin_pb2.ListHostsResponse:
             ledger = self.core.ledger

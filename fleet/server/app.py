@@ -27,6 +27,7 @@ from fleet.console.session_calls import SessionAccess
 from fleet.console.web import Backend, Console, console_address
 from fleet.console.web import serve as serve_console
 from fleet.core import tokens
+from fleet.core.beat_pace import COUNT_AT_START_S
 from fleet.core.errors import (
     FailedPrecondition,
 )
@@ -55,19 +56,30 @@ from fleet.server.settings import ServerConfig as ServerConfig  # (re-exported: 
 
 log = structlog.get_logger(__name__)
 
+PACE_REFRESH_S = 5.0
+"""How often the live hosts are counted for the heartbeat pace (`fleet.core.beat_pace`)."""
+
 __all__ = ["Core", "FleetServer", "ServerConfig"]
 
 
 async def _sweeper(core: Core) -> None:
     late_at = 0.0  # (monotonic: when queued work past its deadline is next looked for)
-    clock = SweepClock(core.config.sweep_interval_s, core.config.lease_ttl_s)
-    hold_s = core.config.lease_ttl_s
+    paced_at = time.monotonic()
+    try:  # (the longest lease its hosts may hold: see COUNT_AT_START_S)
+        await core.refresh_pace(COUNT_AT_START_S)
+    except Exception:
+        log.exception("pace_failed")
+    clock = SweepClock(core.config.sweep_interval_s, core.pace.lease_ttl_s)
+    hold_s = core.pace.lease_ttl_s
     held_since = time.time()
     # Its hosts get a lease of this server's own time to reach it before their leases are
     # judged; the leases of hosts that reached it since the hold began are judged as usual.
     log.info("sweeper_holding_after_start", hold_s=hold_s)
     while True:
         try:
+            if time.monotonic() - paced_at >= PACE_REFRESH_S:
+                paced_at = time.monotonic()
+                clock.lease_ttl_s = (await core.refresh_pace()).lease_ttl_s
             wall = time.time()
             now = clock.now(wall)  # (not counting time this server was not running)
             if clock.late_s:

@@ -16,6 +16,7 @@ from typing import Any, Generic, TypeVar
 import structlog
 
 from fleet.artifacts.store import BlobStore, RegistryBlobStore
+from fleet.core.beat_pace import Pace, pace, settle
 from fleet.core.coalesce import Coalescer
 from fleet.core.errors import (
     Internal,
@@ -131,6 +132,8 @@ class Core:
         """Hosts' session streams, and the calls waiting on them."""
         self.inference_running: dict[str, bool] = {}
         """Running rollouts -> whether they call the gateway, as last told to it."""
+        self.pace = Pace(config.heartbeat_interval_s, config.lease_ttl_s)
+        """How often hosts beat and how long a beat's lease lasts now (`refresh_pace`)."""
         self._closed = False
         self.signal: WorkSignal | None = None
         """Wake-ups to and from other replicas (PostgreSQL only; started on first use)."""
@@ -187,6 +190,21 @@ class Core:
         self._hosts = (now, hosts)
         return unservable_reason(hosts, host_class, needs)
 
+    async def refresh_pace(self, window_s: float | None = None) -> Pace:
+        """The pace for the hosts that beat within `window_s` (default: the current lease,
+        which every live host's beats fall within), kept in `pace`."""
+        since = time.time() - (self.pace.lease_ttl_s if window_s is None else window_s)
+        live = await self.read(self.ledger.live_host_count, since)
+        c = self.config
+        new = settle(
+            self.pace, pace(live, c.heartbeat_interval_s, c.lease_ttl_s, c.max_heartbeats_per_s)
+        )
+        if new != self.pace:
+            log.info("heartbeat_pace", hosts=live, interval_s=round(new.heartbeat_interval_s, 2),
+                     lease_ttl_s=round(new.lease_ttl_s, 2))  # fmt: skip
+            self.pace = new
+        return new
+
     def hosts_changed(self) -> None:
         self._hosts = None
 
@@ -220,7 +238,7 @@ HOSTS_FRESH_S = 1.0
 MAX_CHECKPOINTS_PER_CALL = 256
 HEARTBEAT_LINGER_S = 0.1
 """How long a batch of heartbeats waits for more before it is written (`HeartbeatBatcher`):
-at 333 beats a second (1,000 hosts at the default interval), about 30 beats a commit."""
+at 100 beats a second (the default pace's most), about 10 beats a commit."""
 MAX_LIST_BYTES = 3 << 20
 """A ListRollouts page ends before this many bytes of rollouts (results included)."""
 

@@ -191,8 +191,8 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
         )
         return host_pb2.RegisterHostResponse(
             host_id=caps.host_id,
-            lease_ttl_s=self.core.config.lease_ttl_s,
-            heartbeat_interval_s=self.core.config.heartbeat_interval_s,
+            lease_ttl_s=self.core.pace.lease_ttl_s,
+            heartbeat_interval_s=self.core.pace.heartbeat_interval_s,
             registry=self.core.config.registry,
         )
 
@@ -214,14 +214,14 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
         if request.drain_deadline_s > 0:
             await self.core.db(self.core.ledger.agent_drains, host_id,
                                now + request.drain_deadline_s)  # fmt: skip
-        renewed, stop = await self.beats.beat(
-            Beat(host_id, leases, now, self.core.config.lease_ttl_s, images)
-        )
+        pace = self.core.pace
+        renewed, stop = await self.beats.beat(Beat(host_id, leases, now, pace.lease_ttl_s, images))
         return host_pb2.HeartbeatResponse(
             renewed=[host_pb2.LeaseRef(work_id=w, fencing_token=t) for w, t in renewed],
             stop_work_ids=stop,
             # (from seconds, not through a datetime: every beat of every host answers this)
-            lease_expires_at=_timestamp(now + self.core.config.lease_ttl_s),
+            lease_expires_at=_timestamp(now + pace.lease_ttl_s),
+            heartbeat_interval_s=pace.heartbeat_interval_s,
         )
 
     def _with_token(self, a: Assignment) -> Assignment:
@@ -272,7 +272,7 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
         """Up to `max_items` work items leased to the host now (none waiting: none)."""
         items = await self.claims.claim(
             Claim(
-                host_id, max_items, self.core.config.lease_ttl_s, request_id=request_id,
+                host_id, max_items, self.core.pace.lease_ttl_s, request_id=request_id,
                 max_running_per_tenant=self.core.config.max_running_per_tenant,
                 hold_inference=self.core.hold_inference,
             )
@@ -326,8 +326,7 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
             if not work_id:
                 raise InvalidArgument("leases[].work_id must not be empty")
         kept, released = await self.core.db(
-            self.core.ledger.reclaim, host_id, leases, time.time(),
-            self.core.config.lease_ttl_s,
+            self.core.ledger.reclaim, host_id, leases, time.time(), self.core.pace.lease_ttl_s,
         )  # fmt: skip
         log.info("work_reclaimed", host_id=host_id,
                  adopted=[a.work_id for a in kept], released=released)  # fmt: skip

@@ -29,7 +29,12 @@ class ServerConfig(BaseModel):
     lease_ttl_s: Positive = 15.0
     """How long a lease lives without a heartbeat."""
     heartbeat_interval_s: Annotated[float, Gt(0), Flag("--heartbeat-s")] = 3.0
-    """How often agents are told to beat."""
+    """How often agents are told to beat while the fleet is small (see
+    `max_heartbeats_per_s`)."""
+    max_heartbeats_per_s: NotNegative = 100.0
+    """Beats a second the whole fleet is asked for at most: beyond `heartbeat_interval_s`
+    times this many hosts, each beats every hosts/this seconds and leases last at least three
+    such intervals (`fleet.core.beat_pace`; 0: every fleet beats at `heartbeat_interval_s`)."""
     sweep_interval_s: Positive = 0.5
     """How often expired leases (an agent that stopped beating) are released for retry."""
     late_sweep_interval_s: Positive = 10.0

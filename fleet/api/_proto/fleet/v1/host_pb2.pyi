@@ -277,14 +277,16 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., host_id: _Optional[str] = ..., leases: _Optional[_Iterable[_Union[LeaseRef, _Mapping]]] = ..., drain_deadline_s: _Optional[float] = ..., images_cached: _Optional[_Iterable[str]] = ..., images_changed: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("renewed", "stop_work_ids", "lease_expires_at")
+    __slots__ = ("renewed", "stop_work_ids", "lease_expires_at", "heartbeat_interval_s")
     RENEWED_FIELD_NUMBER: _ClassVar[int]
     STOP_WORK_IDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     renewed: _containers.RepeatedCompositeFieldContainer[LeaseRef]
     stop_work_ids: _containers.RepeatedScalarFieldContainer[str]
     lease_expires_at: _timestamp_pb2.Timestamp
-    def __init__(self, renewed: _Optional[_Iterable[_Union[LeaseRef, _Mapping]]] = ..., stop_work_ids: _Optional[_Iterable[str]] = ..., lease_expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    heartbeat_interval_s: float
+    def __init__(self, renewed: _Optional[_Iterable[_Union[LeaseRef, _Mapping]]] = ..., stop_work_ids: _Optional[_Iterable[str]] = ..., lease_expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class ClaimWorkRequest(_message.Message):
     __slots__ = ("request_id", "host_id", "max_items", "wait_s")
