@@ -12,11 +12,9 @@ from dataclasses import dataclass
 
 from fleet.console import charts
 from fleet.core.errors import InvalidArgument
-from fleet.core.lifecycle import RolloutState
-from fleet.core.manifest import SESSION_LAYER_OUTPUT
 from fleet.core.report import Report
 from fleet.core.rollout import Rollout
-from fleet.ledger.parks import CLOSED, Park
+from fleet.ledger.parks import session_state
 from fleet.ledger.pools import PoolEvent, PoolView
 from fleet.ledger.report import read_report
 from fleet.ledger.store import Ledger
@@ -101,23 +99,6 @@ def cost(ledger: Ledger, hours: int, by_label: str) -> CostPage:
     slices = [(f"{minutes:.0f} min: {n} done, {spent:.4f}", spent)
               for minutes, n, spent in report.slices]  # fmt: skip
     return CostPage(report, charts.bars(slices, report.since, report.until))
-
-
-def session_state(rollout: Rollout, park: Park | None) -> str:
-    """OPEN, PARKED, CLOSED or FAILED, as SessionService reports a session whose rollout
-    holding it now is `rollout`."""
-    parked = (
-        (park is None or park.state != CLOSED) and rollout.state == RolloutState.SUCCEEDED
-        and any(o.path == SESSION_LAYER_OUTPUT and o.digest for o in rollout.outputs)
-    )  # fmt: skip
-    if parked:
-        return "PARKED"
-    if park is not None and park.state == CLOSED:
-        return "CLOSED"
-    if not rollout.state.final:
-        return "OPEN"
-    closed = rollout.state in (RolloutState.SUCCEEDED, RolloutState.CANCELLED)
-    return "CLOSED" if closed else "FAILED"
 
 
 @dataclass(frozen=True)

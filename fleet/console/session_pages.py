@@ -24,6 +24,7 @@ from fleet.console.http import Request, redirect, response
 from fleet.console.session_calls import NO_CONTEXT, Runs, SessionAccess, SessionService
 from fleet.core.errors import FailedPrecondition, InvalidArgument, Unavailable
 from fleet.core.rollout import Rollout
+from fleet.ledger.parks import session_state
 from fleet.ledger.store import Ledger
 
 if TYPE_CHECKING:
@@ -148,9 +149,7 @@ class SessionPages:
         lease = None if current.state.final else await self.read(
             self.ledger.rollout_lease, current.id
         )  # fmt: skip
-        return SessionView(
-            first, current, operate.session_state(current, park), lease[1] if lease else ""
-        )
+        return SessionView(first, current, session_state(current, park), lease[1] if lease else "")
 
     async def _session(self, request: Request, viewer: Viewer, session_id: str) -> bytes:
         view = await self._describe(viewer, session_id)

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from fleet.core.lifecycle import RolloutState
+from fleet.core.manifest import SESSION_LAYER_OUTPUT, OutputArtifact
+from fleet.core.rollout import Rollout
 from fleet.ledger.base import DRAINING, LedgerBase
 from fleet.ledger.raw import LEASED
 
@@ -53,6 +56,29 @@ def _park(row: tuple[object, ...] | None) -> Park | None:
     return Park(
         str(sid), str(rid), str(digest), int(str(size)), str(host), str(state), float(str(at))
     )
+
+
+def parked_layer(rollout: Rollout, park: Park | None) -> OutputArtifact | None:
+    """The layer a session rests in: its rollout ended by parking (and it was not closed
+    since); None for a session that is open, closed or failed."""
+    if park is not None and park.state == CLOSED:
+        return None
+    if rollout.state != RolloutState.SUCCEEDED:
+        return None
+    return next((o for o in rollout.outputs if o.path == SESSION_LAYER_OUTPUT and o.digest), None)
+
+
+def session_state(rollout: Rollout, park: Park | None) -> str:
+    """OPEN, PARKED, CLOSED or FAILED, as SessionService reports a session whose rollout
+    holding it now is `rollout` (with its park record, if it was ever parked)."""
+    if parked_layer(rollout, park) is not None:
+        return "PARKED"
+    if park is not None and park.state == CLOSED:
+        return "CLOSED"
+    if rollout.state in (RolloutState.QUEUED, RolloutState.RUNNING):
+        return "OPEN"
+    closed = rollout.state in (RolloutState.SUCCEEDED, RolloutState.CANCELLED)
+    return "CLOSED" if closed else "FAILED"
 
 
 class Parks(LedgerBase):

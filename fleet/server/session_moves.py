@@ -23,16 +23,13 @@ import structlog
 
 from fleet.api.pb import fleet_pb2, host_pb2
 from fleet.core.errors import FailedPrecondition, FleetError, Unavailable
-from fleet.core.lifecycle import RolloutState
 from fleet.core.manifest import (
-    SESSION_LAYER_OUTPUT,
-    OutputArtifact,
     SessionSpec,
     SubmitRequest,
     validate_request,
 )
 from fleet.core.rollout import Rollout
-from fleet.ledger.parks import CLOSED, Park
+from fleet.ledger.parks import CLOSED, Park, parked_layer, session_state
 
 if TYPE_CHECKING:
     from fleet.server.core import Core
@@ -63,27 +60,6 @@ PARK_END_S = 30.0
 """How long a park waits for the parked attempt's report, after the host stored its layer."""
 
 
-def parked_layer(rollout: Rollout, park: Park | None) -> OutputArtifact | None:
-    """The layer a session rests in: its rollout ended by parking (and it was not closed
-    since); None for a session that is open, closed or failed."""
-    if park is not None and park.state == CLOSED:
-        return None
-    if rollout.state != RolloutState.SUCCEEDED:
-        return None
-    return next((o for o in rollout.outputs if o.path == SESSION_LAYER_OUTPUT and o.digest), None)
-
-
-def state_of(rollout: Rollout, park: Park | None) -> str:
-    if parked_layer(rollout, park) is not None:
-        return "PARKED"
-    if park is not None and park.state == CLOSED:
-        return "CLOSED"
-    if rollout.state in (RolloutState.QUEUED, RolloutState.RUNNING):
-        return "OPEN"
-    closed = rollout.state in (RolloutState.SUCCEEDED, RolloutState.CANCELLED)
-    return "CLOSED" if closed else "FAILED"
-
-
 def session_pb(
     session_id: str, first: Rollout, rollout: Rollout, park: Park | None, host_id: str = ""
 ) -> fleet_pb2.Session:
@@ -91,7 +67,7 @@ def session_pb(
     rollout that holds it now, and its layer where it is parked."""
     layer = parked_layer(rollout, park)
     out = fleet_pb2.Session(
-        id=session_id, state=state_of(rollout, park), host_id=host_id, tenant=first.tenant,
+        id=session_id, state=session_state(rollout, park), host_id=host_id, tenant=first.tenant,
         error=rollout.error if rollout.state.final and layer is None else "",
         layer_digest=layer.digest if layer else "", layer_size=layer.size if layer else 0,
     )  # fmt: skip
@@ -135,7 +111,7 @@ class SessionMoves:
             layer = parked_layer(rollout, park)
             if layer is None:
                 raise FailedPrecondition(
-                    f"session {session_id} is {state_of(rollout, park).lower()}: only an open "
+                    f"session {session_id} is {session_state(rollout, park).lower()}: only an open "
                     "session can park"
                 )
             if park is not None and park.rollout_id == rollout.id and park.state != CLOSED:
@@ -183,8 +159,8 @@ class SessionMoves:
         layer = parked_layer(rollout, park)
         if layer is None:
             raise FailedPrecondition(
-                f"session {session_id} is {state_of(rollout, park).lower()}, not parked: there "
-                "is nothing to resume"
+                f"session {session_id} is {session_state(rollout, park).lower()}, not parked: "
+                "there is nothing to resume"
             )
         now = datetime.now(UTC)
         assert rollout.manifest.session is not None

@@ -48,10 +48,11 @@ from fleet.core.manifest import (
 from fleet.core.retry import RetryPolicy
 from fleet.core.rollout import Rollout
 from fleet.core.smolfile import is_env_name
+from fleet.ledger.parks import parked_layer
 from fleet.server.core import Core
 from fleet.server.fleet_service import FleetServicer
 from fleet.server.hub import SessionHub
-from fleet.server.session_moves import SessionMoves, parked_layer
+from fleet.server.session_moves import SessionMoves
 from fleet.server.session_moves import session_pb as moved_pb
 
 log = structlog.get_logger(__name__)
