@@ -103,7 +103,11 @@ class Agent:
                 self.log.info("orphans_reaped", machines=reaped)
             renewals = asyncio.create_task(link.renewals(stop))
             beat = asyncio.create_task(self._heartbeats(stub, stop))
-            sessions = asyncio.create_task(self.sessions.serve(stub, stop))
+            # A session stream to each replica given: any of them reaches this host's sessions.
+            sessions = [
+                asyncio.create_task(self.sessions.serve(replica, stop, server))
+                for server, replica in link.session_stubs()
+            ]
             try:
                 await self._claim_loop(stub, stop)
                 # Sessions that can park stay open while the drain runs: the server parks them
@@ -113,9 +117,11 @@ class Agent:
             finally:
                 beat.cancel()
                 renewals.cancel()
-                sessions.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await sessions
+                for task in sessions:
+                    task.cancel()
+                for task in sessions:
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
                 with contextlib.suppress(asyncio.CancelledError):
                     await beat
                 with contextlib.suppress(asyncio.CancelledError):

@@ -7,8 +7,12 @@ in flight finish on the old one, which is closed a minute later. Work is not int
 An agent given several server replicas (one ledger) uses one at a time. When it is out of reach
 the link turns to the next, and a call that failed for it is sent again there: every HostService
 call carries what makes a repeat harmless (a claim its request id, a report its fencing token),
-so leases are renewed, work claimed and attempts reported on the replica that is left. The
-session stream reconnects there on its own.
+so leases are renewed, work claimed and attempts reported on the replica that is left.
+
+The session stream is not moved: the agent keeps one open to every replica given, each over a
+channel of its own to that replica alone (`session_stubs`), so a session call reaches the host
+through whichever replica its caller uses. With one address (one `dns:` name, say) there is one
+stream, on the link's channel.
 """
 
 from __future__ import annotations
@@ -127,6 +131,8 @@ class Link:
         self._channel_of = 0
         self._stub: Any = None
         self._closing: set[asyncio.Task[None]] = set()
+        self._pinned: dict[int, tuple[grpc.aio.Channel, Any]] = {}
+        """Channels (and stubs) to one replica each, by its index: its session stream's."""
 
     @property
     def server(self) -> str:
@@ -137,21 +143,54 @@ class Link:
     def address(self) -> str:
         """Where HostService is called now: the replica's mutual-TLS endpoint (on the port
         enrollment named), or its API address without TLS."""
+        return self._address_of(self.replicas.index)
+
+    def _address_of(self, index: int) -> str:
+        """Where replica `index` serves HostService (see `address`)."""
+        server = self.replicas.servers[index]
         if self.identity is None:
-            return self.server
+            return server
         if not self.replicas.several:
             return self.identity.host_address
-        return with_port(self.server, self.identity.host_port)
+        return with_port(server, self.identity.host_port)
+
+    def _channel_to(self, address: str) -> grpc.aio.Channel:
+        """A channel to `address`, with this host's certificate where it has one."""
+        if self.identity is None:
+            return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return grpc.aio.secure_channel(
+            address, self.identity.channel_credentials(), options=CHANNEL_OPTIONS
+        )
 
     def _open(self) -> None:
         self._channel_of = self.replicas.index
-        if self.identity is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
-        else:
-            self._channel = grpc.aio.secure_channel(
-                self.address, self.identity.channel_credentials(), options=CHANNEL_OPTIONS
-            )
+        self._channel = self._channel_to(self.address)
         self._stub = host_pb2_grpc.HostServiceStub(self._channel)
+
+    def session_stubs(self) -> list[tuple[str, Any]]:
+        """(replica, HostService stub) for each session stream the agent keeps open: with
+        several replicas, one each, whose calls go to that replica alone (a stream to a
+        replica that is down waits for it, while the others serve); with one address, the
+        link itself. Each stub's methods are looked up again at every call, so a stream
+        opened again after a renewal uses the new certificate."""
+        if not self.replicas.several:
+            return [(self.server, self)]
+        return [(server, _Pinned(self, i)) for i, server in enumerate(self.replicas.servers)]
+
+    def _pinned_stub(self, index: int) -> Any:
+        """The stub of replica `index`'s own channel (opened on first use)."""
+        found = self._pinned.get(index)
+        if found is None:
+            channel = self._channel_to(self._address_of(index))
+            found = self._pinned[index] = (channel, host_pb2_grpc.HostServiceStub(channel))
+        return found[1]
+
+    def _retire_pinned(self) -> None:
+        """Retires every replica's own channel (after a renewal: its streams open again on a
+        new one, with the new certificate, once the old channel closes)."""
+        for channel, _ in self._pinned.values():
+            self._retire(channel)
+        self._pinned.clear()
 
     def _retire(self, channel: grpc.aio.Channel | None) -> None:
         """Closes `channel` after a grace: calls already on it finish there."""
@@ -194,6 +233,9 @@ class Link:
             task.cancel()
         if self._channel is not None:
             await self._channel.close()
+        for channel, _ in self._pinned.values():
+            await channel.close()
+        self._pinned.clear()
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
@@ -226,6 +268,7 @@ class Link:
         old = self._channel
         self._open()
         self._retire(old)
+        self._retire_pinned()
         log.info("host_certificate_renewed", host_id=self.identity.host_id,
                  expires_at=self.identity.not_after)  # fmt: skip
 
@@ -246,6 +289,20 @@ class Link:
                 log.warning("certificate_renewal_failed", error=str(exc), expires_in_s=left)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), min(30.0, max(left / 10, 1.0)))
+
+
+class _Pinned:
+    """HostService on one replica only, never moved to another: a session stream's stub.
+    Each method is the one of the replica's current channel (`Link._pinned_stub`)."""
+
+    def __init__(self, link: Link, index: int) -> None:
+        self._link = link
+        self._index = index
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._link._pinned_stub(self._index), name)
 
 
 async def _close_later(channel: grpc.aio.Channel) -> None:

@@ -5,15 +5,25 @@ holds it (`SessionHost.hold`) until the caller closes or parks it, it has been i
 `idle_timeout_s` (then it parks, or closes where its `on_idle` says so or its machine cannot
 park), or its lease ends (deadline, cancel, lost lease). Parking stores the machine's writable
 layer as an artifact of the attempt (`SESSION_LAYER_OUTPUT`) and ends the attempt; a resume
-starts a new machine from it on any host. No process carries over. The server's calls come
-down one stream the agent keeps open (`HostService.SessionCommands`): each command names the
-session's lease (work id) and a call id; output chunks and the exit go back up tagged with it.
+starts a new machine from it on any host. No process carries over.
+
+The server's calls come down a stream the agent keeps open (`HostService.SessionCommands`):
+each command names the session's lease (work id) and a call id; output chunks and the exit go
+back up that same stream, tagged with it. An agent given several server replicas keeps one
+stream open to each (`serve` once per replica, each over a channel of its own), so a session
+call reaches the host through whichever replica the caller uses, not only the one its
+heartbeats and claims go to. Each stream has its own replies and its own calls (call ids are
+the replica's: two replicas may hand out the same one); whether a session is ready is told on
+every stream, and a stream that (re)connects first says who this host is and which sessions it
+holds. One address (one `dns:` name too) means one stream, which follows the link to whichever
+replica it reaches.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -35,7 +45,10 @@ MAX_SESSION_OUTPUT_BYTES = 256 << 20
 MAX_PENDING_STDIN_BYTES = 512 << 20
 """The stdin of all calls still arriving on this host together, at most: each is held whole
 until its last piece, so this bounds what many calls at once (file writes) hold here."""
-RECONNECT_S = 1.0
+RECONNECT_S = 0.5
+"""The first wait before a session stream that ended is opened again; it doubles while its
+replica stays out of reach, up to RECONNECT_MAX_S, and starts again once it is back."""
+RECONNECT_MAX_S = 4.0
 
 ParkLayer = Callable[[], Awaitable[OutputArtifact]]
 """Stores the session's layer as an artifact of its attempt (FleetError where it cannot)."""
@@ -57,16 +70,31 @@ class _Held:
     parking: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
+@dataclass(eq=False)
+class _Stream:
+    """One session stream (to one replica) while it is open: the replies that go up it, and
+    its calls whose stdin is still arriving, by call id (the replica's own ids)."""
+
+    server: str
+    replies: asyncio.Queue[host_pb2.SessionReply] = field(default_factory=asyncio.Queue)
+    stdin: dict[str, tuple[host_pb2.SessionCommand, bytearray]] = field(default_factory=dict)
+
+    def reply(self, command: host_pb2.SessionCommand, **kind: Any) -> None:
+        self.replies.put_nowait(
+            host_pb2.SessionReply(call_id=command.call_id, work_id=command.work_id, **kind)
+        )
+
+
 class SessionHost:
-    """This host's end of the session stream, and the sessions it holds."""
+    """This host's end of the session streams (one per server replica), and the sessions it
+    holds."""
 
     def __init__(self, host_id: str) -> None:
         self.host_id = host_id
         self._held: dict[str, _Held] = {}
-        self._replies: asyncio.Queue[host_pb2.SessionReply] = asyncio.Queue()
+        self._streams: set[_Stream] = set()
+        """The streams open now (or opening), each with its own replies and calls."""
         self._calls: set[asyncio.Task[None]] = set()
-        self._stdin: dict[str, tuple[host_pb2.SessionCommand, bytearray]] = {}
-        """Calls whose stdin is still arriving, by call id."""
         self.log = log.bind(host_id=host_id)
 
     async def hold(
@@ -78,7 +106,7 @@ class SessionHost:
         await machine.stay_resident()
         held = _Held(a.rollout_id, machine, spec, dict(env), park=park)
         self._held[a.work_id] = held
-        self._replies.put_nowait(host_pb2.SessionReply(work_id=a.work_id, ready=True))
+        self._announce(a.work_id, ready=True)
         self.log.info("session_ready", work_id=a.work_id, rollout_id=a.rollout_id)
         try:
             while not held.closed.is_set():
@@ -93,7 +121,12 @@ class SessionHost:
             return held.reason or "closed", held.layer
         finally:
             self._held.pop(a.work_id, None)
-            self._replies.put_nowait(host_pb2.SessionReply(work_id=a.work_id, ready=False))
+            self._announce(a.work_id, ready=False)
+
+    def _announce(self, work_id: str, *, ready: bool) -> None:
+        """A session's machine ready (or gone), told to every replica: any may route its calls."""
+        for stream in self._streams:
+            stream.replies.put_nowait(host_pb2.SessionReply(work_id=work_id, ready=ready))
 
     async def _idle(self, held: _Held, work_id: str) -> None:
         """An idle session parks (its `on_idle`), or closes where it asked to or cannot."""
@@ -124,59 +157,73 @@ class SessionHost:
                 return held.machine
         return None
 
-    async def serve(self, stub: Any, stop: asyncio.Event) -> None:
-        """Keeps the session stream open (reconnecting) until `stop`."""
+    async def serve(self, stub: Any, stop: asyncio.Event, server: str = "") -> None:
+        """Keeps one session stream open through `stub` (reconnecting, with backoff while its
+        server is out of reach) until `stop`. `server`: the replica it reaches, for the log;
+        several replicas get one `serve` each."""
+        log_ = self.log.bind(server=server) if server else self.log
+        delay = RECONNECT_S
+        lost = False  # (this outage logged: once, not at every try)
         while not stop.is_set():
+            # Each stream its own queue: a stream that ended may still have its reader
+            # waiting on the old one, which would take (and lose) the next reply, such as
+            # the ready of the first session opened after the server restarted. Calls of a
+            # stream that ended go with it (their server gave up on them).
+            stream = _Stream(server)
+            self._streams.add(stream)
             call = None
             try:
-                # Each stream its own queue: a stream that ended may still have its reader
-                # waiting on the old one, which would take (and lose) the next reply, such as
-                # the ready of the first session opened after the server restarted.
-                self._replies = asyncio.Queue()
-                self._stdin.clear()  # (calls of a stream that ended: their server gave up)
-                call = stub.SessionCommands(self._outgoing(self._replies))
+                call = stub.SessionCommands(self._outgoing(stream))
+                await call.wait_for_connection()
+                if lost:
+                    log_.info("session_stream_restored")
+                lost, delay = False, RECONNECT_S
                 async for command in call:
-                    self._start(command)
+                    self._start(stream, command)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.CANCELLED:
-                    self.log.warning("session_stream_lost", code=exc.code().name,
-                                     error=exc.details())  # fmt: skip
+                    if not lost:
+                        log_.warning("session_stream_lost", code=exc.code().name,
+                                     error=exc.details(), retry_s=delay)  # fmt: skip
+                    lost = True
             finally:
+                self._streams.discard(stream)
                 # Ended or cancelled (the agent stopping): the call's task that feeds it our
                 # replies ends too, instead of waiting on the queue until the process exits.
                 if call is not None:
                     call.cancel()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), RECONNECT_S)
+                await asyncio.wait_for(stop.wait(), delay)
+            delay = min(delay * 2, RECONNECT_MAX_S)
 
-    async def _outgoing(
-        self, replies: asyncio.Queue[host_pb2.SessionReply]
-    ) -> AsyncIterator[host_pb2.SessionReply]:
+    async def _outgoing(self, stream: _Stream) -> AsyncIterator[host_pb2.SessionReply]:
         """One stream's replies: who this is, the sessions held now (again, after a
-        reconnect), then what `replies` gets. A session held from here on says it is ready
-        on this queue too (at worst twice, which is harmless)."""
+        reconnect), then what its queue gets. A session held from here on says it is ready
+        on this stream too (at worst twice, which is harmless)."""
         yield host_pb2.SessionReply(host_id=self.host_id)
         for work_id in list(self._held):
             yield host_pb2.SessionReply(work_id=work_id, ready=True)
         while True:
-            yield await replies.get()
+            yield await stream.replies.get()
 
-    def _start(self, command: host_pb2.SessionCommand) -> None:
+    def _start(self, stream: _Stream, command: host_pb2.SessionCommand) -> None:
+        """A command that came down `stream`: its replies go back up the same stream."""
         op = command.WhichOneof("op")
         if op == "exec" and command.exec.stdin_follows:
-            self._stdin[command.call_id] = (command, bytearray(command.exec.stdin))
+            stream.stdin[command.call_id] = (command, bytearray(command.exec.stdin))
             return
         if op == "stdin":
-            pending = self._stdin.get(command.call_id)
+            pending = stream.stdin.get(command.call_id)
             if pending is None:
-                self._reply(command, error="stdin for a call that is not waiting for it")
+                stream.reply(command, error="stdin for a call that is not waiting for it")
                 return
-            held = sum(len(data) for _, data in self._stdin.values())
+            # (The bound is the host's: what every stream's calls hold together.)
+            held = sum(len(data) for s in self._streams for _, data in s.stdin.values())
             if held + len(command.stdin.data) > MAX_PENDING_STDIN_BYTES:
-                del self._stdin[command.call_id]
+                del stream.stdin[command.call_id]
                 self.log.warning("session_stdin_refused", work_id=command.work_id,
                                  held_bytes=held, bound=MAX_PENDING_STDIN_BYTES)  # fmt: skip
-                self._reply(
+                stream.reply(
                     command,
                     error=f"resource exhausted: this host holds {held >> 20} MiB of stdin for "
                     "calls still arriving, and this call's next piece would take it over its "
@@ -186,8 +233,8 @@ class SessionHost:
                 return
             pending[1].extend(command.stdin.data)
             if len(pending[1]) > MAX_SESSION_OUTPUT_BYTES:
-                del self._stdin[command.call_id]
-                self._reply(
+                del stream.stdin[command.call_id]
+                stream.reply(
                     command,
                     error=f"resource exhausted: stdin over {MAX_SESSION_OUTPUT_BYTES >> 20} MiB, "
                     "the bound per call",
@@ -195,33 +242,29 @@ class SessionHost:
                 return
             if not command.stdin.eof:
                 return
-            del self._stdin[command.call_id]
+            del stream.stdin[command.call_id]
             command = pending[0]
             command.exec.stdin = bytes(pending[1])
-        task = asyncio.create_task(self._run(command))
+        task = asyncio.create_task(self._run(stream, command))
         self._calls.add(task)
         task.add_done_callback(self._calls.discard)
 
-    def _reply(self, command: host_pb2.SessionCommand, **kind: Any) -> None:
-        self._replies.put_nowait(
-            host_pb2.SessionReply(call_id=command.call_id, work_id=command.work_id, **kind)
-        )
-
-    async def _run(self, command: host_pb2.SessionCommand) -> None:
+    async def _run(self, stream: _Stream, command: host_pb2.SessionCommand) -> None:
+        reply = functools.partial(stream.reply, command)
         held = self._held.get(command.work_id)
         if held is None or held.closed.is_set():
-            self._reply(command, error=f"no open session under lease {command.work_id} here")
+            reply(error=f"no open session under lease {command.work_id} here")
             return
         if command.WhichOneof("op") == "close":
             held.reason = command.close.reason or "closed by its caller"
             held.closed.set()
-            self._reply(command, exit=types_pb2.ExecExit(exit_code=0))
+            reply(exit=types_pb2.ExecExit(exit_code=0))
             return
         if command.WhichOneof("op") == "park":
-            await self._park_call(command, held)
+            await self._park_call(reply, command, held)
             return
         if held.parking.locked():
-            self._reply(command, error="the session is parking: resume it to run commands")
+            reply(error="the session is parking: resume it to run commands")
             return
         ex = command.exec
         held.busy += 1
@@ -234,17 +277,16 @@ class SessionHost:
                 timeout_s=ex.timeout_s or 600.0,
                 max_output_bytes=min(ex.max_output_bytes or MAX_SESSION_OUTPUT_BYTES,
                                      MAX_SESSION_OUTPUT_BYTES),
-                on_output=lambda stream, chunk: self._reply(command, **{stream: chunk}),
+                on_output=lambda kind, chunk: reply(**{kind: chunk}),
                 stdin=ex.stdin if ex.stdin else None,
             )  # fmt: skip
         except Exception as exc:  # the machine is gone, or the call was malformed
-            self._reply(command, error=f"{type(exc).__name__}: {exc}")
+            reply(error=f"{type(exc).__name__}: {exc}")
             return
         finally:
             held.busy -= 1
             held.last_used = time.monotonic()
-        self._reply(
-            command,
+        reply(
             exit=types_pb2.ExecExit(
                 exit_code=result.exit_code, timed_out=result.timed_out,
                 oom_killed=result.oom_killed, duration_s=result.duration_s,
@@ -253,25 +295,27 @@ class SessionHost:
             ),
         )  # fmt: skip
 
-    async def _park_call(self, command: host_pb2.SessionCommand, held: _Held) -> None:
+    async def _park_call(
+        self, reply: Callable[..., None], command: host_pb2.SessionCommand, held: _Held
+    ) -> None:
         """A park: the layer stored, the answer sent, then the session ends (its attempt
         reports the layer among its outputs)."""
         held.busy += 1  # (not idle meanwhile: the layer is stored once)
         try:
             layer = await self._park(held)
         except FleetError as exc:
-            self._reply(command, error=f"cannot park: {exc.message}")
+            reply(error=f"cannot park: {exc.message}")
             return
         except Exception as exc:
             self.log.exception("session_park_failed", work_id=command.work_id)
-            self._reply(command, error=f"cannot park: {type(exc).__name__}: {exc}")
+            reply(error=f"cannot park: {type(exc).__name__}: {exc}")
             return
         finally:
             held.busy -= 1
         self.log.info("session_parked", work_id=command.work_id, digest=layer.digest,
                       bytes=layer.size)  # fmt: skip
-        self._reply(command, parked=host_pb2.SessionParked(digest=layer.digest, size=layer.size))
-        self._reply(command, exit=types_pb2.ExecExit(exit_code=0))  # (the call's end)
+        reply(parked=host_pb2.SessionParked(digest=layer.digest, size=layer.size))
+        reply(exit=types_pb2.ExecExit(exit_code=0))  # (the call's end)
         held.reason = command.park.reason or "parked by its caller"
         held.closed.set()
 
