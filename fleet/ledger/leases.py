@@ -141,7 +141,9 @@ class Leases(LedgerBase):
         with self._tx() as db:
             # Most claims of an idle fleet find nothing: when nothing at all is due, each is
             # only checked (its host, a repeat of it) and none reads pools, caps or the queue.
-            # (A claim leases items and never makes one due: this holds for the whole batch.)
+            # (A claim leases items and never makes one due: once nothing is due, that holds
+            # for the rest of the batch. So it is asked again after each claim that leased:
+            # many claims woken for one rollout read the queue only until it is taken.)
             due = db.one(ANY_DUE, (QUEUED, now, now)) is not None
             for claim in claims:
                 if not due:
@@ -153,7 +155,10 @@ class Leases(LedgerBase):
                 # A savepoint each: a claim that fails part way leaves nothing of itself.
                 db.run(Q.SAVEPOINT)
                 try:
-                    taken.append(self._claim(db, claim, now))
+                    took = self._claim(db, claim, now)
+                    taken.append(took)
+                    if took.leased:
+                        due = db.one(ANY_DUE, (QUEUED, now, now)) is not None
                 except FleetError as exc:
                     db.run(Q.ROLLBACK_TO_SAVEPOINT)
                     taken.append(exc)

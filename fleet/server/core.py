@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import random
 import time
 from collections.abc import Callable
@@ -46,6 +47,11 @@ SIGNALLED_CLAIM_POLL_S = 3.0
 """The same while other replicas' submissions wake it too (PostgreSQL's notifications, see
 `fleet.server.work_signal`): only a retry whose backoff ended waits for it. Each wait is drawn
 from ±25% of it, so that hosts that began waiting together do not ask together."""
+WAKE_AT_LEAST = 16
+"""Waiting claims woken for any new work, however little (`ClaimWaiters`): a fleet with fewer
+idle hosts wakes them all, as the host that can take the work may not be the first in line
+(another class, another runtime). In a larger fleet, work the claims woken cannot take is found
+by its host's fallback poll or next claim."""
 READ_THREADS = 2
 """Threads for read-only ledger calls, beside the ledger's one writing thread."""
 
@@ -75,6 +81,46 @@ class Pulse:
     async def wait(self, timeout_s: float) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._event.wait(), timeout_s)
+
+
+class ClaimWaiters:
+    """Hosts' claims waiting for work, woken in the order they began to wait, only as many as
+    there may be work for: a rollout submitted wakes one claim, not every idle host's. (Woken
+    all at once, a thousand idle hosts' claims each asked the ledger again for every rollout
+    submitted or reported, and found nothing but the one.) A claim that was not woken still
+    looks again at its own timeout (`Core.claim_poll_s`), and a claim that filled itself wakes
+    as many more (`ClaimBatcher`): there may be more work than was counted."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[int, asyncio.Future[None]] = {}
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    async def wait(self, timeout_s: float) -> None:
+        """Until woken, or `timeout_s`."""
+        future = asyncio.get_running_loop().create_future()
+        key, self._next = self._next, self._next + 1
+        self._waiting[key] = future
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(future, timeout_s)
+        finally:
+            self._waiting.pop(key, None)
+
+    def fire(self, n: int | None = None, *, at_least: int = WAKE_AT_LEAST) -> None:
+        """Wakes the `n` claims that have waited longest, `at_least` at least (None: every
+        one; 0: none)."""
+        if n == 0:
+            return
+        if n is not None:
+            n = max(n, at_least)
+        keys = list(self._waiting) if n is None else list(itertools.islice(self._waiting, n))
+        for key in keys:
+            future = self._waiting.pop(key)
+            if not future.done():
+                future.set_result(None)
 
 
 class Core:
@@ -115,7 +161,7 @@ class Core:
         self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger")
         self._reads = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="ledger-read")
         self._hosts: tuple[float, list[HostCapabilities]] | None = None
-        self.work_pulse = Pulse()
+        self.work_pulse = ClaimWaiters()
         self.event_pulse = Pulse()
         self.hold_inference = False
         """Backpressure: the gateway is over its threshold (or unreachable)."""
@@ -208,19 +254,21 @@ class Core:
     def hosts_changed(self) -> None:
         self._hosts = None
 
-    def changed(self) -> None:
+    def changed(self, wake: int | None = None) -> None:
         """Something that may let waiting claims take work (new work, a cap raised, a host
-        back): wake this replica's claims and watchers, and the other replicas' claims."""
-        self.changed_here()
+        back): wake this replica's watchers, and `wake` claims waiting here and at each other
+        replica (None: all of them; `ClaimWaiters`)."""
+        self.changed_here(wake)
         signal = self._work_signal()
-        if signal is not None:
-            signal.send()
+        if signal is not None and wake != 0:
+            signal.send(wake)
 
-    def changed_here(self) -> None:
-        """Wake this replica's waiting claims and watchers only: after reports, which make
-        new work only by a retry's backoff or a cap's room (found by the others' fallback
-        poll), and come too often to wake every replica's every waiting claim each time."""
-        self.work_pulse.fire()
+    def changed_here(self, wake: int | None = None) -> None:
+        """Wake this replica's watchers and `wake` of its waiting claims only (None: all):
+        after reports, which make new work only by a retry's backoff or a cap's room (found
+        by the others' fallback poll), and come too often to wake other replicas each time."""
+        if wake != 0:
+            self.work_pulse.fire(wake)
         self.event_pulse.fire()
 
     def close(self) -> None:
@@ -247,7 +295,9 @@ class GroupCommit(Generic[T, R]):
     """Group commit: items that arrive while one batch is being written go together into the
     next transaction, one durable commit for all of them (`fleet.core.coalesce`). `write`
     gets a batch and returns one answer per item, in order: a result, or the exception that
-    refused that item alone. Claims and watchers are woken after each batch (`notify`)."""
+    refused that item alone. After each batch, `wake(items, answers)` says how many waiting
+    claims to wake (None: all), through `after` (default `Core.changed`, which wakes watchers
+    too); no `wake`: nothing is woken."""
 
     MAX_BATCH = 256
 
@@ -256,8 +306,8 @@ class GroupCommit(Generic[T, R]):
         core: Core,
         write: Callable[[list[T], float], list[R | Exception]],
         *,
-        notify: bool = True,
-        after_batch: Callable[[], None] | None = None,
+        wake: Callable[[list[T], list[R | Exception]], int | None] | None = None,
+        after: Callable[[int | None], None] | None = None,
         drop_abandoned: bool = False,
         linger_s: float = 0.0,
     ) -> None:
@@ -268,13 +318,13 @@ class GroupCommit(Generic[T, R]):
                 # What arrives meanwhile waits for the next batch: at a steady rate, each
                 # batch holds what came in one linger and one write.
                 await asyncio.sleep(linger_s)
-            return await core.db(write, items, time.time())
+            answers = await core.db(write, items, time.time())
+            if wake is not None:
+                (after or core.changed)(wake(items, answers))
+            return answers
 
         self._coalescer: Coalescer[T, R] = Coalescer(
-            run,
-            max_batch=self.MAX_BATCH,
-            after_batch=after_batch or (core.changed if notify else None),
-            drop_abandoned=drop_abandoned,
+            run, max_batch=self.MAX_BATCH, drop_abandoned=drop_abandoned
         )
 
     async def submit(self, item: T) -> R:
@@ -295,7 +345,7 @@ class SubmitBatcher(GroupCommit[tuple[SubmitRequest, Manifest], tuple[Rollout, b
         write = functools.partial(
             core.ledger.submit_batch, max_active_per_tenant=core.config.max_active_per_tenant
         )
-        super().__init__(core, write)  # type: ignore[arg-type]
+        super().__init__(core, write, wake=_created)  # type: ignore[arg-type]
 
     async def store(self, submit: SubmitRequest, manifest: Manifest) -> tuple[Rollout, bool]:
         return await self.submit((submit, manifest))
@@ -309,7 +359,9 @@ class CompletionBatcher(GroupCommit[tuple[str, Completion], RolloutState]):
         super().__init__(
             core,
             core.ledger.complete_batch,  # type: ignore[arg-type]
-            after_batch=core.changed_here,
+            # (each report frees at most one place under a tenant's or a pool's cap)
+            wake=lambda items, _answers: len(items),
+            after=core.changed_here,
         )
 
     async def complete(self, host_id: str, report: Completion) -> RolloutState:
@@ -331,7 +383,8 @@ class ClaimBatcher(GroupCommit[Claim, list[Assignment]]):
         super().__init__(
             core,
             core.ledger.claim_batch,  # type: ignore[arg-type]
-            notify=False,
+            wake=_filled,
+            after=functools.partial(core.work_pulse.fire, at_least=0),
             drop_abandoned=True,
         )
 
@@ -353,7 +406,7 @@ class HeartbeatBatcher(GroupCommit[Beat, Beaten]):
         def write(beats: list[Beat], _now: float) -> list[Beaten | Exception]:
             return list(core.ledger.heartbeat_batch(beats))
 
-        super().__init__(core, write, notify=False, linger_s=HEARTBEAT_LINGER_S)
+        super().__init__(core, write, linger_s=HEARTBEAT_LINGER_S)
 
     async def beat(self, beat: Beat) -> Beaten:
         return await self.submit(beat)
@@ -363,4 +416,21 @@ class CheckpointBatcher(GroupCommit[tuple[str, str, int, int, bytes], None]):
     """Group commit for PutCheckpoint: every running hybrid episode stores one per action."""
 
     def __init__(self, core: Core) -> None:
-        super().__init__(core, core.ledger.put_checkpoints, notify=False)  # type: ignore[arg-type]
+        super().__init__(core, core.ledger.put_checkpoints)  # type: ignore[arg-type]
+
+
+def _created(
+    items: list[tuple[SubmitRequest, Manifest]], answers: list[tuple[Rollout, bool] | Exception]
+) -> int:
+    """Rollouts a submission batch created (each one work item): as many claims to wake."""
+    return sum(1 for a in answers if not isinstance(a, Exception) and a[1])
+
+
+def _filled(claims: list[Claim], answers: list[list[Assignment] | Exception]) -> int:
+    """Claims of a batch that took all they asked for: there may be more work than the
+    claims woken for it, so as many more are woken."""
+    return sum(
+        1
+        for claim, a in zip(claims, answers, strict=True)
+        if not isinstance(a, Exception) and a and len(a) >= claim.max_items
+    )

@@ -8,8 +8,9 @@ whose backoff ended), and can be long.
 
 Two threads, each with a connection of its own outside the ledger's pool: one listens, and
 fires the replica's wake-up for each notification another replica sent; one sends, coalescing
-the requests that arrive while it sends into one NOTIFY. A broken connection is made again
-after a pause; meanwhile the fallback timer stands in.
+the requests that arrive while it sends into one NOTIFY. A notification's payload says how many
+waiting claims to wake (the rollouts it stands for; empty: every one). A broken connection is
+made again after a pause; meanwhile the fallback timer stands in.
 """
 
 from __future__ import annotations
@@ -37,17 +38,21 @@ def conninfo(engine: Engine) -> str:
 
 
 class WorkSignal:
-    """See the module's docstring. `on_signal` runs on `loop` for each notification from
-    another replica (its own are not echoed back to it)."""
+    """See the module's docstring. `on_signal(n)` runs on `loop` for each notification from
+    another replica (its own are not echoed back to it): wake `n` claims (None: all)."""
 
     def __init__(
-        self, address: str, loop: asyncio.AbstractEventLoop, on_signal: Callable[[], None]
-    ) -> None:
+        self, address: str, loop: asyncio.AbstractEventLoop,
+        on_signal: Callable[[int | None], None],
+    ) -> None:  # fmt: skip
         self._address = address
         self._loop = loop
         self._on_signal = on_signal
         self._stop = threading.Event()
         self._wanted = threading.Event()
+        self._lock = threading.Lock()
+        self._count: int | None = 0
+        """Claims to wake, of the sends not yet notified (None: every one)."""
         self._sender_pid = 0
         """The backend of the sending connection (its own notifications are not signals)."""
         self.listening = False
@@ -61,8 +66,11 @@ class WorkSignal:
         for thread in self._threads:
             thread.start()
 
-    def send(self) -> None:
-        """Tells the other replicas that new work is queued (returns at once)."""
+    def send(self, wake: int | None = None) -> None:
+        """Tells the other replicas that new work is queued, enough to wake `wake` of their
+        waiting claims (None: all); returns at once."""
+        with self._lock:
+            self._count = None if wake is None or self._count is None else self._count + wake
         self._wanted.set()
 
     def close(self) -> None:
@@ -71,9 +79,10 @@ class WorkSignal:
         for thread in self._threads:
             thread.join(timeout=LISTEN_POLL_S + 5)
 
-    def _wake(self) -> None:
+    def _wake(self, payload: str) -> None:
+        n = int(payload) if payload.isdigit() else None
         try:
-            self._loop.call_soon_threadsafe(self._on_signal)
+            self._loop.call_soon_threadsafe(self._on_signal, n)
         except RuntimeError:  # (the loop closed: its server is stopping)
             self._stop.set()
 
@@ -93,7 +102,7 @@ class WorkSignal:
                         for note in conn.notifies(timeout=LISTEN_POLL_S):
                             if note.pid != self._sender_pid:
                                 self.received += 1
-                                self._wake()
+                                self._wake(note.payload)
             except Exception as exc:  # (the database restarting, the network)
                 self.listening = False
                 if self._stop.is_set():
@@ -111,7 +120,10 @@ class WorkSignal:
                         if self._stop.is_set():
                             return
                         self._wanted.clear()
-                        conn.execute(f"NOTIFY {CHANNEL}")
+                        with self._lock:
+                            count, self._count = self._count, 0
+                        payload = "" if count is None else str(count)
+                        conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, payload))
                         self.sent += 1
             except Exception as exc:
                 if self._stop.is_set():
