@@ -37,8 +37,10 @@ class AgentConfig:
     images: ImageStore
     slots: int = DEFAULT_SLOTS
     """Work items run at once."""
-    claim_wait_s: float = 5.0
-    """Long-poll wait per ClaimWork call."""
+    claim_wait_s: float = 20.0
+    """Long-poll wait per ClaimWork call. Work reaches a waiting claim when it is queued (the
+    server wakes it), so the wait sets only how often an idle host asks again: every 20 s,
+    1,000 idle hosts are 50 calls a second."""
     net: NetConfig | None = None
     """Where machine links end and which resolver the DNS forwarder asks (namespace runtime)."""
     gateway: tuple[str, int] | None = None

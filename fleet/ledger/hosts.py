@@ -22,7 +22,7 @@ from fleet.ledger import queries as Q
 from fleet.ledger.base import CORDONED, DRAINED, DRAINING, HOST_STATES, HostView
 from fleet.ledger.leases import Leases
 from fleet.ledger.pools import PoolEvent, PoolView, leases_by_host
-from fleet.ledger.raw import LEASED
+from fleet.ledger.raw import LEASED, QUEUED
 
 log = structlog.get_logger(__name__)
 
@@ -268,6 +268,12 @@ class Hosts(Leases):
                 )  # fmt: skip
                 out.append(view)
             return out
+
+    def retries_due(self, since: float, until: float) -> int:
+        """Retries whose backoff ended after `since` and by `until`: work no submission woke
+        a waiting claim for."""
+        with self._read() as db:
+            return int(db.value(Q.BECAME_DUE, (QUEUED, since, until)))
 
     def live_host_count(self, since: float) -> int:
         """Hosts that beat at or after `since` (how many the fleet asks beats of)."""

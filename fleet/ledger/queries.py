@@ -353,6 +353,12 @@ UNREVOKED_HOSTS_CAPABILITIES = (
     "SELECT capabilities_json FROM hosts WHERE id NOT IN "
     "(SELECT host_id FROM host_identities WHERE revoked_at IS NOT NULL) ORDER BY id"
 )
+BECAME_DUE = (
+    "SELECT count(*) FROM work_items WHERE state = ? AND attempt > 0 "
+    "AND not_before > ? AND not_before <= ?"
+)
+"""Retries whose backoff ended within a window (queued items are few: a scan of ix_work_items_
+claim's queued part)."""
 LIVE_HOST_COUNT = "SELECT count(*) FROM hosts WHERE last_heartbeat_at >= ?"
 HOST_TABLE = (
     "SELECT id, capabilities_json, state, last_heartbeat_at, images_json FROM hosts ORDER BY id"

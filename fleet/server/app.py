@@ -75,12 +75,19 @@ async def _sweeper(core: Core) -> None:
     # Its hosts get a lease of this server's own time to reach it before their leases are
     # judged; the leases of hosts that reached it since the hold began are judged as usual.
     log.info("sweeper_holding_after_start", hold_s=hold_s)
+    due_since = time.time()
     while True:
         try:
             if time.monotonic() - paced_at >= PACE_REFRESH_S:
                 paced_at = time.monotonic()
                 clock.lease_ttl_s = (await core.refresh_pace()).lease_ttl_s
             wall = time.time()
+            # Retries whose backoff ended: no submission woke a claim for them (each replica
+            # wakes its own waiting claims).
+            due = await core.read(core.ledger.retries_due, due_since, wall)
+            due_since = wall
+            if due:
+                core.work_pulse.fire(due)
             now = clock.now(wall)  # (not counting time this server was not running)
             if clock.late_s:
                 held_since = wall  # (no host could reach it while it was paused)

@@ -1,14 +1,18 @@
 """A rollout submitted to a server where many hosts' claims wait wakes a few of them, not all:
 one takes it, and the claims the ledger runs for it are bounded by `WAKE_AT_LEAST` (plus the
-one its filled claim wakes), however many hosts wait. The others go on waiting."""
+one its filled claim wakes), however many hosts wait. The others go on waiting. A retry whose
+backoff ends, which no submission announces, wakes a waiting claim too (the sweeper's)."""
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
 
-from fleet.api.pb import host_pb2
+import pytest
+
+from fleet.api.pb import host_pb2, types_pb2
 from fleet.image.store import ImageStore
+from fleet.server import core as server_core
 from fleet.server.core import WAKE_AT_LEAST
 from tests.integration.harness import harness, request
 
@@ -56,3 +60,34 @@ async def test_one_rollout_wakes_a_bounded_few_of_many_waiting_claims(
             for claim in claims:
                 claim.cancel()
             await asyncio.gather(*claims, return_exceptions=True)
+
+
+async def test_a_retry_whose_backoff_ends_wakes_a_waiting_claim(
+    tmp_path: Path, images: ImageStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Claims look again only when woken: a retry's backoff ending wakes none, but the sweeper.
+    monkeypatch.setattr(server_core, "CLAIM_POLL_S", 1000.0)
+    monkeypatch.setattr(server_core, "SIGNALLED_CLAIM_POLL_S", 1000.0)
+    async with harness(tmp_path, images) as h:
+        await h.register_host("h1")
+        await h.register_host("h2")
+        retry = types_pb2.RetryPolicy(max_attempts=2, initial_backoff_s=2.0, max_backoff_s=2.0)
+        await h.fleet.SubmitRollout(request(retry=retry))
+        first = await h.hosts.ClaimWork(
+            host_pb2.ClaimWorkRequest(request_id="c1", host_id="h1", max_items=1, wait_s=5)
+        )
+        [item] = first.items
+        await h.hosts.CompleteWork(
+            host_pb2.CompleteWorkRequest(
+                request_id="r1", host_id="h1", work_id=item.work_id,
+                fencing_token=item.fencing_token, outcome=types_pb2.OUTCOME_TRANSIENT_ERROR,
+                error="the machine did not start",
+            )
+        )  # fmt: skip
+        # Its retry is due in 1-2 s; the claim waits up to 20 s but is answered within 10 s.
+        again = await h.hosts.ClaimWork(
+            host_pb2.ClaimWorkRequest(request_id="c2", host_id="h2", max_items=1, wait_s=20),
+            timeout=10,
+        )
+        [retried] = again.items
+        assert (retried.rollout_id, retried.attempt) == (item.rollout_id, 2)
