@@ -23,6 +23,7 @@ import structlog
 
 from fleet.api.pb import fleet_pb2, host_pb2
 from fleet.core.errors import FailedPrecondition, FleetError, Unavailable
+from fleet.core.lifecycle import RolloutState
 from fleet.core.manifest import (
     SessionSpec,
     SubmitRequest,
@@ -260,6 +261,12 @@ class SessionMoves:
             rollout = await self.core.db(self.core.ledger.get, rollout_id)
             park = await self._park(session_id, rollout, park, f"its host {host_id} drains")
         except FleetError as exc:
+            now = await self.core.db(self.core.ledger.get, rollout_id)
+            if now.state != RolloutState.RUNNING:
+                # Parked (or ended) meanwhile: each replica reaches a host's sessions, and
+                # another one that saw the drain moves it; there is nothing left to close.
+                bound.info("session_moved_elsewhere", state=now.state.value, why=exc.message)
+                return
             bound.warning("session_not_moved", code=exc.code, error=exc.message)
             await self._close_on(host_id, rollout_id, f"its host {host_id} drains and it could "
                                  f"not park: {exc.message}")  # fmt: skip
