@@ -3,7 +3,10 @@
 A session's id is the id of the rollout that opened it, and stays the id callers use. Parking
 ends that rollout (its machine's writable layer stored as an artifact); a resume is a rollout
 of its own, and `session_parks` maps the session's id to the newest. A session never parked
-has no row: its own rollout holds it.
+has no row: its own rollout holds it (one parked by idleness, too: its host parks it).
+
+Retention keeps what a session that is not over needs (`fleet.ledger.retention`): the rollout
+that stores a parked session's layer, and the first rollout of a session a resume holds.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from fleet.ledger.base import DRAINING, LedgerBase
 from fleet.ledger.raw import LEASED
 
 PARKED, RESUMED, CLOSED = "PARKED", "RESUMED", "CLOSED"
+RESUMES_LABEL = "fleet.resumes"
+"""The label of a resume's rollout: the id of the session it holds."""
 
 PARK_COLS = "session_id, rollout_id, layer_digest, layer_size, parked_from, state, updated_at"
 PARK = f"SELECT {PARK_COLS} FROM session_parks WHERE session_id = ?"

@@ -457,9 +457,22 @@ DELETE_SETTING = "DELETE FROM settings WHERE key = ?"
 # -- retention -----------------------------------------------------------------------------
 
 FINISHED_BEFORE = (
-    "SELECT id FROM rollouts WHERE finished_at IS NOT NULL AND finished_at < ? "
+    "SELECT id FROM rollouts r WHERE finished_at IS NOT NULL AND finished_at < ? "
+    # The rollout that stores a parked session's layer: one that succeeded with it among its
+    # outputs and either holds a session not closed (its `session_parks` row) or is a session's
+    # own first rollout, parked by idleness (no row, and not a resume: none holds it now).
+    "AND NOT (r.state = ? AND r.outputs_json LIKE ? AND (EXISTS (SELECT 1 FROM session_parks p "
+    "WHERE p.rollout_id = r.id AND p.state <> ?) OR (r.labels_json NOT LIKE ? AND NOT EXISTS "
+    "(SELECT 1 FROM session_parks p WHERE p.session_id = r.id OR p.rollout_id = r.id)))) "
+    # A session's first rollout (its id, owner, opening) while a resume holds it, running or
+    # parked in turn.
+    "AND NOT EXISTS (SELECT 1 FROM session_parks p JOIN rollouts c ON c.id = p.rollout_id "
+    "WHERE p.session_id = r.id AND p.rollout_id <> r.id AND p.state <> ? "
+    "AND (c.finished_at IS NULL OR (c.state = ? AND c.outputs_json LIKE ?))) "
     "ORDER BY finished_at LIMIT ?"
 )
+"""Rollouts that ended before a time, oldest first, but for those a session that is not over
+still needs (`fleet.ledger.retention`)."""
 PURGE_ROLLOUTS = (
     "DELETE FROM attempt_tokens WHERE attempt_id IN (SELECT a.id FROM attempts a "
     "JOIN work_items w ON w.id = a.work_id WHERE w.rollout_id IN ({marks}))",
@@ -471,12 +484,20 @@ PURGE_ROLLOUTS = (
         for table in ("events", "rollout_labels", "egress_events", "checkpoints",
                       "checkpoint_usage")
     ),
+    "DELETE FROM session_parks WHERE session_id IN ({marks})",
     "DELETE FROM rollouts WHERE id IN ({marks})",
 )  # fmt: skip
-"""Everything of these rollouts, in an order their references allow."""
+"""Everything of these rollouts, in an order their references allow (and the park record of
+the sessions they opened)."""
 PURGE_MANIFESTS = "DELETE FROM manifests WHERE digest NOT IN (SELECT manifest_digest FROM rollouts)"
 PURGE_ARTIFACTS = (
     "DELETE FROM artifacts WHERE created_at < ? AND NOT EXISTS (SELECT 1 FROM rollouts r "
     "WHERE r.results_json LIKE '%' || artifacts.digest || '%')"
 )
 """Step output older than a time that no remaining rollout's results name."""
+MANIFESTS_STARTING_FROM_LAYERS = (
+    'SELECT body FROM manifests m WHERE body LIKE \'%"layer":"sha256:%\' AND EXISTS '
+    "(SELECT 1 FROM rollouts r WHERE r.manifest_digest = m.digest AND r.finished_at IS NULL)"
+)
+"""Manifests of rollouts not ended yet whose machine starts from a parked layer (a resume, a
+fork of a parked session): the layer is fetched when the machine starts."""

@@ -4,11 +4,18 @@ sessions of draining hosts and resumes them elsewhere.
 A park stores the session's disk (its machine's writable layer, as an artifact of its attempt,
 reported under `SESSION_LAYER_OUTPUT`) and ends its attempt; its machine is freed. An idle
 session parks the same way on its host (its `on_idle`). A resume is a rollout of its own
-(label `fleet.resumes=<session id>`, the session's deadline kept), placed on any host of the
-session's class, whose machine starts from the layer; the ledger's `session_parks` maps the
-session's id, which callers keep, to the rollout that holds it now. No process carries over,
-as for forks. A session on a microVM or a warm parent's child cannot park: FAILED_PRECONDITION
-(a drain closes it instead, as it always did).
+(label `fleet.resumes=<session id>`, the session's deadline kept), placed on a host of the
+session's class that can use the layer (below), whose machine starts from it; the ledger's
+`session_parks` maps the session's id, which callers keep, to the rollout that holds it now.
+No process carries over, as for forks. A session on a microVM or a warm parent's child cannot
+park: FAILED_PRECONDITION (a drain closes it instead, as it always did).
+
+A layer is the namespace runtime's own (an overlay's upper directory with its whiteouts and
+overlay attributes, `fleet.runtime.layers`): the smol runtime neither makes one nor starts a
+microVM from one. So a resume, and a fork of a parked session, require namespace isolation
+(`layer_requirements`), and one that no registered host could start is refused before it is
+submitted (`layer_refusal`): the session stays parked rather than fail on a host that cannot
+use its layer.
 """
 
 from __future__ import annotations
@@ -29,8 +36,16 @@ from fleet.core.manifest import (
     SubmitRequest,
     validate_request,
 )
+from fleet.core.placement import (
+    HostCapabilities,
+    HostClass,
+    Isolation,
+    Requirements,
+    refusal,
+    unservable_reason,
+)
 from fleet.core.rollout import Rollout
-from fleet.ledger.parks import CLOSED, Park, parked_layer, session_state
+from fleet.ledger.parks import CLOSED, RESUMES_LABEL, Park, parked_layer, session_state
 
 if TYPE_CHECKING:
     from fleet.server.core import Core
@@ -54,7 +69,6 @@ class Sessions(Protocol):
 
 log = structlog.get_logger(__name__)
 
-RESUMES_LABEL = "fleet.resumes"
 MOVE_EVERY_S = 1.0
 """How often the mover looks for sessions on draining hosts."""
 PARK_END_S = 30.0
@@ -74,6 +88,33 @@ def session_pb(
     )  # fmt: skip
     out.opened_at.FromDatetime(first.created_at.astimezone(UTC))
     return out
+
+
+def layer_requirements(needs: Requirements) -> Requirements:
+    """What a machine started from a parked session's layer needs of its host: the session's
+    own requirements, on the namespace runtime that made the layer (no other can use it)."""
+    return needs.model_copy(update={"isolation": Isolation.NAMESPACE})
+
+
+def layer_refusal(
+    hosts: list[HostCapabilities], host_class: HostClass, needs: Requirements
+) -> str | None:
+    """Why no registered host could ever start a machine from a layer, for work of
+    `host_class` that needs `needs` (`layer_requirements`); None when one could."""
+    if any(
+        h.isolation == Isolation.NAMESPACE and refusal(h, host_class, needs) is None for h in hosts
+    ):
+        return None
+    anywhere = needs.model_copy(update={"isolation": Isolation.ANY})
+    unmet = unservable_reason(hosts, host_class, anywhere)
+    if unmet is not None:  # (no host of either runtime could)
+        return unmet
+    return (
+        f"no registered host can start a machine from the parked layer: it needs a "
+        f"{host_class}-class host of the namespace runtime, which made the layer, and every "
+        f"{host_class}-class host that could serve it runs microVMs (the smol runtime cannot "
+        "unpack a layer)"
+    )
 
 
 class SessionMoves:
@@ -169,7 +210,8 @@ class SessionMoves:
             idle_timeout_s=rollout.manifest.session.idle_timeout_s,
             on_idle=rollout.manifest.session.on_idle, layer=layer.digest, layer_size=layer.size,
         )  # fmt: skip
-        manifest = rollout.manifest.model_copy(update={"session": spec})
+        needs = layer_requirements(rollout.manifest.requirements)
+        manifest = rollout.manifest.model_copy(update={"session": spec, "requirements": needs})
         labels = {k: v for k, v in first.labels.items() if not k.startswith("fleet.")}
         submit = SubmitRequest(
             idempotency_key=f"{session_id}/resume/{rollout.id}", smolfile=manifest.smolfile,
@@ -187,6 +229,7 @@ class SessionMoves:
         await asyncio.to_thread(
             validate_request, submit, now, timedelta(seconds=self.core.config.max_deadline_s)
         )
+        await self.check_layer_placeable(session_id, manifest.host_class, needs)
         [(resumed_id, created)] = await self.core.db(
             functools.partial(
                 self.core.ledger.submit_many,
@@ -205,6 +248,17 @@ class SessionMoves:
         ready = await self.sessions._until_ready(resumed_id, wait, "ResumeSession")
         resumed = await self.core.db(self.core.ledger.get, resumed_id)
         return session_pb(session_id, first, resumed, park, ready.host_id)
+
+    async def check_layer_placeable(
+        self, session_id: str, host_class: HostClass, needs: Requirements
+    ) -> None:
+        """FAILED_PRECONDITION, before anything is submitted, where no registered host could
+        start a machine from the parked session's layer (read afresh: a host that registered
+        through another replica counts)."""
+        hosts = await self.core.db(self.core.ledger.hosts)
+        why = layer_refusal(hosts, host_class, needs)
+        if why is not None:
+            raise FailedPrecondition(f"session {session_id} stays parked: {why}")
 
     async def close_parked(self, session_id: str, first: Rollout, park: Park | None) -> None:
         """A parked session closed by its caller: never resumed after."""

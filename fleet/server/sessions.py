@@ -52,7 +52,7 @@ from fleet.ledger.parks import parked_layer
 from fleet.server.core import Core
 from fleet.server.fleet_service import FleetServicer
 from fleet.server.hub import SessionHub
-from fleet.server.session_moves import SessionMoves
+from fleet.server.session_moves import SessionMoves, layer_requirements
 from fleet.server.session_moves import session_pb as moved_pb
 
 log = structlog.get_logger(__name__)
@@ -283,9 +283,11 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
         assert source.manifest.session is not None
         idle = request.idle_timeout_s or source.manifest.session.idle_timeout_s
         layer = parked_layer(source, park)
+        needs = source.manifest.requirements
         if layer is not None:  # a parked session's copies start from its layer, on any host
-            host_id = ""
+            host_id = ""  # (of the namespace runtime, which alone can start from a layer)
             spec = SessionSpec(idle_timeout_s=idle, layer=layer.digest, layer_size=layer.size)
+            needs = layer_requirements(needs)
         else:
             _, host_id = await self._holder(request.session_id)  # open, its host connected
             # (The rollout holding the session now: the one whose machine its host holds.)
@@ -293,7 +295,9 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
         labels = {**request.labels, SESSION_LABEL: "1", FORK_LABEL: first.id}
         key = request.idempotency_key or uuid.uuid4().hex
         deadline = now + timedelta(seconds=lifetime)
-        manifest = source.manifest.model_copy(update={"session": spec, "deadline": deadline})
+        manifest = source.manifest.model_copy(
+            update={"session": spec, "deadline": deadline, "requirements": needs}
+        )
         forks = [
             SubmitRequest(
                 idempotency_key=f"{key}/fork-{i}", smolfile=manifest.smolfile,
@@ -309,6 +313,8 @@ class SessionServicer(fleet_pb2_grpc.SessionServiceServicer):  # type: ignore[mi
         await asyncio.to_thread(
             validate_request, forks[0], now, timedelta(seconds=self.core.config.max_deadline_s)
         )
+        if layer is not None:
+            await self.moves.check_layer_placeable(first.id, manifest.host_class, needs)
         # All forks in one transaction: a crash stores all of them or none, and a retry with
         # the same key finds every one it stored.
         stored = await self.core.db(
