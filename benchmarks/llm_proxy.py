@@ -23,6 +23,11 @@ alternates so that the machine's drift weighs on both alike:
   the caller and the upstream (asyncio, in Python, as the gateway is): what any proxy in
   Python costs on this host before it does any work, so the gateway's figure can be read
   against the host's floor measured in the same run.
+- `proxy_gateway_cpu_ms_per_request`, `pipe_cpu_ms_per_request`: CPU seconds of the gateway's
+  and of the pipe's process over their rounds, per request. On a host of few cores the added
+  latency is mostly the gateway's CPU queued behind a burst's other streams (their set-up,
+  then their chunks, which the upstream sends at the same instants), so these say how much of
+  the added p50 is the gateway's own work and how much any Python proxy pays.
 - `fallback_first_token_s`: `gone/stream` asked for (its chain: `bench/stream`), the same
   `STREAMS` at once: the p95 from sending to the first token (p50 beside it), each answer
   checked to say it fell back. The direct time to first token is the baseline beside it: the
@@ -170,8 +175,9 @@ class Side:
     samples: list[Sample] = field(default_factory=list)
     seconds: float = 0.0
     """Wall seconds of its rounds, each from its first request sent to its last answer."""
-    gateway_cpu_s: float = 0.0
-    """CPU seconds the gateway's process spent during its rounds."""
+    server_cpu_s: float = 0.0
+    """CPU seconds the process between caller and upstream (the gateway's, the pipe's) spent
+    during its rounds."""
 
     @property
     def tokens(self) -> int:
@@ -197,6 +203,8 @@ class Caller:
     model: str
     headers: tuple[dict[str, str], ...]
     """The gateway's side: each stream with its own rollout's token."""
+    server_pid: int = 0
+    """The process between the caller and the upstream, whose CPU is read (0: none)."""
 
     def body(self) -> dict[str, Any]:
         return {"model": self.model, "stream": True, "max_tokens": 512,
@@ -238,12 +246,13 @@ async def one(caller: Caller, stream: int) -> Sample:
     return Sample(first, time.perf_counter() - start, tokens, fallbacks)
 
 
-async def concurrent(caller: Caller, side: Side, expect_tokens: int, gateway_pid: int) -> None:
+async def concurrent(caller: Caller, side: Side, expect_tokens: int) -> None:
     """`STREAMS` requests at once, added to `side`."""
-    start, cpu = time.perf_counter(), process_cpu_s(gateway_pid)
+    pid = caller.server_pid
+    start, cpu = time.perf_counter(), process_cpu_s(pid) if pid else 0.0
     samples = await asyncio.gather(*(one(caller, i) for i in range(STREAMS)))
     side.seconds += time.perf_counter() - start
-    side.gateway_cpu_s += process_cpu_s(gateway_pid) - cpu
+    side.server_cpu_s += (process_cpu_s(pid) - cpu) if pid else 0.0
     short = [s.tokens for s in samples if s.tokens != expect_tokens]
     if short:
         raise RuntimeError(f"{caller.name}: answers of {short} tokens, {expect_tokens} expected")
@@ -264,8 +273,9 @@ def _clients(stack: contextlib.AsyncExitStack, base: str) -> tuple[httpx.AsyncCl
 
 
 async def measure(
-    upstream: str, gateway: str, gateway_pid: int, pipe: str, key: str, plan: Plan
-) -> dict[str, Any]:
+    upstream: str, gateway: str, gateway_pid: int, pipe: str, pipe_pid: int, key: str,
+    plan: Plan,
+) -> dict[str, Any]:  # fmt: skip
     """The rounds, each side through its own clients, then the fallback rounds."""
     deadline = time.time() + 3600
     tokens = tuple(
@@ -281,20 +291,20 @@ async def measure(
         callers = {
             "direct": Caller("direct", _clients(stack, f"http://{upstream}/v1"),
                              llm_upstream.MODEL, direct_auth),
-            "proxy": Caller("proxy", g, MODEL, tokens),
+            "proxy": Caller("proxy", g, MODEL, tokens, gateway_pid),
             "pipe": Caller("pipe", _clients(stack, f"http://{pipe}/v1"),
-                           llm_upstream.MODEL, direct_auth),
+                           llm_upstream.MODEL, direct_auth, pipe_pid),
         }  # fmt: skip
-        falling = Caller("fallback", g, FALLING, tokens)
+        falling = Caller("fallback", g, FALLING, tokens, gateway_pid)
         # Warm-up: connections opened and kept, on both sides and on the gateway's own pool.
         for caller in callers.values():
-            await concurrent(caller, Side(), plan.tokens, gateway_pid)
+            await concurrent(caller, Side(), plan.tokens)
         for r in range(plan.rounds):
             order = ("direct", "proxy", "pipe") if r % 2 == 0 else ("pipe", "proxy", "direct")
             for name in order:
-                await concurrent(callers[name], sides[name], plan.tokens, gateway_pid)
+                await concurrent(callers[name], sides[name], plan.tokens)
         for _ in range(plan.fallback_rounds):
-            await concurrent(falling, fallback, plan.tokens, gateway_pid)
+            await concurrent(falling, fallback, plan.tokens)
     unsaved = [s.fallbacks for s in fallback.samples if FALLING not in s.fallbacks.split(",")]
     if unsaved:
         raise RuntimeError(f"fallback: {len(unsaved)} answers do not say they fell back from "
@@ -318,7 +328,8 @@ async def measure(
         "proxy_ttft_p50_s": proxied.p("ttft_s", 0.5),
         "proxy_direct_ttft_p50_s": direct.p("ttft_s", 0.5),
         "proxy_direct_ttft_p95_s": direct.p("ttft_s", 0.95),
-        "proxy_gateway_cpu_ms_per_request": 1000 * proxied.gateway_cpu_s / len(proxied.samples),
+        "proxy_gateway_cpu_ms_per_request": 1000 * proxied.server_cpu_s / len(proxied.samples),
+        "pipe_cpu_ms_per_request": 1000 * piped.server_cpu_s / len(piped.samples),
         "proxy_requests": len(proxied.samples),
         "fallback_requests": len(fallback.samples),
         "proxy_tokens_per_answer": plan.tokens,
@@ -345,4 +356,4 @@ def proxy(quick: bool) -> dict[str, Any]:
                 ServerProcess(_pipe_main, upstream.address) as pipe,
             ):
                 return asyncio.run(measure(upstream.address, gateway.http_address, gateway.pid,
-                                           pipe.address, key, plan))  # fmt: skip
+                                           pipe.address, pipe.pid, key, plan))  # fmt: skip

@@ -25,14 +25,20 @@ The relay of a stream (`gateway.llm.upstream_relay`) passes the upstream's chunk
 wrote them and reads each body to its end, so that connections are kept. Each upstream has a
 pool of its own, of aiohttp's client, whose HTTP parser is compiled: httpx's pure-Python stack
 cost several times the rest of the relay per chunk, and httpcore's pool bookkeeping grows with
-the square of its connections.
+the square of its connections. What every request shares (its headers, per upstream) is made
+once, and a stream's silences are bounded by one watch for all streams
+(`upstream_relay.ReadWatch`) rather than a timer re-armed per chunk: with a burst of streams,
+each request's set-up and each chunk's handling wait behind the others' on one event loop, so
+their cost is the latency the proxy adds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import aiohttp
@@ -44,10 +50,12 @@ from gateway.llm.upstream_config import Upstream, UpstreamConfig, scrub
 from gateway.llm.upstream_relay import (
     NETWORK_ERRORS,
     Failed,
+    ReadWatch,
     Relay,
     StreamUsage,
     error_message,
     transport_error,
+    watch_body,
 )
 
 log = structlog.get_logger(__name__)
@@ -95,6 +103,15 @@ class Upstreams:
         self.config = config
         self._keys = config.keys()
         self._sessions: dict[str, aiohttp.ClientSession] = {}
+        self._watch = ReadWatch(config.read_timeout_s)
+        # Each request's headers, made once per upstream (whole answers, streams): they are
+        # the same for every request, and a request's set-up is paid by every stream of a
+        # burst one after another on the one event loop.
+        self._headers = {
+            (name, stream): _request_headers(upstream, stream)
+            for name, upstream in config.upstreams.items()
+            for stream in (False, True)
+        }
         log.info(
             "upstreams_registered",
             upstreams={n: ("key" if u.key else "no key") for n, u in config.upstreams.items()},
@@ -131,6 +148,7 @@ class Upstreams:
 
     async def aclose(self) -> None:
         sessions, self._sessions = list(self._sessions.values()), {}
+        await self._watch.aclose()
         await asyncio.gather(*(session.close() for session in sessions))
 
     def scrub(self, text: str) -> str:
@@ -189,16 +207,19 @@ class Upstreams:
         chain = (requested, *self.config.fallbacks.get(requested, ()))
         stream = request.get("stream") is True
         for model in chain:
-            upstream = self.config.upstreams[model.partition("/")[0]]
-            body = {**request, "model": model.partition("/")[2]}
-            bound = log.bind(rollout_id=claims.rollout_id, upstream=upstream.name, model=model)
+            name, _, upstream_model = model.partition("/")
+            upstream = self.config.upstreams[name]
+            body = {**request, "model": upstream_model}
             try:
                 if stream:
                     return await self._stream(upstream, path, body, model, attempt, usage)
                 return await self._whole(upstream, path, body, model, attempt)
             except Failed as exc:
                 why = self.scrub(str(exc))
-                bound.warning("upstream_failed", error=why, next_in_chain=model != chain[-1])
+                log.warning(
+                    "upstream_failed", rollout_id=claims.rollout_id, upstream=name, model=model,
+                    error=why, next_in_chain=model != chain[-1],
+                )  # fmt: skip
                 attempt.tried.append({"model": model, "error": why})
         summary = "; ".join(f"{t['model']}: {t['error']}" for t in attempt.tried)
         error = ApiError(
@@ -219,13 +240,7 @@ class Upstreams:
     ) -> aiohttp.ClientResponse:
         """The upstream's response (its body not yet read), or Failed for one the chain moves
         on from; another refusal (the request's own fault) is raised as the upstream said it."""
-        headers = {"content-type": "application/json", "accept": "application/json"}
-        if body.get("stream") is True:
-            # (events are relayed as they come: a compressed stream would be held back)
-            headers["accept"] = "text/event-stream"
-            headers["accept-encoding"] = "identity"
-        if upstream.key is not None:
-            headers["authorization"] = f"Bearer {upstream.key.get_secret_value()}"
+        headers = self._headers[upstream.name, body.get("stream") is True]
         url = upstream.url + path.removeprefix("/v1")
         data = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
         try:
@@ -286,7 +301,8 @@ class Upstreams:
         """Reads the stream up to its first token (a failure there moves the chain on), then
         answers with a relay of the rest."""
         response = await self._send(upstream, path, body)
-        relay = Relay(response, model, attempt.fleet(model), self.scrub, usage)
+        watch_body(response)
+        relay = Relay(response, model, attempt.fleet(model), self.scrub, usage, self._watch)
         try:
             await relay.first_token()
         except BaseException:
@@ -352,6 +368,19 @@ class Upstreams:
             why = transport_error(exc) if isinstance(exc, NETWORK_ERRORS) else str(exc)
             log.warning("upstream_models_unlisted", upstream=name, error=self.scrub(why))
             return []
+
+
+def _request_headers(upstream: Upstream, stream: bool) -> Mapping[str, str]:
+    """The headers of every request to `upstream` (each request copies them, and nothing
+    changes them): the gateway's key for it, never the rollout's token."""
+    headers = {"content-type": "application/json", "accept": "application/json"}
+    if stream:
+        # (events are relayed as they come: a compressed stream would be held back)
+        headers["accept"] = "text/event-stream"
+        headers["accept-encoding"] = "identity"
+    if upstream.key is not None:
+        headers["authorization"] = f"Bearer {upstream.key.get_secret_value()}"
+    return MappingProxyType(headers)
 
 
 async def _read_at_most(response: aiohttp.ClientResponse, limit: int) -> bytes:

@@ -15,6 +15,7 @@ import asyncio
 import collections
 import json
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +60,56 @@ class StreamUsage:
     """Choices relayed that carried generated text or a tool call."""
 
 
+class ReadWatch:
+    """The bound on an upstream's silence while a relay waits for its stream's next chunk
+    (`read_timeout_s`), kept for every relayed stream by one task that looks at them a few
+    times per bound, rather than by aiohttp's `sock_read`, which cancels and re-arms a timer
+    on every chunk received (a timer per chunk per stream, on the gateway's hot path; the
+    response's head is still bounded by `sock_read`, `watch_body`). An upstream silent past
+    the bound fails its stream as `sock_read` would: `read timed out`, before the first token
+    the chain's to handle, after it a resumable error."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.tick_s = min(1.0, timeout_s / 4)
+        self.relays: set[Relay] = set()
+        self.task: asyncio.Task[None] | None = None
+
+    def add(self, relay: Relay) -> None:
+        self.relays.add(relay)
+        loop = asyncio.get_running_loop()
+        if self.task is None or self.task.done() or self.task.get_loop() is not loop:
+            self.task = loop.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        """Until no relay is left (the next one starts it again)."""
+        while self.relays:
+            await asyncio.sleep(self.tick_s)
+            now = time.monotonic()
+            for relay in list(self.relays):
+                if relay.response.closed:
+                    self.relays.discard(relay)
+                elif relay.waiting_since and now - relay.waiting_since > self.timeout_s:
+                    self.relays.discard(relay)
+                    relay.expire(self.timeout_s)
+
+    async def aclose(self) -> None:
+        self.relays.clear()
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+
+
+def watch_body(response: aiohttp.ClientResponse) -> None:
+    """Ends aiohttp's own read timer for `response`'s body (its head has arrived within it):
+    from here its `ReadWatch` bounds the silences. (The timer is set again for the next
+    request on the connection.)"""
+    connection = response.connection
+    protocol = connection.protocol if connection is not None else None
+    if protocol is not None:
+        protocol.read_timeout = None
+
+
 class Relay:
     """A streamed answer relayed chunk by chunk: each `data:` payload with `model` and `fleet`
     set, scrubbed. The chunks before the first token are held (`first_token`), so that a failure
@@ -69,6 +120,7 @@ class Relay:
     def __init__(
         self, response: aiohttp.ClientResponse, model: str, fleet: dict[str, Any],
         scrub: Callable[[str], str], usage: StreamUsage | None = None,
+        watch: ReadWatch | None = None,
     ) -> None:  # fmt: skip
         self.response = response
         self.model = model
@@ -80,8 +132,8 @@ class Relay:
         self._model_member = f'"model": {json.dumps(model)}'
         self._fleet_member = f', "fleet": {json.dumps(self.fleet)}}}'
         self.held: list[str] = []
-        self.pieces = response.content.iter_any()
-        self.pending: collections.deque[str] = collections.deque()
+        self.content = response.content
+        self.pending: collections.deque[bytes] = collections.deque()
         self.partial = b""
         """The start of a line whose end has not arrived yet."""
         self.sent = 0
@@ -89,13 +141,17 @@ class Relay:
         self.last_token = ""
         self.done = False
         self.drained = False
+        self.waiting_since = 0.0
+        """When the relay began to wait for the upstream's next piece (0: it is not waiting)."""
+        if watch is not None:
+            watch.add(self)
 
-    def _chunk(self, payload: str) -> tuple[str | None, bool]:
+    def _chunk(self, raw: bytes) -> tuple[str | None, bool]:
         """The payload to relay (None: none, a usage chunk the client did not ask for), and
         whether it carries a token."""
-        if payload == "[DONE]":
-            return payload, False
-        payload = self.scrub(payload)
+        if raw == b"[DONE]":
+            return "[DONE]", False
+        payload = self.scrub(raw.decode(errors="replace"))
         try:
             chunk = json.loads(payload)
         except ValueError:
@@ -138,8 +194,10 @@ class Relay:
         place where its one `model` member can be found for certain and it has no `fleet` of
         its own, else serialised again."""
         if not edited and isinstance(chunk.get("model"), str) and "fleet" not in chunk:
-            found = _MODEL_FIELD.search(payload)
-            if found is not None and _MODEL_FIELD.search(payload, found.end()) is None:
+            # (the pattern starts with `"model"`: where that text occurs once, one match is
+            # the only one)
+            found = _MODEL_FIELD.search(payload) if payload.count('"model"') == 1 else None
+            if found is not None:
                 start, end = found.span()
                 text = payload[:start] + self._model_member + payload[end:]
                 return text.rstrip()[:-1] + self._fleet_member
@@ -166,20 +224,26 @@ class Relay:
             raise Failed(f"a line of the stream is over {MAX_EVENT_BYTES} bytes")
         for line in lines:
             if line.startswith(b"data:"):
-                self.pending.append(line[5:].strip().decode(errors="replace"))
+                self.pending.append(line[5:].strip())
 
-    async def _next_payload(self) -> str:
+    async def _next_payload(self) -> bytes:
         """The next `data:` payload; Failed when the stream breaks off or ends without
-        `[DONE]` (an upstream that died mid-answer, whatever its framing made it look like)."""
-        while not self.pending:
+        `[DONE]` (an upstream that died mid-answer, whatever its framing made it look like).
+        (Read with `readany` itself: this is once per chunk, and each wrapper around it, its
+        iterator included, is a frame more per chunk.)"""
+        pending = self.pending
+        while not pending:
+            self.waiting_since = time.monotonic()
             try:
-                piece = await anext(self.pieces)
-            except StopAsyncIteration:
-                raise Failed("the stream ended without [DONE]") from None
+                piece = await self.content.readany()
             except NETWORK_ERRORS as exc:
                 raise Failed(f"the stream broke off: {transport_error(exc)}") from None
+            finally:
+                self.waiting_since = 0.0
+            if not piece:
+                raise Failed("the stream ended without [DONE]")
             self._feed(piece)
-        return self.pending.popleft()
+        return pending.popleft()
 
     async def _drain(self) -> None:
         """The body's rest after `[DONE]` read (within DRAIN_BYTES and DRAIN_S), so that the
@@ -190,7 +254,7 @@ class Relay:
         read = 0
         try:
             async with asyncio.timeout(DRAIN_S):
-                async for piece in self.pieces:
+                while piece := await self.content.readany():
                     read += len(piece)
                     if read > DRAIN_BYTES:
                         break
@@ -228,7 +292,10 @@ class Relay:
                 await self._drain()
             raise StopAsyncIteration
         try:
-            payload, carries = await self._relay_next()
+            while True:  # (`_relay_next`, inlined: this is the path of every chunk)
+                payload, carries = self._chunk(await self._next_payload())
+                if payload is not None:
+                    break
         except Failed as exc:
             self.done = self.drained = True
             return json.dumps(self._resumable(self.scrub(str(exc))))
@@ -236,6 +303,13 @@ class Relay:
             self.done = True
         self.sent += carries
         return payload
+
+    def expire(self, timeout_s: float) -> None:
+        """The upstream was silent past `timeout_s` while the relay waited: its wait ends as
+        aiohttp's own read timeout would end it, and the connection is not kept."""
+        self.content.set_exception(
+            aiohttp.SocketTimeoutError(f"no data from the upstream for {timeout_s} s")
+        )
 
     def _resumable(self, why: str) -> dict[str, Any]:
         log.warning("upstream_stream_broke", model=self.model, tokens_sent=self.sent, error=why)
