@@ -202,7 +202,7 @@ def enqueue_floor(target: str, n: int, batch: int) -> float:
     rollouts = [(r, req.idempotency_key, req.fingerprint(), m.digest, "default", "{}", "QUEUED",
                  0, now, now)
                 for (req, m), (r, _) in zip(submissions, ids, strict=True)]  # fmt: skip
-    items = [(w, r, "default", "QUEUED", "cpu", False, False, False, 0, 3, now,
+    items = [(w, r, "default", "QUEUED", "cpu", False, False, False, False, 0, 3, now,
               m.deadline.timestamp(), False, "")
              for (_, m), (r, w) in zip(submissions, ids, strict=True)]  # fmt: skip
     events = [(r, "submitted", "", "QUEUED", "tenant:default", now,
@@ -385,7 +385,7 @@ def floor_worker(target: str, host_id: str, counter: Synchronized[int], ready: B
                 cursor.execute(Q.CLAIM_IN_LEASE_ORDER)
             items = cursor.execute(sql["CLAIMABLE"], (
                 "QUEUED", "cpu", "cpu", now, now, host_id, host_id, now, host_id, now,
-                False, False, True, "", CLAIM_BATCH)).fetchall()  # fmt: skip
+                False, True, False, True, "", CLAIM_BATCH)).fetchall()  # fmt: skip
             ids = sorted(i[0] for i in items)
             rids = sorted(i[1] for i in items)
             if items:

@@ -301,9 +301,9 @@ class Attempt(MachineMaking):
         """Why this host's own runtime cannot give the rollout what it requires ("": it can)."""
         needs = self.a.manifest.requirements
         isolation = self.agent.runtime.isolation
-        if needs.isolation == Isolation.VM and isolation != Isolation.VM:
-            return (f"the rollout requires vm isolation and this host's runtime gives "
-                    f"{isolation.value}")  # fmt: skip
+        if needs.isolation in (Isolation.VM, Isolation.NAMESPACE) and isolation != needs.isolation:
+            return (f"the rollout requires {needs.isolation.value} isolation and this host's "
+                    f"runtime gives {isolation.value}")  # fmt: skip
         if needs.cuda_device and self.agent.caps.cuda_devices < 1:
             return "the rollout requires a CUDA device and this host has none"
         if needs.inference and self.agent.config.gateway is None:

@@ -101,6 +101,10 @@ def refusal(host: HostCapabilities, host_class: HostClass, needs: Requirements) 
         return f"host {host.host_id} is {host.host_class}-class, the rollout needs {host_class}"
     if needs.isolation == Isolation.VM and host.isolation != Isolation.VM:
         return f"host {host.host_id} offers {host.isolation} isolation, the rollout requires vm"
+    if needs.isolation == Isolation.NAMESPACE and host.isolation != Isolation.NAMESPACE:
+        return (
+            f"host {host.host_id} offers {host.isolation} isolation, the rollout requires namespace"
+        )
     if needs.cuda_device and host.cuda_devices == 0:
         return f"host {host.host_id} has no CUDA device, the rollout requires one"
     if needs.inference and not host.gateway:
@@ -119,6 +123,8 @@ def unservable_reason(
         why += " (the Smolfile sets cuda = true)"
     if needs.isolation == Isolation.VM:
         why += " with vm isolation"
+    if needs.isolation == Isolation.NAMESPACE:
+        why += " with namespace isolation"
     if needs.cuda_device:
         why += " with a CUDA device"
     if needs.inference:

@@ -209,7 +209,8 @@ class Leases(LedgerBase):
         params: list[Any] = [
             QUEUED, classes[0], classes[-1], now, now, host_id,
             host_id, avoid_until, host_id, avoid_until,
-            host.isolation == Isolation.VM, host.cuda_devices > 0,
+            host.isolation == Isolation.VM, host.isolation == Isolation.NAMESPACE,
+            host.cuda_devices > 0,
             # Backpressure (the gateway's queue is over its threshold), or a host whose
             # agent does not know where the gateway is: no work that calls the gateway.
             not claim.hold_inference and bool(host.gateway),

@@ -129,9 +129,10 @@ INSERT_ARTIFACT = (
 
 INSERT_WORK_ITEM = (
     "INSERT INTO work_items (id, rollout_id, tenant, state, host_class, needs_vm, "
-    "needs_cuda_device, needs_inference, priority, attempt, max_attempts, not_before, deadline, "
-    "lease_owner, fencing_token, cancel_requested, result_fingerprint, claim_request_id, "
-    "pin_host) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?, '', 0, ?, '', '', ?)"
+    "needs_namespace, needs_cuda_device, needs_inference, priority, attempt, max_attempts, "
+    "not_before, deadline, lease_owner, fencing_token, cancel_requested, result_fingerprint, "
+    "claim_request_id, pin_host) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?, '', 0, ?, '', '', ?)"
 )
 ITEM_FOR_UPDATE = f"SELECT {ITEM_COLS} FROM work_items WHERE id = ? FOR UPDATE"
 ITEMS_FOR_UPDATE = (
@@ -148,7 +149,8 @@ CLAIMABLE = (
     "AND (avoid_host <> ? OR not_before <= ? OR NOT EXISTS (SELECT 1 FROM hosts "
     "WHERE hosts.host_class = work_items.host_class AND hosts.id <> ? "
     "AND hosts.last_heartbeat_at > ?)) "
-    "AND (? OR NOT needs_vm) AND (? OR NOT needs_cuda_device) AND (? OR NOT needs_inference) "
+    "AND (? OR NOT needs_vm) AND (? OR NOT needs_namespace) "
+    "AND (? OR NOT needs_cuda_device) AND (? OR NOT needs_inference) "
     "AND tenant NOT IN ({marks}) "
     "ORDER BY priority DESC, not_before, id LIMIT ? FOR UPDATE SKIP LOCKED"
 )

@@ -29,6 +29,7 @@ class Item(NamedTuple):
     cancel_requested: bool
     result_fingerprint: str
     claim_request_id: str
+    needs_namespace: bool
 
 
 class RolloutRec(NamedTuple):

@@ -243,6 +243,7 @@ class Submissions(LedgerBase):
                 (new_id("w-"), rollout_id, request.tenant, QUEUED,
                  manifest.host_class.value,
                  manifest.requirements.isolation == Isolation.VM,
+                 manifest.requirements.isolation == Isolation.NAMESPACE,
                  manifest.requirements.cuda_device, manifest.requirements.inference,
                  request.priority,
                  manifest.retry.max_attempts, now, manifest.deadline.timestamp(),

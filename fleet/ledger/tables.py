@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy import BigInteger, Index, text
 from sqlmodel import Field, SQLModel
 
-SCHEMA_VERSION = 22
+SCHEMA_VERSION = 23
 
 CHECKPOINT_ROW_BYTES = 512
 """What each checkpoint is charged besides its data (a row's cost), so that many tiny ones are
@@ -92,6 +92,8 @@ class WorkItemRow(SQLModel, table=True):
     state: str  # QUEUED, LEASED, DONE (looked up through ix_work_items_claim)
     host_class: str
     needs_vm: bool = False
+    needs_namespace: bool = False
+    """It starts from a parked session's layer, which only the namespace runtime can use."""
     needs_cuda_device: bool = False
     needs_inference: bool = False
     """Its steps call the gateway: held back while the gateway is over its queue threshold."""

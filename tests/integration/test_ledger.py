@@ -377,7 +377,7 @@ def test_a_claim_reads_queued_work_in_lease_order_without_sorting(ledger_target:
             scan = dialect(Q.CLAIMABLE, postgres=False, n=1)
             cursor = conn.connection.cursor()
             params = ["QUEUED", "cpu", "cpu", 1.0, 1.0, "h", "h", 0.0, "h", 0.0, True, True,
-                      True, "", 32]  # fmt: skip
+                      True, True, "", 32]  # fmt: skip
             plan = " ".join(str(r[3]) for r in cursor.execute(f"EXPLAIN QUERY PLAN {scan}", params))
             assert "ix_work_items_claim" in plan and "TEMP B-TREE" not in plan, plan
         else:
@@ -401,7 +401,7 @@ def test_a_claim_reads_queued_work_in_lease_order_without_sorting(ledger_target:
             cursor = conn.connection.cursor()
             cursor.execute(Q.CLAIM_IN_LEASE_ORDER)
             params = [QUEUED, "cpu", "cpu", T0 + 1, T0 + 1, "h", "h", 0.0, "h", 0.0, True, True,
-                      True, "", 32]  # fmt: skip
+                      True, True, "", 32]  # fmt: skip
             scan = dialect(Q.CLAIMABLE, postgres=True, n=1)
             plan = "\n".join(str(r[0]) for r in cursor.execute(f"EXPLAIN {scan}", params))
             assert "Index Scan using ix_work_items_claim" in plan and "Sort" not in plan, plan
@@ -610,7 +610,7 @@ def test_a_version_2_ledger_is_migrated_in_place(ledger_target: str) -> None:
         conn.execute(text("DROP TABLE pool_events"))
     ledger.engine.dispose()
     reopened = Ledger.open(ledger_target)
-    assert reopened.schema_version == SCHEMA_VERSION == 22
+    assert reopened.schema_version == SCHEMA_VERSION == 23
     register(reopened)
     assert reopened.host_states() == {"cpu-1": "ready"}  # (the column came back, defaulted)
     [a] = reopened.claim("cpu-1", 1, T0, TTL, hold_inference=True)
@@ -1339,3 +1339,25 @@ def test_a_new_sqlite_ledger_has_small_pages_and_an_older_one_keeps_its_own(
     reopened.engine.dispose()
     with sqlite3.connect(older) as conn:
         assert conn.execute("PRAGMA page_size").fetchone()[0] == 4096
+
+
+def test_work_that_needs_namespace_isolation_is_claimed_by_namespace_hosts_alone(
+    ledger: Ledger,
+) -> None:
+    """A machine started from a parked session's layer needs the namespace runtime: in a class
+    that mixes microVM and namespace hosts, only the latter lease it."""
+    ledger.register_host(
+        HostCapabilities(
+            host_id="vm-1", host_class=HostClass.CPU, runtime=RuntimeKind.SMOL,
+            isolation=Isolation.VM, cpus=2, memory_mib=1024, cuda_devices=0,
+        ),
+        T0,
+    )  # fmt: skip
+    register(ledger, "ns-1")
+    rollout, _ = submit(ledger, requirements=Requirements(isolation=Isolation.NAMESPACE))
+    assert ledger.claim("vm-1", 4, T0, TTL) == []
+    [leased] = ledger.claim("ns-1", 4, T0, TTL)
+    assert leased.rollout_id == rollout.id
+    # Any other work goes to either.
+    other, _ = submit(ledger, key="k2")
+    assert [a.rollout_id for a in ledger.claim("vm-1", 4, T0, TTL)] == [other.id]

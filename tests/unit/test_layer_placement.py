@@ -4,7 +4,15 @@ unpack a layer), with the session's other requirements kept."""
 
 from __future__ import annotations
 
-from fleet.core.placement import HostCapabilities, HostClass, Isolation, Requirements, RuntimeKind
+from fleet.core.placement import (
+    HostCapabilities,
+    HostClass,
+    Isolation,
+    Requirements,
+    RuntimeKind,
+    refusal,
+    unservable_reason,
+)
 from fleet.server.session_moves import layer_refusal, layer_requirements
 
 
@@ -46,3 +54,11 @@ def test_what_no_host_of_either_runtime_offers_is_named_as_for_any_rollout() -> 
     assert layer_refusal([_host("ns-2", RuntimeKind.NAMESPACE, gateway=True)],
                          HostClass.CPU, needs) is None  # fmt: skip
     assert "no hosts are registered" in (layer_refusal([], HostClass.CPU, needs) or "")
+
+
+def test_placement_refuses_a_microvm_host_work_that_needs_namespace_isolation() -> None:
+    needs = Requirements(isolation=Isolation.NAMESPACE)
+    vm, ns = _host("vm-1", RuntimeKind.SMOL), _host("ns-1", RuntimeKind.NAMESPACE)
+    assert "requires namespace" in (refusal(vm, HostClass.CPU, needs) or "")
+    assert refusal(ns, HostClass.CPU, needs) is None
+    assert "with namespace isolation" in (unservable_reason([vm], HostClass.CPU, needs) or "")
