@@ -133,13 +133,13 @@ def connection_handler(
             first = True
             while True:
                 start = b""
+                # (asyncio.timeout rather than wait_for, which makes a task per read: three per
+                # request on the gateway's path)
                 try:
-                    start = await asyncio.wait_for(
-                        reader.readexactly(1), header_timeout_s if first else idle_timeout_s
-                    )
-                    head = start + await asyncio.wait_for(
-                        reader.readuntil(b"\r\n\r\n"), header_timeout_s
-                    )
+                    async with asyncio.timeout(header_timeout_s if first else idle_timeout_s):
+                        start = await reader.readexactly(1)
+                    async with asyncio.timeout(header_timeout_s):
+                        head = start + await reader.readuntil(b"\r\n\r\n")
                 except TimeoutError:
                     return  # silent or slow: closed without an answer
                 except asyncio.IncompleteReadError as exc:
@@ -160,12 +160,11 @@ def connection_handler(
                     )
                     await writer.drain()
                     return
+                body = b""
                 try:
-                    body = (
-                        await asyncio.wait_for(reader.readexactly(length), body_timeout_s)
-                        if length
-                        else b""
-                    )
+                    if length:
+                        async with asyncio.timeout(body_timeout_s):
+                            body = await reader.readexactly(length)
                 except TimeoutError:
                     return
                 unkeyed = False

@@ -182,13 +182,26 @@ async def _stream(answer: Reply) -> None:
         left = True
         this.cancel()
 
+    # Events made in one turn of the loop (a relayed upstream's read often holds several) go
+    # out in one send, written once the turn ends: a send per event was a system call each.
+    frames: list[bytes] = []
+    loop = asyncio.get_running_loop()
+
+    def flush() -> None:
+        if frames and not writer.is_closing():
+            writer.write(b"".join(frames))
+        frames.clear()
+
     watcher = asyncio.create_task(watch())
     try:
         async for data in answer.events:
             event = f"data: {data}\n\n".encode()
-            writer.write(b"%x\r\n%s\r\n" % (len(event), event))
-            await writer.drain()
-        writer.write(b"0\r\n\r\n")
+            if not frames:
+                loop.call_soon(flush)
+            frames.append(b"%x\r\n%s\r\n" % (len(event), event))
+            await writer.drain()  # (a client gone ends the writes; a slow one holds them)
+        frames.append(b"0\r\n\r\n")
+        flush()
         await writer.drain()
     except asyncio.CancelledError:
         if not left:
