@@ -126,6 +126,18 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return dict(pairs)
 
 
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    """One HTTP/1.1 request as a plain upstream reads it: its head, then its body (by
+    Content-Length), which it returns."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    return await reader.readexactly(length)
+
+
 class Scripted:
     """An upstream that answers every streamed request with `payloads`, each a `data:` line
     ending in CRLF, the body written in pieces of `piece` bytes (lines split across them)."""
@@ -136,13 +148,7 @@ class Scripted:
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = next(
-                int(line.split(b":", 1)[1])
-                for line in head.split(b"\r\n")
-                if line.lower().startswith(b"content-length:")
-            )
-            await reader.readexactly(length)
+            await read_request(reader)
             body = b"".join(f"data: {p}\r\n\r\n".encode() for p in self.payloads)
             writer.write(
                 b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"

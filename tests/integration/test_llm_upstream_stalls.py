@@ -25,7 +25,14 @@ from gateway.llm.upstream import Upstreams
 from gateway.llm.upstream_config import load_upstreams
 from tests.integration.harness import SECRET
 from tests.integration.test_llm_upstream import serving
-from tests.integration.test_llm_upstream_relay import _ask, _key_file, _stream, _text, listening
+from tests.integration.test_llm_upstream_relay import (
+    _ask,
+    _key_file,
+    _stream,
+    _text,
+    listening,
+    read_request,
+)
 
 READ_TIMEOUT_S = 0.5
 """The gateway's bound on an upstream's silence in these tests."""
@@ -59,13 +66,7 @@ class Stalling:
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = next(
-                int(line.split(b":", 1)[1])
-                for line in head.split(b"\r\n")
-                if line.lower().startswith(b"content-length:")
-            )
-            await reader.readexactly(length)
+            await read_request(reader)
             self.requests += 1
             writer.write(
                 b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
@@ -97,20 +98,25 @@ def _client(port: int, token: str) -> httpx.AsyncClient:
     )
 
 
-async def test_an_upstream_silent_after_its_first_token_ends_the_stream_resumably(
-    tmp_path: Path,
-) -> None:
+async def _streamed_alone(tmp_path: Path, upstream: Stalling, rollout: str) -> list[str]:
+    """The events a machine gets asking model `up/m` of `upstream` (its only upstream)
+    through a gateway whose read bound is READ_TIMEOUT_S."""
     key = "sk-" + secrets.token_hex(24)
-    stalling = Stalling(tokens=2)
-    async with listening(stalling.handle) as port:
+    async with listening(upstream.handle) as port:
         config = load_upstreams(
             [f"up=http://127.0.0.1:{port}/v1"], [f"up=@{_key_file(tmp_path, key)}"], []
         )
         config = dataclasses.replace(config, read_timeout_s=READ_TIMEOUT_S)
         async with serving(Upstreams(config)) as (_gw, gw_port, _):
-            token = issue(SECRET, "r-stall", time.time() + 600, models=("up/m",))
+            token = issue(SECRET, rollout, time.time() + 600, models=("up/m",))
             async with _client(gw_port, token) as client:
-                events = await asyncio.wait_for(_stream(client, _ask("up/m")), CLIENT_TIMEOUT_S)
+                return await asyncio.wait_for(_stream(client, _ask("up/m")), CLIENT_TIMEOUT_S)
+
+
+async def test_an_upstream_silent_after_its_first_token_ends_the_stream_resumably(
+    tmp_path: Path,
+) -> None:
+    events = await _streamed_alone(tmp_path, Stalling(tokens=2), "r-stall")
 
     assert _text(events[:-1]) == " t0 t1"
     last = json.loads(events[-1])
@@ -147,19 +153,10 @@ async def test_an_upstream_silent_before_its_first_token_falls_back(tmp_path: Pa
 async def test_an_upstream_slower_than_the_bound_in_all_but_silent_for_less_is_relayed(
     tmp_path: Path,
 ) -> None:
-    key = "sk-" + secrets.token_hex(24)
     # Each gap is under the bound; the answer as a whole takes several times the bound.
     gap_s = READ_TIMEOUT_S / 2
     slow = Stalling(tokens=6, gap_s=gap_s, finish=True)
-    async with listening(slow.handle) as port:
-        config = load_upstreams(
-            [f"up=http://127.0.0.1:{port}/v1"], [f"up=@{_key_file(tmp_path, key)}"], []
-        )
-        config = dataclasses.replace(config, read_timeout_s=READ_TIMEOUT_S)
-        async with serving(Upstreams(config)) as (_gw, gw_port, _):
-            token = issue(SECRET, "r-slow", time.time() + 600, models=("up/m",))
-            async with _client(gw_port, token) as client:
-                events = await asyncio.wait_for(_stream(client, _ask("up/m")), CLIENT_TIMEOUT_S)
+    events = await _streamed_alone(tmp_path, slow, "r-slow")
 
     assert events[-1] == "[DONE]", events
     assert _text(events) == " t0 t1 t2 t3 t4 t5"
