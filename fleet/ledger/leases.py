@@ -100,6 +100,11 @@ LEASED_MANIFESTS = (
 
 
 class Leases(LedgerBase):
+    claims_left_due = True
+    """Whether work was still due for someone after the latest claim batch (`claim_batch`):
+    work the claims in it could not take (a cap full, another class). Until a claim batch
+    finds the queue empty, a report that frees room may let a waiting claim take it."""
+
     # -- agents ------------------------------------------------------------------------------
 
     def leases_image(self, host_id: str, digest: str) -> bool:
@@ -163,6 +168,7 @@ class Leases(LedgerBase):
                     db.run(Q.ROLLBACK_TO_SAVEPOINT)
                     taken.append(exc)
                 db.run(Q.RELEASE_SAVEPOINT)
+        self.claims_left_due = due
         return [t if isinstance(t, FleetError) else t.assignments() for t in taken]
 
     def _claim_nothing_due(self, db: Raw, claim: Claim) -> _Taken:

@@ -361,8 +361,7 @@ class CompletionBatcher(GroupCommit[tuple[str, Completion], RolloutState]):
         super().__init__(
             core,
             core.ledger.complete_batch,  # type: ignore[arg-type]
-            # (each report frees at most one place under a tenant's or a pool's cap)
-            wake=lambda items, _answers: len(items),
+            wake=functools.partial(_freed, core.ledger),
             after=core.changed_here,
         )
 
@@ -436,3 +435,15 @@ def _filled(claims: list[Claim], answers: list[list[Assignment] | Exception]) ->
         for claim, a in zip(claims, answers, strict=True)
         if not isinstance(a, Exception) and a and len(a) >= claim.max_items
     )
+
+
+def _freed(
+    ledger: Ledger, reports: list[tuple[str, Completion]], answers: list[RolloutState | Exception]
+) -> int:
+    """Claims to wake after a batch of reports: each report frees at most one place under a
+    tenant's or a pool's cap, which matters only while work is due that the latest claims
+    could not take (`Leases.claims_left_due`); a report whose rollout is retried at once makes
+    work due itself. (When the queue is empty, waking a claim per report only has it look at
+    an empty queue.)"""
+    retried = sum(1 for a in answers if a == RolloutState.QUEUED)
+    return len(reports) if ledger.claims_left_due else retried

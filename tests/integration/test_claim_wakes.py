@@ -13,8 +13,9 @@ import pytest
 from fleet.api.pb import host_pb2, types_pb2
 from fleet.image.store import ImageStore
 from fleet.server import core as server_core
+from fleet.server.app import ServerConfig
 from fleet.server.core import WAKE_AT_LEAST
-from tests.integration.harness import harness, request
+from tests.integration.harness import SECRET, harness, request
 
 HOSTS = WAKE_AT_LEAST * 3
 
@@ -91,3 +92,69 @@ async def test_a_retry_whose_backoff_ends_wakes_a_waiting_claim(
         )
         [retried] = again.items
         assert (retried.rollout_id, retried.attempt) == (item.rollout_id, 2)
+
+
+async def test_a_report_wakes_a_claim_only_while_work_waits_for_room(
+    tmp_path: Path, images: ImageStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tenant at its cap: a report of its running rollout lets a waiting claim take the next
+    one at once. With nothing queued, a report wakes no claim: there is nothing to take."""
+    monkeypatch.setattr(server_core, "CLAIM_POLL_S", 1000.0)
+    monkeypatch.setattr(server_core, "SIGNALLED_CLAIM_POLL_S", 1000.0)
+    config = ServerConfig(lease_ttl_s=5.0, heartbeat_interval_s=0.5, max_running_per_tenant=1,
+                          token_secret=SECRET)  # fmt: skip
+    async with harness(tmp_path, images, config) as h:
+        core = h.server.core
+        for host in ("h1", "h2"):
+            await h.register_host(host)
+        await h.fleet.SubmitRollout(request(tenant="t"))
+        await h.fleet.SubmitRollout(request(tenant="t"))
+        [first] = (
+            await h.hosts.ClaimWork(
+                host_pb2.ClaimWorkRequest(request_id="c1", host_id="h1", max_items=1, wait_s=5)
+            )
+        ).items
+        # The second is due but over the tenant's cap: h2's claim waits for room.
+        waiting = asyncio.ensure_future(
+            h.hosts.ClaimWork(
+                host_pb2.ClaimWorkRequest(request_id="c2", host_id="h2", max_items=1, wait_s=20),
+                timeout=10,
+            )
+        )
+        for _ in range(200):  # (bounded: 10 s)
+            if len(core.work_pulse) == 1:
+                break
+            await asyncio.sleep(0.05)
+        assert len(core.work_pulse) == 1 and not waiting.done()
+        await h.hosts.CompleteWork(done(first, "h1", "r1"))
+        [second] = (await waiting).items
+        assert second.rollout_id != first.rollout_id
+
+        # Nothing is queued now: h1's claim waits, and h2's report wakes it for nothing.
+        idle = asyncio.ensure_future(
+            h.hosts.ClaimWork(
+                host_pb2.ClaimWorkRequest(request_id="c3", host_id="h1", max_items=1, wait_s=20)
+            )
+        )
+        try:
+            for _ in range(200):
+                if len(core.work_pulse) == 1:
+                    break
+                await asyncio.sleep(0.05)
+            batches = h.server.host_servicer.claims.coalescer.batches
+            before = sum(batches)
+            await h.hosts.CompleteWork(done(second, "h2", "r2"))
+            await asyncio.sleep(0.5)  # (a woken claim would have run its batch by now)
+            assert sum(batches) == before and len(core.work_pulse) == 1
+        finally:
+            idle.cancel()
+            await asyncio.gather(idle, return_exceptions=True)
+
+
+def done(
+    item: host_pb2.WorkAssignment, host_id: str, request_id: str
+) -> host_pb2.CompleteWorkRequest:
+    return host_pb2.CompleteWorkRequest(
+        request_id=request_id, host_id=host_id, work_id=item.work_id,
+        fencing_token=item.fencing_token, outcome=types_pb2.OUTCOME_SUCCEEDED,
+    )  # fmt: skip
