@@ -118,6 +118,14 @@ def as_datetime(value: float | None) -> datetime | None:
     return None if value is None else datetime.fromtimestamp(value, UTC)
 
 
+def unregistered(host_id: str) -> FailedPrecondition:
+    return FailedPrecondition(f"host {host_id!r} is not registered; call RegisterHost first")
+
+
+def revoked(host_id: str) -> Unauthenticated:
+    return Unauthenticated(f"host {host_id!r} was revoked")
+
+
 class LedgerBase:
     """The work ledger over one database."""
 
@@ -327,11 +335,11 @@ class LedgerBase:
         """A registered, unrevoked host's capabilities and state (`HOST_STATES`)."""
         row = db.one(Q.HOST_FOR_CLAIM, (host_id,))
         if row is None:
-            raise FailedPrecondition(f"host {host_id!r} is not registered; call RegisterHost first")
+            raise unregistered(host_id)
         if row[1] is not None:
             # Checked here too, in the claim's own transaction: a server's cache of who is
             # revoked may be a moment old, and a revoked host must never take new work.
-            raise Unauthenticated(f"host {host_id!r} was revoked")
+            raise revoked(host_id)
         text = row[0]
         caps = self._host_caps.get(text)
         if caps is None:

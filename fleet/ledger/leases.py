@@ -26,7 +26,14 @@ from fleet.core.rollout import (
 )
 from fleet.ledger import pools as pool_sql
 from fleet.ledger import queries as Q
-from fleet.ledger.base import AVOID_HOST_S, FENCING_STEP, LedgerBase, as_datetime
+from fleet.ledger.base import (
+    AVOID_HOST_S,
+    FENCING_STEP,
+    LedgerBase,
+    as_datetime,
+    revoked,
+    unregistered,
+)
 from fleet.ledger.raw import DONE, LEASED, QUEUED, Raw
 from fleet.ledger.records import Item
 
@@ -92,6 +99,14 @@ HOSTS_KNOWN = (
 """Which of some hosts are registered, and when each was revoked (a heartbeat from a host not
 registered, or revoked, is refused)."""
 
+LEASES_OF_CLAIMS = (
+    f"SELECT lease_owner, {Q.ITEM_COLS} FROM work_items WHERE state = ? "
+    "AND claim_request_id IN ({marks})"
+)
+"""The leases some claims took (a repeated claim is answered with them), by request id."""
+CHUNK = 500
+"""Values bound in one IN list at most."""
+
 LEASED_MANIFESTS = (
     "SELECT DISTINCT r.manifest_digest FROM work_items w JOIN rollouts r ON r.id = w.rollout_id "
     "WHERE w.state = ? AND w.lease_owner = ?"
@@ -150,13 +165,10 @@ class Leases(LedgerBase):
             # for the rest of the batch. So it is asked again after each claim that leased:
             # many claims woken for one rollout read the queue only until it is taken.)
             due = db.one(ANY_DUE, (QUEUED, now, now)) is not None
-            for claim in claims:
+            for n, claim in enumerate(claims):
                 if not due:
-                    try:
-                        taken.append(self._claim_nothing_due(db, claim))
-                    except FleetError as exc:
-                        taken.append(exc)
-                    continue
+                    taken += self._claims_nothing_due(db, claims[n:])
+                    break
                 # A savepoint each: a claim that fails part way leaves nothing of itself.
                 db.run(Q.SAVEPOINT)
                 try:
@@ -171,16 +183,32 @@ class Leases(LedgerBase):
         self.claims_left_due = due
         return [t if isinstance(t, FleetError) else t.assignments() for t in taken]
 
-    def _claim_nothing_due(self, db: Raw, claim: Claim) -> _Taken:
-        """One claim while no item is due anywhere: refused as `_claim` would refuse it (an
+    def _claims_nothing_due(self, db: Raw, claims: list[Claim]) -> list[_Taken | FleetError]:
+        """Claims while no item is due anywhere: each refused as `_claim` would refuse it (an
         unknown or revoked host), a repeat answered with the leases it took, else nothing.
-        It writes nothing."""
-        self._host_row(db, claim.host_id)
-        if claim.request_id:
-            again = db.all(Q.LEASES_OF_CLAIM, (claim.host_id, LEASED, claim.request_id))
-            if again:
-                return _Taken(again=[self._assignment(db, Item(*row)) for row in again])
-        return _Taken()
+        Two statements for them all (which hosts are known or revoked; which claims took
+        leases before), not two each: a fleet's idle claims come in bursts of hundreds.
+        Nothing is written."""
+        hosts = sorted({c.host_id for c in claims})
+        revoked_now = {row[0]: row[1] is not None for row in db.all_in(HOSTS_KNOWN, hosts)}
+        asked = sorted({c.request_id for c in claims if c.request_id})
+        took: dict[tuple[str, str], list[Item]] = {}
+        for start in range(0, len(asked), CHUNK):
+            part = asked[start : start + CHUNK]
+            for owner, *row in db.all(LEASES_OF_CLAIMS, [LEASED, *part], n=len(part)):
+                item = Item(*row)
+                took.setdefault((owner, item.claim_request_id), []).append(item)
+        answers: list[_Taken | FleetError] = []
+        for claim in claims:
+            if claim.host_id not in revoked_now:
+                answers.append(unregistered(claim.host_id))
+            elif revoked_now[claim.host_id]:
+                answers.append(revoked(claim.host_id))
+            elif again := took.get((claim.host_id, claim.request_id)) if claim.request_id else None:
+                answers.append(_Taken(again=[self._assignment(db, item) for item in again]))
+            else:
+                answers.append(_Taken())
+        return answers
 
     def _claim(self, db: Raw, claim: Claim, now: float) -> _Taken:
         """One claim in the caller's transaction: its leases written, its answer not yet
