@@ -51,7 +51,7 @@ from benchmarks.scale_fleet import (
 from benchmarks.scale_hosts import CLAIM_WAIT_S, Plan
 from benchmarks.scale_pg import PgCounters, counters, postgres_server, tree_cpu_s
 from fleet.config import Paths
-from fleet.core.beat_pace import pace
+from fleet.core.beat_pace import Pace, pace
 from fleet.core.credentials import format_api_key, format_join_token, parse_scopes
 from fleet.core.lifecycle import FINAL_STATES, Outcome
 from fleet.core.placement import HostClass
@@ -267,6 +267,12 @@ class Options:
     claim_wait_s: float
 
 
+def fleet_pace(config: ServerConfig, hosts: int) -> Pace:
+    """The pace the replicas give `hosts` live hosts (`fleet.core.beat_pace`)."""
+    c = config
+    return pace(hosts, c.heartbeat_interval_s, c.lease_ttl_s, c.max_heartbeats_per_s)
+
+
 @contextlib.contextmanager
 def database(db: str) -> Iterator[tuple[str, int | None]]:
     """(the ledger's URL, PostgreSQL's postmaster pid where this run started it)."""
@@ -346,10 +352,7 @@ async def run(opts: Options, db_url: str) -> dict[str, Any]:
                                             replicas)  # fmt: skip
             rising_n = len(submitter.submitted) - before
             expected = len(submitter.submitted)
-            c = opts.config
-            lease_s = pace(joined, c.heartbeat_interval_s, c.lease_ttl_s,
-                           c.max_heartbeats_per_s).lease_ttl_s  # fmt: skip
-            drain_s = 2 * lease_s + 60 + expected / 20
+            drain_s = 2 * fleet_pace(opts.config, joined).lease_ttl_s + 60 + expected / 20
             with contextlib.suppress(RuntimeError):  # (what is missing is counted as lost)
                 await until_completed(tally, workers, expected, drain_s)
             await asyncio.sleep(PG_SETTLE_S)
@@ -394,8 +397,7 @@ def report(opts: Options, r: Results) -> dict[str, Any]:
     """Prints the tables; returns the closing JSON object."""
     phases, steps, tally, submitter = r.phases, r.steps, r.tally, r.submitter
     config = opts.config
-    paced = pace(r.joined, config.heartbeat_interval_s, config.lease_ttl_s,
-                 config.max_heartbeats_per_s)  # fmt: skip
+    paced = fleet_pace(config, r.joined)
     print(f"{r.joined} simulated hosts ({opts.per_process} per process, {opts.slots} slots "
           f"each) joined two replicas in {r.join_s:.1f} s; heartbeat every "
           f"{paced.heartbeat_interval_s:g} s, lease {paced.lease_ttl_s:g} s (the pace for "

@@ -56,7 +56,7 @@ async def test_one_rollout_wakes_a_bounded_few_of_many_waiting_claims(
                 await asyncio.sleep(0.05)
             assert len(core.work_pulse) == HOSTS - 1
             ran = sum(batches) - before
-            assert 1 <= ran <= WAKE_AT_LEAST + 1 < HOSTS, ran
+            assert 1 <= ran <= WAKE_AT_LEAST + 1, ran  # (HOSTS is three times that)
         finally:
             for claim in claims:
                 claim.cancel()
