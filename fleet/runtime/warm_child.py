@@ -1,6 +1,7 @@
 """A warm parent's child on the namespace runtime: a copy-on-write fork of the parent's fork
-server, run in namespaces of its own on its own overlay layer (see `fleet.runtime.warm`), and
-the file helpers that read what its steps wrote without following anything it put there.
+server, run in namespaces of its own on its own overlay layer (see `fleet.runtime.warm`). What
+its steps wrote is read, and what they are given is made, through `fleet.runtime.child_files`,
+which follows nothing the fork server put there.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import os
 import shutil
 import signal
 import socket
-import stat
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -33,9 +33,28 @@ from fleet.runtime.base import (
     machine_env,
     to_thread_to_the_end,
 )
+from fleet.runtime.child_files import open_beneath, open_dir_beneath, read_step_output
 from fleet.runtime.namespace_machine import MachineMaker, NamespaceMachine
 from fleet.runtime.output import OutputSink
 from fleet.runtime.resident import Resident
+
+# The file helpers have a module of their own (`fleet.runtime.child_files`); what the warm
+# parent, the tests and the benchmarks reach through `fleet.runtime.warm_child` stays offered here.
+__all__ = [
+    "CHILD_CTL",
+    "RESIDENT_SOCKET",
+    "RESIDENT_START_S",
+    "TAIL_CHUNK",
+    "TAIL_S",
+    "Parent",
+    "WarmChild",
+    "fitted_limit",
+    "host_pid_of",
+    "ns_pids",
+    "open_beneath",
+    "open_dir_beneath",
+    "read_step_output",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -550,58 +569,3 @@ def fitted_limit(due: int, held: int | None, now: int | None, room: int) -> int:
     if held is None or now is None or due >= held + room:
         return due
     return max(due, min(now, held + room))
-
-
-def open_dir_beneath(base: Path, parts: tuple[str, ...], make: bool = False) -> int:
-    """A descriptor of the directory base/parts..., following no symbolic link at any of
-    `parts` (`base` itself is the agent's own; a link is refused with Internal), made where
-    missing with `make`."""
-    fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        for part in parts:
-            flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
-            try:
-                inner = os.open(part, flags, dir_fd=fd)
-            except FileNotFoundError:
-                if not make:
-                    raise
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(part, 0o755, dir_fd=fd)
-                inner = os.open(part, flags, dir_fd=fd)
-            os.close(fd)
-            fd = inner
-    except OSError as exc:
-        os.close(fd)
-        if isinstance(exc, FileNotFoundError):
-            raise
-        raise Internal(f"{'/'.join(parts)} under {base} was replaced: {exc.strerror}") from exc
-    return fd
-
-
-def open_beneath(base: Path, parts: tuple[str, ...], flags: int) -> int:
-    """A descriptor of base/parts..., following no symbolic link at any of `parts`."""
-    fd = open_dir_beneath(base, parts[:-1])
-    try:
-        return os.open(parts[-1], flags | os.O_NOFOLLOW, dir_fd=fd)
-    finally:
-        os.close(fd)
-
-
-def read_step_output(
-    base: Path, parts: tuple[str, ...], limit: int, offset: int = 0
-) -> tuple[bytes, bool]:
-    """At most `limit` bytes of a regular file under `base` (see `open_beneath`) from
-    `offset` on, and whether it held more; (b"", False) when there is none. Anything else
-    there is refused."""
-    try:
-        fd = open_beneath(base, parts, os.O_RDONLY | os.O_NONBLOCK)
-    except FileNotFoundError:
-        return b"", False
-    except OSError as exc:  # ELOOP (a link), ENOTDIR: not what the child was given
-        raise Internal(f"step output {'/'.join(parts)} was replaced: {exc.strerror}") from exc
-    with os.fdopen(fd, "rb") as handle:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise Internal(f"step output {'/'.join(parts)} was replaced: not a regular file")
-        handle.seek(offset)
-        data = handle.read(limit + 1)
-    return data[:limit], len(data) > limit
