@@ -183,11 +183,14 @@ class MachineMaking:
         return await parking.park_layer(machine, self.agent.stub, self.a, self.spool)
 
     async def _from_layer(self, spec: MachineSpec, digest: str) -> Machine:
-        self.moving = "layer"  # (until it is on this host: a failure then is the artifact's)
+        # Until its machine is made, a failure is the layer's (fetched, unpacked, made into a
+        # machine), reported as the artifact's: nothing ran, and the server parks the session
+        # again rather than end it (`fleet.ledger.parks`).
+        self.moving = "layer"
         machine = await parking.machine_from_layer(
-            self.agent.runtime, self.agent.stub, self.a, self.spool, spec, digest,
-            moved=lambda: setattr(self, "moving", ""),
-        )  # fmt: skip
+            self.agent.runtime, self.agent.stub, self.a, self.spool, spec, digest
+        )
+        self.moving = ""
         self.log.info("session_resumed", layer=digest, machine=machine.name)
         return machine
 

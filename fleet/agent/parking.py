@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import hashlib
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,12 +51,10 @@ async def park_layer(machine: Parkable, stub: Any, a: Assignment, spool: Path) -
 
 
 async def machine_from_layer(
-    runtime: Runtime, stub: Any, a: Assignment, spool: Path, spec: MachineSpec, digest: str,
-    *, moved: Callable[[], None] = lambda: None,
-) -> Machine:  # fmt: skip
+    runtime: Runtime, stub: Any, a: Assignment, spool: Path, spec: MachineSpec, digest: str
+) -> Machine:
     """A machine made from `spec` whose writable layer starts as the stored layer `digest`
-    (fetched under the lease `a`, verified, checked member by member as it is unpacked);
-    `moved` is called once the layer is on this host."""
+    (fetched under the lease `a`, verified, checked member by member as it is unpacked)."""
     if not isinstance(runtime, NamespaceRuntime):
         raise FailedPrecondition(
             f"this host's {runtime.kind.value} runtime cannot start a machine from a parked "
@@ -68,7 +65,6 @@ async def machine_from_layer(
     await asyncio.to_thread(spool.mkdir, parents=True, exist_ok=True, mode=0o700)
     try:
         await fetch_blob(stub, a, digest, archive)
-        moved()
         await asyncio.to_thread(layers.unpack, archive, scratch)
         return await runtime.create(spec, copy_of=scratch)
     finally:

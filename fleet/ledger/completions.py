@@ -25,6 +25,7 @@ from fleet.core.rollout import (
 )
 from fleet.ledger import queries as Q
 from fleet.ledger.base import LedgerBase, prepare_report
+from fleet.ledger.parks import repark_failed_resumes
 from fleet.ledger.raw import DONE, LEASED, QUEUED
 from fleet.ledger.records import Item
 
@@ -80,6 +81,7 @@ class Completions(LedgerBase):
             egress_rows: list[tuple[Any, ...]] = []
             seen: dict[str, tuple[str, RolloutState]] = {}
             ended: list[str] = []  # (the tenant of each item that is done now)
+            unstarted: list[str] = []  # (resumes that failed before their machine started)
             for (host_id, report), (fingerprint, outputs, results_json) in zip(
                 reports, prepared, strict=True
             ):
@@ -131,6 +133,8 @@ class Completions(LedgerBase):
                     (now, report.outcome.value, report.error, report.cpu_seconds,
                      report.peak_memory_mib, report.artifact_failed, item.id, item.attempt)
                 )  # fmt: skip
+                if _failed_unstarted_resume(target, report, manifest):
+                    unstarted.append(rid)
                 requeue = target == RolloutState.QUEUED
                 if not requeue:
                     ended.append(item.tenant)
@@ -178,6 +182,7 @@ class Completions(LedgerBase):
                 db.many(Q.INSERT_EVENT, event_rows)
                 db.many(Q.INSERT_EGRESS_EVENT, egress_rows)
                 self._count_active(db, ended, -1)
+            repark_failed_resumes(db, unstarted, now)
         return out
 
     def _judge(
@@ -208,3 +213,13 @@ class Completions(LedgerBase):
             return RolloutState.QUEUED, "retry_scheduled", why, now + delay
         why = f"attempts exhausted ({item.attempt}); last error: {report.error}"
         return RolloutState.FAILED, "failed", why, None
+
+
+def _failed_unstarted_resume(target: RolloutState, report: Completion, manifest: Manifest) -> bool:
+    """Whether the report ends a rollout that starts a machine from a parked layer (a resume;
+    a fork of a parked session, too) without its machine having started: its layer could not
+    be fetched, unpacked or made into a machine, which the agent reports as the artifact's
+    failure. Such a resume lost nothing, and its session parks again (`fleet.ledger.parks`)."""
+    started_from_layer = manifest.session is not None and bool(manifest.session.layer)
+    failed = target in (RolloutState.FAILED, RolloutState.QUARANTINED)
+    return started_from_layer and failed and report.artifact_failed

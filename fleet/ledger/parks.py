@@ -7,17 +7,31 @@ has no row: its own rollout holds it (one parked by idleness, too: its host park
 
 Retention keeps what a session that is not over needs (`fleet.ledger.retention`): the rollout
 that stores a parked session's layer, and the first rollout of a session a resume holds.
+
+A resume that fails before its machine starts (its layer not fetched or not unpacked, the host
+unable to make the machine: the agent reports it as the layer's failure, `artifact_failed`)
+lost nothing: the session's disk is still the stored layer. Its park row goes back to the
+rollout that stores that layer (`repark_failed_resumes`, in the transaction that records the
+report), so the session is PARKED again and may be resumed again; the failure stays on the
+resume's rollout (its error and its events). A resume that fails once its machine started
+ends the session FAILED, as any session's failure does: what it did since is gone.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable
 from typing import NamedTuple
+
+import structlog
 
 from fleet.core.lifecycle import RolloutState
 from fleet.core.manifest import SESSION_LAYER_OUTPUT, OutputArtifact
 from fleet.core.rollout import Rollout
 from fleet.ledger.base import DRAINING, LedgerBase
-from fleet.ledger.raw import LEASED
+from fleet.ledger.raw import LEASED, Raw
+
+log = structlog.get_logger(__name__)
 
 PARKED, RESUMED, CLOSED = "PARKED", "RESUMED", "CLOSED"
 RESUMES_LABEL = "fleet.resumes"
@@ -40,6 +54,12 @@ LEASED_ON_HOSTS_IN_STATE = (
     "WHERE h.state = ? AND w.state = ?"
 )
 PARKED_LAYERS = "SELECT layer_digest FROM session_parks WHERE state = ? AND layer_digest <> ''"
+LAYER_HOLDERS = (
+    "SELECT id, outputs_json FROM rollouts WHERE state = ? AND outputs_json LIKE ? AND (id = ? "
+    "OR id IN (SELECT rollout_id FROM rollout_labels WHERE key = ? AND value = ?)) "
+    "ORDER BY finished_at DESC"
+)
+"""The rollouts of a session (its first, its resumes) that ended storing a layer, newest first."""
 
 
 class Park(NamedTuple):
@@ -84,6 +104,43 @@ def session_state(rollout: Rollout, park: Park | None) -> str:
         return "OPEN"
     closed = rollout.state in (RolloutState.SUCCEEDED, RolloutState.CANCELLED)
     return "CLOSED" if closed else "FAILED"
+
+
+def repark_failed_resumes(db: Raw, rollout_ids: Iterable[str], now: float) -> list[Park]:
+    """Sessions whose resume (each of `rollout_ids`, ended just now before its machine
+    started) parked again, in the writer's transaction `db`: each park row back on the
+    rollout that stores the layer the resume started from. A rollout that holds no resumed
+    session (a fork's, a session closed meanwhile) or whose layer no rollout of its session
+    stores any more is left as it is."""
+    reparked = []
+    for rollout_id in rollout_ids:
+        park = _park(db.one(PARK_OF_ROLLOUT, (rollout_id,)))
+        if park is None or park.state != RESUMED or not park.layer_digest:
+            continue
+        holder = _layer_holder(db, park.session_id, park.layer_digest)
+        bound = log.bind(session_id=park.session_id, rollout_id=rollout_id,
+                         layer=park.layer_digest)  # fmt: skip
+        if holder is None:
+            bound.warning("session_not_reparked", reason="no rollout of it stores the layer")
+            continue
+        row = (park.session_id, holder, park.layer_digest, park.layer_size, park.parked_from,
+               PARKED, now)  # fmt: skip
+        db.run(UPSERT_PARK, row)
+        reparked.append(Park(*row))
+        bound.warning("session_reparked", holder=holder,
+                      reason="its resume failed before its machine started")  # fmt: skip
+    return reparked
+
+
+def _layer_holder(db: Raw, session_id: str, digest: str) -> str | None:
+    """The newest rollout of the session that ended storing the layer `digest`; None if none."""
+    params = (RolloutState.SUCCEEDED.value, f"%{digest}%", session_id, RESUMES_LABEL, session_id)
+    for rollout_id, outputs_json in db.all(LAYER_HOLDERS, params):
+        outputs = json.loads(str(outputs_json or "[]"))
+        if any(o.get("path") == SESSION_LAYER_OUTPUT and o.get("digest") == digest
+               for o in outputs):  # fmt: skip
+            return str(rollout_id)
+    return None
 
 
 class Parks(LedgerBase):

@@ -45,7 +45,14 @@ from fleet.core.placement import (
     unservable_reason,
 )
 from fleet.core.rollout import Rollout
-from fleet.ledger.parks import CLOSED, RESUMES_LABEL, Park, parked_layer, session_state
+from fleet.ledger.parks import (
+    CLOSED,
+    PARKED,
+    RESUMES_LABEL,
+    Park,
+    parked_layer,
+    session_state,
+)
 
 if TYPE_CHECKING:
     from fleet.server.core import Core
@@ -213,8 +220,11 @@ class SessionMoves:
         needs = layer_requirements(rollout.manifest.requirements)
         manifest = rollout.manifest.model_copy(update={"session": spec, "requirements": needs})
         labels = {k: v for k, v in first.labels.items() if not k.startswith("fleet.")}
+        # One resume per park, which a repeat finds. A session parked again because its resume
+        # failed before its machine started has a park row of that time: a resume of its own.
+        again = f"@{park.updated_at!r}" if park is not None and park.state == PARKED else ""
         submit = SubmitRequest(
-            idempotency_key=f"{session_id}/resume/{rollout.id}", smolfile=manifest.smolfile,
+            idempotency_key=f"{session_id}/resume/{rollout.id}{again}", smolfile=manifest.smolfile,
             smolfile_name=manifest.smolfile_name, steps=(), deadline=manifest.deadline,
             retry=manifest.retry, labels={**labels, RESUMES_LABEL: session_id},
             tenant=rollout.tenant, requirements=manifest.requirements, session=spec,
@@ -245,7 +255,18 @@ class SessionMoves:
             self.core.changed()
         log.info("session_resume_submitted", session_id=session_id, rollout_id=resumed_id,
                  layer=layer.digest)  # fmt: skip
-        ready = await self.sessions._until_ready(resumed_id, wait, "ResumeSession")
+        try:
+            ready = await self.sessions._until_ready(resumed_id, wait, "ResumeSession")
+        except FailedPrecondition as exc:  # its rollout ended: parked again, or failed
+            _, holder, park = await self.current(session_id)
+            state = session_state(holder, park)
+            log.warning("session_resume_failed", session_id=session_id, rollout_id=resumed_id,
+                        state=state, error=exc.message)  # fmt: skip
+            retry = ": resume it again" if state == PARKED else ""
+            raise FailedPrecondition(
+                f"session {session_id} did not resume (rollout {resumed_id}): {exc.message}; "
+                f"the session is {state.lower()}{retry}"
+            ) from None
         resumed = await self.core.db(self.core.ledger.get, resumed_id)
         return session_pb(session_id, first, resumed, park, ready.host_id)
 

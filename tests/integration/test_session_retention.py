@@ -19,9 +19,9 @@ import grpc
 import pytest
 
 import fleet
-from fleet.api.pb import fleet_pb2, fleet_pb2_grpc, host_pb2, types_pb2
+from fleet.api.pb import fleet_pb2, host_pb2, types_pb2
 from fleet.core.errors import NotFound
-from fleet.core.lifecycle import Outcome
+from fleet.core.lifecycle import Outcome, RolloutState
 from fleet.core.manifest import (
     SESSION_LAYER_OUTPUT,
     OutputArtifact,
@@ -35,17 +35,20 @@ from fleet.core.retry import RetryPolicy
 from fleet.core.rollout import Completion
 from fleet.image.store import ImageStore
 from fleet.ledger.base import DRAINING
-from fleet.ledger.parks import RESUMES_LABEL
+from fleet.ledger.parks import RESUMES_LABEL, session_state
 from fleet.ledger.retention import purge_finished, referenced_blobs
 from fleet.ledger.store import Ledger
-from tests.integration.harness import Harness, harness, namespace_runtime
-from tests.integration.test_session_parking import (
+from tests.integration.harness import Harness
+from tests.integration.session_support import (
     SMOLFILE,
     WRITE,
-    _listed,
-    _shell,
-    _shell_when_ready,
-    _until_listed,
+    listed,
+    open_request,
+    parked_session,
+    session_fleet,
+    shell,
+    shell_when_ready,
+    until_listed,
 )
 
 
@@ -68,29 +71,21 @@ async def _gone(h: Harness, rollout_id: str) -> bool:
     return False
 
 
-def _open(idle_timeout_s: float = 0) -> fleet_pb2.OpenSessionRequest:
-    return fleet_pb2.OpenSessionRequest(
-        smolfile=SMOLFILE, smolfile_name="s.smolfile", idle_timeout_s=idle_timeout_s
-    )
-
-
 @pytest.mark.sandbox
 async def test_parked_sessions_outlive_retention_until_they_are_closed(
     tmp_path: Path, images: ImageStore
 ) -> None:
-    async with harness(tmp_path, images, runtime=namespace_runtime) as h:
-        await h.start_agent("cpu-a", HostClass.CPU, slots=4)
+    async with session_fleet(tmp_path, images, "cpu-a") as (h, stub):
         ledger, blobs = h.server.core.ledger, h.server.core.blobs
-        stub = fleet_pb2_grpc.SessionServiceStub(h.channel)
-        called = await stub.OpenSession(_open())
-        idle = await stub.OpenSession(_open(idle_timeout_s=3))
-        closed = await stub.OpenSession(_open())
-        called_wrote = await _shell(stub, called.id, WRITE)
-        idle_wrote = await _shell(stub, idle.id, WRITE)
-        await _shell(stub, closed.id, WRITE)
+        called = await stub.OpenSession(open_request())
+        idle = await stub.OpenSession(open_request(idle_timeout_s=3))
+        closed = await stub.OpenSession(open_request())
+        called_wrote = await shell(stub, called.id, WRITE)
+        idle_wrote = await shell(stub, idle.id, WRITE)
+        await shell(stub, closed.id, WRITE)
         await stub.CloseSession(fleet_pb2.CloseSessionRequest(session_id=closed.id))
         parked = await stub.ParkSession(fleet_pb2.ParkSessionRequest(session_id=called.id))
-        idled = await _until_listed(stub, idle.id, "PARKED")  # (parked by its host: no row)
+        idled = await until_listed(stub, idle.id, "PARKED")  # (parked by its host: no row)
         assert await h.server.core.db(ledger.session_park, idle.id) is None
 
         # Only the closed session goes; both parked ones keep their rollout and their layer.
@@ -98,19 +93,19 @@ async def test_parked_sessions_outlive_retention_until_they_are_closed(
         assert await _gone(h, closed.id)
         for session, layer in ((called, parked.layer_digest), (idle, idled.layer_digest)):
             assert layer.startswith("sha256:") and blobs.exists(layer)
-            seen = await _listed(stub, session.id)
+            seen = await listed(stub, session.id)
             assert (seen.state, seen.layer_digest) == ("PARKED", layer)
 
         # Both resume with their files. The idle one parks again from its resume.
         await stub.ResumeSession(
             fleet_pb2.ResumeSessionRequest(session_id=idle.id, ready_timeout_s=120)
         )
-        assert await _shell(stub, idle.id, "cat /work/data.txt") == idle_wrote
-        idled = await _until_listed(stub, idle.id, "PARKED")
+        assert await shell(stub, idle.id, "cat /work/data.txt") == idle_wrote
+        idled = await until_listed(stub, idle.id, "PARKED")
         await stub.ResumeSession(
             fleet_pb2.ResumeSessionRequest(session_id=called.id, ready_timeout_s=120)
         )
-        assert await _shell(stub, called.id, "cat /work/data.txt") == called_wrote
+        assert await shell(stub, called.id, "cat /work/data.txt") == called_wrote
         park = await h.server.core.db(ledger.session_park, called.id)
         assert park is not None and park.rollout_id != called.id
         resume = await h.server.core.db(ledger.get, park.rollout_id)
@@ -119,8 +114,8 @@ async def test_parked_sessions_outlive_retention_until_they_are_closed(
         # Their first rollouts ended long ago; one is open on a resume, the other parked from
         # one: retention keeps both sessions whole.
         assert await _retain(h) == 0
-        assert await _shell(stub, called.id, "cat /work/data.txt") == called_wrote
-        seen = await _listed(stub, idle.id)
+        assert await shell(stub, called.id, "cat /work/data.txt") == called_wrote
+        seen = await listed(stub, idle.id)
         assert (seen.state, seen.layer_digest) == ("PARKED", idled.layer_digest)
         assert blobs.exists(idled.layer_digest)
 
@@ -132,7 +127,7 @@ async def test_parked_sessions_outlive_retention_until_they_are_closed(
         ).sessions
         copy = await h.server.core.db(ledger.get, fork.id)
         assert copy.manifest.requirements.isolation == Isolation.NAMESPACE
-        assert await _shell(stub, fork.id, "cat /work/data.txt") == idle_wrote
+        assert await shell(stub, fork.id, "cat /work/data.txt") == idle_wrote
 
         # Closed, they go as any rollouts do: each its first and its resume (and the fork),
         # with their layers.
@@ -149,22 +144,19 @@ async def test_parked_sessions_outlive_retention_until_they_are_closed(
 async def test_a_session_a_drain_moved_outlives_retention(
     tmp_path: Path, images: ImageStore
 ) -> None:
-    async with harness(tmp_path, images, runtime=namespace_runtime) as h:
-        await h.start_agent("cpu-a", HostClass.CPU, slots=4)
-        await h.start_agent("cpu-b", HostClass.CPU, slots=4)
-        stub = fleet_pb2_grpc.SessionServiceStub(h.channel)
-        opened = await stub.OpenSession(_open())
-        wrote = await _shell(stub, opened.id, WRITE)
+    async with session_fleet(tmp_path, images, "cpu-a", "cpu-b") as (h, stub):
+        opened = await stub.OpenSession(open_request())
+        wrote = await shell(stub, opened.id, WRITE)
         other = ({"cpu-a", "cpu-b"} - {opened.host_id}).pop()
         await h.server.core.db(
             h.server.core.ledger.set_host_state, opened.host_id, DRAINING, time.time() + 300
         )
-        await _until_listed(stub, opened.id, "OPEN", other)
-        assert await _shell_when_ready(stub, opened.id, "cat /work/data.txt") == wrote
+        await until_listed(stub, opened.id, "OPEN", other)
+        assert await shell_when_ready(stub, opened.id, "cat /work/data.txt") == wrote
 
         # The rollout the drain parked is the session's first: kept while its resume holds it.
         assert await _retain(h) == 0
-        assert await _shell(stub, opened.id, "cat /work/data.txt") == wrote
+        assert await shell(stub, opened.id, "cat /work/data.txt") == wrote
         await stub.CloseSession(fleet_pb2.CloseSessionRequest(session_id=opened.id))
         assert await _retain(h) == 2
         assert await _gone(h, opened.id)
@@ -174,12 +166,8 @@ async def test_a_session_a_drain_moved_outlives_retention(
 async def test_a_parked_session_stays_parked_where_no_host_can_use_its_layer(
     tmp_path: Path, images: ImageStore
 ) -> None:
-    async with harness(tmp_path, images, runtime=namespace_runtime) as h:
-        await h.start_agent("cpu-a", HostClass.CPU, slots=4)
-        stub = fleet_pb2_grpc.SessionServiceStub(h.channel)
-        opened = await stub.OpenSession(_open())
-        await _shell(stub, opened.id, WRITE)
-        parked = await stub.ParkSession(fleet_pb2.ParkSessionRequest(session_id=opened.id))
+    async with session_fleet(tmp_path, images, "cpu-a") as (h, stub):
+        opened, _, parked = await parked_session(stub)
 
         # The class's one host comes back running microVMs: none can unpack the layer.
         await h.stop_agent("cpu-a")
@@ -206,7 +194,7 @@ async def test_a_parked_session_stays_parked_where_no_host_can_use_its_layer(
             assert "namespace runtime" in (refused.details() or "")
             assert opened.id in (refused.details() or "")
         assert await h.count() == before  # nothing was submitted
-        seen = await _listed(stub, opened.id)
+        seen = await listed(stub, opened.id)
         assert (seen.state, seen.layer_digest) == ("PARKED", parked.layer_digest)
 
 
@@ -220,9 +208,15 @@ def _layer(n: int) -> str:
 
 class _Sessions:
     """Sessions written to a ledger as the server writes them: each rollout submitted,
-    claimed by cpu-1 and ended (with a stored layer, as a park ends it, or without)."""
+    claimed by cpu-1 (a namespace host, registered here) and ended (with a stored layer, as a
+    park ends it, or without)."""
 
     def __init__(self, ledger: Ledger) -> None:
+        host = HostCapabilities(
+            host_id="cpu-1", host_class=HostClass.CPU, runtime=RuntimeKind.NAMESPACE,
+            isolation=Isolation.NAMESPACE, cpus=2, memory_mib=1024, cuda_devices=0,
+        )  # fmt: skip
+        ledger.register_host(host, T0)
         self.ledger = ledger
         self.at = T0
         self.work: dict[str, tuple[str, int]] = {}
@@ -244,12 +238,16 @@ class _Sessions:
         self.work[rollout.id] = (a.work_id, a.fencing_token)
         return str(rollout.id)
 
-    def end(self, rollout_id: str, layer: str = "") -> None:
+    def end(
+        self, rollout_id: str, layer: str = "", outcome: Outcome = Outcome.SUCCEEDED,
+        *, artifact_failed: bool = False,
+    ) -> None:  # fmt: skip
         work_id, token = self.work[rollout_id]
         outputs = (OutputArtifact(path=SESSION_LAYER_OUTPUT, digest=layer, size=1),)
         report = Completion(
-            work_id=work_id, fencing_token=token, outcome=Outcome.SUCCEEDED,
-            runtime="namespace", device="cpu", outputs=outputs if layer else (),
+            work_id=work_id, fencing_token=token, outcome=outcome, runtime="namespace",
+            device="cpu", outputs=outputs if layer else (), artifact_failed=artifact_failed,
+            error="" if outcome == Outcome.SUCCEEDED else f"{outcome.value.lower()} here",
         )  # fmt: skip
         self.at += 1
         self.ledger.complete("cpu-1", report, self.at)
@@ -271,11 +269,6 @@ def test_retention_keeps_every_session_not_over_on_every_backend(ledger: Ledger)
     """Each way a session parks, resumes and closes, in the ledger alone: retention with every
     rollout past its cutoff removes exactly the rollouts of sessions that are over, and the
     rollouts a session has moved on from."""
-    host = HostCapabilities(
-        host_id="cpu-1", host_class=HostClass.CPU, runtime=RuntimeKind.NAMESPACE,
-        isolation=Isolation.NAMESPACE, cpus=2, memory_mib=1024, cuda_devices=0,
-    )  # fmt: skip
-    ledger.register_host(host, T0)
     s = _Sessions(ledger)
     idle = s.parked("idle", _layer(1), by_call=False)
     called = s.parked("called", _layer(2))
@@ -308,3 +301,43 @@ def test_retention_keeps_every_session_not_over_on_every_backend(ledger: Ledger)
     assert ledger.session_park(moved_on) is not None
     assert {_layer(n) for n in (1, 2, 6, 9)} <= referenced_blobs(ledger)
     assert not {_layer(n) for n in (3, 7)} & referenced_blobs(ledger)
+
+
+def test_a_resume_that_failed_before_its_machine_started_parks_again(ledger: Ledger) -> None:
+    """A resume whose agent reports the layer's failure (fetched, unpacked or made into a
+    machine) parks its session again on the rollout that stores the layer, which retention
+    then keeps with the layer; one that failed otherwise (its machine ran) ends it FAILED. A
+    fork of a parked layer that fails so has no session to park again: it fails."""
+    s = _Sessions(ledger)
+    called = s.parked("called", _layer(1))
+    idle = s.parked("idle", _layer(2), by_call=False)
+    ran = s.parked("ran", _layer(3))
+    for session, layer, outcome, before_start in (
+        (called, 1, Outcome.TRANSIENT_ERROR, True),
+        (idle, 2, Outcome.INCOMPATIBLE, True),
+        (ran, 3, Outcome.TRANSIENT_ERROR, False),
+    ):
+        resume = s.resumed(session, f"{session}/1", _layer(layer))
+        s.end(resume, outcome=outcome, artifact_failed=before_start)
+        assert ledger.get(resume).state == RolloutState.FAILED
+        assert f"{outcome.value.lower()} here" in ledger.get(resume).error
+    fork = s.start("fork", layer=_layer(1))
+    s.end(fork, outcome=Outcome.TRANSIENT_ERROR, artifact_failed=True)
+
+    for session, layer in ((called, 1), (idle, 2)):
+        park = ledger.session_park(session)
+        assert park is not None
+        assert (park.rollout_id, park.state) == (session, "PARKED")
+        assert park.layer_digest == _layer(layer)
+        assert session_state(ledger.get(park.rollout_id), park) == "PARKED"
+    park = ledger.session_park(ran)
+    assert park is not None and park.state == "RESUMED" and park.rollout_id != ran
+    assert session_state(ledger.get(park.rollout_id), park) == "FAILED"
+    assert ledger.get(fork).state == RolloutState.FAILED and ledger.session_park(fork) is None
+
+    # The failed resumes, the failed session and the fork go; the parked sessions stay whole.
+    assert purge_finished(ledger, s.at + 1000) == 5
+    for session in (called, idle):
+        ledger.get(session)
+    assert {_layer(1), _layer(2)} <= referenced_blobs(ledger)
+    assert _layer(3) not in referenced_blobs(ledger)
