@@ -42,6 +42,8 @@ MAX_IMAGES_REPORTED = 256
 SESSIONS_CLOSE_S = 10.0
 """How long a drain that ended waits for the sessions it closed to end, before it stops them."""
 REFUSED = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
+CLAIM_REPEAT_TIMEOUT_S = 10.0
+"""How long a stopping agent waits for the answer to the claim it repeats (`_settle_claim`)."""
 R = TypeVar("R")
 
 
@@ -335,21 +337,19 @@ class Agent:
                 await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
                 waiter.cancel()
                 continue
+            request = host_pb2.ClaimWorkRequest(
+                request_id=uuid.uuid4().hex,
+                host_id=self.caps.host_id,
+                max_items=free,
+                wait_s=self.config.claim_wait_s,
+            )
             try:
                 claim = asyncio.ensure_future(
-                    stub.ClaimWork(
-                        host_pb2.ClaimWorkRequest(
-                            request_id=uuid.uuid4().hex,
-                            host_id=self.caps.host_id,
-                            max_items=free,
-                            wait_s=self.config.claim_wait_s,
-                        ),
-                        timeout=self.config.claim_wait_s + 10,
-                    )
+                    stub.ClaimWork(request, timeout=self.config.claim_wait_s + 10)
                 )
                 done, _ = await asyncio.wait({claim, stopper}, return_when=asyncio.FIRST_COMPLETED)
                 if claim not in done:
-                    claim.cancel()
+                    await self._settle_claim(stub, claim, request)
                     break
                 reply = claim.result()
             except grpc.aio.AioRpcError as exc:
@@ -369,6 +369,42 @@ class Agent:
                 continue
             for item in reply.items:
                 self._start(stub, Running(convert.assignment_from_pb(item)))
+
+    async def _settle_claim(
+        self,
+        stub: host_pb2_grpc.HostServiceStub,
+        claim: asyncio.Future[host_pb2.ClaimWorkResponse],
+        request: host_pb2.ClaimWorkRequest,
+    ) -> None:
+        """Stopping while a claim waits: the server may have leased work to it already, its
+        answer still on the way. Dropped, that answer would strand the work until its lease
+        expired (and this host, running nothing, would skip its drain). Waiting out the long
+        poll would hold the stop up to `claim_wait_s`; so the claim is cancelled and sent again
+        at once, without waiting, under the same request id, which the server answers with
+        the leases the first one took. What comes back runs as the drain runs the rest.
+
+        (A repeat that finds none of its own may lease work queued meanwhile, as a report
+        sent before the drain may: it is drained the same way.)"""
+        claim.cancel()
+        await asyncio.wait({claim})
+        log_ = self.log.bind(request_id=request.request_id)
+        if claim.cancelled() or claim.exception() is not None:
+            again = host_pb2.ClaimWorkRequest()
+            again.CopyFrom(request)
+            again.wait_s = 0.0
+            try:
+                reply = await stub.ClaimWork(again, timeout=CLAIM_REPEAT_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                log_.warning("claim_unsettled", code=exc.code().name, error=exc.details(),
+                             note="what it leased is retried once its lease expires")  # fmt: skip
+                return
+        else:  # (answered before the cancel reached it)
+            reply = claim.result()
+        items = [item for item in reply.items if item.work_id not in self._running]
+        if items:
+            log_.info("claim_settled_on_stop", work_ids=[item.work_id for item in items])
+        for item in items:
+            self._start(stub, Running(convert.assignment_from_pb(item)))
 
     def _start(self, stub: host_pb2_grpc.HostServiceStub, running: Running) -> None:
         """Runs a leased work item (claimed, or adopted after a restart)."""

@@ -251,6 +251,55 @@ async def test_an_agent_told_to_stop_drains_its_host_first(
     assert r["again"] == (SUCCEEDED, "cpu-a") and r["state"] == "ready"
 
 
+async def test_an_agent_stopped_while_its_claims_answer_is_in_flight_drains_what_it_leased(
+    tmp_path: Path, images: ImageStore
+) -> None:
+    """The server leases work to a claim and the agent is told to stop before the answer
+    reaches it: the agent asks again under the same request id, gets that lease, and drains
+    it (the work runs to its end there) rather than leave it to expire."""
+
+    async with harness(tmp_path, images) as h:
+        servicer = h.server.host_servicer
+        claim = servicer._claim
+        granted = asyncio.Event()
+        held: list[str] = []
+        repeated: list[str] = []
+
+        async def answer_held(
+            host_id: str, max_items: int, request_id: str
+        ) -> list[host_pb2.WorkAssignment]:
+            # The ledger has committed the lease; the first answer that carries one never
+            # leaves (the agent, told to stop, cancels the call), the others go as they are.
+            items = await claim(host_id, max_items, request_id)
+            if held:
+                repeated.append(request_id)
+            elif items:
+                held.append(request_id)
+                granted.set()
+                await asyncio.Event().wait()
+            return items
+
+        servicer._claim = answer_held  # type: ignore[method-assign]
+        await h.start_agent("cpu-a", HostClass.CPU, slots=2, drain_deadline_s=60)
+        ledger = h.server.core.ledger
+        work = (
+            await h.fleet.SubmitRollout(request('image = "minimal"\n', ["sleep", "2"]))
+        ).rollout.id
+        await asyncio.wait_for(granted.wait(), 30)
+        stop, task = h.agents.pop("cpu-a")
+        stop.set()
+        await asyncio.wait_for(task, 60)
+        # Read once the agent has ended: whatever it drained is reported by now.
+        got = await h.fleet.GetRollout(fleet_pb2.GetRolloutRequest(id=work))
+        events = [e.kind for e in await asyncio.to_thread(ledger.events, work, 0)]
+        state = (await asyncio.to_thread(ledger.host_states))["cpu-a"]
+
+    assert repeated == held, (held, repeated)  # asked once more, under the same request id
+    assert (got.state, got.attempts, got.host_id) == (SUCCEEDED, 1, "cpu-a")
+    assert "lease_expired" not in events, events
+    assert state in ("draining", "drained")
+
+
 def test_fleet_pool_set_list_and_delete(tmp_path: Path) -> None:
     """Pools from the CLI: made, listed with their hosts and what they run against the cap,
     changed, deleted; a malformed label is refused."""
