@@ -77,6 +77,8 @@ HTTP_STATUS = {
 }
 
 
+SINK_HIGH_WATER = 64 * 1024
+"""Of a pushed stream, what may wait unsent to its client before the upstream's reads wait."""
 GONE_POLL_S = 0.1
 """How often a streamed answer checks that its client is still there."""
 
@@ -166,8 +168,11 @@ async def _stream(answer: Reply) -> None:
         "Content-Type: text/event-stream", "Cache-Control: no-cache", "Transfer-Encoding: chunked",
         *(f"{k}: {v}" for k, v in answer.headers.items()),
     ]  # fmt: skip
-    writer.write(("\r\n".join(head) + "\r\n\r\n").encode())
-    await writer.drain()
+    head_bytes = ("\r\n".join(head) + "\r\n\r\n").encode()
+    push = getattr(answer.events, "push_to", None)
+    if push is None:
+        writer.write(head_bytes)
+        await writer.drain()
     reader = _reader.get(None)
     # A client that closed its end is noticed between events too (a request queued for its
     # engine sends none for a while): a watcher ends this task's wait for the next one, and
@@ -194,6 +199,13 @@ async def _stream(answer: Reply) -> None:
 
     watcher = asyncio.create_task(watch())
     try:
+        if push is not None:  # (a relayed upstream's: written from its connection's reads)
+            sink = _Sink(writer, head_bytes)
+            await push(sink)
+            if not sink.ended:
+                writer.write(sink.head + b"0\r\n\r\n")
+            await writer.drain()
+            return
         async for data in answer.events:
             event = f"data: {data}\n\n".encode()
             if not frames:
@@ -210,6 +222,39 @@ async def _stream(answer: Reply) -> None:
         raise ConnectionResetError("the client closed the connection mid-answer") from None
     finally:
         watcher.cancel()
+
+
+class _Sink:
+    """A streamed answer's connection, as a relay pushes its events to it (`Relay.push_to`):
+    each batch of events one write, made at once, the answer's head with the first and its end
+    with the last (a write each was a system call each, and a wake-up of the client)."""
+
+    def __init__(self, writer: asyncio.StreamWriter, head: bytes) -> None:
+        self.writer = writer
+        self.transport = writer.transport
+        self.head = head
+        """Not yet written."""
+        self.ended = False
+
+    def send(self, payloads: list[str], end: bool = False) -> bool:
+        if self.transport.is_closing():
+            return False
+        frames = [self.head] if self.head else []
+        self.head = b""
+        for data in payloads:
+            event = f"data: {data}\n\n".encode()
+            frames.append(b"%x\r\n%s\r\n" % (len(event), event))
+        if end:
+            frames.append(b"0\r\n\r\n")
+            self.ended = True
+        self.transport.write(b"".join(frames))
+        return True
+
+    def full(self) -> bool:
+        return self.transport.get_write_buffer_size() > SINK_HIGH_WATER
+
+    async def drain(self) -> None:
+        await self.writer.drain()
 
 
 async def _gone(reader: asyncio.StreamReader | None, writer: asyncio.StreamWriter) -> None:

@@ -34,7 +34,7 @@ import dataclasses
 import json
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -45,7 +45,7 @@ from fleet.core.tokens import TokenClaims
 from gateway.llm.openai_schema import ApiError, Reply, bad_field
 from gateway.llm.sampling import SamplingParams
 from gateway.llm.upstream import Upstreams
-from gateway.llm.upstream_relay import StreamUsage, usage_of
+from gateway.llm.upstream_relay import EventSink, StreamUsage, usage_of
 
 log = structlog.get_logger(__name__)
 
@@ -449,6 +449,12 @@ class _Metered:
 
     async def __anext__(self) -> str:
         return await anext(self.events)
+
+    @property
+    def push_to(self) -> Callable[[EventSink], Awaitable[None]] | None:
+        """The relay's own `push_to`, where the stream is a relay's (counted all the same: the
+        relay counts as it parses, and `aclose` records)."""
+        return getattr(self.events, "push_to", None)
 
     async def aclose(self) -> None:
         record, self.record = self.record, None

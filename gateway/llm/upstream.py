@@ -23,30 +23,28 @@ first token is held back, so that a failure there can still fall back unseen.
 
 The relay of a stream (`gateway.llm.upstream_relay`) passes the upstream's chunks on as it
 wrote them and reads each body to its end, so that connections are kept. Each upstream has a
-pool of its own, of aiohttp's client, whose HTTP parser is compiled: httpx's pure-Python stack
-cost several times the rest of the relay per chunk, and httpcore's pool bookkeeping grows with
-the square of its connections. What every request shares (its headers, per upstream) is made
-once, and a stream's silences are bounded by one watch for all streams
-(`upstream_relay.ReadWatch`) rather than a timer re-armed per chunk: with a burst of streams,
-each request's set-up and each chunk's handling wait behind the others' on one event loop, so
-their cost is the latency the proxy adds.
+pool of its own (`gateway.llm.upstream_http`: asyncio protocols, llhttp's compiled parser),
+whose requests are bytes made ready per upstream and whose streams, after their first token,
+are relayed inside each connection's `data_received`; a stream's silences are bounded by one
+watch for all streams (`upstream_relay.ReadWatch`) rather than a timer re-armed per chunk.
+With a burst of streams, each request's set-up and each chunk's handling wait behind the
+others' on one event loop, so their cost is the latency the proxy adds: a general client
+(aiohttp's, httpx's) cost about twice this one per chunk and four times per request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any
 
-import aiohttp
 import structlog
 
 from fleet.core.tokens import TokenClaims
 from gateway.llm.openai_schema import ApiError, Reply
 from gateway.llm.upstream_config import Upstream, UpstreamConfig, scrub
+from gateway.llm.upstream_http import Pool, Response
 from gateway.llm.upstream_relay import (
     NETWORK_ERRORS,
     Failed,
@@ -55,7 +53,6 @@ from gateway.llm.upstream_relay import (
     StreamUsage,
     error_message,
     transport_error,
-    watch_body,
 )
 
 log = structlog.get_logger(__name__)
@@ -69,6 +66,8 @@ LIST_TIMEOUT_S = 5.0
 """How long /v1/models waits for an upstream's own list."""
 MAX_LIST_BYTES = 4 << 20
 """Of an upstream's own list, what is read."""
+MAX_ANSWER_BYTES = 64 << 20
+"""Of a whole (not streamed) answer, the most taken: past it the upstream counts as failed."""
 
 
 @dataclass
@@ -102,7 +101,7 @@ class Upstreams:
     def __init__(self, config: UpstreamConfig) -> None:
         self.config = config
         self._keys = config.keys()
-        self._sessions: dict[str, aiohttp.ClientSession] = {}
+        self._pools: dict[str, Pool] = {}
         self._watch = ReadWatch(config.read_timeout_s)
         # Each request's headers, made once per upstream (whole answers, streams): they are
         # the same for every request, and a request's set-up is paid by every stream of a
@@ -118,38 +117,37 @@ class Upstreams:
             fallbacks={m: list(c) for m, c in config.fallbacks.items()},
         )
 
-    def session(self, name: str) -> aiohttp.ClientSession:
-        """Upstream `name`'s client, made on first use (on the event loop that serves): up to
-        `max_connections` connections, each kept alive between requests, so that a burst of
-        streams reuses the last burst's connections."""
-        session = self._sessions.get(name)
-        if session is None or session.closed:
+    def pool(self, name: str) -> Pool:
+        """Upstream `name`'s connections, made on first use (on the event loop that serves):
+        up to `max_connections` open at once, each kept alive between requests, so that a
+        burst of streams reuses the last burst's connections. `connect_timeout_s` bounds the
+        wait for a free connection and the connect itself, `read_timeout_s` the wait for an
+        answer's head (and, through the watch, the silence between two chunks). Nothing is
+        taken from the environment (no proxy or .netrc the operator did not choose is applied
+        to requests that carry the gateway's keys), no cookies are kept, TLS is verified
+        against the system's CA store, and redirects are never followed."""
+        pool = self._pools.get(name)
+        if pool is None or pool.closed:
             config = self.config
-            connector = aiohttp.TCPConnector(
-                limit=config.max_connections,
-                # (the stdlib's resolver, as for every other connection fleet makes)
-                resolver=aiohttp.ThreadedResolver(),
+            upstream = config.upstreams[name]
+            key = upstream.key.get_secret_value() if upstream.key is not None else None
+            pool = self._pools[name] = Pool(
+                upstream.url,
+                {
+                    "user-agent": "fleet-gateway",
+                    **({"authorization": f"Bearer {key}"} if key else {}),
+                },
+                max_connections=config.max_connections,
+                connect_timeout_s=config.connect_timeout_s,
+                head_timeout_s=config.read_timeout_s,
             )
-            # `connect` bounds the wait for a free connection and the connect itself;
-            # `sock_read` the silence between two chunks of an answer.
-            timeout = aiohttp.ClientTimeout(
-                total=None, connect=config.connect_timeout_s, sock_read=config.read_timeout_s
-            )
-            # Not from the environment (trust_env): no proxy or .netrc the operator did not
-            # choose is applied to requests that carry the gateway's keys; no cookies kept.
-            # TLS is verified against the system's CA store; redirects are never followed.
-            session = self._sessions[name] = aiohttp.ClientSession(
-                connector=connector,
-                timeout=timeout,
-                trust_env=False,
-                cookie_jar=aiohttp.DummyCookieJar(),
-            )
-        return session
+        return pool
 
     async def aclose(self) -> None:
-        sessions, self._sessions = list(self._sessions.values()), {}
+        pools, self._pools = list(self._pools.values()), {}
         await self._watch.aclose()
-        await asyncio.gather(*(session.close() for session in sessions))
+        for pool in pools:
+            pool.close()
 
     def scrub(self, text: str) -> str:
         return scrub(text, self._keys)
@@ -235,24 +233,21 @@ class Upstreams:
         reply.headers.update(attempt.headers(requested))
         return reply
 
-    async def _send(
-        self, upstream: Upstream, path: str, body: dict[str, Any]
-    ) -> aiohttp.ClientResponse:
+    async def _send(self, upstream: Upstream, path: str, body: dict[str, Any]) -> Response:
         """The upstream's response (its body not yet read), or Failed for one the chain moves
         on from; another refusal (the request's own fault) is raised as the upstream said it."""
         headers = self._headers[upstream.name, body.get("stream") is True]
-        url = upstream.url + path.removeprefix("/v1")
         data = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
         try:
-            response = await self.session(upstream.name).post(
-                url, data=data, headers=headers, allow_redirects=False
+            response = await self.pool(upstream.name).request(
+                "POST", path.removeprefix("/v1"), data, headers=headers
             )
         except NETWORK_ERRORS as exc:
             raise Failed(transport_error(exc)) from None
         if response.status == 200:
             return response
         try:
-            raw = await _read_at_most(response, MAX_ERROR_BYTES)
+            raw = await response.read(MAX_ERROR_BYTES)
         except NETWORK_ERRORS as exc:
             raise Failed(f"HTTP {response.status}, then {transport_error(exc)}") from None
         finally:
@@ -272,7 +267,7 @@ class Upstreams:
     ) -> Reply:
         response = await self._send(upstream, path, body)
         try:
-            raw = await response.read()
+            raw = await response.read(MAX_ANSWER_BYTES, strict=True)
         except NETWORK_ERRORS as exc:
             raise Failed(f"the answer broke off: {transport_error(exc)}") from None
         finally:
@@ -301,7 +296,6 @@ class Upstreams:
         """Reads the stream up to its first token (a failure there moves the chain on), then
         answers with a relay of the rest."""
         response = await self._send(upstream, path, body)
-        watch_body(response)
         relay = Relay(response, model, attempt.fleet(model), self.scrub, usage, self._watch)
         try:
             await relay.first_token()
@@ -347,19 +341,16 @@ class Upstreams:
         return out
 
     async def _list(self, name: str) -> list[str]:
-        upstream = self.config.upstreams[name]
-        headers = {"accept": "application/json"}
-        if upstream.key is not None:
-            headers["authorization"] = f"Bearer {upstream.key.get_secret_value()}"
         try:
-            async with self.session(name).get(
-                upstream.url + "/models",
-                headers=headers,
-                allow_redirects=False,
-                timeout=aiohttp.ClientTimeout(total=LIST_TIMEOUT_S),
-            ) as response:
-                status = response.status
-                raw = await _read_at_most(response, MAX_LIST_BYTES) if status == 200 else b""
+            async with asyncio.timeout(LIST_TIMEOUT_S):
+                response = await self.pool(name).request(
+                    "GET", "/models", headers=b"accept: application/json\r\n"
+                )
+                try:
+                    status = response.status
+                    raw = await response.read(MAX_LIST_BYTES) if status == 200 else b""
+                finally:
+                    response.release()
             data = json.loads(raw)["data"] if status == 200 else None
             if not isinstance(data, list):
                 raise ValueError(f"HTTP {status}")
@@ -370,24 +361,8 @@ class Upstreams:
             return []
 
 
-def _request_headers(upstream: Upstream, stream: bool) -> Mapping[str, str]:
-    """The headers of every request to `upstream` (each request copies them, and nothing
-    changes them): the gateway's key for it, never the rollout's token."""
-    headers = {"content-type": "application/json", "accept": "application/json"}
-    if stream:
-        # (events are relayed as they come: a compressed stream would be held back)
-        headers["accept"] = "text/event-stream"
-        headers["accept-encoding"] = "identity"
-    if upstream.key is not None:
-        headers["authorization"] = f"Bearer {upstream.key.get_secret_value()}"
-    return MappingProxyType(headers)
-
-
-async def _read_at_most(response: aiohttp.ClientResponse, limit: int) -> bytes:
-    out = bytearray()
-    while len(out) < limit:
-        piece = await response.content.read(limit - len(out))
-        if not piece:
-            break
-        out += piece
-    return bytes(out)
+def _request_headers(upstream: Upstream, stream: bool) -> bytes:
+    """The headers of every request to `upstream` besides those of its pool (the gateway's key
+    for it, never the rollout's token; `Upstreams.pool`), as they are written."""
+    accept = "text/event-stream" if stream else "application/json"
+    return f"content-type: application/json\r\naccept: {accept}\r\n".encode()

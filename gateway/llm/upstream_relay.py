@@ -18,25 +18,37 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-import aiohttp
 import structlog
+
+from gateway.llm.upstream_http import ReadTimedOut, Response, UpstreamError
 
 log = structlog.get_logger(__name__)
 
-NETWORK_ERRORS = (aiohttp.ClientError, TimeoutError)
+NETWORK_ERRORS = (UpstreamError, TimeoutError)
 """What the client raises for an upstream it cannot reach, or that stops answering."""
 MAX_EVENT_BYTES = 1 << 20
 """Of a streamed answer, the longest line taken: past it the stream counts as broken."""
-DRAIN_BYTES = 64 * 1024
-DRAIN_S = 1.0
-"""After `[DONE]`, what of the body's rest is read (its end, normally in the same packet) so
-that the connection can be kept; past either bound the connection is closed instead."""
 _MODEL_FIELD = re.compile(r'"model"\s*:\s*"(?:[^"\\]|\\.)*"')
 """A `"model": "..."` member in a chunk's text. An unescaped quote ends a JSON string, so this
 can match only a member (of some object) or a key that ends in `\"model`: when the chunk's
 top-level `model` is a string and this matches once, the match is that member."""
+
+
+class EventSink(Protocol):
+    """Where a pushed relay (`Relay.push_to`) writes its events: the HTTP layer's connection to
+    the client."""
+
+    def send(self, payloads: list[str], end: bool = False) -> bool:
+        """Writes the events (each a `data:` payload) now, with the end of the answer after
+        them where `end`; False when the client has gone."""
+
+    def full(self) -> bool:
+        """The client reads slower than the events come: the relay waits for `drain`."""
+
+    async def drain(self) -> None:
+        """Until the client has taken what was written (ConnectionError: it has gone)."""
 
 
 class Failed(Exception):
@@ -63,11 +75,11 @@ class StreamUsage:
 class ReadWatch:
     """The bound on an upstream's silence while a relay waits for its stream's next chunk
     (`read_timeout_s`), kept for every relayed stream by one task that looks at them a few
-    times per bound, rather than by aiohttp's `sock_read`, which cancels and re-arms a timer
-    on every chunk received (a timer per chunk per stream, on the gateway's hot path; the
-    response's head is still bounded by `sock_read`, `watch_body`). An upstream silent past
-    the bound fails its stream as `sock_read` would: `read timed out`, before the first token
-    the chain's to handle, after it a resumable error."""
+    times per bound, rather than by a timer cancelled and armed again on every chunk received
+    (a timer per chunk per stream, on the gateway's hot path; the response's head has a bound
+    of its own, `Pool.request`). An upstream silent past the bound fails its stream with
+    `read timed out`: before the first token the chain's to handle, after it a resumable
+    error."""
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
@@ -87,7 +99,7 @@ class ReadWatch:
             await asyncio.sleep(self.tick_s)
             now = time.monotonic()
             for relay in list(self.relays):
-                if relay.response.closed:
+                if relay.response.finished:
                     self.relays.discard(relay)
                 elif relay.waiting_since and now - relay.waiting_since > self.timeout_s:
                     self.relays.discard(relay)
@@ -100,25 +112,19 @@ class ReadWatch:
             await asyncio.gather(self.task, return_exceptions=True)
 
 
-def watch_body(response: aiohttp.ClientResponse) -> None:
-    """Ends aiohttp's own read timer for `response`'s body (its head has arrived within it):
-    from here its `ReadWatch` bounds the silences. (The timer is set again for the next
-    request on the connection.)"""
-    connection = response.connection
-    protocol = connection.protocol if connection is not None else None
-    if protocol is not None:
-        protocol.read_timeout = None
-
-
 class Relay:
     """A streamed answer relayed chunk by chunk: each `data:` payload with `model` and `fleet`
     set, scrubbed. The chunks before the first token are held (`first_token`), so that a failure
     before it is the chain's to handle; after it, a failure ends the stream with a resumable
     error. After `[DONE]` the body is read to its end (its connection then goes back to the
-    pool); `aclose` closes the upstream's response, whether the relay was read or not."""
+    pool); `aclose` closes the upstream's response, whether the relay was read or not.
+
+    After the first token the rest is either read (`async for`) or pushed (`push_to`): each
+    piece the upstream sends is relayed inside its connection's `data_received`, written to the
+    client there and then, so that a chunk costs the relay no task woken and no future set."""
 
     def __init__(
-        self, response: aiohttp.ClientResponse, model: str, fleet: dict[str, Any],
+        self, response: Response, model: str, fleet: dict[str, Any],
         scrub: Callable[[str], str], usage: StreamUsage | None = None,
         watch: ReadWatch | None = None,
     ) -> None:  # fmt: skip
@@ -132,7 +138,6 @@ class Relay:
         self._model_member = f'"model": {json.dumps(model)}'
         self._fleet_member = f', "fleet": {json.dumps(self.fleet)}}}'
         self.held: list[str] = []
-        self.content = response.content
         self.pending: collections.deque[bytes] = collections.deque()
         self.partial = b""
         """The start of a line whose end has not arrived yet."""
@@ -143,6 +148,11 @@ class Relay:
         self.drained = False
         self.waiting_since = 0.0
         """When the relay began to wait for the upstream's next piece (0: it is not waiting)."""
+        self.released = False
+        """The response was handed back (`release_after_end`) or closed."""
+        self._sink: EventSink | None = None
+        self._over: asyncio.Future[None] | None = None
+        self._holding: asyncio.Task[None] | None = None
         if watch is not None:
             watch.add(self)
 
@@ -235,7 +245,7 @@ class Relay:
         while not pending:
             self.waiting_since = time.monotonic()
             try:
-                piece = await self.content.readany()
+                piece = await self.response.readany()
             except NETWORK_ERRORS as exc:
                 raise Failed(f"the stream broke off: {transport_error(exc)}") from None
             finally:
@@ -245,23 +255,12 @@ class Relay:
             self._feed(piece)
         return pending.popleft()
 
-    async def _drain(self) -> None:
-        """The body's rest after `[DONE]` read (within DRAIN_BYTES and DRAIN_S), so that the
-        pool keeps the connection; anything wrong there only costs the connection."""
-        self.drained = True
-        if self.pending:
-            return
-        read = 0
-        try:
-            async with asyncio.timeout(DRAIN_S):
-                while piece := await self.content.readany():
-                    read += len(piece)
-                    if read > DRAIN_BYTES:
-                        break
-        except NETWORK_ERRORS:
-            pass
-        # (a body read to its end has given its connection back already; else it is closed)
-        self.response.release()
+    def _release(self) -> None:
+        """The stream ended at `[DONE]`: its connection is handed back once the body's rest is
+        read (in the background, within bounds), so that the pool keeps it."""
+        self.drained = self.released = True
+        self.waiting_since = 0.0
+        self.response.release_after_end()
 
     async def _relay_next(self) -> tuple[str, bool]:
         """The next payload to relay (usage chunks the client did not ask for skipped)."""
@@ -289,7 +288,7 @@ class Relay:
             return self.held.pop(0)
         if self.done:
             if not self.drained:
-                await self._drain()
+                self._release()
             raise StopAsyncIteration
         try:
             while True:  # (`_relay_next`, inlined: this is the path of every chunk)
@@ -305,11 +304,111 @@ class Relay:
         return payload
 
     def expire(self, timeout_s: float) -> None:
-        """The upstream was silent past `timeout_s` while the relay waited: its wait ends as
-        aiohttp's own read timeout would end it, and the connection is not kept."""
-        self.content.set_exception(
-            aiohttp.SocketTimeoutError(f"no data from the upstream for {timeout_s} s")
-        )
+        """The upstream was silent past `timeout_s` while the relay waited: its stream ends
+        with `read timed out`, and the connection is not kept."""
+        self.response.fail(ReadTimedOut(f"no data from the upstream for {timeout_s} s"))
+
+    # -- pushed ------------------------------------------------------------------------------
+
+    async def push_to(self, sink: EventSink) -> None:
+        """The rest of the stream written to `sink` as the upstream sends it (what was held
+        first), until `[DONE]` or a resumable error; ConnectionResetError when the client
+        goes. A client slower than the upstream holds the upstream's reads back (`full`)."""
+        if self.held:
+            held, self.held = self.held, []
+            if not sink.send(held, end=self.done):
+                raise ConnectionResetError("the client closed the connection mid-answer")
+        if self.done:
+            if not self.drained:
+                self._release()
+            return
+        self._sink = sink
+        self._over = asyncio.get_running_loop().create_future()
+        self.waiting_since = time.monotonic()
+        self.response.push(self._pushed, self._pushed_end)
+        try:
+            await self._over
+        finally:
+            self._sink = None
+            if self._holding is not None:
+                self._holding.cancel()
+
+    def _pushed(self, piece: bytes) -> None:
+        """A piece of the body, relayed (from the connection's `data_received`)."""
+        sink = self._sink
+        if self.done or sink is None:
+            return
+        out: list[str] = []
+        failed = False
+        try:
+            self._feed(piece)
+            pending = self.pending
+            while pending:
+                payload, carries = self._chunk(pending.popleft())
+                if payload is None:
+                    continue
+                out.append(payload)
+                self.sent += carries
+                if payload == "[DONE]":
+                    self.done = True
+                    break
+        except Failed as exc:
+            out.append(json.dumps(self._resumable(self.scrub(str(exc)))))
+            self.done = failed = True
+        if out and not sink.send(out, end=self.done):
+            self._settle(ConnectionResetError("the client closed the connection mid-answer"))
+        elif failed:
+            self._settle(None)
+        elif self.done:
+            self._release()
+            self._settle(None)
+        elif sink.full():
+            self._hold(sink)
+        else:
+            self.waiting_since = time.monotonic()
+
+    def _pushed_end(self, error: UpstreamError | None) -> None:
+        """The body ended (or broke off) before `[DONE]`: a resumable error ends the stream."""
+        if self.done or self._sink is None:
+            return
+        why = f"the stream broke off: {error.why}" if error else "the stream ended without [DONE]"
+        self.done = True
+        self._sink.send([json.dumps(self._resumable(self.scrub(why)))], end=True)
+        self._settle(None)
+
+    def _settle(self, error: BaseException | None) -> None:
+        """The pushed stream is over (`error`: the client went): the connection is closed
+        unless it was handed back at `[DONE]`."""
+        self.done = self.drained = True
+        self.waiting_since = 0.0
+        if not self.released:
+            self.released = True
+            self.response.close()
+        over = self._over
+        if over is not None and not over.done():
+            if error is None:
+                over.set_result(None)
+            else:
+                over.set_exception(error)
+
+    def _hold(self, sink: EventSink) -> None:
+        """The client is behind: the upstream's reads wait until it has caught up."""
+        if self._holding is not None and not self._holding.done():
+            return
+        self.waiting_since = 0.0  # (the silence is the client's, not the upstream's)
+        self.response.pause_reading()
+
+        async def catch_up() -> None:
+            try:
+                await sink.drain()
+            except ConnectionError as exc:
+                self._settle(exc)
+                return
+            if not self.done:
+                self.waiting_since = time.monotonic()
+                self.response.resume_reading()
+
+        self._holding = asyncio.get_running_loop().create_task(catch_up())
 
     def _resumable(self, why: str) -> dict[str, Any]:
         log.warning("upstream_stream_broke", model=self.model, tokens_sent=self.sent, error=why)
@@ -334,7 +433,9 @@ class Relay:
 
     async def aclose(self) -> None:
         self.done = self.drained = True
-        self.response.release()
+        if not self.released:
+            self.released = True
+            self.response.close()
 
 
 def usage_of(body: dict[str, Any]) -> tuple[int, int]:
@@ -363,16 +464,8 @@ def error_message(raw: bytes) -> str:
 def transport_error(exc: BaseException) -> str:
     """What went wrong reaching an upstream, in words (never the exception's own text, which
     may quote the URL)."""
-    kinds: tuple[tuple[type[BaseException], str], ...] = (
-        (aiohttp.ClientSSLError, "its TLS failed (certificate or handshake)"),
-        (aiohttp.ClientConnectorError, "connection refused or unreachable"),
-        (aiohttp.ConnectionTimeoutError, "connect timed out, or no free connection to it"),
-        (aiohttp.SocketTimeoutError, "read timed out"),
-        (aiohttp.ServerDisconnectedError, "it closed the connection mid-answer"),
-        (aiohttp.ClientPayloadError, "it broke the protocol (closed mid-answer?)"),
-        (TimeoutError, "timed out"),
-    )
-    for kind, text in kinds:
-        if isinstance(exc, kind):
-            return text
+    if isinstance(exc, UpstreamError):
+        return exc.why
+    if isinstance(exc, TimeoutError):
+        return "timed out"
     return type(exc).__name__
