@@ -239,6 +239,8 @@ def _closing(response: bytes) -> bytes:
 
 
 def _status(response: bytes) -> int:
+    if not response:  # (a streamed answer, written already)
+        return 0
     try:
         return int(response[9:12])
     except ValueError:

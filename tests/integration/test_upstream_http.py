@@ -252,10 +252,15 @@ async def test_a_request_waits_for_a_free_connection_within_the_connect_bound() 
             held = await pool.request("GET", "/models")
             with pytest.raises(ConnectTimedOut):
                 await pool.request("GET", "/models")
+            pool.connect_timeout_s = 5.0
+            waiting = asyncio.ensure_future(pool.request("GET", "/models"))
+            await asyncio.sleep(0.2)
+            assert not waiting.done()  # (the one connection is still held)
             await held.read(1000)
             held.release()
-            response = await pool.request("GET", "/models")  # (the one freed)
+            response = await asyncio.wait_for(waiting, 5)  # (handed the one freed)
             assert response.status == 200
+            assert await response.read(1000) == b'{"n": 2}'
             response.release()
         finally:
             pool.close()
