@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -237,7 +238,8 @@ def test_a_pool_child_that_died_while_it_waited_is_forked_afresh(
             await asyncio.sleep(0.05)
         dead = parent._pool[0].prepared_pid
         assert dead is not None
-        os.kill(dead, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # (gone already: dead all the same)
+            os.kill(dead, signal.SIGKILL)
         for _ in range(200):  # until it is dead (a zombie, or reaped by the fork server)
             if await asyncio.to_thread(process_state, dead) in ("Z", ""):
                 break
