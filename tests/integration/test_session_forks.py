@@ -13,18 +13,9 @@ from fleet.api.pb import fleet_pb2, fleet_pb2_grpc
 from fleet.core.placement import HostClass
 from fleet.image.store import ImageStore
 from tests.integration.harness import harness, namespace_runtime
+from tests.integration.session_support import shell
 
 SMOLFILE = 'image = "minimal"\n'
-
-
-async def _shell(stub: fleet_pb2_grpc.SessionServiceStub, session: str, shell: str) -> bytes:
-    said, code = b"", None
-    async for part in stub.Exec(fleet_pb2.ExecRequest(session_id=session, shell=shell)):
-        said += part.stdout + part.stderr
-        if part.WhichOneof("kind") == "exit":
-            code = part.exit.exit_code
-    assert code == 0, said
-    return said
 
 
 def _snapshot(top: Path) -> dict[str, tuple[int, bytes]]:
@@ -66,19 +57,19 @@ async def test_a_fork_never_follows_the_links_its_source_made_in_etc(
             )
             for _ in range(2)
         ]
-        await _shell(
+        await shell(
             stub, dir_link.id,
             "rm -rf /usr/share/doc && mkdir -p /usr/share/doc && echo mine > /usr/share/doc/new"
             f" && rm /usr/bin/yes && rm -rf /etc && ln -s {host_dir} /etc",
         )  # fmt: skip
-        await _shell(stub, file_link.id, f"ln -sf {host_file} /etc/hosts")
+        await shell(stub, file_link.id, f"ln -sf {host_file} /etc/hosts")
         forked = []
         for source in (dir_link, file_link):
             reply = await stub.ForkSession(
                 fleet_pb2.ForkSessionRequest(session_id=source.id, count=1, ready_timeout_s=60)
             )
             fork = reply.sessions[0]
-            seen = await _shell(
+            seen = await shell(
                 stub, fork.id,
                 "cat /etc/hostname; grep -c localhost /etc/hosts; test -L /etc || echo etc-dir;"
                 " test -e /usr/bin/yes || echo yes-gone; ls /usr/share/doc",
