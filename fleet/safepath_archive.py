@@ -1,7 +1,7 @@
 """Tar streams from outside fleet, read strictly: unpacked beneath a root, or written anew.
 
 `extract_tar` places an archive's members (an input, an image layer, a downloaded output) by
-the walking of `fleet.safepath` and the placing of `fleet.safepath_tree`; `repack_tar` turns a
+the walking of `fleet.safepath_paths` and the placing of `fleet.safepath_tree`; `repack_tar` turns a
 stream a machine made into one fleet made. Both check every member by the same rules (`_Check`)
 before anything is placed or written. `fleet.safepath` offers these; fleet imports them from
 there.
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, BinaryIO, Literal, cast
 
-from fleet.safepath import (
+from fleet.safepath_paths import (
     Limits,
     Root,
     UnsafeArchive,

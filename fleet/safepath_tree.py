@@ -1,8 +1,9 @@
 """Whole trees beneath a root, walked by fds: copied into another root (a fork's layer), or
 written as a tar (an output, a session's directory read).
 
-These stand on the walking of `fleet.safepath` (every directory opened one component at a time,
-never through a link) and are offered by it; fleet imports them from there. The placing of one
+These stand on the walking of `fleet.safepath_paths` (every directory opened one component at
+a time, never through a link) and are offered by `fleet.safepath`; fleet imports them from
+there. The placing of one
 entry (a directory made or reused, a file or link replacing what was at its name) is here too,
 because unpacking an archive (`fleet.safepath_archive`) places its members the same way.
 """
@@ -20,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO, TypeVar, cast
 
-from fleet.safepath import (
+from fleet.safepath_paths import (
     Limits,
     Root,
     UnsafeArchive,

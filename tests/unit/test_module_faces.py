@@ -12,7 +12,7 @@ from types import ModuleType
 
 import pytest
 
-from fleet import safepath, safepath_archive, safepath_tree
+from fleet import safepath, safepath_archive, safepath_paths, safepath_tree
 from fleet.agent import attempt, machine_making, running
 from fleet.image import oci, registry_client, registry_policy
 from fleet.runtime import child_files, smol, smol_preflight, warm_child
@@ -74,7 +74,16 @@ def test_a_moved_name_is_still_offered_by_its_old_module(
 
 
 def test_every_name_a_face_declares_is_there() -> None:
-    for face in (oci, attempt, safepath, safepath_archive, safepath_tree, smol, warm_child):
+    for face in (
+        oci,
+        attempt,
+        safepath,
+        safepath_archive,
+        safepath_paths,
+        safepath_tree,
+        smol,
+        warm_child,
+    ):
         missing = [n for n in face.__all__ if not hasattr(face, n)]
         assert missing == [], f"{face.__name__} declares but lacks {missing}"
 
@@ -84,13 +93,16 @@ def test_the_image_operations_stay_in_oci() -> None:
         assert getattr(oci, name).__module__ == "fleet.image.oci"
 
 
-def test_the_path_operations_stay_in_safepath() -> None:
-    # The walking, and the bounds and errors every part takes and raises, are the face's own.
+def test_the_path_operations_are_offered_by_safepath() -> None:
+    # The walking, and the bounds and errors every part takes and raises, are defined in one
+    # part, below the other two, and offered by the face.
     for name in (
         "open_dir", "open_file", "read_bytes", "write_bytes", "remove", "chmod", "member_name",
-        "Limits", "UnsafePath", "UnsafeArchive", "_Chain",
+        "Limits", "UnsafePath", "UnsafeArchive",
     ):  # fmt: skip
-        assert getattr(safepath, name).__module__ == "fleet.safepath"
+        assert getattr(safepath, name) is getattr(safepath_paths, name)
+        assert getattr(safepath_paths, name).__module__ == "fleet.safepath_paths"
+    assert safepath_paths._Chain.__module__ == "fleet.safepath_paths"
 
 
 def test_the_preflight_verdict_stays_in_smol() -> None:
@@ -114,6 +126,7 @@ def test_an_attempt_makes_its_machine_through_its_base() -> None:
         "fleet/agent/machine_making.py",
         "fleet/agent/running.py",
         "fleet/safepath.py",
+        "fleet/safepath_paths.py",
         "fleet/safepath_archive.py",
         "fleet/safepath_tree.py",
         "fleet/runtime/smol.py",

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from fleet import safepath
+from fleet import safepath, safepath_paths
 from fleet.safepath import ExtractPolicy, Limits, UnsafeArchive, UnsafePath
 from tests.hostile_tars import Entry, chain_escape, tar_bytes
 
@@ -553,7 +553,7 @@ def test_a_directory_forgotten_by_the_chain_is_walked_again() -> None:
         root = base / "root"
         (root / "a" / "b").mkdir(parents=True)
         top = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
-        chain = safepath._Chain(top, create=False, mode=0o755)
+        chain = safepath_paths._Chain(top, create=False, mode=0o755)
         try:
             chain.open(("a", "b"))
             os.rename(root / "a", base / "gone")
