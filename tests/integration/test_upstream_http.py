@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -21,10 +22,12 @@ from gateway.llm.upstream_http import (
     Pool,
     ProtocolBroken,
     ReadTimedOut,
+    Response,
     TlsFailed,
     TooLarge,
     UpstreamError,
 )
+from gateway.llm.upstream_relay import Relay, StreamUsage
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter, "Server"], Awaitable[None]]
 
@@ -354,3 +357,109 @@ async def test_the_rest_of_a_stream_is_read_after_its_end_so_the_connection_is_k
         finally:
             pool.close()
     assert server.connections == 1
+
+
+class SlowClient:
+    """A relay's sink (`EventSink`) that reads slower than the upstream sends: full after every
+    `every`-th write until `drain` has waited a while; or gone after `gone_after` writes."""
+
+    def __init__(self, every: int = 0, gone_after: int = 0) -> None:
+        self.events: list[str] = []
+        self.ends = 0
+        self.writes = 0
+        self.every = every
+        self.gone_after = gone_after
+        self.behind = False
+        self.held = 0
+        self.paused_seen: list[bool] = []
+        self.response: Response | None = None
+
+    def send(self, payloads: list[str], end: bool = False) -> bool:
+        if self.gone_after and self.writes >= self.gone_after:
+            return False
+        self.writes += 1
+        self.events += payloads
+        self.ends += end
+        if self.every and self.writes % self.every == 0:
+            self.behind = True
+        return True
+
+    def full(self) -> bool:
+        return self.behind
+
+    async def drain(self) -> None:
+        self.held += 1
+        await asyncio.sleep(0.05)
+        transport = self.response.connection.transport if self.response else None
+        self.paused_seen.append(transport is not None and not transport.is_reading())
+        self.behind = False
+
+
+def sse(payloads: list[bytes]) -> bytes:
+    return b"".join(b"data: " + p + b"\n\n" for p in payloads)
+
+
+TOKENS = [b'{"model": "m", "choices": [{"index": 0, "delta": {"content": "t%d"}}]}' % i
+          for i in range(300)]  # fmt: skip
+
+
+async def streaming(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, s: Server) -> None:
+    """Each request answered with a role chunk, then the tokens ten at a time a few ms apart
+    (so that the relay reads them in many pieces), then [DONE]."""
+    while await s.read_request(reader):
+        writer.write(HEAD_CHUNKED)
+        role = b'{"model": "m", "choices": [{"index": 0, "delta": {"role": "assistant"}}]}'
+        bodies = [sse([role])] + [sse([t]) for t in TOKENS] + [sse([b"[DONE]"])]
+        for n, body in enumerate(bodies):
+            writer.write(b"%x\r\n%s\r\n" % (len(body), body))
+            await writer.drain()
+            if n % 10 == 0:
+                await asyncio.sleep(0.003)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+
+async def relay_of(pool: Pool) -> Relay:
+    response = await pool.request("POST", "/chat/completions", b"{}")
+    relay = Relay(response, "up/m", {"served_by": "upstream"}, lambda text: text, StreamUsage())
+    await relay.first_token()
+    return relay
+
+
+async def test_a_pushed_relay_waits_for_a_slow_client_and_loses_nothing() -> None:
+    async with serving(streaming) as (server, url):
+        pool = pool_of(url)
+        try:
+            for _ in range(2):  # (the second on the connection the first gave back)
+                relay = await relay_of(pool)
+                client = SlowClient(every=7)
+                client.response = relay.response
+                await asyncio.wait_for(relay.push_to(client), 30)
+                deltas = [json.loads(e)["choices"][0]["delta"] for e in client.events[:-1]]
+                assert deltas[0] == {"role": "assistant"}
+                texts = [delta["content"] for delta in deltas[1:]]
+                assert texts == [f"t{i}" for i in range(300)]
+                assert client.events[-1] == "[DONE]" and client.ends == 1
+                assert client.held > 0 and all(client.paused_seen)  # (the upstream held back)
+                assert relay.sent == 300
+                await relay.aclose()
+        finally:
+            pool.close()
+    assert server.connections == 1
+
+
+async def test_a_pushed_relay_whose_client_goes_closes_the_upstream_connection() -> None:
+    async with serving(streaming) as (server, url):
+        pool = pool_of(url)
+        try:
+            relay = await relay_of(pool)
+            client = SlowClient(gone_after=3)
+            with pytest.raises(ConnectionResetError):
+                await asyncio.wait_for(relay.push_to(client), 30)
+            assert relay.response.finished and not pool.idle  # (closed, not kept)
+            await relay.aclose()
+            relay = await relay_of(pool)  # (a new connection for the next request)
+            await relay.aclose()
+        finally:
+            pool.close()
+    assert server.connections == 2
