@@ -414,7 +414,7 @@ async def streaming(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, 
             writer.write(b"%x\r\n%s\r\n" % (len(body), body))
             await writer.drain()
             if n % 10 == 0:
-                await asyncio.sleep(0.003)
+                await asyncio.sleep(0.01)
         writer.write(b"0\r\n\r\n")
         await writer.drain()
 
@@ -432,7 +432,7 @@ async def test_a_pushed_relay_waits_for_a_slow_client_and_loses_nothing() -> Non
         try:
             for _ in range(2):  # (the second on the connection the first gave back)
                 relay = await relay_of(pool)
-                client = SlowClient(every=7)
+                client = SlowClient(every=2)
                 client.response = relay.response
                 await asyncio.wait_for(relay.push_to(client), 30)
                 deltas = [json.loads(e)["choices"][0]["delta"] for e in client.events[:-1]]
@@ -453,7 +453,7 @@ async def test_a_pushed_relay_whose_client_goes_closes_the_upstream_connection()
         pool = pool_of(url)
         try:
             relay = await relay_of(pool)
-            client = SlowClient(gone_after=3)
+            client = SlowClient(gone_after=1)
             with pytest.raises(ConnectionResetError):
                 await asyncio.wait_for(relay.push_to(client), 30)
             assert relay.response.finished and not pool.idle  # (closed, not kept)
