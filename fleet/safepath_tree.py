@@ -89,10 +89,7 @@ def _copy_dir(
                 child_dst = _place_dir(dst, name, shown)
                 try:
                     _copy_dir(child_src, child_dst, (*at, name), limits, budget, owners, setuid)
-                    if owners:
-                        os.fchown(child_dst, st.st_uid, st.st_gid)
-                    os.fchmod(child_dst, keep)
-                    os.utime(child_dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+                    _keep_metadata(child_dst, st, keep, owners)
                 finally:
                     os.close(child_dst)
             finally:
@@ -127,14 +124,20 @@ def _copy_file(
             while copied < st.st_size and (chunk := os.read(rfd, min(_CHUNK, st.st_size - copied))):
                 _write_all(wfd, chunk)
                 copied += len(chunk)
-            if owners:
-                os.fchown(wfd, st.st_uid, st.st_gid)
-            os.fchmod(wfd, mode)
-            os.utime(wfd, ns=(st.st_atime_ns, st.st_mtime_ns))
+            _keep_metadata(wfd, st, mode, owners)
         finally:
             os.close(wfd)
     finally:
         os.close(rfd)
+
+
+def _keep_metadata(fd: int, st: os.stat_result, mode: int, owners: bool) -> None:
+    """A copied entry given its source's mode (`mode`, as kept), times and, with `owners`,
+    owner."""
+    if owners:
+        os.fchown(fd, st.st_uid, st.st_gid)
+    os.fchmod(fd, mode)
+    os.utime(fd, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
 def _clear(parent: int, name: str, shown: str, *, dirs: bool = False) -> None:
