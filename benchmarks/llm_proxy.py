@@ -91,6 +91,7 @@ def _gateway_main(settings: dict[str, str], port: Any, http_port: Any) -> None:
     """A `ServerProcess` target: the gateway with the benchmark's upstreams, serving its HTTP
     endpoint on loopback; `port` and `http_port` both set to it once it listens."""
     quiet()
+    from fleet import heap
     from gateway.http import serve_http
     from gateway.llm.upstream import Upstreams
     from gateway.llm.upstream_config import load_upstreams
@@ -108,6 +109,7 @@ def _gateway_main(settings: dict[str, str], port: Any, http_port: Any) -> None:
         ))  # fmt: skip
         gw.upstreams = Upstreams(config)
         server, bound = await serve_http(gw, "127.0.0.1", 0)
+        heap.settle()  # (as `fleet gateway` does once it has started)
         http_port.value = bound
         port.value = bound
         async with server:

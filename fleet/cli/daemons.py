@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from fleet import heap
 from fleet.agent.settings import AgentSettings
 from fleet.cli.admin import duration_s
 from fleet.cli.client import parse_labels
@@ -80,6 +81,7 @@ async def cmd_serve(args: argparse.Namespace) -> int:
         console_listen=console.console_listen,
     )
     await server.start()
+    heap.settle()
     stop = _on_signals(asyncio.Event())
     if server.console_port:
         host = console.console_listen.rpartition(":")[0].strip("[]") or "127.0.0.1"
@@ -177,6 +179,7 @@ async def cmd_gateway(args: argparse.Namespace) -> int:
         gw, host, int(http_port), tls=http_tls, allow=http_allow(settings.http_allow)
     )
     scheme = "https" if http_tls is not None else "http"
+    heap.settle()
     stop = _on_signals(asyncio.Event())
     print(
         f"fleet gateway: {gw.spec.name} {gw.spec.revision} on {gw.batcher.primary.device} "
@@ -382,6 +385,7 @@ async def cmd_up(args: argparse.Namespace) -> int:
             config=handle.server_config() if handle else None,
             gateway=("host", handle.http_port) if handle else None, gateway_tls=bool(handle),
         ) as fleet:  # fmt: skip
+            heap.settle()
             stop = _on_signals(asyncio.Event())
             print(
                 f"fleet up: server on {fleet.address}, ledger {db}, 1 gpu-class + 2 cpu-class "
