@@ -36,6 +36,7 @@ import json
 import resource
 import ssl
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -173,31 +174,25 @@ async def _stream(answer: Reply) -> None:
     if push is None:
         writer.write(head_bytes)
         await writer.drain()
-    reader = _reader.get(None)
     # A client that closed its end is noticed between events too (a request queued for its
-    # engine sends none for a while): a watcher ends this task's wait for the next one, and
-    # with it the generation, freeing its place.
+    # engine sends none for a while): the loop's sweep of open streams cancels this task's
+    # wait for the next one, and with it the generation, freeing its place.
     this = asyncio.current_task()
     assert this is not None
-    left = False
-
-    async def watch() -> None:
-        nonlocal left
-        await _gone(reader, writer)
-        left = True
-        this.cancel()
+    loop = asyncio.get_running_loop()
+    watched = _Watched(this, _reader.get(None), writer)
+    leavers = _leavers_of(loop)
+    leavers.add(watched)
 
     # Events made in one turn of the loop (a relayed upstream's read often holds several) go
     # out in one send, written once the turn ends: a send per event was a system call each.
     frames: list[bytes] = []
-    loop = asyncio.get_running_loop()
 
     def flush() -> None:
         if frames and not writer.is_closing():
             writer.write(b"".join(frames))
         frames.clear()
 
-    watcher = asyncio.create_task(watch())
     try:
         if push is not None:  # (a relayed upstream's: written from its connection's reads)
             sink = _Sink(writer, head_bytes)
@@ -216,12 +211,74 @@ async def _stream(answer: Reply) -> None:
         flush()
         await writer.drain()
     except asyncio.CancelledError:
-        if not left:
+        if not watched.left:
             raise
         this.uncancel()
         raise ConnectionResetError("the client closed the connection mid-answer") from None
     finally:
-        watcher.cancel()
+        leavers.discard(watched)
+
+
+class _Watched:
+    """A streamed answer in progress: its task, and its connection's two ends."""
+
+    __slots__ = ("left", "reader", "task", "writer")
+
+    def __init__(
+        self, task: asyncio.Task[Any], reader: asyncio.StreamReader | None,
+        writer: asyncio.StreamWriter,
+    ) -> None:  # fmt: skip
+        self.task = task
+        self.reader = reader
+        self.writer = writer
+        self.left = False
+        """Its client closed its end: the task was cancelled for that."""
+
+    def gone(self) -> bool:
+        """The client has closed its end (the reader saw its end of input: nothing is read,
+        so a request the client sends next is left for the connection's loop)."""
+        reader = self.reader
+        return self.writer.is_closing() or (reader is not None and reader.at_eof())
+
+
+class _Leavers:
+    """The loop's streamed answers, looked at together every `GONE_POLL_S` by one task while
+    any is open (a watching task per stream was a task made and a timer armed per stream, ten
+    times a second, on the gateway's hot path): one whose client has gone has its task
+    cancelled."""
+
+    def __init__(self) -> None:
+        self.streams: set[_Watched] = set()
+        self.task: asyncio.Task[None] | None = None
+
+    def add(self, watched: _Watched) -> None:
+        self.streams.add(watched)
+        if self.task is None or self.task.done():
+            self.task = asyncio.get_running_loop().create_task(self._sweep())
+
+    def discard(self, watched: _Watched) -> None:
+        self.streams.discard(watched)
+
+    async def _sweep(self) -> None:
+        """Until no stream is left (the next one starts it again)."""
+        while self.streams:
+            await asyncio.sleep(GONE_POLL_S)
+            for watched in [w for w in self.streams if w.gone()]:
+                self.streams.discard(watched)
+                watched.left = True
+                watched.task.cancel()
+
+
+_leavers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Leavers] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _leavers_of(loop: asyncio.AbstractEventLoop) -> _Leavers:
+    leavers = _leavers.get(loop)
+    if leavers is None:
+        leavers = _leavers[loop] = _Leavers()
+    return leavers
 
 
 class _Sink:
@@ -255,14 +312,6 @@ class _Sink:
 
     async def drain(self) -> None:
         await self.writer.drain()
-
-
-async def _gone(reader: asyncio.StreamReader | None, writer: asyncio.StreamWriter) -> None:
-    """Returns once the client has closed its end (the reader saw its end of input: nothing
-    is read, so a request the client sends next is left for the connection's loop). Polled:
-    a stream reader offers no wait for its end of input that does not read."""
-    while not writer.is_closing() and not (reader is not None and reader.at_eof()):  # noqa: ASYNC110
-        await asyncio.sleep(GONE_POLL_S)
 
 
 def connection_limit() -> int:

@@ -8,13 +8,18 @@ import asyncio
 import contextlib
 import json
 import ssl
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
 
+from fleet.core.tokens import issue
 from fleet.identity.ca import CertificateAuthority
 from fleet.identity.tls import ServerTls, server_ssl_context
+from gateway.http import GONE_POLL_S, serve_http
+from gateway.llm.upstream import Upstreams
+from gateway.llm.upstream_config import load_upstreams
 from gateway.llm.upstream_http import (
     ConnectFailed,
     ConnectTimedOut,
@@ -28,6 +33,8 @@ from gateway.llm.upstream_http import (
     UpstreamError,
 )
 from gateway.llm.upstream_relay import Relay, StreamUsage
+from gateway.service import Gateway, GatewayConfig
+from tests.integration.harness import SECRET
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter, "Server"], Awaitable[None]]
 
@@ -463,3 +470,73 @@ async def test_a_pushed_relay_whose_client_goes_closes_the_upstream_connection()
         finally:
             pool.close()
     assert server.connections == 2
+
+
+def silent_after_a_token(ended: asyncio.Queue[int]) -> Script:
+    """Each request answered with a role chunk and one token, then nothing (an upstream that
+    thinks for a long while); `ended` gets the connection's number once the gateway closes
+    its end."""
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, s: Server) -> None:
+        number = s.connections
+        await s.read_request(reader)
+        writer.write(HEAD_CHUNKED)
+        role = b'{"model": "m", "choices": [{"index": 0, "delta": {"role": "assistant"}}]}'
+        body = sse([role, TOKENS[0]])
+        writer.write(b"%x\r\n%s\r\n" % (len(body), body))
+        await writer.drain()
+        while await reader.read(4096):  # (b"" once the gateway has closed its end)
+            pass
+        ended.put_nowait(number)
+
+    return script
+
+
+async def test_clients_gone_while_their_upstream_is_silent_end_their_relays_alone() -> None:
+    """Three streams relayed from an upstream that falls silent after their first token; two
+    clients leave: the gateway notices between events (no event is coming to fail a write)
+    and closes those two upstream connections, and only those; the third goes on."""
+    ended: asyncio.Queue[int] = asyncio.Queue()
+
+    async def next_ended() -> int:
+        return await asyncio.wait_for(ended.get(), 20)
+
+    async with serving(silent_after_a_token(ended)) as (server, url):
+        ups = Upstreams(load_upstreams([f"up={url}"]))
+        gw = Gateway.build(GatewayConfig(secret=SECRET, device="cpu", engine="inline",
+                                         llm="none", tokens_without_server=True))  # fmt: skip
+        gw.upstreams = ups
+        http, port = await serve_http(gw, "127.0.0.1", 0)
+        clients: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        try:
+            for n in range(3):
+                token = issue(SECRET, f"r-{n}", time.time() + 600, models=("up/m",))
+                body = json.dumps(
+                    {
+                        "model": "up/m",
+                        "stream": True,
+                        "messages": [{"role": "user", "content": "hi"}],
+                    }
+                ).encode()
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(
+                    b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\n"
+                    b"authorization: Bearer %s\r\ncontent-length: %d\r\n\r\n%s"
+                    % (token.encode(), len(body), body)
+                )
+                await asyncio.wait_for(reader.readuntil(b'"t0"'), 30)  # (its first token)
+                clients.append((reader, writer))
+            assert server.connections == 3 and ended.empty()
+            for _, writer in clients[:2]:
+                writer.close()
+            assert sorted([await next_ended(), await next_ended()]) == [1, 2]
+            await asyncio.sleep(10 * GONE_POLL_S)  # (many sweeps later: the third stays)
+            assert ended.empty() and not clients[2][1].is_closing()
+            clients[2][1].close()
+            assert await next_ended() == 3
+        finally:
+            for _, writer in clients:
+                writer.close()
+            http.close()
+            await ups.aclose()
+            await gw.stop()
