@@ -30,9 +30,9 @@ default. Parts:
 5. Failover and admission (`failover_p95_s`, `lost`, `repeated_tokens`, `false_refusal_rate`,
    `oom`): see `failover_and_admission`.
 6. The gateway as a proxy in front of an OpenAI-compatible upstream against calling it
-   directly, 32 concurrent streams (`proxy_added_p50_ms`, `proxy_tokens_s_ratio`), and falling
-   back past an upstream that refuses connections (`fallback_first_token_s`): see
-   `benchmarks.llm_proxy`.
+   directly, 32 concurrent streams (`proxy_added_p50_ms`, `proxy_tokens_s_ratio`; the same 32
+   sent in lock-step bursts beside them, `burst_proxy_added_p50_ms`), and falling back past an
+   upstream that refuses connections (`fallback_first_token_s`): see `benchmarks.llm_proxy`.
 
 The workload (`workload`): chat-templated requests asking for the shell command that counts
 the words of a list, the task the shipped model was trained on, with prompt lengths drawn from
@@ -97,7 +97,7 @@ KEYS = (
     "batching_gain", "vs_transformers", "failover_p95_s", "lost", "repeated_tokens",
     "equivalence_fp32", "false_refusal_rate", "oom", "kv_bytes_per_token_ratio",
     "paged_vs_contiguous", "proxy_added_p50_ms", "proxy_tokens_s_ratio", "fallback_first_token_s",
-    "pipe_added_p50_ms",
+    "pipe_added_p50_ms", "burst_proxy_added_p50_ms",
 )  # fmt: skip
 """Keys the closing JSON line always carries (None where a figure was not measured)."""
 
@@ -591,15 +591,24 @@ def _proxy_rows(table: Table, out: dict[str, Any]) -> None:
                     f"{out['pipe_added_p50_ms']:+.1f}ms")  # fmt: skip
     table.print_row("    tokens/s: byte pipe vs direct", "", "",
                     f"{out['pipe_tokens_s_ratio']:.2f}x")  # fmt: skip
+    table.print_row("    32 sent at once (bursts): p50 s, gateway vs direct",
+                    f"{out['burst_proxy_p50_s']:.3f}", f"{out['burst_direct_p50_s']:.3f}",
+                    f"{out['burst_proxy_added_p50_ms']:+.1f}ms")  # fmt: skip
+    table.print_row("    bursts: byte pipe vs direct, p50 s",
+                    f"{out['burst_pipe_p50_s']:.3f}", f"{out['burst_direct_p50_s']:.3f}",
+                    f"{out['burst_pipe_added_p50_ms']:+.1f}ms")  # fmt: skip
     table.print_row("    fallback past a refusing upstream: p95 s to first token",
                     f"{out['fallback_first_token_s']:.3f}",
                     f"{out['proxy_direct_ttft_p95_s']:.3f}")  # fmt: skip
-    print(f"    ({out['proxy_requests']} requests a side, {out['fallback_requests']} falling "
-          f"back (p50 {out['fallback_first_token_p50_s']:.3f} s); the upstream streams "
-          f"{out['proxy_tokens_per_answer']} tokens, one per "
-          f"{out['proxy_upstream_delay_ms']:.0f} ms;\n     the fallback's baseline: p95 s to "
-          f"first token direct; the gateway's CPU: "
-          f"{out['proxy_gateway_cpu_ms_per_request']:.2f} ms per request)")  # fmt: skip
+    print(f"    (steady: 32 streams each sending its next request as its last ends, "
+          f"{out['proxy_requests']} requests a side measured; bursts: 32 sent at once, "
+          f"{out['burst_requests']} a side;\n     {out['fallback_requests']} falling back "
+          f"(p50 {out['fallback_first_token_p50_s']:.3f} s), its baseline the bursts' p95 s "
+          f"to first token direct; the upstream streams {out['proxy_tokens_per_answer']} "
+          f"tokens, one per {out['proxy_upstream_delay_ms']:.0f} ms;\n     the gateway's CPU "
+          f"per request: {out['proxy_gateway_cpu_ms_per_request']:.2f} ms steady, "
+          f"{out['burst_proxy_gateway_cpu_ms_per_request']:.2f} ms in bursts; the pipe's "
+          f"{out['pipe_cpu_ms_per_request']:.2f} ms)")  # fmt: skip
 
 
 def report(args: argparse.Namespace, runs: dict[str, dict[str, Any]], eq_note: str,

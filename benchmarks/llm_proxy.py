@@ -12,8 +12,19 @@ refused, and nothing else can take the port while the benchmark holds it.
 This process is the caller: `STREAMS` concurrent streamed chat completions (httpx, each
 stream a client of its own, as each machine has, its connection kept alive), the same request
 to the upstream directly (with its key) and through the gateway (`bench/stream`, each stream
-with the inference token of a rollout of its own that names the model), in rounds whose order
-alternates so that the machine's drift weighs on both alike:
+with the inference token of a rollout of its own that names the model). Two shapes of load,
+each in rounds whose sides alternate so that the machine's drift weighs on all alike:
+
+- **Steady** (`steady`): `STREAMS` streams, each sending its next request when its last
+  answer ends, their starts spread over one answer's time: `STREAMS` in flight at every
+  moment, arriving and ending at moments of their own, as the calls of independent agents
+  do. The issue's figures (`proxy_*`, `pipe_*`) are this shape's.
+- **Bursts** (`concurrent`, `burst_*`): `STREAMS` requests sent in the same instant, the next
+  round once all have ended, every stream in lock-step: the worst case for any proxy on few
+  cores, since it must set up all of them at once on one event loop before the last is
+  forwarded (and the upstream then sends every stream's tokens at the same instants).
+
+Figures, each side against direct calls in the same run:
 
 - `proxy_added_p50_ms`: the p50 of each request's latency (sent to `[DONE]`) through the
   gateway, less the direct p50; also the added p50 time to first token.
@@ -25,12 +36,14 @@ alternates so that the machine's drift weighs on both alike:
   against the host's floor measured in the same run.
 - `proxy_gateway_cpu_ms_per_request`, `pipe_cpu_ms_per_request`: CPU seconds of the gateway's
   and of the pipe's process over their rounds, per request. On a host of few cores the added
-  latency is mostly the gateway's CPU queued behind a burst's other streams (their set-up,
-  then their chunks, which the upstream sends at the same instants), so these say how much of
-  the added p50 is the gateway's own work and how much any Python proxy pays.
-- `fallback_first_token_s`: `gone/stream` asked for (its chain: `bench/stream`), the same
-  `STREAMS` at once: the p95 from sending to the first token (p50 beside it), each answer
-  checked to say it fell back. The direct time to first token is the baseline beside it: the
+  latency is mostly the gateway's CPU queued behind other streams' (in a burst: all of their
+  set-ups, then their chunks, which the upstream sends at the same instants), so these say
+  how much of the added p50 is the gateway's own work and how much any Python proxy pays.
+- `burst_proxy_added_p50_ms`, `burst_proxy_added_ttft_p50_ms`, `burst_pipe_added_p50_ms`,
+  `burst_proxy_tokens_s_ratio`: the same, of the bursts.
+- `fallback_first_token_s`: `gone/stream` asked for (its chain: `bench/stream`), `STREAMS` at
+  once: the p95 from sending to the first token (p50 beside it), each answer checked to say
+  it fell back. The direct time to first token of the bursts is the baseline beside it: the
   upstream's own pace (its first token comes `delay_s` after the request).
 
 Every answer is checked whole (its tokens, `[DONE]`); a short or refused one fails the run,
@@ -70,18 +83,21 @@ REQUEST_TIMEOUT_S = 60.0
 
 @dataclass(frozen=True)
 class Plan:
-    """The run's sizes: `tokens` per answer, `delay_s` between two of them at the upstream,
-    `rounds` of `STREAMS` concurrent requests per side, `fallback_rounds` of them on the
-    falling chain."""
+    """The run's sizes: `tokens` per answer, `delay_s` between two of them at the upstream;
+    `steady_rounds` per side of `STREAMS` streams each sending `per_stream` requests one
+    after another; `rounds` per side of `STREAMS` requests sent at once; `fallback_rounds` of
+    those on the falling chain."""
 
     tokens: int
     delay_s: float
     rounds: int
     fallback_rounds: int
+    steady_rounds: int
+    per_stream: int
 
 
-QUICK = Plan(tokens=16, delay_s=0.01, rounds=3, fallback_rounds=1)
-FULL = Plan(tokens=64, delay_s=0.01, rounds=12, fallback_rounds=4)
+QUICK = Plan(tokens=16, delay_s=0.01, rounds=3, fallback_rounds=1, steady_rounds=1, per_stream=4)
+FULL = Plan(tokens=64, delay_s=0.01, rounds=12, fallback_rounds=4, steady_rounds=3, per_stream=6)
 
 
 # -- the servers -------------------------------------------------------------------------------
@@ -175,19 +191,24 @@ class Side:
     """One side's requests over every round."""
 
     samples: list[Sample] = field(default_factory=list)
+    """The requests measured (a steady round's ramps left out)."""
     seconds: float = 0.0
     """Wall seconds of its rounds, each from its first request sent to its last answer."""
+    tokens: int = 0
+    """Tokens received in its rounds, every request's."""
+    requests: int = 0
+    """Requests sent in its rounds, every one."""
     server_cpu_s: float = 0.0
     """CPU seconds the process between caller and upstream (the gateway's, the pipe's) spent
     during its rounds."""
 
     @property
-    def tokens(self) -> int:
-        return sum(s.tokens for s in self.samples)
-
-    @property
     def rate(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def server_cpu_ms_per_request(self) -> float:
+        return 1000 * self.server_cpu_s / self.requests if self.requests else 0.0
 
     def p(self, what: str, q: float) -> float:
         return percentile([getattr(s, what) for s in self.samples], q)
@@ -255,10 +276,40 @@ async def concurrent(caller: Caller, side: Side, expect_tokens: int) -> None:
     samples = await asyncio.gather(*(one(caller, i) for i in range(STREAMS)))
     side.seconds += time.perf_counter() - start
     side.server_cpu_s += (process_cpu_s(pid) - cpu) if pid else 0.0
+    _check(caller, samples, expect_tokens)
+    side.samples += samples
+    side.tokens += sum(s.tokens for s in samples)
+    side.requests += len(samples)
+
+
+async def steady(caller: Caller, side: Side, plan: Plan) -> None:
+    """`STREAMS` streams, each sending `plan.per_stream` requests one after another, their
+    starts spread over one answer's time so that their requests come and go at their own
+    moments, as independent callers' do: `STREAMS` in flight at every moment but the ramps.
+    Each stream's first and last requests (sent or ended while fewer were in flight) are
+    checked and counted in the tokens/s, not in the latencies."""
+    pid = caller.server_pid
+    spread_s = plan.tokens * plan.delay_s / STREAMS
+
+    async def stream(i: int) -> list[Sample]:
+        await asyncio.sleep(i * spread_s)
+        return [await one(caller, i) for _ in range(plan.per_stream)]
+
+    start, cpu = time.perf_counter(), process_cpu_s(pid) if pid else 0.0
+    streams = await asyncio.gather(*(stream(i) for i in range(STREAMS)))
+    side.seconds += time.perf_counter() - start
+    side.server_cpu_s += (process_cpu_s(pid) - cpu) if pid else 0.0
+    every = [sample for samples in streams for sample in samples]
+    _check(caller, every, plan.tokens)
+    side.samples += [sample for samples in streams for sample in samples[1:-1]]
+    side.tokens += sum(s.tokens for s in every)
+    side.requests += len(every)
+
+
+def _check(caller: Caller, samples: list[Sample], expect_tokens: int) -> None:
     short = [s.tokens for s in samples if s.tokens != expect_tokens]
     if short:
         raise RuntimeError(f"{caller.name}: answers of {short} tokens, {expect_tokens} expected")
-    side.samples += samples
 
 
 def _clients(stack: contextlib.AsyncExitStack, base: str) -> tuple[httpx.AsyncClient, ...]:
@@ -286,7 +337,8 @@ async def measure(
         for i in range(STREAMS)
     )  # fmt: skip
     direct_auth = ({"authorization": f"Bearer {key}"},) * STREAMS
-    sides = {"direct": Side(), "proxy": Side(), "pipe": Side()}
+    steady_sides = {"direct": Side(), "proxy": Side(), "pipe": Side()}
+    burst_sides = {"direct": Side(), "proxy": Side(), "pipe": Side()}
     fallback = Side()
     async with contextlib.AsyncExitStack() as stack:
         g = _clients(stack, f"http://{gateway}/v1")
@@ -301,26 +353,34 @@ async def measure(
         # Warm-up: connections opened and kept, on both sides and on the gateway's own pool.
         for caller in callers.values():
             await concurrent(caller, Side(), plan.tokens)
+        # The sides alternate, round by round, so that the machine's drift weighs on all alike.
+        for r in range(plan.steady_rounds):
+            for name in ("direct", "proxy", "pipe") if r % 2 == 0 else ("pipe", "proxy", "direct"):
+                await steady(callers[name], steady_sides[name], plan)
         for r in range(plan.rounds):
-            order = ("direct", "proxy", "pipe") if r % 2 == 0 else ("pipe", "proxy", "direct")
-            for name in order:
-                await concurrent(callers[name], sides[name], plan.tokens)
+            for name in ("direct", "proxy", "pipe") if r % 2 == 0 else ("pipe", "proxy", "direct"):
+                await concurrent(callers[name], burst_sides[name], plan.tokens)
         for _ in range(plan.fallback_rounds):
             await concurrent(falling, fallback, plan.tokens)
     unsaved = [s.fallbacks for s in fallback.samples if FALLING not in s.fallbacks.split(",")]
     if unsaved:
         raise RuntimeError(f"fallback: {len(unsaved)} answers do not say they fell back from "
                            f"{FALLING} (x-fleet-fallbacks: {unsaved[0]!r})")  # fmt: skip
-    direct, proxied, piped = sides["direct"], sides["proxy"], sides["pipe"]
+    direct, proxied, piped = (steady_sides[n] for n in ("direct", "proxy", "pipe"))
+    b_direct, b_proxied, b_piped = (burst_sides[n] for n in ("direct", "proxy", "pipe"))
+
+    def added_ms(side: Side, baseline: Side, what: str = "total_s") -> float:
+        return 1000 * (side.p(what, 0.5) - baseline.p(what, 0.5))
+
     return {
-        "pipe_added_p50_ms": 1000 * (piped.p("total_s", 0.5) - direct.p("total_s", 0.5)),
+        "pipe_added_p50_ms": added_ms(piped, direct),
         "pipe_p50_s": piped.p("total_s", 0.5),
         "pipe_tokens_s_ratio": piped.rate / direct.rate,
-        "proxy_added_p50_ms": 1000 * (proxied.p("total_s", 0.5) - direct.p("total_s", 0.5)),
+        "proxy_added_p50_ms": added_ms(proxied, direct),
         "proxy_tokens_s_ratio": proxied.rate / direct.rate,
         "fallback_first_token_s": fallback.p("ttft_s", 0.95),
         "fallback_first_token_p50_s": fallback.p("ttft_s", 0.5),
-        "proxy_added_ttft_p50_ms": 1000 * (proxied.p("ttft_s", 0.5) - direct.p("ttft_s", 0.5)),
+        "proxy_added_ttft_p50_ms": added_ms(proxied, direct, "ttft_s"),
         "proxy_p50_s": proxied.p("total_s", 0.5),
         "proxy_direct_p50_s": direct.p("total_s", 0.5),
         "proxy_p95_s": proxied.p("total_s", 0.95),
@@ -329,10 +389,19 @@ async def measure(
         "proxy_direct_tokens_s": direct.rate,
         "proxy_ttft_p50_s": proxied.p("ttft_s", 0.5),
         "proxy_direct_ttft_p50_s": direct.p("ttft_s", 0.5),
-        "proxy_direct_ttft_p95_s": direct.p("ttft_s", 0.95),
-        "proxy_gateway_cpu_ms_per_request": 1000 * proxied.server_cpu_s / len(proxied.samples),
-        "pipe_cpu_ms_per_request": 1000 * piped.server_cpu_s / len(piped.samples),
+        "proxy_direct_ttft_p95_s": b_direct.p("ttft_s", 0.95),
+        "proxy_gateway_cpu_ms_per_request": proxied.server_cpu_ms_per_request,
+        "pipe_cpu_ms_per_request": piped.server_cpu_ms_per_request,
         "proxy_requests": len(proxied.samples),
+        "burst_proxy_added_p50_ms": added_ms(b_proxied, b_direct),
+        "burst_proxy_added_ttft_p50_ms": added_ms(b_proxied, b_direct, "ttft_s"),
+        "burst_pipe_added_p50_ms": added_ms(b_piped, b_direct),
+        "burst_proxy_p50_s": b_proxied.p("total_s", 0.5),
+        "burst_direct_p50_s": b_direct.p("total_s", 0.5),
+        "burst_pipe_p50_s": b_piped.p("total_s", 0.5),
+        "burst_proxy_tokens_s_ratio": b_proxied.rate / b_direct.rate,
+        "burst_proxy_gateway_cpu_ms_per_request": b_proxied.server_cpu_ms_per_request,
+        "burst_requests": len(b_proxied.samples),
         "fallback_requests": len(fallback.samples),
         "proxy_tokens_per_answer": plan.tokens,
         "proxy_upstream_delay_ms": 1000 * plan.delay_s,
