@@ -9,7 +9,7 @@ import functools
 import itertools
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -51,9 +51,10 @@ it, so that hosts that began waiting together do not ask together. (At 3 s, 1,00
 claims asked the ledger 330 times a second for nothing.)"""
 WAKE_AT_LEAST = 16
 """Waiting claims woken for any new work, however little (`ClaimWaiters`): a fleet with fewer
-idle hosts wakes them all, as the host that can take the work may not be the first in line
-(another class, another runtime). In a larger fleet, work the claims woken cannot take is found
-by its host's fallback poll or next claim."""
+idle hosts of the class the work needs wakes them all (and others, up to this many), as the
+host that can take the work may not be the first in line (another runtime or isolation; a gpu
+host while a rollback is in force, which takes cpu work too). In a larger fleet, work the
+claims woken cannot take is found by its host's fallback poll or next claim."""
 READ_THREADS = 2
 """Threads for read-only ledger calls, beside the ledger's one writing thread."""
 
@@ -85,43 +86,95 @@ class Pulse:
             await asyncio.wait_for(self._event.wait(), timeout_s)
 
 
+Wake = int | Mapping[str, int] | None
+"""Waiting claims to wake: a count of the longest waiting, whatever their hosts' class; a
+count per host class (`gpu`, `cpu`; the key "": whatever the class), each of the longest
+waiting of hosts of that class; or None, every one."""
+
+
+def wakes_any(wake: Wake) -> bool:
+    """Whether `wake` asks for any claim to be woken."""
+    if wake is None:
+        return True
+    if isinstance(wake, int):
+        return wake > 0
+    return any(n > 0 for n in wake.values())
+
+
 class ClaimWaiters:
     """Hosts' claims waiting for work, woken in the order they began to wait, only as many as
     there may be work for: a rollout submitted wakes one claim, not every idle host's. (Woken
     all at once, a thousand idle hosts' claims each asked the ledger again for every rollout
-    submitted or reported, and found nothing but the one.) A claim that was not woken still
-    looks again at its own timeout (`Core.claim_poll_s`), and a claim that filled itself wakes
-    as many more (`ClaimBatcher`): there may be more work than was counted."""
+    submitted or reported, and found nothing but the one.) Work of a known host class wakes
+    claims of hosts of that class: woken in order whatever their class, a thousand idle cpu
+    hosts' claims stood before the one gpu host's that could take a gpu rollout. A claim
+    that was not woken still looks again at its own timeout (`Core.claim_poll_s`), and a
+    claim that filled itself wakes as many more (`ClaimBatcher`): there may be more work
+    than was counted."""
 
     def __init__(self) -> None:
-        self._waiting: dict[int, asyncio.Future[None]] = {}
+        self._waiting: dict[int, tuple[asyncio.Future[None], str]] = {}
+        self._by_class: dict[str, dict[int, asyncio.Future[None]]] = {}
         self._next = 0
 
     def __len__(self) -> int:
         return len(self._waiting)
 
-    async def wait(self, timeout_s: float) -> None:
-        """Until woken, or `timeout_s`."""
+    def waiting(self, host_class: str) -> int:
+        """Claims of hosts of `host_class` waiting now."""
+        return len(self._by_class.get(host_class, ()))
+
+    async def wait(self, timeout_s: float, host_class: str = "") -> None:
+        """Until woken, or `timeout_s`; `host_class`: the class of the claim's host ("": not
+        known, woken only by wake-ups for any class)."""
         future = asyncio.get_running_loop().create_future()
         key, self._next = self._next, self._next + 1
-        self._waiting[key] = future
+        self._waiting[key] = (future, host_class)
+        self._by_class.setdefault(host_class, {})[key] = future
         try:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(future, timeout_s)
         finally:
-            self._waiting.pop(key, None)
+            self._forget(key)
 
-    def fire(self, n: int | None = None, *, at_least: int = WAKE_AT_LEAST) -> None:
-        """Wakes the `n` claims that have waited longest, `at_least` at least (None: every
-        one; 0: none)."""
-        if n == 0:
-            return
-        if n is not None:
-            n = max(n, at_least)
-        keys = list(self._waiting) if n is None else list(itertools.islice(self._waiting, n))
+    def _forget(self, key: int) -> asyncio.Future[None] | None:
+        entry = self._waiting.pop(key, None)
+        if entry is None:
+            return None
+        future, host_class = entry
+        same = self._by_class[host_class]
+        del same[key]
+        if not same:
+            del self._by_class[host_class]
+        return future
+
+    def fire(self, n: Wake = None, *, at_least: int = WAKE_AT_LEAST) -> None:
+        """Wakes the claims that have waited longest: `n` of them, whatever their hosts' class,
+        or for each class the count `n` gives it, of hosts of that class, `at_least` at least
+        (made up with other classes' where fewer of that class wait) (None: every one; 0 or
+        no count: none)."""
+        if n is None:
+            keys = list(self._waiting)
+        else:
+            keys = []
+            for host_class, count in ({"": n} if isinstance(n, int) else n).items():
+                if count <= 0:
+                    continue
+                want = max(count, at_least)
+                if not host_class:
+                    keys += itertools.islice(self._waiting, want)
+                    continue
+                mine = list(itertools.islice(self._by_class.get(host_class, {}), want))
+                if len(mine) < at_least:  # (few of that class wait: the floor is met by the
+                    # others, as in a fleet of few idle hosts, where any may take it: a gpu
+                    # host takes cpu work while a rollback is in force)
+                    taken = set(mine)
+                    others = (key for key in self._waiting if key not in taken)
+                    mine += itertools.islice(others, at_least - len(mine))
+                keys += mine
         for key in keys:
-            future = self._waiting.pop(key)
-            if not future.done():
+            future = self._forget(key)
+            if future is not None and not future.done():
                 future.set_result(None)
 
 
@@ -163,6 +216,9 @@ class Core:
         self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger")
         self._reads = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="ledger-read")
         self._hosts: tuple[float, list[HostCapabilities]] | None = None
+        self._host_classes: dict[str, str] = {}
+        """Hosts' classes, for their claims' wake-ups (`host_class`)."""
+        self._host_classes_read = asyncio.Lock()
         self.work_pulse = ClaimWaiters()
         self.event_pulse = Pulse()
         self.hold_inference = False
@@ -253,23 +309,40 @@ class Core:
             self.pace = new
         return new
 
-    def hosts_changed(self) -> None:
+    def host_registered(self, host: HostCapabilities) -> None:
+        """`host` registered through this replica (its class may be new)."""
         self._hosts = None
+        self._host_classes[host.host_id] = str(host.host_class)
 
-    def changed(self, wake: int | None = None) -> None:
+    async def host_class(self, host_id: str) -> str:
+        """The class of a registered host ("": none registered by that id), for its waiting
+        claims' wake-ups. Read with every host's once, then kept: a host's class changes only
+        when it registers again, here (`host_registered`) or through another replica (then
+        its claims are woken as its old class's until this replica reads the hosts again for
+        a host it does not know; each claim still asks the ledger itself)."""
+        known = self._host_classes.get(host_id)
+        if known is not None:
+            return known
+        async with self._host_classes_read:  # (one read for the claims that wait on it)
+            if host_id not in self._host_classes:
+                hosts = await self.read(self.ledger.hosts)
+                self._host_classes.update({h.host_id: str(h.host_class) for h in hosts})
+        return self._host_classes.get(host_id, "")
+
+    def changed(self, wake: Wake = None) -> None:
         """Something that may let waiting claims take work (new work, a cap raised, a host
         back): wake this replica's watchers, and `wake` claims waiting here and at each other
         replica (None: all of them; `ClaimWaiters`)."""
         self.changed_here(wake)
         signal = self._work_signal()
-        if signal is not None and wake != 0:
+        if signal is not None and wakes_any(wake):
             signal.send(wake)
 
-    def changed_here(self, wake: int | None = None) -> None:
+    def changed_here(self, wake: Wake = None) -> None:
         """Wake this replica's watchers and `wake` of its waiting claims only (None: all):
         after reports, which make new work only by a retry's backoff or a cap's room (found
         by the others' fallback poll), and come too often to wake other replicas each time."""
-        if wake != 0:
+        if wakes_any(wake):
             self.work_pulse.fire(wake)
         self.event_pulse.fire()
 
@@ -308,8 +381,8 @@ class GroupCommit(Generic[T, R]):
         core: Core,
         write: Callable[[list[T], float], list[R | Exception]],
         *,
-        wake: Callable[[list[T], list[R | Exception]], int | None] | None = None,
-        after: Callable[[int | None], None] | None = None,
+        wake: Callable[[list[T], list[R | Exception]], Wake] | None = None,
+        after: Callable[[Wake], None] | None = None,
         drop_abandoned: bool = False,
         linger_s: float = 0.0,
     ) -> None:
@@ -422,9 +495,15 @@ class CheckpointBatcher(GroupCommit[tuple[str, str, int, int, bytes], None]):
 
 def _created(
     items: list[tuple[SubmitRequest, Manifest]], answers: list[tuple[Rollout, bool] | Exception]
-) -> int:
-    """Rollouts a submission batch created (each one work item): as many claims to wake."""
-    return sum(1 for a in answers if not isinstance(a, Exception) and a[1])
+) -> dict[str, int]:
+    """Rollouts a submission batch created (each one work item), by the class of host each
+    needs: as many claims of hosts of that class to wake."""
+    created: dict[str, int] = {}
+    for (_, manifest), answer in zip(items, answers, strict=True):
+        if not isinstance(answer, Exception) and answer[1]:
+            host_class = str(manifest.host_class)
+            created[host_class] = created.get(host_class, 0) + 1
+    return created
 
 
 def _filled(claims: list[Claim], answers: list[list[Assignment] | Exception]) -> int:

@@ -180,7 +180,7 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
             check_within(caps, HostCapabilities.model_validate_json(enrolled.capabilities_json))
             caps = caps.model_copy(update={"labels": dict(enrolled.labels)})
         await self.core.db(self.core.ledger.register_host, caps, time.time())
-        self.core.hosts_changed()
+        self.core.host_registered(caps)
         log.info(
             "host_registered",
             host_id=caps.host_id,
@@ -256,6 +256,7 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
         wait_s = min(request.wait_s, MAX_CLAIM_WAIT_S)
         host_id = self._host_id(request.host_id)
         give_up = time.monotonic() + wait_s
+        host_class: str | None = None
         while True:
             items = await self._claim(host_id, request.max_items, request.request_id)
             if items:
@@ -263,8 +264,10 @@ class HostServicer(host_pb2_grpc.HostServiceServicer):  # type: ignore[misc]
             left = give_up - time.monotonic()
             if left <= 0 or context.done():
                 return host_pb2.ClaimWorkResponse()
+            if host_class is None:  # (woken by work for hosts of its class)
+                host_class = await self.core.host_class(host_id)
             # Woken by new work; the timeout also catches retries whose backoff just ended.
-            await self.core.work_pulse.wait(min(left, self.core.claim_poll_s()))
+            await self.core.work_pulse.wait(min(left, self.core.claim_poll_s()), host_class)
 
     async def _claim(
         self, host_id: str, max_items: int, request_id: str

@@ -9,15 +9,17 @@ whose backoff ended), and can be long.
 Two threads, each with a connection of its own outside the ledger's pool: one listens, and
 fires the replica's wake-up for each notification another replica sent; one sends, coalescing
 the requests that arrive while it sends into one NOTIFY. A notification's payload says how many
-waiting claims to wake (the rollouts it stands for; empty: every one). A broken connection is
-made again after a pause; meanwhile the fallback timer stands in.
+waiting claims to wake (the rollouts it stands for), by the class of host they need:
+`cpu=3,gpu=1`; a bare count, whatever the class; empty: every one (as a payload it cannot
+read, which a replica of an older version reads in a newer one's). A broken connection is made
+again after a pause; meanwhile the fallback timer stands in.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import structlog
@@ -32,18 +34,44 @@ RECONNECT_S = 2.0
 """The pause before a lost connection is made again."""
 
 
+Counts = Mapping[str, int]
+"""Claims to wake by host class ("": whatever the class)."""
+
+
+def payload_of(counts: Counts | None) -> str:
+    """A notification's payload for `counts` (None: every claim)."""
+    if counts is None:
+        return ""
+    return ",".join(f"{name}={n}" if name else str(n) for name, n in counts.items() if n > 0)
+
+
+def counts_of(payload: str) -> dict[str, int] | None:
+    """The counts a payload asks to wake (None: every claim, also for a payload that is not
+    `payload_of`'s)."""
+    if not payload:
+        return None
+    counts: dict[str, int] = {}
+    for item in payload.split(","):
+        name, _, number = item.rpartition("=")
+        if not number.isdigit() or not (name.isalnum() or not name):
+            return None
+        counts[name] = counts.get(name, 0) + int(number)
+    return counts
+
+
 def conninfo(engine: Engine) -> str:
     """The libpq address of a PostgreSQL ledger's engine (its password included)."""
     return engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 class WorkSignal:
-    """See the module's docstring. `on_signal(n)` runs on `loop` for each notification from
-    another replica (its own are not echoed back to it): wake `n` claims (None: all)."""
+    """See the module's docstring. `on_signal(counts)` runs on `loop` for each notification
+    from another replica (its own are not echoed back to it): wake as many claims of each
+    host class (None: all)."""
 
     def __init__(
         self, address: str, loop: asyncio.AbstractEventLoop,
-        on_signal: Callable[[int | None], None],
+        on_signal: Callable[[dict[str, int] | None], None],
     ) -> None:  # fmt: skip
         self._address = address
         self._loop = loop
@@ -51,8 +79,8 @@ class WorkSignal:
         self._stop = threading.Event()
         self._wanted = threading.Event()
         self._lock = threading.Lock()
-        self._count: int | None = 0
-        """Claims to wake, of the sends not yet notified (None: every one)."""
+        self._counts: dict[str, int] | None = {}
+        """Claims to wake by host class, of the sends not yet notified (None: every one)."""
         self._sender_pid = 0
         """The backend of the sending connection (its own notifications are not signals)."""
         self.listening = False
@@ -66,11 +94,15 @@ class WorkSignal:
         for thread in self._threads:
             thread.start()
 
-    def send(self, wake: int | None = None) -> None:
+    def send(self, wake: int | Counts | None = None) -> None:
         """Tells the other replicas that new work is queued, enough to wake `wake` of their
-        waiting claims (None: all); returns at once."""
+        waiting claims (by host class: a mapping; None: all); returns at once."""
         with self._lock:
-            self._count = None if wake is None or self._count is None else self._count + wake
+            if wake is None or self._counts is None:
+                self._counts = None
+            else:
+                for name, n in ({"": wake} if isinstance(wake, int) else wake).items():
+                    self._counts[name] = self._counts.get(name, 0) + n
         self._wanted.set()
 
     def close(self) -> None:
@@ -80,9 +112,8 @@ class WorkSignal:
             thread.join(timeout=LISTEN_POLL_S + 5)
 
     def _wake(self, payload: str) -> None:
-        n = int(payload) if payload.isdigit() else None
         try:
-            self._loop.call_soon_threadsafe(self._on_signal, n)
+            self._loop.call_soon_threadsafe(self._on_signal, counts_of(payload))
         except RuntimeError:  # (the loop closed: its server is stopping)
             self._stop.set()
 
@@ -121,8 +152,10 @@ class WorkSignal:
                             return
                         self._wanted.clear()
                         with self._lock:
-                            count, self._count = self._count, 0
-                        payload = "" if count is None else str(count)
+                            counts, self._counts = self._counts, {}
+                        payload = payload_of(counts)
+                        if counts is not None and not payload:
+                            continue  # (nothing to wake)
                         conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, payload))
                         self.sent += 1
             except Exception as exc:

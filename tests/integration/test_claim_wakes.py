@@ -1,7 +1,8 @@
 """A rollout submitted to a server where many hosts' claims wait wakes a few of them, not all:
 one takes it, and the claims the ledger runs for it are bounded by `WAKE_AT_LEAST` (plus the
 one its filled claim wakes), however many hosts wait. The others go on waiting. A retry whose
-backoff ends, which no submission announces, wakes a waiting claim too (the sweeper's)."""
+backoff ends, which no submission announces, wakes a waiting claim too (the sweeper's). Work
+for a gpu host wakes the gpu hosts' claims, however many cpu hosts' claims waited longer."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import fleet
 from fleet.api.pb import host_pb2, types_pb2
 from fleet.image.store import ImageStore
 from fleet.server import core as server_core
@@ -158,3 +160,52 @@ def done(
         request_id=request_id, host_id=host_id, work_id=item.work_id,
         fencing_token=item.fencing_token, outcome=types_pb2.OUTCOME_SUCCEEDED,
     )  # fmt: skip
+
+
+async def test_a_gpu_rollout_wakes_the_gpu_hosts_claim_behind_many_cpu_hosts(
+    tmp_path: Path, images: ImageStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More cpu hosts' claims than `WAKE_AT_LEAST` began to wait before the one gpu host's,
+    and claims look again only when woken: work for a gpu host is taken by the gpu host's
+    claim (woken in the order of the cpu claims, it would wait for its poll)."""
+    monkeypatch.setattr(server_core, "CLAIM_POLL_S", 1000.0)
+    monkeypatch.setattr(server_core, "SIGNALLED_CLAIM_POLL_S", 1000.0)
+    async with harness(tmp_path, images) as h:
+        core = h.server.core
+        for n in range(HOSTS):
+            await h.register_host(f"cpu{n}")
+        await h.hosts.RegisterHost(
+            host_pb2.RegisterHostRequest(
+                request_id="gpu-joins", host_id="gpu0", host_class=types_pb2.HOST_CLASS_GPU,
+                capabilities=host_pb2.Capabilities(
+                    runtime=types_pb2.RUNTIME_KIND_NAMESPACE,
+                    isolation=types_pb2.ISOLATION_NAMESPACE, cpus=1,
+                ),
+                agent_version=fleet.__version__,
+            )
+        )  # fmt: skip
+        waiting = [(f"cpu{n}", f"c{n}") for n in range(HOSTS)] + [("gpu0", "g0")]
+        claims = {}
+        for host, request_id in waiting:  # (in this order: the gpu host's claim last)
+            claims[host] = asyncio.ensure_future(
+                h.hosts.ClaimWork(
+                    host_pb2.ClaimWorkRequest(
+                        request_id=request_id, host_id=host, max_items=1, wait_s=20
+                    )
+                )
+            )
+            for _ in range(200):  # (bounded: 10 s)
+                if len(core.work_pulse) == len(claims):
+                    break
+                await asyncio.sleep(0.05)
+        try:
+            assert len(core.work_pulse) == HOSTS + 1 and core.work_pulse.waiting("gpu") == 1
+            near = types_pb2.Requirements(near_gateway=True)  # (a gpu host's work)
+            submitted = await h.fleet.SubmitRollout(request(requirements=near))
+            reply = await asyncio.wait_for(claims["gpu0"], 15)
+            assert [i.rollout_id for i in reply.items] == [submitted.rollout.id]
+            assert not any(claims[f"cpu{n}"].done() for n in range(HOSTS))
+        finally:
+            for claim in claims.values():
+                claim.cancel()
+            await asyncio.gather(*claims.values(), return_exceptions=True)

@@ -1,12 +1,13 @@
 """Claims waiting for work are woken in the order they began to wait, only as many as asked
-(`WAKE_AT_LEAST` at least, unless told otherwise), all of them on request; a claim not woken
-still returns at its own timeout."""
+(`WAKE_AT_LEAST` at least, unless told otherwise), of hosts of the class the work needs when it
+is known, all of them on request; a claim not woken still returns at its own timeout."""
 
 from __future__ import annotations
 
 import asyncio
 
 from fleet.server.core import WAKE_AT_LEAST, ClaimWaiters
+from fleet.server.work_signal import counts_of, payload_of
 
 WAITERS = WAKE_AT_LEAST * 2 + 4
 
@@ -52,3 +53,58 @@ async def test_a_claim_not_woken_returns_at_its_timeout_and_stops_waiting() -> N
     waiters = ClaimWaiters()
     await waiters.wait(0.01)
     assert len(waiters) == 0
+
+
+async def test_work_of_a_class_wakes_the_claims_of_hosts_of_that_class() -> None:
+    """Many cpu hosts' claims began to wait before the one gpu host's: a gpu rollout wakes
+    the gpu host's claim (the floor made up with the longest-waiting others), a cpu rollout
+    wakes only cpu hosts' claims, and a count for any class the longest waiting."""
+    waiters = ClaimWaiters()
+    woken: list[str] = []
+
+    async def one(name: str, host_class: str) -> None:
+        await waiters.wait(60, host_class)
+        woken.append(name)
+
+    tasks = []
+    for n in range(WAITERS):
+        tasks.append(asyncio.create_task(one(f"cpu{n}", "cpu")))
+        await asyncio.sleep(0)
+    tasks.append(asyncio.create_task(one("gpu", "gpu")))
+    await asyncio.sleep(0)
+    assert len(waiters) == WAITERS + 1 and waiters.waiting("gpu") == 1
+
+    waiters.fire({"gpu": 1})
+    await settle()
+    assert woken[0] == "gpu"
+    assert woken[1:] == [f"cpu{n}" for n in range(WAKE_AT_LEAST - 1)]
+    assert waiters.waiting("gpu") == 0
+
+    woken.clear()
+    tasks.append(asyncio.create_task(one("gpu", "gpu")))
+    await asyncio.sleep(0)
+    waiters.fire({"cpu": 1})
+    await settle()
+    cpu_left = WAITERS - (WAKE_AT_LEAST - 1)
+    assert woken == [f"cpu{n}" for n in range(WAKE_AT_LEAST - 1, 2 * WAKE_AT_LEAST - 1)]
+    assert waiters.waiting("gpu") == 1 and waiters.waiting("cpu") == cpu_left - WAKE_AT_LEAST
+
+    woken.clear()
+    waiters.fire({"cpu": 0, "gpu": 0})
+    waiters.fire({})
+    await settle()
+    assert woken == []
+    waiters.fire(None)
+    await asyncio.gather(*tasks)
+    assert len(waiters) == 0 and waiters.waiting("cpu") == waiters.waiting("gpu") == 0
+
+
+def test_a_notifications_payload_says_how_many_of_each_class_and_falls_back_to_all() -> None:
+    counts = {"cpu": 3, "gpu": 1, "": 2}
+    assert payload_of(counts) == "cpu=3,gpu=1,2"
+    assert counts_of(payload_of(counts)) == counts
+    assert counts_of("5") == {"": 5}  # (a replica of the version before: a bare count)
+    assert payload_of(None) == "" and counts_of("") is None
+    assert payload_of({"cpu": 0}) == ""
+    for unreadable in ("cpu=x", "gpu=-1", "a b=1", "=", "cpu=1,,gpu=2"):
+        assert counts_of(unreadable) is None, unreadable  # (every claim: none is missed)
