@@ -261,12 +261,17 @@ class _Leavers:
 
     async def _sweep(self) -> None:
         """Until no stream is left (the next one starts it again)."""
-        while self.streams:
-            await asyncio.sleep(GONE_POLL_S)
-            for watched in [w for w in self.streams if w.gone()]:
-                self.streams.discard(watched)
-                watched.left = True
-                watched.task.cancel()
+        try:
+            while self.streams:
+                await asyncio.sleep(GONE_POLL_S)
+                for watched in [w for w in self.streams if w.gone()]:
+                    self.streams.discard(watched)
+                    watched.left = True
+                    watched.task.cancel()
+        finally:
+            # (a task kept would keep its loop, the key of `_leavers`, from being collected)
+            if self.task is asyncio.current_task():
+                self.task = None
 
 
 _leavers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Leavers] = (
