@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+from typing import cast
 
 from gateway import http
 
@@ -21,6 +22,10 @@ class Writer:
         return self.closing
 
 
+def writer(closing: bool) -> asyncio.StreamWriter:
+    return cast(asyncio.StreamWriter, Writer(closing))
+
+
 async def sweep_once() -> tuple[bool, bool, bool, bool]:
     loop = asyncio.get_running_loop()
     leavers = http._leavers_of(loop)
@@ -28,8 +33,8 @@ async def sweep_once() -> tuple[bool, bool, bool, bool]:
     ended.feed_eof()  # (its client closed its end)
     gone = asyncio.create_task(asyncio.sleep(60))
     there = asyncio.create_task(asyncio.sleep(60))
-    left = http._Watched(gone, ended, Writer(closing=False))
-    stays = http._Watched(there, asyncio.StreamReader(), Writer(closing=False))
+    left = http._Watched(gone, ended, writer(closing=False))
+    stays = http._Watched(there, asyncio.StreamReader(), writer(closing=False))
     leavers.add(left)
     leavers.add(stays)
     await asyncio.sleep(3 * http.GONE_POLL_S)
