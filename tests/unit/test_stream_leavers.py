@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import weakref
 from typing import cast
 
 from gateway import http
@@ -26,8 +27,12 @@ def writer(closing: bool) -> asyncio.StreamWriter:
     return cast(asyncio.StreamWriter, Writer(closing))
 
 
+LOOPS: list[weakref.ref[asyncio.AbstractEventLoop]] = []
+
+
 async def sweep_once() -> tuple[bool, bool, bool, bool]:
     loop = asyncio.get_running_loop()
+    LOOPS.append(weakref.ref(loop))
     leavers = http._leavers_of(loop)
     ended = asyncio.StreamReader()
     ended.feed_eof()  # (its client closed its end)
@@ -50,4 +55,4 @@ def test_the_sweep_cancels_streams_whose_clients_left_and_lets_its_loop_go() -> 
     for _ in range(3):
         assert asyncio.run(sweep_once()) == (True, True, False, False)
     gc.collect()
-    assert len(http._leavers) == 0
+    assert len(LOOPS) == 3 and all(ref() is None for ref in LOOPS)  # (collected: none kept)
